@@ -1,0 +1,179 @@
+from grok.model.v1 import model_pb2 as _model_pb2
+from grok.tokenizer.v1 import tokenizer_pb2 as _tokenizer_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_CONTEXT_LENGTH: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_CONTEXT_LENGTH: FinishReason
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "top_logprobs", "allowed_token_ids", "blocked_token_ids")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    top_logprobs: int
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    blocked_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., blocked_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CompleteRequest(_message.Message):
+    __slots__ = ("prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "top_logprobs", "allowed_token_ids", "blocked_token_ids")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    top_logprobs: int
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    blocked_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., blocked_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TopToken(_message.Message):
+    __slots__ = ("id", "text", "probability", "logprob")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    text: str
+    probability: float
+    logprob: float
+    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., probability: _Optional[float] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class Token(_message.Message):
+    __slots__ = ("id", "text", "probability", "logprob", "top_tokens")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    text: str
+    probability: float
+    logprob: float
+    top_tokens: _containers.RepeatedCompositeFieldContainer[TopToken]
+    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., probability: _Optional[float] = ..., logprob: _Optional[float] = ..., top_tokens: _Optional[_Iterable[_Union[TopToken, _Mapping]]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("tokenize_seconds", "queue_seconds", "prefill_seconds", "mean_step_seconds", "time_to_first_token_seconds", "total_seconds")
+    TOKENIZE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tokenize_seconds: float
+    queue_seconds: float
+    prefill_seconds: float
+    mean_step_seconds: float
+    time_to_first_token_seconds: float
+    total_seconds: float
+    def __init__(self, tokenize_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., mean_step_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text", "tokens", "finish_reason", "usage", "timings")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tokens: _containers.RepeatedCompositeFieldContainer[Token]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class CompleteResponse(_message.Message):
+    __slots__ = ("text", "tokens", "finish_reason", "usage", "timings")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tokens: _containers.RepeatedCompositeFieldContainer[Token]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("model", "tokenizer", "model_addresses", "limits")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    model: _model_pb2.GetInfoResponse
+    tokenizer: _tokenizer_pb2.GetInfoResponse
+    model_addresses: _containers.RepeatedScalarFieldContainer[str]
+    limits: GatewayLimits
+    def __init__(self, model: _Optional[_Union[_model_pb2.GetInfoResponse, _Mapping]] = ..., tokenizer: _Optional[_Union[_tokenizer_pb2.GetInfoResponse, _Mapping]] = ..., model_addresses: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[GatewayLimits, _Mapping]] = ...) -> None: ...
+
+class GatewayLimits(_message.Message):
+    __slots__ = ("max_prompt_bytes", "max_stop_sequences", "max_stop_chars", "default_max_tokens")
+    MAX_PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_CHARS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_prompt_bytes: int
+    max_stop_sequences: int
+    max_stop_chars: int
+    default_max_tokens: int
+    def __init__(self, max_prompt_bytes: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., default_max_tokens: _Optional[int] = ...) -> None: ...

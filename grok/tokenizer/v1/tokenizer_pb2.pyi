@@ -1,0 +1,83 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("text", "add_bos", "add_eos")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    ADD_EOS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    add_bos: bool
+    add_eos: bool
+    def __init__(self, text: _Optional[str] = ..., add_bos: _Optional[bool] = ..., add_eos: _Optional[bool] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EncodeBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[EncodeRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[EncodeRequest, _Mapping]]] = ...) -> None: ...
+
+class EncodeBatchResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[EncodeResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[EncodeResponse, _Mapping]]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class DecodeStreamRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeStreamResponse(_message.Message):
+    __slots__ = ("text", "token_texts")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, text: _Optional[str] = ..., token_texts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("vocab_size", "bos_id", "eos_id", "pad_id", "unk_id", "model_sha256", "model_path")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BOS_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_ID_FIELD_NUMBER: _ClassVar[int]
+    PAD_ID_FIELD_NUMBER: _ClassVar[int]
+    UNK_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    unk_id: int
+    model_sha256: str
+    model_path: str
+    def __init__(self, vocab_size: _Optional[int] = ..., bos_id: _Optional[int] = ..., eos_id: _Optional[int] = ..., pad_id: _Optional[int] = ..., unk_id: _Optional[int] = ..., model_sha256: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
