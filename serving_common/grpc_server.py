@@ -36,6 +36,10 @@ def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Itera
     """Register grpc.health.v1 (initially NOT_SERVING) and server reflection for the given services."""
     names = tuple(service_full_names)
     servicer = health.aio.HealthServicer()
+    # grpcio's servicer starts with "" SERVING; nothing has watchers yet, so setting the table directly
+    # is what the (async) set() would do.
+    for name in ("", *names):
+        servicer._server_status[name] = NOT_SERVING  # noqa: SLF001
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -45,7 +49,10 @@ def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Itera
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     """Bind an insecure port and return the port actually bound (port 0 picks a free one)."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio >= 1.5x raises instead of returning 0
+        bound = 0
     if bound == 0:
         raise OSError(f"could not bind {host}:{port} (in use, or the address is not on this machine)")
     return bound

@@ -1,0 +1,1 @@
+"""Tokenizer service: SentencePiece encode/decode and a streaming detokenizer behind gRPC (`python -m tokenizer_service`)."""

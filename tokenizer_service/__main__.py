@@ -1,0 +1,62 @@
+"""`python -m tokenizer_service --model PATH --host H --port P ...`: run the tokenizer gRPC service.
+
+Every flag also reads GROK_TOKENIZER_<FLAG> from the environment (the flag wins).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from serving_common import logs
+from serving_common.flags import EnvArgumentParser, port, positive_int
+from tokenizer_service.server import DEFAULT_PORT, TokenizerConfig, serve
+
+
+def _non_negative_float(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{raw} is negative: use 0 or more seconds")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TokenizerConfig:
+    parser = EnvArgumentParser(env_prefix="GROK_TOKENIZER", prog="python -m tokenizer_service",
+                               description="gRPC tokenizer service (SentencePiece encode/decode, streaming detokenizer).")
+    parser.add_env_argument("--model", required=True, help="path of the SentencePiece .model file")
+    parser.add_env_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_env_argument("--port", type=port, default=DEFAULT_PORT, help="TCP port (0 picks a free one)")
+    parser.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                            help="JSON log level")
+    parser.add_env_argument("--grace-seconds", type=_non_negative_float, default=10.0,
+                            help="on SIGTERM, how long in-flight calls may finish")
+    parser.add_env_argument("--max-text-bytes", type=positive_int, default=1 << 20,
+                            help="largest text (UTF-8 bytes) Encode/EncodeBatch accept per text")
+    parser.add_env_argument("--max-batch", type=positive_int, default=256, help="most texts per EncodeBatch")
+    parser.add_env_argument("--max-tokens", type=positive_int, default=1 << 20,
+                            help="most ids per Decode call or DecodeStream message")
+    args = parser.parse_args(argv)
+    return TokenizerConfig(model_path=args.model, host=args.host, port=args.port,
+                           grace_seconds=args.grace_seconds, max_text_bytes=args.max_text_bytes,
+                           max_batch=args.max_batch, max_tokens=args.max_tokens, log_level=args.log_level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    logs.configure("tokenizer", config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except (OSError, ValueError) as err:
+        logging.getLogger("tokenizer_service").error("startup failed", extra={"error": str(err)})
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

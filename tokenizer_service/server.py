@@ -1,0 +1,83 @@
+"""Assembles the tokenizer gRPC server: model loading, servicer, health, reflection, SIGTERM drain."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import grpc
+
+from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, serve_until_signal
+from tokenizer_service.servicer import Limits, TokenizerServicer
+from tokenizer_service.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME: str = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+DEFAULT_PORT = 50052
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    """Everything the service is started with; parsed once from flags/environment in __main__."""
+
+    model_path: str
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    grace_seconds: float = 10.0
+    max_text_bytes: int = 1 << 20
+    max_batch: int = 256
+    max_tokens: int = 1 << 20
+    log_level: str = "info"
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_text_bytes, self.max_batch, self.max_tokens)
+
+    def max_message_bytes(self) -> int:
+        """Largest request gRPC may accept: room for the biggest allowed id list or batch of texts.
+
+        Anything larger is refused by gRPC itself with RESOURCE_EXHAUSTED before reaching us.
+        """
+        ids = 10 * self.max_tokens  # worst-case varint bytes per id plus framing
+        texts = self.max_batch * (self.max_text_bytes + 16)
+        return min(max(4 << 20, ids, texts), (1 << 31) - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltServer:
+    """A bound, not yet started server with its health reporter (still NOT_SERVING)."""
+
+    server: grpc.aio.Server
+    port: int
+    health: HealthReporter
+
+
+def build(config: TokenizerConfig) -> BuiltServer:
+    """Load the model and assemble a bound server. Must be called with an event loop running."""
+    tokenizer = Tokenizer(config.model_path)
+    limit = config.max_message_bytes()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
+    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(tokenizer, config.limits), server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    port = bind(server, config.host, config.port)
+    log.info("tokenizer loaded", extra={"model_path": tokenizer.path, "vocab_size": tokenizer.vocab_size,
+                                        "model_sha256": tokenizer.sha256})
+    return BuiltServer(server, port, health)
+
+
+async def build_server(config: TokenizerConfig) -> tuple[grpc.aio.Server, int]:
+    """A bound server whose health already reports SERVING (the model is loaded); the caller starts it."""
+    built = build(config)
+    await built.health.set(True)
+    return built.server, built.port
+
+
+async def serve(config: TokenizerConfig) -> None:
+    """Serve until SIGTERM/SIGINT, then drain in-flight calls for up to grace_seconds."""
+    built = build(config)
+    await built.server.start()
+    await built.health.set(True)
+    log.info("serving", extra={"port": built.port, "host": config.host})
+    await serve_until_signal(built.server, built.health, config.grace_seconds)

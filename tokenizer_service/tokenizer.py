@@ -1,0 +1,274 @@
+"""SentencePiece wrapper and the incremental detokenizer behind the tokenizer service.
+
+`Tokenizer` encodes and decodes exactly as sentencepiece does (the gateway and the model service
+agree on ids through it). `StreamDecoder` turns a growing id sequence into text deltas whose
+concatenation equals `sentencepiece.decode` of all ids, without ever emitting a replacement
+character for a UTF-8 character whose bytes are split across byte-fallback pieces.
+
+How sentencepiece 0.2.3 decodes (the rules `StreamDecoder` mirrors):
+- Consecutive byte pieces (`<0xAB>`) form one byte run, decoded when the run ends: at each offset a
+  complete, well-formed UTF-8 sequence becomes its character; otherwise that single byte becomes
+  U+FFFD and decoding resumes at the next byte (so an incomplete `E4 B8` gives two U+FFFD).
+- Every other piece has a fixed surface (control pieces "", the unknown piece its unk surface, a
+  normal piece its text with "▁" as a space), except that while the decoder still "expects a
+  leading space" one leading "▁" is dropped. It stops expecting one once a piece had its "▁"
+  dropped, or once any text was produced before a non-byte piece.
+Surfaces are taken from sentencepiece itself (decode of the id alone, and after a probe piece), so
+unknown-piece surfaces and normalizer settings come from the model rather than being re-derived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pathlib
+import re
+from collections.abc import Sequence
+
+import sentencepiece
+
+REPLACEMENT = "\ufffd"
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenizerInputError(ValueError):
+    """The caller sent something the tokenizer cannot accept (maps to INVALID_ARGUMENT)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabInfo:
+    """Vocabulary size, special ids (-1 when absent) and the model file's identity."""
+
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    unk_id: int
+    model_sha256: str
+    model_path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceSurface:
+    """How one non-byte piece decodes: at the start of text (`first`) and anywhere else (`rest`)."""
+
+    first: str
+    rest: str
+
+    @property
+    def drops_space(self) -> bool:
+        """True when this piece loses a leading "▁" at the start of the text."""
+        return self.first != self.rest
+
+
+def _utf8_sequence_length(lead: int) -> tuple[int, int, int]:
+    """(length, low, high) of the sequence `lead` starts; low..high bounds its second byte.
+
+    Length 0 means `lead` cannot start a well-formed sequence (stray continuation byte, C0/C1
+    overlong leads, F5..FF beyond U+10FFFF). The second-byte bounds exclude overlong forms,
+    surrogates and code points above U+10FFFF, as sentencepiece's decoder does.
+    """
+    if lead < 0x80:
+        return 1, 0, 0
+    if 0xC2 <= lead <= 0xDF:
+        return 2, 0x80, 0xBF
+    if lead == 0xE0:
+        return 3, 0xA0, 0xBF
+    if lead == 0xED:
+        return 3, 0x80, 0x9F
+    if 0xE1 <= lead <= 0xEF:
+        return 3, 0x80, 0xBF
+    if lead == 0xF0:
+        return 4, 0x90, 0xBF
+    if 0xF1 <= lead <= 0xF3:
+        return 4, 0x80, 0xBF
+    if lead == 0xF4:
+        return 4, 0x80, 0x8F
+    return 0, 0, 0
+
+
+def _sequence_at(run: bytes | bytearray, start: int, final: bool) -> int:
+    """Length of the character starting at run[start]: n > 0 valid, -1 invalid byte, 0 undecided.
+
+    Undecided means the bytes so far are a proper prefix of a valid sequence and the run may
+    still grow; with `final` the run is complete, so such a prefix is invalid.
+    """
+    length, low, high = _utf8_sequence_length(run[start])
+    if length == 0:
+        return -1
+    for k in range(1, length):
+        if start + k >= len(run):
+            return -1 if final else 0
+        lo, hi = (low, high) if k == 1 else (0x80, 0xBF)
+        if not lo <= run[start + k] <= hi:
+            return -1
+    return length
+
+
+def decode_byte_run(run: bytearray, final: bool) -> str:
+    """Decode the settled prefix of a byte run and remove it from `run` (in place).
+
+    With `final` everything is settled; otherwise the bytes of a character that may still be
+    completed stay in `run`.
+    """
+    out: list[str] = []
+    pos = 0
+    while pos < len(run):
+        length = _sequence_at(run, pos, final)
+        if length == 0:
+            break
+        if length < 0:
+            out.append(REPLACEMENT)
+            pos += 1
+        else:
+            out.append(bytes(run[pos:pos + length]).decode("utf-8"))
+            pos += length
+    del run[:pos]
+    return "".join(out)
+
+
+class Tokenizer:
+    """One loaded SentencePiece model: encode, decode, vocabulary facts, per-piece surfaces."""
+
+    def __init__(self, model_path: str | pathlib.Path) -> None:
+        path = pathlib.Path(model_path)
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise FileNotFoundError(f"cannot read SentencePiece model {path}: {err}") from err
+        self.sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self.sp.LoadFromSerializedProto(data)
+        except (RuntimeError, OSError) as err:
+            raise ValueError(f"{path} is not a SentencePiece model: {err}") from err
+        self.path = str(path)
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.vocab_size: int = self.sp.get_piece_size()
+        self.byte_value: list[int] = [self._byte_of(i) for i in range(self.vocab_size)]
+        self._surfaces: list[PieceSurface | None] = [None] * self.vocab_size
+        self._probe_id, self._probe_text = self._find_probe()
+        self.strip_all_leading_spaces = self._strips_repeatedly()
+
+    def _byte_of(self, token_id: int) -> int:
+        if not self.sp.is_byte(token_id):
+            return -1
+        match = _BYTE_PIECE.fullmatch(self.sp.id_to_piece(token_id))
+        if match is None:
+            raise ValueError(f"byte piece {token_id} has unexpected form {self.sp.id_to_piece(token_id)!r}")
+        return int(match.group(1), 16)
+
+    def _find_probe(self) -> tuple[int, str]:
+        """A piece whose decode is non-empty: decoding it first makes the next piece non-initial."""
+        candidates = [self.sp.unk_id(), *(i for i, b in enumerate(self.byte_value) if b == 0x41)]
+        for token_id in [*candidates, *range(self.vocab_size)]:
+            if 0 <= token_id < self.vocab_size:
+                text = self.sp.decode([token_id])
+                if text:
+                    return token_id, text
+        raise ValueError(f"{self.path}: no piece decodes to text")
+
+    def _strips_repeatedly(self) -> bool:
+        """Whether a piece that is only "▁" keeps the decoder expecting a leading space.
+
+        Models with remove_extra_whitespaces drop every leading "▁" until text appears; others
+        drop only the first. Only a bare "▁" piece can tell the two apart.
+        """
+        bare = self.sp.piece_to_id("\u2581")
+        if bare == self.sp.unk_id() or self.byte_value[bare] >= 0 or self.surface(bare).first:
+            return False
+        return self.sp.decode([bare, bare]) == ""
+
+    def surface(self, token_id: int) -> PieceSurface:
+        """The decoded surfaces of a non-byte piece, measured with sentencepiece (cached)."""
+        cached = self._surfaces[token_id]
+        if cached is None:
+            first = self.sp.decode([token_id])
+            rest = self.sp.decode([self._probe_id, token_id])[len(self._probe_text):]
+            cached = self._surfaces[token_id] = PieceSurface(first, rest)
+        return cached
+
+    def info(self) -> VocabInfo:
+        return VocabInfo(self.vocab_size, self.sp.bos_id(), self.sp.eos_id(), self.sp.pad_id(),
+                         self.sp.unk_id(), self.sha256, self.path)
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Token ids of `text`; no BOS unless asked, as the Grok-1 reference encodes prompts."""
+        ids: list[int] = self.sp.encode(text)
+        if add_bos:
+            ids.insert(0, self._special("bos", self.sp.bos_id()))
+        if add_eos:
+            ids.append(self._special("eos", self.sp.eos_id()))
+        return ids
+
+    def _special(self, name: str, token_id: int) -> int:
+        if token_id < 0:
+            raise TokenizerInputError(f"add_{name} was requested but the model defines no {name.upper()} piece")
+        return token_id
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        """Raise TokenizerInputError naming the first id outside [0, vocab_size)."""
+        for index, token_id in enumerate(ids):
+            if not 0 <= token_id < self.vocab_size:
+                raise TokenizerInputError(
+                    f"token_ids[{index}] = {token_id} is out of range: valid ids are 0..{self.vocab_size - 1}"
+                )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Exactly sentencepiece's decode (control pieces give "")."""
+        self.check_ids(ids)
+        return self.sp.decode(list(ids))
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Incremental detokenizer for one sequence: feed ids, get the text each one made final.
+
+    The state is tiny (up to three undecided bytes and two flags), never the whole id history, so a
+    stream of any length costs O(1) memory.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._run = bytearray()  # undecided bytes of the current byte-piece run
+        self._expect_space = True  # sentencepiece would still drop a leading "▁"
+        self._dropped_space = False  # the previous non-byte piece had its "▁" dropped
+        self._has_text = False
+
+    @property
+    def pending(self) -> bool:
+        """True while bytes are held back waiting for the rest of a character."""
+        return bool(self._run)
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text that became final (possibly "")."""
+        tok = self._tok
+        if not 0 <= token_id < tok.vocab_size:
+            raise TokenizerInputError(f"token id {token_id} is out of range: valid ids are 0..{tok.vocab_size - 1}")
+        byte = tok.byte_value[token_id]
+        if byte >= 0:
+            self._run.append(byte)
+            return self._emit(decode_byte_run(self._run, final=False))
+        settled = self._emit(decode_byte_run(self._run, final=True))
+        if self._has_text or self._dropped_space:
+            self._expect_space = False
+        surface = tok.surface(token_id)
+        text = surface.first if self._expect_space else surface.rest
+        self._dropped_space = (self._expect_space and surface.drops_space
+                               and not tok.strip_all_leading_spaces)
+        return settled + self._emit(text)
+
+    def push_many(self, ids: Sequence[int]) -> list[str]:
+        """Per-id texts for a batch of ids; all ids are checked before any is applied."""
+        self._tok.check_ids(ids)
+        return [self.push(token_id) for token_id in ids]
+
+    def flush(self) -> str:
+        """End of stream: settle held-back bytes exactly as decode would (U+FFFD per stray byte)."""
+        return self._emit(decode_byte_run(self._run, final=True))
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self._has_text = True
+        return text

@@ -1,0 +1,91 @@
+"""`python -m tokenizer_service.train_demo --out PATH`: train the project's demo SentencePiece model.
+
+The demo ("embedded default") stack needs a tokenizer that can be rebuilt from this repository
+alone. This trains one from the original English prose in `demo_corpus/`: 1024 pieces, BPE with
+byte fallback (so any text round-trips), ids 0..3 = [PAD] [BOS] [EOS] [UNK] like the Grok-1
+tokenizer, identity normalization, a dummy "▁" prefix and whitespace kept as is. One training
+thread and no sampling make the output byte-for-byte reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pathlib
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+
+import sentencepiece
+
+CORPUS_DIR = pathlib.Path(__file__).resolve().parent / "demo_corpus"
+VOCAB_SIZE = 1024
+SPECIAL_PIECES = {"pad": (0, "[PAD]"), "bos": (1, "[BOS]"), "eos": (2, "[EOS]"), "unk": (3, "[UNK]")}
+
+
+def corpus_lines(corpus_dir: pathlib.Path) -> Iterator[str]:
+    """Non-empty lines of every *.txt file in the corpus folder, in file-name order."""
+    files = sorted(corpus_dir.glob("*.txt"))
+    if not files:
+        raise FileNotFoundError(f"no *.txt files in {corpus_dir}")
+    for path in files:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                yield line
+
+
+def trainer_options() -> dict[str, object]:
+    """SentencePiece trainer settings of the demo model (fixed: they define the artifact)."""
+    options: dict[str, object] = {
+        "model_type": "bpe",
+        "vocab_size": VOCAB_SIZE,
+        "byte_fallback": True,
+        "character_coverage": 1.0,
+        "normalization_rule_name": "identity",
+        "add_dummy_prefix": True,
+        "remove_extra_whitespaces": False,
+        "split_digits": True,
+        "num_threads": 1,
+        "input_sentence_size": 0,
+        "shuffle_input_sentence": False,
+        "hard_vocab_limit": True,
+        "minloglevel": 2,
+    }
+    for name, (token_id, piece) in SPECIAL_PIECES.items():
+        options[f"{name}_id"] = token_id
+        options[f"{name}_piece"] = piece
+    return options
+
+
+def train(corpus_dir: pathlib.Path = CORPUS_DIR) -> bytes:
+    """Train and return the serialized model."""
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=corpus_lines(corpus_dir), model_writer=model, **trainer_options()
+    )
+    return model.getvalue()
+
+
+def write_atomically(data: bytes, out: pathlib.Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", delete=False) as tmp:
+        tmp.write(data)
+    os.replace(tmp.name, out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tokenizer_service.train_demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=pathlib.Path, help="where to write the .model file")
+    parser.add_argument("--corpus", type=pathlib.Path, default=CORPUS_DIR,
+                        help="folder of *.txt training text (default: the shipped demo corpus)")
+    args = parser.parse_args(argv)
+    data = train(args.corpus)
+    write_atomically(data, args.out)
+    print(f"wrote {args.out} ({len(data)} bytes, {VOCAB_SIZE} pieces)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
