@@ -1,0 +1,119 @@
+"""A small client for GatewayService over the generated stubs: `GatewayClient` (sync), `AsyncGatewayClient`.
+
+    with GatewayClient("127.0.0.1:50051") as client:
+        for message in client.generate("Hello", max_tokens=16):
+            print(message.text, end="", flush=True)
+
+Errors surface as grpc.RpcError with the gateway's status code and message. `request_id` is sent as
+the `x-request-id` metadata the services log (one is generated when it is empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+__all__ = ["AsyncGatewayClient", "GatewayClient", "completion_request", "generate_request"]
+
+
+def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+    return (("x-request-id", request_id),) if request_id else ()
+
+
+def generate_request(prompt: str, *, max_tokens: int | None = None, temperature: float = 0.0,
+                     top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
+                     ignore_eos: bool = False, top_logprobs: int = 0, allowed_token_ids: Sequence[int] = (),
+                     blocked_token_ids: Sequence[int] = ()) -> gateway_pb2.GenerateRequest:
+    """A GenerateRequest; None leaves an optional field unset (the server's default)."""
+    request = gateway_pb2.GenerateRequest(
+        prompt=prompt, temperature=temperature, stop=list(stop), ignore_eos=ignore_eos, top_logprobs=top_logprobs,
+        allowed_token_ids=list(allowed_token_ids), blocked_token_ids=list(blocked_token_ids))
+    if max_tokens is not None:
+        request.max_tokens = max_tokens
+    if top_p is not None:
+        request.top_p = top_p
+    if seed is not None:
+        request.seed = seed
+    return request
+
+
+def completion_request(prompt: str, **options: Any) -> gateway_pb2.CompleteRequest:
+    """A CompleteRequest with the same options as generate_request (the messages share their fields)."""
+    return gateway_pb2.CompleteRequest.FromString(generate_request(prompt, **options).SerializeToString())
+
+
+class GatewayClient:
+    """Blocking client. Leaving `generate`'s iterator early cancels the call (the model slot is freed)."""
+
+    def __init__(self, address: str, timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address)
+        self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
+
+    def generate(self, prompt: str, *, timeout: float | None = None, request_id: str = "",
+                 **options: Any) -> Iterator[gateway_pb2.GenerateResponse]:
+        call = self.stub.Generate(generate_request(prompt, **options), timeout=timeout or self.timeout,
+                                  metadata=_metadata(request_id))
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def complete(self, prompt: str, *, timeout: float | None = None, request_id: str = "",
+                 **options: Any) -> gateway_pb2.CompleteResponse:
+        return self.stub.Complete(completion_request(prompt, **options), timeout=timeout or self.timeout,
+                                  metadata=_metadata(request_id))
+
+    def info(self, timeout: float | None = None) -> gateway_pb2.GetInfoResponse:
+        return self.stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=timeout or self.timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncGatewayClient:
+    """asyncio client (grpc.aio); create it inside the running event loop."""
+
+    def __init__(self, address: str, timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
+
+    async def generate(self, prompt: str, *, timeout: float | None = None, request_id: str = "",
+                       **options: Any) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        call = self.stub.Generate(generate_request(prompt, **options), timeout=timeout or self.timeout,
+                                  metadata=_metadata(request_id))
+        try:
+            async for message in call:
+                yield message
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: str, *, timeout: float | None = None, request_id: str = "",
+                       **options: Any) -> gateway_pb2.CompleteResponse:
+        return await self.stub.Complete(completion_request(prompt, **options), timeout=timeout or self.timeout,
+                                        metadata=_metadata(request_id))
+
+    async def info(self, timeout: float | None = None) -> gateway_pb2.GetInfoResponse:
+        return await self.stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=timeout or self.timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncGatewayClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,68 @@
+"""`python -m gateway.client "prompt" [--max-tokens N ...]`: stream a completion to the terminal.
+
+The text is printed as it arrives; the finish reason, token counts and timings go to stderr. On an
+error the gateway's status and message go to stderr and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+import grpc
+
+from gateway.client import GatewayClient
+from grok.gateway.v1 import gateway_pb2
+from serving_common.flags import EnvArgumentParser, positive_int
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = EnvArgumentParser(env_prefix="GROK_CLIENT", prog="python -m gateway.client",
+                               description="Stream a completion from the gateway.")
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_env_argument("--address", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    parser.add_argument("--max-tokens", type=positive_int, default=None, help="tokens to generate (server default)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+    parser.add_env_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--quiet", action="store_true", help="print only the text")
+    return parser.parse_args(argv)
+
+
+def stream(client: GatewayClient, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Print the text as it arrives; return the exit code."""
+    last = gateway_pb2.GenerateResponse()
+    try:
+        for message in client.generate(
+                args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, timeout=args.timeout):
+            out.write(message.text)
+            out.flush()
+            last = message
+    except grpc.RpcError as error:
+        out.write("\n")
+        err.write(f"error: {error.code().name}: {error.details()}\n")
+        return 1
+    out.write("\n")
+    out.flush()
+    if not args.quiet:
+        reason = gateway_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        usage, timings = last.usage, last.timings
+        err.write(f"[finish: {reason}; tokens: {usage.prompt_tokens} prompt + {usage.completion_tokens} completion; "
+                  f"first token {timings.time_to_first_token_seconds:.3f}s, total {timings.total_seconds:.3f}s]\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    with GatewayClient(args.address) as client:
+        return stream(client, args, sys.stdout, sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Channels to the tokenizer service and the model replicas: deadlines, retries, replica choice.
+
+Each model address gets its own channel with gRPC's round_robin policy, so one DNS name that resolves
+to several replicas (docker compose --scale) is spread by gRPC itself; across the listed addresses the
+gateway picks the replica with the fewest requests in flight, preferring those whose health is
+SERVING, and moves on to the next one when a replica answers UNAVAILABLE before its first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.errors import GatewayError, from_upstream
+from grok.model.v1 import model_pb2, model_pb2_grpc
+from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+Metadata = Sequence[tuple[str, str]]
+
+CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
+    ("grpc.lb_policy_name", "round_robin"),
+    # Reconnect quickly to a dependency that restarts (defaults back off to minutes).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left until the monotonic `deadline` (None: no deadline); DEADLINE_EXCEEDED when none."""
+    if deadline is None:
+        return None
+    left = deadline - asyncio.get_running_loop().time()
+    if left <= 0:
+        raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+    return left
+
+
+class Detokenizer:
+    """One DecodeStream call: token ids in, text that became final out (held bytes are never split)."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, address: str) -> None:
+        self.call = call
+        self.address = address
+
+    async def push(self, token_ids: Sequence[int]) -> tuple[str, list[str]]:
+        """Send ids; return the new text and the part of it each id produced."""
+        try:
+            await self.call.write(tokenizer_pb2.DecodeStreamRequest(token_ids=token_ids))
+            reply = await self.call.read()
+        except grpc.aio.AioRpcError as error:
+            raise from_upstream(error, "tokenizer", self.address) from error
+        if reply is grpc.aio.EOF:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"tokenizer service at {self.address} ended DecodeStream early")
+        texts = list(reply.token_texts)
+        if len(texts) != len(token_ids):
+            texts = [""] * (len(token_ids) - 1) + [reply.text] if token_ids else []
+        return reply.text, texts
+
+    async def finish(self) -> str:
+        """Half-close and return the flushed remainder (bytes of an incomplete character, decoded)."""
+        try:
+            await self.call.done_writing()
+            reply = await self.call.read()
+        except grpc.aio.AioRpcError as error:
+            raise from_upstream(error, "tokenizer", self.address) from error
+        return "" if reply is grpc.aio.EOF else reply.text
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+class TokenizerClient:
+    """Calls to the tokenizer service, with retries on UNAVAILABLE and a cache of single-piece texts."""
+
+    def __init__(self, address: str, retries: int = 2) -> None:
+        self.address = address
+        self.retries = retries
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
+        self.pieces: dict[int, str] = {}
+
+    async def _unary(self, method: str, request: object, deadline: float | None, metadata: Metadata) -> object:
+        for attempt in itertools.count():
+            try:
+                call = getattr(self.stub, method)
+                return await call(request, timeout=remaining(deadline), metadata=metadata)
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self.retries:
+                    raise from_upstream(error, "tokenizer", self.address) from error
+                await asyncio.sleep(0.05 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def encode(self, text: str, deadline: float | None, metadata: Metadata = ()) -> list[int]:
+        reply = await self._unary("Encode", tokenizer_pb2.EncodeRequest(text=text), deadline, metadata)
+        return list(reply.token_ids)  # type: ignore[attr-defined]
+
+    async def info(self, deadline: float | None) -> tokenizer_pb2.GetInfoResponse:
+        return await self._unary("GetInfo", tokenizer_pb2.GetInfoRequest(), deadline, ())  # type: ignore[return-value]
+
+    async def piece_texts(self, ids: Sequence[int], deadline: float | None, metadata: Metadata = ()) -> dict[int, str]:
+        """Each id's piece decoded on its own (cached: the vocabulary is fixed)."""
+        missing = sorted({i for i in ids if i not in self.pieces})
+        replies = await asyncio.gather(*(
+            self._unary("Decode", tokenizer_pb2.DecodeRequest(token_ids=[i]), deadline, metadata) for i in missing))
+        for token_id, reply in zip(missing, replies):
+            self.pieces[token_id] = reply.text  # type: ignore[attr-defined]
+        return {i: self.pieces[i] for i in ids}
+
+    def detokenizer(self, deadline: float | None, metadata: Metadata = ()) -> Detokenizer:
+        return Detokenizer(self.stub.DecodeStream(timeout=remaining(deadline), metadata=metadata), self.address)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+@dataclass(eq=False)
+class Replica:
+    """One model service address and what the gateway knows about it."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: model_pb2_grpc.ModelServiceStub
+    outstanding: int = 0
+    serving: bool = False  # set by the health watch
+
+
+class ModelStream:
+    """An open model Generate stream whose first response was already read."""
+
+    def __init__(self, replica: Replica, call: grpc.aio.UnaryStreamCall, first: object) -> None:
+        self.replica = replica
+        self.call = call
+        self.first = first
+        self.closed = False
+
+    async def responses(self) -> AsyncIterator[model_pb2.GenerateResponse]:
+        reply = self.first
+        while reply is not grpc.aio.EOF:
+            yield reply  # type: ignore[misc]
+            try:
+                reply = await self.call.read()
+            except grpc.aio.AioRpcError as error:
+                raise from_upstream(error, "model", self.replica.address) from error
+
+    async def drain(self) -> None:
+        """After the final response: read the call's end, so it completes OK instead of being cancelled."""
+        try:
+            while await self.call.read() is not grpc.aio.EOF:
+                pass
+        except grpc.aio.AioRpcError as error:
+            log.debug("model stream ended badly after its last token", extra={"code": error.code().name})
+
+    def close(self) -> None:
+        """Cancel the call if still running (frees the model's slot) and stop counting it."""
+        if not self.closed:
+            self.closed = True
+            self.replica.outstanding -= 1
+            if not self.call.done():
+                self.call.cancel()
+
+
+class ModelPool:
+    """The model replicas: least outstanding requests among healthy ones, failover on UNAVAILABLE."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self.replicas = [self._replica(a) for a in addresses]
+        self._turn = itertools.count()
+        self._info: model_pb2.GetInfoResponse | None = None
+
+    @staticmethod
+    def _replica(address: str) -> Replica:
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return Replica(address, channel, model_pb2_grpc.ModelServiceStub(channel))
+
+    def order(self) -> list[Replica]:
+        """Replicas to try, best first: SERVING, connected, fewest in flight; ties rotate."""
+        start = next(self._turn) % len(self.replicas)
+        rotated = self.replicas[start:] + self.replicas[:start]
+        ready = grpc.ChannelConnectivity.READY
+        return sorted(rotated, key=lambda r: (not r.serving, r.channel.get_state() != ready, r.outstanding))
+
+    def forget_info(self) -> None:
+        self._info = None
+
+    async def info(self, deadline: float | None) -> model_pb2.GetInfoResponse:
+        """The model's GetInfo (replicas serve the same model), cached after the first success."""
+        if self._info is not None:
+            return self._info
+        problems = []
+        for replica in self.order():
+            try:
+                self._info = await replica.stub.GetInfo(model_pb2.GetInfoRequest(), timeout=remaining(deadline))
+                return self._info
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise from_upstream(error, "model", replica.address) from error
+                problems.append(f"{replica.address}: {error.details()}")
+        raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no model replica is reachable ({'; '.join(problems)}); retry later")
+
+    async def generate(self, request: model_pb2.GenerateRequest, deadline: float | None,
+                       metadata: Metadata = ()) -> ModelStream:
+        """Start Generate on the best replica. A replica that answers UNAVAILABLE or RESOURCE_EXHAUSTED
+        before its first response is skipped; when every one did, the request gets that status."""
+        problems: list[str] = []
+        busy: GatewayError | None = None
+        for replica in self.order():
+            call = replica.stub.Generate(request, timeout=remaining(deadline), metadata=metadata)
+            replica.outstanding += 1
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as error:
+                replica.outstanding -= 1
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    busy = from_upstream(error, "model", replica.address)
+                elif error.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise from_upstream(error, "model", replica.address) from error
+                problems.append(f"{replica.address}: {error.details()}")
+                log.warning("model replica refused, trying the next",
+                            extra={"replica": replica.address, "code": error.code().name})
+                continue
+            except BaseException:
+                replica.outstanding -= 1
+                call.cancel()
+                raise
+            return ModelStream(replica, call, first)
+        if busy is not None:
+            raise busy
+        raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no model replica is available ({'; '.join(problems)}); "
+                           "retry later")
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.channel.close() for r in self.replicas))

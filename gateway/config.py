@@ -1,0 +1,40 @@
+"""The gateway's configuration: one frozen dataclass, parsed once from flags and environment in __main__."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request limits enforced at the boundary (each is a flag)."""
+
+    max_prompt_bytes: int = 65536
+    max_stop: int = 8
+    max_stop_chars: int = 256
+    default_max_tokens: int = 64
+    max_top_logprobs: int = 8
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Where the gateway listens and which backends it talks to."""
+
+    tokenizer: str
+    models: tuple[str, ...]
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = 0
+    grace_seconds: float = 10.0
+    log_level: str = "info"
+    limits: Limits = Limits()
+    # How long a health watch waits before reconnecting to a dependency that went away.
+    health_retry_seconds: float = 0.5
+    # Tokenizer calls are retried on UNAVAILABLE this many times (cheap, idempotent calls).
+    tokenizer_retries: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.tokenizer:
+            raise ValueError("--tokenizer: the tokenizer service address is required (HOST:PORT)")
+        if not self.models or any(not m for m in self.models):
+            raise ValueError("--model: at least one model service address is required (HOST:PORT[,HOST:PORT...])")

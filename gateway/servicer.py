@@ -1,0 +1,105 @@
+"""GatewayService: protobuf in and out, and the one place that maps gateway errors to gRPC statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway.clients import remaining
+from gateway.config import GatewayConfig
+from gateway.errors import GatewayError
+from gateway.pipeline import Pipeline
+from gateway.validation import TextRequest
+from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from serving_common.logs import new_request_id, request_id_var
+
+log = logging.getLogger(__name__)
+
+# grpc.aio reports "no deadline" as a remaining time of centuries.
+NO_DEADLINE_SECONDS = 1e8
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline on the event loop's clock, or None."""
+    left = context.time_remaining()
+    if left is None or left > NO_DEADLINE_SECONDS:
+        return None
+    return asyncio.get_running_loop().time() + left
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    """Generate, Complete and GetInfo over a Pipeline."""
+
+    def __init__(self, pipeline: Pipeline, config: GatewayConfig) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        self.metrics = pipeline.metrics
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest,  # noqa: N802 (gRPC's name)
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        async for message in self._run(request, context, "Generate"):
+            yield message
+
+    async def Complete(self, request: gateway_pb2.CompleteRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> gateway_pb2.CompleteResponse:
+        out = gateway_pb2.CompleteResponse()
+        parts = []
+        async for message in self._run(request, context, "Complete"):
+            parts.append(message.text)
+            out.tokens.extend(message.tokens)
+            if message.finish_reason:
+                out.finish_reason = message.finish_reason
+                out.usage.CopyFrom(message.usage)
+                out.timings.CopyFrom(message.timings)
+        out.text = "".join(parts)
+        return out
+
+    async def GetInfo(self, request: gateway_pb2.GetInfoRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> gateway_pb2.GetInfoResponse:
+        deadline = deadline_of(context)
+        try:
+            model_info = await self.pipeline.pool.info(deadline)
+            tokenizer_info = await self.pipeline.tokenizer.info(deadline)
+        except GatewayError as error:
+            await context.abort(error.code, error.message)
+        limits = self.config.limits
+        return gateway_pb2.GetInfoResponse(
+            model=model_info, tokenizer=tokenizer_info, model_addresses=list(self.config.models),
+            limits=gateway_pb2.GatewayLimits(
+                max_prompt_bytes=limits.max_prompt_bytes, max_stop_sequences=limits.max_stop,
+                max_stop_chars=limits.max_stop_chars, default_max_tokens=limits.default_max_tokens))
+
+    async def _run(self, request: TextRequest, context: grpc.aio.ServicerContext,
+                   method: str) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """Stream the pipeline's messages; end with the mapped status; count the request in metrics."""
+        request_id = new_request_id(context.invocation_metadata())
+        request_id_var.set(request_id)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        code, finish = "OK", "NONE"
+        try:
+            remaining(deadline_of(context))
+            async for message in self.pipeline.stream(request, deadline_of(context), request_id, method):
+                if message.finish_reason:
+                    finish = gateway_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_")
+                yield message
+        except GatewayError as error:
+            code = error.code.name
+            log.info("request failed", extra={"code": code, "detail": error.message})
+            await context.abort(error.code, error.message)
+        except asyncio.CancelledError:
+            left = context.time_remaining()
+            code = "DEADLINE_EXCEEDED" if left is not None and left <= 0 else "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            log.exception("unexpected error")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see gateway logs")
+        finally:
+            seconds = loop.time() - start
+            self.metrics.finished(method, code, finish, seconds)
+            log.info("rpc", extra={"method": method, "code": code, "finish_reason": finish,
+                                   "ms": round(seconds * 1000, 3)})

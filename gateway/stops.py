@@ -1,0 +1,119 @@
+"""Stop sequences on text across token boundaries, and when a token's text may be released.
+
+The completion text grows token by token. Text that could still turn out to be the start of a stop
+sequence is held back (with the tokens that produced it) until it cannot; once a stop sequence
+appears, the text before it is released and generation ends. Release happens at token granularity so
+that each released message's text is exactly the concatenation of its tokens' texts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from grok.gateway.v1 import gateway_pb2
+
+
+@dataclass
+class Release:
+    """Tokens (and their text) that may be sent now; `stopped` when a stop sequence ended the text."""
+
+    tokens: list[gateway_pb2.Token] = field(default_factory=list)
+    stopped: bool = False
+    extra: str = ""  # text without a token (only a final flush after every token was released)
+
+    @property
+    def text(self) -> str:
+        return "".join(token.text for token in self.tokens) + self.extra
+
+
+def holdback(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop sequence."""
+    best = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:size]):
+                best = size
+                break
+    return best
+
+
+def find_stop(text: str, stops: Sequence[str], start: int) -> int:
+    """Smallest index >= start where a stop sequence begins in `text`, or -1."""
+    found = -1
+    for stop in stops:
+        index = text.find(stop, start)
+        if index >= 0 and (found < 0 or index < found):
+            found = index
+    return found
+
+
+class StopMatcher:
+    """Feeds tokens with their text; says which tokens are final and whether a stop sequence was hit."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.text = ""  # the whole completion text so far, held-back part included
+        self.pending: list[tuple[gateway_pb2.Token, int]] = []  # token, char offset where its text starts
+        self.stopped = False
+
+    def feed(self, tokens: Sequence[gateway_pb2.Token]) -> Release:
+        """Add tokens (their `.text` set) and release what can no longer be part of a stop sequence."""
+        if self.stopped:
+            raise RuntimeError("feed() after a stop sequence ended the completion")
+        previous = len(self.text)
+        for token in tokens:
+            self.pending.append((token, len(self.text)))
+            self.text += token.text
+        if self.stops:
+            cut = find_stop(self.text, self.stops, max(0, previous - self.longest + 1))
+            if cut >= 0:
+                return self._stop_at(cut)
+        return self._release_upto(len(self.text) - holdback(self.text, self.stops))
+
+    def finish(self, tail: str = "") -> Release:
+        """The stream ended: add `tail` (the detokenizer's flush) to the last token and release everything."""
+        if self.stopped:
+            raise RuntimeError("finish() after a stop sequence ended the completion")
+        if not tail:
+            return self._release_upto(len(self.text), final=True)
+        start = len(self.text)
+        self.text += tail
+        cut = find_stop(self.text, self.stops, max(0, start - self.longest + 1)) if self.stops else -1
+        if self.pending:
+            self.pending[-1][0].text += tail
+            return self._stop_at(cut) if cut >= 0 else self._release_upto(len(self.text), final=True)
+        # Every token was released already (nothing was held back, so no stop starts before `start`):
+        # the flushed text has no token of its own.
+        end = cut if cut >= 0 else len(self.text)
+        self.stopped = cut >= 0
+        return Release([], stopped=self.stopped, extra=self.text[start:end])
+
+    def _release_upto(self, safe: int, final: bool = False) -> Release:
+        """Release tokens whose text ends by `safe`; trailing empty-text tokens wait (unless `final`)
+        because their bytes may still become text, which the detokenizer's flush attributes to them."""
+        released: list[gateway_pb2.Token] = []
+        with_text = [i for i, (token, _) in enumerate(self.pending) if token.text]
+        count = len(self.pending) if final else (with_text[-1] + 1 if with_text else 0)
+        while self.pending and len(released) < count:
+            token, start = self.pending[0]
+            if start + len(token.text) > safe:
+                break
+            released.append(token)
+            self.pending.pop(0)
+        return Release(released)
+
+    def _stop_at(self, cut: int) -> Release:
+        """Release the tokens that contributed text before `cut`, the last one trimmed; drop the rest."""
+        released: list[gateway_pb2.Token] = []
+        for token, start in self.pending:
+            end = start + len(token.text)
+            if start < cut:
+                if end > cut:
+                    token.text = token.text[: cut - start]
+                released.append(token)
+        self.pending.clear()
+        self.text = self.text[:cut]
+        self.stopped = True
+        return Release(released, stopped=True)

@@ -1,0 +1,218 @@
+"""Run the whole stack on this machine: tokenizer, model and gateway on 127.0.0.1 (what `make run` calls).
+
+Starts the three services (the embedded demo by default: artifacts/demo/tokenizer.model, configs/demo.json,
+artifacts/demo/checkpoint; --config/--checkpoint/--tokenizer/--dtype/--mesh select real weights), waits
+until each is SERVING, streams one sample completion through the client, prints grpcurl commands to try,
+then keeps serving, forwarding the services' logs, until Ctrl-C or SIGTERM stops all three cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: make the repo's packages importable
+
+from gateway.client import GatewayClient  # noqa: E402
+from gateway.client.__main__ import stream  # noqa: E402
+from serving_common.flags import EnvArgumentParser, port, positive_int  # noqa: E402
+from serving_common.healthcheck import check  # noqa: E402
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = EnvArgumentParser(env_prefix="GROK_STACK", prog="scripts/run_stack.py", description=__doc__.split("\n")[0])
+    p.add_env_argument("--config", default="configs/demo.json", help="model preset or config JSON")
+    p.add_env_argument("--checkpoint", default="artifacts/demo/checkpoint", help="directory holding ckpt-0/")
+    p.add_env_argument("--tokenizer", default="artifacts/demo/tokenizer.model", help="SentencePiece model file")
+    p.add_env_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_env_argument("--mesh", default="1,1", help="device mesh DATA,MODEL (e.g. 1,8 for Grok-1 on 8 GPUs)")
+    p.add_env_argument("--slots", type=positive_int, default=4, help="model batch slots")
+    p.add_env_argument("--compile-cache", default=".jax_cache", help="JAX compilation cache ('' disables)")
+    p.add_env_argument("--host", default="127.0.0.1", help="address the three services bind")
+    p.add_env_argument("--gateway-port", type=port, default=50051, help="gateway gRPC port")
+    p.add_env_argument("--tokenizer-port", type=port, default=50052, help="tokenizer gRPC port")
+    p.add_env_argument("--model-port", type=port, default=50053, help="model gRPC port")
+    p.add_env_argument("--metrics-port", type=port, default=0, help="gateway Prometheus port (0: off)")
+    p.add_env_argument("--prompt", default="The answer to life the universe and everything is",
+                       help="prompt of the sample completion")
+    p.add_env_argument("--max-tokens", type=positive_int, default=24, help="tokens of the sample completion")
+    p.add_env_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for SERVING")
+    p.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+class LogGate:
+    """Writes the services' log lines to `out`, or keeps them while the sample completion is printed."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.lock = threading.Lock()
+        self.held: list[str] | None = None
+
+    def write(self, line: str) -> None:
+        with self.lock:
+            if self.held is not None:
+                self.held.append(line)
+            else:
+                self.out.write(line)
+                self.out.flush()
+
+    def hold(self) -> None:
+        with self.lock:
+            self.held = []
+
+    def release(self) -> None:
+        with self.lock:
+            self.out.writelines(self.held or [])
+            self.out.flush()
+            self.held = None
+
+
+class Child:
+    """One service process (its own session: Ctrl-C reaches only this script); output goes to `logs`."""
+
+    def __init__(self, name: str, args: list[str], logs: LogGate) -> None:
+        self.name = name
+        self.address = ""
+        self.proc = subprocess.Popen([sys.executable, "-u", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.thread = threading.Thread(target=self._forward, args=(logs,), daemon=True)
+        self.thread.start()
+
+    def _forward(self, logs: LogGate) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            logs.write(f"[{self.name}] {line}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.thread.join(5)
+        return self.proc.returncode
+
+
+def start(args: argparse.Namespace, out: LogGate) -> list[Child]:
+    host, level = args.host, ["--log-level", args.log_level]
+    tokenizer = Child("tokenizer", ["-m", "tokenizer_service", "--model", args.tokenizer, "--host", host,
+                                    "--port", str(args.tokenizer_port), *level], out)
+    tokenizer.address = f"{host}:{args.tokenizer_port}"
+    cache = ["--compile-cache", args.compile_cache] if args.compile_cache else []
+    model = Child("model", ["-m", "model_service", "--config", args.config, "--checkpoint", args.checkpoint,
+                            "--dtype", args.dtype, "--mesh", args.mesh, "--slots", str(args.slots), "--host", host,
+                            "--port", str(args.model_port), *cache, *level], out)
+    model.address = f"{host}:{args.model_port}"
+    gateway = Child("gateway", ["-m", "gateway", "--tokenizer", tokenizer.address, "--model", model.address,
+                                "--host", host, "--port", str(args.gateway_port),
+                                "--metrics-port", str(args.metrics_port), *level], out)
+    gateway.address = f"{host}:{args.gateway_port}"
+    for child in (tokenizer, model, gateway):
+        out.write(f"run_stack: started {child.name} (pid {child.proc.pid}) for {child.address}\n")
+    return [tokenizer, model, gateway]
+
+
+def wait_serving(children: list[Child], timeout: float, stop: threading.Event, out: TextIO) -> bool:
+    deadline = time.monotonic() + timeout
+    pending = list(children)
+    while pending and time.monotonic() < deadline and not stop.is_set():
+        for child in list(pending):
+            if child.proc.poll() is not None:
+                out.write(f"run_stack: {child.name} exited with {child.proc.returncode} before serving\n")
+                return False
+            if check(child.address, timeout=1.0):
+                out.write(f"run_stack: {child.name} is SERVING on {child.address}\n")
+                pending.remove(child)
+        stop.wait(0.5)
+    if pending and not stop.is_set():
+        out.write(f"run_stack: not SERVING after {timeout:.0f}s: {', '.join(c.name for c in pending)}\n")
+    return not pending
+
+
+def tool(name: str, fallback: pathlib.Path) -> str:
+    """How to call a command from the repo root: by name when PATH has the venv's, else by path."""
+    found = shutil.which(name)
+    if found and (name != "python" or pathlib.Path(found).absolute() == fallback.absolute()):
+        return name
+    try:
+        return str(fallback.relative_to(ROOT))
+    except ValueError:
+        return str(fallback)
+
+
+def sample(args: argparse.Namespace, address: str, out: TextIO) -> int:
+    out.write(f"\nrun_stack: sample completion of {args.prompt!r} (streamed as it arrives):\n")
+    request = argparse.Namespace(prompt=args.prompt, max_tokens=args.max_tokens, temperature=0.0, top_p=None,
+                                 seed=None, stop=[], ignore_eos=False, timeout=600.0, quiet=False)
+    with GatewayClient(address) as client:
+        code = stream(client, request, out, out)
+    body = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens})
+    python, grpcurl = tool("python", pathlib.Path(sys.executable)), tool("grpcurl", ROOT / ".venv" / "bin" / "grpcurl")
+    out.write("\nrun_stack: try it yourself:\n"
+              f"  {python} -m gateway.client {shlex.quote(args.prompt)} --max-tokens 32 --address {address}\n"
+              f"  {grpcurl} -plaintext -d {shlex.quote(body)} {address} grok.gateway.v1.GatewayService/Generate\n"
+              f"  {grpcurl} -plaintext {address} list\n"
+              "run_stack: serving; Ctrl-C stops all three services.\n")
+    out.flush()
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = sys.stdout
+    stop = threading.Event()
+
+    def interrupt(*_: object) -> None:
+        stop.set()
+        raise KeyboardInterrupt  # also leaves a blocking call such as the sample completion
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, interrupt)
+    logs = LogGate(out)
+    children = start(args, logs)
+    code = 0
+    try:
+        if not wait_serving(children, args.startup_timeout, stop, out):
+            code = 0 if stop.is_set() else 1
+        else:
+            logs.hold()
+            try:
+                code = sample(args, children[-1].address, out)
+            finally:
+                logs.release()
+        if code == 0 and not stop.is_set():
+            while not stop.is_set() and all(c.proc.poll() is None for c in children):
+                stop.wait(0.5)
+            if not stop.is_set():
+                out.write("run_stack: a service exited unexpectedly; stopping the others\n")
+                code = 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())  # a second Ctrl-C must not cut the shutdown short
+        out.write("run_stack: stopping gateway, model, tokenizer\n")
+        for child in reversed(children):
+            returncode = child.stop()
+            out.write(f"run_stack: {child.name} exited with {returncode}\n")
+            code = code or (0 if returncode == 0 else 1)
+        out.flush()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tests of the gateway, its client library/CLI and the stack launcher."""

@@ -1,0 +1,173 @@
+"""The real stack on 127.0.0.1: tokenizer_service + model_service (golden tiny Grok-1, float32) + gateway.
+
+One stack per session. The seeded golden requests must return the reference's recorded text exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from gateway.client import GatewayClient
+from grok.gateway.v1 import gateway_pb2
+from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from serving_common.healthcheck import check
+from tests.gateway.conftest import Stack
+from tests.gateway.test_gateway import wait_for
+from tests.procs import GOLDEN, Service, free_port, grpcurl
+
+pytestmark = pytest.mark.slow
+
+GOLDEN_REQUESTS = json.loads((GOLDEN / "pipeline_fp32.json").read_text())["requests"]
+
+
+def model_args(port: int, metrics_port: int, cache: str) -> list[str]:
+    return ["--config", str(GOLDEN / "config.json"), "--checkpoint", str(GOLDEN / "checkpoint"), "--dtype", "float32",
+            "--host", "127.0.0.1", "--port", str(port), "--slots", "2", "--buckets", "64",
+            "--metrics-port", str(metrics_port), "--compile-cache", cache]
+
+
+@pytest.fixture(scope="session")
+def golden_stack(tmp_path_factory: pytest.TempPathFactory, jax_cache: str) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("golden")
+    tokenizer_port, model_port, gateway_port = free_port(), free_port(), free_port()
+    tokenizer = Service("tokenizer_service", ["--model", str(GOLDEN / "tokenizer.model"), "--host", "127.0.0.1",
+                                              "--port", str(tokenizer_port)], tokenizer_port, log_dir=logs)
+    model = Service("model_service", model_args(model_port, free_port(), jax_cache), model_port, log_dir=logs)
+    gateway = Service("gateway", ["--tokenizer", tokenizer.address, "--model", model.address, "--host", "127.0.0.1",
+                                  "--port", str(gateway_port)], gateway_port, log_dir=logs)
+    stack = Stack(tokenizer, [model], gateway)
+    try:
+        for service in (tokenizer, model, gateway):
+            service.wait_serving(600)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def model_metric(stack: Stack, name: str) -> float:
+    args = list(stack.models[0].proc.args)
+    port = args[args.index("--metrics-port") + 1]
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    match = re.search(rf"^{re.escape(name)} (\S+)$", body, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def golden_options(case: dict) -> dict:
+    r = case["request"]
+    # The reference's runner has no EOS stop, so neither may this request.
+    return dict(max_tokens=r["max_len"], temperature=r["temperature"], top_p=r["nucleus_p"], seed=r["rng_seed"],
+                ignore_eos=True)
+
+
+@pytest.mark.parametrize("case", GOLDEN_REQUESTS, ids=[f"golden{i}" for i in range(len(GOLDEN_REQUESTS))])
+def test_golden_request_returns_the_reference_text_and_complete_equals_the_stream(golden_stack: Stack,
+                                                                                  case: dict) -> None:
+    with GatewayClient(golden_stack.address, timeout=120) as client:
+        messages = list(client.generate(case["request"]["prompt"], **golden_options(case)))
+        complete = client.complete(case["request"]["prompt"], **golden_options(case))
+    streamed = "".join(m.text for m in messages)
+    assert [t.id for m in messages for t in m.tokens] == case["output_ids"]
+    assert streamed == case["output_text"]
+    assert complete.text == streamed
+    assert messages[-1].usage.prompt_tokens == len(case["prompt_ids"])
+    assert messages[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+
+
+def test_stop_string_across_tokens_ends_the_golden_completion_and_cancels_the_model(golden_stack: Stack) -> None:
+    case = GOLDEN_REQUESTS[2]  # "� be]�J�ldch1һw3llcY�VY"
+    text = case["output_text"]
+    stop = "ldch"  # spans the pieces of several tokens
+    cancelled = model_metric(golden_stack, 'grok_model_requests_total{code="CANCELLED"}')
+    with GatewayClient(golden_stack.address, timeout=120) as client:
+        reply = client.complete(case["request"]["prompt"], stop=[stop], **golden_options(case))
+    assert reply.text == text[: text.index(stop)]
+    assert reply.finish_reason == gateway_pb2.FINISH_REASON_STOP
+    assert reply.usage.completion_tokens < len(case["output_ids"])
+    deadline = time.monotonic() + 10
+    while model_metric(golden_stack, 'grok_model_requests_total{code="CANCELLED"}') <= cancelled:
+        assert time.monotonic() < deadline, "the model never saw the stream cancelled"
+        time.sleep(0.05)
+
+
+def test_cancelling_a_stream_frees_the_model_slot(golden_stack: Stack) -> None:
+    cancelled = model_metric(golden_stack, 'grok_model_requests_total{code="CANCELLED"}')
+    generated = model_metric(golden_stack, "grok_model_generated_tokens_total")
+    with GatewayClient(golden_stack.address, timeout=120) as client:
+        stream = client.generate("In the beginning", max_tokens=120, ignore_eos=True)
+        next(stream)
+        stream.close()
+        deadline = time.monotonic() + 10
+        while model_metric(golden_stack, 'grok_model_requests_total{code="CANCELLED"}') <= cancelled:
+            assert time.monotonic() < deadline, "the model never saw the stream cancelled"
+            time.sleep(0.02)
+        # The slot is freed at the model's next step boundary.
+        assert wait_for(lambda: model_metric(golden_stack, "grok_model_active_slots") == 0)
+        assert model_metric(golden_stack, "grok_model_generated_tokens_total") - generated < 120
+        assert client.complete("In the beginning", max_tokens=4).usage.completion_tokens >= 1
+
+
+def test_deadline_exceeded_through_the_real_stack(golden_stack: Stack) -> None:
+    with GatewayClient(golden_stack.address) as client:
+        with pytest.raises(grpc.RpcError) as caught:
+            client.complete("In the beginning", max_tokens=120, ignore_eos=True, timeout=0.05)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_prompt_over_the_context_is_invalid_argument(golden_stack: Stack) -> None:
+    with GatewayClient(golden_stack.address, timeout=30) as client:
+        with pytest.raises(grpc.RpcError) as caught:
+            client.complete("In the beginning", max_tokens=121)  # 8 prompt tokens + 121 > 128
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("max_tokens:")
+
+
+def test_grpcurl_generate_against_the_real_stack(golden_stack: Stack) -> None:
+    case = GOLDEN_REQUESTS[1]
+    options = golden_options(case)
+    body = json.dumps({"prompt": case["request"]["prompt"], "max_tokens": options["max_tokens"],
+                       "temperature": options["temperature"], "top_p": options["top_p"], "seed": options["seed"],
+                       "ignore_eos": True})
+    out = grpcurl("-plaintext", "-d", body, golden_stack.address, "grok.gateway.v1.GatewayService/Generate")
+    assert out.returncode == 0, out.stderr
+    messages = [json.loads(chunk) for chunk in out.stdout.replace("}\n{", "}\x00{").split("\x00")]
+    assert "".join(m.get("text", "") for m in messages) == case["output_text"]
+
+
+def test_token_texts_add_up_and_alternatives_are_pieces_decoded_alone(golden_stack: Stack) -> None:
+    case = GOLDEN_REQUESTS[0]  # its output has byte-fallback pieces that decode to replacement characters
+    with GatewayClient(golden_stack.address, timeout=120) as client:
+        messages = list(client.generate(case["request"]["prompt"], top_logprobs=3, **golden_options(case)))
+    with grpc.insecure_channel(golden_stack.tokenizer.address) as channel:
+        tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        for message in messages:
+            assert message.text == "".join(t.text for t in message.tokens)
+            for token in message.tokens:
+                assert len(token.top_tokens) == 3
+                assert token.top_tokens[0].probability >= token.top_tokens[2].probability
+                for top in token.top_tokens:
+                    alone = tokenizer.Decode(tokenizer_pb2.DecodeRequest(token_ids=[top.id]), timeout=10).text
+                    assert top.text == alone
+    assert "".join(m.text for m in messages) == case["output_text"]
+
+
+def test_real_tokenizer_down_is_unavailable_then_recovers(golden_stack: Stack, tmp_path: pathlib.Path) -> None:
+    case = GOLDEN_REQUESTS[1]
+    old = golden_stack.tokenizer
+    old.kill()
+    with GatewayClient(golden_stack.address, timeout=30) as client:
+        with pytest.raises(grpc.RpcError) as caught:
+            client.complete(case["request"]["prompt"], **golden_options(case))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert wait_for(lambda: not check(golden_stack.address))
+        golden_stack.tokenizer = Service("tokenizer_service", old.proc.args[3:], old.port, log_dir=tmp_path)
+        golden_stack.tokenizer.wait_serving(60)
+        assert wait_for(lambda: check(golden_stack.address), timeout=10)
+        assert client.complete(case["request"]["prompt"], **golden_options(case)).text == case["output_text"]

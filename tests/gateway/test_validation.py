@@ -1,0 +1,73 @@
+"""Unit tests of request validation and max_tokens planning (gateway/validation.py)."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+
+from gateway.config import Limits
+from gateway.errors import GatewayError
+from gateway.validation import check_request, plan
+from grok.gateway.v1 import gateway_pb2
+from grok.model.v1 import model_pb2
+
+LIMITS = Limits(max_prompt_bytes=16, max_stop=2, max_stop_chars=4, default_max_tokens=50)
+INFO = model_pb2.GetInfoResponse(config=model_pb2.ModelConfig(vocab_size=100, sequence_len=64), prefill_buckets=[8, 32])
+
+
+def bad_field(**fields: object) -> str:
+    request = gateway_pb2.GenerateRequest(**{"prompt": "hi", **fields})
+    with pytest.raises(GatewayError) as caught:
+        check_request(request, LIMITS)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    return caught.value.message
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x" * 17}, "prompt"),
+    ({"prompt": "é" * 9}, "prompt"),  # 18 bytes, 9 characters
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"top_logprobs": 9}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),
+    ({"stop": ["a", "b", "c"]}, "stop"),
+    ({"stop": ["abcde"]}, "stop[0]"),
+    ({"stop": ["a", ""]}, "stop[1]"),
+])
+def test_bad_parameter_is_invalid_argument_naming_the_field(fields: dict, field: str) -> None:
+    assert bad_field(**fields).startswith(f"{field}:")
+
+
+def test_good_request_passes() -> None:
+    check_request(gateway_pb2.GenerateRequest(prompt="é" * 8, max_tokens=1, temperature=0.5, top_p=1.0,
+                                              top_logprobs=8, stop=["abcd", "x"]), LIMITS)
+
+
+def test_unset_max_tokens_is_default_lowered_to_fit_the_context() -> None:
+    assert plan(gateway_pb2.GenerateRequest(prompt="p"), [5] * 4, INFO, LIMITS).max_tokens == 50
+    assert plan(gateway_pb2.GenerateRequest(prompt="p"), [5] * 30, INFO, LIMITS).max_tokens == 34
+
+
+@pytest.mark.parametrize(("fields", "ids", "field"), [
+    ({"max_tokens": 60}, [5] * 5, "max_tokens"),
+    ({}, [5] * 33, "prompt"),
+    ({"allowed_token_ids": [3, 100]}, [5], "allowed_token_ids"),
+    ({"blocked_token_ids": [-1]}, [5], "blocked_token_ids"),
+])
+def test_plan_rejects_what_does_not_fit_the_model(fields: dict, ids: list[int], field: str) -> None:
+    with pytest.raises(GatewayError) as caught:
+        plan(gateway_pb2.GenerateRequest(prompt="p", **fields), ids, INFO, LIMITS)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.message.startswith(f"{field}:")
+
+
+def test_prompt_plus_max_tokens_equal_to_context_is_allowed() -> None:
+    assert plan(gateway_pb2.GenerateRequest(prompt="p", max_tokens=59), [5] * 5, INFO, LIMITS).max_tokens == 59
