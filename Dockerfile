@@ -1,0 +1,56 @@
+# syntax=docker/dockerfile:1
+# One image for the three services of the stack; the command picks one:
+#   python -m tokenizer_service | python -m model_service | python -m gateway
+# Build for CPU (default) or for NVIDIA GPUs with `--build-arg JAX_CUDA=cuda12`.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# Stage 1: a virtualenv holding exactly the dependencies pinned in pyproject.toml.
+FROM ${PYTHON_IMAGE} AS deps
+# "" keeps the CPU jaxlib; "cuda12" (or "cuda13") adds JAX's CUDA plugin at the same jax version.
+ARG JAX_CUDA=""
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+WORKDIR /build
+COPY pyproject.toml ./
+# The pins come from [project.dependencies]; with JAX_CUDA set, `jax==X` becomes `jax[cuda12]==X`.
+RUN python -m venv /opt/venv \
+ && python -c "import os, tomllib; \
+extra = os.environ.get('JAX_CUDA', ''); \
+deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+deps = [d.replace('jax==', f'jax[{extra}]==', 1) if extra and d.startswith('jax==') else d for d in deps]; \
+open('requirements.txt', 'w').write('\n'.join(deps) + '\n')" \
+ && pip install --no-cache-dir -r requirements.txt
+
+# Stage 2: the embedded default, built once at image build time: the demo SentencePiece model
+# and the demo checkpoint in the released format (random weights, labelled RANDOM_WEIGHTS.txt).
+FROM deps AS demo
+WORKDIR /app
+COPY . .
+ENV JAX_PLATFORMS=cpu
+RUN python -m tokenizer_service.train_demo --out artifacts/demo/tokenizer.model \
+ && python -m model_service.demo_checkpoint --config configs/demo.json --out artifacts/demo/checkpoint
+
+# Stage 3: the runtime: the venv, the source and the demo artifacts; no compilers, no pip cache.
+FROM ${PYTHON_IMAGE} AS runtime
+RUN groupadd --system --gid 10001 grok \
+ && useradd --system --uid 10001 --gid grok --create-home --home-dir /home/grok --shell /usr/sbin/nologin grok \
+ && install -d -o grok -g grok /var/cache/grok
+COPY --from=deps /opt/venv /opt/venv
+WORKDIR /app
+COPY . .
+COPY --from=demo /app/artifacts/demo /app/artifacts/demo
+# PORT only feeds the image's HEALTHCHECK (docker run); the compose file has its own per service.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONPATH=/app \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PORT=50051
+USER 10001:10001
+EXPOSE 50051 50052 50053 9090
+# The servers install their own SIGTERM handler (drain, then exit 0), so exec form keeps
+# python as the process that receives the signal; compose adds `init: true` as well.
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["/bin/sh", "-c", "exec python -m serving_common.healthcheck 127.0.0.1:${PORT}"]
+CMD ["python", "-m", "gateway"]

@@ -1,0 +1,1 @@
+"""Tests of the container deployment: the Dockerfile, the compose files and their commands."""

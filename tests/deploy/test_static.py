@@ -1,0 +1,171 @@
+"""Static checks of the deployment files: Compose v2 and hadolint accept them, and they say what
+the deployment promises (health-gated start, only the gateway published, read-only weights, GPUs,
+a non-root image whose health check speaks grpc.health.v1)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from tests.deploy.compose import (
+    COMPOSE_FILE, DOCKERFILE, GROK1_FILE, build_context_entries, dockerfile_instructions, resolved_config, run_compose, shell_commands,
+    stage, tool)
+from tests.procs import ROOT
+
+SERVICES = {"tokenizer": 50052, "model": 50053, "gateway": 50051}
+
+
+@pytest.fixture(scope="module")
+def default() -> dict:
+    return resolved_config(COMPOSE_FILE)
+
+
+@pytest.fixture(scope="module")
+def grok1() -> dict:
+    return resolved_config(COMPOSE_FILE, GROK1_FILE)
+
+
+@pytest.mark.parametrize("files", [(COMPOSE_FILE,), (COMPOSE_FILE, GROK1_FILE)], ids=["default", "grok1"])
+def test_compose_config_quiet_passes(files: tuple[pathlib.Path, ...]) -> None:
+    done = run_compose(files, "config", "-q")
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr
+
+
+def test_compose_config_rejects_a_broken_file(tmp_path: pathlib.Path) -> None:
+    # The validator really validates: the same file with a dangling depends_on must fail.
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE_FILE.read_text().replace("      tokenizer:\n        condition", "      tokenize:\n        condition"))
+    done = run_compose((broken,), "config", "-q")
+    assert done.returncode != 0 and "tokenize" in done.stderr
+
+
+def test_hadolint_reports_nothing_on_the_dockerfile() -> None:
+    done = subprocess.run([tool("hadolint"), "--failure-threshold", "style", str(DOCKERFILE)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and not done.stdout.strip(), done.stdout + done.stderr
+
+
+def test_gateway_starts_only_after_tokenizer_and_model_are_healthy(default: dict) -> None:
+    deps = default["services"]["gateway"]["depends_on"]
+    assert {name: d["condition"] for name, d in deps.items()} == {
+        "tokenizer": "service_healthy", "model": "service_healthy"}
+
+
+def test_every_service_health_checks_its_own_grpc_port(default: dict) -> None:
+    for name, port in SERVICES.items():
+        svc = default["services"][name]
+        assert svc["environment"][f"GROK_{name.upper()}_PORT"] == str(port)
+        assert svc["healthcheck"]["test"] == [
+            "CMD", "python", "-m", "serving_common.healthcheck", f"127.0.0.1:{port}"]
+
+
+def test_services_run_under_an_init_and_restart_unless_stopped(default: dict) -> None:
+    for name in SERVICES:
+        svc = default["services"][name]
+        assert svc["init"] is True and svc["restart"] == "unless-stopped", name
+
+
+def test_only_gateway_grpc_and_metrics_ports_are_published(default: dict) -> None:
+    published = {name: svc.get("ports", []) for name, svc in default["services"].items()}
+    assert published["tokenizer"] == []
+    gateway = {(p["target"], p.get("published")) for p in published["gateway"]}
+    assert gateway == {(50051, "50051"), (9090, "9090")}
+    # A model replica publishes only its metrics port, on a host port Docker picks (so --scale works).
+    assert [(p["target"], p.get("published")) for p in published["model"]] == [(9090, None)]
+    assert default["services"]["model"]["environment"]["GROK_MODEL_METRICS_PORT"] == "9090"
+    assert default["services"]["gateway"]["environment"]["GROK_GATEWAY_METRICS_PORT"] == "9090"
+    assert {p["host_ip"] for ps in published.values() for p in ps} == {"127.0.0.1"}
+
+
+def test_gateway_finds_model_replicas_through_the_service_name(default: dict) -> None:
+    env = default["services"]["gateway"]["environment"]
+    assert env["GROK_GATEWAY_MODEL"] == "dns:///model:50053"
+    assert "container_name" not in default["services"]["model"]  # a fixed name would forbid --scale
+
+
+def test_publish_address_and_settings_come_from_the_environment() -> None:
+    config = resolved_config(COMPOSE_FILE, env={"GROK_PUBLISH_ADDRESS": "0.0.0.0", "GROK_MODEL_SLOTS": "16",
+                                               "GROK_GATEWAY_PUBLISHED_PORT": "8443"})
+    gateway = config["services"]["gateway"]["ports"]
+    assert {(p["host_ip"], p["published"]) for p in gateway} == {("0.0.0.0", "8443"), ("0.0.0.0", "9090")}
+    assert config["services"]["model"]["environment"]["GROK_MODEL_SLOTS"] == "16"
+
+
+def test_default_profile_serves_the_demo_artifacts_built_into_the_image(default: dict) -> None:
+    model = default["services"]["model"]["environment"]
+    assert model["GROK_MODEL_CONFIG"] == "/app/configs/demo.json"
+    assert model["GROK_MODEL_CHECKPOINT"] == "/app/artifacts/demo/checkpoint"
+    assert default["services"]["tokenizer"]["environment"]["GROK_TOKENIZER_MODEL"] == "/app/artifacts/demo/tokenizer.model"
+    demo = stage(dockerfile_instructions(), "demo")
+    run = " ".join(rest for kw, rest in demo if kw == "RUN")
+    assert "--out artifacts/demo/tokenizer.model" in run and "--out artifacts/demo/checkpoint" in run
+    copies = [rest for kw, rest in stage(dockerfile_instructions(), "runtime") if kw == "COPY"]
+    assert "--from=demo /app/artifacts/demo /app/artifacts/demo" in copies
+
+
+def test_grok1_mounts_weights_read_only_and_reserves_gpus(grok1: dict) -> None:
+    model, tokenizer = grok1["services"]["model"], grok1["services"]["tokenizer"]
+    mounts = {v["target"]: v for v in model["volumes"] + tokenizer["volumes"] if v["type"] == "bind"}
+    assert mounts["/models/checkpoints"]["source"] == str(ROOT / "checkpoints")
+    assert mounts["/models/tokenizer.model"]["source"] == str(ROOT / "tokenizer.model")
+    assert all(m["read_only"] and m["bind"]["create_host_path"] is False for m in mounts.values())
+    assert model["environment"]["GROK_MODEL_CHECKPOINT"] == "/models/checkpoints"
+    assert model["environment"]["GROK_MODEL_CONFIG"] == "grok-1"
+    assert tokenizer["environment"]["GROK_TOKENIZER_MODEL"] == "/models/tokenizer.model"
+    devices = model["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 8, "capabilities": ["gpu"]}]
+    assert model["build"]["args"]["JAX_CUDA"] == "cuda12" and model["environment"]["JAX_PLATFORMS"] == "cuda"
+    assert model["image"] != grok1["services"]["gateway"]["image"]  # the CPU services keep the small image
+
+
+def test_image_runs_as_non_root_and_health_checks_over_grpc() -> None:
+    runtime = stage(dockerfile_instructions(), "runtime")
+    users = [rest for kw, rest in runtime if kw == "USER"]
+    assert users and users[-1].split(":")[0] not in {"0", "root"}
+    (health,) = [rest for kw, rest in runtime if kw == "HEALTHCHECK"]
+    assert "python -m serving_common.healthcheck 127.0.0.1:${PORT}" in health
+
+
+def test_runtime_stage_installs_nothing_and_the_context_is_an_allowlist() -> None:
+    # Build tools and pip caches stay in the deps stage: the runtime stage installs nothing itself.
+    runtime = stage(dockerfile_instructions(), "runtime")
+    runs = " ".join(rest for kw, rest in runtime if kw == "RUN")
+    assert "pip" not in runs and "apt-get" not in runs
+    rules = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+    assert rules[0] == "**", "the build context must start from nothing and allow only source folders"
+    allowed = [line[1:] for line in rules if line.startswith("!")]
+    assert not any(a.startswith(("checkpoints", "artifacts", ".venv", "tokenizer.model")) for a in allowed)
+
+
+def test_dependencies_are_installed_from_the_pinned_pyproject() -> None:
+    deps = stage(dockerfile_instructions(), "deps")
+    assert ("COPY", "pyproject.toml ./") in deps
+    (run,) = [rest for kw, rest in deps if kw == "RUN"]
+    assert "tomllib" in run and "pip install --no-cache-dir -r requirements.txt" in run
+
+
+@pytest.mark.parametrize("jax_cuda, jax_line", [("", "jax==0.10.2"), ("cuda12", "jax[cuda12]==0.10.2")])
+def test_deps_stage_pins_jax_and_adds_the_cuda_extra_only_when_asked(
+        tmp_path: pathlib.Path, jax_cuda: str, jax_line: str) -> None:
+    (run,) = [rest for kw, rest in stage(dockerfile_instructions(), "deps") if kw == "RUN"]
+    (script,) = [cmd for cmd in shell_commands(run) if cmd[:2] == ["python", "-c"]]
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    done = subprocess.run([sys.executable, "-c", script[2]], cwd=tmp_path, env={"JAX_CUDA": jax_cuda},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pins = (tmp_path / "requirements.txt").read_text().split()
+    assert jax_line in pins and "jaxlib==0.10.2" in pins and "grpcio==1.85.1" in pins
+    assert all("==" in pin for pin in pins)
+
+
+def test_build_context_holds_every_package_of_the_project() -> None:
+    # The editable install would hide a package missing from the image in local runs: check by name.
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    allowed = build_context_entries()
+    assert [p for p in packages if p not in allowed] == []
+    assert "configs" in allowed  # the demo stage reads configs/demo.json
