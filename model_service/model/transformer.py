@@ -1,0 +1,145 @@
+"""The Grok-1 network as haiku modules with the reference's parameter names.
+
+Top-level modules: `language_model` (in_out_embed, final rms_norm) and `transformer` (decoder_layer_i with
+multi_head_attention/{query,key,value,linear}, router, moe/{linear,linear_v,linear_1}, rms_norm..rms_norm_3).
+One forward function serves full passes, prefill and decode: the caller supplies positions, the attention
+mask and, for decode, the memory and each slot's write index.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from model_service.config import ModelConfig
+from model_service.kv_memory import KVMemory
+from model_service.model.layers import apply_rope, attention, linear, rms_norm
+from model_service.model.moe import MoELayer, ParamHolder, route
+from model_service.sharding import DATA, MODEL, constrain
+
+Array = jax.Array
+
+
+class Step(NamedTuple):
+    """What one forward call needs besides tokens."""
+
+    positions: Array  # [B, T] int32 rotary positions
+    mask: Array  # [B, T, S] bool, which keys each query sees
+    memory: tuple[KVMemory, ...] | None  # decode: caches to write into; None: keys are this call's tokens
+    write_index: Array | None  # decode: [B] position each slot writes (T == 1)
+
+
+def _norm(name: str, x: Array) -> Array:
+    return rms_norm(x, ParamHolder(name).get("scale", (x.shape[-1],)))
+
+
+def _linear(name: str, x: Array, out: int) -> Array:
+    return linear(x, ParamHolder(name).get("w", (x.shape[-1], out)), small_rows=1)
+
+
+def _write(cache: Array, new: Array, index: Array) -> Array:
+    """cache [B, H, S, D] <- new [B, H, 1, D] at each slot's own index [B]."""
+    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=1))(cache, new, index)
+
+
+class MultiHeadAttention(hk.Module):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, name: str = "multi_head_attention") -> None:
+        super().__init__(name=name)
+        self.t = cfg.model
+        self.mesh = mesh
+
+    def __call__(self, x: Array, step: Step, cache: KVMemory | None) -> tuple[Array, KVMemory]:
+        t, (b, n, _) = self.t, x.shape
+        q = _linear("query", x, t.num_q_heads * t.key_size).reshape(b, n, t.num_q_heads, t.key_size)
+        k = _linear("key", x, t.num_kv_heads * t.key_size).reshape(b, n, t.num_kv_heads, t.key_size)
+        v = _linear("value", x, t.num_kv_heads * t.key_size).reshape(b, n, t.num_kv_heads, t.key_size)
+        q, k = apply_rope(q, step.positions), apply_rope(k, step.positions)
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Hkv, T, D]
+        if cache is not None:
+            k = _write(cache.k, k.astype(cache.k.dtype), step.write_index)
+            v = _write(cache.v, v.astype(cache.v.dtype), step.write_index)
+        q = constrain(q, self.mesh, P(DATA, None, MODEL, None))
+        k, v = (constrain(a, self.mesh, P(DATA, MODEL, None, None)) for a in (k, v))
+        out = attention(q, k.astype(q.dtype), v.astype(q.dtype), step.mask, t.attn_output_multiplier)
+        return _linear("linear", out, x.shape[-1]), KVMemory(k, v)
+
+
+class DecoderLayer(hk.Module):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, name: str) -> None:
+        super().__init__(name=name)
+        self.cfg = cfg
+        self.mesh = mesh
+
+    def __call__(self, h: Array, step: Step, cache: KVMemory | None) -> tuple[Array, KVMemory]:
+        t = self.cfg.model
+        attn, kv = MultiHeadAttention(self.cfg, self.mesh)(_norm("rms_norm", h), step, cache)
+        h = self._constrain(h + _norm("rms_norm_1", attn))
+        moe_in = _norm("rms_norm_2", h)
+        b, n, d = moe_in.shape
+        router_w = ParamHolder("router").get("w", (d, t.num_experts))
+        routing = route(moe_in.reshape(b * n, d), router_w, t.num_selected_experts)
+        moe_out = MoELayer(t.num_experts, t.ffn_size)(moe_in, routing)
+        return self._constrain(h + _norm("rms_norm_3", moe_out)), kv
+
+    def _constrain(self, h: Array) -> Array:
+        spec = P(DATA, None, MODEL) if self.cfg.model.shard_activations else P(DATA)
+        return constrain(h, self.mesh, spec)
+
+
+class Transformer(hk.Module):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, name: str = "transformer") -> None:
+        super().__init__(name=name)
+        self.cfg = cfg
+        self.mesh = mesh
+
+    def __call__(self, h: Array, step: Step) -> tuple[Array, tuple[KVMemory, ...]]:
+        caches = []
+        for i in range(self.cfg.model.num_layers):
+            cache = step.memory[i] if step.memory is not None else None
+            h, kv = DecoderLayer(self.cfg, self.mesh, name=f"decoder_layer_{i}")(h, step, cache)
+            caches.append(kv)
+        return h, tuple(caches)
+
+
+class LanguageModelParams(NamedTuple):
+    """The `language_model` scope: tied embedding table and final norm scale."""
+
+    embeddings: Array  # [V, D]
+    norm_scale: Array  # [D]
+
+
+def language_model_params(cfg: ModelConfig) -> LanguageModelParams:
+    with hk.name_scope("language_model"):
+        table = ParamHolder("in_out_embed").get("embeddings", (cfg.vocab_size, cfg.model.emb_size))
+        scale = ParamHolder("rms_norm").get("scale", (cfg.model.emb_size,))
+    return LanguageModelParams(table, scale)
+
+
+def embed(cfg: ModelConfig, lm: LanguageModelParams, tokens: Array, dtype: jnp.dtype) -> Array:
+    """tokens [B, T] -> [B, T, D] in `dtype`, times embedding_multiplier_scale."""
+    x = jnp.take(lm.embeddings, tokens, axis=0).astype(dtype)
+    return x * jnp.asarray(cfg.embedding_multiplier_scale, dtype)
+
+
+def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array) -> Array:
+    """Final norm, then the tied unembedding: h [..., D] -> float32 logits [..., V]."""
+    h = rms_norm(h, lm.norm_scale)
+    out = jnp.einsum("...d,vd->...v", h.astype(jnp.float32), lm.embeddings.astype(jnp.float32))
+    if h.dtype != jnp.float32:  # the reference's product and multiplier round to the compute dtype
+        return (out.astype(h.dtype) * jnp.asarray(cfg.output_multiplier_scale, h.dtype)).astype(jnp.float32)
+    return out * jnp.float32(cfg.output_multiplier_scale)
+
+
+def forward(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: Step,
+            last_index: Array | None) -> tuple[Array, tuple[KVMemory, ...]]:
+    """Haiku-transformed body. Returns float32 logits ([B, V] at `last_index` [B], else [B, T, V]) and caches."""
+    lm = language_model_params(cfg)
+    x = constrain(embed(cfg, lm, tokens, dtype), mesh, P(DATA, None, MODEL))
+    h, caches = Transformer(cfg, mesh)(x, step)
+    if last_index is not None:
+        h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]  # [B, D]
+    return unembed(cfg, lm, h), caches

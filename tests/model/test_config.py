@@ -1,0 +1,65 @@
+"""Model/mesh configuration: presets, JSON files, validation messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import pytest
+
+from model_service.config import ConfigError, MeshConfig, load_model_config, validate
+from model_service.sharding import make_mesh
+from tests.procs import GOLDEN, ROOT
+
+
+def test_grok1_preset_has_the_reference_run_py_values() -> None:
+    cfg = load_model_config("grok-1")
+    assert (cfg.vocab_size, cfg.sequence_len, cfg.pad_token, cfg.eos_token) == (131072, 8192, 0, 2)
+    t = cfg.model
+    assert (t.emb_size, t.key_size, t.num_q_heads, t.num_kv_heads, t.num_layers) == (6144, 128, 48, 8, 64)
+    assert (t.num_experts, t.num_selected_experts, t.ffn_size) == (8, 2, 32768)
+    validate(cfg, MeshConfig(1, 8))
+
+
+def test_golden_and_demo_json_files_load_and_validate() -> None:
+    golden = load_model_config(str(GOLDEN / "config.json"))
+    assert golden.model.ffn_size == 688 and golden.embedding_multiplier_scale == pytest.approx(78.38367176906169)
+    demo = load_model_config(str(ROOT / "configs" / "demo.json"))
+    assert (demo.vocab_size, demo.model.emb_size, demo.model.num_layers, demo.sequence_len) == (1024, 256, 4, 512)
+    validate(demo, MeshConfig(1, 4))
+
+
+def test_unknown_or_missing_fields_are_named(tmp_path: pathlib.Path) -> None:
+    values = json.loads((GOLDEN / "config.json").read_text())
+    values["model"]["num_expertz"] = values["model"].pop("num_experts")
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(values))
+    with pytest.raises(ConfigError, match=r"unknown fields \['num_expertz'\], missing fields \['num_experts'\]"):
+        load_model_config(str(path))
+    with pytest.raises(ConfigError, match="neither a preset"):
+        load_model_config(str(tmp_path / "nope.json"))
+
+
+def test_validation_explains_heads_not_divisible_by_the_model_axis() -> None:
+    cfg = load_model_config(str(GOLDEN / "config.json"))
+    with pytest.raises(ConfigError, match=r"num_kv_heads \(8\) is not divisible by the model axis \(16\)"):
+        validate(cfg, MeshConfig(1, 16))
+    with pytest.raises(ConfigError, match=r"num_q_heads \(16\) is not divisible by the model axis \(3\)"):
+        validate(cfg, MeshConfig(1, 3))
+
+
+def test_validation_explains_more_selected_experts_than_experts() -> None:
+    cfg = load_model_config(str(GOLDEN / "config.json"))
+    bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_selected_experts=9))
+    with pytest.raises(ConfigError, match=r"num_selected_experts \(9\) exceeds num_experts \(8\)"):
+        validate(bad, MeshConfig())
+
+
+def test_mesh_parsing_and_device_count_errors() -> None:
+    assert MeshConfig.parse("2,4") == MeshConfig(2, 4)
+    for text in ("8", "a,b", "0,1", "1,2,3"):
+        with pytest.raises(ConfigError):
+            MeshConfig.parse(text)
+    with pytest.raises(ConfigError, match="needs 16 devices but only 8"):
+        make_mesh(MeshConfig(4, 4))

@@ -1,0 +1,140 @@
+"""GrokModel's engine-facing behaviour: per-slot decode positions, insert, clamping, pad masking, MoE routing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model_service.model.layers import ExpertStack, QuantizedWeight
+from model_service.model.moe import ExpertWeights, Routing, experts_by_cond, grouped_experts, pick_tile
+
+rng = np.random.default_rng(0)
+
+
+def _prompt(n: int, vocab: int = 64) -> np.ndarray:
+    return rng.integers(3, vocab, n).astype(np.int32)
+
+
+def _prefix(tiny, prompt: np.ndarray, bucket: int = 16):
+    toks = np.zeros((1, bucket), np.int32)
+    toks[0, : len(prompt)] = prompt
+    return tiny.prefill(tiny.params, jnp.asarray(toks), jnp.int32(len(prompt)))
+
+
+def test_decode_continues_a_prefill_exactly_like_a_full_forward_pass(tiny) -> None:
+    seq = _prompt(12)
+    full = np.asarray(tiny.forward(tiny.params, jnp.asarray(seq[None])))[0]
+    logits, prefix = _prefix(tiny, seq[:5])
+    np.testing.assert_allclose(np.asarray(logits)[0], full[4], atol=1e-4)
+    memory = tiny.insert(tiny.model.init_memory(2), prefix, jnp.int32(1))
+    for i in range(5, 12):
+        step, memory = tiny.decode(tiny.params, jnp.asarray([7, seq[i]], jnp.int32), memory)
+        np.testing.assert_allclose(np.asarray(step)[1], full[i], atol=1e-4)
+    assert np.asarray(memory.positions)[1] == 12
+
+
+def test_slots_decode_at_their_own_positions_independently(tiny) -> None:
+    a, b = _prompt(4), _prompt(9)
+    (_, pa), (_, pb) = _prefix(tiny, a), _prefix(tiny, b)
+    batch = tiny.insert(tiny.insert(tiny.model.init_memory(3), pa, jnp.int32(0)), pb, jnp.int32(2))
+    alone = tiny.insert(tiny.model.init_memory(3), pa, jnp.int32(0))
+    for tok in (5, 6, 7):
+        lb, batch = tiny.decode(tiny.params, jnp.asarray([tok, 9, tok + 1], jnp.int32), batch)
+        la, alone = tiny.decode(tiny.params, jnp.asarray([tok, 3, 3], jnp.int32), alone)
+        np.testing.assert_allclose(np.asarray(lb)[0], np.asarray(la)[0], atol=1e-5)
+    assert list(np.asarray(batch.positions)) == [7, 3, 12]
+
+
+def test_a_slot_at_the_end_of_memory_clamps_and_leaves_other_slots_untouched(tiny) -> None:
+    s = tiny.cfg.sequence_len
+    _, prefix = _prefix(tiny, _prompt(s), bucket=s)
+    memory = tiny.insert(tiny.model.init_memory(2), prefix, jnp.int32(0))
+    other_k = np.asarray(memory.layers[0].k[1]).copy()  # [H, S, D]
+    for _ in range(3):
+        logits, memory = tiny.decode(tiny.params, jnp.asarray([4, 5], jnp.int32), memory)
+        assert np.isfinite(np.asarray(logits)).all()
+    assert list(np.asarray(memory.positions)) == [s, 3]
+    assert not np.array_equal(np.asarray(memory.layers[0].k[1]), other_k)  # slot 1 wrote its own rows 0..2
+    np.testing.assert_array_equal(np.asarray(memory.layers[0].k[1, :, 3:]), other_k[:, 3:])
+
+
+def test_insert_resets_the_slot_position_and_copies_the_prefix(tiny) -> None:
+    _, long_prefix = _prefix(tiny, _prompt(11))
+    _, short_prefix = _prefix(tiny, _prompt(3))
+    memory = tiny.insert(tiny.model.init_memory(2), long_prefix, jnp.int32(1))
+    _, memory = tiny.decode(tiny.params, jnp.asarray([4, 5], jnp.int32), memory)
+    memory = tiny.insert(memory, short_prefix, jnp.int32(1))
+    assert list(np.asarray(memory.positions)) == [1, 3]
+    np.testing.assert_array_equal(np.asarray(memory.layers[1].v[1, :, :16]), np.asarray(short_prefix.layers[1].v[0]))
+
+
+def test_pad_tokens_in_a_prompt_are_masked_as_keys(tiny) -> None:
+    prompt = _prompt(8)
+    prompt[3] = tiny.cfg.pad_token
+    base, _ = _prefix(tiny, prompt)
+    params = jax.tree.map(lambda x: x, tiny.params)
+    table = params["language_model/in_out_embed"]["embeddings"]
+    params["language_model/in_out_embed"] = {"embeddings": table.at[tiny.cfg.pad_token].set(5.0)}
+    toks = np.zeros((1, 16), np.int32)
+    toks[0, :8] = prompt
+    changed, _ = tiny.prefill(params, jnp.asarray(toks), jnp.int32(8))
+    # the table is tied, so only the pad id's own logit may move
+    np.testing.assert_allclose(np.asarray(changed)[:, 1:], np.asarray(base)[:, 1:], atol=1e-5)
+    # the pad position is not simply ignored: putting a real token there changes the output
+    toks[0, 3] = 1
+    other, _ = tiny.prefill(tiny.params, jnp.asarray(toks), jnp.int32(8))
+    assert not np.allclose(np.asarray(other)[:, 1:], np.asarray(base)[:, 1:], atol=1e-3)
+
+
+def _experts(e: int, d: int, f: int) -> ExpertWeights:
+    def q(shape: tuple[int, int], blocks: int, n: int) -> ExpertStack:
+        return ExpertStack(tuple(QuantizedWeight(jnp.asarray(rng.integers(-127, 128, shape), jnp.int8),
+                                                 jnp.asarray(rng.uniform(0.001, 0.01, (blocks, n)), jnp.float32))
+                                 for _ in range(e)))
+    # column-parallel stored [E, N, K]; row-parallel (8 block scales) stored [E, K, N]
+    return ExpertWeights(q((f, d), 1, f), q((f, d), 1, f), q((f, d), 8, d))
+
+
+def _dense_reference(x: np.ndarray, routing: Routing, w: ExpertWeights) -> np.ndarray:
+    def deq(q: ExpertStack, e: int) -> np.ndarray:  # [N, K] float64
+        wt, sc = np.asarray(q.experts[e].weight, np.float64), np.asarray(q.experts[e].scales, np.float64)
+        if sc.shape[0] == 1:
+            return wt * sc[0][:, None]
+        k, n = wt.shape
+        return (wt.reshape(8, k // 8, n) * sc[:, None, :]).reshape(k, n).T
+    gelu = lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))  # noqa: E731
+    out = np.zeros(x.shape)
+    for m in range(x.shape[0]):
+        for gate, e in zip(np.asarray(routing.gates[m]), np.asarray(routing.experts[m])):
+            h = gelu(deq(w.linear, e) @ x[m]) * (deq(w.linear_v, e) @ x[m])
+            out[m] += gate * (deq(w.linear_1, e) @ h)
+    return out
+
+
+@pytest.mark.parametrize("m,tile", [(1, 1), (5, 5), (8, 8), (40, 8), (40, 3)])
+def test_grouped_experts_equal_the_dense_per_token_sum(m: int, tile: int) -> None:
+    w = _experts(8, 16, 32)
+    x = rng.standard_normal((m, 16)).astype(np.float32)
+    experts = np.stack([rng.permutation(8)[:2] for _ in range(m)]).astype(np.int32)
+    routing = Routing(jnp.asarray(rng.uniform(0.1, 0.5, (m, 2)), jnp.float32), jnp.asarray(experts))
+    want = _dense_reference(x, routing, w)
+    got = jax.jit(grouped_experts, static_argnums=3)(jnp.asarray(x), routing, w, tile)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(jax.jit(experts_by_cond)(jnp.asarray(x), routing, w)), want,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_unselected_experts_are_never_computed() -> None:
+    w = _experts(8, 16, 32)
+    nan = [q._replace(scales=q.scales * jnp.nan) if e >= 5 else q for e, q in enumerate(w.linear.experts)]
+    poisoned = w._replace(linear=ExpertStack(tuple(nan)))
+    x = jnp.asarray(rng.standard_normal((6, 16)), jnp.float32)
+    routing = Routing(jnp.full((6, 2), 0.5, jnp.float32), jnp.asarray(rng.integers(0, 5, (6, 2)), jnp.int32))
+    for tile in (pick_tile(6, 2, 8), 2):
+        assert np.isfinite(np.asarray(grouped_experts(x, routing, poisoned, tile))).all()
+    assert np.isfinite(np.asarray(experts_by_cond(x, routing, poisoned))).all()
+    routing = routing._replace(experts=routing.experts.at[0, 0].set(6))
+    assert not np.isfinite(np.asarray(grouped_experts(x, routing, poisoned, 2))).all()
+    assert not np.isfinite(np.asarray(experts_by_cond(x, routing, poisoned))).all()

@@ -1,0 +1,88 @@
+"""Parity with the reference's recorded outputs (../shared/golden) on meshes (1,1) and (1,8)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+PAD_TO = 64
+PROMPTS = range(4)
+MESHES = ["1,1", "1,8"]
+STEPS = 24
+
+
+def _padded(prompt: np.ndarray) -> np.ndarray:
+    toks = np.zeros((1, PAD_TO), np.int32)
+    toks[0, : len(prompt)] = prompt
+    return toks
+
+
+def _prefill_all(loaded, gold):
+    out = {}
+    for p in PROMPTS:
+        prompt = gold[f"p{p}_prompt"]
+        out[p] = loaded.prefill(loaded.params, jnp.asarray(_padded(prompt)), jnp.int32(len(prompt)))
+    return out
+
+
+def _decode_batch(loaded, prefixes, first_tokens, forced=None):
+    """Decode the four prompts side by side (one slot each, different positions). forced: [4, STEPS] tokens
+    to feed instead of the argmax (teacher forcing). Returns (tokens [4, STEPS], logits [4, STEPS, V])."""
+    memory = loaded.model.init_memory(len(PROMPTS))
+    for slot, prefix in prefixes.items():
+        memory = loaded.insert(memory, prefix, jnp.int32(slot))
+    tokens, logits = [np.asarray(first_tokens)], []
+    current = jnp.asarray(first_tokens if forced is None else forced[:, 0], jnp.int32)
+    for step in range(1, STEPS):
+        step_logits, memory = loaded.decode(loaded.params, current, memory)
+        logits.append(np.asarray(step_logits))
+        chosen = np.asarray(step_logits).argmax(-1)
+        tokens.append(chosen)
+        current = jnp.asarray(chosen if forced is None else forced[:, step], jnp.int32)
+    return np.stack(tokens, 1), np.stack(logits, 1)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_float32_prefill_full_logits_and_greedy_match_reference(golden_model, golden_npz, mesh):
+    loaded, gold = golden_model(mesh, "float32"), golden_npz["fp32"]
+    prefilled = _prefill_all(loaded, gold)
+    full = np.asarray(loaded.forward(loaded.params, jnp.asarray(np.concatenate(
+        [_padded(gold[f"p{p}_prompt"]) for p in PROMPTS]))))
+    first = []
+    for p in PROMPTS:
+        n = len(gold[f"p{p}_prompt"])
+        last = np.asarray(prefilled[p][0])[0]
+        np.testing.assert_allclose(last, gold[f"p{p}_prefill_last_logits"], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(full[p, :n], gold[f"p{p}_full_logits"], atol=1e-4, rtol=0)
+        first.append(last.argmax())
+    tokens, logits = _decode_batch(loaded, {p: prefilled[p][1] for p in PROMPTS}, np.array(first))
+    for p in PROMPTS:
+        np.testing.assert_array_equal(tokens[p], gold[f"p{p}_greedy_tokens"], err_msg=f"prompt {p}")
+        np.testing.assert_allclose(logits[p], gold[f"p{p}_step_logits"][1:], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_bfloat16_prefill_logits_and_confident_greedy_steps_match_reference(golden_model, golden_npz, mesh):
+    loaded, gold = golden_model(mesh, "bfloat16"), golden_npz["bf16"]
+    prefilled = _prefill_all(loaded, gold)
+    first = []
+    for p in PROMPTS:
+        last = np.asarray(prefilled[p][0])[0]
+        assert np.abs(last - gold[f"p{p}_prefill_last_logits"]).max() < 0.3, f"prompt {p}"
+        first.append(last.argmax())
+    prefixes = {p: prefilled[p][1] for p in PROMPTS}
+    tokens, _ = _decode_batch(loaded, prefixes, np.array(first))
+    # Teacher-forced with the recorded tokens, every decode step is comparable with the recorded logits.
+    forced = np.stack([gold[f"p{p}_greedy_tokens"] for p in PROMPTS])
+    _, forced_logits = _decode_batch(loaded, prefixes, forced[:, 0], forced=forced)
+    for p in PROMPTS:
+        margins = gold[f"p{p}_top2_margin"]
+        confident = np.cumprod(margins >= 0.3).astype(bool)  # up to the first low-margin step
+        np.testing.assert_array_equal(tokens[p][confident], gold[f"p{p}_greedy_tokens"][confident])
+        sure = margins[1:] >= 0.3
+        np.testing.assert_array_equal(forced_logits[p].argmax(-1)[sure], forced[p, 1:][sure], err_msg=f"prompt {p}")
+        # bfloat16 paths drift between equivalent programs and an occasional low-margin routing flip moves one
+        # step (golden/README.md); typical steps stay close to the recorded logits.
+        step_err = np.abs(forced_logits[p] - gold[f"p{p}_step_logits"][1:]).mean(-1)
+        assert np.median(step_err) < 0.05 and np.mean(step_err < 0.1) >= 0.9, f"prompt {p}: {step_err}"

@@ -1,0 +1,53 @@
+"""Partition rules, shardings of params/memory, and agreement across meshes (1,1), (1,8), (2,4)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from model_service.config import MeshConfig
+from model_service.sharding import fit_spec, make_mesh, spec_for_path
+
+
+def test_rules_map_parameter_paths_to_specs() -> None:
+    assert spec_for_path("transformer/decoder_layer_3/moe/linear_v/w/experts/7/weight") == P("model", None)
+    assert spec_for_path("transformer/decoder_layer_3/moe/linear_1/w/experts/0/scales") == P(None, None)
+    assert spec_for_path("transformer/decoder_layer_0/multi_head_attention/key/w/weight") == P("model", None)
+    assert spec_for_path("transformer/decoder_layer_0/rms_norm_2/scale") == P(None)
+    assert spec_for_path("something/else") == P()
+
+
+def test_axes_that_do_not_divide_a_dimension_fall_back_to_replication() -> None:
+    mesh = make_mesh(MeshConfig(2, 4))
+    assert fit_spec(P("data", None, "model"), (1, 5, 8), mesh) == P(None, None, "model")
+    assert fit_spec(P("data", None, "model"), (4, 5, 6), mesh) == P("data", None, None)
+
+
+def test_loaded_weights_and_memory_are_sharded_over_the_mesh(golden_model) -> None:
+    loaded = golden_model("1,8", "float32")
+    w = loaded.params["transformer/decoder_layer_0/moe/linear"]["w"].experts[2].weight  # [F, D]
+    assert w.dtype == jnp.int8 and w.sharding.spec == P("model", None)
+    assert w.addressable_shards[0].data.shape == (688 // 8, 128)
+    shardings = loaded.model.params_shardings(loaded.params)
+    assert shardings["transformer/decoder_layer_1/moe/linear_1"]["w"].experts[0].weight.spec == P("model", None)
+    assert shardings["transformer/decoder_layer_1/multi_head_attention/query"]["w"].weight.spec == P("model", None)
+    mem = loaded.model.memory_shardings(4)
+    assert mem.layers[0].k.spec == P("data", "model", None, None) and mem.positions.spec == P("data")
+
+
+def test_meshes_1x1_1x8_2x4_agree_on_prefill_and_decode(golden_model, golden_npz) -> None:
+    prompt = golden_npz["fp32"]["p1_prompt"]
+    toks = np.zeros((1, 64), np.int32)
+    toks[0, : len(prompt)] = prompt
+    results = []
+    for mesh in ("1,1", "1,8", "2,4"):
+        loaded = golden_model(mesh, "float32")
+        logits, prefix = loaded.prefill(loaded.params, jnp.asarray(toks), jnp.int32(len(prompt)))
+        memory = loaded.insert(loaded.model.init_memory(4), prefix, jnp.int32(2))
+        memory = loaded.model.insert(memory, prefix, jnp.int32(0))
+        step, memory = loaded.decode(loaded.params, jnp.asarray([5, 6, 7, 8], jnp.int32), memory)
+        results.append((np.asarray(logits), np.asarray(step)))
+    for logits, step in results[1:]:
+        np.testing.assert_allclose(logits, results[0][0], atol=1e-4)
+        np.testing.assert_allclose(step, results[0][1], atol=1e-4)
