@@ -1,0 +1,204 @@
+"""The Engine: jitted prefill / insert / generate / free_slot over the network (JetStream's split).
+
+The engine never sees a request. Its whole decode-time state is one immutable pytree, `DecodeState`
+(the batched KV memory plus, per slot, the last token, the PRNG key and the sampling settings),
+passed in and returned by every call with its buffers donated and its shardings fixed as a matching
+pytree. A prefill runs one prompt, padded to a bucket, into a batch-1 `Prefix` that already holds
+the first sampled token; `insert` copies it into a slot. Every bucket's prefill, the insert, the
+decode step and free_slot are compiled by `compile_all()` before the service reports SERVING.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from model_service.config import ModelConfig
+from model_service.sampling import (
+    SampleResult,
+    SamplingParams,
+    build_mask,
+    sample_tokens,
+    seed_key,
+    split_key,
+    split_keys,
+)
+
+log = logging.getLogger(__name__)
+
+
+class DecodeState(NamedTuple):
+    """Everything the decode step reads and writes, for all slots."""
+
+    memory: Any  # the model's Memory pytree, batch = slots
+    tokens: jax.Array  # [B] int32, each slot's last sampled token (the next step's input)
+    keys: jax.Array  # [B, 2] uint32, each slot's PRNG key (split before every draw)
+    sampling: SamplingParams  # [B] / [B, V]
+
+
+class Prefix(NamedTuple):
+    """One prefilled prompt, ready to be inserted into a slot."""
+
+    memory: Any  # Memory, batch 1
+    token: jax.Array  # [] int32, the first sampled token
+    key: jax.Array  # [2] uint32, the key to split for the next draw
+    sampling: SamplingParams  # [1] / [1, V]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Host copy of a SampleResult: what the scheduler reads after each prefill or decode step."""
+
+    token: np.ndarray  # [B] int32
+    prob: np.ndarray  # [B] float32
+    top_ids: np.ndarray  # [B, TOP_K] int32
+    top_probs: np.ndarray  # [B, TOP_K] float32
+    bad: np.ndarray  # [B] bool
+
+    @classmethod
+    def from_device(cls, result: SampleResult) -> "StepOutput":
+        host = jax.device_get(result)
+        return cls(host.token, host.prob, host.top_ids, host.top_probs, host.bad)
+
+
+def choose_buckets(buckets: Sequence[int], sequence_len: int) -> tuple[int, ...]:
+    """Sorted, unique prefill buckets; each must fit the context."""
+    chosen = tuple(sorted(set(buckets)))
+    if not chosen or chosen[0] < 1 or chosen[-1] > sequence_len:
+        raise ValueError(f"prefill buckets {list(buckets)} must be non-empty and within 1..{sequence_len} "
+                         "(the model's sequence_len)")
+    return chosen
+
+
+class Engine:
+    """Prefill, insert, generate and free_slot for `slots` concurrent sequences of one GrokModel."""
+
+    def __init__(self, model: Any, params: Any, cfg: ModelConfig, mesh: Mesh, slots: int,
+                 buckets: Sequence[int]) -> None:
+        self.model = model
+        self.params = params
+        self.mesh = mesh
+        self.slots = slots
+        self.buckets = choose_buckets(buckets, cfg.sequence_len)
+        self.sequence_len = cfg.sequence_len
+        self.vocab_size = cfg.vocab_size
+        self.eos_id = cfg.eos_token
+        self.pad_id = cfg.pad_token
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self.state_shardings = DecodeState(
+            memory=model.memory_shardings(slots), tokens=replicated, keys=replicated,
+            sampling=SamplingParams(replicated, replicated, replicated, replicated))
+        self.params_shardings = model.params_shardings(params)
+        self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
+        self._prefill = jax.jit(self._prefill_impl)
+        self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self.state_shardings)
+        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
+                                 in_shardings=(self.params_shardings, self.state_shardings),
+                                 out_shardings=(self.state_shardings, None))
+        self._free = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=self.state_shardings)
+
+    # ---- pure functions (jitted above) ------------------------------------------------------
+    def _init_impl(self) -> DecodeState:
+        b = self.slots
+        return DecodeState(
+            memory=self.model.init_memory(b), tokens=jnp.full((b,), self.pad_id, jnp.int32),
+            keys=jnp.zeros((b, 2), jnp.uint32),
+            sampling=SamplingParams(jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.float32),
+                                    jnp.ones((b, self.vocab_size), bool), jnp.zeros((b,), bool)))
+
+    def _prefill_impl(self, params: Any, tokens: jax.Array, length: jax.Array, seed: jax.Array,
+                      temperature: jax.Array, top_p: jax.Array, mask: jax.Array) -> tuple[Prefix, SampleResult]:
+        # tokens [1, T] int32 (T = bucket), length [] int32, seed [] uint32, mask [V] bool
+        logits, memory = self.model.prefill(params, tokens, length)  # [1, V]
+        rest, draw = split_key(seed_key(seed))
+        sampling = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool))
+        result = sample_tokens(draw[None], logits, sampling)
+        return Prefix(memory, result.token[0], rest, sampling), result
+
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeState:
+        return DecodeState(
+            memory=self.model.insert(state.memory, prefix.memory, slot),
+            tokens=state.tokens.at[slot].set(prefix.token),
+            keys=state.keys.at[slot].set(prefix.key),
+            sampling=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.sampling, prefix.sampling))
+
+    def _generate_impl(self, params: Any, state: DecodeState) -> tuple[DecodeState, SampleResult]:
+        logits, memory = self.model.decode(params, state.tokens, state.memory)  # [B, V]
+        rest, draw = split_keys(state.keys)
+        result = sample_tokens(draw, logits, state.sampling)
+        return DecodeState(memory, result.token, rest, state.sampling), result
+
+    def _free_impl(self, state: DecodeState, slot: jax.Array) -> DecodeState:
+        # A free slot keeps computing (its output is discarded); give it neutral inputs so nothing
+        # of the finished request lingers in the state.
+        sampling = SamplingParams(state.sampling.temperature.at[slot].set(0.0),
+                                  state.sampling.top_p.at[slot].set(1.0),
+                                  state.sampling.mask.at[slot].set(True), state.sampling.active.at[slot].set(False))
+        return DecodeState(state.memory, state.tokens.at[slot].set(self.pad_id),
+                           state.keys.at[slot].set(jnp.zeros((2,), jnp.uint32)), sampling)
+
+    # ---- host API ---------------------------------------------------------------------------
+    def bucket_for(self, length: int) -> int:
+        i = bisect.bisect_left(self.buckets, length)
+        if i == len(self.buckets):
+            raise ValueError(f"prompt of {length} tokens exceeds the largest prefill bucket {self.buckets[-1]}")
+        return self.buckets[i]
+
+    def init_decode_state(self) -> DecodeState:
+        return self._init()
+
+    def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
+                allowed: Sequence[int] = (), blocked: Sequence[int] = ()) -> tuple[Prefix, StepOutput]:
+        """Run one prompt; returns the prefix to insert and its first token (host arrays, batch 1)."""
+        n = len(tokens)
+        padded = np.full((1, self.bucket_for(n)), self.pad_id, np.int32)
+        padded[0, :n] = tokens
+        mask = build_mask(self.vocab_size, self.pad_id, allowed, blocked)
+        prefix, result = self._prefill(self.params, padded, np.int32(n), np.uint32(seed),
+                                       np.float32(temperature), np.float32(top_p), mask)
+        return prefix, StepOutput.from_device(result)
+
+    def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
+        return self._insert(prefix, state, np.int32(slot))
+
+    def generate(self, state: DecodeState) -> tuple[DecodeState, StepOutput]:
+        """One decode step for every slot; returns the new state and each slot's token."""
+        state, result = self._generate(self.params, state)
+        return state, StepOutput.from_device(result)
+
+    def free_slot(self, state: DecodeState, slot: int) -> DecodeState:
+        return self._free(state, np.int32(slot))
+
+    def compile_all(self) -> dict[str, float]:
+        """Compile (by running) every bucket's prefill and insert, the decode step and free_slot.
+
+        Returns seconds per program; with a warm persistent compilation cache these are loads.
+        """
+        timings: dict[str, float] = {}
+        start = time.monotonic()
+        state = jax.block_until_ready(self.init_decode_state())
+        timings["init"] = time.monotonic() - start
+        for bucket in self.buckets:  # the prefix (and so insert) has the bucket's length
+            start = time.monotonic()
+            prefix, _ = self.prefill([self.eos_id] * bucket, seed=0, temperature=1.0, top_p=1.0)
+            timings[f"prefill_{bucket}"] = time.monotonic() - start
+            start = time.monotonic()
+            state = jax.block_until_ready(self.insert(prefix, state, 0))
+            timings[f"insert_{bucket}"] = time.monotonic() - start
+        start = time.monotonic()
+        state = jax.block_until_ready(self.generate(state)[0])
+        timings["generate"] = time.monotonic() - start
+        start = time.monotonic()
+        jax.block_until_ready(self.free_slot(state, 0))
+        timings["free_slot"] = time.monotonic() - start
+        log.info("compiled", extra={k: round(v, 3) for k, v in timings.items()})
+        return timings

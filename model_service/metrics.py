@@ -1,0 +1,57 @@
+"""Prometheus metrics of the model service, in a registry of their own (so tests can run several).
+
+The scheduler reports slots, queue depth, step durations, tokens and finish reasons through the
+`SchedulerMetrics` hooks; the servicer counts finished RPCs by gRPC status code.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from model_service.scheduler import FinishReason, SchedulerMetrics
+
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics(SchedulerMetrics):
+    """The model service's metrics; `serve(port)` exposes them on /metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.active_slots = Gauge("grok_model_active_slots", "Batch slots holding a request", registry=r)
+        self.queue_depth = Gauge("grok_model_queue_depth", "Requests waiting for a slot", registry=r)
+        self.prefill_seconds = Histogram("grok_model_prefill_seconds", "Duration of one prefill",
+                                         buckets=_STEP_BUCKETS, registry=r)
+        self.decode_step_seconds = Histogram("grok_model_decode_step_seconds", "Duration of one decode step "
+                                             "(all slots)", buckets=_STEP_BUCKETS, registry=r)
+        self.generated_tokens = Counter("grok_model_generated_tokens", "Tokens generated", registry=r)
+        self.finish_reasons = Counter("grok_model_requests_finished", "Requests that completed, by finish reason",
+                                      ["finish_reason"], registry=r)
+        self.status_codes = Counter("grok_model_requests", "Generate calls by final gRPC status code",
+                                    ["code"], registry=r)
+
+    def set_active(self, n: int) -> None:
+        self.active_slots.set(n)
+
+    def set_queued(self, n: int) -> None:
+        self.queue_depth.set(n)
+
+    def observe_prefill(self, seconds: float) -> None:
+        self.prefill_seconds.observe(seconds)
+
+    def observe_step(self, seconds: float) -> None:
+        self.decode_step_seconds.observe(seconds)
+
+    def add_tokens(self, n: int) -> None:
+        self.generated_tokens.inc(n)
+
+    def finished(self, reason: FinishReason) -> None:
+        self.finish_reasons.labels(finish_reason=reason.value).inc()
+
+    def rpc_done(self, code_name: str) -> None:
+        self.status_codes.labels(code=code_name).inc()
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Start the /metrics HTTP endpoint (a daemon thread)."""
+        start_http_server(port, addr=host, registry=self.registry)

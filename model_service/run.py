@@ -1,0 +1,110 @@
+"""`python -m model_service.run`: one offline completion, like the reference's run.py.
+
+Loads the weights, tokenizes the prompt with SentencePiece (no BOS, as the reference), generates
+through the same Engine and Scheduler the service uses (so sampling, seeds and stop rules are
+identical), and prints only the completion text on stdout; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+from model_service.config import ConfigError, MeshConfig
+from serving_common import logs
+from serving_common.flags import EnvArgumentParser, positive_int
+
+
+def parser() -> EnvArgumentParser:
+    p = EnvArgumentParser(env_prefix="GROK_RUN", prog="python -m model_service.run",
+                          description="Generate one completion offline and print it on stdout.")
+    p.add_env_argument("--config", required=True, help="model preset (grok-1) or JSON config file")
+    p.add_env_argument("--checkpoint", default=None, help="directory containing ckpt-0/")
+    p.add_env_argument("--random-init", action="store_true", default=False, help="use random weights")
+    p.add_env_argument("--tokenizer", required=True, help="SentencePiece model file")
+    p.add_env_argument("--prompt", required=True, help="prompt text")
+    p.add_env_argument("--max-tokens", type=positive_int, default=100, help="tokens to generate at most")
+    p.add_env_argument("--temperature", type=float, default=0.01, help="sampling temperature (0 = greedy)")
+    p.add_env_argument("--top-p", type=float, default=1.0, help="nucleus probability mass")
+    p.add_env_argument("--seed", type=int, default=42, help="random seed (the reference's default: 42)")
+    p.add_env_argument("--ignore-eos", action="store_true", default=False, help="keep going after EOS")
+    p.add_env_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    p.add_env_argument("--mesh", default="1,1", help="device mesh DATA,MODEL")
+    p.add_env_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                       help="log level (stderr)")
+    return p
+
+
+def prompt_bucket(n: int, sequence_len: int) -> int:
+    """The smallest power of two >= n (at least 32), capped at the context."""
+    b = 32
+    while b < n:
+        b *= 2
+    return min(b, sequence_len)
+
+
+def generate(args: argparse.Namespace) -> str:
+    import jax.numpy as jnp
+    import sentencepiece
+
+    from model_service import checkpoint
+    from model_service.config import load_model_config, validate
+    from model_service.engine import Engine
+    from model_service.model import GrokModel
+    from model_service.scheduler import Emission, GenerationRequest, Scheduler, SchedulerError
+    from model_service.sharding import make_mesh
+
+    if not args.checkpoint and not args.random_init:
+        raise ValueError("no --checkpoint given (pass --random-init to use random weights deliberately)")
+    cfg = load_model_config(args.config)
+    mesh_cfg = MeshConfig.parse(args.mesh)
+    validate(cfg, mesh_cfg)
+    tokenizer = sentencepiece.SentencePieceProcessor(model_file=args.tokenizer)
+    ids = tokenizer.encode(args.prompt)
+    mesh = make_mesh(mesh_cfg)
+    dtype = jnp.dtype(args.dtype)
+    params = (checkpoint.load_params(args.checkpoint, cfg, mesh, dtype) if args.checkpoint
+              else checkpoint.random_params(cfg, mesh, dtype, 0))
+    engine = Engine(GrokModel(cfg, mesh, dtype), params, cfg, mesh, slots=1,
+                    buckets=(prompt_bucket(len(ids), cfg.sequence_len),))
+    scheduler = Scheduler(engine, max_queue=1)
+    out: list[int] = []
+    done = threading.Event()
+    failure: list[SchedulerError] = []
+
+    def emit(e: Emission) -> None:
+        out.extend(t.id for t in e.tokens)
+        if e.error is not None:
+            failure.append(e.error)
+        if e.error is not None or e.finish_reason is not None:
+            done.set()
+
+    scheduler.start()
+    try:
+        scheduler.submit(GenerationRequest("run", tuple(ids), max_tokens=args.max_tokens, temperature=args.temperature,
+                                           top_p=args.top_p, seed=args.seed % 2**32, ignore_eos=args.ignore_eos), emit)
+        done.wait()
+    finally:
+        scheduler.stop()
+    if failure:
+        raise failure[0]
+    return tokenizer.decode(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logs.configure("model-run", args.log_level)
+    from model_service.scheduler import SchedulerError
+
+    try:
+        text = generate(args)
+    except (ConfigError, ValueError, SchedulerError) as e:
+        print(f"model_service.run: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

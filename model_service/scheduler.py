@@ -1,0 +1,449 @@
+"""Continuous batching: a bounded waiting queue, N decode slots, and one thread that drives the Engine.
+
+Requests are validated and queued by `submit` (any thread). The decode thread admits waiting
+requests into free slots between decode steps (a prefill each, interleaved with decoding so running
+slots are never starved), runs one `Engine.generate` step for all slots, hands each active request
+its token through the request's `emit` callback, and frees a slot as soon as its request is done
+(EOS, max_tokens, full context), cancelled, past its deadline or failed. The scheduler knows only
+the Engine's interface (`EngineLike`); it never touches JAX, so a fake engine can drive it in tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    CONTEXT_LENGTH = "context_length"
+
+
+class ErrorKind(enum.Enum):
+    """Failure classes; the servicer maps each to one gRPC status code."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"
+
+
+class SchedulerError(Exception):
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request in domain terms (the servicer builds it from the proto)."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    top_logprobs: int = 0
+    allowed: tuple[int, ...] = ()
+    blocked: tuple[int, ...] = ()
+    deadline: float | None = None  # time.monotonic() value
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    id: int
+    prob: float
+    top: tuple[tuple[int, float], ...]  # (id, probability), most probable first
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_seconds: float
+    prefill_seconds: float
+    mean_step_seconds: float
+
+
+@dataclass(frozen=True)
+class Emission:
+    """What a request receives after a step: its new tokens, and on the last one why it ended."""
+
+    tokens: tuple[TokenOut, ...]
+    completion_tokens: int
+    prompt_tokens: int
+    finish_reason: FinishReason | None = None
+    error: SchedulerError | None = None
+    timings: Timings | None = None
+
+
+class StepOutputLike(Protocol):
+    """Host arrays of one prefill (batch 1) or decode step (batch = slots)."""
+
+    token: Any  # [B] int
+    prob: Any  # [B] float
+    top_ids: Any  # [B, K] int
+    top_probs: Any  # [B, K] float
+    bad: Any  # [B] bool
+
+
+class EngineLike(Protocol):
+    """The part of model_service.engine.Engine the scheduler uses; decode state and prefix are opaque."""
+
+    slots: int
+    buckets: tuple[int, ...]
+    sequence_len: int
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+
+    def init_decode_state(self) -> Any: ...
+    def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
+                allowed: Sequence[int], blocked: Sequence[int]) -> tuple[Any, StepOutputLike]: ...
+    def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
+    def generate(self, state: Any) -> tuple[Any, StepOutputLike]: ...
+    def free_slot(self, state: Any, slot: int) -> Any: ...
+
+
+log = logging.getLogger(__name__)
+
+EmitFn = Callable[[Emission], None]
+
+
+class SchedulerMetrics:
+    """Observer hooks; the default ignores everything (metrics.Metrics implements them)."""
+
+    def set_active(self, n: int) -> None: ...
+    def set_queued(self, n: int) -> None: ...
+    def observe_prefill(self, seconds: float) -> None: ...
+    def observe_step(self, seconds: float) -> None: ...
+    def add_tokens(self, n: int) -> None: ...
+    def finished(self, reason: FinishReason) -> None: ...
+
+
+class RequestHandle:
+    """The caller's side of a submitted request: cancel it from any thread."""
+
+    def __init__(self, request: GenerationRequest, emit: EmitFn, wake: Callable[[], None]) -> None:
+        self.request = request
+        self._emit = emit
+        self._wake = wake
+        self._cancelled = threading.Event()
+        self.done = threading.Event()
+        self.enqueued_at = time.monotonic()
+
+    def cancel(self) -> None:
+        """Free the request's slot at the next step boundary (no-op once it finished)."""
+        if not self.done.is_set():
+            self._cancelled.set()
+            self._wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def expired(self, now: float) -> bool:
+        return self.request.deadline is not None and now >= self.request.deadline
+
+    def emit(self, emission: Emission) -> None:
+        if emission.finish_reason is not None or emission.error is not None:
+            self.done.set()
+        try:
+            self._emit(emission)
+        except Exception:  # a broken consumer must not take the decode thread down
+            log.exception("emit failed", extra={"request_id": self.request.request_id})
+
+
+class _Active:
+    """Bookkeeping of one request that owns a slot."""
+
+    def __init__(self, handle: RequestHandle, seed: int, admitted_at: float) -> None:
+        self.handle = handle
+        self.seed = seed
+        self.admitted_at = admitted_at
+        self.generated = 0
+        self.prefill_seconds = 0.0
+        self.step_seconds = 0.0
+        self.steps = 0
+
+    def timings(self) -> Timings:
+        mean = self.step_seconds / self.steps if self.steps else 0.0
+        return Timings(self.admitted_at - self.handle.enqueued_at, self.prefill_seconds, mean)
+
+
+class Scheduler:
+    """N slots over one Engine; `start()` launches the decode thread, `stop()` ends it."""
+
+    def __init__(self, engine: EngineLike, max_queue: int, metrics: SchedulerMetrics | None = None,
+                 prefills_per_step: int = 1) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.metrics = metrics or SchedulerMetrics()
+        self.prefills_per_step = prefills_per_step
+        self._cond = threading.Condition()
+        self._queue: collections.deque[RequestHandle] = collections.deque()
+        self._active: dict[int, _Active] = {}
+        self._free = set(range(engine.slots))
+        self._accepting = False
+        self._stopping = False
+        self._state: Any = None
+        self._thread: threading.Thread | None = None
+
+    # ---- any thread -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._state = self.engine.init_decode_state()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop admitting new requests (draining); queued and running ones continue."""
+        with self._cond:
+            self._accepting = False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the decode thread; requests still queued or running fail with UNAVAILABLE."""
+        with self._cond:
+            self._accepting = False
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: GenerationRequest, emit: EmitFn) -> RequestHandle:
+        """Validate and queue a request; raises SchedulerError (invalid, queue full, unavailable)."""
+        self.validate(request)
+        handle = RequestHandle(request, emit, self._wake)
+        with self._cond:
+            if not self._accepting:
+                raise SchedulerError(ErrorKind.UNAVAILABLE, "the model service is not accepting requests "
+                                     "(starting up or draining); retry on another replica or later")
+            if len(self._queue) >= self.max_queue:
+                raise SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, f"the waiting queue is full "
+                                     f"({self.max_queue} requests); retry later")
+            self._queue.append(handle)
+            self.metrics.set_queued(len(self._queue))
+            self._cond.notify_all()
+        return handle
+
+    def stats(self) -> dict[str, int]:
+        """Active slots, free slots and queued requests (for tests and health reporting)."""
+        with self._cond:
+            return {"active": len(self._active), "free": len(self._free), "queued": len(self._queue)}
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise INVALID_ARGUMENT for anything the engine could not serve as asked."""
+        problem = _problem(request, self.engine)
+        if problem:
+            raise SchedulerError(ErrorKind.INVALID_ARGUMENT, problem)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---- decode thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                self._reap()
+                self._admit()
+                if self._active:
+                    self._step()
+        except Exception:
+            log.exception("decode loop crashed")
+        finally:
+            with self._cond:
+                self._accepting = False  # nothing would serve new requests any more
+            self._fail_all(SchedulerError(ErrorKind.UNAVAILABLE, "the model service is shutting down; retry"))
+
+    def _wait_for_work(self) -> bool:
+        with self._cond:
+            while not self._stopping and not self._queue and not self._active:
+                self._cond.wait()
+            return not self._stopping
+
+    def _reap(self) -> None:
+        """Free the slots of cancelled or expired requests; drop such requests from the queue."""
+        now = time.monotonic()
+        for slot, act in list(self._active.items()):
+            error = _abandoned(act.handle, now)
+            if error is not None:
+                act.handle.emit(Emission((), act.generated, len(act.handle.request.prompt), error=error))
+                self._release(slot)
+        with self._cond:
+            verdicts = [(h, _abandoned(h, now)) for h in self._queue]
+            self._queue = collections.deque(h for h, error in verdicts if error is None)
+            self.metrics.set_queued(len(self._queue))
+        for handle, error in verdicts:
+            if error is not None:
+                handle.emit(Emission((), 0, len(handle.request.prompt), error=error))
+
+    def _admit(self) -> None:
+        budget = self.prefills_per_step if self._active else self.engine.slots
+        while budget > 0:
+            with self._cond:
+                if not self._queue or not self._free:
+                    return
+                handle = self._queue.popleft()
+                slot = min(self._free)
+                self._free.discard(slot)
+                self.metrics.set_queued(len(self._queue))
+            budget -= 1
+            self._prefill(handle, slot)
+
+    def _prefill(self, handle: RequestHandle, slot: int) -> None:
+        req = handle.request
+        seed = req.seed if req.seed is not None else secrets.randbits(32)
+        act = _Active(handle, seed, time.monotonic())
+        try:
+            prefix, out = self.engine.prefill(list(req.prompt), seed=seed, temperature=req.temperature,
+                                              top_p=req.top_p, allowed=req.allowed, blocked=req.blocked)
+        except Exception:
+            log.exception("prefill failed", extra={"request_id": req.request_id})
+            handle.emit(Emission((), 0, len(req.prompt), error=SchedulerError(
+                ErrorKind.INTERNAL, f"prefill failed (request {req.request_id})")))
+            self._return_slot(slot)
+            return
+        act.prefill_seconds = time.monotonic() - act.admitted_at
+        self.metrics.observe_prefill(act.prefill_seconds)
+        if self._deliver(act, out, 0):
+            self._return_slot(slot)
+            return
+        self._state = self.engine.insert(prefix, self._state, slot)
+        with self._cond:
+            self._active[slot] = act
+            self.metrics.set_active(len(self._active))
+
+    def _step(self) -> None:
+        start = time.monotonic()
+        try:
+            self._state, out = self.engine.generate(self._state)
+        except Exception:
+            log.exception("decode step failed")
+            self._fail_active(SchedulerError(ErrorKind.INTERNAL, "decode step failed; retry"))
+            self._state = self.engine.init_decode_state()
+            return
+        seconds = time.monotonic() - start
+        self.metrics.observe_step(seconds)
+        for slot, act in list(self._active.items()):
+            act.steps += 1
+            act.step_seconds += seconds
+            if self._deliver(act, out, slot):
+                self._release(slot)
+
+    def _deliver(self, act: _Active, out: StepOutputLike, row: int) -> bool:
+        """Hand the request its token at `row` of `out`; True when the request is finished."""
+        req = act.handle.request
+        if bool(out.bad[row]):
+            log.error("non-finite logits", extra={"request_id": req.request_id})
+            act.handle.emit(Emission((), act.generated, len(req.prompt), error=SchedulerError(
+                ErrorKind.INTERNAL, f"the model produced non-finite logits (request {req.request_id})")))
+            return True
+        token = _token_out(out, row, req.top_logprobs)
+        act.generated += 1
+        self.metrics.add_tokens(1)
+        reason = _finish_reason(req, act.generated, token.id, self.engine)
+        first_or_last = act.generated == 1 or reason is not None
+        act.handle.emit(Emission((token,), act.generated, len(req.prompt), finish_reason=reason,
+                                 timings=act.timings() if first_or_last else None))
+        if reason is not None:
+            self.metrics.finished(reason)
+        return reason is not None
+
+    def _release(self, slot: int) -> None:
+        self._state = self.engine.free_slot(self._state, slot)
+        with self._cond:
+            self._active.pop(slot, None)
+            self.metrics.set_active(len(self._active))
+        self._return_slot(slot)
+
+    def _return_slot(self, slot: int) -> None:
+        with self._cond:
+            self._free.add(slot)
+
+    def _fail_active(self, error: SchedulerError) -> None:
+        for slot, act in list(self._active.items()):
+            act.handle.emit(Emission((), act.generated, len(act.handle.request.prompt), error=error))
+            with self._cond:
+                self._active.pop(slot, None)
+                self._free.add(slot)
+        self.metrics.set_active(0)
+
+    def _fail_all(self, error: SchedulerError) -> None:
+        self._fail_active(error)
+        with self._cond:
+            queued, self._queue = list(self._queue), collections.deque()
+            self.metrics.set_queued(0)
+        for handle in queued:
+            handle.emit(Emission((), 0, len(handle.request.prompt), error=error))
+
+
+def _abandoned(handle: RequestHandle, now: float) -> SchedulerError | None:
+    if handle.cancelled:
+        return SchedulerError(ErrorKind.CANCELLED, "the request was cancelled by the client")
+    if handle.expired(now):
+        return SchedulerError(ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
+    return None
+
+
+def _token_out(out: StepOutputLike, row: int, top_logprobs: int) -> TokenOut:
+    top = tuple((int(i), float(p)) for i, p in zip(out.top_ids[row][:top_logprobs],
+                                                   out.top_probs[row][:top_logprobs]))
+    return TokenOut(int(out.token[row]), float(out.prob[row]), top)
+
+
+def _finish_reason(req: GenerationRequest, generated: int, token: int, engine: EngineLike) -> FinishReason | None:
+    if token == engine.eos_id and not req.ignore_eos:
+        return FinishReason.EOS
+    if req.max_tokens is not None and generated >= req.max_tokens:
+        return FinishReason.LENGTH
+    if len(req.prompt) + generated >= engine.sequence_len:
+        return FinishReason.CONTEXT_LENGTH
+    return None
+
+
+def _problem(req: GenerationRequest, engine: EngineLike) -> str:
+    """The first thing wrong with `req` (naming the field), or "" when it can be served."""
+    vocab, n = engine.vocab_size, len(req.prompt)
+    if n == 0:
+        return "token_ids: the prompt is empty"
+    if any(not 0 <= t < vocab for t in req.prompt):
+        return f"token_ids: every id must be in [0, {vocab})"
+    if n > max(engine.buckets):
+        return (f"token_ids: the prompt has {n} tokens; the longest accepted is {max(engine.buckets)} "
+                "(the largest prefill bucket): shorten it")
+    if n >= engine.sequence_len:
+        return f"token_ids: the prompt has {n} tokens and leaves no room in the {engine.sequence_len}-token context"
+    if req.max_tokens is not None and req.max_tokens < 1:
+        return "max_tokens: must be >= 1 (or unset for as many as fit the context)"
+    if req.max_tokens is not None and n + req.max_tokens > engine.sequence_len:
+        return (f"max_tokens: prompt ({n}) + max_tokens ({req.max_tokens}) exceeds the context of "
+                f"{engine.sequence_len} tokens")
+    if not math.isfinite(req.temperature) or req.temperature < 0:
+        return "temperature: must be finite and >= 0"
+    if not math.isfinite(req.top_p) or not 0 < req.top_p <= 1:
+        return "top_p: must be in (0, 1]"
+    if not 0 <= req.top_logprobs <= 8:
+        return "top_logprobs: must be in 0..8"
+    if req.seed is not None and not 0 <= req.seed < 2**32:
+        return "seed: must be a uint32"
+    for field, ids in (("allowed_token_ids", req.allowed), ("blocked_token_ids", req.blocked)):
+        if any(not 0 <= t < vocab for t in ids):
+            return f"{field}: every id must be in [0, {vocab})"
+    removed = set(req.blocked) | {engine.pad_id}
+    left = bool(set(req.allowed) - removed) if req.allowed else len(removed) < vocab
+    if not left:
+        return "allowed_token_ids/blocked_token_ids: no token is left to sample (the pad id is never sampled)"
+    return ""

@@ -1,0 +1,160 @@
+"""grok.model.v1.ModelService: protobuf <-> scheduler requests, and scheduler errors -> gRPC status.
+
+No JAX here. Generate submits a request to the Scheduler, whose decode thread hands back one
+Emission per step through a thread-safe callback; they are streamed to the client as they come
+(coalesced when the client reads slower than the model decodes). Client cancellation and deadline
+expiry cancel the request, which frees its slot at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from grok.model.v1 import model_pb2, model_pb2_grpc
+from model_service.metrics import Metrics
+from model_service.scheduler import (
+    Emission,
+    ErrorKind,
+    FinishReason,
+    GenerationRequest,
+    Scheduler,
+    SchedulerError,
+    Timings,
+    TokenOut,
+)
+from serving_common.logs import new_request_id
+
+log = logging.getLogger(__name__)
+
+STATUS = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+FINISH = {
+    FinishReason.LENGTH: model_pb2.FINISH_REASON_LENGTH,
+    FinishReason.EOS: model_pb2.FINISH_REASON_EOS,
+    FinishReason.CONTEXT_LENGTH: model_pb2.FINISH_REASON_CONTEXT_LENGTH,
+}
+
+
+def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: float | None) -> GenerationRequest:
+    """The domain request; field values are checked by Scheduler.validate."""
+    return GenerationRequest(
+        request_id=request_id,
+        prompt=tuple(msg.token_ids),
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        ignore_eos=msg.ignore_eos,
+        top_logprobs=msg.top_logprobs,
+        allowed=tuple(msg.allowed_token_ids),
+        blocked=tuple(msg.blocked_token_ids),
+        deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+    )
+
+
+def _token(t: TokenOut) -> model_pb2.Token:
+    return model_pb2.Token(
+        id=t.id, probability=t.prob, logprob=_log(t.prob),
+        top_tokens=[model_pb2.TopToken(id=i, probability=p, logprob=_log(p)) for i, p in t.top])
+
+
+def _log(p: float) -> float:
+    return math.log(p) if p > 0 else -math.inf
+
+
+def _timings(t: Timings) -> model_pb2.Timings:
+    return model_pb2.Timings(queue_seconds=t.queue_seconds, prefill_seconds=t.prefill_seconds,
+                             mean_step_seconds=t.mean_step_seconds)
+
+
+def to_response(batch: list[Emission]) -> model_pb2.GenerateResponse:
+    """One response for consecutive emissions of a request (tokens concatenated, last state wins)."""
+    tokens = [t for e in batch for t in e.tokens]
+    last = batch[-1]
+    timings = next((e.timings for e in reversed(batch) if e.timings is not None), None)
+    return model_pb2.GenerateResponse(
+        token_ids=[t.id for t in tokens], tokens=[_token(t) for t in tokens],
+        finish_reason=FINISH[last.finish_reason] if last.finish_reason else model_pb2.FINISH_REASON_UNSPECIFIED,
+        prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+        timings=_timings(timings) if timings else None)
+
+
+class ModelServicer(model_pb2_grpc.ModelServiceServicer):
+    """Serves Generate once `attach` gave it a running scheduler; UNAVAILABLE before."""
+
+    def __init__(self, info: model_pb2.GetInfoResponse, metrics: Metrics) -> None:
+        self.info = info
+        self.metrics = metrics
+        self.scheduler: Scheduler | None = None
+
+    def attach(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    async def GetInfo(self, request: model_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> model_pb2.GetInfoResponse:
+        return self.info
+
+    async def Generate(self, request: model_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[model_pb2.GenerateResponse]:
+        rid = new_request_id(context.invocation_metadata(), request.request_id)
+        code = grpc.StatusCode.OK
+        try:
+            async for response in self._stream(request, context, rid):
+                yield response
+        except SchedulerError as e:
+            code = STATUS[e.kind]
+            if e.kind is not ErrorKind.CANCELLED:
+                await context.abort(code, e.message)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("generate crashed", extra={"request_id": rid})
+            await context.abort(code, f"internal error (request {rid})")
+        finally:
+            self.metrics.rpc_done(code.name)
+            log.info("generate finished", extra={"request_id": rid, "code": code.name,
+                                                 "prompt_tokens": len(request.token_ids)})
+
+    async def _stream(self, request: model_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                      rid: str) -> AsyncIterator[model_pb2.GenerateResponse]:
+        scheduler = self.scheduler
+        if scheduler is None:
+            raise SchedulerError(ErrorKind.UNAVAILABLE, "the model is still loading or compiling; retry shortly")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Emission] = asyncio.Queue()
+
+        def emit(emission: Emission) -> None:  # called on the decode thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, emission)
+
+        handle = scheduler.submit(to_request(request, rid, context.time_remaining()), emit)
+        context.add_done_callback(lambda _: handle.cancel())
+        try:
+            while True:
+                batch = [await queue.get()]
+                while not queue.empty() and batch[-1].finish_reason is None and batch[-1].error is None:
+                    batch.append(queue.get_nowait())
+                error = batch[-1].error
+                good = [e for e in batch if e.error is None]
+                if good:
+                    yield to_response(good)
+                if error is not None:
+                    raise error
+                if batch[-1].finish_reason is not None:
+                    return
+        finally:
+            handle.cancel()

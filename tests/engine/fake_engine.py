@@ -1,0 +1,91 @@
+"""A fake Engine whose outputs are computable by hand, for the scheduler unit suite.
+
+The token after `t` is always `t + 1` (mod vocab): a prompt ending in 40 yields 41, 42, 43, ...
+Every token's probability is 0.5 and its alternatives are (token, token + 1, ...) with probabilities
+0.5, 0.25, ... Token POISON comes out with `bad` set (as if its logits were NaN). Every call is
+recorded so tests can check the order of prefills and decode steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+POISON = 13
+K = 8
+
+
+@dataclass(frozen=True)
+class FakeOutput:
+    token: np.ndarray  # [B]
+    prob: np.ndarray  # [B]
+    top_ids: np.ndarray  # [B, K]
+    top_probs: np.ndarray  # [B, K]
+    bad: np.ndarray  # [B]
+
+
+@dataclass(frozen=True)
+class FakeState:
+    last: np.ndarray  # [slots] last token per slot
+
+
+@dataclass
+class FakeEngine:
+    slots: int = 4
+    buckets: tuple[int, ...] = (8, 16)
+    sequence_len: int = 32
+    vocab_size: int = 64
+    eos_id: int = 2
+    pad_id: int = 0
+    step_delay: float = 0.0
+    fail_prefill_for: int = -1  # prompts starting with this id make prefill raise
+    calls: list[tuple] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _out(self, tokens: np.ndarray) -> FakeOutput:
+        ids = (tokens[:, None] + np.arange(K)[None, :]) % self.vocab_size
+        probs = np.broadcast_to(0.5 ** np.arange(1, K + 1), ids.shape)
+        return FakeOutput(tokens, np.full(tokens.shape, 0.5), ids, probs, tokens == POISON)
+
+    def _log(self, *entry: object) -> None:
+        with self.lock:
+            self.calls.append(entry)
+
+    def init_decode_state(self) -> FakeState:
+        self._log("init")
+        return FakeState(np.zeros((self.slots,), dtype=np.int64))
+
+    def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
+                allowed: Sequence[int], blocked: Sequence[int]) -> tuple[int, FakeOutput]:
+        self._log("prefill", tuple(tokens))
+        if tokens[0] == self.fail_prefill_for:
+            raise RuntimeError("fake prefill failure")
+        first = (tokens[-1] + 1) % self.vocab_size
+        return first, self._out(np.array([first]))
+
+    def insert(self, prefix: int, state: FakeState, slot: int) -> FakeState:
+        self._log("insert", slot)
+        last = state.last.copy()
+        last[slot] = prefix
+        return FakeState(last)
+
+    def generate(self, state: FakeState) -> tuple[FakeState, FakeOutput]:
+        self._log("generate")
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        nxt = (state.last + 1) % self.vocab_size
+        return FakeState(nxt), self._out(nxt)
+
+    def free_slot(self, state: FakeState, slot: int) -> FakeState:
+        self._log("free", slot)
+        last = state.last.copy()
+        last[slot] = 0
+        return FakeState(last)
+
+    def count(self, kind: str) -> int:
+        with self.lock:
+            return sum(1 for c in self.calls if c[0] == kind)

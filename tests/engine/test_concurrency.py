@@ -1,0 +1,146 @@
+"""Over gRPC against the in-process golden service: batch invariance, cancellation, deadlines."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import pytest
+
+from grok.model.v1 import model_pb2, model_pb2_grpc
+from model_service.server import ModelServer
+from tests.engine.conftest import collect, golden_message, golden_requests
+
+
+def varied_requests(n: int) -> list[model_pb2.GenerateRequest]:
+    """Different lengths, sampling settings and masks; every prompt fits the 64 bucket."""
+    rng = random.Random(7)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, 512) for _ in range(rng.randrange(1, 60))]
+        msg = model_pb2.GenerateRequest(token_ids=prompt, max_tokens=rng.randrange(1, 40),
+                                        temperature=[0.0, 0.7, 1.0, 1.5][i % 4], seed=1000 + i,
+                                        top_logprobs=i % 9, ignore_eos=i % 3 == 0)
+        if i % 2:
+            msg.top_p = [0.5, 0.9, 0.95][i % 3]
+        if i % 5 == 1:
+            msg.blocked_token_ids.extend(rng.sample(range(1, 512), 100))
+        if i % 7 == 3:
+            msg.allowed_token_ids.extend(rng.sample(range(1, 512), 30))
+        out.append(msg)
+    return out
+
+
+def summary(responses: list[model_pb2.GenerateResponse]) -> tuple[Any, ...]:
+    tokens = [(t.id, round(t.probability, 6), tuple(a.id for a in t.top_tokens)) for r in responses for t in r.tokens]
+    return tuple(tokens), responses[-1].finish_reason
+
+
+def test_16_concurrent_streams_each_equal_their_solo_run(golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    requests = varied_requests(16)
+    solo = [summary(collect(golden_stub.Generate(r, timeout=60))[1]) for r in requests]
+    results: list[Any] = [None] * len(requests)
+    delays = random.Random(3).choices([0.0, 0.01, 0.03, 0.08, 0.15], k=len(requests))
+
+    def run(i: int) -> None:
+        time.sleep(delays[i])
+        results[i] = summary(collect(golden_stub.Generate(requests[i], timeout=60))[1])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == solo
+    for r, (tokens, _) in zip(requests, solo):
+        banned = set(r.blocked_token_ids) | {0}
+        assert not banned & {t[0] for t in tokens}
+        if r.allowed_token_ids:
+            assert {t[0] for t in tokens} <= set(r.allowed_token_ids)
+
+
+def test_golden_seeded_requests_over_grpc_return_reference_ids(golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    for case in golden_requests():
+        ids, responses = collect(golden_stub.Generate(golden_message(case), timeout=60))
+        assert ids == case["output_ids"]
+        assert responses[-1].finish_reason == model_pb2.FINISH_REASON_LENGTH
+        assert responses[-1].completion_tokens == len(case["output_ids"])
+        # Streamed as produced: one message per step, fewer only when the client falls behind.
+        assert 1 < len(responses) <= len(ids)
+        running_totals = list(itertools.accumulate(len(r.token_ids) for r in responses))
+        assert [r.completion_tokens for r in responses] == running_totals
+
+
+def wait_all_free(server: ModelServer, timeout: float = 10.0) -> dict[str, int]:
+    assert server.scheduler is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.scheduler.stats()
+        if stats == {"active": 0, "free": server.config.slots, "queued": 0} or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.01)
+
+
+def test_cancel_50_streams_midway_frees_every_slot_and_later_requests_succeed(
+        golden_service: ModelServer, golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    seen: list[int] = []
+
+    def cancel_midway(i: int) -> int:
+        call = golden_stub.Generate(model_pb2.GenerateRequest(token_ids=[5 + i, 9, 11], max_tokens=120,
+                                                              temperature=1.0, seed=i, ignore_eos=True), timeout=60)
+        got = 0
+        for response in call:
+            got += len(response.token_ids)
+            if got >= 3:
+                call.cancel()
+                break
+        return got
+
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        seen = list(pool.map(cancel_midway, range(50)))
+    assert all(3 <= n < 120 for n in seen)
+    assert wait_all_free(golden_service) == {"active": 0, "free": golden_service.config.slots, "queued": 0}
+    assert golden_service.metrics.active_slots._value.get() == 0
+    case = golden_requests()[0]
+    assert collect(golden_stub.Generate(golden_message(case), timeout=60))[0] == case["output_ids"]
+
+
+def test_expired_deadline_ends_the_stream_and_frees_the_slot(
+        golden_service: ModelServer, golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        collect(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=[7, 8], ignore_eos=True), timeout=0.05))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_all_free(golden_service)["free"] == golden_service.config.slots
+
+
+@pytest.mark.parametrize("fields, name", [
+    (dict(token_ids=[]), "token_ids"),
+    (dict(token_ids=[512]), "token_ids"),
+    (dict(token_ids=[5] * 65), "token_ids"),
+    (dict(token_ids=[5] * 60, max_tokens=69), "max_tokens"),
+    (dict(token_ids=[5], max_tokens=0), "max_tokens"),
+    (dict(token_ids=[5], temperature=-1), "temperature"),
+    (dict(token_ids=[5], top_p=0), "top_p"),
+    (dict(token_ids=[5], top_logprobs=9), "top_logprobs"),
+    (dict(token_ids=[5], blocked_token_ids=[600]), "blocked_token_ids"),
+    (dict(token_ids=[5], allowed_token_ids=[0]), "allowed_token_ids"),
+])
+def test_bad_requests_are_invalid_argument_naming_the_field(golden_stub: model_pb2_grpc.ModelServiceStub,
+                                                            fields: dict[str, Any], name: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        collect(golden_stub.Generate(model_pb2.GenerateRequest(**fields), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert name in (err.value.details() or "")
+
+
+def test_get_info_describes_the_service(golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    info = golden_stub.GetInfo(model_pb2.GetInfoRequest(), timeout=10)
+    assert (info.config.vocab_size, info.config.sequence_len, info.config.num_experts) == (512, 128, 8)
+    assert list(info.prefill_buckets) == [32, 64] and info.slots == 8 and info.dtype == "float32"
+    assert info.platform == "cpu" and info.device_count == 1 and not info.random_weights
+    assert info.checkpoint.endswith("checkpoint") and info.max_queue == 64

@@ -1,0 +1,280 @@
+"""Scheduler unit suite against FakeEngine (token after t is t + 1; see fake_engine.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from model_service.scheduler import (
+    Emission,
+    ErrorKind,
+    FinishReason,
+    GenerationRequest,
+    Scheduler,
+    SchedulerError,
+)
+from tests.engine.fake_engine import POISON, FakeEngine
+
+
+class Collector:
+    """Receives a request's emissions; `wait()` blocks until the last one."""
+
+    def __init__(self) -> None:
+        self.emissions: list[Emission] = []
+        self.finished = threading.Event()
+        self.first_token = threading.Event()
+
+    def __call__(self, emission: Emission) -> None:
+        self.emissions.append(emission)
+        if emission.tokens:
+            self.first_token.set()
+        if emission.finish_reason is not None or emission.error is not None:
+            self.finished.set()
+
+    def wait(self, timeout: float = 10.0) -> "Collector":
+        assert self.finished.wait(timeout), "request did not finish"
+        return self
+
+    @property
+    def ids(self) -> list[int]:
+        return [t.id for e in self.emissions for t in e.tokens]
+
+    @property
+    def last(self) -> Emission:
+        return self.emissions[-1]
+
+
+def req(prompt: tuple[int, ...], **kw: object) -> GenerationRequest:
+    return GenerationRequest(request_id="t", prompt=prompt, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def sched(engine: FakeEngine) -> Iterator[Scheduler]:
+    s = Scheduler(engine, max_queue=8)
+    s.start()
+    yield s
+    s.stop()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.002)
+
+
+def test_tokens_follow_the_engine_and_stop_at_max_tokens(sched: Scheduler) -> None:
+    c = Collector()
+    sched.submit(req((5, 40), max_tokens=4, top_logprobs=2), c)
+    c.wait()
+    assert c.ids == [41, 42, 43, 44]
+    assert [len(e.tokens) for e in c.emissions] == [1, 1, 1, 1]  # one message per step
+    assert [e.completion_tokens for e in c.emissions] == [1, 2, 3, 4]
+    assert c.last.finish_reason is FinishReason.LENGTH and c.last.prompt_tokens == 2
+    assert c.emissions[0].tokens[0].top == ((41, 0.5), (42, 0.25))
+    assert c.emissions[0].timings is not None and c.last.timings is not None
+    assert c.emissions[1].timings is None
+
+
+def test_eos_stops_and_is_included_unless_ignore_eos(sched: Scheduler) -> None:
+    c = Collector()
+    sched.submit(req((7, 63), max_tokens=10), c)  # 0 (pad id is only masked by the real sampler), 1, 2=EOS
+    assert c.wait().ids == [0, 1, 2] and c.last.finish_reason is FinishReason.EOS
+    c2 = Collector()
+    sched.submit(req((7, 63), max_tokens=5, ignore_eos=True), c2)
+    assert c2.wait().ids == [0, 1, 2, 3, 4] and c2.last.finish_reason is FinishReason.LENGTH
+
+
+def test_context_full_finishes_with_context_length(sched: Scheduler, engine: FakeEngine) -> None:
+    c = Collector()
+    prompt = tuple(range(20, 30))  # 10 tokens; context 32 leaves 22
+    sched.submit(req(prompt), c)
+    c.wait()
+    assert len(c.ids) == engine.sequence_len - len(prompt)
+    assert c.last.finish_reason is FinishReason.CONTEXT_LENGTH
+
+
+def test_max_tokens_one_finishes_at_prefill_without_inserting(sched: Scheduler, engine: FakeEngine) -> None:
+    c = Collector()
+    sched.submit(req((3,), max_tokens=1), c)
+    assert c.wait().ids == [4]
+    assert engine.count("insert") == 0 and engine.count("generate") == 0
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(prompt=()), "token_ids"),
+    (dict(prompt=(64,)), "token_ids"),
+    (dict(prompt=(-1,)), "token_ids"),
+    (dict(prompt=tuple([5] * 17)), "token_ids"),  # longer than the largest bucket (16)
+    (dict(prompt=(5,), max_tokens=0), "max_tokens"),
+    (dict(prompt=tuple([5] * 16), max_tokens=17), "max_tokens"),  # 16 + 17 > 32
+    (dict(prompt=(5,), temperature=-0.1), "temperature"),
+    (dict(prompt=(5,), temperature=float("nan")), "temperature"),
+    (dict(prompt=(5,), top_p=0.0), "top_p"),
+    (dict(prompt=(5,), top_p=1.5), "top_p"),
+    (dict(prompt=(5,), top_logprobs=9), "top_logprobs"),
+    (dict(prompt=(5,), allowed=(64,)), "allowed_token_ids"),
+    (dict(prompt=(5,), blocked=(99,)), "blocked_token_ids"),
+    (dict(prompt=(5,), allowed=(0, 3), blocked=(3,)), "blocked_token_ids"),  # only pad left
+    (dict(prompt=(5,), blocked=tuple(range(1, 64))), "blocked_token_ids"),
+])
+def test_invalid_requests_are_rejected_before_queueing(sched: Scheduler, engine: FakeEngine,
+                                                       bad: dict, field: str) -> None:
+    prompt = bad.pop("prompt")
+    with pytest.raises(SchedulerError) as err:
+        sched.submit(req(prompt, **bad), Collector())
+    assert err.value.kind is ErrorKind.INVALID_ARGUMENT and field in err.value.message
+    assert engine.count("prefill") == 0
+
+
+def test_queue_full_is_resource_exhausted_and_says_retry(engine: FakeEngine) -> None:
+    s = Scheduler(engine, max_queue=2)
+    s._accepting = True  # accept but never run the decode thread: the queue only fills
+    s.submit(req((5,)), Collector())
+    s.submit(req((5,)), Collector())
+    with pytest.raises(SchedulerError) as err:
+        s.submit(req((5,)), Collector())
+    assert err.value.kind is ErrorKind.RESOURCE_EXHAUSTED and "retry" in err.value.message
+
+
+def test_new_request_joins_when_a_slot_frees_without_waiting_for_the_batch(engine: FakeEngine) -> None:
+    engine.slots = 2
+    s = Scheduler(engine, max_queue=8)
+    s.start()
+    try:
+        long_, short, late = Collector(), Collector(), Collector()
+        s.submit(req((40,), max_tokens=12), long_)
+        s.submit(req((20,), max_tokens=2), short)
+        s.submit(req((30,), max_tokens=2), late)
+        for c in (long_, short, late):
+            c.wait()
+        assert late.ids == [31, 32] and long_.ids == list(range(41, 53))
+        calls = engine.calls
+        late_prefill = calls.index(("prefill", (30,)))
+        steps_before_late = sum(1 for c in calls[:late_prefill] if c[0] == "generate")
+        assert steps_before_late < 11  # it joined while the long request was still running
+        assert ("free", 1) in calls[:late_prefill]  # in the slot the short request freed
+    finally:
+        s.stop()
+
+
+def test_prefill_interleaves_with_decode(engine: FakeEngine) -> None:
+    engine.slots = 4
+    s = Scheduler(engine, max_queue=8, prefills_per_step=1)
+    engine.step_delay = 0.01
+    s.start()
+    try:
+        first = Collector()
+        s.submit(req((30,), max_tokens=20), first)
+        assert first.first_token.wait(5)
+        others = [Collector() for _ in range(3)]
+        for i, c in enumerate(others):
+            s.submit(req((20 + 5 * i,), max_tokens=3), c)
+        for c in [first, *others]:
+            c.wait()
+        kinds = [c[0] for c in engine.calls if c[0] in ("prefill", "generate")]
+        after_first = kinds[kinds.index("generate"):]
+        # Never two prefills in a row while a request is decoding.
+        assert all(not (a == b == "prefill") for a, b in zip(after_first, after_first[1:]))
+    finally:
+        s.stop()
+
+
+def test_cancel_frees_the_slot_within_one_step(engine: FakeEngine) -> None:
+    engine.slots = 1
+    engine.step_delay = 0.005
+    s = Scheduler(engine, max_queue=8)
+    s.start()
+    try:
+        c = Collector()
+        steps_at_cancel: list[int] = []
+        handle = None
+
+        def emit(e: Emission) -> None:  # runs on the decode thread: cancel right after the 3rd token
+            c(e)
+            if len(c.ids) == 3 and not steps_at_cancel:
+                steps_at_cancel.append(engine.count("generate"))
+                assert handle is not None
+                handle.cancel()
+
+        handle = s.submit(req((20,), max_tokens=25), emit)
+        c.wait()
+        assert c.last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
+        assert c.ids == [21, 22, 23]
+        assert engine.count("generate") == steps_at_cancel[0]  # freed before the next step
+        wait_for(lambda: s.stats()["free"] == 1)
+        later = Collector()
+        s.submit(req((40,), max_tokens=2), later)
+        assert later.wait().ids == [41, 42]
+    finally:
+        s.stop()
+
+
+def test_expired_deadline_fails_with_deadline_exceeded_and_frees_the_slot(engine: FakeEngine) -> None:
+    engine.step_delay = 0.01
+    s = Scheduler(engine, max_queue=8)
+    s.start()
+    try:
+        c = Collector()
+        s.submit(req((20,), max_tokens=25, deadline=time.monotonic() + 0.05), c)
+        c.wait()
+        assert c.last.error is not None and c.last.error.kind is ErrorKind.DEADLINE_EXCEEDED
+        assert 0 < len(c.ids) < 25
+        wait_for(lambda: s.stats() == {"active": 0, "free": engine.slots, "queued": 0})
+    finally:
+        s.stop()
+
+
+def test_nan_logits_fail_only_that_request(sched: Scheduler) -> None:
+    poisoned, healthy = Collector(), Collector()
+    sched.submit(req((10,), max_tokens=6), poisoned)  # reaches token 13 = POISON
+    sched.submit(req((30,), max_tokens=6), healthy)
+    poisoned.wait()
+    healthy.wait()
+    assert poisoned.ids == [11, 12] and poisoned.last.error is not None
+    assert poisoned.last.error.kind is ErrorKind.INTERNAL and POISON not in poisoned.ids
+    assert healthy.ids == [31, 32, 33, 34, 35, 36] and healthy.last.finish_reason is FinishReason.LENGTH
+
+
+def test_prefill_failure_fails_only_that_request(engine: FakeEngine, sched: Scheduler) -> None:
+    engine.fail_prefill_for = 50
+    failing, healthy = Collector(), Collector()
+    sched.submit(req((50, 1), max_tokens=3), failing)
+    sched.submit(req((20,), max_tokens=3), healthy)
+    assert failing.wait().last.error is not None and failing.last.error.kind is ErrorKind.INTERNAL
+    assert healthy.wait().ids == [21, 22, 23]
+    wait_for(lambda: sched.stats()["free"] == engine.slots)
+
+
+def test_draining_refuses_new_requests_and_stop_fails_the_rest(engine: FakeEngine) -> None:
+    engine.slots = 1
+    engine.step_delay = 0.01
+    s = Scheduler(engine, max_queue=8)
+    s.start()
+    running, queued = Collector(), Collector()
+    s.submit(req((14,), max_tokens=30), running)
+    s.submit(req((20,), max_tokens=3), queued)
+    s.close()
+    with pytest.raises(SchedulerError) as err:
+        s.submit(req((5,)), Collector())
+    assert err.value.kind is ErrorKind.UNAVAILABLE
+    s.stop()
+    for c in (running, queued):
+        assert c.wait().last.error is not None and c.last.error.kind is ErrorKind.UNAVAILABLE
+
+
+def test_many_requests_all_complete_and_every_slot_returns(engine: FakeEngine, sched: Scheduler) -> None:
+    collectors = [Collector() for _ in range(8)]
+    for i, c in enumerate(collectors):
+        sched.submit(req((i + 20,), max_tokens=1 + i % 5), c)
+    for i, c in enumerate(collectors):
+        assert c.wait().ids == list(range(i + 21, i + 22 + i % 5))
+    wait_for(lambda: sched.stats() == {"active": 0, "free": engine.slots, "queued": 0})
