@@ -53,7 +53,8 @@ class Service:
         raise TimeoutError(f"{self.module} not SERVING after {timeout}s:\n{self.logs()[-4000:]}")
 
     def logs(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def log_records(self) -> list[dict]:
