@@ -43,7 +43,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_env_argument("--gateway-port", type=port, default=50051, help="gateway gRPC port")
     p.add_env_argument("--tokenizer-port", type=port, default=50052, help="tokenizer gRPC port")
     p.add_env_argument("--model-port", type=port, default=50053, help="model gRPC port")
-    p.add_env_argument("--metrics-port", type=port, default=0, help="gateway Prometheus port (0: off)")
+    p.add_env_argument("--metrics-port", type=port, default=9090, help="gateway Prometheus port (0: off)")
+    p.add_env_argument("--model-metrics-port", type=port, default=9091, help="model Prometheus port (0: off)")
     p.add_env_argument("--prompt", default="The answer to life the universe and everything is",
                        help="prompt of the sample completion")
     p.add_env_argument("--max-tokens", type=positive_int, default=24, help="tokens of the sample completion")
@@ -115,7 +116,8 @@ def start(args: argparse.Namespace, out: LogGate) -> list[Child]:
     cache = ["--compile-cache", args.compile_cache] if args.compile_cache else []
     model = Child("model", ["-m", "model_service", "--config", args.config, "--checkpoint", args.checkpoint,
                             "--dtype", args.dtype, "--mesh", args.mesh, "--slots", str(args.slots), "--host", host,
-                            "--port", str(args.model_port), *cache, *level], out)
+                            "--port", str(args.model_port), "--metrics-port", str(args.model_metrics_port),
+                            *cache, *level], out)
     model.address = f"{host}:{args.model_port}"
     gateway = Child("gateway", ["-m", "gateway", "--tokenizer", tokenizer.address, "--model", model.address,
                                 "--host", host, "--port", str(args.gateway_port),

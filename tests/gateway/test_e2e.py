@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -81,37 +80,38 @@ def test_golden_request_returns_the_reference_text_and_complete_equals_the_strea
     assert messages[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
 
 
-def test_stop_string_across_tokens_ends_the_golden_completion_and_cancels_the_model(golden_stack: Stack) -> None:
+def test_stop_string_across_tokens_ends_the_golden_completion(golden_stack: Stack) -> None:
+    # That a stop also cancels the model stream is asserted deterministically against a slow fake model
+    # in test_gateway.py; the golden model can finish its 20 tokens before a cancellation arrives.
     case = GOLDEN_REQUESTS[2]  # "� be]�J�ldch1һw3llcY�VY"
     text = case["output_text"]
     stop = "ldch"  # spans the pieces of several tokens
-    cancelled = model_metric(golden_stack, 'grok_model_requests_total{code="CANCELLED"}')
     with GatewayClient(golden_stack.address, timeout=120) as client:
         reply = client.complete(case["request"]["prompt"], stop=[stop], **golden_options(case))
     assert reply.text == text[: text.index(stop)]
     assert reply.finish_reason == gateway_pb2.FINISH_REASON_STOP
     assert reply.usage.completion_tokens < len(case["output_ids"])
-    deadline = time.monotonic() + 10
-    while model_metric(golden_stack, 'grok_model_requests_total{code="CANCELLED"}') <= cancelled:
-        assert time.monotonic() < deadline, "the model never saw the stream cancelled"
-        time.sleep(0.05)
 
 
 def test_cancelling_a_stream_frees_the_model_slot(golden_stack: Stack) -> None:
-    cancelled = model_metric(golden_stack, 'grok_model_requests_total{code="CANCELLED"}')
-    generated = model_metric(golden_stack, "grok_model_generated_tokens_total")
-    with GatewayClient(golden_stack.address, timeout=120) as client:
-        stream = client.generate("In the beginning", max_tokens=120, ignore_eos=True)
-        next(stream)
-        stream.close()
-        deadline = time.monotonic() + 10
-        while model_metric(golden_stack, 'grok_model_requests_total{code="CANCELLED"}') <= cancelled:
-            assert time.monotonic() < deadline, "the model never saw the stream cancelled"
-            time.sleep(0.02)
-        # The slot is freed at the model's next step boundary.
-        assert wait_for(lambda: model_metric(golden_stack, "grok_model_active_slots") == 0)
-        assert model_metric(golden_stack, "grok_model_generated_tokens_total") - generated < 120
-        assert client.complete("In the beginning", max_tokens=4).usage.completion_tokens >= 1
+    # The golden model is tiny (a few ms per step), so on a loaded machine the 120 tokens can all be
+    # generated before the cancellation arrives; one of a few attempts must see it.
+    for _attempt in range(3):
+        cancelled = model_metric(golden_stack, 'grok_model_requests_total{code="CANCELLED"}')
+        generated = model_metric(golden_stack, "grok_model_generated_tokens_total")
+        with GatewayClient(golden_stack.address, timeout=120) as client:
+            stream = client.generate("In the beginning", max_tokens=120, ignore_eos=True)
+            next(stream)
+            stream.close()
+            seen = wait_for(lambda: model_metric(
+                golden_stack, 'grok_model_requests_total{code="CANCELLED"}') > cancelled, timeout=10)
+            # The slot is freed at the model's next step boundary.
+            assert wait_for(lambda: model_metric(golden_stack, "grok_model_active_slots") == 0)
+            if seen:
+                assert model_metric(golden_stack, "grok_model_generated_tokens_total") - generated < 120
+                assert client.complete("In the beginning", max_tokens=4).usage.completion_tokens >= 1
+                return
+    raise AssertionError("the model never saw the stream cancelled")
 
 
 def test_deadline_exceeded_through_the_real_stack(golden_stack: Stack) -> None:
