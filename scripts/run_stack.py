@@ -28,6 +28,7 @@ from gateway.client import GatewayClient  # noqa: E402
 from gateway.client.__main__ import stream  # noqa: E402
 from serving_common.flags import EnvArgumentParser, port, positive_int  # noqa: E402
 from serving_common.healthcheck import check  # noqa: E402
+from serving_common.processes import terminate  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -97,15 +98,9 @@ class Child:
             logs.write(f"[{self.name}] {line}")
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        returncode = terminate(self.proc, timeout)
         self.thread.join(5)
-        return self.proc.returncode
+        return returncode
 
 
 def start(args: argparse.Namespace, out: LogGate) -> list[Child]:

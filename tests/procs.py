@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 from serving_common.healthcheck import check
+from serving_common.processes import terminate
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
@@ -67,15 +67,9 @@ class Service:
         return out
 
     def terminate(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        returncode = terminate(self.proc, timeout)
         self._log.close()
-        return self.proc.returncode
+        return returncode
 
     def kill(self) -> None:
         if self.proc.poll() is None:

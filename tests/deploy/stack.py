@@ -9,12 +9,12 @@ WORKDIR, so they see only what the image holds.
 from __future__ import annotations
 
 import pathlib
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
 
+from serving_common.processes import terminate
 from tests.deploy.compose import LocalService, seconds, start_order
 
 POLL_SECONDS = 0.5
@@ -35,14 +35,7 @@ class Process:
 
     def terminate(self, timeout: float) -> int:
         """SIGTERM (what `docker compose down` sends), then SIGKILL after `timeout` seconds."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc, timeout)
 
 
 class LocalStack:
