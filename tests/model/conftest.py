@@ -24,7 +24,7 @@ from tests.procs import GOLDEN
 
 @dataclass
 class Loaded:
-    """The golden model on one mesh in one dtype, with its jitted entry points."""
+    """A model with its parameters on one mesh in one dtype, and its jitted entry points."""
 
     cfg: ModelConfig
     model: GrokModel
@@ -63,29 +63,16 @@ def golden_model(golden_cfg: ModelConfig) -> Callable[[str, str], Loaded]:
     return get
 
 
-@dataclass
-class Tiny:
-    """A small random model (2 layers, 8 experts) on mesh (1,1), jitted once per session."""
-
-    cfg: ModelConfig
-    model: GrokModel
-    params: Any
-    prefill: Callable[..., Any]
-    decode: Callable[..., Any]
-    insert: Callable[..., Any]
-    forward: Callable[..., Any]
-
-
 def tiny_config(golden: ModelConfig) -> ModelConfig:
     return dataclasses.replace(golden, vocab_size=64, sequence_len=24, model=dataclasses.replace(
         golden.model, emb_size=32, num_layers=2, num_q_heads=4, num_kv_heads=2, widening_factor=2))
 
 
 @pytest.fixture(scope="session")
-def tiny(golden_cfg: ModelConfig) -> Tiny:
+def tiny(golden_cfg: ModelConfig) -> Loaded:
     cfg = tiny_config(golden_cfg)
     mesh = make_mesh(MeshConfig())
     model = GrokModel(cfg, mesh, jnp.float32)
     params = random_params(cfg, mesh, jnp.float32, seed=11)
-    return Tiny(cfg, model, params, jax.jit(model.prefill), jax.jit(model.decode), jax.jit(model.insert),
-                jax.jit(model.forward))
+    return Loaded(cfg, model, params, jax.jit(model.prefill), jax.jit(model.decode), jax.jit(model.insert),
+                  jax.jit(model.forward))
