@@ -132,7 +132,7 @@ class Engine:
             sampling=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.sampling, prefix.sampling))
 
     def _generate_impl(self, params: Any, state: DecodeState) -> tuple[DecodeState, SampleResult]:
-        logits, memory = self.model.decode(params, state.tokens, state.memory)  # [B, V]
+        logits, memory = self.model.decode(params, state.tokens, state.memory, state.sampling.active)  # [B, V]
         rest, draw = split_keys(state.keys)
         result = sample_tokens(draw, logits, state.sampling)
         return DecodeState(memory, result.token, rest, state.sampling), result

@@ -59,12 +59,17 @@ class GrokModel:
         logits, caches = self._net.apply(params, tokens, step, jnp.reshape(length - 1, (1,)))
         return logits, Memory(caches, jnp.reshape(length, (1,)))
 
-    def decode(self, params: Params, tokens: Array, memory: Memory) -> tuple[Array, Memory]:
-        """tokens [B] int32, one per slot -> (logits [B, V] float32, memory advanced by one per slot)."""
+    def decode(self, params: Params, tokens: Array, memory: Memory,
+               active: Array | None = None) -> tuple[Array, Memory]:
+        """tokens [B] int32, one per slot -> (logits [B, V] float32, memory advanced by one per slot).
+
+        `active` [B] bool marks the slots whose outputs are used; inactive slots never make an expert run
+        (their logits are then meaningless), and active slots' results are the same either way.
+        """
         s = memory.layers[0].k.shape[2]
         write = jnp.minimum(memory.positions, s - 1)  # a finished slot never writes out of bounds
         mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= write[:, None])[:, None, :]  # [B, 1, S]
-        step = Step(write[:, None], mask, memory.layers, write)
+        step = Step(write[:, None], mask, memory.layers, write, active)
         logits, caches = self._net.apply(params, tokens[:, None], step, jnp.zeros_like(write))
         return logits, Memory(caches, jnp.minimum(memory.positions + 1, s))
 

@@ -1,7 +1,7 @@
 """The mixture-of-experts block: a float32 router and gated-GELU int8 experts computed only where selected.
 
 Tokens are grouped by expert, and experts nobody selected cost nothing:
-- decode-sized inputs (<= 16 rows): one conditional per expert, run only if a row selected it, converting
+- decode-sized inputs (<= 16 rows): one conditional per expert, run only if an active row selected it, converting
   that expert's int8 weights once for all rows (the step is bound by weight reads at this size);
 - longer inputs (prefill): the (token, expert) pairs are sorted by expert and cut into tiles of `tile` rows
   that each belong to one expert; a loop runs over the used tiles only, multiplying only routed rows.
@@ -101,15 +101,19 @@ def grouped_experts(x: Array, routing: Routing, w: ExpertWeights, tile: int) -> 
     return jax.lax.fori_loop(0, plan.used, body, jnp.zeros_like(x))
 
 
-def experts_by_cond(x: Array, routing: Routing, w: ExpertWeights) -> Array:
-    """Decode-sized inputs (a few rows): one conditional per expert, taken only if some row selected it.
+def experts_by_cond(x: Array, routing: Routing, w: ExpertWeights, active: Array | None = None) -> Array:
+    """Decode-sized inputs (a few rows): one conditional per expert, taken only if some active row selected it.
 
     Weights are sliced statically (no copies) and each used expert's int8 weights are converted once for all
     rows; rows that did not pick the expert get gate 0. At this size the step is bound by weight reads.
+    `active` [M] bool: False rows (free decode slots, whose outputs are discarded) never make an expert run.
+    Each row is computed independently, so an active row's result does not depend on which experts run.
     """
     out = jnp.zeros_like(x)
     for e in range(w.linear.shape[0]):
         hit = routing.experts == e  # [M, k]
+        if active is not None:
+            hit = hit & active[:, None]
         gate = jnp.sum(jnp.where(hit, routing.gates, 0.0), axis=-1).astype(x.dtype)  # [M]
 
         def run(operands: tuple[Array, Array], e: int = e, gate: Array = gate) -> Array:
@@ -140,8 +144,8 @@ class MoELayer(hk.Module):
         self.num_experts = num_experts
         self.ffn_size = ffn_size
 
-    def __call__(self, x: Array, routing: Routing) -> Array:
-        """x [B, T, D] -> [B, T, D]."""
+    def __call__(self, x: Array, routing: Routing, active: Array | None = None) -> Array:
+        """x [B, T, D] -> [B, T, D]. `active` [B] bool (decode only, T == 1) masks free slots' rows."""
         b, t, d = x.shape
         e, f = self.num_experts, self.ffn_size
         w = ExpertWeights(
@@ -151,7 +155,8 @@ class MoELayer(hk.Module):
         )
         flat = x.reshape(b * t, d)
         if b * t <= SMALL_BATCH:
-            return experts_by_cond(flat, routing, w).reshape(b, t, d)
+            rows_active = None if active is None else jnp.repeat(active, t)
+            return experts_by_cond(flat, routing, w, rows_active).reshape(b, t, d)
         tile = pick_tile(b * t, routing.experts.shape[-1], e)
         return grouped_experts(flat, routing, w, tile).reshape(b, t, d)
 

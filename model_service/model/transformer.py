@@ -31,6 +31,7 @@ class Step(NamedTuple):
     mask: Array  # [B, T, S] bool, which keys each query sees
     memory: tuple[KVMemory, ...] | None  # decode: caches to write into; None: keys are this call's tokens
     write_index: Array | None  # decode: [B] position each slot writes (T == 1)
+    active: Array | None = None  # decode: [B] bool, False rows (free slots) never make an expert run
 
 
 def _norm(name: str, x: Array) -> Array:
@@ -82,7 +83,7 @@ class DecoderLayer(hk.Module):
         b, n, d = moe_in.shape
         router_w = ParamHolder("router").get("w", (d, t.num_experts))
         routing = route(moe_in.reshape(b * n, d), router_w, t.num_selected_experts)
-        moe_out = MoELayer(t.num_experts, t.ffn_size)(moe_in, routing)
+        moe_out = MoELayer(t.num_experts, t.ffn_size)(moe_in, routing, step.active)
         return self._constrain(h + _norm("rms_norm_3", moe_out)), kv
 
     def _constrain(self, h: Array) -> Array:

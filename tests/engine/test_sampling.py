@@ -7,7 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_service.sampling import SamplingParams, build_mask, seed_key, split_key, top_p_filter
+from model_service.sampling import (
+    SamplingParams,
+    build_mask,
+    categorical,
+    first_argmax,
+    seed_key,
+    split_key,
+    top_p_filter,
+)
 from model_service.sampling import sample_tokens as _sample_tokens
 
 V = 6
@@ -115,3 +123,21 @@ def test_free_slots_are_not_sampled() -> None:
     p = params([1.0, 1.0], [1.0, 1.0])._replace(active=jnp.asarray([True, False]))
     res = sample_tokens(keys([1, 2]), jnp.asarray(np.stack([LOGITS, LOGITS])), p)
     assert float(res.prob[0]) > 0 and float(res.prob[1]) == 0 and not bool(res.bad[1])
+
+
+def test_categorical_draw_is_bit_identical_to_jax_random_categorical() -> None:
+    ours, reference = jax.jit(categorical), jax.jit(lambda k, r: jax.random.categorical(k, r)[0])
+    rng = np.random.default_rng(3)
+    for i in range(40):
+        row = rng.standard_normal((1, [6, 1000, 131072][i % 3])).astype(np.float32) * rng.uniform(0.1, 30)
+        if i % 4 == 0:
+            row[0, : row.shape[1] // 2] = -1e10  # masked half, as the nucleus filter leaves it
+        key = jax.random.PRNGKey(i)
+        assert int(ours(key, jnp.asarray(row))) == int(reference(key, jnp.asarray(row)))
+
+
+@pytest.mark.parametrize("values", [[1.0, 3.0, 3.0, 2.0], [1.0, np.nan, 3.0, np.nan], [-np.inf, -np.inf],
+                                    [np.inf, 0.0, np.inf], [-0.0, 0.0]])
+def test_first_argmax_matches_jnp_argmax_on_ties_nan_and_inf(values: list[float]) -> None:
+    x = jnp.asarray(values, jnp.float32)
+    assert int(jax.jit(first_argmax)(x)) == int(jnp.argmax(x))

@@ -7,8 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_service.model.layers import ExpertStack, QuantizedWeight
-from model_service.model.moe import ExpertWeights, Routing, experts_by_cond, grouped_experts, pick_tile
+from model_service.model.layers import ExpertStack, QuantizedWeight, dequantize, qmatmul
+from model_service.model.moe import (
+    ExpertWeights,
+    Routing,
+    experts_by_cond,
+    grouped_experts,
+    pick_tile,
+)
 
 rng = np.random.default_rng(0)
 
@@ -138,3 +144,39 @@ def test_unselected_experts_are_never_computed() -> None:
     routing = routing._replace(experts=routing.experts.at[0, 0].set(6))
     assert not np.isfinite(np.asarray(grouped_experts(x, routing, poisoned, 2))).all()
     assert not np.isfinite(np.asarray(experts_by_cond(x, routing, poisoned))).all()
+
+
+def test_free_slots_never_make_an_expert_run() -> None:
+    w = _experts(8, 16, 32)
+    nan = [q._replace(scales=q.scales * jnp.nan) if e >= 5 else q for e, q in enumerate(w.linear.experts)]
+    poisoned = w._replace(linear=ExpertStack(tuple(nan)))
+    x = jnp.asarray(rng.standard_normal((6, 16)), jnp.float32)
+    experts = jnp.asarray(rng.integers(0, 5, (6, 2)), jnp.int32).at[0, 0].set(6)  # only row 0 wants expert 6
+    routing = Routing(jnp.full((6, 2), 0.5, jnp.float32), experts)
+    free_row_0 = jnp.arange(6) > 0
+    assert np.isfinite(np.asarray(experts_by_cond(x, routing, poisoned, free_row_0))).all()
+    assert not np.isfinite(np.asarray(experts_by_cond(x, routing, poisoned, jnp.ones((6,), bool)))).all()
+
+
+def test_decode_with_free_slots_leaves_active_slots_bit_identical(tiny) -> None:
+    _, prefix = _prefix(tiny, _prompt(6))
+    memory = tiny.model.init_memory(4)
+    for slot in range(4):
+        memory = tiny.insert(memory, prefix, jnp.int32(slot))
+    tokens = jnp.asarray([5, 9, 11, 13], jnp.int32)
+    all_logits, all_memory = tiny.decode(tiny.params, tokens, memory)
+    active = jnp.asarray([True, False, True, False])
+    some_logits, some_memory = tiny.decode(tiny.params, tokens, memory, active)
+    np.testing.assert_array_equal(np.asarray(some_logits)[[0, 2]], np.asarray(all_logits)[[0, 2]])
+    for a, b in zip(all_memory.layers, some_memory.layers):
+        np.testing.assert_array_equal(np.asarray(a.k)[[0, 2]], np.asarray(b.k)[[0, 2]])
+    np.testing.assert_array_equal(np.asarray(some_memory.positions), np.asarray(all_memory.positions))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_row_parallel_int8_products_match_dequantise_then_matmul(rows: int) -> None:
+    weight = jnp.asarray(rng.integers(-127, 128, (64, 24)), jnp.int8)
+    q = QuantizedWeight(weight, jnp.asarray(rng.uniform(0.5, 1.5, (8, 24)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+    want = np.asarray(x) @ np.asarray(dequantize(q, jnp.float32))
+    np.testing.assert_allclose(np.asarray(jax.jit(qmatmul)(x, q)), want, rtol=1e-5, atol=1e-4)
