@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEMO := artifacts/demo
 PYTEST_ARGS ?=
 
-.PHONY: setup run demo protos lint test test-fast bench clean help
+.PHONY: setup run demo protos lint test bench clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
