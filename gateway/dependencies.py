@@ -20,28 +20,10 @@ from serving_common.grpc_server import HealthReporter
 log = logging.getLogger(__name__)
 
 
-class DrainingHealthReporter(HealthReporter):
-    """A HealthReporter that stays NOT_SERVING once the server starts draining."""
-
-    def __init__(self, reporter: HealthReporter) -> None:
-        super().__init__(reporter.servicer, reporter.services[1:])
-        self.draining = False
-
-    async def set(self, serving: bool) -> None:
-        if not serving:
-            self.draining = True
-        await super().set(serving)
-
-    async def update(self, serving: bool) -> None:
-        """Report dependency health unless draining (SIGTERM wins over dependencies coming back)."""
-        if not self.draining and serving != self.serving:
-            await super().set(serving)
-
-
 class DependencyWatch:
     """Background Watch streams keeping `tokenizer_serving` and each replica's `serving` current."""
 
-    def __init__(self, tokenizer: TokenizerClient, pool: ModelPool, reporter: DrainingHealthReporter,
+    def __init__(self, tokenizer: TokenizerClient, pool: ModelPool, reporter: HealthReporter,
                  retry_seconds: float = 0.5) -> None:
         self.tokenizer = tokenizer
         self.pool = pool
@@ -84,7 +66,7 @@ class DependencyWatch:
         set_status(up)
         if self.serving != before:
             log.info("dependencies changed", extra={"dependency": name, "up": up, "gateway_serving": self.serving})
-        await self.reporter.update(self.serving)
+        await self.reporter.set(self.serving)  # ignored once the gateway drains
 
     async def stop(self) -> None:
         for task in self.tasks:

@@ -9,12 +9,12 @@ import grpc
 
 from gateway.clients import ModelPool, TokenizerClient
 from gateway.config import GatewayConfig
-from gateway.dependencies import DependencyWatch, DrainingHealthReporter
+from gateway.dependencies import DependencyWatch
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.servicer import GatewayServicer
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from serving_common.grpc_server import add_health_and_reflection, bind, serve_until_signal
+from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class Gateway:
 
     server: grpc.aio.Server
     port: int
-    health: DrainingHealthReporter
+    health: HealthReporter
     watch: DependencyWatch
     tokenizer: TokenizerClient
     pool: ModelPool
@@ -35,7 +35,7 @@ class Gateway:
 
     async def close(self, grace: float | None = None) -> None:
         """Stop serving (finishing calls within `grace` seconds), then the watches and channels."""
-        await self.health.set(False)
+        await self.health.drain()
         await self.server.stop(grace)
         await self.release()
 
@@ -53,19 +53,13 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     server = grpc.aio.server()
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
         GatewayServicer(Pipeline(tokenizer, pool, config.limits, metrics), config), server)
-    health = DrainingHealthReporter(add_health_and_reflection(server, [SERVICE_NAME]))
+    health = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port)
     await server.start()
     watch = DependencyWatch(tokenizer, pool, health, config.health_retry_seconds)
     watch.start()
     metrics.serve(config.metrics_port, config.host)
     return Gateway(server, port, health, watch, tokenizer, pool, metrics)
-
-
-async def build_server(config: GatewayConfig) -> tuple[grpc.aio.Server, int]:
-    """The house-style entry point: a started server and its bound port (see start_gateway)."""
-    gateway = await start_gateway(config)
-    return gateway.server, gateway.port
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -158,7 +158,7 @@ class ModelServer:
             await asyncio.to_thread(self.scheduler.stop)
 
     async def stop(self, grace: float = 0.0) -> None:
-        await self.health.set(False)
+        await self.health.drain()
         await self.drain()
         await self.grpc.stop(grace)
         await self.stop_scheduler()

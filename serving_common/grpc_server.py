@@ -18,18 +18,32 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class HealthReporter:
-    """Sets the same status for the overall server ("") and each named service."""
+    """Sets the same status for the overall server ("") and each named service.
+
+    Once `drain()` was called the server stays NOT_SERVING: a load finishing or a dependency coming
+    back during shutdown must not advertise it again.
+    """
 
     def __init__(self, servicer: health.aio.HealthServicer, services: Iterable[str]) -> None:
         self.servicer = servicer
         self.services = ("", *services)
-        self.serving = False
+        self.serving = False  # what the servicer reports now (it starts NOT_SERVING)
+        self.draining = False
 
     async def set(self, serving: bool) -> None:
+        """Report SERVING or NOT_SERVING (SERVING is ignored while draining; unchanged status is a no-op)."""
+        serving = serving and not self.draining
+        if serving == self.serving:
+            return
         self.serving = serving
         status = SERVING if serving else NOT_SERVING
         for name in self.services:
             await self.servicer.set(name, status)
+
+    async def drain(self) -> None:
+        """NOT_SERVING from now on."""
+        self.draining = True
+        await self.set(False)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Iterable[str]) -> HealthReporter:
@@ -76,7 +90,7 @@ async def serve_until_signal(
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("draining", extra={"grace_seconds": grace_seconds})
-    await health_reporter.set(False)
+    await health_reporter.drain()
     if before_stop is not None:
         await before_stop()
     await server.stop(grace_seconds)
