@@ -28,7 +28,8 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                             help="model service HOST:PORT, or several comma-separated replicas; a DNS name "
                                  "resolving to several addresses, or an ipv4:A:P,B:P target, is balanced "
                                  "round-robin by gRPC")
-    parser.add_env_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_env_argument("--host", default="127.0.0.1",
+                            help="address to listen on (0.0.0.0: every interface; the service has no authentication)")
     parser.add_env_argument("--port", type=port, default=50051, help="gRPC port (0 picks a free one)")
     parser.add_env_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics port (0 disables)")
     parser.add_env_argument("--default-max-tokens", type=positive_int, default=64,

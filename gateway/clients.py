@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.errors import GatewayError, from_upstream
+from gateway.errors import GatewayError, down, from_finished_call, from_upstream
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -57,8 +57,11 @@ class Detokenizer:
             reply = await self.call.read()
         except grpc.aio.AioRpcError as error:
             raise from_upstream(error, "tokenizer", self.address) from error
+        except asyncio.InvalidStateError:
+            # The call ended while we were not reading (the tokenizer went away between tokens).
+            raise await from_finished_call(self.call, "tokenizer", self.address) from None
         if reply is grpc.aio.EOF:
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"tokenizer service at {self.address} ended DecodeStream early")
+            raise await from_finished_call(self.call, "tokenizer", self.address)
         texts = list(reply.token_texts)
         if len(texts) != len(token_ids):
             texts = [""] * (len(token_ids) - 1) + [reply.text] if token_ids else []
@@ -71,6 +74,8 @@ class Detokenizer:
             reply = await self.call.read()
         except grpc.aio.AioRpcError as error:
             raise from_upstream(error, "tokenizer", self.address) from error
+        except asyncio.InvalidStateError:
+            raise await from_finished_call(self.call, "tokenizer", self.address) from None
         return "" if reply is grpc.aio.EOF else reply.text
 
     def cancel(self) -> None:
@@ -203,7 +208,8 @@ class ModelPool:
                 if error.code() != grpc.StatusCode.UNAVAILABLE:
                     raise from_upstream(error, "model", replica.address) from error
                 problems.append(f"{replica.address}: {error.details()}")
-        raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no model replica is reachable ({'; '.join(problems)}); retry later")
+        log.warning("no model replica answered GetInfo", extra={"problems": problems})
+        raise down("model", f"none of its {len(self.replicas)} replica(s) answered")
 
     async def generate(self, request: model_pb2.GenerateRequest, deadline: float | None,
                        metadata: Metadata = ()) -> ModelStream:
@@ -233,8 +239,8 @@ class ModelPool:
             return ModelStream(replica, call, first)
         if busy is not None:
             raise busy
-        raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no model replica is available ({'; '.join(problems)}); "
-                           "retry later")
+        log.warning("no model replica accepted the request", extra={"problems": problems})
+        raise down("model", f"none of its {len(self.replicas)} replica(s) accepted the request")
 
     async def close(self) -> None:
         await asyncio.gather(*(r.channel.close() for r in self.replicas))

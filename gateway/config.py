@@ -22,7 +22,7 @@ class GatewayConfig:
 
     tokenizer: str
     models: tuple[str, ...]
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0
     grace_seconds: float = 10.0

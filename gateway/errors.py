@@ -1,12 +1,21 @@
 """Domain errors of the gateway and the one place that maps upstream gRPC statuses to ours.
 
-Upstream INVALID_ARGUMENT, RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED pass through unchanged; an
-unreachable service is UNAVAILABLE naming the service; anything else is INTERNAL (a bug somewhere).
+Upstream INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED and CANCELLED pass through with the
+backend's message and its google.rpc details (field violations, retry delay); an unreachable service
+is UNAVAILABLE naming the service; anything else is INTERNAL (a bug somewhere). Public messages never
+name a backend's address or the transport's error text: those go to the gateway's log.
 """
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+
+from serving_common.errors import FieldViolation, ServiceError, details_of
+from serving_common.logs import request_id_var
+
+log = logging.getLogger(__name__)
 
 PASS_THROUGH = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -14,28 +23,54 @@ PASS_THROUGH = frozenset({
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
 })
+# How long a client should wait before retrying when a backend is down (RetryInfo of UNAVAILABLE).
+UNAVAILABLE_RETRY_SECONDS = 1.0
 
 
-class GatewayError(Exception):
-    """An error that ends a request with `code` and an actionable `message`."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+class GatewayError(ServiceError):
+    """An error that ends a request with `code` and an actionable `message` (see ServiceError)."""
 
 
 def invalid(field: str, problem: str) -> GatewayError:
-    """INVALID_ARGUMENT whose message starts with the field name."""
-    return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
+    """INVALID_ARGUMENT whose message starts with the field name, with a BadRequest field violation."""
+    return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}",
+                        violations=(FieldViolation(field, problem),))
+
+
+def down(service: str, detail: str = "") -> GatewayError:
+    """UNAVAILABLE for a backend that cannot be reached (the public message names only the service)."""
+    suffix = f" ({detail})" if detail else ""
+    return GatewayError(grpc.StatusCode.UNAVAILABLE, f"the {service} service is unavailable{suffix}; retry later",
+                        retry_after=UNAVAILABLE_RETRY_SECONDS)
+
+
+def from_status(code: grpc.StatusCode, details: str, service: str, address: str,
+                error: grpc.RpcError | None = None) -> GatewayError:
+    """Map a failed call to the tokenizer or model service (its code and details) to the gateway's status."""
+    if code in PASS_THROUGH:
+        found = details_of(error) if error is not None else None
+        return GatewayError(code, f"{service} service: {details}" if details else f"{service} service: {code.name}",
+                            violations=found.violations if found else (),
+                            retry_after=found.retry_after if found else None)
+    log.warning("backend call failed", extra={"service": service, "address": address, "code": code.name,
+                                              "detail": details})
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return down(service)
+    return GatewayError(grpc.StatusCode.INTERNAL, f"the {service} service failed ({code.name}); the gateway's "
+                        f"logs have the details (request id {request_id_var.get()})")
 
 
 def from_upstream(error: grpc.RpcError, service: str, address: str) -> GatewayError:
-    """Map a failed call to the tokenizer or model service to the gateway's status."""
+    """`from_status` for a raised grpc error."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else "") or ""
-    if code in PASS_THROUGH:
-        return GatewayError(code, f"{service} service: {details}" if details else f"{service} service: {code.name}")
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return GatewayError(code, f"{service} service at {address} is unavailable ({details}); retry later")
-    return GatewayError(grpc.StatusCode.INTERNAL, f"{service} service at {address} failed: {code.name}: {details}")
+    return from_status(code, details, service, address, error)
+
+
+async def from_finished_call(call: grpc.aio.Call, service: str, address: str) -> GatewayError:
+    """The error of a call that ended before we were done with it (writing to it raised InvalidStateError)."""
+    code = await call.code()
+    if code == grpc.StatusCode.OK:  # the backend closed the stream early without an error
+        log.warning("backend ended a stream early", extra={"service": service, "address": address})
+        return down(service, "it ended the stream early")
+    return from_status(code, await call.details() or "", service, address)

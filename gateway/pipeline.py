@@ -1,26 +1,27 @@
 """One text request end to end: encode, model stream, incremental detokenization, stop sequences.
 
 `Pipeline.stream` yields the GatewayService's GenerateResponse messages; Complete concatenates them.
-Errors are raised as GatewayError (the servicer turns them into statuses); whatever way the request
+Errors are raised as GatewayError (the shared interceptor turns them into statuses); whatever way the request
 ends, the model call and the detokenizer stream are cancelled, which frees the model's slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
-
 from gateway.clients import Metadata, ModelPool, TokenizerClient
 from gateway.config import Limits
-from gateway.errors import GatewayError
+from gateway.errors import down
 from gateway.metrics import GatewayMetrics
 from gateway.stops import Release, StopMatcher
 from gateway.validation import Plan, TextRequest, check_request, plan
 from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
+
+log = logging.getLogger(__name__)
 
 FINISH = {
     model_pb2.FINISH_REASON_LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
@@ -97,9 +98,9 @@ class Pipeline:
                 if release.tokens:
                     yield gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens)
             else:
-                raise GatewayError(grpc.StatusCode.UNAVAILABLE,
-                                   f"model service at {model_stream.replica.address} ended the stream without a "
-                                   "finish reason (restarting?); retry")
+                log.warning("model stream ended without a finish reason",
+                            extra={"replica": model_stream.replica.address})
+                raise down("model", "it ended the stream without a finish reason (restarting?)")
             if finish != gateway_pb2.FINISH_REASON_STOP:
                 await model_stream.drain()
                 tail = matcher.finish(await detokenizer.finish())

@@ -14,7 +14,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.servicer import GatewayServicer
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, serve_until_signal
+from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, new_server, serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     tokenizer = TokenizerClient(config.tokenizer, config.tokenizer_retries)
     pool = ModelPool(config.models)
     metrics = GatewayMetrics()
-    server = grpc.aio.server()
+    server = new_server("gateway")
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
         GatewayServicer(Pipeline(tokenizer, pool, config.limits, metrics), config), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])

@@ -1,4 +1,8 @@
-"""GatewayService: protobuf in and out, and the one place that maps gateway errors to gRPC statuses."""
+"""GatewayService: protobuf in and out; request metrics and logs.
+
+Errors are raised (GatewayError, a ServiceError) and the shared interceptor ends the call with their
+status; GetInfo answers what a public client needs, never file paths or backend addresses.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ from gateway.errors import GatewayError
 from gateway.pipeline import Pipeline
 from gateway.validation import TextRequest
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from serving_common.logs import new_request_id, request_id_var
+from grok.model.v1 import model_pb2
+from grok.tokenizer.v1 import tokenizer_pb2
+from serving_common.logs import request_id_var
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +66,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def GetInfo(self, request: gateway_pb2.GetInfoRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> gateway_pb2.GetInfoResponse:
         deadline = deadline_of(context)
-        try:
-            model_info = await self.pipeline.pool.info(deadline)
-            tokenizer_info = await self.pipeline.tokenizer.info(deadline)
-        except GatewayError as error:
-            await context.abort(error.code, error.message)
+        model_info = model_pb2.GetInfoResponse()
+        model_info.CopyFrom(await self.pipeline.pool.info(deadline))  # a copy: the pool caches its answer
+        tokenizer_info = tokenizer_pb2.GetInfoResponse()
+        tokenizer_info.CopyFrom(await self.pipeline.tokenizer.info(deadline))
+        # Internal details stay internal: the services' own GetInfo (and the logs) have them.
+        model_info.ClearField("checkpoint")
+        tokenizer_info.ClearField("model_path")
         limits = self.config.limits
         return gateway_pb2.GetInfoResponse(
-            model=model_info, tokenizer=tokenizer_info, model_addresses=list(self.config.models),
+            model=model_info, tokenizer=tokenizer_info,
             limits=gateway_pb2.GatewayLimits(
                 max_prompt_bytes=limits.max_prompt_bytes, max_stop_sequences=limits.max_stop,
                 max_stop_chars=limits.max_stop_chars, default_max_tokens=limits.default_max_tokens))
@@ -75,8 +83,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def _run(self, request: TextRequest, context: grpc.aio.ServicerContext,
                    method: str) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Stream the pipeline's messages; end with the mapped status; count the request in metrics."""
-        request_id = new_request_id(context.invocation_metadata())
-        request_id_var.set(request_id)
+        request_id = request_id_var.get()  # set by the shared interceptor
         loop = asyncio.get_running_loop()
         start = loop.time()
         code, finish = "OK", "NONE"
@@ -88,16 +95,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 yield message
         except GatewayError as error:
             code = error.code.name
-            log.info("request failed", extra={"code": code, "detail": error.message})
-            await context.abort(error.code, error.message)
+            raise
         except asyncio.CancelledError:
             left = context.time_remaining()
             code = "DEADLINE_EXCEEDED" if left is not None and left <= 0 else "CANCELLED"
             raise
         except Exception:
-            code = "INTERNAL"
-            log.exception("unexpected error")
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see gateway logs")
+            code = "INTERNAL"  # the interceptor logs it with its traceback
+            raise
         finally:
             seconds = loop.time() - start
             self.metrics.finished(method, code, finish, seconds)

@@ -37,7 +37,8 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--random-init", action="store_true", default=False,
                        help="serve random weights when no --checkpoint is given (outputs are noise)")
     p.add_env_argument("--random-seed", type=int, default=0, help="seed of --random-init weights")
-    p.add_env_argument("--host", default="0.0.0.0", help="address to bind")
+    p.add_env_argument("--host", default="127.0.0.1",
+                       help="address to bind, gRPC and metrics (0.0.0.0: every interface; no authentication)")
     p.add_env_argument("--port", type=port, default=50053, help="gRPC port (0 picks a free one)")
     p.add_env_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     p.add_env_argument("--mesh", type=mesh, default="1,1", help="device mesh DATA,MODEL (e.g. 1,8)")

@@ -52,6 +52,6 @@ class Metrics(SchedulerMetrics):
     def rpc_done(self, code_name: str) -> None:
         self.status_codes.labels(code=code_name).inc()
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Start the /metrics HTTP endpoint (a daemon thread)."""
         start_http_server(port, addr=host, registry=self.registry)

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
 import jax
 import jax.numpy as jnp
 
@@ -25,7 +24,7 @@ from model_service.engine import Engine
 from model_service.metrics import Metrics
 from model_service.scheduler import Scheduler
 from model_service.servicer import ModelServicer
-from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, serve_until_signal
+from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, new_server, serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ class ServerConfig:
     config: str
     checkpoint: str | None
     random_init: bool = False
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 50053
     dtype: str = "float32"
     mesh: MeshConfig = MeshConfig()
@@ -48,7 +47,7 @@ class ServerConfig:
     max_queue: int = 64
     compile_cache: str | None = None
     metrics_port: int = 0
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"
     grace_seconds: float = 10.0
     random_seed: int = 0
 
@@ -127,7 +126,7 @@ class ModelServer:
         self.model_cfg, self.buckets = resolve(config)
         self.metrics = Metrics()
         self.servicer = ModelServicer(make_info(config, self.model_cfg, self.buckets), self.metrics)
-        self.grpc = grpc.aio.server()
+        self.grpc = new_server("model")
         model_pb2_grpc.add_ModelServiceServicer_to_server(self.servicer, self.grpc)
         self.health: HealthReporter = add_health_and_reflection(self.grpc, [SERVICE_NAME])
         self.port = bind(self.grpc, config.host, config.port)

@@ -1,5 +1,8 @@
 """grok.model.v1.ModelService: protobuf <-> scheduler requests, and scheduler errors -> gRPC status.
 
+Errors are raised as ServiceError (with BadRequest / RetryInfo details); the shared interceptor in
+serving_common ends the call with them.
+
 No JAX here. Generate submits a request to the Scheduler, whose decode thread hands back one
 Emission per step through a thread-safe callback; they are streamed to the client as they come
 (coalesced when the client reads slower than the model decodes). Client cancellation and deadline
@@ -28,7 +31,8 @@ from model_service.scheduler import (
     Timings,
     TokenOut,
 )
-from serving_common.logs import new_request_id
+from serving_common.errors import ServiceError, invalid_message, resource_exhausted, unavailable
+from serving_common.logs import request_id_var
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +44,25 @@ STATUS = {
     ErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
+# RetryInfo of RESOURCE_EXHAUSTED / UNAVAILABLE: about when a slot or the service may be back.
+RETRY_SECONDS = 1.0
+
 FINISH = {
     FinishReason.LENGTH: model_pb2.FINISH_REASON_LENGTH,
     FinishReason.EOS: model_pb2.FINISH_REASON_EOS,
     FinishReason.CONTEXT_LENGTH: model_pb2.FINISH_REASON_CONTEXT_LENGTH,
 }
+
+
+def to_service_error(error: SchedulerError) -> ServiceError:
+    """The status (and google.rpc details) a scheduler error ends the call with."""
+    if error.kind is ErrorKind.INVALID_ARGUMENT:
+        return invalid_message(error.message)
+    if error.kind is ErrorKind.RESOURCE_EXHAUSTED:
+        return resource_exhausted(error.message, RETRY_SECONDS)
+    if error.kind is ErrorKind.UNAVAILABLE:
+        return unavailable(error.message, RETRY_SECONDS)
+    return ServiceError(STATUS[error.kind], error.message)
 
 
 def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: float | None) -> GenerationRequest:
@@ -108,22 +126,21 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
 
     async def Generate(self, request: model_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[model_pb2.GenerateResponse]:
-        rid = new_request_id(context.invocation_metadata(), request.request_id)
+        rid = request.request_id or request_id_var.get()
         code = grpc.StatusCode.OK
         try:
             async for response in self._stream(request, context, rid):
                 yield response
         except SchedulerError as e:
             code = STATUS[e.kind]
-            if e.kind is not ErrorKind.CANCELLED:
-                await context.abort(code, e.message)
+            if e.kind is not ErrorKind.CANCELLED:  # a cancelled call's status is the client's already
+                raise to_service_error(e) from None
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception:
-            code = grpc.StatusCode.INTERNAL
-            log.exception("generate crashed", extra={"request_id": rid})
-            await context.abort(code, f"internal error (request {rid})")
+            code = grpc.StatusCode.INTERNAL  # the interceptor logs it and answers INTERNAL
+            raise
         finally:
             self.metrics.rpc_done(code.name)
             log.info("generate finished", extra={"request_id": rid, "code": code.name,

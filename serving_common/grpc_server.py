@@ -5,30 +5,97 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from serving_common.interceptor import install
 
 log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
+
+class HealthService(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 whose Watch streams end once the server drains.
+
+    grpcio's servicer keeps a Watch open until the server stops it, so a connected watcher (the
+    gateway watches every backend) held a SIGTERM'd server for its whole grace period even when idle.
+    Here a watcher gets NOT_SERVING and then the end of its stream, and the drain ends as soon as the
+    real calls do. Every status starts NOT_SERVING.
+    """
+
+    def __init__(self, services: Iterable[str]) -> None:
+        self._status = {name: NOT_SERVING for name in ("", *services)}
+        self._changed: asyncio.Event | None = None  # replaced on every change; created on the loop
+        self.draining = False
+
+    def _event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def status(self, service: str) -> int | None:
+        return self._status.get(service)
+
+    def set(self, service: str, status: int) -> None:
+        self._status[service] = status
+        changed, self._changed = self._event(), asyncio.Event()
+        changed.set()
+
+    def drain(self) -> None:
+        """NOT_SERVING everywhere and end every Watch stream."""
+        self.draining = True
+        for name in self._status:
+            self.set(name, NOT_SERVING)
+
+    async def Check(self, request: health_pb2.HealthCheckRequest,  # noqa: N802 (gRPC's name)
+                    context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def List(self, request: health_pb2.HealthListRequest,  # noqa: N802
+                   context: grpc.aio.ServicerContext) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(
+            statuses={name: health_pb2.HealthCheckResponse(status=s) for name, s in self._status.items()})
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        last = None
+        while True:
+            changed = self._event()
+            status = self._status.get(request.service, SERVICE_UNKNOWN)
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+                continue  # the status may have changed while the reply was sent
+            if self.draining:
+                return
+            await changed.wait()
 
 
 class HealthReporter:
     """Sets the same status for the overall server ("") and each named service.
 
-    Once `drain()` was called the server stays NOT_SERVING: a load finishing or a dependency coming
-    back during shutdown must not advertise it again.
+    Once `drain()` was called the server stays NOT_SERVING (a load finishing or a dependency coming
+    back during shutdown must not advertise it again) and Watch streams are closed.
     """
 
-    def __init__(self, servicer: health.aio.HealthServicer, services: Iterable[str]) -> None:
+    def __init__(self, servicer: HealthService, services: Iterable[str]) -> None:
         self.servicer = servicer
         self.services = ("", *services)
         self.serving = False  # what the servicer reports now (it starts NOT_SERVING)
-        self.draining = False
+
+    @property
+    def draining(self) -> bool:
+        return self.servicer.draining
 
     async def set(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING (SERVING is ignored while draining; unchanged status is a no-op)."""
@@ -38,27 +105,29 @@ class HealthReporter:
         self.serving = serving
         status = SERVING if serving else NOT_SERVING
         for name in self.services:
-            await self.servicer.set(name, status)
+            self.servicer.set(name, status)
 
     async def drain(self) -> None:
-        """NOT_SERVING from now on."""
-        self.draining = True
-        await self.set(False)
+        """NOT_SERVING from now on; Watch streams end."""
+        self.serving = False
+        self.servicer.drain()
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Iterable[str]) -> HealthReporter:
     """Register grpc.health.v1 (initially NOT_SERVING) and server reflection for the given services."""
     names = tuple(service_full_names)
-    servicer = health.aio.HealthServicer()
-    # grpcio's servicer starts with "" SERVING; nothing has watchers yet, so setting the table directly
-    # is what the (async) set() would do.
-    for name in ("", *names):
-        servicer._server_status[name] = NOT_SERVING  # noqa: SLF001
+    servicer = HealthService(names)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     return HealthReporter(servicer, names)
+
+
+def new_server(service: str, options: Sequence[tuple[str, Any]] = (),
+               interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """A grpc.aio server with the shared status interceptor first (see serving_common.interceptor)."""
+    return grpc.aio.server(interceptors=install(service, interceptors), options=list(options))
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:

@@ -30,7 +30,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TokenizerConfig:
     parser = EnvArgumentParser(env_prefix="GROK_TOKENIZER", prog="python -m tokenizer_service",
                                description="gRPC tokenizer service (SentencePiece encode/decode, streaming detokenizer).")
     parser.add_env_argument("--model", required=True, help="path of the SentencePiece .model file")
-    parser.add_env_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_env_argument("--host", default="127.0.0.1",
+                            help="address to listen on (0.0.0.0: every interface; the service has no authentication)")
     parser.add_env_argument("--port", type=port, default=DEFAULT_PORT, help="TCP port (0 picks a free one)")
     parser.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                             help="JSON log level")

@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, serve_until_signal
+from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, new_server, serve_until_signal
 from tokenizer_service.servicer import Limits, TokenizerServicer
 from tokenizer_service.tokenizer import Tokenizer
 
@@ -23,7 +23,7 @@ class TokenizerConfig:
     """Everything the service is started with; parsed once from flags/environment in __main__."""
 
     model_path: str
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     grace_seconds: float = 10.0
     max_text_bytes: int = 1 << 20
@@ -58,7 +58,7 @@ def build(config: TokenizerConfig) -> BuiltServer:
     """Load the model and assemble a bound server. Must be called with an event loop running."""
     tokenizer = Tokenizer(config.model_path)
     limit = config.max_message_bytes()
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
+    server = new_server("tokenizer", options=[("grpc.max_receive_message_length", limit)])
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(tokenizer, config.limits), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port)

@@ -1,8 +1,8 @@
-"""gRPC TokenizerService: protobuf <-> Tokenizer, input limits, and the error -> status mapping.
+"""gRPC TokenizerService: protobuf <-> Tokenizer, input limits, and tokenizer errors -> ServiceError.
 
-Every RPC runs under a request id (the caller's `x-request-id` metadata or a fresh one) that tags
-its log lines and is echoed back as trailing metadata. Small inputs are handled on the event loop;
-large ones go to a worker thread so one 1 MiB text does not stall every other call.
+The shared interceptor (serving_common.interceptor) gives every RPC its request id and turns the
+raised ServiceError into the call's status. Small inputs are handled on the event loop; large ones go
+to a worker thread so one 1 MiB text does not stall every other call.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TypeVar
 import grpc
 
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from serving_common.logs import new_request_id, request_id_var
+from serving_common.errors import FieldViolation, ServiceError
 from tokenizer_service.tokenizer import Tokenizer, TokenizerInputError
 
 log = logging.getLogger(__name__)
@@ -37,12 +37,16 @@ class Limits:
     max_tokens: int = 1 << 20
 
 
-def _status_of(err: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
-    """The one place that maps an error to the status the caller sees."""
+def _service_error(err: Exception) -> Exception:
+    """The one place that maps a tokenizer error to a status (anything else stays INTERNAL)."""
     if isinstance(err, TokenizerInputError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
-    log.error("unexpected error", exc_info=err)
-    return grpc.StatusCode.INTERNAL, f"internal error in the tokenizer service (request id {request_id})"
+        return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(err),
+                            violations=(FieldViolation(err.field, str(err)),))
+    return err
+
+
+def _code(err: Exception) -> grpc.StatusCode:
+    return err.code if isinstance(err, ServiceError) else grpc.StatusCode.INTERNAL
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -59,36 +63,28 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         if size > self.limits.max_text_bytes:
             raise TokenizerInputError(
                 f"{field} is {size} bytes of UTF-8; the limit is {self.limits.max_text_bytes} bytes "
-                "(--max-text-bytes): split the text"
-            )
+                "(--max-text-bytes): split the text", field)
         return size
 
     def _check_id_count(self, count: int, field: str) -> None:
         if count > self.limits.max_tokens:
             raise TokenizerInputError(
-                f"{field} has {count} ids; the limit is {self.limits.max_tokens} (--max-tokens): send fewer per call"
-            )
+                f"{field} has {count} ids; the limit is {self.limits.max_tokens} (--max-tokens): send fewer per call",
+                field)
 
     # --- call plumbing ----------------------------------------------------------------------
 
-    @staticmethod
-    def _begin(context: grpc.aio.ServicerContext) -> str:
-        request_id = new_request_id(context.invocation_metadata())
-        request_id_var.set(request_id)
-        context.set_trailing_metadata((("x-request-id", request_id),))
-        return request_id
-
-    async def _unary(self, method: str, context: grpc.aio.ServicerContext,
-                     work: Callable[[], tuple[T, int]], threaded: bool) -> T:
-        """Run `work` (validate, compute; returns the result and its input size) under the status mapping."""
-        request_id = self._begin(context)
+    async def _unary(self, method: str, work: Callable[[], tuple[T, int]], threaded: bool) -> T:
+        """Run `work` (validate, compute; returns the result and its input size); errors become ServiceError."""
         started = time.perf_counter()
         try:
             result, size = await asyncio.to_thread(work) if threaded else work()
-        except Exception as err:  # noqa: BLE001 - every failure becomes a status, never a dead server
-            code, message = _status_of(err, request_id)
-            self._log_done(method, code, started)
-            await context.abort(code, message)
+        except Exception as err:
+            mapped = _service_error(err)
+            self._log_done(method, _code(mapped), started)
+            if mapped is err:
+                raise
+            raise mapped from err
         self._log_done(method, grpc.StatusCode.OK, started, size=size)
         return result
 
@@ -102,7 +98,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Encode(self, request: tokenizer_pb2.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> tokenizer_pb2.EncodeResponse:
         threaded = len(request.text) > _INLINE_LIMIT
-        return await self._unary("Encode", context, lambda: self._encode(request), threaded)
+        return await self._unary("Encode", lambda: self._encode(request), threaded)
 
     def _encode(self, request: tokenizer_pb2.EncodeRequest) -> tuple[tokenizer_pb2.EncodeResponse, int]:
         size = self._check_text(request.text, "text")
@@ -112,14 +108,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def EncodeBatch(self, request: tokenizer_pb2.EncodeBatchRequest,
                           context: grpc.aio.ServicerContext) -> tokenizer_pb2.EncodeBatchResponse:
         threaded = sum(len(item.text) for item in request.requests) > _INLINE_LIMIT
-        return await self._unary("EncodeBatch", context, lambda: self._encode_batch(request), threaded)
+        return await self._unary("EncodeBatch", lambda: self._encode_batch(request), threaded)
 
     def _encode_batch(self, request: tokenizer_pb2.EncodeBatchRequest) -> tuple[tokenizer_pb2.EncodeBatchResponse, int]:
         count = len(request.requests)
         if count > self.limits.max_batch:
             raise TokenizerInputError(
-                f"the batch has {count} texts; the limit is {self.limits.max_batch} (--max-batch): split the batch"
-            )
+                f"the batch has {count} texts; the limit is {self.limits.max_batch} (--max-batch): split the batch",
+                "requests")
         size = sum(self._check_text(item.text, f"requests[{i}].text") for i, item in enumerate(request.requests))
         responses = [
             tokenizer_pb2.EncodeResponse(token_ids=self.tokenizer.encode(item.text, item.add_bos, item.add_eos))
@@ -130,7 +126,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Decode(self, request: tokenizer_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> tokenizer_pb2.DecodeResponse:
         threaded = len(request.token_ids) > _INLINE_LIMIT
-        return await self._unary("Decode", context, lambda: self._decode(request), threaded)
+        return await self._unary("Decode", lambda: self._decode(request), threaded)
 
     def _decode(self, request: tokenizer_pb2.DecodeRequest) -> tuple[tokenizer_pb2.DecodeResponse, int]:
         ids = list(request.token_ids)
@@ -139,25 +135,24 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
     async def DecodeStream(self, request_iterator: AsyncIterator[tokenizer_pb2.DecodeStreamRequest],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[tokenizer_pb2.DecodeStreamResponse]:
-        request_id = self._begin(context)
         started = time.perf_counter()
         decoder = self.tokenizer.stream_decoder()
         tokens = 0
         try:
             async for request in request_iterator:
                 ids = list(request.token_ids)
-                self._check_id_count(len(ids), "token_ids of a DecodeStream message")
+                self._check_id_count(len(ids), "token_ids")
                 texts = decoder.push_many(ids)
                 tokens += len(ids)
                 yield tokenizer_pb2.DecodeStreamResponse(text="".join(texts), token_texts=texts)
             if decoder.pending:
                 yield tokenizer_pb2.DecodeStreamResponse(text=decoder.flush())
-        except Exception as err:  # noqa: BLE001 - mapped to a status below
-            if isinstance(err, grpc.aio.AbortError):
+        except Exception as err:
+            mapped = _service_error(err)
+            self._log_done("DecodeStream", _code(mapped), started, tokens=tokens)
+            if mapped is err:
                 raise
-            code, message = _status_of(err, request_id)
-            self._log_done("DecodeStream", code, started, tokens=tokens)
-            await context.abort(code, message)
+            raise mapped from err
         self._log_done("DecodeStream", grpc.StatusCode.OK, started, tokens=tokens)
 
     async def GetInfo(self, request: tokenizer_pb2.GetInfoRequest,
@@ -167,5 +162,5 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             vocab_size=info.vocab_size, bos_id=info.bos_id, eos_id=info.eos_id, pad_id=info.pad_id,
             unk_id=info.unk_id, model_sha256=info.model_sha256, model_path=info.model_path,
         )
-        return await self._unary("GetInfo", context, lambda: (reply, 0), threaded=False)
+        return await self._unary("GetInfo", lambda: (reply, 0), threaded=False)
 

@@ -32,7 +32,11 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class TokenizerInputError(ValueError):
-    """The caller sent something the tokenizer cannot accept (maps to INVALID_ARGUMENT)."""
+    """The caller sent something the tokenizer cannot accept (maps to INVALID_ARGUMENT); `field` names it."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +206,8 @@ class Tokenizer:
 
     def _special(self, name: str, token_id: int) -> int:
         if token_id < 0:
-            raise TokenizerInputError(f"add_{name} was requested but the model defines no {name.upper()} piece")
+            raise TokenizerInputError(f"add_{name} was requested but the model defines no {name.upper()} piece",
+                                     f"add_{name}")
         return token_id
 
     def check_ids(self, ids: Sequence[int]) -> None:
@@ -210,8 +215,8 @@ class Tokenizer:
         for index, token_id in enumerate(ids):
             if not 0 <= token_id < self.vocab_size:
                 raise TokenizerInputError(
-                    f"token_ids[{index}] = {token_id} is out of range: valid ids are 0..{self.vocab_size - 1}"
-                )
+                    f"token_ids[{index}] = {token_id} is out of range: valid ids are 0..{self.vocab_size - 1}",
+                    f"token_ids[{index}]")
 
     def decode(self, ids: Sequence[int]) -> str:
         """Exactly sentencepiece's decode (control pieces give "")."""
@@ -245,7 +250,8 @@ class StreamDecoder:
         """Add one id; return the text that became final (possibly "")."""
         tok = self._tok
         if not 0 <= token_id < tok.vocab_size:
-            raise TokenizerInputError(f"token id {token_id} is out of range: valid ids are 0..{tok.vocab_size - 1}")
+            raise TokenizerInputError(f"token id {token_id} is out of range: valid ids are 0..{tok.vocab_size - 1}",
+                                      "token_ids")
         byte = tok.byte_value[token_id]
         if byte >= 0:
             self._run.append(byte)

@@ -154,7 +154,7 @@ def test_without_dependencies_gateway_is_not_serving_and_requests_are_unavailabl
             with pytest.raises(grpc.RpcError) as caught:
                 client.complete("p|ab", max_tokens=1)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "tokenizer service at" in caught.value.details()
+        assert "tokenizer service is unavailable" in caught.value.details()
         health = grpcurl("-plaintext", "-d", '{"service": "grok.gateway.v1.GatewayService"}', gateway.address,
                          "grpc.health.v1.Health/Check")
         assert '"NOT_SERVING"' in health.stdout
@@ -172,7 +172,6 @@ def test_one_ipv4_target_with_several_addresses_is_balanced_round_robin(tmp_path
         for service in (tokenizer, *models, gateway):
             service.wait_serving(60)
         with GatewayClient(gateway.address, timeout=10) as client:
-            assert list(client.info().model_addresses) == [target]
 
             def both_used() -> bool:  # round_robin uses an address once its connection is up
                 assert client.complete("p|ab", max_tokens=1).text == "ab"

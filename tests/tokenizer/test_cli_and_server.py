@@ -29,7 +29,7 @@ def test_flags_read_the_environment_and_the_flag_wins(monkeypatch: pytest.Monkey
     monkeypatch.setenv("GROK_TOKENIZER_MAX_BATCH", "8")
     config = parse_args(["--port", "7000"])
     assert (config.model_path, config.port, config.max_batch) == ("/env/tokenizer.model", 7000, 8)
-    assert (config.host, config.grace_seconds, config.max_text_bytes, config.max_tokens) == ("0.0.0.0", 10.0, 1 << 20, 1 << 20)
+    assert (config.host, config.grace_seconds, config.max_text_bytes, config.max_tokens) == ("127.0.0.1", 10.0, 1 << 20, 1 << 20)
 
 
 def test_bad_flag_values_are_rejected(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,181 @@
+"""The server interceptor every service installs: request ids, malformed requests, errors -> statuses.
+
+For each call it
+- takes the caller's `x-request-id` (or makes one), tags the call's log lines with it and echoes it in
+  the trailing metadata;
+- refuses a request that does not parse (corrupt protobuf, a string field that is not UTF-8) with
+  INVALID_ARGUMENT and one warning line; grpcio alone answers UNKNOWN naming an internal exception
+  class and logs a traceback;
+- ends the call with the status of a raised `ServiceError`, details included (`google.rpc.Status`
+  with BadRequest / RetryInfo); anything else raised is INTERNAL, logged with its traceback and the
+  request id, and the process keeps serving.
+
+Servicers therefore raise and never call `context.abort` themselves. `install(interceptors)` adds it
+to the interceptors of a server created elsewhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, NoReturn
+
+import grpc
+
+from serving_common.errors import DETAILS_KEY, ServiceError, invalid_argument
+from serving_common.logs import new_request_id, request_id_var
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_KEY = "x-request-id"
+Behavior = Callable[..., Any]
+
+
+class _Malformed:
+    """Stands in for a request that failed to parse, so the call can be refused with a real status."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        # protobuf says "Error parsing message with type 'X': <reason>"; the reason is what helps.
+        self.reason = str(error).rpartition(": ")[2] or type(error).__name__
+        self.type_name = type_name
+
+    def error(self) -> ServiceError:
+        return invalid_argument("request", f"not a valid {self.type_name} message ({self.reason}): send a "
+                                "well-formed protobuf message whose string fields are UTF-8")
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+    owner = getattr(deserialize, "__self__", None)
+    descriptor = getattr(owner, "DESCRIPTOR", None)
+    type_name = getattr(descriptor, "full_name", "request")
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as error:  # noqa: BLE001 - any parse failure is the caller's bad input
+            return _Malformed(type_name, error)
+
+    return parse
+
+
+class _Call:
+    """One call's request id and the way it ends with an error."""
+
+    def __init__(self, service: str, method: str, request_id: str, context: grpc.aio.ServicerContext) -> None:
+        self.service = service
+        self.method = method
+        self.request_id = request_id
+        self.context = context
+
+    def begin(self) -> None:
+        request_id_var.set(self.request_id)
+        self.context.set_trailing_metadata(((REQUEST_ID_KEY, self.request_id),))
+
+    async def refuse(self, malformed: _Malformed) -> NoReturn:
+        error = malformed.error()
+        log.warning("malformed request refused", extra={"method": self.method, "detail": malformed.reason})
+        await self._abort(error)
+
+    async def fail(self, error: Exception) -> NoReturn:
+        if isinstance(error, grpc.aio.AbortError):
+            raise error  # the call already has its status
+        if isinstance(error, ServiceError):
+            log.info("rpc failed", extra={"method": self.method, "code": error.code.name, "detail": error.message})
+            await self._abort(error)
+        log.error("unexpected error", exc_info=error, extra={"method": self.method})
+        await self._abort(ServiceError(grpc.StatusCode.INTERNAL, f"internal error in the {self.service} service "
+                                       f"(request id {self.request_id}); its logs have the details"))
+
+    async def _abort(self, error: ServiceError) -> NoReturn:
+        trailers = ((DETAILS_KEY, error.status_proto().SerializeToString()), (REQUEST_ID_KEY, self.request_id))
+        await self.context.abort(error.code, error.message, trailing_metadata=trailers)
+        raise AssertionError("abort returned")  # pragma: no cover - abort always raises
+
+
+async def _checked(requests: AsyncIterator[Any], call: _Call) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, _Malformed):
+            log.warning("malformed request refused", extra={"method": call.method, "detail": request.reason})
+            raise request.error()
+        yield request
+
+
+def _wrap_unary_request(inner: Behavior, start: Callable[[Any], _Call], streams: bool) -> Behavior:
+    """Unary request; `streams` says whether the response is a stream."""
+    if streams and inspect.isasyncgenfunction(inner):
+        async def stream_out(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            call = start(context)
+            if isinstance(request, _Malformed):
+                await call.refuse(request)
+            try:
+                async for response in inner(request, context):
+                    yield response
+            except Exception as error:  # noqa: BLE001 - mapped to a status
+                await call.fail(error)
+        return stream_out
+
+    async def single(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        call = start(context)
+        if isinstance(request, _Malformed):
+            await call.refuse(request)
+        try:
+            return await inner(request, context)  # a response, or None for a context.write() stream
+        except Exception as error:  # noqa: BLE001 - mapped to a status
+            await call.fail(error)
+    return single
+
+
+def _wrap_stream_request(inner: Behavior, start: Callable[[Any], _Call], streams: bool) -> Behavior:
+    if streams and inspect.isasyncgenfunction(inner):
+        async def stream_out(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            call = start(context)
+            try:
+                async for response in inner(_checked(requests, call), context):
+                    yield response
+            except Exception as error:  # noqa: BLE001 - mapped to a status
+                await call.fail(error)
+        return stream_out
+
+    async def single(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        call = start(context)
+        try:
+            return await inner(_checked(requests, call), context)
+        except Exception as error:  # noqa: BLE001 - mapped to a status
+            await call.fail(error)
+    return single
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Installed first on every server of the stack; `service` names it in INTERNAL messages."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        request_id = new_request_id(details.invocation_metadata)
+
+        def start(context: grpc.aio.ServicerContext) -> _Call:
+            call = _Call(self.service, method, request_id, context)
+            call.begin()
+            return call
+
+        if handler.request_streaming:
+            kind = "stream_stream" if handler.response_streaming else "stream_unary"
+            wrapped = _wrap_stream_request(getattr(handler, kind), start, handler.response_streaming)
+        else:
+            kind = "unary_stream" if handler.response_streaming else "unary_unary"
+            wrapped = _wrap_unary_request(getattr(handler, kind), start, handler.response_streaming)
+        return handler._replace(request_deserializer=_tolerant(handler.request_deserializer), **{kind: wrapped})
+
+
+def install(service: str, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptor list for `grpc.aio.server(interceptors=...)`: ours first, then `interceptors`."""
+    return [StatusInterceptor(service), *interceptors]
