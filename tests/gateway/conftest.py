@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from gateway.client import GatewayClient
-from tests.procs import Service, free_port
+from tests.procs import GOLDEN, Service, free_port
 
 
 def start_fake(kind: str, log_dir: pathlib.Path, *args: str, port: int | None = None) -> Service:
@@ -70,13 +70,48 @@ def slow_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack.stop()
 
 
-@pytest.fixture(scope="session")
-def jax_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A JAX compilation cache shared by the model services the session starts."""
-    return str(tmp_path_factory.mktemp("jax_cache"))
-
-
 @pytest.fixture
 def client(fast_stack: Stack) -> Iterator[GatewayClient]:
     with GatewayClient(fast_stack.address, timeout=30) as c:
         yield c
+
+
+def golden_model(log_dir: pathlib.Path, cache: str, *args: str, port: int | None = None) -> Service:
+    """A real model service on the golden tiny Grok-1 (float32, 2 slots, one 64-token bucket)."""
+    port = port or free_port()
+    return Service("model_service", ["--config", str(GOLDEN / "config.json"), "--checkpoint",
+                                     str(GOLDEN / "checkpoint"), "--dtype", "float32", "--host", "127.0.0.1",
+                                     "--port", str(port), "--slots", "2", "--buckets", "64",
+                                     "--compile-cache", cache, *args], port, log_dir=log_dir)
+
+
+def golden_tokenizer(log_dir: pathlib.Path, *args: str, port: int | None = None) -> Service:
+    """A real tokenizer service with the golden model's SentencePiece file."""
+    port = port or free_port()
+    return Service("tokenizer_service", ["--model", str(GOLDEN / "tokenizer.model"), "--host", "127.0.0.1",
+                                         "--port", str(port), *args], port, log_dir=log_dir)
+
+
+def start_golden_stack(log_dir: pathlib.Path, cache: str, model_args: Sequence[Sequence[str]] = ((),),
+                       gateway_args: Sequence[str] = ()) -> Stack:
+    """Real tokenizer, real golden model replicas, real gateway; SERVING when returned."""
+    tokenizer = golden_tokenizer(log_dir)
+    models = [golden_model(log_dir, cache, *args) for args in model_args]
+    gateway = start_gateway(tokenizer.address, [m.address for m in models], log_dir, *gateway_args)
+    stack = Stack(tokenizer, models, gateway)
+    try:
+        for service in (tokenizer, *models, gateway):
+            service.wait_serving(600)
+    except Exception:
+        stack.stop()
+        raise
+    return stack
+
+
+@pytest.fixture(scope="session")
+def golden_stack(tmp_path_factory: pytest.TempPathFactory, jax_cache: str) -> Iterator[Stack]:
+    """One real stack on the golden model for the session (metrics on); tests must leave it running."""
+    stack = start_golden_stack(tmp_path_factory.mktemp("golden"), jax_cache,
+                               [["--metrics-port", str(free_port())]])
+    yield stack
+    stack.stop()

@@ -27,30 +27,6 @@ pytestmark = pytest.mark.slow
 GOLDEN_REQUESTS = json.loads((GOLDEN / "pipeline_fp32.json").read_text())["requests"]
 
 
-def model_args(port: int, metrics_port: int, cache: str) -> list[str]:
-    return ["--config", str(GOLDEN / "config.json"), "--checkpoint", str(GOLDEN / "checkpoint"), "--dtype", "float32",
-            "--host", "127.0.0.1", "--port", str(port), "--slots", "2", "--buckets", "64",
-            "--metrics-port", str(metrics_port), "--compile-cache", cache]
-
-
-@pytest.fixture(scope="session")
-def golden_stack(tmp_path_factory: pytest.TempPathFactory, jax_cache: str) -> Iterator[Stack]:
-    logs = tmp_path_factory.mktemp("golden")
-    tokenizer_port, model_port, gateway_port = free_port(), free_port(), free_port()
-    tokenizer = Service("tokenizer_service", ["--model", str(GOLDEN / "tokenizer.model"), "--host", "127.0.0.1",
-                                              "--port", str(tokenizer_port)], tokenizer_port, log_dir=logs)
-    model = Service("model_service", model_args(model_port, free_port(), jax_cache), model_port, log_dir=logs)
-    gateway = Service("gateway", ["--tokenizer", tokenizer.address, "--model", model.address, "--host", "127.0.0.1",
-                                  "--port", str(gateway_port)], gateway_port, log_dir=logs)
-    stack = Stack(tokenizer, [model], gateway)
-    try:
-        for service in (tokenizer, model, gateway):
-            service.wait_serving(600)
-        yield stack
-    finally:
-        stack.stop()
-
-
 def model_metric(stack: Stack, name: str) -> float:
     args = list(stack.models[0].proc.args)
     port = args[args.index("--metrics-port") + 1]
