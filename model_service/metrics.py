@@ -30,6 +30,12 @@ class Metrics(SchedulerMetrics):
                                       ["finish_reason"], registry=r)
         self.status_codes = Counter("grok_model_requests", "Generate calls by final gRPC status code",
                                     ["code"], registry=r)
+        self.reclaim_seconds = Histogram("grok_model_slot_reclaim_seconds", "From a running request's cancel or "
+                                         "deadline to its slot being free", ["reason"], buckets=_STEP_BUCKETS,
+                                         registry=r)
+        self.steps_after_cancel = Histogram("grok_model_steps_after_cancel", "Decode steps run for a request "
+                                            "after it was cancelled, before its slot was freed",
+                                            buckets=(0, 1, 2, 4, 8, 16, 64), registry=r)
 
     def set_active(self, n: int) -> None:
         self.active_slots.set(n)
@@ -48,6 +54,11 @@ class Metrics(SchedulerMetrics):
 
     def finished(self, reason: FinishReason) -> None:
         self.finish_reasons.labels(finish_reason=reason.value).inc()
+
+    def observe_reclaim(self, reason: str, seconds: float, steps: int | None) -> None:
+        self.reclaim_seconds.labels(reason=reason).observe(max(seconds, 0.0))
+        if steps is not None:
+            self.steps_after_cancel.observe(steps)
 
     def rpc_done(self, code_name: str) -> None:
         self.status_codes.labels(code=code_name).inc()

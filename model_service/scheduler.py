@@ -131,24 +131,47 @@ class SchedulerMetrics:
     def observe_step(self, seconds: float) -> None: ...
     def add_tokens(self, n: int) -> None: ...
     def finished(self, reason: FinishReason) -> None: ...
+    def observe_reclaim(self, reason: str, seconds: float, steps: int | None) -> None:
+        """A cancelled or expired request's slot was freed `seconds` after the cancel/deadline, after
+        `steps` more decode steps (None when not counted)."""
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """How the decode loop is doing, for a watchdog on another thread."""
+
+    steps: int  # decode steps run so far
+    at: float  # time.monotonic() of the last progress (a prefill, a step, or waking up to new work)
+    pending: int  # requests running or waiting
+    alive: bool  # the decode thread is running
 
 
 class RequestHandle:
     """The caller's side of a submitted request: cancel it from any thread."""
 
-    def __init__(self, request: GenerationRequest, emit: EmitFn, wake: Callable[[], None]) -> None:
+    def __init__(self, request: GenerationRequest, emit: EmitFn,
+                 on_cancel: Callable[["RequestHandle"], None]) -> None:
         self.request = request
         self._emit = emit
-        self._wake = wake
+        self._on_cancel = on_cancel
         self._cancelled = threading.Event()
         self.done = threading.Event()
         self.enqueued_at = time.monotonic()
+        self.cancelled_at: float | None = None
+        self.cancel_step = 0  # the scheduler's step count when cancel() was called
 
     def cancel(self) -> None:
-        """Free the request's slot at the next step boundary (no-op once it finished)."""
-        if not self.done.is_set():
+        """Leave the waiting queue at once, or free the slot at the next step boundary (no-op once done)."""
+        if not self.done.is_set() and not self._cancelled.is_set():
+            self.cancelled_at = time.monotonic()
             self._cancelled.set()
-            self._wake()
+            self._on_cancel(self)
+
+    def abandon(self, error: "SchedulerError") -> None:
+        """End the request with `error` now, from any thread; the decode loop frees its slot later."""
+        self._cancelled.set()
+        if not self.done.is_set():
+            self.emit(Emission((), 0, len(self.request.prompt), error=error))
 
     @property
     def cancelled(self) -> bool:
@@ -200,6 +223,8 @@ class Scheduler:
         self._stopping = False
         self._state: Any = None
         self._thread: threading.Thread | None = None
+        self._steps = 0
+        self._beat = time.monotonic()
 
     # ---- any thread -------------------------------------------------------------------------
     def start(self) -> None:
@@ -225,18 +250,35 @@ class Scheduler:
     def submit(self, request: GenerationRequest, emit: EmitFn) -> RequestHandle:
         """Validate and queue a request; raises SchedulerError (invalid, queue full, unavailable)."""
         self.validate(request)
-        handle = RequestHandle(request, emit, self._wake)
+        handle = RequestHandle(request, emit, self._withdraw)
         with self._cond:
             if not self._accepting:
                 raise SchedulerError(ErrorKind.UNAVAILABLE, "the model service is not accepting requests "
                                      "(starting up or draining); retry on another replica or later")
-            if len(self._queue) >= self.max_queue:
+            # Free slots take waiting requests at the next step boundary: a burst may fill them too.
+            if len(self._queue) >= self.max_queue + len(self._free):
                 raise SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, f"the waiting queue is full "
                                      f"({self.max_queue} requests); retry later")
             self._queue.append(handle)
             self.metrics.set_queued(len(self._queue))
             self._cond.notify_all()
         return handle
+
+    def heartbeat(self) -> Heartbeat:
+        with self._cond:
+            alive = self._thread is not None and self._thread.is_alive()
+            return Heartbeat(self._steps, self._beat, len(self._active) + len(self._queue), alive)
+
+    def fail_pending(self, error: SchedulerError) -> int:
+        """End every running and waiting request with `error` now (the decode loop may be stuck); their
+        slots are freed if the loop comes back. Returns how many requests were ended."""
+        with self._cond:
+            handles = [act.handle for act in self._active.values()] + list(self._queue)
+            self._queue.clear()
+            self.metrics.set_queued(0)
+        for handle in handles:
+            handle.abandon(error)
+        return len(handles)
 
     def stats(self) -> dict[str, int]:
         """Active slots, free slots and queued requests (for tests and health reporting)."""
@@ -249,9 +291,19 @@ class Scheduler:
         if problem:
             raise SchedulerError(ErrorKind.INVALID_ARGUMENT, problem)
 
-    def _wake(self) -> None:
+    def _withdraw(self, handle: RequestHandle) -> None:
+        """A request was cancelled: a waiting one leaves the queue now, so its place goes to a live request."""
         with self._cond:
+            handle.cancel_step = self._steps
+            try:
+                self._queue.remove(handle)
+                queued = True
+                self.metrics.set_queued(len(self._queue))
+            except ValueError:  # running: its slot is freed at the next step boundary
+                queued = False
             self._cond.notify_all()
+        if queued:
+            handle.emit(Emission((), 0, len(handle.request.prompt), error=_cancelled()))
 
     # ---- decode thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -272,6 +324,7 @@ class Scheduler:
         with self._cond:
             while not self._stopping and not self._queue and not self._active:
                 self._cond.wait()
+                self._beat = time.monotonic()  # work (re)starts now, not at the last step before idling
             return not self._stopping
 
     def _reap(self) -> None:
@@ -280,15 +333,24 @@ class Scheduler:
         for slot, act in list(self._active.items()):
             error = _abandoned(act.handle, now)
             if error is not None:
-                act.handle.emit(Emission((), act.generated, len(act.handle.request.prompt), error=error))
+                if not act.handle.done.is_set():
+                    act.handle.emit(Emission((), act.generated, len(act.handle.request.prompt), error=error))
                 self._release(slot)
+                self._observe_reclaim(act.handle, error)
         with self._cond:
             verdicts = [(h, _abandoned(h, now)) for h in self._queue]
             self._queue = collections.deque(h for h, error in verdicts if error is None)
             self.metrics.set_queued(len(self._queue))
         for handle, error in verdicts:
-            if error is not None:
+            if error is not None and not handle.done.is_set():
                 handle.emit(Emission((), 0, len(handle.request.prompt), error=error))
+
+    def _observe_reclaim(self, handle: RequestHandle, error: SchedulerError) -> None:
+        now = time.monotonic()
+        if error.kind is ErrorKind.DEADLINE_EXCEEDED and handle.request.deadline is not None:
+            self.metrics.observe_reclaim("deadline", now - handle.request.deadline, None)
+        elif handle.cancelled_at is not None:
+            self.metrics.observe_reclaim("cancelled", now - handle.cancelled_at, self._steps - handle.cancel_step)
 
     def _admit(self) -> None:
         budget = self.prefills_per_step if self._active else self.engine.slots
@@ -317,6 +379,7 @@ class Scheduler:
             self._return_slot(slot)
             return
         act.prefill_seconds = time.monotonic() - act.admitted_at
+        self._beat = time.monotonic()
         self.metrics.observe_prefill(act.prefill_seconds)
         if self._deliver(act, out, 0):
             self._return_slot(slot)
@@ -336,6 +399,9 @@ class Scheduler:
             self._state = self.engine.init_decode_state()
             return
         seconds = time.monotonic() - start
+        with self._cond:
+            self._steps += 1
+            self._beat = time.monotonic()
         self.metrics.observe_step(seconds)
         for slot, act in list(self._active.items()):
             act.steps += 1
@@ -390,11 +456,16 @@ class Scheduler:
             handle.emit(Emission((), 0, len(handle.request.prompt), error=error))
 
 
+def _cancelled() -> SchedulerError:
+    return SchedulerError(ErrorKind.CANCELLED, "the request was cancelled by the client")
+
+
 def _abandoned(handle: RequestHandle, now: float) -> SchedulerError | None:
-    if handle.cancelled:
-        return SchedulerError(ErrorKind.CANCELLED, "the request was cancelled by the client")
+    # The deadline first: when it passes, gRPC also cancels the call, but the cause is the deadline.
     if handle.expired(now):
         return SchedulerError(ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
+    if handle.cancelled:
+        return _cancelled()
     return None
 
 

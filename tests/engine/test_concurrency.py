@@ -86,12 +86,20 @@ def wait_all_free(server: ModelServer, timeout: float = 10.0) -> dict[str, int]:
         time.sleep(0.01)
 
 
-def test_cancel_50_streams_midway_frees_every_slot_and_later_requests_succeed(
+def sample(server: ModelServer, name: str, **labels: str) -> float:
+    return server.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_cancel_50_streams_midway_frees_each_slot_within_one_step_of_its_cancel(
         golden_service: ModelServer, golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
-    seen: list[int] = []
+    # 125 tokens each (the whole context): a stream the server kept decoding would run far past the
+    # 3 tokens read here, and its slot would be freed by finishing, not by the cancel.
+    reclaimed = sample(golden_service, "grok_model_slot_reclaim_seconds_count", reason="cancelled")
+    within_one_step = sample(golden_service, "grok_model_steps_after_cancel_bucket", le="1.0")
+    generated = sample(golden_service, "grok_model_generated_tokens_total")
 
     def cancel_midway(i: int) -> int:
-        call = golden_stub.Generate(model_pb2.GenerateRequest(token_ids=[5 + i, 9, 11], max_tokens=120,
+        call = golden_stub.Generate(model_pb2.GenerateRequest(token_ids=[5 + i, 9, 11], max_tokens=125,
                                                               temperature=1.0, seed=i, ignore_eos=True), timeout=60)
         got = 0
         for response in call:
@@ -103,18 +111,35 @@ def test_cancel_50_streams_midway_frees_every_slot_and_later_requests_succeed(
 
     with ThreadPoolExecutor(max_workers=50) as pool:
         seen = list(pool.map(cancel_midway, range(50)))
-    assert all(3 <= n < 120 for n in seen)
     assert wait_all_free(golden_service) == {"active": 0, "free": golden_service.config.slots, "queued": 0}
     assert golden_service.metrics.active_slots._value.get() == 0
+    # Every one of the 50 slots was freed because of its cancel, at most one decode step after it.
+    assert sample(golden_service, "grok_model_slot_reclaim_seconds_count", reason="cancelled") - reclaimed == 50
+    assert sample(golden_service, "grok_model_steps_after_cancel_bucket", le="1.0") - within_one_step == 50
+    assert sample(golden_service, "grok_model_generated_tokens_total") - generated < 50 * 125 / 4
+    assert min(seen) >= 3
     case = golden_requests()[0]
     assert collect(golden_stub.Generate(golden_message(case), timeout=60))[0] == case["output_ids"]
 
 
-def test_expired_deadline_ends_the_stream_and_frees_the_slot(
+def test_an_expired_deadline_reaches_the_model_and_frees_the_slot_early(
         golden_service: ModelServer, golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    reclaimed = sample(golden_service, "grok_model_slot_reclaim_seconds_count", reason="deadline")
+    generated = sample(golden_service, "grok_model_generated_tokens_total")
+    call = golden_stub.Generate(model_pb2.GenerateRequest(token_ids=[7, 8], max_tokens=125, ignore_eos=True),
+                                timeout=0.25)  # 125 steps of this 8-slot model take about twice that
+    got = 0
     with pytest.raises(grpc.RpcError) as err:
-        collect(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=[7, 8], ignore_eos=True), timeout=0.05))
+        for response in call:
+            got += len(response.token_ids)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert got > 0  # it was decoding in a slot when the deadline passed
+    # The scheduler itself knew the deadline (a mere cancel would count as "cancelled") and freed the slot.
+    deadline = time.monotonic() + 10
+    while sample(golden_service, "grok_model_slot_reclaim_seconds_count", reason="deadline") == reclaimed:
+        assert time.monotonic() < deadline, "the model never reclaimed the slot for the deadline"
+        time.sleep(0.01)
+    assert sample(golden_service, "grok_model_generated_tokens_total") - generated < 125
     assert wait_all_free(golden_service)["free"] == golden_service.config.slots
 
 

@@ -138,11 +138,41 @@ def test_invalid_requests_are_rejected_before_queueing(sched: Scheduler, engine:
 def test_queue_full_is_resource_exhausted_and_says_retry(engine: FakeEngine) -> None:
     s = Scheduler(engine, max_queue=2)
     s._accepting = True  # accept but never run the decode thread: the queue only fills
+    s._free.clear()  # every slot is busy
     s.submit(req((5,)), Collector())
     s.submit(req((5,)), Collector())
     with pytest.raises(SchedulerError) as err:
         s.submit(req((5,)), Collector())
     assert err.value.kind is ErrorKind.RESOURCE_EXHAUSTED and "retry" in err.value.message
+
+
+def test_a_cancelled_waiting_request_leaves_the_queue_at_once(engine: FakeEngine) -> None:
+    engine.slots = 1
+    s = Scheduler(engine, max_queue=2)
+    s._accepting = True  # no decode thread: nothing but cancel() can take a request out of the queue
+    s._free.clear()  # the only slot is busy
+    cancelled, kept = Collector(), Collector()
+    handle = s.submit(req((5,)), cancelled)
+    s.submit(req((6,)), kept)
+    handle.cancel()
+    assert s.stats()["queued"] == 1
+    assert cancelled.last.error is not None and cancelled.last.error.kind is ErrorKind.CANCELLED
+    s.submit(req((7,)), Collector())  # a live request takes the place, instead of RESOURCE_EXHAUSTED
+    with pytest.raises(SchedulerError) as err:
+        s.submit(req((8,)), Collector())
+    assert err.value.kind is ErrorKind.RESOURCE_EXHAUSTED
+    assert not kept.emissions
+
+
+def test_a_simultaneous_burst_admits_free_slots_plus_the_queue(engine: FakeEngine) -> None:
+    engine.slots = 4
+    s = Scheduler(engine, max_queue=2)
+    s._accepting = True  # the burst arrives before the decode thread moved anyone into a slot
+    for i in range(6):
+        s.submit(req((5 + i,)), Collector())
+    with pytest.raises(SchedulerError) as err:
+        s.submit(req((20,)), Collector())
+    assert err.value.kind is ErrorKind.RESOURCE_EXHAUSTED
 
 
 def test_new_request_joins_when_a_slot_frees_without_waiting_for_the_batch(engine: FakeEngine) -> None:
