@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_service.model.layers import ExpertStack, QuantizedWeight, dequantize, qmatmul
+from model_service.model.layers import ExpertStack, QuantizedWeight, qmatmul
 from model_service.model.moe import (
     ExpertWeights,
     Routing,
@@ -173,10 +173,29 @@ def test_decode_with_free_slots_leaves_active_slots_bit_identical(tiny) -> None:
     np.testing.assert_array_equal(np.asarray(some_memory.positions), np.asarray(all_memory.positions))
 
 
+def _numpy_dequantised(weight: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The checkpoint's [K, N] matrix in float64: each int8 entry times its block's scale, computed
+    independently of model_service (row block b covers rows b*K/blocks .. (b+1)*K/blocks - 1)."""
+    k, _ = weight.shape
+    block_of_row = np.arange(k) // (k // scales.shape[0])
+    return weight.astype(np.float64) * scales.astype(np.float64)[block_of_row, :]
+
+
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
-def test_row_parallel_int8_products_match_dequantise_then_matmul(rows: int) -> None:
-    weight = jnp.asarray(rng.integers(-127, 128, (64, 24)), jnp.int8)
-    q = QuantizedWeight(weight, jnp.asarray(rng.uniform(0.5, 1.5, (8, 24)), jnp.float32))
-    x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
-    want = np.asarray(x) @ np.asarray(dequantize(q, jnp.float32))
-    np.testing.assert_allclose(np.asarray(jax.jit(qmatmul)(x, q)), want, rtol=1e-5, atol=1e-4)
+def test_row_parallel_int8_products_match_an_independent_numpy_product(rows: int) -> None:
+    weight = rng.integers(-127, 128, (64, 24)).astype(np.int8)  # [K, N], 8 row blocks of scales
+    scales = rng.uniform(0.5, 1.5, (8, 24)).astype(np.float32)
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    q = QuantizedWeight(jnp.asarray(weight), jnp.asarray(scales))
+    want = x.astype(np.float64) @ _numpy_dequantised(weight, scales)
+    np.testing.assert_allclose(np.asarray(jax.jit(qmatmul)(jnp.asarray(x), q)), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_column_parallel_int8_products_match_an_independent_numpy_product(rows: int) -> None:
+    weight = rng.integers(-127, 128, (64, 24)).astype(np.int8)  # the checkpoint's [K, N], one scale block
+    scales = rng.uniform(0.001, 0.01, (1, 24)).astype(np.float32)
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    q = QuantizedWeight(jnp.asarray(weight.T), jnp.asarray(scales))  # stored [N, K], as loaded
+    want = x.astype(np.float64) @ _numpy_dequantised(weight, scales)
+    np.testing.assert_allclose(np.asarray(jax.jit(qmatmul)(jnp.asarray(x), q)), want, rtol=1e-5, atol=1e-5)
