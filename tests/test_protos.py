@@ -6,7 +6,6 @@ import shutil
 import subprocess
 import sys
 
-
 from tests.procs import ROOT
 
 
