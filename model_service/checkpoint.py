@@ -6,7 +6,10 @@ float32 arrays, written by numpy 1.x (`numpy.core.multiarray._reconstruct`).
 
 Reading uses a restricted unpickler: only array reconstruction, dtypes (rebuilt canonically, so a pickled
 bfloat16 dtype can never mutate the process-wide one) and the quantized-weight record are admitted; any other
-global is refused before anything runs. Each tensor goes straight onto its sharding.
+global is refused before anything runs. Before a file is read, it must be a regular file inside ckpt-0/
+(symlinks may not lead out of it; devices and FIFOs are refused without opening them for a blocking read)
+and no larger than the tensor the config expects can be; every error names the file. Each tensor goes
+straight onto its sharding.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import pathlib
 import pickle
+import stat
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +37,9 @@ from model_service.sharding import fit_spec, path_to_str, spec_for_path
 
 Progress = Callable[[int, int], None]
 _BASIC_CODES = {"f2", "f4", "f8", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "b1"}
+# Pickle opcodes, the dtype records and the quantized-weight wrapper around a tensor's raw bytes.
+_PICKLE_OVERHEAD = 64 << 10
+_MANIFEST_MAX_BYTES = 16 << 20
 
 
 class CheckpointError(ValueError):
@@ -138,17 +146,71 @@ def _materialize(obj: Any) -> Any:
     raise CheckpointError(f"unexpected object of type {type(obj).__name__} in checkpoint")
 
 
-def read_tensor(path: pathlib.Path | str) -> Any:
-    """One checkpoint file -> numpy array, or (int8 weight, bfloat16 scales) for a QuantizedWeight8bit."""
-    with open(path, "rb") as f:
-        data = f.read()
+def read_bounded(path: pathlib.Path | str, max_bytes: int, root: pathlib.Path | None = None) -> bytes:
+    """The bytes of `path`, which must be a regular file of at most `max_bytes` (inside `root` if given).
+
+    Checked before reading: a symlink to /dev/zero or a huge file would otherwise be read without
+    bound, and a FIFO would block the open forever (it is opened non-blocking and checked first).
+    """
+    path = pathlib.Path(path)
+    real = path.resolve()
+    if root is not None and not real.is_relative_to(root.resolve()):
+        raise CheckpointError(f"{path}: is a symlink to {real}, outside {root}; copy the file into the "
+                              "checkpoint directory instead of linking to it")
     try:
-        obj = RestrictedUnpickler(io.BytesIO(data)).load()
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path}: not a regular file ({_kind(info.st_mode)}"
+                                  f"{f' {real}' if real != path.absolute() else ''}); a checkpoint tensor must be "
+                                  "a plain file")
+        if info.st_size > max_bytes:
+            raise CheckpointError(f"{path}: is {info.st_size} bytes, more than the {max_bytes} bytes its tensor can "
+                                  "take: the wrong file, or a checkpoint of a different model config")
+        try:
+            data = f.read(max_bytes + 1)
+        except (OSError, MemoryError) as e:
+            raise CheckpointError(f"{path}: could not be read ({type(e).__name__}: {e})") from None
+    if len(data) > max_bytes:  # grew while being read
+        raise CheckpointError(f"{path}: is more than the {max_bytes} bytes its tensor can take")
+    return data
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def tensor_max_bytes(spec: TensorSpec) -> int:
+    """The largest file a tensor of `spec` can be: its values at the widest dtype the reader admits."""
+    widest = 8  # float64/int64
+    if spec.quantized:
+        return math.prod(spec.shape) + math.prod(spec.scales_shape) * widest + _PICKLE_OVERHEAD
+    return math.prod(spec.shape) * widest + _PICKLE_OVERHEAD
+
+
+def read_tensor(path: pathlib.Path | str, max_bytes: int | None = None, root: pathlib.Path | None = None) -> Any:
+    """One checkpoint file -> numpy array, or (int8 weight, bfloat16 scales) for a QuantizedWeight8bit.
+
+    With `max_bytes` (and `root`), the file is checked first (see `read_bounded`); every error names it.
+    """
+    if max_bytes is None:
+        with open(path, "rb") as f:
+            data = f.read()
+    else:
+        data = read_bounded(path, max_bytes, root)
+    try:
+        return _materialize(RestrictedUnpickler(io.BytesIO(data)).load())
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
     except Exception as e:  # truncated or corrupt pickles raise many types
         raise CheckpointError(f"{path}: not a readable checkpoint tensor ({type(e).__name__}: {e})") from None
-    return _materialize(obj)
 
 
 # ---- writing: emits the same opcodes numpy 1.x produces for arrays, so older readers load it too ----
@@ -236,7 +298,11 @@ def _check_layout(ckpt: pathlib.Path, specs: list[TensorSpec]) -> None:
     expected = [f"tensor{i:05d}_000" for i in range(len(specs))]
     manifest_path = ckpt.parent / "manifest.json"
     if manifest_path.is_file():
-        names = [t["name"] for t in json.loads(manifest_path.read_text()).get("tensors", [])]
+        try:
+            manifest = json.loads(read_bounded(manifest_path, _MANIFEST_MAX_BYTES))
+            names = [t["name"] for t in manifest.get("tensors", [])]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{manifest_path}: not a checkpoint manifest ({type(e).__name__}: {e})") from None
         want = [s.ckpt_path for s in specs]
         if names != want:
             raise CheckpointError(f"checkpoint parameters do not match the model config.\n"
@@ -286,7 +352,7 @@ def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progres
     _check_layout(ckpt, specs)
     params: Params = {}
     for i, spec in enumerate(specs):
-        leaf = read_tensor(ckpt / f"tensor{i:05d}_000")
+        leaf = read_tensor(ckpt / f"tensor{i:05d}_000", tensor_max_bytes(spec), root=ckpt)
         _check_leaf(spec, leaf, i)
         set_leaf(params, spec, place_leaf(spec, to_internal(spec, leaf, dtype), mesh))
         if progress:
