@@ -3,13 +3,16 @@
 Starts the three services (the embedded demo by default: artifacts/demo/tokenizer.model, configs/demo.json,
 artifacts/demo/checkpoint; --config/--checkpoint/--tokenizer/--dtype/--mesh select real weights), waits
 until each is SERVING, streams one sample completion through the client, prints grpcurl commands to try,
-then keeps serving, forwarding the services' logs, until Ctrl-C or SIGTERM stops all three cleanly.
+then keeps serving, forwarding the services' logs, until Ctrl-C, SIGTERM or SIGHUP (the terminal closed)
+stops all three cleanly. Each service is started through serving_common.with_parent, so it also stops
+when this launcher dies without stopping it (SIGKILL).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shlex
 import shutil
@@ -54,8 +57,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def say(out: TextIO, text: str) -> None:
+    """Write to the terminal, which may be gone (SIGHUP): then the text is dropped."""
+    try:
+        out.write(text)
+        out.flush()
+    except (OSError, ValueError):
+        pass
+
+
 class LogGate:
-    """Writes the services' log lines to `out`, or keeps them while the sample completion is printed."""
+    """Writes the services' log lines to `out`, or keeps them while the sample completion is printed.
+
+    Lines are dropped once the terminal is gone; reading them still keeps the services' pipes flowing.
+    """
 
     def __init__(self, out: TextIO) -> None:
         self.out = out
@@ -67,8 +85,7 @@ class LogGate:
             if self.held is not None:
                 self.held.append(line)
             else:
-                self.out.write(line)
-                self.out.flush()
+                say(self.out, line)
 
     def hold(self) -> None:
         with self.lock:
@@ -76,18 +93,21 @@ class LogGate:
 
     def release(self) -> None:
         with self.lock:
-            self.out.writelines(self.held or [])
-            self.out.flush()
+            say(self.out, "".join(self.held or []))
             self.held = None
 
 
 class Child:
-    """One service process (its own session: Ctrl-C reaches only this script); output goes to `logs`."""
+    """One service process (its own session: Ctrl-C reaches only this script); output goes to `logs`.
+
+    It runs under serving_common.with_parent: SIGTERMed by the kernel if this launcher dies first.
+    """
 
     def __init__(self, name: str, args: list[str], logs: LogGate) -> None:
         self.name = name
         self.address = ""
-        self.proc = subprocess.Popen([sys.executable, "-u", *args], cwd=ROOT, stdout=subprocess.PIPE,
+        guard = [sys.executable, "-m", "serving_common.with_parent", str(os.getpid())]
+        self.proc = subprocess.Popen([*guard, sys.executable, "-u", *args], cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.thread = threading.Thread(target=self._forward, args=(logs,), daemon=True)
         self.thread.start()
@@ -129,14 +149,14 @@ def wait_serving(children: list[Child], timeout: float, stop: threading.Event, o
     while pending and time.monotonic() < deadline and not stop.is_set():
         for child in list(pending):
             if child.proc.poll() is not None:
-                out.write(f"run_stack: {child.name} exited with {child.proc.returncode} before serving\n")
+                say(out, f"run_stack: {child.name} exited with {child.proc.returncode} before serving\n")
                 return False
             if check(child.address, timeout=1.0):
-                out.write(f"run_stack: {child.name} is SERVING on {child.address}\n")
+                say(out, f"run_stack: {child.name} is SERVING on {child.address}\n")
                 pending.remove(child)
         stop.wait(0.5)
     if pending and not stop.is_set():
-        out.write(f"run_stack: not SERVING after {timeout:.0f}s: {', '.join(c.name for c in pending)}\n")
+        say(out, f"run_stack: not SERVING after {timeout:.0f}s: {', '.join(c.name for c in pending)}\n")
     return not pending
 
 
@@ -177,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop.set()
         raise KeyboardInterrupt  # also leaves a blocking call such as the sample completion
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, interrupt)
     logs = LogGate(out)
     children = start(args, logs)
@@ -195,19 +215,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             while not stop.is_set() and all(c.proc.poll() is None for c in children):
                 stop.wait(0.5)
             if not stop.is_set():
-                out.write("run_stack: a service exited unexpectedly; stopping the others\n")
+                say(out, "run_stack: a service exited unexpectedly; stopping the others\n")
                 code = 1
     except KeyboardInterrupt:
         pass
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, lambda *_: stop.set())  # a second Ctrl-C must not cut the shutdown short
-        out.write("run_stack: stopping gateway, model, tokenizer\n")
+        say(out, "run_stack: stopping gateway, model, tokenizer\n")
         for child in reversed(children):
             returncode = child.stop()
-            out.write(f"run_stack: {child.name} exited with {returncode}\n")
+            say(out, f"run_stack: {child.name} exited with {returncode}\n")
             code = code or (0 if returncode == 0 else 1)
-        out.flush()
     return code
 
 

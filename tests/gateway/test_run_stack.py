@@ -1,8 +1,10 @@
-"""scripts/run_stack.py (what `make run` runs): starts the three services, streams a sample, stops on Ctrl-C."""
+"""scripts/run_stack.py (what `make run` runs): starts the three services, streams a sample, stops on Ctrl-C,
+on SIGHUP (the terminal closed) and, through the children themselves, when the launcher is killed."""
 
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -57,3 +59,80 @@ def test_run_stack_serves_streams_a_sample_and_stops_all_three_on_ctrl_c(jax_cac
     for name in ("gateway", "model", "tokenizer"):
         assert f"run_stack: {name} exited with 0" in output
     assert not any(check(f"127.0.0.1:{p}", timeout=0.5) for p in ports)
+
+
+class Launcher:
+    """run_stack.py in its own process group (as a terminal runs it), its output collected."""
+
+    def __init__(self, jax_cache: str) -> None:
+        self.ports = [free_port() for _ in range(3)]
+        self.proc = subprocess.Popen(
+            [sys.executable, "scripts/run_stack.py", "--config", str(GOLDEN / "config.json"),
+             "--checkpoint", str(GOLDEN / "checkpoint"), "--tokenizer", str(GOLDEN / "tokenizer.model"),
+             "--gateway-port", str(self.ports[0]), "--tokenizer-port", str(self.ports[1]),
+             "--model-port", str(self.ports[2]), "--metrics-port", "0", "--model-metrics-port", "0",
+             "--compile-cache", jax_cache, "--max-tokens", "2", "--prompt", "In the beginning"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)  # type: ignore[arg-type]
+        self.reader.start()
+
+    def output(self) -> str:
+        return "".join(list(self.lines))
+
+    def wait_serving(self) -> list[int]:
+        deadline = time.monotonic() + 600
+        while "Ctrl-C stops all three" not in self.output():
+            assert self.proc.poll() is None, self.output()[-4000:]
+            assert time.monotonic() < deadline, self.output()[-4000:]
+            time.sleep(0.2)
+        return [int(pid) for pid in re.findall(r"\(pid (\d+)\)", self.output())]
+
+    def cleanup(self, pids: list[int]) -> None:
+        for pid in [*pids, self.proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return pathlib.Path(f"/proc/{pid}").exists() and "zombie" not in pathlib.Path(f"/proc/{pid}/status").read_text()
+
+
+def test_closing_the_terminal_sighup_stops_all_three_services(jax_cache: str) -> None:
+    launcher = Launcher(jax_cache)
+    pids: list[int] = []
+    try:
+        pids = launcher.wait_serving()
+        assert len(pids) == 3
+        os.killpg(launcher.proc.pid, signal.SIGHUP)  # what the terminal sends its process group
+        launcher.proc.wait(60)
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(pid) for pid in pids), launcher.output()[-3000:]
+        assert not any(check(f"127.0.0.1:{p}", timeout=0.5) for p in launcher.ports)
+    finally:
+        launcher.cleanup(pids)
+
+
+def test_services_exit_when_their_launcher_is_killed(jax_cache: str) -> None:
+    launcher = Launcher(jax_cache)
+    pids: list[int] = []
+    try:
+        pids = launcher.wait_serving()
+        launcher.proc.kill()  # SIGKILL: the launcher cannot stop anything itself
+        launcher.proc.wait(10)
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(pid) for pid in pids)
+        assert not any(check(f"127.0.0.1:{p}", timeout=0.5) for p in launcher.ports)
+    finally:
+        launcher.cleanup(pids)
