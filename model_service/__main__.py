@@ -49,6 +49,9 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--compile-cache", default=None, help="JAX persistent compilation cache directory")
     p.add_env_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics port (0 = off)")
     p.add_env_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
+    p.add_env_argument("--watchdog-seconds", type=float, default=60.0,
+                       help="report NOT_SERVING and fail pending requests with UNAVAILABLE when no decode step "
+                            "advances for this long while work is pending (0 disables)")
     p.add_env_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level")
     return p
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
         port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, buckets=args.buckets,
         max_queue=args.max_queue, compile_cache=args.compile_cache, metrics_port=args.metrics_port,
-        metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed)
+        metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed,
+        watchdog_seconds=args.watchdog_seconds)
     try:
         return asyncio.run(serve(config))
     except (ConfigError, ValueError) as e:

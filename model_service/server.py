@@ -24,6 +24,7 @@ from model_service.engine import Engine
 from model_service.metrics import Metrics
 from model_service.scheduler import Scheduler
 from model_service.servicer import ModelServicer
+from model_service.watchdog import Watchdog
 from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, new_server, serve_until_signal
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     grace_seconds: float = 10.0
     random_seed: int = 0
+    watchdog_seconds: float = 60.0  # 0 disables the decode-loop watchdog
 
 
 def default_buckets(sequence_len: int) -> tuple[int, ...]:
@@ -131,6 +133,7 @@ class ModelServer:
         self.health: HealthReporter = add_health_and_reflection(self.grpc, [SERVICE_NAME])
         self.port = bind(self.grpc, config.host, config.port)
         self.scheduler: Scheduler | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self._engine_factory = engine_factory or (lambda: build_engine(config, self.model_cfg, self.buckets))
 
     async def start(self) -> None:
@@ -145,6 +148,9 @@ class ModelServer:
         self.scheduler = Scheduler(engine, self.config.max_queue, self.metrics)
         self.scheduler.start()
         self.servicer.attach(self.scheduler)
+        if self.config.watchdog_seconds > 0:
+            watchdog = Watchdog(self.scheduler, self.health, self.servicer.refuse, self.config.watchdog_seconds)
+            self._watchdog = asyncio.create_task(watchdog.run())
         await self.health.set(True)
         log.info("serving", extra={"port": self.port})
 
@@ -153,6 +159,8 @@ class ModelServer:
             self.scheduler.close()
 
     async def stop_scheduler(self) -> None:
+        if self._watchdog is not None:  # a stopped decode loop is not a stall
+            self._watchdog.cancel()
         if self.scheduler is not None:
             await asyncio.to_thread(self.scheduler.stop)
 

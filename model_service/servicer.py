@@ -116,9 +116,14 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         self.info = info
         self.metrics = metrics
         self.scheduler: Scheduler | None = None
+        self.unavailable: str | None = None  # set by the watchdog while the decode loop is stalled
 
     def attach(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+
+    def refuse(self, reason: str | None) -> None:
+        """Answer new requests UNAVAILABLE with `reason` (None: serve again)."""
+        self.unavailable = reason
 
     async def GetInfo(self, request: model_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> model_pb2.GetInfoResponse:
@@ -151,6 +156,8 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         scheduler = self.scheduler
         if scheduler is None:
             raise SchedulerError(ErrorKind.UNAVAILABLE, "the model is still loading or compiling; retry shortly")
+        if self.unavailable is not None:
+            raise SchedulerError(ErrorKind.UNAVAILABLE, self.unavailable)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Emission] = asyncio.Queue()
 

@@ -3,7 +3,8 @@
 The token after `t` is always `t + 1` (mod vocab): a prompt ending in 40 yields 41, 42, 43, ...
 Every token's probability is 0.5 and its alternatives are (token, token + 1, ...) with probabilities
 0.5, 0.25, ... Token POISON comes out with `bad` set (as if its logits were NaN). Every call is
-recorded so tests can check the order of prefills and decode steps.
+recorded so tests can check the order of prefills and decode steps. Clearing `running` makes the next
+decode step hang until it is set again (a wedged device, for the watchdog).
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ class FakeState:
     last: np.ndarray  # [slots] last token per slot
 
 
+def _running() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 @dataclass
 class FakeEngine:
     slots: int = 4
@@ -45,6 +52,7 @@ class FakeEngine:
     fail_prefill_for: int = -1  # prompts starting with this id make prefill raise
     calls: list[tuple] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    running: threading.Event = field(default_factory=_running)
 
     def _out(self, tokens: np.ndarray) -> FakeOutput:
         ids = (tokens[:, None] + np.arange(K)[None, :]) % self.vocab_size
@@ -75,6 +83,7 @@ class FakeEngine:
 
     def generate(self, state: FakeState) -> tuple[FakeState, FakeOutput]:
         self._log("generate")
+        self.running.wait()
         if self.step_delay:
             time.sleep(self.step_delay)
         nxt = (state.last + 1) % self.vocab_size
