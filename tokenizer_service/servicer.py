@@ -114,7 +114,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         count = len(request.requests)
         if count > self.limits.max_batch:
             raise TokenizerInputError(
-                f"the batch has {count} texts; the limit is {self.limits.max_batch} (--max-batch): split the batch",
+                f"requests has {count} texts; the limit is {self.limits.max_batch} (--max-batch): split the batch",
                 "requests")
         size = sum(self._check_text(item.text, f"requests[{i}].text") for i, item in enumerate(request.requests))
         responses = [

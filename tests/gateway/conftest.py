@@ -92,10 +92,14 @@ def golden_tokenizer(log_dir: pathlib.Path, *args: str, port: int | None = None)
                                          "--port", str(port), *args], port, log_dir=log_dir)
 
 
+# The golden stack's tokenizer limits (tests/gateway/test_bad_input.py runs into them).
+TOKENIZER_LIMITS = ("--max-text-bytes", "4096", "--max-batch", "4", "--max-tokens", "256")
+
+
 def start_golden_stack(log_dir: pathlib.Path, cache: str, model_args: Sequence[Sequence[str]] = ((),),
                        gateway_args: Sequence[str] = ()) -> Stack:
     """Real tokenizer, real golden model replicas, real gateway; SERVING when returned."""
-    tokenizer = golden_tokenizer(log_dir)
+    tokenizer = golden_tokenizer(log_dir, *TOKENIZER_LIMITS)
     models = [golden_model(log_dir, cache, *args) for args in model_args]
     gateway = start_gateway(tokenizer.address, [m.address for m in models], log_dir, *gateway_args)
     stack = Stack(tokenizer, models, gateway)
