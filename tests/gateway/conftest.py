@@ -8,7 +8,12 @@ from dataclasses import dataclass
 
 import pytest
 
+import grpc
+
 from gateway.client import GatewayClient
+from grok.gateway.v1 import gateway_pb2_grpc
+from grok.model.v1 import model_pb2_grpc
+from grok.tokenizer.v1 import tokenizer_pb2_grpc
 from tests.procs import GOLDEN, Service, free_port
 
 
@@ -119,3 +124,25 @@ def golden_stack(tmp_path_factory: pytest.TempPathFactory, jax_cache: str) -> It
                                [["--metrics-port", str(free_port())]])
     yield stack
     stack.stop()
+
+
+@dataclass
+class Stubs:
+    """Stubs (and raw channels) to every service of a stack."""
+
+    gateway: gateway_pb2_grpc.GatewayServiceStub
+    tokenizer: tokenizer_pb2_grpc.TokenizerServiceStub
+    model: model_pb2_grpc.ModelServiceStub
+    channels: dict[str, grpc.Channel]
+
+
+@pytest.fixture(scope="session")
+def golden_stubs(golden_stack: Stack) -> Iterator[Stubs]:
+    channels = {name: grpc.insecure_channel(service.address) for name, service in
+                (("gateway", golden_stack.gateway), ("tokenizer", golden_stack.tokenizer),
+                 ("model", golden_stack.models[0]))}
+    yield Stubs(gateway_pb2_grpc.GatewayServiceStub(channels["gateway"]),
+                tokenizer_pb2_grpc.TokenizerServiceStub(channels["tokenizer"]),
+                model_pb2_grpc.ModelServiceStub(channels["model"]), channels)
+    for channel in channels.values():
+        channel.close()

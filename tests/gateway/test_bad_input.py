@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +19,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from grok.model.v1 import model_pb2, model_pb2_grpc
-from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from grok.gateway.v1 import gateway_pb2
+from grok.model.v1 import model_pb2
+from grok.tokenizer.v1 import tokenizer_pb2
 from serving_common.errors import details_of
-from tests.gateway.conftest import Stack
+from tests.gateway.conftest import Stack, Stubs
 from tests.procs import GOLDEN
 
 pytestmark = pytest.mark.slow
@@ -31,26 +31,6 @@ pytestmark = pytest.mark.slow
 GOLDEN_CASE = json.loads((GOLDEN / "pipeline_fp32.json").read_text())["requests"][1]
 VOCAB, CONTEXT, BUCKET = 512, 128, 64
 INTERNALS = ("Traceback", "<class", "Exception", "Error:", "127.0.0.1", "ipv4:", "/tmp/", "site-packages")
-
-
-@dataclass
-class Stubs:
-    gateway: gateway_pb2_grpc.GatewayServiceStub
-    tokenizer: tokenizer_pb2_grpc.TokenizerServiceStub
-    model: model_pb2_grpc.ModelServiceStub
-    channels: dict[str, grpc.Channel]
-
-
-@pytest.fixture(scope="module")
-def stubs(golden_stack: Stack) -> Iterator[Stubs]:
-    channels = {name: grpc.insecure_channel(service.address) for name, service in
-                (("gateway", golden_stack.gateway), ("tokenizer", golden_stack.tokenizer),
-                 ("model", golden_stack.models[0]))}
-    yield Stubs(gateway_pb2_grpc.GatewayServiceStub(channels["gateway"]),
-                tokenizer_pb2_grpc.TokenizerServiceStub(channels["tokenizer"]),
-                model_pb2_grpc.ModelServiceStub(channels["model"]), channels)
-    for channel in channels.values():
-        channel.close()
 
 
 def golden_text_request(**fields: Any) -> gateway_pb2.CompleteRequest:
@@ -206,9 +186,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_input_gets_a_clear_status_and_the_service_serves_on(stubs: Stubs, case: Case) -> None:
+def test_bad_input_gets_a_clear_status_and_the_service_serves_on(golden_stubs: Stubs, case: Case) -> None:
     with pytest.raises(grpc.RpcError) as caught:
-        case.call(stubs)
+        case.call(golden_stubs)
     error = caught.value
     message = error.details() or ""
     assert error.code() == case.code, message
@@ -217,7 +197,7 @@ def test_bad_input_gets_a_clear_status_and_the_service_serves_on(stubs: Stubs, c
     if case.field:
         assert case.field in message
         assert case.field in [v.field for v in details_of(error).violations]
-    normal_request_works(case.service, stubs)
+    normal_request_works(case.service, golden_stubs)
 
 
 def test_the_table_has_at_least_40_cases_over_every_service() -> None:
@@ -238,10 +218,10 @@ MALFORMED = [  # (service, method, raw request bytes)
 
 @pytest.mark.parametrize("service, method, raw", MALFORMED, ids=[f"{s}-{m.rsplit('/', 1)[1]}"
                                                                   for s, m, _ in MALFORMED])
-def test_malformed_bytes_are_invalid_argument_at_every_service(golden_stack: Stack, stubs: Stubs, service: str,
+def test_malformed_bytes_are_invalid_argument_at_every_service(golden_stack: Stack, golden_stubs: Stubs, service: str,
                                                                method: str, raw: bytes) -> None:
     streaming = method.endswith("/Generate")
-    call = (stubs.channels[service].unary_stream if streaming else stubs.channels[service].unary_unary)(method)
+    call = (golden_stubs.channels[service].unary_stream if streaming else golden_stubs.channels[service].unary_unary)(method)
     with pytest.raises(grpc.RpcError) as caught:
         reply = call(raw, timeout=10)
         if streaming:
@@ -249,11 +229,11 @@ def test_malformed_bytes_are_invalid_argument_at_every_service(golden_stack: Sta
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
     assert "not a valid" in caught.value.details()
     assert not any(word in caught.value.details() for word in INTERNALS)
-    normal_request_works(service if method.startswith("/grok") else "model", stubs)
+    normal_request_works(service if method.startswith("/grok") else "model", golden_stubs)
 
 
-def test_malformed_bytes_in_a_decode_stream_are_invalid_argument(stubs: Stubs) -> None:
-    call = stubs.channels["tokenizer"].stream_stream("/grok.tokenizer.v1.TokenizerService/DecodeStream")
+def test_malformed_bytes_in_a_decode_stream_are_invalid_argument(golden_stubs: Stubs) -> None:
+    call = golden_stubs.channels["tokenizer"].stream_stream("/grok.tokenizer.v1.TokenizerService/DecodeStream")
     good = tokenizer_pb2.DecodeStreamRequest(token_ids=[5]).SerializeToString()
     with pytest.raises(grpc.RpcError) as caught:
         list(call(iter([good, b"\x0a\xff"]), timeout=10))
@@ -262,10 +242,10 @@ def test_malformed_bytes_in_a_decode_stream_are_invalid_argument(stubs: Stubs) -
 
 
 def test_malformed_requests_are_logged_as_one_warning_without_a_traceback(golden_stack: Stack,
-                                                                          stubs: Stubs) -> None:
+                                                                          golden_stubs: Stubs) -> None:
     for service, method, raw in MALFORMED:
         with pytest.raises(grpc.RpcError):
-            stubs.channels[service].unary_unary(method)(raw, timeout=10)
+            golden_stubs.channels[service].unary_unary(method)(raw, timeout=10)
     for proc in (golden_stack.gateway, golden_stack.tokenizer, golden_stack.models[0]):
         records = proc.log_records()
         assert any(r.get("msg") == "malformed request refused" and r.get("level") == "warning" for r in records)
