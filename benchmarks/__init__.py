@@ -1,0 +1,1 @@
+"""Benchmarks and the chaos run: commands that exercise a running stack and print JSON."""
