@@ -23,7 +23,7 @@ from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from serving_common.healthcheck import check
 from tests.gateway.conftest import Stack
 from tests.gateway.test_gateway import wait_for
-from tests.procs import GOLDEN, Service, free_port, grpcurl
+from tests.procs import GOLDEN, Service, grpcurl
 
 pytestmark = pytest.mark.slow
 
