@@ -41,11 +41,18 @@ WORKDIR /app
 COPY . .
 COPY --from=demo /app/artifacts/demo /app/artifacts/demo
 # PORT only feeds the image's HEALTHCHECK (docker run); the compose file has its own per service.
+# The services listen on 127.0.0.1 by default; in a container only the container's own network
+# namespace is reachable, so they listen on every interface of it (publishing stays a `-p` choice).
+# GROK_TOKENIZER_HOST is an address, not a secret (DL3064 matches the "TOKEN" in its name).
+# hadolint ignore=DL3064
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONPATH=/app \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    PORT=50051
+    PORT=50051 \
+    GROK_GATEWAY_HOST=0.0.0.0 \
+    GROK_TOKENIZER_HOST=0.0.0.0 \
+    GROK_MODEL_HOST=0.0.0.0
 USER 10001:10001
 EXPOSE 50051 50052 50053 9090
 # The servers install their own SIGTERM handler (drain, then exit 0), so exec form keeps

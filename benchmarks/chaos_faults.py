@@ -74,6 +74,7 @@ def kill_and_restart(stack: LocalStack, proc: Proc, traffic: Traffic, seeded: Se
     return {"fault": f"kill -9 {proc.name}", "down_seconds": down_seconds,
             "gateway_not_serving_after_seconds": _round(gateway_down),
             "seeded_request_answered_while_down": answered_while_down, "restart_to_serving_seconds": _round(restart),
+            "answered_after_serving_seconds": _round(recovered),
             "recovery_seconds": _round(time.monotonic() - began if recovered is not None else None),
             "calls_during": _during(traffic, before)}
 
@@ -88,7 +89,7 @@ def sigterm_and_restart(stack: LocalStack, proc: Proc, traffic: Traffic, seeded:
     restart = proc.wait_serving()
     recovered = wait_until(lambda: good_answer(stack.gateway.address, seeded), timeout=120)
     return {"fault": f"SIGTERM {proc.name}", "exit_code": code, "drain_seconds": _round(drained),
-            "restart_to_serving_seconds": _round(restart),
+            "restart_to_serving_seconds": _round(restart), "answered_after_serving_seconds": _round(recovered),
             "recovery_seconds": _round(time.monotonic() - began if recovered is not None else None),
             "calls_during": _during(traffic, before)}
 

@@ -4,7 +4,9 @@ Kinds: `complete` (seeded requests whose text must equal what the same request r
 stack: batching, kills and restarts must not change a seeded answer), `cancel` (a stream cancelled
 after 0-300 ms), `deadline` (a deadline shorter than the request), `fuzz` (one field out of range),
 `burst` (many simultaneous long requests). Each call ends in one outcome: a gRPC status name, or
-WRONG_OUTPUT. EXPECTED says which outcomes each kind may have; anything else is a finding.
+WRONG_OUTPUT. EXPECTED says which outcomes each kind may have; anything else is a finding. Workers
+back off as the server's RetryInfo says after RESOURCE_EXHAUSTED / UNAVAILABLE (a client that retried
+at once would only measure how fast refusals are).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from serving_common.errors import details_of
 
 BUSY_OR_DOWN = {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}  # allowed for every kind while the stack is attacked
 EXPECTED = {
@@ -85,8 +88,16 @@ def _code(error: grpc.RpcError) -> str:
     return code.name if code is not None else "UNKNOWN"
 
 
+def backoff(error: grpc.RpcError) -> float:
+    """How long a polite client waits after a refusal: the server's RetryInfo, at most 1 s."""
+    if error.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+        return 0.0
+    retry = details_of(error).retry_after
+    return min(retry if retry is not None else 0.2, 1.0)
+
+
 class Caller:
-    """One worker's channel and the calls of each kind."""
+    """One worker's channel and the calls of each kind; `wait` is the backoff the last refusal asked for."""
 
     def __init__(self, address: str, seeded: Sequence[Seeded], rng: random.Random, long_tokens: int) -> None:
         self.channel = grpc.insecure_channel(address)
@@ -94,13 +105,18 @@ class Caller:
         self.seeded = seeded
         self.rng = rng
         self.long_tokens = long_tokens
+        self.wait = 0.0
+
+    def failed(self, error: grpc.RpcError) -> str:
+        self.wait = backoff(error)
+        return _code(error)
 
     def complete(self) -> str:
         case = self.rng.choice(self.seeded)
         try:
             text = self.stub.Complete(case.request(), timeout=120).text
         except grpc.RpcError as error:
-            return _code(error)
+            return self.failed(error)
         return "OK" if text == case.expected else "WRONG_OUTPUT"
 
     def cancel(self) -> str:
@@ -113,7 +129,7 @@ class Caller:
             for _ in call:
                 pass
         except grpc.RpcError as error:
-            return _code(error)
+            return self.failed(error)
         finally:
             timer.cancel()
         return "OK"
@@ -124,7 +140,7 @@ class Caller:
         try:
             self.stub.Complete(request, timeout=self.rng.uniform(0.02, 0.3))
         except grpc.RpcError as error:
-            return _code(error)
+            return self.failed(error)
         return "OK"
 
     def fuzz(self) -> str:
@@ -149,7 +165,7 @@ class Caller:
         try:
             self.stub.Complete(request, timeout=60)
         except grpc.RpcError as error:
-            return _code(error)
+            return self.failed(error)
         return "OK"
 
     def close(self) -> None:
@@ -191,9 +207,10 @@ class Traffic:
         call: Callable[[], str] = getattr(caller, kind)
         try:
             while not self._stop.is_set():
+                caller.wait = 0.0
                 self.outcomes.add(kind, call())
-                if self.pause:
-                    self._stop.wait(self.pause)
+                if caller.wait or self.pause:
+                    self._stop.wait(caller.wait or self.pause)
         finally:
             caller.close()
 
