@@ -96,11 +96,20 @@ def markdown(report: dict[str, Any]) -> str:
     lines = ["| kind | calls by outcome |", "|---|---|"]
     for kind, outcomes in report["calls"].items():
         lines.append(f"| {kind} | " + ", ".join(f"{o}: {n}" for o, n in outcomes.items()) + " |")
-    lines += ["", "| fault | recovery (s) | restart to SERVING (s) | calls meanwhile |", "|---|---|---|---|"]
+    lines += ["", "| fault | down (s) | drain (s) | restart to SERVING (s) | then first correct answer (s) | "
+              "fault to correct answer (s) | calls meanwhile, by outcome |", "|---|---|---|---|---|---|---|"]
     for f in report["faults"]:
         during = f.get("calls_during", f.get("outcomes", {}))
-        lines.append(f"| {f['fault']} | {f.get('recovery_seconds', '-')} | {f.get('restart_to_serving_seconds', '-')}"
+        cells = [f.get(k, "-") for k in ("down_seconds", "drain_seconds", "restart_to_serving_seconds",
+                                         "answered_after_serving_seconds", "recovery_seconds")]
+        lines.append(f"| {f['fault']} | " + " | ".join(str(c) for c in cells) +
                      f" | {', '.join(f'{o}: {n}' for o, n in during.items())} |")
+    lines += ["", "| slot reclaim | slots | mean (s) | p99 at most (s) |", "|---|---|---|---|"]
+    for reason in ("cancelled", "deadline"):
+        r = report["slot_reclaim"][reason]
+        lines.append(f"| {reason} | {r['slots_reclaimed']} | {r['mean_seconds']} | {r['p99_at_most_seconds']} |")
+    lines.append(f"\nDecode steps run after a cancel reached the model: at most "
+                 f"{report['slot_reclaim']['decode_steps_after_cancel_at_most']}.")
     lines += ["", "| service | RSS before (MiB) | RSS after (MiB) | restarted |", "|---|---|---|---|"]
     for name, before in report["rss_before"].items():
         after = report["rss_after"][name]
