@@ -225,6 +225,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._steps = 0
         self._beat = time.monotonic()
+        self._in_prefill: RequestHandle | None = None
 
     # ---- any thread -------------------------------------------------------------------------
     def start(self) -> None:
@@ -267,13 +268,15 @@ class Scheduler:
     def heartbeat(self) -> Heartbeat:
         with self._cond:
             alive = self._thread is not None and self._thread.is_alive()
-            return Heartbeat(self._steps, self._beat, len(self._active) + len(self._queue), alive)
+            pending = len(self._active) + len(self._queue) + (self._in_prefill is not None)
+            return Heartbeat(self._steps, self._beat, pending, alive)
 
     def fail_pending(self, error: SchedulerError) -> int:
         """End every running and waiting request with `error` now (the decode loop may be stuck); their
         slots are freed if the loop comes back. Returns how many requests were ended."""
         with self._cond:
             handles = [act.handle for act in self._active.values()] + list(self._queue)
+            handles += [self._in_prefill] if self._in_prefill is not None else []
             self._queue.clear()
             self.metrics.set_queued(0)
         for handle in handles:
@@ -362,8 +365,13 @@ class Scheduler:
                 slot = min(self._free)
                 self._free.discard(slot)
                 self.metrics.set_queued(len(self._queue))
+                self._in_prefill = handle  # still pending for the watchdog
             budget -= 1
-            self._prefill(handle, slot)
+            try:
+                self._prefill(handle, slot)
+            finally:
+                with self._cond:
+                    self._in_prefill = None
 
     def _prefill(self, handle: RequestHandle, slot: int) -> None:
         req = handle.request

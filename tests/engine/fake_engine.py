@@ -4,7 +4,7 @@ The token after `t` is always `t + 1` (mod vocab): a prompt ending in 40 yields 
 Every token's probability is 0.5 and its alternatives are (token, token + 1, ...) with probabilities
 0.5, 0.25, ... Token POISON comes out with `bad` set (as if its logits were NaN). Every call is
 recorded so tests can check the order of prefills and decode steps. Clearing `running` makes the next
-decode step hang until it is set again (a wedged device, for the watchdog).
+prefill or decode step hang until it is set again (a wedged device, for the watchdog).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class FakeEngine:
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
                 allowed: Sequence[int], blocked: Sequence[int]) -> tuple[int, FakeOutput]:
         self._log("prefill", tuple(tokens))
+        self.running.wait()
         if tokens[0] == self.fail_prefill_for:
             raise RuntimeError("fake prefill failure")
         first = (tokens[-1] + 1) % self.vocab_size

@@ -99,6 +99,29 @@ def test_a_stalled_decode_loop_is_not_serving_fails_streams_unavailable_then_rec
         loop.run(server.stop(0))
 
 
+def test_a_prefill_that_hangs_on_an_idle_model_is_a_stall_too(loop: LoopThread) -> None:
+    engine = FakeEngine(slots=2, vocab_size=512, sequence_len=128, buckets=(32, 64))
+    server: ModelServer = loop.run(_started(golden_server_config(slots=2, watchdog_seconds=0.5), engine))
+    address = f"127.0.0.1:{server.port}"
+    try:
+        loop.run(server.load())
+        engine.running.clear()  # the first request's prefill will hang
+        with grpc.insecure_channel(address) as channel:
+            stub = model_pb2_grpc.ModelServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(model_pb2.GenerateRequest(token_ids=[20], max_tokens=3), timeout=30))
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert health_status(address) == NOT_SERVING
+            engine.running.set()
+            deadline = time.monotonic() + 10
+            while health_status(address) != SERVING:
+                assert time.monotonic() < deadline, "never SERVING again"
+                time.sleep(0.05)
+    finally:
+        engine.running.set()
+        loop.run(server.stop(0))
+
+
 def test_a_busy_but_advancing_loop_is_never_flagged(loop: LoopThread) -> None:
     engine = FakeEngine(slots=2, vocab_size=512, sequence_len=128, buckets=(32, 64), step_delay=0.1)
     server: ModelServer = loop.run(_started(golden_server_config(slots=2, watchdog_seconds=0.5), engine))
