@@ -81,13 +81,17 @@ def client(fast_stack: Stack) -> Iterator[GatewayClient]:
         yield c
 
 
+def model_args(port: int, metrics_port: int, cache: str) -> list[str]:
+    """Flags of a model service on the golden tiny Grok-1 (float32, 2 slots, one 64-token bucket)."""
+    return ["--config", str(GOLDEN / "config.json"), "--checkpoint", str(GOLDEN / "checkpoint"), "--dtype", "float32",
+            "--host", "127.0.0.1", "--port", str(port), "--slots", "2", "--buckets", "64",
+            "--metrics-port", str(metrics_port), "--compile-cache", cache]
+
+
 def golden_model(log_dir: pathlib.Path, cache: str, *args: str, port: int | None = None) -> Service:
-    """A real model service on the golden tiny Grok-1 (float32, 2 slots, one 64-token bucket)."""
+    """A real model service on the golden tiny Grok-1 (metrics on a free port)."""
     port = port or free_port()
-    return Service("model_service", ["--config", str(GOLDEN / "config.json"), "--checkpoint",
-                                     str(GOLDEN / "checkpoint"), "--dtype", "float32", "--host", "127.0.0.1",
-                                     "--port", str(port), "--slots", "2", "--buckets", "64",
-                                     "--compile-cache", cache, *args], port, log_dir=log_dir)
+    return Service("model_service", [*model_args(port, free_port(), cache), *args], port, log_dir=log_dir)
 
 
 def golden_tokenizer(log_dir: pathlib.Path, *args: str, port: int | None = None) -> Service:
@@ -101,11 +105,11 @@ def golden_tokenizer(log_dir: pathlib.Path, *args: str, port: int | None = None)
 TOKENIZER_LIMITS = ("--max-text-bytes", "4096", "--max-batch", "4", "--max-tokens", "256")
 
 
-def start_golden_stack(log_dir: pathlib.Path, cache: str, model_args: Sequence[Sequence[str]] = ((),),
+def start_golden_stack(log_dir: pathlib.Path, cache: str, replica_args: Sequence[Sequence[str]] = ((),),
                        gateway_args: Sequence[str] = ()) -> Stack:
-    """Real tokenizer, real golden model replicas, real gateway; SERVING when returned."""
+    """Real tokenizer, real golden model replicas (one per `replica_args`), real gateway; SERVING when returned."""
     tokenizer = golden_tokenizer(log_dir, *TOKENIZER_LIMITS)
-    models = [golden_model(log_dir, cache, *args) for args in model_args]
+    models = [golden_model(log_dir, cache, *args) for args in replica_args]
     gateway = start_gateway(tokenizer.address, [m.address for m in models], log_dir, *gateway_args)
     stack = Stack(tokenizer, models, gateway)
     try:
@@ -120,8 +124,7 @@ def start_golden_stack(log_dir: pathlib.Path, cache: str, model_args: Sequence[S
 @pytest.fixture(scope="session")
 def golden_stack(tmp_path_factory: pytest.TempPathFactory, jax_cache: str) -> Iterator[Stack]:
     """One real stack on the golden model for the session (metrics on); tests must leave it running."""
-    stack = start_golden_stack(tmp_path_factory.mktemp("golden"), jax_cache,
-                               [["--metrics-port", str(free_port())]])
+    stack = start_golden_stack(tmp_path_factory.mktemp("golden"), jax_cache)
     yield stack
     stack.stop()
 

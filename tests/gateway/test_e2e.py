@@ -85,6 +85,10 @@ def frozen(service: Service) -> Iterator[None]:
 RECLAIMED = 'grok_model_slot_reclaim_seconds_count{{reason="{}"}}'
 
 
+def generated_so_far(stack: Stack, before: float) -> float:
+    return model_metric(stack, "grok_model_generated_tokens_total") - before
+
+
 def test_cancelling_a_stream_frees_the_model_slot(golden_stack: Stack) -> None:
     reclaimed = model_metric(golden_stack, RECLAIMED.format("cancelled"))
     generated = model_metric(golden_stack, "grok_model_generated_tokens_total")
@@ -94,9 +98,11 @@ def test_cancelling_a_stream_frees_the_model_slot(golden_stack: Stack) -> None:
         with frozen(golden_stack.models[0]):  # the cancel waits in the model's socket; no token is made
             stream.close()
             time.sleep(0.3)
-        # The model frees the slot because of the cancel, long before its 120 tokens.
-        assert wait_for(lambda: model_metric(golden_stack, RECLAIMED.format("cancelled")) == reclaimed + 1, 10)
-        assert wait_for(lambda: model_metric(golden_stack, "grok_model_active_slots") == 0)
+        # The model frees the slot because of the cancel, long before its 120 tokens. (The freeze must
+        # come within ~0.4 s of the first token; a test process starved for that long fails here.)
+        assert wait_for(lambda: model_metric(golden_stack, RECLAIMED.format("cancelled")) == reclaimed + 1, 10), \
+            f"no slot reclaimed for the cancel; {generated_so_far(golden_stack, generated):.0f} tokens were made"
+        assert wait_for(lambda: model_metric(golden_stack, "grok_model_active_slots") == 0), "a slot stayed busy"
         assert model_metric(golden_stack, "grok_model_generated_tokens_total") - generated < 120
         assert client.complete("In the beginning", max_tokens=4).usage.completion_tokens == 4
 
