@@ -111,7 +111,13 @@ def test_metrics_endpoint_counts_requests(service_and_startup: tuple[Service, li
     with grpc.insecure_channel(svc.address) as channel:
         collect(model_pb2_grpc.ModelServiceStub(channel).Generate(
             model_pb2.GenerateRequest(token_ids=[9, 10], max_tokens=3), timeout=30))
-    text = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics", timeout=5).read().decode()
+    def page() -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics", timeout=5).read().decode()
+
+    # The slot is released just after the last token is sent: give the decode thread a moment.
+    deadline = time.monotonic() + 5
+    while "grok_model_active_slots 0.0" not in (text := page()) and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert 'grok_model_requests_finished_total{finish_reason="length"}' in text
     assert 'grok_model_requests_total{code="OK"}' in text
     assert 'grok_model_requests_total{code="INVALID_ARGUMENT"}' in text
