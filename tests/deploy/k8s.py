@@ -17,7 +17,7 @@ import pathlib
 import re
 import shutil
 import subprocess
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import yaml
@@ -230,18 +230,3 @@ class PodLocalizer:
 
 def container_ports(manifests: Manifests) -> set[int]:
     return {p["containerPort"] for pod in manifests.all_pods() for p in pod.container().get("ports", [])}
-
-
-def dns_names(manifests: Manifests) -> Iterator[str]:
-    """Every Service name and every StatefulSet pod's NAME.SUBDOMAIN."""
-    yield from (s["metadata"]["name"] for s in manifests.by_kind.get("Service", []))
-    yield from (f"{p.name}.{p.subdomain}" for p in manifests.all_pods() if p.subdomain)
-
-
-def workload_named(manifests: Manifests, name: str) -> dict:
-    (found,) = [w for w in manifests.workloads() if w["metadata"]["name"] == name]
-    return found
-
-
-def flatten(items: Iterable[Iterable[str]]) -> list[str]:
-    return [x for group in items for x in group]
