@@ -32,7 +32,8 @@ class CountingHealth(health.aio.HealthServicer):
         return await super().Check(request, context)
 
 
-async def start_server(ip: str, port: int, options: list[tuple[str, int]]) -> tuple[grpc.aio.Server, CountingHealth, int]:
+async def start_server(ip: str, port: int, options: list[tuple[str, int]],
+                       ) -> tuple[grpc.aio.Server, CountingHealth, int]:
     server = grpc.aio.server(options=options)
     servicer = CountingHealth()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -57,7 +58,8 @@ async def calls_until_second_server_answers(with_age: bool, within: float) -> tu
     dns = DnsServer({"model": ["127.0.0.1"]})
     second = None
     try:
-        async with grpc.aio.insecure_channel(f"dns://127.0.0.1:{dns.port}/model:{port}", options=CLIENT_OPTIONS) as channel:
+        target = f"dns://127.0.0.1:{dns.port}/model:{port}"
+        async with grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
             second, counter, _ = await start_server("127.0.0.2", port, options)

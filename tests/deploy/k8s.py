@@ -83,9 +83,9 @@ class Manifests:
             self.by_kind.setdefault(doc["kind"], []).append(doc)
 
     def get(self, kind: str, name: str) -> dict:
-        found = [d for d in self.by_kind.get(kind, []) if d["metadata"]["name"] == name]
-        assert len(found) == 1, f"no {kind} named {name} (have {[d['metadata']['name'] for d in self.by_kind.get(kind, [])]})"
-        return found[0]
+        names = [d["metadata"]["name"] for d in self.by_kind.get(kind, [])]
+        assert names.count(name) == 1, f"no single {kind} named {name} (have {names})"
+        return self.by_kind[kind][names.index(name)]
 
     def workloads(self) -> list[dict]:
         return [d for kind in WORKLOADS for d in self.by_kind.get(kind, [])]

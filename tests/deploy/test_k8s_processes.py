@@ -186,7 +186,6 @@ def test_multiprocess_group_serves_a_completion_through_the_gateway(
         with GatewayClient(gateway_address(running)) as client:
             reply = client.complete("two processes", max_tokens=4, ignore_eos=True, seed=1, timeout=120)
         assert reply.usage.completion_tokens == 4
-        assert running.stop() == {name: 0 for name in running.procs}
     finally:
         running.stop()
         dns.close()
