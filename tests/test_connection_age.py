@@ -15,6 +15,8 @@ from serving_common.grpc_server import NOT_SERVING, SERVING, connection_age_opti
 from tests.deploy.dns import DnsServer
 
 AGE_SECONDS = 0.5
+# Reconnecting and resolving again takes milliseconds; the rest is room for a busy machine.
+SLACK_SECONDS = 5.0
 # The client re-resolves at most this often; gRPC's default (30 s) would only make the test slow.
 CLIENT_OPTIONS = [("grpc.lb_policy_name", "round_robin"), ("grpc.dns_min_time_between_resolutions_ms", 200)]
 
@@ -83,13 +85,14 @@ async def calls_until_second_server_answers(with_age: bool, within: float) -> tu
 
 def test_a_connected_dns_client_finds_a_server_added_behind_the_name() -> None:
     waited, failures = asyncio.run(calls_until_second_server_answers(with_age=True, within=10))
-    assert waited is not None and waited < 1.1 * AGE_SECONDS + 3, waited
+    assert waited is not None and waited < 1.1 * AGE_SECONDS + SLACK_SECONDS, waited
     assert failures == 0
 
 
 def test_without_a_connection_age_the_added_server_gets_nothing() -> None:
     # The control: the age above, not the DNS answer alone, is what brings the client to the new server.
-    waited, failures = asyncio.run(calls_until_second_server_answers(with_age=False, within=1.1 * AGE_SECONDS + 3))
+    within = 1.1 * AGE_SECONDS + SLACK_SECONDS
+    waited, failures = asyncio.run(calls_until_second_server_answers(with_age=False, within=within))
     assert waited is None and failures == 0
 
 
