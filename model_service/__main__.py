@@ -28,6 +28,16 @@ def mesh(raw: str) -> MeshConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{raw} is not a duration: use 0 or more seconds")
+    return value
+
+
 def parser() -> EnvArgumentParser:
     p = EnvArgumentParser(env_prefix="GROK_MODEL", prog="python -m model_service",
                           description="Serve a Grok-1-architecture model over gRPC (grok.model.v1.ModelService) "
@@ -48,6 +58,12 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--compile-cache", default=None, help="JAX persistent compilation cache directory")
     p.add_env_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics port (0 = off)")
     p.add_env_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
+    p.add_env_argument("--max-connection-age-seconds", type=seconds, default=30.0,
+                       help="send each client connection a GOAWAY after about this long (calls in flight go on): "
+                            "clients reconnect and re-resolve dns:/// names, so replicas added later get "
+                            "traffic (0 = keep connections forever)")
+    p.add_env_argument("--max-connection-age-grace-seconds", type=seconds, default=None,
+                       help="how long calls in flight may go on after that GOAWAY (default: no limit)")
     p.add_env_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level")
     return p
@@ -72,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
         port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, buckets=args.buckets,
         max_queue=args.max_queue, compile_cache=args.compile_cache, metrics_port=args.metrics_port,
-        metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed)
+        metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed,
+        max_connection_age_seconds=args.max_connection_age_seconds,
+        max_connection_age_grace_seconds=args.max_connection_age_grace_seconds)
     try:
         return asyncio.run(serve(config))
     except (ConfigError, ValueError) as e:

@@ -25,7 +25,8 @@ from model_service.engine import Engine
 from model_service.metrics import Metrics
 from model_service.scheduler import Scheduler
 from model_service.servicer import ModelServicer
-from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, serve_until_signal
+from serving_common.grpc_server import (
+    HealthReporter, add_health_and_reflection, bind, connection_age_options, serve_until_signal)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class ServerConfig:
     metrics_host: str = "0.0.0.0"
     grace_seconds: float = 10.0
     random_seed: int = 0
+    # Connections older than this get a GOAWAY so clients re-resolve and find new replicas (0: never).
+    max_connection_age_seconds: float = 30.0
+    max_connection_age_grace_seconds: float | None = None  # None: calls in flight are never cut
 
 
 def default_buckets(sequence_len: int) -> tuple[int, ...]:
@@ -127,7 +131,8 @@ class ModelServer:
         self.model_cfg, self.buckets = resolve(config)
         self.metrics = Metrics()
         self.servicer = ModelServicer(make_info(config, self.model_cfg, self.buckets), self.metrics)
-        self.grpc = grpc.aio.server()
+        self.grpc = grpc.aio.server(options=connection_age_options(
+            config.max_connection_age_seconds, config.max_connection_age_grace_seconds))
         model_pb2_grpc.add_ModelServiceServicer_to_server(self.servicer, self.grpc)
         self.health: HealthReporter = add_health_and_reflection(self.grpc, [SERVICE_NAME])
         self.port = bind(self.grpc, config.host, config.port)

@@ -169,3 +169,55 @@ def test_build_context_holds_every_package_of_the_project() -> None:
     allowed = build_context_entries()
     assert [p for p in packages if p not in allowed] == []
     assert "configs" in allowed  # the demo stage reads configs/demo.json
+
+
+def test_model_replicas_renew_gateway_connections_so_scaled_replicas_get_traffic(default: dict) -> None:
+    # Without a maximum connection age the gateway would resolve `model` again only on a failure.
+    assert default["services"]["model"]["environment"]["GROK_MODEL_MAX_CONNECTION_AGE_SECONDS"] == "30"
+
+
+@pytest.fixture(scope="module")
+def multiprocess() -> dict:
+    return resolved_config(COMPOSE_FILE, env={"COMPOSE_PROFILES": "multiprocess"})
+
+
+def test_multiprocess_profile_is_off_by_default_and_passes_compose_config(default: dict) -> None:
+    assert set(default["services"]) == set(SERVICES)
+    done = run_compose((COMPOSE_FILE,), "--profile", "multiprocess", "config", "-q")
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr
+
+
+def test_multiprocess_profile_runs_one_replica_as_two_numbered_processes(multiprocess: dict) -> None:
+    services = multiprocess["services"]
+    leader, worker = services["model-leader"], services["model-worker"]
+    model = services["model"]["environment"]
+    group = {"GROK_MODEL_COORDINATOR", "GROK_MODEL_NUM_PROCESSES", "GROK_MODEL_PROCESS_ID", "GROK_MODEL_MESH",
+             "GROK_MODEL_METRICS_PORT"}
+    for process_id, svc in enumerate((leader, worker)):
+        env = svc["environment"]
+        assert env["GROK_MODEL_COORDINATOR"] == "model-leader:8476"
+        assert (env["GROK_MODEL_NUM_PROCESSES"], env["GROK_MODEL_PROCESS_ID"]) == ("2", str(process_id))
+        assert env["GROK_MODEL_MESH"] == "1,2"  # one CPU device per process: the model axis spans both
+        assert {k: v for k, v in env.items() if k not in group} == {k: v for k, v in model.items() if k not in group}
+        assert svc["command"] == services["model"]["command"] and svc["init"] is True
+    assert "8476" in leader["expose"]
+    # Process 0 answers to `model`, the name the gateway balances over; the follower serves nothing.
+    assert leader["networks"]["default"]["aliases"] == ["model"]
+    assert leader["healthcheck"]["test"] == services["model"]["healthcheck"]["test"]
+    assert worker["healthcheck"] == {"disable": True} and worker["environment"]["GROK_MODEL_METRICS_PORT"] == "0"
+    assert worker["depends_on"]["model-leader"]["condition"] == "service_started"
+
+
+def test_multiprocess_profile_settings_parse_with_the_model_service_flags(
+        multiprocess: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_service.__main__ import parser
+
+    if "--coordinator" not in {flag for action in parser()._actions for flag in action.option_strings}:  # noqa: SLF001
+        pytest.skip("needs the multi-process model service (issue 13 section 1: --coordinator, --num-processes, "
+                    "--process-id); runs as soon as model_service has those flags")
+    for process_id, name in enumerate(("model-leader", "model-worker")):
+        with monkeypatch.context() as m:
+            for key, value in multiprocess["services"][name]["environment"].items():
+                m.setenv(key, str(value))
+            args = parser().parse_args([])
+        assert (args.coordinator, int(args.num_processes), int(args.process_id)) == ("model-leader:8476", 2, process_id)
