@@ -25,7 +25,8 @@ from model_service.engine import Engine
 from model_service.metrics import Metrics
 from model_service.scheduler import Scheduler
 from model_service.servicer import ModelServicer
-from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, serve_until_signal
+from serving_common.grpc_server import HealthReporter, add_health_and_reflection, serve_until_signal
+from serving_common.tls import ServerTLS, bind_port
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class ServerConfig:
     metrics_host: str = "0.0.0.0"
     grace_seconds: float = 10.0
     random_seed: int = 0
+    tls: ServerTLS | None = None  # TLS, and mutual TLS when it names a client CA
 
 
 def default_buckets(sequence_len: int) -> tuple[int, ...]:
@@ -130,7 +132,7 @@ class ModelServer:
         self.grpc = grpc.aio.server()
         model_pb2_grpc.add_ModelServiceServicer_to_server(self.servicer, self.grpc)
         self.health: HealthReporter = add_health_and_reflection(self.grpc, [SERVICE_NAME])
-        self.port = bind(self.grpc, config.host, config.port)
+        self.port = bind_port(self.grpc, config.host, config.port, config.tls)
         self.scheduler: Scheduler | None = None
         self._engine_factory = engine_factory or (lambda: build_engine(config, self.model_cfg, self.buckets))
 

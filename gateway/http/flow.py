@@ -73,14 +73,12 @@ async def guarded(request: Request, source: AsyncIterator[T]) -> AsyncIterator[T
     """Items of `source`; if the client disconnects while one is awaited, `source` is cancelled
     at once and ClientGone raised. `source` is closed however this ends."""
     watcher = asyncio.ensure_future(_disconnected(request))
+    step: asyncio.Future[T] | None = None
     try:
         while True:
             step = asyncio.ensure_future(anext(source))  # type: ignore[arg-type]
             await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, GatewayError):
-                    await step
                 raise ClientGone()
             try:
                 item = step.result()
@@ -88,7 +86,10 @@ async def guarded(request: Request, source: AsyncIterator[T]) -> AsyncIterator[T
                 return
             yield item
     finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        # Also reached when the response itself is cancelled (Starlette saw the disconnect first):
+        # the pending step must end before the generator can be closed.
+        pending = [task for task in (step, watcher) if task is not None and not task.done()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         await source.aclose()  # type: ignore[attr-defined]

@@ -69,11 +69,12 @@ def test_services_run_under_an_init_and_restart_unless_stopped(default: dict) ->
         assert svc["init"] is True and svc["restart"] == "unless-stopped", name
 
 
-def test_only_gateway_grpc_and_metrics_ports_are_published(default: dict) -> None:
+def test_only_gateway_grpc_http_and_metrics_ports_are_published(default: dict) -> None:
     published = {name: svc.get("ports", []) for name, svc in default["services"].items()}
     assert published["tokenizer"] == []
     gateway = {(p["target"], p.get("published")) for p in published["gateway"]}
-    assert gateway == {(50051, "50051"), (9090, "9090")}
+    assert gateway == {(50051, "50051"), (8000, "8000"), (9090, "9090")}
+    assert default["services"]["gateway"]["environment"]["GROK_GATEWAY_HTTP_PORT"] == "8000"
     # A model replica publishes only its metrics port, on a host port Docker picks (so --scale works).
     assert [(p["target"], p.get("published")) for p in published["model"]] == [(9090, None)]
     assert default["services"]["model"]["environment"]["GROK_MODEL_METRICS_PORT"] == "9090"
