@@ -90,9 +90,12 @@ def test_gateway_finds_model_replicas_through_the_service_name(default: dict) ->
 
 def test_publish_address_and_settings_come_from_the_environment() -> None:
     config = resolved_config(COMPOSE_FILE, env={"GROK_PUBLISH_ADDRESS": "0.0.0.0", "GROK_MODEL_SLOTS": "16",
-                                               "GROK_GATEWAY_PUBLISHED_PORT": "8443"})
+                                               "GROK_GATEWAY_PUBLISHED_PORT": "8443",
+                                               "GROK_GATEWAY_HTTP_PUBLISHED_PORT": "8080", "GROK_API_KEY": "k"})
     gateway = config["services"]["gateway"]["ports"]
-    assert {(p["host_ip"], p["published"]) for p in gateway} == {("0.0.0.0", "8443"), ("0.0.0.0", "9090")}
+    assert {(p["host_ip"], p["published"]) for p in gateway} == {("0.0.0.0", "8443"), ("0.0.0.0", "8080"),
+                                                                  ("0.0.0.0", "9090")}
+    assert config["services"]["gateway"]["environment"]["GROK_GATEWAY_API_KEY"] == "k"
     assert config["services"]["model"]["environment"]["GROK_MODEL_SLOTS"] == "16"
 
 
