@@ -9,8 +9,11 @@ Certificates are made for this test (tests/certs.py).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import ssl
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,6 +22,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.client import GatewayClient
 from gateway.http.chat import ChatTemplate
 from gateway.http.schemas import ChatMessage
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -27,7 +31,7 @@ from serving_common.tls import ChannelTLS
 from tests.certs import Pki, make_pki
 from tests.gateway.http_client import curl, sse_events
 from tests.gateway.test_e2e import GOLDEN_REQUESTS, model_args
-from tests.procs import GOLDEN, Service, free_port
+from tests.procs import GOLDEN, ROOT, Service, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -101,11 +105,9 @@ def sampling() -> dict:
 
 
 def grpc_text(stack: SecureStack, prompt: str) -> str:
-    channel, stub = grpc_stub(stack)
-    with channel:
-        request = gateway_pb2.GenerateRequest(prompt=prompt, ignore_eos=True, **sampling())
-        stream = stub.Generate(request, timeout=120, metadata=[("authorization", f"Bearer {KEY}")])
-        return "".join(message.text for message in stream)
+    """The text of the gRPC API (through the project's client, with the key and the CA)."""
+    with GatewayClient(stack.gateway.address, timeout=120, api_key=KEY, tls_ca=str(stack.pki.ca)) as client:
+        return "".join(message.text for message in client.generate(prompt, ignore_eos=True, **sampling()))
 
 
 def test_sdk_streams_the_reference_text_over_tls_as_grpc_does(stack: SecureStack) -> None:
@@ -156,6 +158,16 @@ def test_curl_streams_over_https_with_the_key(stack: SecureStack) -> None:
     assert out.returncode == 0, out.stderr
     events = sse_events(out.stdout)
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+
+
+def test_client_cli_needs_the_key_and_the_ca(stack: SecureStack) -> None:
+    command = [sys.executable, "-m", "gateway.client", "In the beginning", "--max-tokens", "3", "--quiet",
+               "--address", stack.gateway.address, "--tls-ca", str(stack.pki.ca)]
+    with_key = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              env={**os.environ, "GROK_CLIENT_API_KEY": KEY})
+    assert with_key.returncode == 0 and with_key.stdout.strip(), with_key.stderr
+    without = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert without.returncode == 1 and "UNAUTHENTICATED" in without.stderr
 
 
 def test_plaintext_clients_are_refused_on_the_public_ports(stack: SecureStack) -> None:
