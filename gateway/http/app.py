@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import ApiKeys
 from gateway.errors import GatewayError
@@ -31,6 +31,9 @@ from gateway.pipeline import Pipeline
 from grok.gateway.v1 import gateway_pb2
 from serving_common.grpc_server import HealthReporter
 from serving_common.logs import new_request_id, request_id_var
+
+
+MAX_BODY_BYTES = 4 << 20  # as gRPC's default receive limit; prompts are capped far lower (--max-prompt-bytes)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,38 @@ class RequireKey:
             await refused.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """ASGI middleware: request bodies over `limit` bytes get 413 before they are buffered whole
+    (gRPC's default message limit plays this role on the gRPC port)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    def _message(self) -> str:
+        return f"request body is over {self.limit} bytes; send a shorter prompt"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            await ApiError(413, self._message()).response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:  # a chunked body without content-length; FastAPI passes HTTPException on
+                raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counted, send)
 
 
 class Routes:
@@ -172,6 +207,8 @@ def create_app(ctx: HttpContext) -> FastAPI:
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    # Added last = outermost: the key is checked before the body is read.
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     if ctx.keys.enabled:
         app.add_middleware(RequireKey, keys=ctx.keys)
     app.add_exception_handler(ApiError, lambda _request, error: error.response())  # type: ignore[arg-type]

@@ -37,9 +37,10 @@ def get(url: str, headers: dict[str, str] | None = None, timeout: float = 30) ->
         return error.code, json.loads(error.read())
 
 
-def curl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def curl(*args: str, timeout: float = 60, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
     """The real curl binary (-s: no progress meter; -N: print SSE events as they arrive)."""
-    return subprocess.run(["curl", "-sS", "-N", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(["curl", "-sS", "-N", *args], capture_output=True, text=True, timeout=timeout,
+                          input=input_text)
 
 
 def sse_events(text: str) -> list[str]:

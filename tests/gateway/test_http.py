@@ -267,3 +267,17 @@ def test_sigterm_lets_an_http_stream_finish_then_exits_cleanly(slow_stack: Stack
     events = [json.loads(e) for e in sse_events(received.decode().split("\r\n\r\n", 1)[1]) if e != "[DONE]"]
     assert "".join(e["choices"][0]["text"] for e in events) == "abc" * 10  # 20 tokens: "ab", "c"
     assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_body_over_the_limit_is_413_declared_or_chunked(fast_stack: Stack) -> None:
+    # Declared: refused from the headers alone, before any of the body is read.
+    with socket.create_connection(("127.0.0.1", fast_stack.http_port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 5000000\r\n\r\n")
+        head = read_until(sock, b"request body is over")
+    assert head.startswith(b"HTTP/1.1 413 ")
+    # Chunked: refused once more than the limit arrived.
+    big = json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 1})
+    chunked = curl(f"{fast_stack.http_url}/v1/completions", "-H", "content-type: application/json",
+                   "-H", "transfer-encoding: chunked", "--data-binary", "@-", "-w", "\n%{http_code}", input_text=big)
+    assert chunked.stdout.rsplit("\n", 1)[1] == "413", chunked.stdout[-300:] + chunked.stderr
