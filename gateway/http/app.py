@@ -62,6 +62,11 @@ def validation_error(error: RequestValidationError) -> JSONResponse:
     return ApiError(400, message, param=param).response()
 
 
+def internal_error(request_id: str = "") -> ApiError:
+    where = f" (request id {request_id})" if request_id else ""
+    return ApiError(500, f"internal error{where}; see the gateway's logs", "server_error")
+
+
 def http_error(error: HTTPException) -> JSONResponse:
     kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
     return ApiError(error.status_code, str(error.detail), kind).response()
@@ -170,6 +175,8 @@ class Routes:
             return from_gateway(error, endpoint).response()
         except ClientGone:
             return Response(status_code=499)
+        except StopAsyncIteration:  # the pipeline always ends with a message; a bug if not
+            return internal_error(request_id).response()
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(self.events(shaper, first, source, include_usage, endpoint),
                                  media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
@@ -214,4 +221,6 @@ def create_app(ctx: HttpContext) -> FastAPI:
     app.add_exception_handler(ApiError, lambda _request, error: error.response())  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, lambda _r, e: validation_error(e))  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, lambda _r, e: http_error(e))  # type: ignore[arg-type]
+    # A bug still answers OpenAI's error body (Starlette logs the traceback and keeps serving).
+    app.add_exception_handler(Exception, lambda _r, _e: internal_error(request_id_var.get("")).response())
     return app
