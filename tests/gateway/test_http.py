@@ -11,6 +11,7 @@ import pathlib
 import signal
 import socket
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -157,8 +158,6 @@ def test_models_lists_the_served_model_and_health_is_open(fast_stack: Stack) -> 
 
 
 def test_http_requests_are_counted_in_the_gateway_metrics(fast_stack: Stack) -> None:
-    import urllib.request
-
     args = list(fast_stack.gateway.proc.args)
     metrics = f"http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
 
