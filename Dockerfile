@@ -47,7 +47,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PORT=50051
 USER 10001:10001
-EXPOSE 50051 50052 50053 9090
+EXPOSE 50051 50052 50053 8000 9090
 # The servers install their own SIGTERM handler (drain, then exit 0), so exec form keeps
 # python as the process that receives the signal; compose adds `init: true` as well.
 STOPSIGNAL SIGTERM

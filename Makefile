@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 DEMO := artifacts/demo
 PYTEST_ARGS ?=
 
-.PHONY: setup run demo protos lint test bench clean help
+AIPERF_VENV ?= .venv-aiperf
+
+.PHONY: setup run demo protos lint test bench bench-http clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
@@ -48,6 +50,16 @@ bench: setup  ## model + engine benchmarks (JSON on stdout)
 	$(PY) bench/bench_model.py --config ../shared/bench/medium.json --batch 1
 	$(PY) bench/bench_model.py --config ../shared/bench/medium.json --batch 8
 	$(PY) bench/bench_engine.py --configs golden,medium --matched 1,8
+
+# AIPerf gets its own virtualenv: its dependencies are not pinned with ours (sentencepiece is for
+# scripts/hf_tokenizer.py, which builds its Hugging Face tokenizer offline).
+$(AIPERF_VENV)/.installed:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0 sentencepiece==0.2.3
+	touch $@
+
+bench-http: setup $(AIPERF_VENV)/.installed  ## AIPerf against /v1/completions of the tiny golden stack
+	AIPERF_VENV=$(AIPERF_VENV) bash bench/aiperf_golden.sh
 
 clean:  ## remove build outputs (not the venv)
 	rm -rf $(DEMO) .pytest_cache build *.egg-info

@@ -9,6 +9,7 @@ import sys
 from model_service.config import ConfigError, MeshConfig
 from serving_common import logs
 from serving_common.flags import EnvArgumentParser, port, positive_int
+from serving_common.tls import add_server_flags, server_tls_from
 
 
 def bucket_list(raw: str) -> tuple[int, ...]:
@@ -66,6 +67,7 @@ def parser() -> EnvArgumentParser:
                        help="how long calls in flight may go on after that GOAWAY (default: no limit)")
     p.add_env_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level")
+    add_server_flags(p)
     return p
 
 
@@ -79,7 +81,9 @@ def configure_jax(compile_cache: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    tls = server_tls_from(p, args)
     logs.configure("model", args.log_level)
     configure_jax(args.compile_cache)
     from model_service.server import ServerConfig, serve
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
         port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, buckets=args.buckets,
         max_queue=args.max_queue, compile_cache=args.compile_cache, metrics_port=args.metrics_port,
-        metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed,
+        metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed, tls=tls,
         max_connection_age_seconds=args.max_connection_age_seconds,
         max_connection_age_grace_seconds=args.max_connection_age_grace_seconds)
     try:

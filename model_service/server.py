@@ -26,7 +26,8 @@ from model_service.metrics import Metrics
 from model_service.scheduler import Scheduler
 from model_service.servicer import ModelServicer
 from serving_common.grpc_server import (
-    HealthReporter, add_health_and_reflection, bind, connection_age_options, serve_until_signal)
+    HealthReporter, add_health_and_reflection, connection_age_options, serve_until_signal)
+from serving_common.tls import ServerTLS, bind_port
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class ServerConfig:
     # Connections older than this get a GOAWAY so clients re-resolve and find new replicas (0: never).
     max_connection_age_seconds: float = 30.0
     max_connection_age_grace_seconds: float | None = None  # None: calls in flight are never cut
+    tls: ServerTLS | None = None  # TLS, and mutual TLS when it names a client CA
 
 
 def default_buckets(sequence_len: int) -> tuple[int, ...]:
@@ -135,7 +137,7 @@ class ModelServer:
             config.max_connection_age_seconds, config.max_connection_age_grace_seconds))
         model_pb2_grpc.add_ModelServiceServicer_to_server(self.servicer, self.grpc)
         self.health: HealthReporter = add_health_and_reflection(self.grpc, [SERVICE_NAME])
-        self.port = bind(self.grpc, config.host, config.port)
+        self.port = bind_port(self.grpc, config.host, config.port, config.tls)
         self.scheduler: Scheduler | None = None
         self._engine_factory = engine_factory or (lambda: build_engine(config, self.model_cfg, self.buckets))
 

@@ -42,6 +42,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_env_argument("--compile-cache", default=".jax_cache", help="JAX compilation cache ('' disables)")
     p.add_env_argument("--host", default="127.0.0.1", help="address the three services bind")
     p.add_env_argument("--gateway-port", type=port, default=50051, help="gateway gRPC port")
+    p.add_env_argument("--http-port", type=port, default=8000, help="gateway OpenAI-compatible HTTP port (0: off)")
     p.add_env_argument("--tokenizer-port", type=port, default=50052, help="tokenizer gRPC port")
     p.add_env_argument("--model-port", type=port, default=50053, help="model gRPC port")
     p.add_env_argument("--metrics-port", type=port, default=9090, help="gateway Prometheus port (0: off)")
@@ -115,7 +116,7 @@ def start(args: argparse.Namespace, out: LogGate) -> list[Child]:
                             *cache, *level], out)
     model.address = f"{host}:{args.model_port}"
     gateway = Child("gateway", ["-m", "gateway", "--tokenizer", tokenizer.address, "--model", model.address,
-                                "--host", host, "--port", str(args.gateway_port),
+                                "--host", host, "--port", str(args.gateway_port), "--http-port", str(args.http_port),
                                 "--metrics-port", str(args.metrics_port), *level], out)
     gateway.address = f"{host}:{args.gateway_port}"
     for child in (tokenizer, model, gateway):
@@ -158,11 +159,15 @@ def sample(args: argparse.Namespace, address: str, out: TextIO) -> int:
     with GatewayClient(address) as client:
         code = stream(client, request, out, out)
     body = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens})
+    http_body = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens, "stream": True})
     python, grpcurl = tool("python", pathlib.Path(sys.executable)), tool("grpcurl", ROOT / ".venv" / "bin" / "grpcurl")
+    curl = (f"  curl -sN http://{args.host}:{args.http_port}/v1/completions -H 'content-type: application/json' "
+            f"-d {shlex.quote(http_body)}\n") if args.http_port else ""
     out.write("\nrun_stack: try it yourself:\n"
               f"  {python} -m gateway.client {shlex.quote(args.prompt)} --max-tokens 32 --address {address}\n"
               f"  {grpcurl} -plaintext -d {shlex.quote(body)} {address} grok.gateway.v1.GatewayService/Generate\n"
               f"  {grpcurl} -plaintext {address} list\n"
+              f"{curl}"
               "run_stack: serving; Ctrl-C stops all three services.\n")
     out.flush()
     return code

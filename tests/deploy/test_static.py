@@ -69,11 +69,12 @@ def test_services_run_under_an_init_and_restart_unless_stopped(default: dict) ->
         assert svc["init"] is True and svc["restart"] == "unless-stopped", name
 
 
-def test_only_gateway_grpc_and_metrics_ports_are_published(default: dict) -> None:
+def test_only_gateway_grpc_http_and_metrics_ports_are_published(default: dict) -> None:
     published = {name: svc.get("ports", []) for name, svc in default["services"].items()}
     assert published["tokenizer"] == []
     gateway = {(p["target"], p.get("published")) for p in published["gateway"]}
-    assert gateway == {(50051, "50051"), (9090, "9090")}
+    assert gateway == {(50051, "50051"), (8000, "8000"), (9090, "9090")}
+    assert default["services"]["gateway"]["environment"]["GROK_GATEWAY_HTTP_PORT"] == "8000"
     # A model replica publishes only its metrics port, on a host port Docker picks (so --scale works).
     assert [(p["target"], p.get("published")) for p in published["model"]] == [(9090, None)]
     assert default["services"]["model"]["environment"]["GROK_MODEL_METRICS_PORT"] == "9090"
@@ -89,9 +90,12 @@ def test_gateway_finds_model_replicas_through_the_service_name(default: dict) ->
 
 def test_publish_address_and_settings_come_from_the_environment() -> None:
     config = resolved_config(COMPOSE_FILE, env={"GROK_PUBLISH_ADDRESS": "0.0.0.0", "GROK_MODEL_SLOTS": "16",
-                                               "GROK_GATEWAY_PUBLISHED_PORT": "8443"})
+                                               "GROK_GATEWAY_PUBLISHED_PORT": "8443",
+                                               "GROK_GATEWAY_HTTP_PUBLISHED_PORT": "8080", "GROK_API_KEY": "k"})
     gateway = config["services"]["gateway"]["ports"]
-    assert {(p["host_ip"], p["published"]) for p in gateway} == {("0.0.0.0", "8443"), ("0.0.0.0", "9090")}
+    assert {(p["host_ip"], p["published"]) for p in gateway} == {("0.0.0.0", "8443"), ("0.0.0.0", "8080"),
+                                                                  ("0.0.0.0", "9090")}
+    assert config["services"]["gateway"]["environment"]["GROK_GATEWAY_API_KEY"] == "k"
     assert config["services"]["model"]["environment"]["GROK_MODEL_SLOTS"] == "16"
 
 

@@ -41,7 +41,7 @@ def golden_stack(tmp_path_factory: pytest.TempPathFactory, jax_cache: str) -> It
                                               "--port", str(tokenizer_port)], tokenizer_port, log_dir=logs)
     model = Service("model_service", model_args(model_port, free_port(), jax_cache), model_port, log_dir=logs)
     gateway = Service("gateway", ["--tokenizer", tokenizer.address, "--model", model.address, "--host", "127.0.0.1",
-                                  "--port", str(gateway_port)], gateway_port, log_dir=logs)
+                                  "--port", str(gateway_port), "--http-port", "0"], gateway_port, log_dir=logs)
     stack = Stack(tokenizer, [model], gateway)
     try:
         for service in (tokenizer, model, gateway):
