@@ -1,0 +1,8 @@
+"""Benchmarks of the serving stack, measured the way clients and other serving stacks measure.
+
+`python -m benchmarks` drives the public gateway with many concurrent gRPC streams and reports
+vLLM's serving metrics; the modules beside it measure what each layer costs (`layers`), the decode
+step against the machine's memory bandwidth (`roofline`, `step`), the tokenizer service
+(`tokenizer`), and cross-check the load generator with k6 (`k6check`). `suite` runs what
+docs/benchmarks.md reports.
+"""
