@@ -104,7 +104,10 @@ def parse_slo(pairs: Sequence[str]) -> Slo:
         name, sep, raw = pair.partition(":")
         if not sep or name not in ("ttft", "tpot", "e2el"):
             raise ValueError(f"goodput objective {pair!r}: use NAME:MILLISECONDS with NAME in ttft, tpot, e2el")
-        value = float(raw)
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"goodput objective {pair!r}: the value must be a finite number of ms >= 0")
         values[f"{name}_ms"] = value
