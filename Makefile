@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEMO := artifacts/demo
 PYTEST_ARGS ?=
 
-.PHONY: setup run demo protos lint test bench clean help
+.PHONY: setup run demo protos lint test bench bench-docs clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
@@ -44,10 +44,11 @@ lint: setup  ## buf lint + stale-stub check
 test: setup lint  ## set up, lint the protos, run every test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: setup  ## model + engine benchmarks (JSON on stdout)
-	$(PY) bench/bench_model.py --config ../shared/bench/medium.json --batch 1
-	$(PY) bench/bench_model.py --config ../shared/bench/medium.json --batch 8
-	$(PY) bench/bench_engine.py --configs golden,medium --matched 1,8
+bench: setup  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer -> bench-results/quick
+	$(PY) -m benchmarks.suite --quick --out bench-results/quick
+
+bench-docs: setup  ## re-measure everything docs/benchmarks.md reports (30-60 min) and regenerate its tables
+	$(PY) -m benchmarks.suite --out docs/benchmarks --update-doc docs/benchmarks.md
 
 clean:  ## remove build outputs (not the venv)
 	rm -rf $(DEMO) .pytest_cache build *.egg-info

@@ -50,7 +50,8 @@ def run_k6(address: str, requests: Sequence[BenchRequest], concurrency: int, wor
     if run.returncode != 0:
         raise RuntimeError(f"k6 failed ({run.returncode}):\n{run.stderr[-3000:]}")
     data = json.loads(summary.read_text())
-    m, seconds = data["metrics"], data["state"]["testRunDurationMs"] / 1e3
+    m = data["metrics"]
+    seconds = (m["grok_ended_at"]["values"]["max"] - m["grok_sent_at"]["values"]["min"]) / 1e3
     e2e, ttft = m["grok_e2e_ms"]["values"], m.get("grok_ttft_ms", {}).get("values", {})
     count = int(e2e["count"])
     return {"completed": count, "failed": m.get("grok_failed", {}).get("values", {}).get("count", 0),

@@ -11,6 +11,9 @@ const e2e = new Trend('grok_e2e_ms', true);
 const ttft = new Trend('grok_ttft_ms', true);
 const outputTokens = new Counter('grok_output_tokens');
 const failed = new Counter('grok_failed');
+// Send and end times (ms since the epoch): the tool's duration is first send to last end, as ours.
+const sent = new Trend('grok_sent_at');
+const ended = new Trend('grok_ended_at');
 const client = new Client();
 
 export const options = {
@@ -31,6 +34,7 @@ export default function () {
   }
   const item = prompts[exec.scenario.iterationInTest % prompts.length];
   const start = Date.now();
+  sent.add(start);
   let first = 0;
   let tokens = 0;
   const stream = new Stream(client, 'grok.gateway.v1.GatewayService/Generate');
@@ -43,7 +47,9 @@ export default function () {
   });
   stream.on('error', () => failed.add(1));
   stream.on('end', () => {
-    e2e.add(Date.now() - start);
+    const end = Date.now();
+    ended.add(end);
+    e2e.add(end - start);
     if (first > 0) {
       ttft.add(first - start);
     }

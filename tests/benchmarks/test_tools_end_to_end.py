@@ -102,3 +102,16 @@ def test_layers_measures_the_same_workload_in_process_on_the_model_service_and_t
         report["arms"]["gateway"]["c1"]["median"]["output_throughput"]
         / report["arms"]["in_process"]["c1"]["median"]["output_throughput"])
     assert "note" in report["targets"]  # concurrency 8 was not measured
+
+
+def test_k6_runs_the_same_workload_against_the_gateway_and_counts_the_same_requests(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "k6.json"
+    run = run_tool(["benchmarks.k6check", "--stack", "golden", "--concurrency", "2", "--num-prompts", "4",
+                    "--input-len", "8", "--output-len", "6", "--runs", "1", "--out", str(out)])
+    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: the tools disagreed (timing), still a result
+    report = json.loads(out.read_text())
+    ours, k6 = report["runs"][0]["ours"], report["runs"][0]["k6"]
+    assert ours["completed"] == k6["completed"] == 4
+    assert ours["failed"] == k6["failed"] == 0
+    assert ours["total_output_tokens"] == k6["output_tokens"] == 24
+    assert set(report["agreement"]) == {"request_throughput", "mean_e2el_ms", "median_e2el_ms", "all_agree"}
