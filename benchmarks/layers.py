@@ -7,7 +7,9 @@ All three arms use the same requests (the gateway arm sends the text, the others
 the same closed-loop runner and the same metric arithmetic (benchmarks.metrics). The in-process arm
 is the model service's own Scheduler + Engine built in this process, timestamped in the decode
 thread's emit callback: the floor the other two are compared with. Arms are interleaved within each
-run. Targets (issue 9): the gateway's output throughput at concurrency 8 >= 0.97x in-process and its
+run. `--baseline-gateway DIR` adds a fourth arm, a gateway run from another checkout's source (e.g.
+the main branch) in front of the same services: a gateway change measured against its base in one
+invocation. Targets (issue 9): the gateway's output throughput at concurrency 8 >= 0.97x in-process and its
 TTFT p50 <= in-process + 2 ms.
 """
 
@@ -28,7 +30,7 @@ from typing import Any
 from benchmarks import metrics, results
 from benchmarks.loadgen import GatewaySender, LoadPoint, ModelSender, Sender, run_point, warm_up
 from benchmarks.metrics import RequestResult
-from benchmarks.stack import StackSpec, preset, start_stack
+from benchmarks.stack import StackSpec, preset, start_gateway, start_stack
 from benchmarks.workload import BenchRequest, PromptCutter, WorkloadSpec, build
 from serving_common.flags import EnvArgumentParser, positive_int
 
@@ -50,6 +52,7 @@ class LayersConfig:
     temperature: float = 0.0
     slots: int | None = None
     compile_cache: str | None = None
+    baseline_gateway: str | None = None  # source tree of a second gateway to compare with
 
 
 class InProcessSender:
@@ -133,7 +136,7 @@ def ratios(arms: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, fl
     out = {}
     for point, base in arms["in_process"].items():
         row: dict[str, float] = {}
-        for arm in ("model_service", "gateway"):
+        for arm in [a for a in arms if a != "in_process"]:
             m = arms[arm][point]["median"]
             b = base["median"]
             row[f"{arm}_throughput_ratio"] = m["output_throughput"] / b["output_throughput"]
@@ -155,7 +158,7 @@ def targets(ratio_table: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 
 async def _run(config: LayersConfig, spec: StackSpec, address: str, model_address: str,
-               scheduler: Any) -> dict[str, Any]:
+               scheduler: Any, baseline: str | None) -> dict[str, Any]:
     cutter = PromptCutter(spec.tokenizer)
     requests = build(WorkloadSpec("fixed", config.input_len, config.output_len, config.num_prompts,
                                   seed=config.seed), cutter)
@@ -164,6 +167,8 @@ async def _run(config: LayersConfig, spec: StackSpec, address: str, model_addres
     senders = {"in_process": InProcessSender(scheduler, config.temperature),
                "model_service": ModelSender(model_address, config.temperature),
                "gateway": GatewaySender(address, config.temperature)}
+    if baseline:
+        senders["gateway_baseline"] = GatewaySender(baseline, config.temperature)
     try:
         runs = await measure_arms(config, senders, requests, warm)
     finally:
@@ -179,11 +184,19 @@ async def _run(config: LayersConfig, spec: StackSpec, address: str, model_addres
 def run(config: LayersConfig) -> dict[str, Any]:
     cache = config.compile_cache or tempfile.mkdtemp(prefix="bench-jax-cache-")
     spec = preset(config.stack, config.slots or max(config.concurrency), cache)
-    stack = start_stack(spec, pathlib.Path(tempfile.mkdtemp(prefix="bench-logs-")))
+    logs = pathlib.Path(tempfile.mkdtemp(prefix="bench-logs-"))
+    stack = start_stack(spec, logs)
+    baseline = None
     try:
+        if config.baseline_gateway:
+            baseline = start_gateway(stack.tokenizer.address, stack.model.address, logs,
+                                     pathlib.Path(config.baseline_gateway).resolve())
         scheduler = in_process_scheduler(spec)
-        return asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler))
+        return asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler,
+                                baseline.address if baseline else None))
     finally:
+        if baseline is not None:
+            baseline.stop()
         stack.close()
 
 
@@ -201,12 +214,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_env_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_env_argument("--slots", type=positive_int, default=None, help="model slots (default: largest concurrency)")
     p.add_env_argument("--compile-cache", default=None, help="JAX compilation cache shared by both engines")
+    p.add_env_argument("--baseline-gateway", default=None,
+                       help="source tree (e.g. /path/to/main checkout) of a second gateway measured as an extra arm")
     p.add_env_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     config = LayersConfig(stack=args.stack, concurrency=tuple(int(c) for c in args.concurrency.split(",")),
                           input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
                           runs=args.runs, warmup=args.warmup, seed=args.seed, temperature=args.temperature,
-                          slots=args.slots, compile_cache=args.compile_cache)
+                          slots=args.slots, compile_cache=args.compile_cache, baseline_gateway=args.baseline_gateway)
     report = run(config)
     if args.out:
         results.write_json(pathlib.Path(args.out), report)

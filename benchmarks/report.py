@@ -70,6 +70,24 @@ def roofline_table(rows: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
     return lines
 
 
+# The reference implementation (xai-org/grok-1 code) on this kind of machine, from ../shared/bench/README.md:
+# decode step ms (float32) by (config, batch); its runner serves one request at a time.
+REFERENCE_STEP_MS = {("golden", 1): 12.0, ("golden", 8): 14.0, ("medium", 1): 760.0, ("medium", 8): 3200.0}
+
+
+def reference_table(rows: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
+    lines = ["Config | batch | reference step ms (tok/s) | grok-serve step ms (tok/s) | speed-up", "---|---|---|---|---"]
+    for name, r in rows:
+        for row in r["rows"]:
+            ref = REFERENCE_STEP_MS.get((name, row["batch"]))
+            if ref is None:
+                continue
+            ours = row["measured_step_ms"]
+            lines.append(f"{name} | {row['batch']} | {_f(ref, 0)} ({_f(row['batch'] / ref * 1e3, 1)}) | "
+                         f"{_f(ours, 1)} ({_f(row['batch'] / ours * 1e3, 1)}) | {_f(ref / ours, 1)}×")
+    return lines
+
+
 def tokenizer_table(r: Mapping[str, Any]) -> list[str]:
     e, d = r["median"]["encode"], r["median"]["decode_stream"]
     return ["Operation | tokens/s | call p50 ms | call p99 ms | same work in-process tokens/s", "---|---|---|---|---",
@@ -116,7 +134,9 @@ def render(out_dir: pathlib.Path) -> str:
                       *layers_table(r), ""]
     roofs = [(n, r) for n in ("golden", "medium") if (r := load(f"roofline-{n}"))]
     if roofs:
-        parts += ["### Decode-step roofline", "", provenance_line(roofs[-1][1]), "", *roofline_table(roofs), ""]
+        parts += ["### Decode-step roofline", "", provenance_line(roofs[-1][1]), "", *roofline_table(roofs), "",
+                  "### Beside the reference implementation (float32 decode step, ../shared/bench/README.md)", "",
+                  *reference_table(roofs), ""]
     if (t := load("tokenizer")):
         parts += ["### Tokenizer service (Grok-1 tokenizer)", "", provenance_line(t), "", *tokenizer_table(t), ""]
     if (k := load("k6check-golden")):

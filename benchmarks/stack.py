@@ -69,7 +69,7 @@ class Process:
     """One `python -m MODULE` child with its output in a log file."""
 
     def __init__(self, module: str, args: Sequence[str], log_dir: pathlib.Path, env: dict[str, str] | None = None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, cwd: pathlib.Path = ROOT) -> None:
         self.module = module
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -77,7 +77,7 @@ class Process:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(self.port)],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+            cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     def wait_serving(self, timeout: float) -> None:
@@ -134,6 +134,20 @@ def start_stack(spec: StackSpec, log_dir: pathlib.Path, timeout: float = 1800.0)
         stack.close()
         raise
     return stack
+
+
+def start_gateway(tokenizer: str, model: str, log_dir: pathlib.Path, source: pathlib.Path = ROOT,
+                  timeout: float = 120.0) -> Process:
+    """A gateway in front of running services, run from the source tree `source` (another checkout's
+    code, e.g. the main branch, to measure a change against it in one invocation)."""
+    gateway = Process("gateway", ["--tokenizer", tokenizer, "--model", model], log_dir, cwd=source,
+                      env={"PYTHONPATH": str(source)})
+    try:
+        gateway.wait_serving(timeout)
+    except BaseException:
+        gateway.stop()
+        raise
+    return gateway
 
 
 def start_model(spec: StackSpec, log_dir: pathlib.Path, timeout: float = 1800.0) -> Process:
