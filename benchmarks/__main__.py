@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from benchmarks import results
 from benchmarks.metrics import parse_slo
 from benchmarks.serve import ServeConfig, load_points, run
-from benchmarks.workload import grid, parse_lengths
+from benchmarks.workload import grid
 from serving_common.flags import EnvArgumentParser, positive_int
 
 
@@ -52,14 +52,16 @@ def parser() -> EnvArgumentParser:
                                  "benchmark; 'none' uses --address")
     p.add_env_argument("--address", default=None, help="HOST:PORT of a running gateway (with --stack none)")
     p.add_env_argument("--tokenizer", default=None,
-                            help="SentencePiece model the served model uses (counts prompt tokens; presets know theirs)")
+                            help="SentencePiece model the served model uses (counts prompt tokens; presets know "
+                                 "theirs)")
     p.add_env_argument("--slots", type=positive_int, default=None,
                             help="model slots of a started stack (default: the largest --concurrency)")
     p.add_env_argument("--compile-cache", default=None, help="JAX compilation cache of a started model service")
     p.add_env_argument("--dataset", default="fixed", choices=["fixed", "random"],
                           help="fixed: exact lengths; random: lengths uniform within +-range-ratio")
     p.add_env_argument("--input-len", type=ints, default=[32], help="prompt tokens; a list makes a grid")
-    p.add_env_argument("--output-len", type=ints, default=[32], help="generated tokens (ignore_eos); a list makes a grid")
+    p.add_env_argument("--output-len", type=ints, default=[32],
+                       help="generated tokens (ignore_eos); a list makes a grid")
     p.add_env_argument("--range-ratio", type=float, default=0.5, help="random dataset: relative length spread")
     p.add_env_argument("--num-prompts", type=positive_int, default=16, help="requests per run of a point")
     p.add_env_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -93,7 +93,8 @@ def run(stack_name: str, concurrency: int, num_prompts: int, input_len: int, out
         asyncio.run(_warm(stack.address, requests[:concurrency], concurrency))
         pairs = []
         for _ in range(runs):
-            pairs.append((ours(stack.address, requests, concurrency), run_k6(stack.address, requests, concurrency, work)))
+            mine = ours(stack.address, requests, concurrency)
+            pairs.append((mine, run_k6(stack.address, requests, concurrency, work)))
     finally:
         stack.close()
     median = {side: {k: statistics.median(p[i][k] for p in pairs) for k in pairs[0][i]}

@@ -21,7 +21,6 @@ import json
 import pathlib
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass

@@ -24,8 +24,8 @@ def _spread(point: Mapping[str, Any], key: str, digits: int = 1) -> str:
 
 def serve_table(summary: Mapping[str, Any]) -> list[str]:
     slo = summary["config"].get("slo") or {}
-    lines = [f"Workload/load | req/s | output tok/s (min–max) | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
-             f"ITL p50 / p99 ms | E2E p50 ms | goodput req/s | failed", "---|---|---|---|---|---|---|---|---"]
+    lines = ["Workload/load | req/s | output tok/s (min–max) | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+             "ITL p50 / p99 ms | E2E p50 ms | goodput req/s | failed", "---|---|---|---|---|---|---|---|---"]
     for p in summary["points"]:
         m = p["median"]
         lines.append(f"{p['key']} | {_f(m['request_throughput'], 2)} | {_spread(p, 'output_throughput')} | "
@@ -47,7 +47,8 @@ def layers_table(r: Mapping[str, Any]) -> list[str]:
             f"{point[1:]} | {_f(m['in_process']['output_throughput'])} | {_f(m['model_service']['output_throughput'])} "
             f"({_f(ratio['model_service_throughput_ratio'], 2)}) | {_f(m['gateway']['output_throughput'])} "
             f"({_f(ratio['gateway_throughput_ratio'], 2)}) | " +
-            " / ".join(_f(m[a]["median_ttft_ms"]) for a in m) + " | " + " / ".join(_f(m[a]["median_tpot_ms"], 2) for a in m))
+            " / ".join(_f(m[a]["median_ttft_ms"]) for a in m) + " | " +
+            " / ".join(_f(m[a]["median_tpot_ms"], 2) for a in m))
     t = r["targets"]
     if "throughput_met" in t:
         lines += ["", f"Targets at concurrency 8: gateway ≥ {t['throughput_target']}× in-process throughput: "
@@ -76,7 +77,8 @@ REFERENCE_STEP_MS = {("golden", 1): 12.0, ("golden", 8): 14.0, ("medium", 1): 76
 
 
 def reference_table(rows: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
-    lines = ["Config | batch | reference step ms (tok/s) | grok-serve step ms (tok/s) | speed-up", "---|---|---|---|---"]
+    lines = ["Config | batch | reference step ms (tok/s) | grok-serve step ms (tok/s) | speed-up",
+             "---|---|---|---|---"]
     for name, r in rows:
         for row in r["rows"]:
             ref = REFERENCE_STEP_MS.get((name, row["batch"]))
@@ -91,8 +93,9 @@ def reference_table(rows: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
 def tokenizer_table(r: Mapping[str, Any]) -> list[str]:
     e, d = r["median"]["encode"], r["median"]["decode_stream"]
     return ["Operation | tokens/s | call p50 ms | call p99 ms | same work in-process tokens/s", "---|---|---|---|---",
-            f"Encode ({r['encode_text_tokens']}-token texts, {r['concurrency']} callers) | {_f(e['tokens_per_s'], 0)} | "
-            f"{_f(e['latency_p50_ms'], 2)} | {_f(e['latency_p99_ms'], 2)} | {_f(r['in_process']['encode_tokens_per_s'], 0)}",
+            f"Encode ({r['encode_text_tokens']}-token texts, {r['concurrency']} callers) | "
+            f"{_f(e['tokens_per_s'], 0)} | {_f(e['latency_p50_ms'], 2)} | {_f(e['latency_p99_ms'], 2)} | "
+            f"{_f(r['in_process']['encode_tokens_per_s'], 0)}",
             f"DecodeStream (1 token per message, {r['concurrency']} streams) | {_f(d['tokens_per_s'], 0)} | "
             f"{_f(d['latency_p50_ms'], 2)} | {_f(d['latency_p99_ms'], 2)} | "
             f"{_f(r['in_process']['decode_window8_tokens_per_s'], 0)}"]
@@ -110,7 +113,8 @@ def k6_table(r: Mapping[str, Any]) -> list[str]:
 
 def provenance_line(r: Mapping[str, Any]) -> str:
     git, machine = r.get("git", {}), r.get("machine", r.get("machine_at_start", {}))
-    return (f"_Measured {r.get('date', '?')} at `{git.get('commit', '?')[:12]}`{' (dirty)' if git.get('dirty') else ''} "
+    dirty = " (dirty)" if git.get("dirty") else ""
+    return (f"_Measured {r.get('date', '?')} at `{git.get('commit', '?')[:12]}`{dirty} "
             f"on {machine.get('cpus', '?')} × {machine.get('cpu_model', '?')}, load average at start "
             f"{machine.get('load_avg', '?')}._")
 

@@ -91,7 +91,8 @@ COMPARE_METRICS = ("request_throughput", "output_throughput", "request_goodput",
                    "failed")
 
 
-def compare(a: Mapping[str, Any], b: Mapping[str, Any], metrics: Sequence[str] = COMPARE_METRICS) -> list[dict[str, Any]]:
+def compare(a: Mapping[str, Any], b: Mapping[str, Any],
+            metrics: Sequence[str] = COMPARE_METRICS) -> list[dict[str, Any]]:
     """Rows (point, metric, A, B, B/A) for the points both results share."""
     pa, pb = points_of(a), points_of(b)
     rows = []

@@ -83,8 +83,8 @@ def read_bandwidth(mib: int = 256, runs: int = 10) -> dict[str, float]:
     i8 = jnp.asarray(np.ones(n_bytes, np.int8))
     t_f32 = _median_seconds(jax.jit(jnp.sum), f32, runs)
     t_i8 = _median_seconds(jax.jit(lambda a: jnp.sum(a.astype(jnp.float32))), i8, runs)
-    return {"bytes": float(n_bytes), "f32_sum_gb_s": n_bytes / t_f32 / 1e9, "int8_convert_sum_gb_s": n_bytes / t_i8 / 1e9,
-            "runs": runs}
+    return {"bytes": float(n_bytes), "f32_sum_gb_s": n_bytes / t_f32 / 1e9,
+            "int8_convert_sum_gb_s": n_bytes / t_i8 / 1e9, "runs": runs}
 
 
 def roofline(cfg: ModelConfig, batch: int, bandwidth: dict[str, float], measured_ms: float,

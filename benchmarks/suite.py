@@ -89,7 +89,8 @@ def run(quick: bool, out: pathlib.Path, only: Sequence[str] = ()) -> dict[str, A
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = EnvArgumentParser(env_prefix="GROK_BENCH", prog="python -m benchmarks.suite", description=__doc__.split("\n\n")[0])
+    p = EnvArgumentParser(env_prefix="GROK_BENCH", prog="python -m benchmarks.suite",
+                          description=__doc__.split("\n\n")[0])
     p.add_env_argument("--quick", action="store_true", default=False, help="the short version (make bench)")
     p.add_env_argument("--out", default="bench-results/suite", help="directory for the JSON and PNG files")
     p.add_env_argument("--only", default="", help="comma-separated step name prefixes, e.g. serve-medium,roofline")

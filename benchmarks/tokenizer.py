@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 from benchmarks import results
-from benchmarks.stack import Process
+from benchmarks.stack import SHARED, Process
 from benchmarks.workload import PromptCutter
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from serving_common.flags import EnvArgumentParser, positive_int
@@ -122,7 +122,7 @@ def run(tokenizer: str, concurrency: int, encode_tokens: int, texts_n: int, stre
 def main(argv: Sequence[str] | None = None) -> int:
     p = EnvArgumentParser(env_prefix="GROK_BENCH", prog="python -m benchmarks.tokenizer",
                           description=__doc__.split("\n\n")[0])
-    p.add_env_argument("--tokenizer", default=str(results.ROOT.parent / "shared" / "grok1-tokenizer" / "tokenizer.model"),
+    p.add_env_argument("--tokenizer", default=str(SHARED / "grok1-tokenizer" / "tokenizer.model"),
                        help="SentencePiece model the service loads")
     p.add_env_argument("--concurrency", type=positive_int, default=8, help="concurrent callers / streams")
     p.add_env_argument("--encode-tokens", type=positive_int, default=256, help="tokens per encoded text")

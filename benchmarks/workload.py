@@ -140,13 +140,6 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
     return [float(t) for t in times]
 
 
-def parse_lengths(raw: str) -> list[int]:
-    values = [int(x) for x in raw.split(",") if x.strip()]
-    if not values or min(values) < 1:
-        raise ValueError(f"{raw!r}: lengths are positive integers, e.g. 32 or 32,128")
-    return values
-
-
 def grid(kind: str, input_lens: Sequence[int], output_lens: Sequence[int], num_prompts: int, range_ratio: float,
          seed: int) -> list[WorkloadSpec]:
     """Every (input, output) combination of the two length lists."""
