@@ -29,7 +29,7 @@ from typing import Any
 from benchmarks import metrics, results
 from benchmarks.loadgen import GatewaySender, LoadPoint, ModelSender, Sender, run_point, warm_up
 from benchmarks.metrics import RequestResult
-from benchmarks.stack import StackSpec, preset, start_gateway, start_stack
+from benchmarks.stack import StackSpec, preset, start_gateway, start_stack, use_model_xla_flags
 from benchmarks.workload import BenchRequest, PromptCutter, WorkloadSpec, build
 from serving_common.flags import EnvArgumentParser, positive_int
 
@@ -217,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="source tree (e.g. /path/to/main checkout) of a second gateway measured as an extra arm")
     p.add_env_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
+    use_model_xla_flags()
     config = LayersConfig(stack=args.stack, concurrency=tuple(int(c) for c in args.concurrency.split(",")),
                           input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
                           runs=args.runs, warmup=args.warmup, seed=args.seed, temperature=args.temperature,

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import results, step
+from benchmarks.stack import use_model_xla_flags
 from model_service.config import ModelConfig, load_model_config
 from serving_common.flags import EnvArgumentParser, positive_int
 
@@ -124,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_env_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     p.add_env_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
+    use_model_xla_flags()
     report = run(args.config, [int(b) for b in args.batch.split(",")], args.runs, args.dtype)
     if args.out:
         results.write_json(pathlib.Path(args.out), report)

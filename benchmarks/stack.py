@@ -120,6 +120,12 @@ def model_env() -> dict[str, str]:
     return {"XLA_FLAGS": os.environ.get("GROK_BENCH_MODEL_XLA_FLAGS", "")}
 
 
+def use_model_xla_flags() -> None:
+    """Give JAX in this process the model service's XLA flags (call in a tool's main, before JAX
+    starts), so an engine built in-process is configured like the service it is compared with."""
+    os.environ.update(model_env())
+
+
 def start_stack(spec: StackSpec, log_dir: pathlib.Path, timeout: float = 1800.0) -> RunningStack:
     """Start tokenizer, model and gateway; return once all three report SERVING."""
     log_dir.mkdir(parents=True, exist_ok=True)

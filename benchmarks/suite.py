@@ -24,7 +24,7 @@ from typing import Any
 from benchmarks import k6check, layers, report, results, roofline, serve, tokenizer
 from benchmarks.loadgen import LoadPoint
 from benchmarks.metrics import Slo
-from benchmarks.stack import SHARED
+from benchmarks.stack import SHARED, use_model_xla_flags
 from benchmarks.workload import WorkloadSpec
 from serving_common.flags import EnvArgumentParser
 
@@ -96,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_env_argument("--only", default="", help="comma-separated step name prefixes, e.g. serve-medium,roofline")
     p.add_env_argument("--update-doc", default=None, help="markdown file whose RESULTS section is regenerated")
     args = p.parse_args(argv)
+    use_model_xla_flags()
     out = pathlib.Path(args.out)
     done = run(args.quick, out, [o for o in args.only.split(",") if o])
     if args.update_doc:
