@@ -6,7 +6,10 @@
 All three arms use the same requests (the gateway arm sends the text, the others its token ids),
 the same closed-loop runner and the same metric arithmetic (benchmarks.metrics). The in-process arm
 is the model service's own Scheduler + Engine built in this process, timestamped in the decode
-thread's emit callback: the floor the other two are compared with. Arms are interleaved within each
+thread's emit callback: the floor the other two are compared with. Besides latencies and
+throughputs (wall clock, which a busy machine disturbs), every run records the CPU milliseconds each
+process spent per output token (from /proc; the benchmark process holds the client and, for the
+in-process arm, the engine), which a busy machine does not change much. Arms are interleaved within each
 run. `--baseline-gateway DIR` adds a fourth arm, a gateway run from another checkout's source (e.g.
 the main branch) in front of the same services: a gateway change measured against its base in one
 invocation. Targets (issue 9): the gateway's output throughput at concurrency 8 >= 0.97x in-process and its
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -111,8 +115,27 @@ def in_process_scheduler(spec: StackSpec) -> Any:
     return scheduler
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (all its threads), from /proc."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    """CPU milliseconds each process spent per output token during a run. Unlike wall-clock times this
+    does not depend on what else the machine runs, so it shows each layer's cost on a busy machine."""
+    per = {f"cpu_ms_per_token_{n}": (after[n] - before[n]) * 1e3 / max(tokens, 1) for n in before}
+    per["cpu_ms_per_token_total"] = sum(per.values())
+    return per
+
+
 async def measure_arms(config: LayersConfig, senders: dict[str, Sender], requests: list[BenchRequest],
-                       warm: list[BenchRequest]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+                       warm: list[BenchRequest],
+                       pids: dict[str, int]) -> dict[str, dict[str, list[dict[str, Any]]]]:
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {arm: {} for arm in senders}
     for arm, send in senders.items():
         failed = [r.error for r in await warm_up(send, warm, max(config.concurrency)) if not r.success]
@@ -121,11 +144,14 @@ async def measure_arms(config: LayersConfig, senders: dict[str, Sender], request
     for index in range(config.runs):
         for c in config.concurrency:
             for arm, send in senders.items():
+                before = cpu_snapshot(pids)
                 served, duration = await run_point(send, requests, LoadPoint(c), config.seed)
                 m = metrics.compute(served, duration)
+                m.update(cpu_per_token(before, cpu_snapshot(pids), m["total_output_tokens"]))
                 runs[arm].setdefault(f"c{c}", []).append({k: v for k, v in m.items() if not isinstance(v, list)})
                 print(f"layers run {index} c{c} {arm}: {m['output_throughput']:.1f} tok/s, TTFT p50 "
-                      f"{m['median_ttft_ms']:.2f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, failed {m['failed']}",
+                      f"{m['median_ttft_ms']:.2f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, CPU "
+                      f"{m['cpu_ms_per_token_total']:.2f} ms/token, failed {m['failed']}",
                       file=sys.stderr, flush=True)
     return runs
 
@@ -157,7 +183,7 @@ def targets(ratio_table: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 
 async def _run(config: LayersConfig, spec: StackSpec, address: str, model_address: str,
-               scheduler: Any, baseline: str | None) -> dict[str, Any]:
+               scheduler: Any, baseline: str | None, pids: dict[str, int]) -> dict[str, Any]:
     cutter = PromptCutter(spec.tokenizer)
     requests = build(WorkloadSpec("fixed", config.input_len, config.output_len, config.num_prompts,
                                   seed=config.seed), cutter)
@@ -169,7 +195,7 @@ async def _run(config: LayersConfig, spec: StackSpec, address: str, model_addres
     if baseline:
         senders["gateway_baseline"] = GatewaySender(baseline, config.temperature)
     try:
-        runs = await measure_arms(config, senders, requests, warm)
+        runs = await measure_arms(config, senders, requests, warm, pids)
     finally:
         for send in senders.values():
             await send.close()
@@ -191,8 +217,12 @@ def run(config: LayersConfig) -> dict[str, Any]:
             baseline = start_gateway(stack.tokenizer.address, stack.model.address, logs,
                                      pathlib.Path(config.baseline_gateway).resolve())
         scheduler = in_process_scheduler(spec)
+        pids = {"benchmark": os.getpid(), "model_service": stack.model.proc.pid,
+                "tokenizer_service": stack.tokenizer.proc.pid, "gateway": stack.gateway.proc.pid}
+        if baseline is not None:
+            pids["gateway_baseline"] = baseline.proc.pid
         return asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler,
-                                baseline.address if baseline else None))
+                                baseline.address if baseline else None, pids))
     finally:
         if baseline is not None:
             baseline.stop()

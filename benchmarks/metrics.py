@@ -197,8 +197,10 @@ def itl_quantiles(results: Iterable[RequestResult], points: int = 99) -> list[fl
 
 
 def scalar_metrics(run: Mapping[str, Any]) -> dict[str, float]:
-    """The numbers of one run that a summary aggregates (throughputs, counts, latency stats)."""
-    keys = [k for k in run if k in SCALAR_KEYS or any(k.endswith(f"_{m}_ms") for m in LATENCY_METRICS)]
+    """The numbers of one run that a summary aggregates (throughputs, counts, latency stats, and the
+    cpu_* costs that benchmarks.layers adds)."""
+    keys = [k for k in run if k in SCALAR_KEYS or k.startswith("cpu_")
+            or any(k.endswith(f"_{m}_ms") for m in LATENCY_METRICS)]
     return {k: float(run[k]) for k in keys if run[k] is not None}
 
 

@@ -49,6 +49,16 @@ def layers_table(r: Mapping[str, Any]) -> list[str]:
             f"({_f(ratio['gateway_throughput_ratio'], 2)}) | " +
             " / ".join(_f(m[a]["median_ttft_ms"]) for a in m) + " | " +
             " / ".join(_f(m[a]["median_tpot_ms"], 2) for a in m))
+    lines += ["", "CPU milliseconds per output token, by process (medians; the benchmark process holds the "
+                  "client and, in-process, the engine):", "",
+              "Concurrency | arm | benchmark | model service | tokenizer service | gateway | total",
+              "---|---|---|---|---|---|---"]
+    for point in r["ratios"]:
+        for arm in ("in_process", "model_service", "gateway"):
+            m = arms[arm][point]["median"]
+            cells = [_f(m.get(f"cpu_ms_per_token_{p}"), 3) for p in
+                     ("benchmark", "model_service", "tokenizer_service", "gateway", "total")]
+            lines.append(f"{point[1:]} | {arm.replace('_', ' ')} | " + " | ".join(cells))
     t = r["targets"]
     if "throughput_met" in t:
         lines += ["", f"Targets at concurrency 8: gateway ≥ {t['throughput_target']}× in-process throughput: "

@@ -101,3 +101,20 @@ def test_report_refuses_a_document_without_markers(tmp_path: pathlib.Path) -> No
     doc.write_text("no markers")
     with pytest.raises(ValueError, match="RESULTS markers"):
         report.update_doc(doc, tmp_path)
+
+
+def test_cpu_per_token_divides_each_process_cpu_delta_by_the_output_tokens() -> None:
+    per = layers.cpu_per_token({"gateway": 1.0, "model_service": 10.0}, {"gateway": 1.2, "model_service": 10.5}, 100)
+    assert per["cpu_ms_per_token_gateway"] == pytest.approx(2.0)
+    assert per["cpu_ms_per_token_model_service"] == pytest.approx(5.0)
+    assert per["cpu_ms_per_token_total"] == pytest.approx(7.0)
+
+
+def test_cpu_seconds_of_this_process_grow_when_it_computes() -> None:
+    import os
+
+    before = layers.cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    assert layers.cpu_seconds(os.getpid()) > before
