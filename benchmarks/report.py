@@ -69,13 +69,15 @@ def layers_table(r: Mapping[str, Any]) -> list[str]:
 
 
 def roofline_table(rows: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
-    lines = ["Config | batch | MB read / step | f32 read GB/s | int8 convert GB/s | roofline ms | int8-aware ms | "
-             "measured ms | measured / roofline", "---|---|---|---|---|---|---|---|---"]
+    lines = ["Config | batch | MB read / step | f32 read GB/s best (median) | int8 convert GB/s best (median) | "
+             "roofline ms | int8-aware ms | measured ms | measured / roofline", "---|---|---|---|---|---|---|---|---"]
     for name, r in rows:
         bw = r["bandwidth"]
         for row in r["rows"]:
-            lines.append(f"{name} | {row['batch']} | {_f(row['total_mb'])} | {_f(bw['f32_sum_gb_s'])} | "
-                         f"{_f(bw['int8_convert_sum_gb_s'])} | {_f(row['roofline_ms'], 2)} | "
+            cache = " (fits in cache)" if row.get("fits_in_cache") else ""
+            lines.append(f"{name} | {row['batch']} | {_f(row['total_mb'])}{cache} | {_f(bw['f32_sum_gb_s'])} "
+                         f"({_f(bw.get('f32_sum_median_gb_s'))}) | {_f(bw['int8_convert_sum_gb_s'])} "
+                         f"({_f(bw.get('int8_convert_sum_median_gb_s'))}) | {_f(row['roofline_ms'], 2)} | "
                          f"{_f(row['int8_aware_bound_ms'], 2)} | {_f(row['measured_step_ms'], 2)} | "
                          f"{_f(row['measured_over_roofline'], 2)}×")
     return lines
