@@ -3,17 +3,19 @@
 
     python -m benchmarks.layers --stack golden --concurrency 1,8 --runs 3
 
-All three arms use the same requests (the gateway arm sends the text, the others its token ids),
-the same closed-loop runner and the same metric arithmetic (benchmarks.metrics). The in-process arm
-is the model service's own Scheduler + Engine built in this process, timestamped in the decode
-thread's emit callback: the floor the other two are compared with. Besides latencies and
-throughputs (wall clock, which a busy machine disturbs), every run records the CPU milliseconds each
-process spent per output token (from /proc; the benchmark process holds the client and, for the
-in-process arm, the engine), which a busy machine does not change much. Arms are interleaved within each
-run. `--baseline-gateway DIR` adds a fourth arm, a gateway run from another checkout's source (e.g.
-the main branch) in front of the same services: a gateway change measured against its base in one
-invocation. Targets (issue 9): the gateway's output throughput at concurrency 8 >= 0.97x in-process and its
-TTFT p50 <= in-process + 2 ms.
+All three arms use the same requests (the gateway arm sends the text, the others its token ids), the
+same closed-loop runner and the same metric arithmetic (benchmarks.metrics). The in-process arm is the
+model service's own Scheduler + Engine built in this process, timestamped in the decode thread's emit
+callback: the floor the other two are compared with. Besides latencies and throughputs (wall clock,
+which a busy machine disturbs), every run records the CPU milliseconds each process spent per output
+token (from /proc; the benchmark process holds the client and, for the in-process arm, the engine),
+which a busy machine does not change much. `startup` records the seconds from launching the stack to
+SERVING (the model service compiling into an empty compilation cache) and to build the same engine
+in-process afterwards (loading those programs from the cache). Arms are interleaved within each run.
+`--baseline-gateway DIR` adds a fourth arm, a gateway run from another checkout's source (e.g. the main
+branch) in front of the same services: a gateway change measured against its base in one invocation.
+Targets (issue 9): the gateway's output throughput at concurrency 8 >= 0.97x in-process and its TTFT p50
+<= in-process + 2 ms.
 """
 
 from __future__ import annotations
@@ -210,19 +212,24 @@ def run(config: LayersConfig) -> dict[str, Any]:
     cache = config.compile_cache or tempfile.mkdtemp(prefix="bench-jax-cache-")
     spec = preset(config.stack, config.slots or max(config.concurrency), cache)
     logs = pathlib.Path(tempfile.mkdtemp(prefix="bench-logs-"))
+    begin = time.monotonic()
     stack = start_stack(spec, logs)
+    startup = {"stack_to_serving_s": time.monotonic() - begin}  # the model compiles into an empty cache
     baseline = None
     try:
         if config.baseline_gateway:
             baseline = start_gateway(stack.tokenizer.address, stack.model.address, logs,
                                      pathlib.Path(config.baseline_gateway).resolve())
+        begin = time.monotonic()
         scheduler = in_process_scheduler(spec)
+        startup["in_process_engine_warm_cache_s"] = time.monotonic() - begin  # same programs, now cached
         pids = {"benchmark": os.getpid(), "model_service": stack.model.proc.pid,
                 "tokenizer_service": stack.tokenizer.proc.pid, "gateway": stack.gateway.proc.pid}
         if baseline is not None:
             pids["gateway_baseline"] = baseline.proc.pid
-        return asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler,
-                                baseline.address if baseline else None, pids))
+        report = asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler,
+                                  baseline.address if baseline else None, pids))
+        return {**report, "startup": startup}
     finally:
         if baseline is not None:
             baseline.stop()

@@ -59,6 +59,11 @@ def layers_table(r: Mapping[str, Any]) -> list[str]:
             cells = [_f(m.get(f"cpu_ms_per_token_{p}"), 3) for p in
                      ("benchmark", "model_service", "tokenizer_service", "gateway", "total")]
             lines.append(f"{point[1:]} | {arm.replace('_', ' ')} | " + " | ".join(cells))
+    if "startup" in r:
+        st = r["startup"]
+        lines += ["", f"Start-up: stack to SERVING {_f(st['stack_to_serving_s'])} s (empty compilation cache); "
+                      "the same engine built in-process from the warm cache "
+                      f"{_f(st['in_process_engine_warm_cache_s'])} s."]
     t = r["targets"]
     if "throughput_met" in t:
         lines += ["", f"Targets at concurrency 8: gateway ≥ {t['throughput_target']}× in-process throughput: "
