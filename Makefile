@@ -47,7 +47,7 @@ test: setup lint  ## set up, lint the protos, run every test
 bench: setup  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer -> bench-results/quick
 	$(PY) -m benchmarks.suite --quick --out bench-results/quick
 
-bench-docs: setup  ## re-measure everything docs/benchmarks.md reports (30-60 min) and regenerate its tables
+bench-docs: setup  ## re-measure everything docs/benchmarks.md reports (about an hour) and regenerate its tables
 	$(PY) -m benchmarks.suite --out docs/benchmarks --update-doc docs/benchmarks.md
 
 clean:  ## remove build outputs (not the venv)

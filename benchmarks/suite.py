@@ -1,6 +1,6 @@
 """Everything docs/benchmarks.md reports, in one command; `--quick` is `make bench`.
 
-    python -m benchmarks.suite --out docs/benchmarks --update-doc docs/benchmarks.md   # the docs (~30-60 min)
+    python -m benchmarks.suite --out docs/benchmarks --update-doc docs/benchmarks.md   # the docs (~1 h)
     python -m benchmarks.suite --quick --out bench-results/quick                        # make bench (minutes)
 
 Runs, in order: the serving sweep through the gateway (golden, then medium), the layer split
