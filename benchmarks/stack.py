@@ -126,12 +126,19 @@ def use_model_xla_flags() -> None:
     os.environ.update(model_env())
 
 
+# The benchmarks drive gRPC only. A gateway that also serves HTTP would bind its fixed default HTTP
+# port, which a second gateway (a baseline, another engineer's stack) may hold: turn it off by
+# environment, which gateways without that flag simply ignore.
+GATEWAY_ENV = {"GROK_GATEWAY_HTTP_PORT": "0"}
+
+
 def start_stack(spec: StackSpec, log_dir: pathlib.Path, timeout: float = 1800.0) -> RunningStack:
     """Start tokenizer, model and gateway; return once all three report SERVING."""
     log_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = Process("tokenizer_service", ["--model", spec.tokenizer], log_dir)
     model = Process("model_service", spec.model_args(), log_dir, env=model_env())
-    gateway = Process("gateway", ["--tokenizer", tokenizer.address, "--model", model.address], log_dir)
+    gateway = Process("gateway", ["--tokenizer", tokenizer.address, "--model", model.address], log_dir,
+                      env=GATEWAY_ENV)
     stack = RunningStack(spec, tokenizer, model, gateway)
     try:
         for proc in (tokenizer, model, gateway):
@@ -147,7 +154,7 @@ def start_gateway(tokenizer: str, model: str, log_dir: pathlib.Path, source: pat
     """A gateway in front of running services, run from the source tree `source` (another checkout's
     code, e.g. the main branch, to measure a change against it in one invocation)."""
     gateway = Process("gateway", ["--tokenizer", tokenizer, "--model", model], log_dir, cwd=source,
-                      env={"PYTHONPATH": str(source)})
+                      env={"PYTHONPATH": str(source), **GATEWAY_ENV})
     try:
         gateway.wait_serving(timeout)
     except BaseException:
