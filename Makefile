@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 AIPERF_VENV ?= .venv-aiperf
 
-.PHONY: setup run demo protos lint test bench bench-http clean help
+.PHONY: setup run demo protos lint test bench bench-docs bench-http clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
@@ -46,10 +46,11 @@ lint: setup  ## buf lint + stale-stub check
 test: setup lint  ## set up, lint the protos, run every test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: setup  ## model + engine benchmarks (JSON on stdout)
-	$(PY) bench/bench_model.py --config ../shared/bench/medium.json --batch 1
-	$(PY) bench/bench_model.py --config ../shared/bench/medium.json --batch 8
-	$(PY) bench/bench_engine.py --configs golden,medium --matched 1,8
+bench: setup  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer -> bench-results/quick
+	$(PY) -m benchmarks.suite --quick --out bench-results/quick
+
+bench-docs: setup  ## re-measure everything docs/benchmarks.md reports (about an hour) and regenerate its tables
+	$(PY) -m benchmarks.suite --out docs/benchmarks --update-doc docs/benchmarks.md
 
 # AIPerf gets its own virtualenv: its dependencies are not pinned with ours (sentencepiece is for
 # scripts/hf_tokenizer.py, which builds its Hugging Face tokenizer offline).
