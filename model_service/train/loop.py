@@ -74,14 +74,15 @@ def make_step(model_cfg: ModelConfig, opt: optax.GradientTransformation) -> Call
     return step
 
 
-def train(model_cfg: ModelConfig, cfg: TrainConfig, stream: np.ndarray, stop_after: int | None = None,
-          report: Callable[[LogEntry], None] | None = None) -> TrainResult:
-    """Train on windows of `stream`; `stop_after` ends early (same schedule), e.g. to check reproducibility."""
+def train(model_cfg: ModelConfig, cfg: TrainConfig, stream: np.ndarray, starts: np.ndarray,
+          stop_after: int | None = None, report: Callable[[LogEntry], None] | None = None) -> TrainResult:
+    """Train on windows of `stream` beginning at `starts`; `stop_after` ends early (same schedule), e.g. to
+    check reproducibility."""
     params = network.init_params(model_cfg, jax.random.PRNGKey(cfg.seed))
     opt = optimizer(cfg)
     opt_state = opt.init(params)
     step = make_step(model_cfg, opt)
-    batches = training_batches(stream, cfg.batch_size, cfg.seq_len + 1, cfg.seed)
+    batches = training_batches(stream, starts, cfg.batch_size, cfg.seq_len + 1, cfg.seed)
     log: list[LogEntry] = []
     losses: list[jax.Array] = []
     start = time.monotonic()

@@ -46,7 +46,7 @@ def float_loss(model_cfg: ModelConfig, params: Any, tokens: np.ndarray, weights:
 def train_prefix(model_cfg: ModelConfig, train_cfg: TrainConfig, corpus_dir: pathlib.Path,
                  steps: int) -> tuple[LogEntry, ...]:
     corpus = data.load_corpus(corpus_dir, train_demo.train(corpus_dir), train_cfg.holdout_every)
-    return train(model_cfg, train_cfg, corpus.train, stop_after=steps).log
+    return train(model_cfg, train_cfg, corpus.train, corpus.train_starts, stop_after=steps).log
 
 
 def _report(entry: LogEntry) -> None:
@@ -85,7 +85,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, corpus_dir: pathlib.Pa
           config_name: str) -> dict[str, Any]:
     tokenizer = train_demo.train(corpus_dir)
     corpus = data.load_corpus(corpus_dir, tokenizer, train_cfg.holdout_every)
-    result = train(model_cfg, train_cfg, corpus.train, report=_report)
+    result = train(model_cfg, train_cfg, corpus.train, corpus.train_starts, report=_report)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp:
         staging = pathlib.Path(tmp)
@@ -98,7 +98,8 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, corpus_dir: pathlib.Pa
             "train_config": train_cfg.__dict__,
             "corpus": {"sha256": corpus_sha256(corpus_dir), "paragraphs": len(corpus.train_paragraphs)
                        + len(corpus.heldout_paragraphs), "train_tokens": len(corpus.train),
-                       "heldout_tokens": len(corpus.heldout), "heldout_paragraphs": list(corpus.heldout_paragraphs)},
+                       "heldout_tokens": len(corpus.heldout), "train_sentence_starts": len(corpus.train_starts),
+                       "heldout_paragraphs": list(corpus.heldout_paragraphs)},
             "tokenizer_sha256": hashlib.sha256(tokenizer).hexdigest(),
             "losses": losses,
             "quantisation_gap_heldout": losses["heldout_int8"] - losses["heldout_float"],
