@@ -16,7 +16,8 @@ import pytest
 from tests.procs import ROOT
 
 PREFIX_STEPS = 20
-# Same program, same seed: only floating-point differences between machines remain (measured ~1e-5 here).
+# Same program, same seed: a full rerun on the training machine was bit-identical (make demo-check); the
+# tolerance leaves room for another CPU's floating-point rounding.
 LOSS_TOLERANCE = 0.01
 
 
