@@ -3,12 +3,12 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-DEMO := artifacts/demo
+DEMO := demo
 PYTEST_ARGS ?=
 
 AIPERF_VENV ?= .venv-aiperf
 
-.PHONY: setup run demo protos lint test bench bench-docs bench-http clean help
+.PHONY: setup run demo demo-check protos lint test bench bench-docs bench-http clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
@@ -25,16 +25,14 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-$(DEMO)/tokenizer.model: $(VENV)/.installed
-	$(PY) -m tokenizer_service.train_demo --out $@
+demo: setup  ## retrain the committed demo model into demo/ (tokenizer, int8 checkpoint, training.json; minutes)
+	$(PY) -m model_service.train --out $(DEMO)
 
-$(DEMO)/checkpoint/RANDOM_WEIGHTS.txt: $(VENV)/.installed configs/demo.json
-	$(PY) -m model_service.demo_checkpoint --config configs/demo.json --out $(DEMO)/checkpoint
+demo-check: setup  ## retrain into build/demo-check and fail unless its losses match demo/training.json
+	$(PY) -m model_service.train --out build/demo-check --compare-with $(DEMO)/training.json
 
-demo: $(DEMO)/tokenizer.model $(DEMO)/checkpoint/RANDOM_WEIGHTS.txt  ## build the embedded default (demo tokenizer + random-weight checkpoint)
-
-run: setup demo  ## set up, then serve the embedded default (tokenizer + model + gateway) and stream a sample
-	$(PY) scripts/run_stack.py
+run: setup  ## set up, then serve the embedded default (the committed demo/: tokenizer + model + gateway), stream a sample
+	$(PY) scripts/run_stack.py --prompt "The model service" --max-tokens 48
 
 protos: $(VENV)/.installed  ## regenerate the Python stubs from protos/
 	$(PY) scripts/gen_protos.py
@@ -63,4 +61,4 @@ bench-http: setup $(AIPERF_VENV)/.installed  ## AIPerf against /v1/completions o
 	AIPERF_VENV=$(AIPERF_VENV) bash bench/aiperf_golden.sh
 
 clean:  ## remove build outputs (not the venv)
-	rm -rf $(DEMO) .pytest_cache build *.egg-info
+	rm -rf .pytest_cache build *.egg-info

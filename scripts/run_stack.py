@@ -1,7 +1,7 @@
 """Run the whole stack on this machine: tokenizer, model and gateway on 127.0.0.1 (what `make run` calls).
 
-Starts the three services (the embedded demo by default: artifacts/demo/tokenizer.model, configs/demo.json,
-artifacts/demo/checkpoint; --config/--checkpoint/--tokenizer/--dtype/--mesh select real weights), waits
+Starts the three services (the embedded demo by default: demo/tokenizer.model, configs/demo.json,
+demo/checkpoint; --config/--checkpoint/--tokenizer/--dtype/--mesh select real weights), waits
 until each is SERVING, streams one sample completion through the client, prints grpcurl commands to try,
 then keeps serving, forwarding the services' logs, until Ctrl-C or SIGTERM stops all three cleanly.
 """
@@ -34,8 +34,8 @@ from serving_common.processes import terminate  # noqa: E402
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = EnvArgumentParser(env_prefix="GROK_STACK", prog="scripts/run_stack.py", description=__doc__.split("\n")[0])
     p.add_env_argument("--config", default="configs/demo.json", help="model preset or config JSON")
-    p.add_env_argument("--checkpoint", default="artifacts/demo/checkpoint", help="directory holding ckpt-0/")
-    p.add_env_argument("--tokenizer", default="artifacts/demo/tokenizer.model", help="SentencePiece model file")
+    p.add_env_argument("--checkpoint", default="demo/checkpoint", help="directory holding ckpt-0/")
+    p.add_env_argument("--tokenizer", default="demo/tokenizer.model", help="SentencePiece model file")
     p.add_env_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     p.add_env_argument("--mesh", default="1,1", help="device mesh DATA,MODEL (e.g. 1,8 for Grok-1 on 8 GPUs)")
     p.add_env_argument("--slots", type=positive_int, default=4, help="model batch slots")
