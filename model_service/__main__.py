@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 
 from model_service.config import ConfigError, MeshConfig
@@ -114,7 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"model_service: {e}", file=sys.stderr)
         return 2
-    configure_jax(args.compile_cache)
+    compile_cache = args.compile_cache
+    if dist is not None and compile_cache:
+        # JAX writes cache entries only from process 0 and the others' cache keys differ, so a cache cannot
+        # shorten a group's start; it would only let process 0 reach each program's first collective long
+        # before the others (gloo on CPU waits 30 s for a new clique).
+        logging.getLogger(__name__).warning("--compile-cache is not used by a multi-process replica")
+        compile_cache = None
+    configure_jax(compile_cache)
     if dist is not None:
         from model_service.distributed import initialize
 
