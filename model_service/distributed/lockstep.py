@@ -56,11 +56,15 @@ class JaxChannel:
         return tuple(np.asarray(a) for a in multihost_utils.broadcast_one_to_all(arrays))
 
 
-def send(channel: Channel, codec: Codec, call: Call) -> None:
-    """Process 0's side of one call: the header, then the payload if the op has one."""
-    channel.broadcast((codec.header(call),))
-    if codec.has_payload(call.op):
-        channel.broadcast(codec.payload(call))
+def send(channel: Channel, codec: Codec, call: Call) -> Call:
+    """Process 0's side of one call: the header, then the payload if the op has one. Returns the call as the
+    followers decode it, which is what process 0 must run too (e.g. its floats rounded to float32)."""
+    header = codec.header(call)
+    payload = codec.payload(call) if codec.has_payload(call.op) else None
+    channel.broadcast((header,))
+    if payload is not None:
+        channel.broadcast(payload)
+    return codec.decode(header, payload)
 
 
 def receive(channel: Channel, codec: Codec) -> Call:
@@ -108,6 +112,7 @@ class LockstepEngine:
         self._last_call = time.monotonic()
         self._stop = threading.Event()
         self._keepalive: threading.Thread | None = None
+        self._closed = False
 
     def __getattr__(self, name: str) -> Any:
         # Engine attributes (slots, buckets, vocab_size, ...) read through; a method missing here would run on
@@ -161,7 +166,10 @@ class LockstepEngine:
         return self._call(Call(Op.FREE, slot=int(slot)))
 
     def close(self) -> None:
-        """Tell the followers to leave their loop (clean shutdown of the whole group)."""
+        """Tell the followers to leave their loop (clean shutdown of the whole group); later calls fail."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         if self._broken is None:
             try:
@@ -169,6 +177,7 @@ class LockstepEngine:
                 log.info("followers told to shut down")
             except GroupBroken:
                 pass
+        self._broken = self._broken or "the group was shut down"
         self._executor.shutdown(wait=False)
 
     # ---- internals --------------------------------------------------------------------------
@@ -205,11 +214,11 @@ class LockstepEngine:
 
     def _send_and_run(self, call: Call) -> Any:
         try:
-            send(self._channel, self._codec, call)
+            sent = send(self._channel, self._codec, call)
         except Exception as e:
             raise self._break(f"broadcasting {call.op.name} failed: {e}") from e
         try:
-            return self._replica.run(call)
+            return self._replica.run(sent)
         except Exception as e:
             if is_runtime_failure(e):
                 raise self._break(f"{call.op.name} failed: {e}") from e
