@@ -167,6 +167,7 @@ class _LocatingUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # no
         super().__init__(file)
         self._raw_file = file
         self._path = path
+        self._size = os.fstat(file.fileno()).st_size
 
     def _payload(self, n: int) -> bytes | _Payload:
         frame = self._unframer.current_frame
@@ -174,6 +175,8 @@ class _LocatingUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # no
             return self.read(n)  # inside an in-memory frame: small, already read
         self._unframer.current_frame = None
         offset = self._raw_file.tell()
+        if offset + n > self._size:
+            raise CheckpointError(f"array payload of {n} bytes runs past the end of the file (truncated?)")
         self._raw_file.seek(n, io.SEEK_CUR)
         return _Payload(self._path, offset, n)
 
@@ -204,10 +207,8 @@ def read_tensor(path: pathlib.Path | str, lazy: bool = False) -> Any:
     """
     try:
         if lazy:
-            size = os.path.getsize(path)
             with open(path, "rb", buffering=0) as f:  # unbuffered: read nothing beyond the pickle's opcodes
                 obj = _LocatingUnpickler(f, str(path)).load()
-            _check_payloads(obj, size)
         else:
             with open(path, "rb") as f:
                 data = f.read()
@@ -329,15 +330,6 @@ def _check_leaf(spec: TensorSpec, leaf: Any, index: int) -> None:
         want = f"array {spec.shape}"
     if not ok:
         raise CheckpointError(f"tensor{index:05d}_000 ({spec.ckpt_path}): checkpoint has {got}, the config expects {want}")
-
-
-def _check_payloads(obj: Any, size: int) -> None:
-    stubs = [obj.weight, obj.scales] if isinstance(obj, _QuantizedStub) else [obj]
-    for stub in stubs:
-        raw = stub.state[4] if isinstance(stub, _ArrayStub) and isinstance(stub.state, tuple) \
-            and len(stub.state) == 5 else None
-        if isinstance(raw, _Payload) and raw.offset + raw.length > size:
-            raise CheckpointError(f"array payload of {raw.length} bytes runs past the end of the file (truncated?)")
 
 
 def _place(arr: np.ndarray | FileArray, mesh: Mesh, path: str) -> jax.Array:
