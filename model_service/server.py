@@ -200,7 +200,7 @@ class ModelServer:
     async def load(self) -> None:
         engine = await asyncio.to_thread(self._engine_factory)
         self.scheduler = Scheduler(engine, self.config.max_queue, self.metrics)
-        self.scheduler.start()
+        await asyncio.to_thread(self.scheduler.start)  # its first engine call may be a collective
         self.servicer.attach(self.scheduler)
         await self.health.set(True)
         log.info("serving", extra={"port": self.port})

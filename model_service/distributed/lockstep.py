@@ -109,6 +109,7 @@ class LockstepEngine:
         self._live_prefixes: set[int] = set()
         self._prefix_lock = threading.Lock()
         self._broken: str | None = None
+        self._broken_lock = threading.Lock()
         self._last_call = time.monotonic()
         self._stop = threading.Event()
         self._keepalive: threading.Thread | None = None
@@ -117,6 +118,8 @@ class LockstepEngine:
     def __getattr__(self, name: str) -> Any:
         # Engine attributes (slots, buckets, vocab_size, ...) read through; a method missing here would run on
         # process 0 alone and desynchronise the group, so it is refused.
+        if name.startswith("_"):
+            raise AttributeError(name)
         value = getattr(self._engine, name)
         if callable(value):
             raise AttributeError(f"Engine.{name} is not in the lockstep op table: add it to "
@@ -131,8 +134,9 @@ class LockstepEngine:
     def compile_all(self) -> dict[str, float]:
         """Compile everywhere; waits (up to startup_timeout) for every process to have loaded its weights."""
         timings = self._call(Call(Op.COMPILE_ALL), self._startup_timeout)
-        self._keepalive = threading.Thread(target=self._keep_alive, name="lockstep-keepalive", daemon=True)
-        self._keepalive.start()
+        if self._keepalive is None:
+            self._keepalive = threading.Thread(target=self._keep_alive, name="lockstep-keepalive", daemon=True)
+            self._keepalive.start()
         return timings
 
     def init_decode_state(self) -> Any:
@@ -226,7 +230,7 @@ class LockstepEngine:
 
     def _break(self, reason: str) -> GroupBroken:
         first = False
-        with self._prefix_lock:
+        with self._broken_lock:
             if self._broken is None:
                 self._broken, first = reason, True
         if first:

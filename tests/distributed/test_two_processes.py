@@ -33,7 +33,8 @@ STARTUP_SECONDS = 590.0  # two processes compiling on a shared 2-core machine
 class Group:
     """Process 0 (gRPC on `address`) and process 1 of one replica, as `python -m model_service` processes."""
 
-    def __init__(self, log_dir: pathlib.Path, ports: tuple[int, int] | None = None) -> None:
+    def __init__(self, log_dir: pathlib.Path, ports: tuple[int, int] | None = None,
+                 follower_env: dict[str, str] | None = None) -> None:
         port, coordinator = ports or (free_port(), free_port())
         self.ports = (port, coordinator)
         env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_allow_excess_precision=false",
@@ -46,7 +47,8 @@ class Group:
             (log_dir / sub).mkdir(parents=True, exist_ok=True)
         self.leader = Service("model_service", ["--host", "127.0.0.1", "--port", str(port), "--process-id", "0"],
                               port, env=env, log_dir=log_dir / "p0")
-        self.follower = Service("model_service", ["--process-id", "1"], coordinator, env=env, log_dir=log_dir / "p1")
+        self.follower = Service("model_service", ["--process-id", "1"], coordinator, env={**env, **(follower_env or {})},
+                                log_dir=log_dir / "p1")
         self.channel = grpc.insecure_channel(self.leader.address)
         self.stub = model_pb2_grpc.ModelServiceStub(self.channel)
 
@@ -160,3 +162,14 @@ def test_restarted_group_serves_again_and_a_stalled_follower_gives_unavailable(
         assert_group_broken(again, error, seconds, bound=STEP_TIMEOUT + 10)
     finally:
         again.close()
+
+
+def test_processes_started_with_different_settings_refuse_to_start(tmp_path: pathlib.Path) -> None:
+    mismatched = Group(tmp_path, follower_env={"GROK_MODEL_SLOTS": "4"})
+    try:
+        assert mismatched.follower.proc.wait(120) != 0
+        assert mismatched.leader.proc.wait(120) != 0
+        for service in (mismatched.leader, mismatched.follower):
+            assert "started with different model settings" in service.logs()
+    finally:
+        mismatched.close()
