@@ -334,10 +334,41 @@ def _check_leaf(spec: TensorSpec, leaf: Any, index: int) -> None:
 
 def _place(arr: np.ndarray | FileArray, mesh: Mesh, path: str) -> jax.Array:
     sharding = NamedSharding(mesh, fit_spec(spec_for_path(path), arr.shape, mesh))
-    if isinstance(arr, FileArray):
-        # Called only for this process's devices: other processes' shards are never read.
-        return jax.make_array_from_callback(arr.shape, sharding, arr.read)
-    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+    source = _read_addressable(arr, sharding) if isinstance(arr, FileArray) else arr
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: source[idx])
+
+
+def _read_addressable(arr: FileArray, sharding: NamedSharding) -> Any:
+    """Read only what this process's devices hold: in one region when their shards tile a box (a process
+    that holds every shard reads the tensor in one go), else shard by shard."""
+    shape = arr.shape
+    shards = {tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+              for idx in sharding.addressable_devices_indices_map(shape).values()}
+    box = tuple((min(s[a][0] for s in shards), max(s[a][1] for s in shards)) for a in range(len(shape)))
+    if math.prod(b - a for a, b in box) != sum(math.prod(b - a for a, b in s) for s in shards):
+        return _ShardReader(arr)
+    return _Region(arr.read(tuple(slice(a, b) for a, b in box)), tuple(a for a, _ in box), shape)
+
+
+class _Region:
+    """A region read from a larger array, answering indices of the whole array."""
+
+    def __init__(self, data: np.ndarray, start: tuple[int, ...], shape: tuple[int, ...]) -> None:
+        self.data, self.start, self.shape = data, start, shape
+
+    def __getitem__(self, idx: tuple[slice, ...]) -> np.ndarray:
+        bounds = [s.indices(n)[:2] for s, n in zip(idx, self.shape)]
+        return self.data[tuple(slice(a - o, b - o) for (a, b), o in zip(bounds, self.start))]
+
+
+class _ShardReader:
+    """Reads each device's shard on request (shards that do not tile a box)."""
+
+    def __init__(self, arr: FileArray) -> None:
+        self.arr = arr
+
+    def __getitem__(self, idx: tuple[slice, ...]) -> np.ndarray:
+        return self.arr.read(idx)
 
 
 def place_leaf(spec: TensorSpec, internal: Any, mesh: Mesh) -> Any:

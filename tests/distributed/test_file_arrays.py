@@ -101,3 +101,18 @@ def test_lazy_reading_still_refuses_foreign_globals(tmp_path: pathlib.Path) -> N
     evil.write_bytes(b"\x80\x04cos\nsystem\n\x8c\x04echo\x85R.")
     with pytest.raises(CheckpointError, match="refused to unpickle global os.system"):
         read_tensor(evil, lazy=True)
+
+
+def test_a_process_holding_every_shard_reads_each_array_in_one_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight device shards of one array are one read, not eight strided ones (Grok-1 on one 8-GPU host)."""
+    from model_service import file_arrays
+    from model_service.config import load_model_config
+    from tests.procs import GOLDEN
+
+    preads = []
+    real = file_arrays.os.preadv
+    monkeypatch.setattr(file_arrays.os, "preadv", lambda *a: preads.append(a[2]) or real(*a))
+    params = load_params(str(GOLDEN / "checkpoint"), load_model_config(str(GOLDEN / "config.json")),
+                         make_mesh(MeshConfig(1, 8)), jnp.float32)
+    # At most one read per parameter array (small ones sit inside pickle frames and come with the opcodes).
+    assert 0 < len(preads) <= len(jax.tree.leaves(params))
