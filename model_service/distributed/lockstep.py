@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import queue
 import threading
 import time
 import weakref
@@ -75,6 +76,33 @@ def receive(channel: Channel, codec: Codec) -> Call:
     return codec.decode(header, payload)
 
 
+class _Worker:
+    """One daemon thread running calls in order. A call stuck in a collective whose peer stalled can never be
+    interrupted; a daemon thread does not keep the process from exiting (concurrent.futures joins its
+    workers at exit)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = \
+            queue.SimpleQueue()
+        threading.Thread(target=self._run, name="lockstep", daemon=True).start()
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the waiting caller
+                future.set_exception(e)
+
+
 class PrefixRef:
     """What the scheduler holds for a prefilled prompt: the id every process stores its prefix under."""
 
@@ -103,7 +131,7 @@ class LockstepEngine:
         self._keepalive_seconds = keepalive_seconds
         self._on_broken = on_broken
         self._lock = threading.Lock()  # one call at a time, in one order for every process
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lockstep")
+        self._worker = _Worker()
         self._seq = 0
         self._next_prefix = 0
         self._live_prefixes: set[int] = set()
@@ -182,7 +210,7 @@ class LockstepEngine:
             except GroupBroken:
                 pass
         self._broken = self._broken or "the group was shut down"
-        self._executor.shutdown(wait=False)
+        self._worker.stop()
 
     # ---- internals --------------------------------------------------------------------------
     def _check_state(self, state: Any) -> None:
@@ -208,7 +236,7 @@ class LockstepEngine:
         call = dataclasses.replace(call, seq=self._seq, release_below=self._release_below())
         self._seq += 1
         limit = timeout or self._step_timeout
-        future = self._executor.submit(self._send_and_run, call)
+        future = self._worker.submit(lambda: self._send_and_run(call))
         try:
             return future.result(limit)
         except concurrent.futures.TimeoutError:
