@@ -172,16 +172,19 @@ class LockstepEngine:
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
                 allowed: Sequence[int] = (), blocked: Sequence[int] = ()) -> tuple[PrefixRef, Any]:
-        with self._prefix_lock:
+        with self._prefix_lock:  # live from the start: no call may release it before the scheduler holds it
             prefix_id = self._next_prefix
             self._next_prefix += 1
+            self._live_prefixes.add(prefix_id)
         call = Call(Op.PREFILL, prefix=prefix_id, prompt=tuple(int(t) for t in tokens), seed=int(seed),
                     temperature=float(temperature), top_p=float(top_p), allowed=tuple(allowed), blocked=tuple(blocked))
-        self._codec.payload(call)  # refuse what cannot be encoded before anything is broadcast
-        out = self._call(call)
+        try:
+            self._codec.payload(call)  # refuse what cannot be encoded before anything is broadcast
+            out = self._call(call)
+        except BaseException:
+            self._release_prefix(prefix_id)
+            raise
         ref = PrefixRef(prefix_id)
-        with self._prefix_lock:
-            self._live_prefixes.add(prefix_id)
         weakref.finalize(ref, self._release_prefix, prefix_id)
         return ref, out
 

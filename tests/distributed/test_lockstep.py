@@ -214,3 +214,21 @@ def test_receive_reads_exactly_what_send_wrote() -> None:
     send(LeaderEnd(wire), codec, call)
     got = receive(FollowerEnd(wire), codec)
     assert got == call
+
+
+def test_a_prefilled_prefix_stays_on_every_process_until_process_0_drops_it() -> None:
+    wire, broken = Wire(), []
+    follower_engine = RecordingEngine()
+    follower = FollowerThread(follower_engine, wire)
+    engine = lockstep(RecordingEngine(), LeaderEnd(wire), broken)
+    engine.compile_all()
+    state = engine.init_decode_state()
+    ref, _ = engine.prefill([20], seed=0, temperature=0.0, top_p=1.0)
+    time.sleep(4 * KEEPALIVE)  # keep-alives go out while the scheduler still holds the prefix
+    state = engine.insert(ref, state, 0)
+    del ref  # released: the next call tells the followers to drop it
+    engine.free_slot(state, 0)
+    engine.close()
+    follower.thread.join(5)
+    assert follower.code == 0 and broken == []
+    assert ("insert", 0) in follower_engine.calls
