@@ -22,16 +22,8 @@ deps = [d.replace('jax==', f'jax[{extra}]==', 1) if extra and d.startswith('jax=
 open('requirements.txt', 'w').write('\n'.join(deps) + '\n')" \
  && pip install --no-cache-dir -r requirements.txt
 
-# Stage 2: the embedded default, built once at image build time: the demo SentencePiece model
-# and the demo checkpoint in the released format (random weights, labelled RANDOM_WEIGHTS.txt).
-FROM deps AS demo
-WORKDIR /app
-COPY . .
-ENV JAX_PLATFORMS=cpu
-RUN python -m tokenizer_service.train_demo --out artifacts/demo/tokenizer.model \
- && python -m model_service.demo_checkpoint --config configs/demo.json --out artifacts/demo/checkpoint
-
-# Stage 3: the runtime: the venv, the source and the demo artifacts; no compilers, no pip cache.
+# Stage 2: the runtime: the venv, the source and the embedded default (demo/: the trained demo model and its
+# tokenizer, committed to the repository, so nothing is trained or generated here); no compilers, no pip cache.
 FROM ${PYTHON_IMAGE} AS runtime
 RUN groupadd --system --gid 10001 grok \
  && useradd --system --uid 10001 --gid grok --create-home --home-dir /home/grok --shell /usr/sbin/nologin grok \
@@ -39,7 +31,6 @@ RUN groupadd --system --gid 10001 grok \
 COPY --from=deps /opt/venv /opt/venv
 WORKDIR /app
 COPY . .
-COPY --from=demo /app/artifacts/demo /app/artifacts/demo
 # PORT only feeds the image's HEALTHCHECK (docker run); the compose file has its own per service.
 # The services listen on 127.0.0.1 by default; in a container only the container's own network
 # namespace is reachable, so they listen on every interface of it (publishing stays a `-p` choice).
@@ -54,7 +45,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     GROK_TOKENIZER_HOST=0.0.0.0 \
     GROK_MODEL_HOST=0.0.0.0
 USER 10001:10001
-EXPOSE 50051 50052 50053 9090
+EXPOSE 50051 50052 50053 8000 9090
 # The servers install their own SIGTERM handler (drain, then exit 0), so exec form keeps
 # python as the process that receives the signal; compose adds `init: true` as well.
 STOPSIGNAL SIGTERM

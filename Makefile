@@ -3,10 +3,12 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-DEMO := artifacts/demo
+DEMO := demo
 PYTEST_ARGS ?=
 
-.PHONY: setup run demo protos lint test bench clean help
+AIPERF_VENV ?= .venv-aiperf
+
+.PHONY: setup run demo demo-check protos lint test bench bench-docs bench-http clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
@@ -23,16 +25,14 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-$(DEMO)/tokenizer.model: $(VENV)/.installed
-	$(PY) -m tokenizer_service.train_demo --out $@
+demo: setup  ## retrain the committed demo model into demo/ (tokenizer, int8 checkpoint, training.json; minutes)
+	$(PY) -m model_service.train --out $(DEMO)
 
-$(DEMO)/checkpoint/RANDOM_WEIGHTS.txt: $(VENV)/.installed configs/demo.json
-	$(PY) -m model_service.demo_checkpoint --config configs/demo.json --out $(DEMO)/checkpoint
+demo-check: setup  ## retrain into build/demo-check and fail unless its losses match demo/training.json
+	$(PY) -m model_service.train --out build/demo-check --compare-with $(DEMO)/training.json
 
-demo: $(DEMO)/tokenizer.model $(DEMO)/checkpoint/RANDOM_WEIGHTS.txt  ## build the embedded default (demo tokenizer + random-weight checkpoint)
-
-run: setup demo  ## set up, then serve the embedded default (tokenizer + model + gateway) and stream a sample
-	$(PY) scripts/run_stack.py
+run: setup  ## set up, then serve the embedded default (the committed demo/: tokenizer + model + gateway), stream a sample
+	$(PY) scripts/run_stack.py --prompt "The model service" --max-tokens 48
 
 protos: $(VENV)/.installed  ## regenerate the Python stubs from protos/
 	$(PY) scripts/gen_protos.py
@@ -44,10 +44,21 @@ lint: setup  ## buf lint + stale-stub check
 test: setup lint  ## set up, lint the protos, run every test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: setup  ## model + engine benchmarks (JSON on stdout)
-	$(PY) bench/bench_model.py --config ../shared/bench/medium.json --batch 1
-	$(PY) bench/bench_model.py --config ../shared/bench/medium.json --batch 8
-	$(PY) bench/bench_engine.py --configs golden,medium --matched 1,8
+bench: setup  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer -> bench-results/quick
+	$(PY) -m benchmarks.suite --quick --out bench-results/quick
+
+bench-docs: setup  ## re-measure everything docs/benchmarks.md reports (about an hour) and regenerate its tables
+	$(PY) -m benchmarks.suite --out docs/benchmarks --update-doc docs/benchmarks.md
+
+# AIPerf gets its own virtualenv: its dependencies are not pinned with ours (sentencepiece is for
+# scripts/hf_tokenizer.py, which builds its Hugging Face tokenizer offline).
+$(AIPERF_VENV)/.installed:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0 sentencepiece==0.2.3
+	touch $@
+
+bench-http: setup $(AIPERF_VENV)/.installed  ## AIPerf against /v1/completions of the tiny golden stack
+	AIPERF_VENV=$(AIPERF_VENV) bash bench/aiperf_golden.sh
 
 clean:  ## remove build outputs (not the venv)
-	rm -rf $(DEMO) .pytest_cache build *.egg-info
+	rm -rf .pytest_cache build *.egg-info

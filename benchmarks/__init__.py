@@ -1,1 +1,9 @@
-"""Benchmarks and the chaos run: commands that exercise a running stack and print JSON."""
+"""Benchmarks of the serving stack, measured the way clients and other serving stacks measure.
+
+`python -m benchmarks` drives the public gateway with many concurrent gRPC streams and reports
+vLLM's serving metrics; the modules beside it measure what each layer costs (`layers`), the decode
+step against the machine's memory bandwidth (`roofline`, `step`), the tokenizer service
+(`tokenizer`), and cross-check the load generator with k6 (`k6check`). `suite` runs what
+docs/benchmarks.md reports. Each is its own command (`python -m benchmarks.<module>`); the
+reliability experiments (`chaos`) live here too, as a separate command.
+"""

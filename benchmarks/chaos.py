@@ -37,8 +37,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default="configs/demo.json", help="model preset or config JSON")
-    p.add_argument("--checkpoint", default="artifacts/demo/checkpoint", help="directory holding ckpt-0/")
-    p.add_argument("--tokenizer", default="artifacts/demo/tokenizer.model", help="SentencePiece model file")
+    p.add_argument("--checkpoint", default="demo/checkpoint", help="directory holding ckpt-0/")
+    p.add_argument("--tokenizer", default="demo/tokenizer.model", help="SentencePiece model file")
     p.add_argument("--duration", type=float, default=180.0, help="seconds of traffic")
     p.add_argument("--short", action="store_true", help="CI version: 25 s of traffic, shorter outages")
     p.add_argument("--slots", type=int, default=2, help="slots per model replica")

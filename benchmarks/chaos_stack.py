@@ -138,7 +138,7 @@ class LocalStack:
         gateway_port = free_port()
         self.gateway = Proc("gateway", "gateway", [
             "--tokenizer", self.tokenizer.address, "--model", ",".join(m.address for m in self.models),
-            "--host", "127.0.0.1", "--port", str(gateway_port), *grace], gateway_port, log_dir)
+            "--host", "127.0.0.1", "--port", str(gateway_port), "--http-port", "0", *grace], gateway_port, log_dir)
 
     @property
     def services(self) -> list[Proc]:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
 
-from gateway.config import GatewayConfig, Limits
+from gateway.auth import load_keys
+from gateway.config import GatewayConfig, HttpConfig, Limits
 from gateway.server import serve
 from serving_common import logs
 from serving_common.flags import EnvArgumentParser, port, positive_int
+from serving_common.tls import ChannelTLS, server_tls
 
 
 def split_models(value: str) -> tuple[str, ...]:
@@ -18,6 +21,46 @@ def split_models(value: str) -> tuple[str, ...]:
     if value.startswith(("ipv4:", "ipv6:")):
         return (value,)
     return tuple(m.strip() for m in value.split(",") if m.strip())
+
+
+def add_http_flags(parser: EnvArgumentParser) -> None:
+    parser.add_env_argument("--http-port", type=port, default=8000,
+                            help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, "
+                                 "/v1/models, /health); 0 disables it")
+    parser.add_env_argument("--served-model-name", default="grok-1",
+                            help="model id of the HTTP API (/v1/models; requests naming another model get 404)")
+    parser.add_env_argument("--chat-template", default=None,
+                            help="Jinja2 chat template file for /v1/chat/completions "
+                                 "(default: gateway/templates/chat_default.jinja)")
+    parser.add_env_argument("--http-timeout", type=float, default=600.0,
+                            help="seconds an HTTP request may take before it ends with 504 (0: no limit)")
+
+
+def add_security_flags(parser: EnvArgumentParser) -> None:
+    parser.add_env_argument("--api-key", default=None,
+                            help="require 'authorization: Bearer KEY' on gRPC and HTTP (comma-separated keys); "
+                                 "health and metrics stay open")
+    parser.add_env_argument("--api-key-file", default=None, help="file of accepted API keys, one per line")
+    parser.add_env_argument("--tls-cert", default=None, help="PEM certificate chain: TLS on the gRPC and HTTP ports")
+    parser.add_env_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_env_argument("--tls-ca", default=None,
+                            help="PEM CA certificate of the tokenizer and model services: talk to them over TLS")
+    parser.add_env_argument("--tls-client-cert", default=None,
+                            help="PEM certificate the gateway presents to the services (mutual TLS; needs --tls-ca)")
+    parser.add_env_argument("--tls-client-key", default=None, help="PEM private key of --tls-client-cert")
+    parser.add_env_argument("--tls-server-name", default=None,
+                            help="name to check in the services' certificates instead of the host in the address")
+
+
+def backend_tls(args: argparse.Namespace) -> ChannelTLS | None:
+    if not args.tls_ca:
+        if args.tls_client_cert or args.tls_client_key or args.tls_server_name:
+            raise ValueError("--tls-client-cert/--tls-client-key/--tls-server-name need --tls-ca "
+                             "(the CA that signed the services' certificates)")
+        return None
+    tls = ChannelTLS(args.tls_ca, args.tls_client_cert, args.tls_client_key, args.tls_server_name)
+    tls.grpc_credentials()  # fail at start-up, naming the flag, if a file is unreadable
+    return tls
 
 
 def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
@@ -29,7 +72,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                                  "resolving to several addresses, or an ipv4:A:P,B:P target, is balanced "
                                  "round-robin by gRPC")
     parser.add_env_argument("--host", default="127.0.0.1",
-                            help="address to listen on (0.0.0.0: every interface; the service has no authentication)")
+                            help="address to listen on, gRPC, HTTP and metrics (0.0.0.0: every interface)")
     parser.add_env_argument("--port", type=port, default=50051, help="gRPC port (0 picks a free one)")
     parser.add_env_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics port (0 disables)")
     parser.add_env_argument("--default-max-tokens", type=positive_int, default=64,
@@ -40,14 +83,22 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_env_argument("--grace-seconds", type=float, default=10.0,
                             help="on SIGTERM, how long in-flight requests may finish")
     parser.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_http_flags(parser)
+    add_security_flags(parser)
     args = parser.parse_args(argv)
     models = split_models(str(args.model))
     limits = Limits(max_prompt_bytes=args.max_prompt_bytes, max_stop=args.max_stop,
                     max_stop_chars=args.max_stop_chars, default_max_tokens=args.default_max_tokens)
+    http = HttpConfig(port=args.http_port, model_name=args.served_model_name, chat_template=args.chat_template,
+                      timeout_seconds=args.http_timeout)
     try:
+        if args.http_timeout < 0:
+            raise ValueError("--http-timeout: must be >= 0 seconds (0: no limit)")
         return GatewayConfig(tokenizer=args.tokenizer, models=models, host=args.host, port=args.port,
                              metrics_port=args.metrics_port, grace_seconds=args.grace_seconds,
-                             log_level=args.log_level, limits=limits)
+                             log_level=args.log_level, limits=limits, http=http,
+                             api_keys=load_keys(args.api_key, args.api_key_file),
+                             tls=server_tls(args.tls_cert, args.tls_key), backend_tls=backend_tls(args))
     except ValueError as error:
         parser.error(str(error))
         raise

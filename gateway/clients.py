@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.errors import GatewayError, down, from_finished_call, from_upstream
+from serving_common.tls import ChannelTLS, secure_channel
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -85,10 +86,10 @@ class Detokenizer:
 class TokenizerClient:
     """Calls to the tokenizer service, with retries on UNAVAILABLE and a cache of single-piece texts."""
 
-    def __init__(self, address: str, retries: int = 2) -> None:
+    def __init__(self, address: str, retries: int = 2, tls: ChannelTLS | None = None) -> None:
         self.address = address
         self.retries = retries
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = secure_channel(address, tls, CHANNEL_OPTIONS)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
         self.pieces: dict[int, str] = {}
 
@@ -175,14 +176,14 @@ class ModelStream:
 class ModelPool:
     """The model replicas: least outstanding requests among healthy ones, failover on UNAVAILABLE."""
 
-    def __init__(self, addresses: Sequence[str]) -> None:
-        self.replicas = [self._replica(a) for a in addresses]
+    def __init__(self, addresses: Sequence[str], tls: ChannelTLS | None = None) -> None:
+        self.replicas = [self._replica(a, tls) for a in addresses]
         self._turn = itertools.count()
         self._info: model_pb2.GetInfoResponse | None = None
 
     @staticmethod
-    def _replica(address: str) -> Replica:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def _replica(address: str, tls: ChannelTLS | None) -> Replica:
+        channel = secure_channel(address, tls, CHANNEL_OPTIONS)
         return Replica(address, channel, model_pb2_grpc.ModelServiceStub(channel))
 
     def order(self) -> list[Replica]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from serving_common.tls import ChannelTLS, ServerTLS
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,16 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP API (gateway/http/)."""
+
+    port: int = 8000  # 0: no HTTP API
+    model_name: str = "grok-1"  # the id /v1/models lists and requests may name
+    chat_template: str | None = None  # Jinja2 file; None: gateway/templates/chat_default.jinja
+    timeout_seconds: float = 600.0  # server-side deadline of an HTTP request; 0: none
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """Where the gateway listens and which backends it talks to."""
 
@@ -28,6 +40,11 @@ class GatewayConfig:
     grace_seconds: float = 10.0
     log_level: str = "info"
     limits: Limits = Limits()
+    http: HttpConfig = HttpConfig()
+    # Keys callers must present (`authorization: Bearer KEY`); empty: no authentication. Never logged.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    tls: ServerTLS | None = None  # TLS on the public gRPC and HTTP ports
+    backend_tls: ChannelTLS | None = None  # TLS (mTLS with a client certificate) to the tokenizer and models
     # How long a health watch waits before reconnecting to a dependency that went away.
     health_retry_seconds: float = 0.5
     # Tokenizer calls are retried on UNAVAILABLE this many times (cheap, idempotent calls).

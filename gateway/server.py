@@ -7,14 +7,19 @@ from dataclasses import dataclass
 
 import grpc
 
+from gateway.auth import ApiKeyInterceptor, ApiKeys
 from gateway.clients import ModelPool, TokenizerClient
 from gateway.config import GatewayConfig
 from gateway.dependencies import DependencyWatch
+from gateway.http.app import HttpContext, create_app
+from gateway.http.chat import ChatTemplate
+from gateway.http.server import HttpServer
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.servicer import GatewayServicer
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, new_server, serve_until_signal
+from serving_common.grpc_server import HealthReporter, add_health_and_reflection, new_server, serve_until_signal
+from serving_common.tls import bind_port
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +37,29 @@ class Gateway:
     tokenizer: TokenizerClient
     pool: ModelPool
     metrics: GatewayMetrics
+    http: HttpServer | None = None
+
+    @property
+    def http_port(self) -> int:
+        return self.http.port if self.http is not None else 0
 
     async def close(self, grace: float | None = None) -> None:
         """Stop serving (finishing calls within `grace` seconds), then the watches and channels."""
         await self.health.drain()
+        await self.begin_http_drain()
         await self.server.stop(grace)
         await self.release()
 
+    async def begin_http_drain(self) -> None:
+        """Stop accepting HTTP connections; requests in flight go on while gRPC drains too."""
+        if self.http is not None:
+            self.http.begin_shutdown()
+
     async def release(self) -> None:
+        """After the servers stopped: wait for HTTP requests in flight, then close watches and channels
+        (which those requests still need until then)."""
+        if self.http is not None:
+            await self.http.wait_stopped()
         await self.watch.stop()
         await self.tokenizer.close()
         await self.pool.close()
@@ -47,24 +67,35 @@ class Gateway:
 
 async def start_gateway(config: GatewayConfig) -> Gateway:
     """Build, bind and start the server and its dependency watches (call inside the event loop)."""
-    tokenizer = TokenizerClient(config.tokenizer, config.tokenizer_retries)
-    pool = ModelPool(config.models)
+    keys = ApiKeys(config.api_keys)
+    template = ChatTemplate.load(config.http.chat_template)  # a bad template stops the start, naming the flag
+    tokenizer = TokenizerClient(config.tokenizer, config.tokenizer_retries, config.backend_tls)
+    pool = ModelPool(config.models, config.backend_tls)
     metrics = GatewayMetrics()
-    server = new_server("gateway")
-    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-        GatewayServicer(Pipeline(tokenizer, pool, config.limits, metrics), config), server)
+    server = new_server("gateway", interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else ())
+    pipeline = Pipeline(tokenizer, pool, config.limits, metrics)
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(pipeline, config), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
-    port = bind(server, config.host, config.port)
+    port = bind_port(server, config.host, config.port, config.tls)
+    http = None
+    if config.http.port:
+        context = HttpContext(pipeline, health, keys, template, config.http.model_name, config.http.timeout_seconds)
+        http = HttpServer(create_app(context), config.host, config.http.port, config.tls, config.grace_seconds)
     await server.start()
+    if http is not None:
+        await http.start()
     watch = DependencyWatch(tokenizer, pool, health, config.health_retry_seconds)
     watch.start()
     metrics.serve(config.metrics_port, config.host)
-    return Gateway(server, port, health, watch, tokenizer, pool, metrics)
+    return Gateway(server, port, health, watch, tokenizer, pool, metrics, http)
 
 
 async def serve(config: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT, then drain: NOT_SERVING, finish in-flight requests, close channels."""
     gateway = await start_gateway(config)
-    log.info("serving", extra={"port": gateway.port, "tokenizer": config.tokenizer, "models": list(config.models),
-                               "metrics_port": config.metrics_port})
-    await serve_until_signal(gateway.server, gateway.health, config.grace_seconds, after_stop=gateway.release)
+    log.info("serving", extra={"port": gateway.port, "http_port": gateway.http_port, "tokenizer": config.tokenizer,
+                               "models": list(config.models), "metrics_port": config.metrics_port,
+                               "tls": config.tls is not None, "backend_tls": config.backend_tls is not None,
+                               "api_keys": len(config.api_keys)})
+    await serve_until_signal(gateway.server, gateway.health, config.grace_seconds,
+                             before_stop=gateway.begin_http_drain, after_stop=gateway.release)

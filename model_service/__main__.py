@@ -1,14 +1,21 @@
-"""`python -m model_service`: parse flags (and GROK_MODEL_* variables), set up logging, JAX and serve."""
+"""`python -m model_service`: parse flags (and GROK_MODEL_* variables), set up logging, JAX and serve.
+
+With --num-processes N > 1 the process first joins its replica's group (jax.distributed); process 0 then
+serves gRPC, every other process follows it (model_service/distributed) and has no gRPC API.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 
 from model_service.config import ConfigError, MeshConfig
+from model_service.distributed import DistributedConfig
 from serving_common import logs
 from serving_common.flags import EnvArgumentParser, port, positive_int
+from serving_common.tls import add_server_flags, server_tls_from
 
 
 def bucket_list(raw: str) -> tuple[int, ...]:
@@ -26,6 +33,16 @@ def mesh(raw: str) -> MeshConfig:
         return MeshConfig.parse(raw)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{raw} is not a duration: use 0 or more seconds")
+    return value
 
 
 def parser() -> EnvArgumentParser:
@@ -52,9 +69,55 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--watchdog-seconds", type=float, default=60.0,
                        help="report NOT_SERVING and fail pending requests with UNAVAILABLE when no decode step "
                             "advances for this long while work is pending (0 disables)")
+    p.add_env_argument("--max-connection-age-seconds", type=seconds, default=30.0,
+                       help="send each client connection a GOAWAY after about this long (calls in flight go on): "
+                            "clients reconnect and re-resolve dns:/// names, so replicas added later get "
+                            "traffic (0 = keep connections forever)")
+    p.add_env_argument("--max-connection-age-grace-seconds", type=seconds, default=None,
+                       help="how long calls in flight may go on after that GOAWAY (default: no limit)")
     p.add_env_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level")
+    add_server_flags(p)
+    p.add_env_argument("--coordinator", default=None,
+                       help="HOST:PORT of process 0's coordination service; process 0 binds exactly this address, "
+                            "the others connect to it")
+    p.add_env_argument("--num-processes", type=positive_int, default=1,
+                       help="processes in this replica's group (1: a single-process replica)")
+    p.add_env_argument("--process-id", type=int, default=0,
+                       help="this process's index: 0 serves gRPC and drives the steps, the others follow it")
+    p.add_env_argument("--between-hosts", type=mesh, default=None,
+                       help="DATA,MODEL: how the processes tile --mesh, each holding a DATA/d x MODEL/m block "
+                            "(default: over the data axis when the process count divides it, else the model axis)")
+    p.add_env_argument("--step-timeout", type=positive_float, default=60.0,
+                       help="seconds one engine step may take on the group before it counts as broken")
+    p.add_env_argument("--startup-timeout", type=positive_float, default=3600.0,
+                       help="seconds every process of the group may take to load its weights and compile")
     return p
+
+
+def positive_float(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{raw} must be > 0 seconds")
+    return value
+
+
+def distributed_config(args: argparse.Namespace) -> DistributedConfig | None:
+    """None for a single-process replica; raises ConfigError for an inconsistent group setting."""
+    if args.num_processes == 1:
+        if args.coordinator or args.process_id:
+            raise ConfigError("--coordinator/--process-id need --num-processes >= 2")
+        return None
+    if not args.coordinator:
+        raise ConfigError("--num-processes > 1 needs --coordinator HOST:PORT (process 0's address)")
+    config = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id, between_hosts=args.between_hosts,
+                               step_timeout=args.step_timeout, startup_timeout=args.startup_timeout)
+    config.validate()
+    return config
 
 
 def configure_jax(compile_cache: str | None) -> None:
@@ -67,22 +130,52 @@ def configure_jax(compile_cache: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    tls = server_tls_from(p, args)
     logs.configure("model", args.log_level)
-    configure_jax(args.compile_cache)
+    try:
+        dist = distributed_config(args)
+    except ConfigError as e:
+        print(f"model_service: {e}", file=sys.stderr)
+        return 2
+    compile_cache = args.compile_cache
+    if dist is not None and compile_cache:
+        # JAX writes cache entries only from process 0 and the others' cache keys differ, so a cache cannot
+        # shorten a group's start; it would only let process 0 reach each program's first collective long
+        # before the others (gloo on CPU waits 30 s for a new clique).
+        logging.getLogger(__name__).warning("--compile-cache is not used by a multi-process replica")
+        compile_cache = None
+    configure_jax(compile_cache)
+    if dist is not None:
+        from model_service.distributed import initialize
+
+        initialize(dist)  # before anything creates a JAX backend
     from model_service.server import ServerConfig, serve
 
     config = ServerConfig(
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
         port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, buckets=args.buckets,
         max_queue=args.max_queue, compile_cache=args.compile_cache, metrics_port=args.metrics_port,
-        metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed,
+        metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed, tls=tls,
+        max_connection_age_seconds=args.max_connection_age_seconds,
+        max_connection_age_grace_seconds=args.max_connection_age_grace_seconds, distributed=dist,
         watchdog_seconds=args.watchdog_seconds)
     try:
-        return asyncio.run(serve(config))
+        if dist is not None and not dist.is_leader:
+            from model_service.distributed.group import run_follower
+
+            code = run_follower(config)
+        else:
+            code = asyncio.run(serve(config))
     except (ConfigError, ValueError) as e:
         print(f"model_service: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    if dist is not None and code != 0:
+        from model_service.distributed.follower import exit_now
+
+        exit_now(code)  # skip jax.distributed's exit barrier: a peer is gone or never agreed
+    return code
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ bfloat16 dtype can never mutate the process-wide one) and the quantized-weight r
 global is refused before anything runs. Before a file is read, it must be a regular file inside ckpt-0/
 (symlinks may not lead out of it; devices and FIFOs are refused without opening them for a blocking read)
 and no larger than the tensor the config expects can be; every error names the file. Each tensor goes
-straight onto its sharding.
+straight onto its sharding, and `load_params` reads from disk only the regions of each array that this
+process's devices hold (file_arrays.FileArray): with one replica spread over several processes, no process
+reads the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from model_service.config import ModelConfig
+from model_service.file_arrays import FileArray
 from model_service.model.params import Params, TensorSpec, random_leaf, set_leaf, tensor_specs, to_checkpoint, \
     to_internal
 from model_service.sharding import fit_spec, path_to_str, spec_for_path
@@ -85,11 +88,15 @@ class _ArrayStub:
         if not isinstance(self.state, tuple) or len(self.state) != 5:
             raise CheckpointError("malformed array record in checkpoint")
         _, shape, dtype, fortran, raw = self.state
-        if not isinstance(dtype, _DTypeStub) or not isinstance(raw, (bytes, bytearray)):
+        if not isinstance(dtype, _DTypeStub) or not isinstance(raw, (bytes, bytearray, _Payload)):
             raise CheckpointError("refused array: object arrays and non-byte payloads are not allowed")
         dt = dtype.resolve()
         if len(raw) != math.prod(shape) * dt.itemsize:
             raise CheckpointError(f"array payload of {len(raw)} bytes does not match shape {shape} {dt}")
+        if isinstance(raw, _Payload):
+            if not fortran:  # stays on disk; regions are read on demand
+                return FileArray(raw.path, raw.offset, shape, dt)
+            raw = raw.read()
         arr = np.frombuffer(raw, dtype=dt).reshape(shape, order="F" if fortran else "C")
         return arr.astype(dt.newbyteorder("="), copy=False)
 
@@ -111,8 +118,23 @@ def _reconstruct(cls: Any, shape: Any, typecode: Any) -> _ArrayStub:
 
 def _frombuffer(buf: Any, dtype: Any, shape: Any, order: str) -> _ArrayStub:
     stub = _ArrayStub()
-    stub.state = (1, tuple(shape), dtype, order == "F", bytes(buf))
+    stub.state = (1, tuple(shape), dtype, order == "F", buf if isinstance(buf, _Payload) else bytes(buf))
     return stub
+
+
+class _Payload:
+    """Where a pickled bytes object sits in its file (read lazily by `_LocatingUnpickler`)."""
+
+    def __init__(self, path: str, offset: int, length: int) -> None:
+        self.path, self.offset, self.length = path, offset, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def read(self) -> bytes:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            return f.read(self.length)
 
 
 _ALLOWED: dict[tuple[str, str], Any] = {
@@ -138,6 +160,45 @@ class RestrictedUnpickler(pickle.Unpickler):
                                   f"numpy arrays and QuantizedWeight8bit") from None
 
 
+class _LocatingUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # noqa: SLF001
+    """RestrictedUnpickler's rules, but byte payloads outside pickle frames are located, not read.
+
+    The pure-Python unpickler is used because its opcode table can be extended; a checkpoint file has only a
+    few dozen opcodes, so its speed does not matter, and the array bytes themselves are never parsed by it.
+    """
+
+    find_class = RestrictedUnpickler.find_class
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]  # noqa: SLF001
+
+    def __init__(self, file: Any, path: str) -> None:
+        super().__init__(file)
+        self._raw_file = file
+        self._path = path
+        self._size = os.fstat(file.fileno()).st_size
+
+    def _payload(self, n: int) -> bytes | _Payload:
+        frame = self._unframer.current_frame
+        if frame is not None and frame.tell() < len(frame.getbuffer()):
+            return self.read(n)  # inside an in-memory frame: small, already read
+        self._unframer.current_frame = None
+        offset = self._raw_file.tell()
+        if offset + n > self._size:
+            raise CheckpointError(f"array payload of {n} bytes runs past the end of the file (truncated?)")
+        self._raw_file.seek(n, io.SEEK_CUR)
+        return _Payload(self._path, offset, n)
+
+    def _load_binbytes(self) -> None:
+        (n,) = struct.unpack("<I", self.read(4))
+        self.append(self._payload(n))
+
+    def _load_binbytes8(self) -> None:
+        (n,) = struct.unpack("<Q", self.read(8))
+        self.append(self._payload(n))
+
+    dispatch[pickle.BINBYTES[0]] = _load_binbytes
+    dispatch[pickle.BINBYTES8[0]] = _load_binbytes8
+
+
 def _materialize(obj: Any) -> Any:
     if isinstance(obj, _ArrayStub):
         return obj.materialize()
@@ -146,11 +207,12 @@ def _materialize(obj: Any) -> Any:
     raise CheckpointError(f"unexpected object of type {type(obj).__name__} in checkpoint")
 
 
-def read_bounded(path: pathlib.Path | str, max_bytes: int, root: pathlib.Path | None = None) -> bytes:
-    """The bytes of `path`, which must be a regular file of at most `max_bytes` (inside `root` if given).
+def open_checked(path: pathlib.Path | str, max_bytes: int, root: pathlib.Path | None = None) -> tuple[Any, str]:
+    """An unbuffered binary file object for `path` and its real path, after checking, before reading anything,
+    that it is a regular file of at most `max_bytes` (inside `root` if given).
 
-    Checked before reading: a symlink to /dev/zero or a huge file would otherwise be read without
-    bound, and a FIFO would block the open forever (it is opened non-blocking and checked first).
+    A symlink to /dev/zero or a huge file would otherwise be read without bound, and a FIFO would block the
+    open forever (it is opened non-blocking and checked first).
     """
     path = pathlib.Path(path)
     real = path.resolve()
@@ -161,15 +223,24 @@ def read_bounded(path: pathlib.Path | str, max_bytes: int, root: pathlib.Path | 
         fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot open ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{path}: not a regular file ({_kind(info.st_mode)}"
-                                  f"{f' {real}' if real != path.absolute() else ''}); a checkpoint tensor must be "
-                                  "a plain file")
-        if info.st_size > max_bytes:
-            raise CheckpointError(f"{path}: is {info.st_size} bytes, more than the {max_bytes} bytes its tensor can "
-                                  "take: the wrong file, or a checkpoint of a different model config")
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file ({_kind(info.st_mode)}"
+                              f"{f' {real}' if real != path.absolute() else ''}); a checkpoint tensor must be a "
+                              "plain file")
+    if info.st_size > max_bytes:
+        os.close(fd)
+        raise CheckpointError(f"{path}: is {info.st_size} bytes, more than the {max_bytes} bytes its tensor can "
+                              "take: the wrong file, or a checkpoint of a different model config")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb", buffering=0), str(real)
+
+
+def read_bounded(path: pathlib.Path | str, max_bytes: int, root: pathlib.Path | None = None) -> bytes:
+    """The bytes of `path`, checked as `open_checked` does."""
+    f, _ = open_checked(path, max_bytes, root)
+    with f:
         try:
             data = f.read(max_bytes + 1)
         except (OSError, MemoryError) as e:
@@ -195,20 +266,32 @@ def tensor_max_bytes(spec: TensorSpec) -> int:
     return math.prod(spec.shape) * widest + _PICKLE_OVERHEAD
 
 
-def read_tensor(path: pathlib.Path | str, max_bytes: int | None = None, root: pathlib.Path | None = None) -> Any:
+def read_tensor(path: pathlib.Path | str, lazy: bool = False, max_bytes: int | None = None,
+                root: pathlib.Path | None = None) -> Any:
     """One checkpoint file -> numpy array, or (int8 weight, bfloat16 scales) for a QuantizedWeight8bit.
 
-    With `max_bytes` (and `root`), the file is checked first (see `read_bounded`); every error names it.
+    lazy: arrays stay on disk as FileArray (same shape and dtype) until regions of them are read.
+    max_bytes (and root): the file is checked first (see `open_checked`). Every error names the file.
     """
-    if max_bytes is None:
-        with open(path, "rb") as f:
-            data = f.read()
-    else:
-        data = read_bounded(path, max_bytes, root)
     try:
-        return _materialize(RestrictedUnpickler(io.BytesIO(data)).load())
+        if lazy:
+            if max_bytes is not None:
+                f, real = open_checked(path, max_bytes, root)
+            else:
+                f, real = open(path, "rb", buffering=0), str(path)
+            with f:  # unbuffered: read nothing beyond the pickle's opcodes
+                obj = _LocatingUnpickler(f, real).load()
+        else:
+            if max_bytes is not None:
+                data = read_bounded(path, max_bytes, root)
+            else:
+                with open(path, "rb") as f:
+                    data = f.read()
+            obj = RestrictedUnpickler(io.BytesIO(data)).load()
+        return _materialize(obj)
     except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
+        message = str(e)
+        raise CheckpointError(message if message.startswith(f"{path}:") else f"{path}: {message}") from None
     except Exception as e:  # truncated or corrupt pickles raise many types
         raise CheckpointError(f"{path}: not a readable checkpoint tensor ({type(e).__name__}: {e})") from None
 
@@ -329,9 +412,43 @@ def _check_leaf(spec: TensorSpec, leaf: Any, index: int) -> None:
         raise CheckpointError(f"tensor{index:05d}_000 ({spec.ckpt_path}): checkpoint has {got}, the config expects {want}")
 
 
-def _place(arr: np.ndarray, mesh: Mesh, path: str) -> jax.Array:
+def _place(arr: np.ndarray | FileArray, mesh: Mesh, path: str) -> jax.Array:
     sharding = NamedSharding(mesh, fit_spec(spec_for_path(path), arr.shape, mesh))
-    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+    source = _read_addressable(arr, sharding) if isinstance(arr, FileArray) else arr
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: source[idx])
+
+
+def _read_addressable(arr: FileArray, sharding: NamedSharding) -> Any:
+    """Read only what this process's devices hold: in one region when their shards tile a box (a process
+    that holds every shard reads the tensor in one go), else shard by shard."""
+    shape = arr.shape
+    shards = {tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+              for idx in sharding.addressable_devices_indices_map(shape).values()}
+    box = tuple((min(s[a][0] for s in shards), max(s[a][1] for s in shards)) for a in range(len(shape)))
+    if math.prod(b - a for a, b in box) != sum(math.prod(b - a for a, b in s) for s in shards):
+        return _ShardReader(arr)
+    return _Region(arr.read(tuple(slice(a, b) for a, b in box)), tuple(a for a, _ in box), shape)
+
+
+class _Region:
+    """A region read from a larger array, answering indices of the whole array."""
+
+    def __init__(self, data: np.ndarray, start: tuple[int, ...], shape: tuple[int, ...]) -> None:
+        self.data, self.start, self.shape = data, start, shape
+
+    def __getitem__(self, idx: tuple[slice, ...]) -> np.ndarray:
+        bounds = [s.indices(n)[:2] for s, n in zip(idx, self.shape)]
+        return self.data[tuple(slice(a - o, b - o) for (a, b), o in zip(bounds, self.start))]
+
+
+class _ShardReader:
+    """Reads each device's shard on request (shards that do not tile a box)."""
+
+    def __init__(self, arr: FileArray) -> None:
+        self.arr = arr
+
+    def __getitem__(self, idx: tuple[slice, ...]) -> np.ndarray:
+        return self.arr.read(idx)
 
 
 def place_leaf(spec: TensorSpec, internal: Any, mesh: Mesh) -> Any:
@@ -352,7 +469,7 @@ def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progres
     _check_layout(ckpt, specs)
     params: Params = {}
     for i, spec in enumerate(specs):
-        leaf = read_tensor(ckpt / f"tensor{i:05d}_000", tensor_max_bytes(spec), root=ckpt)
+        leaf = read_tensor(ckpt / f"tensor{i:05d}_000", lazy=True, max_bytes=tensor_max_bytes(spec), root=ckpt)
         _check_leaf(spec, leaf, i)
         set_leaf(params, spec, place_leaf(spec, to_internal(spec, leaf, dtype), mesh))
         if progress:

@@ -1,9 +1,10 @@
-"""Write a random-weight checkpoint in the released format (the demo model's weights).
+"""Write a random-weight checkpoint of any config in the released format (for tests and benchmarks).
 
-    python -m model_service.demo_checkpoint --config configs/demo.json --out artifacts/demo/checkpoint [--seed 0]
+    python -m model_service.demo_checkpoint --config configs/demo.json --out /tmp/random-demo [--seed 0]
 
 Weights are int8-quantized like the real checkpoint and scaled so outputs vary (logit std ~2);
-DIR/RANDOM_WEIGHTS.txt records that they are random.
+DIR/RANDOM_WEIGHTS.txt records that they are random. The embedded default the stack serves is not this: it
+is the trained demo model committed in demo/ (`python -m model_service.train`).
 """
 
 from __future__ import annotations

@@ -380,10 +380,10 @@ class Scheduler:
         try:
             prefix, out = self.engine.prefill(list(req.prompt), seed=seed, temperature=req.temperature,
                                               top_p=req.top_p, allowed=req.allowed, blocked=req.blocked)
-        except Exception:
+        except Exception as e:
             log.exception("prefill failed", extra={"request_id": req.request_id})
-            handle.emit(Emission((), 0, len(req.prompt), error=SchedulerError(
-                ErrorKind.INTERNAL, f"prefill failed (request {req.request_id})")))
+            handle.emit(Emission((), 0, len(req.prompt), error=_engine_error(
+                e, f"prefill failed (request {req.request_id})")))
             self._return_slot(slot)
             return
         act.prefill_seconds = time.monotonic() - act.admitted_at
@@ -401,9 +401,9 @@ class Scheduler:
         start = time.monotonic()
         try:
             self._state, out = self.engine.generate(self._state)
-        except Exception:
+        except Exception as e:
             log.exception("decode step failed")
-            self._fail_active(SchedulerError(ErrorKind.INTERNAL, "decode step failed; retry"))
+            self._fail_active(_engine_error(e, "decode step failed; retry"))
             self._state = self.engine.init_decode_state()
             return
         seconds = time.monotonic() - start
@@ -466,6 +466,12 @@ class Scheduler:
 
 def _cancelled() -> SchedulerError:
     return SchedulerError(ErrorKind.CANCELLED, "the request was cancelled by the client")
+
+
+def _engine_error(error: Exception, message: str) -> SchedulerError:
+    """An engine may raise a SchedulerError to choose the status (e.g. UNAVAILABLE when it can no longer run);
+    anything else is INTERNAL."""
+    return error if isinstance(error, SchedulerError) else SchedulerError(ErrorKind.INTERNAL, message)
 
 
 def _abandoned(handle: RequestHandle, now: float) -> SchedulerError | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model_service.config import ConfigError, MeshConfig
@@ -41,13 +42,56 @@ KV_SPEC = P(DATA, MODEL, None, None)
 POSITIONS_SPEC = P(DATA)
 
 
-def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, model) mesh with Auto axis types over the first data*model devices."""
+def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None,
+              between_hosts: MeshConfig | None = None) -> Mesh:
+    """A (data, model) mesh with Auto axis types over the first data*model devices.
+
+    When JAX spans several processes (jax.distributed), pass `between_hosts`: see `make_multihost_mesh`.
+    """
+    if between_hosts is not None and jax.process_count() > 1:
+        return make_multihost_mesh(mesh_cfg, between_hosts)
     devices = list(devices if devices is not None else jax.devices())
     if mesh_cfg.size > len(devices):
         raise ConfigError(f"mesh {mesh_cfg.data},{mesh_cfg.model} needs {mesh_cfg.size} devices but only "
                           f"{len(devices)} are visible (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     grid = np.array(devices[: mesh_cfg.size]).reshape(mesh_cfg.data, mesh_cfg.model)
+    return Mesh(grid, (DATA, MODEL))
+
+
+def local_mesh_shape(mesh_cfg: MeshConfig, between_hosts: MeshConfig) -> MeshConfig:
+    """The per-process mesh: the global mesh divided axis by axis by the between-hosts layout."""
+    if mesh_cfg.data % between_hosts.data or mesh_cfg.model % between_hosts.model:
+        raise ConfigError(f"between-hosts layout {between_hosts.data},{between_hosts.model} must divide the mesh "
+                          f"{mesh_cfg.data},{mesh_cfg.model} axis by axis (e.g. mesh 1,8 over 2 processes: 1,2)")
+    return MeshConfig(mesh_cfg.data // between_hosts.data, mesh_cfg.model // between_hosts.model)
+
+
+def default_between_hosts(mesh_cfg: MeshConfig, processes: int) -> MeshConfig:
+    """Spread the processes over the data axis when they divide it (only the batch crosses hosts), else over
+    the model axis (one replica's weights span hosts, as the test mesh 1,8 over 2 processes needs)."""
+    if mesh_cfg.data % processes == 0:
+        return MeshConfig(processes, 1)
+    if mesh_cfg.model % processes == 0:
+        return MeshConfig(1, processes)
+    raise ConfigError(f"{processes} processes divide neither axis of the mesh {mesh_cfg.data},{mesh_cfg.model}: "
+                      "pass --between-hosts DATA,MODEL explicitly")
+
+
+def make_multihost_mesh(mesh_cfg: MeshConfig, between_hosts: MeshConfig) -> Mesh:
+    """The global mesh of a multi-process JAX job, like the reference's make_mesh(local_mesh_config,
+    between_hosts_config): each process's devices form one block of shape `local_mesh_shape`, and the blocks
+    are tiled `between_hosts.data` x `between_hosts.model` in process order, so collectives inside a block stay
+    on one host."""
+    local = local_mesh_shape(mesh_cfg, between_hosts)
+    if between_hosts.size != jax.process_count():
+        raise ConfigError(f"between-hosts layout {between_hosts.data},{between_hosts.model} has "
+                          f"{between_hosts.size} blocks but the job has {jax.process_count()} processes")
+    if local.size != jax.local_device_count():
+        raise ConfigError(f"mesh {mesh_cfg.data},{mesh_cfg.model} over {between_hosts.data},{between_hosts.model} "
+                          f"processes needs {local.size} devices per process but this process has "
+                          f"{jax.local_device_count()} (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    grid = mesh_utils.create_hybrid_device_mesh((local.data, local.model), (between_hosts.data, between_hosts.model),
+                                                devices=jax.devices(), process_is_granule=True)
     return Mesh(grid, (DATA, MODEL))
 
 

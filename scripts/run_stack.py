@@ -1,7 +1,7 @@
 """Run the whole stack on this machine: tokenizer, model and gateway on 127.0.0.1 (what `make run` calls).
 
-Starts the three services (the embedded demo by default: artifacts/demo/tokenizer.model, configs/demo.json,
-artifacts/demo/checkpoint; --config/--checkpoint/--tokenizer/--dtype/--mesh select real weights), waits
+Starts the three services (the embedded demo by default: demo/tokenizer.model, configs/demo.json,
+demo/checkpoint; --config/--checkpoint/--tokenizer/--dtype/--mesh select real weights), waits
 until each is SERVING, streams one sample completion through the client, prints grpcurl commands to try,
 then keeps serving, forwarding the services' logs, until Ctrl-C, SIGTERM or SIGHUP (the terminal closed)
 stops all three cleanly. Each service is started through serving_common.with_parent, so it also stops
@@ -37,14 +37,15 @@ from serving_common.processes import terminate  # noqa: E402
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = EnvArgumentParser(env_prefix="GROK_STACK", prog="scripts/run_stack.py", description=__doc__.split("\n")[0])
     p.add_env_argument("--config", default="configs/demo.json", help="model preset or config JSON")
-    p.add_env_argument("--checkpoint", default="artifacts/demo/checkpoint", help="directory holding ckpt-0/")
-    p.add_env_argument("--tokenizer", default="artifacts/demo/tokenizer.model", help="SentencePiece model file")
+    p.add_env_argument("--checkpoint", default="demo/checkpoint", help="directory holding ckpt-0/")
+    p.add_env_argument("--tokenizer", default="demo/tokenizer.model", help="SentencePiece model file")
     p.add_env_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     p.add_env_argument("--mesh", default="1,1", help="device mesh DATA,MODEL (e.g. 1,8 for Grok-1 on 8 GPUs)")
     p.add_env_argument("--slots", type=positive_int, default=4, help="model batch slots")
     p.add_env_argument("--compile-cache", default=".jax_cache", help="JAX compilation cache ('' disables)")
     p.add_env_argument("--host", default="127.0.0.1", help="address the three services bind")
     p.add_env_argument("--gateway-port", type=port, default=50051, help="gateway gRPC port")
+    p.add_env_argument("--http-port", type=port, default=8000, help="gateway OpenAI-compatible HTTP port (0: off)")
     p.add_env_argument("--tokenizer-port", type=port, default=50052, help="tokenizer gRPC port")
     p.add_env_argument("--model-port", type=port, default=50053, help="model gRPC port")
     p.add_env_argument("--metrics-port", type=port, default=9090, help="gateway Prometheus port (0: off)")
@@ -135,7 +136,7 @@ def start(args: argparse.Namespace, out: LogGate) -> list[Child]:
                             *cache, *level], out)
     model.address = f"{host}:{args.model_port}"
     gateway = Child("gateway", ["-m", "gateway", "--tokenizer", tokenizer.address, "--model", model.address,
-                                "--host", host, "--port", str(args.gateway_port),
+                                "--host", host, "--port", str(args.gateway_port), "--http-port", str(args.http_port),
                                 "--metrics-port", str(args.metrics_port), *level], out)
     gateway.address = f"{host}:{args.gateway_port}"
     for child in (tokenizer, model, gateway):
@@ -178,11 +179,15 @@ def sample(args: argparse.Namespace, address: str, out: TextIO) -> int:
     with GatewayClient(address) as client:
         code = stream(client, request, out, out)
     body = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens})
+    http_body = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens, "stream": True})
     python, grpcurl = tool("python", pathlib.Path(sys.executable)), tool("grpcurl", ROOT / ".venv" / "bin" / "grpcurl")
+    curl = (f"  curl -sN http://{args.host}:{args.http_port}/v1/completions -H 'content-type: application/json' "
+            f"-d {shlex.quote(http_body)}\n") if args.http_port else ""
     out.write("\nrun_stack: try it yourself:\n"
               f"  {python} -m gateway.client {shlex.quote(args.prompt)} --max-tokens 32 --address {address}\n"
               f"  {grpcurl} -plaintext -d {shlex.quote(body)} {address} grok.gateway.v1.GatewayService/Generate\n"
               f"  {grpcurl} -plaintext {address} list\n"
+              f"{curl}"
               "run_stack: serving; Ctrl-C stops all three services.\n")
     out.flush()
     return code

@@ -1,4 +1,4 @@
-"""gRPC server plumbing shared by the services: health, reflection, graceful shutdown on SIGTERM."""
+"""gRPC server plumbing shared by the services: health, reflection, connection age, graceful shutdown on SIGTERM."""
 
 from __future__ import annotations
 
@@ -128,6 +128,31 @@ def new_server(service: str, options: Sequence[tuple[str, Any]] = (),
                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
     """A grpc.aio server with the shared status interceptor first (see serving_common.interceptor)."""
     return grpc.aio.server(interceptors=install(service, interceptors), options=list(options))
+
+
+# gRPC core reads INT_MAX milliseconds as "no limit".
+_NO_LIMIT_MS = 2**31 - 1
+
+
+def connection_age_options(max_age_seconds: float, grace_seconds: float | None = None) -> list[tuple[str, int]]:
+    """Server options that end each client connection after about `max_age_seconds` (0: never).
+
+    gRPC sends a GOAWAY once a connection is that old (+-10% jitter): calls in flight finish on it
+    (for at most `grace_seconds`; None: no limit, so a long generation is never cut), new calls open
+    a new connection, and a client balancing over a `dns:///` name re-resolves it on the way. That
+    is how replicas added behind a name (a scaled Deployment, `compose --scale`) get traffic from
+    clients that are already connected; a DNS answer alone never reaches them.
+    """
+    if max_age_seconds <= 0:
+        return []
+    grace_ms = _NO_LIMIT_MS if grace_seconds is None else _milliseconds(grace_seconds)
+    return [("grpc.max_connection_age_ms", _milliseconds(max_age_seconds)),
+            ("grpc.max_connection_age_grace_ms", grace_ms)]
+
+
+def _milliseconds(seconds: float) -> int:
+    """At least 1 ms (gRPC reads 0 as "immediately" for grace, and an age must be positive), at most no limit."""
+    return int(min(float(_NO_LIMIT_MS), max(1.0, seconds * 1000.0)))
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from serving_common.healthcheck import check
 from serving_common.processes import terminate
+from serving_common.tls import ChannelTLS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
@@ -42,12 +43,12 @@ class Service:
         self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=full_env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
 
-    def wait_serving(self, timeout: float = 300.0, service: str = "") -> "Service":
+    def wait_serving(self, timeout: float = 300.0, service: str = "", tls: ChannelTLS | None = None) -> "Service":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.logs()[-4000:]}")
-            if check(self.address, service, timeout=1.0):
+            if check(self.address, service, timeout=1.0, tls=tls):
                 return self
             time.sleep(0.2)
         raise TimeoutError(f"{self.module} not SERVING after {timeout}s:\n{self.logs()[-4000:]}")

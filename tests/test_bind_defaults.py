@@ -40,18 +40,20 @@ def test_every_service_defaults_to_loopback(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.skipif(not pathlib.Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
 def test_started_without_host_the_gateway_and_tokenizer_listen_on_loopback_only(tmp_path: pathlib.Path) -> None:
-    tokenizer_port, gateway_port, metrics_port = free_port(), free_port(), free_port()
+    tokenizer_port, gateway_port, metrics_port, http_port = free_port(), free_port(), free_port(), free_port()
     tokenizer = Service("tokenizer_service", ["--model", str(GROK1_TOKENIZER), "--port", str(tokenizer_port)],
                         tokenizer_port, log_dir=tmp_path)
     gateway = Service("gateway", ["--tokenizer", tokenizer.address, "--model", f"127.0.0.1:{free_port()}",
-                                  "--port", str(gateway_port), "--metrics-port", str(metrics_port)],
+                                  "--port", str(gateway_port), "--metrics-port", str(metrics_port),
+                                  "--http-port", str(http_port)],
                       gateway_port, log_dir=tmp_path)
     try:
         tokenizer.wait_serving(60)
         deadline = time.monotonic() + 30
-        while not all(listening_addresses(p) for p in (gateway_port, metrics_port)) and time.monotonic() < deadline:
+        ports = (tokenizer_port, gateway_port, metrics_port, http_port)
+        while not all(listening_addresses(p) for p in ports) and time.monotonic() < deadline:
             time.sleep(0.1)
-        for port in (tokenizer_port, gateway_port, metrics_port):
+        for port in ports:
             assert listening_addresses(port) and listening_addresses(port) <= {LOOPBACK_V4, LOOPBACK_V6, LOOPBACK_MAPPED}, port
     finally:
         gateway.terminate()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from serving_common import logs
 from serving_common.flags import EnvArgumentParser, port, positive_int
+from serving_common.tls import add_server_flags, server_tls_from
 from tokenizer_service.server import DEFAULT_PORT, TokenizerConfig, serve
 
 
@@ -42,8 +43,10 @@ def parse_args(argv: Sequence[str] | None = None) -> TokenizerConfig:
     parser.add_env_argument("--max-batch", type=positive_int, default=256, help="most texts per EncodeBatch")
     parser.add_env_argument("--max-tokens", type=positive_int, default=1 << 20,
                             help="most ids per Decode call or DecodeStream message")
+    add_server_flags(parser)
     args = parser.parse_args(argv)
-    return TokenizerConfig(model_path=args.model, host=args.host, port=args.port,
+    tls = server_tls_from(parser, args)
+    return TokenizerConfig(tls=tls, model_path=args.model, host=args.host, port=args.port,
                            grace_seconds=args.grace_seconds, max_text_bytes=args.max_text_bytes,
                            max_batch=args.max_batch, max_tokens=args.max_tokens, log_level=args.log_level)
 

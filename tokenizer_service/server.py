@@ -8,7 +8,8 @@ import logging
 import grpc
 
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from serving_common.grpc_server import HealthReporter, add_health_and_reflection, bind, new_server, serve_until_signal
+from serving_common.grpc_server import HealthReporter, add_health_and_reflection, new_server, serve_until_signal
+from serving_common.tls import ServerTLS, bind_port
 from tokenizer_service.servicer import Limits, TokenizerServicer
 from tokenizer_service.tokenizer import Tokenizer
 
@@ -30,6 +31,7 @@ class TokenizerConfig:
     max_batch: int = 256
     max_tokens: int = 1 << 20
     log_level: str = "info"
+    tls: ServerTLS | None = None  # TLS, and mutual TLS when it names a client CA
 
     @property
     def limits(self) -> Limits:
@@ -61,7 +63,7 @@ def build(config: TokenizerConfig) -> BuiltServer:
     server = new_server("tokenizer", options=[("grpc.max_receive_message_length", limit)])
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(tokenizer, config.limits), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
-    port = bind(server, config.host, config.port)
+    port = bind_port(server, config.host, config.port, config.tls)
     log.info("tokenizer loaded", extra={"model_path": tokenizer.path, "vocab_size": tokenizer.vocab_size,
                                         "model_sha256": tokenizer.sha256})
     return BuiltServer(server, port, health)

@@ -5,11 +5,14 @@
             print(message.text, end="", flush=True)
 
 Errors surface as grpc.RpcError with the gateway's status code and message. `request_id` is sent as
-the `x-request-id` metadata the services log (one is generated when it is empty).
+the `x-request-id` metadata the services log (one is generated when it is empty). `api_key` is sent
+as `authorization: Bearer KEY` (gateways started with --api-key); `tls_ca` (a PEM CA file) makes the
+channel TLS, verifying the gateway's certificate.
 """
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -20,8 +23,13 @@ from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 __all__ = ["AsyncGatewayClient", "GatewayClient", "completion_request", "generate_request"]
 
 
-def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-    return (("x-request-id", request_id),) if request_id else ()
+def _metadata(request_id: str, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
+    auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return ((("x-request-id", request_id),) if request_id else ()) + auth
+
+
+def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
+    return grpc.ssl_channel_credentials(pathlib.Path(tls_ca).read_bytes()) if tls_ca else None
 
 
 def generate_request(prompt: str, *, max_tokens: int | None = None, temperature: float = 0.0,
@@ -49,16 +57,19 @@ def completion_request(prompt: str, **options: Any) -> gateway_pb2.CompleteReque
 class GatewayClient:
     """Blocking client. Leaving `generate`'s iterator early cancels the call (the model slot is freed)."""
 
-    def __init__(self, address: str, timeout: float | None = None) -> None:
+    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None,
+                 tls_ca: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address)
+        self.api_key = api_key
+        credentials = _credentials(tls_ca)
+        self.channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
         self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
 
     def generate(self, prompt: str, *, timeout: float | None = None, request_id: str = "",
                  **options: Any) -> Iterator[gateway_pb2.GenerateResponse]:
         call = self.stub.Generate(generate_request(prompt, **options), timeout=timeout or self.timeout,
-                                  metadata=_metadata(request_id))
+                                  metadata=_metadata(request_id, self.api_key))
         try:
             yield from call
         finally:
@@ -67,10 +78,11 @@ class GatewayClient:
     def complete(self, prompt: str, *, timeout: float | None = None, request_id: str = "",
                  **options: Any) -> gateway_pb2.CompleteResponse:
         return self.stub.Complete(completion_request(prompt, **options), timeout=timeout or self.timeout,
-                                  metadata=_metadata(request_id))
+                                  metadata=_metadata(request_id, self.api_key))
 
     def info(self, timeout: float | None = None) -> gateway_pb2.GetInfoResponse:
-        return self.stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=timeout or self.timeout)
+        return self.stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=timeout or self.timeout,
+                                 metadata=_metadata("", self.api_key))
 
     def close(self) -> None:
         self.channel.close()
@@ -85,16 +97,20 @@ class GatewayClient:
 class AsyncGatewayClient:
     """asyncio client (grpc.aio); create it inside the running event loop."""
 
-    def __init__(self, address: str, timeout: float | None = None) -> None:
+    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None,
+                 tls_ca: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(address)
+        self.api_key = api_key
+        credentials = _credentials(tls_ca)
+        self.channel = (grpc.aio.secure_channel(address, credentials) if credentials
+                        else grpc.aio.insecure_channel(address))
         self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
 
     async def generate(self, prompt: str, *, timeout: float | None = None, request_id: str = "",
                        **options: Any) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         call = self.stub.Generate(generate_request(prompt, **options), timeout=timeout or self.timeout,
-                                  metadata=_metadata(request_id))
+                                  metadata=_metadata(request_id, self.api_key))
         try:
             async for message in call:
                 yield message
@@ -104,10 +120,11 @@ class AsyncGatewayClient:
     async def complete(self, prompt: str, *, timeout: float | None = None, request_id: str = "",
                        **options: Any) -> gateway_pb2.CompleteResponse:
         return await self.stub.Complete(completion_request(prompt, **options), timeout=timeout or self.timeout,
-                                        metadata=_metadata(request_id))
+                                        metadata=_metadata(request_id, self.api_key))
 
     async def info(self, timeout: float | None = None) -> gateway_pb2.GetInfoResponse:
-        return await self.stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=timeout or self.timeout)
+        return await self.stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=timeout or self.timeout,
+                                       metadata=_metadata("", self.api_key))
 
     async def close(self) -> None:
         await self.channel.close()

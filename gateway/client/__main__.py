@@ -31,6 +31,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
     parser.add_env_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--quiet", action="store_true", help="print only the text")
+    parser.add_env_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY'")
+    parser.add_env_argument("--tls-ca", default=None, help="PEM CA file: connect over TLS, verifying the gateway")
     return parser.parse_args(argv)
 
 
@@ -60,7 +62,7 @@ def stream(client: GatewayClient, args: argparse.Namespace, out: TextIO, err: Te
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    with GatewayClient(args.address) as client:
+    with GatewayClient(args.address, api_key=args.api_key, tls_ca=args.tls_ca) as client:
         return stream(client, args, sys.stdout, sys.stderr)
 
 

@@ -87,16 +87,18 @@ def quantize(w: np.ndarray, blocks: int) -> tuple[np.ndarray, np.ndarray]:
 
 def to_internal(spec: TensorSpec, leaf: Any, dtype: Any) -> Any:
     """A checkpoint leaf (numpy, or (weight, scales) for int8) -> its in-memory numpy form."""
+    # Only views, swapaxes and astype here: a checkpoint leaf may be a file_arrays.FileArray whose bytes are
+    # read later, device shard by device shard (the copy into device memory makes the layout contiguous).
     if spec.quantized:
         weight, scales = leaf
         if spec.blocks == 1:
-            weight = np.swapaxes(weight, -1, -2)
+            weight = weight.swapaxes(-1, -2)
         if "/moe/" in spec.module + "/":
-            return ExpertStack(tuple(QuantizedWeight(np.ascontiguousarray(weight[e]), np.asarray(scales[e], np.float32))
+            return ExpertStack(tuple(QuantizedWeight(weight[e], scales[e].astype(np.float32))
                                      for e in range(weight.shape[0])))
-        return QuantizedWeight(np.ascontiguousarray(weight), np.asarray(scales, np.float32))
+        return QuantizedWeight(weight, scales.astype(np.float32))
     if spec.module == EMBED:
-        return np.asarray(leaf).astype(jnp.dtype(dtype))
+        return leaf.astype(jnp.dtype(dtype))
     return np.asarray(leaf, np.float32)
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from typing import Protocol
 
 from serving_common.processes import terminate
 from tests.deploy.compose import LocalService, seconds, start_order
@@ -20,10 +21,20 @@ from tests.deploy.compose import LocalService, seconds, start_order
 POLL_SECONDS = 0.5
 
 
+class Command(Protocol):
+    """What starts a container's process: a compose service (LocalService) or a pod (LocalPod)."""
+
+    @property
+    def module(self) -> str: ...
+
+    @property
+    def args(self) -> tuple[str, ...]: ...
+
+
 class Process:
     """One container's process: `python -m module args`, output (JSON logs) kept in a file."""
 
-    def __init__(self, container: LocalService, env: Mapping[str, str], workdir: pathlib.Path,
+    def __init__(self, container: Command, env: Mapping[str, str], workdir: pathlib.Path,
                  log_path: pathlib.Path) -> None:
         self.log_path = log_path
         with open(log_path, "wb") as log:

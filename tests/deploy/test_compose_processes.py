@@ -69,12 +69,14 @@ def stack(config: dict, dns: DnsServer, image_app: pathlib.Path,
         running.stop()
 
 
-def published_port(config: dict, stack: LocalStack, name: str, metrics: bool, replica: int = 0) -> str:
-    """The local address of the gRPC (or metrics) port that `name` publishes in the compose file."""
+def published_port(config: dict, stack: LocalStack, name: str, metrics: bool, replica: int = 0,
+                   http: bool = False) -> str:
+    """The local address of the gRPC (metrics, HTTP) port that `name` publishes in the compose file."""
     container = stack.get(name, replica)
-    metrics_port = int(config["services"][name]["environment"][f"GROK_{name.upper()}_METRICS_PORT"])
-    targets = {p["target"] for p in config["services"][name]["ports"]}
-    (target,) = {metrics_port} & targets if metrics else targets - {metrics_port}
+    env = config["services"][name]["environment"]
+    flag = "METRICS_PORT" if metrics else "HTTP_PORT" if http else "PORT"
+    target = int(env[f"GROK_{name.upper()}_{flag}"])
+    assert target in {p["target"] for p in config["services"][name]["ports"]}, f"{name} does not publish {target}"
     assert target in container.ports, f"{name} publishes {target} but listens on {sorted(container.ports)}"
     return f"{container.ip}:{container.ports[target]}"
 
@@ -166,6 +168,16 @@ def test_gateway_published_metrics_port_counts_requests(config: dict, stack: Loc
     assert grpcurl("-plaintext", "-max-time", "120", "-d", json.dumps(request), gateway,
                    "grok.gateway.v1.GatewayService/Complete", timeout=150).returncode == 0
     assert metric(address, "grok_gateway_requests_total") == before + 1
+
+
+def test_openai_http_api_answers_on_the_published_http_port(config: dict, stack: LocalStack) -> None:
+    address = published_port(config, stack, "gateway", metrics=False, http=True)
+    body = json.dumps({"model": "grok-1", "prompt": "Serving over HTTP", "max_tokens": 3, "ignore_eos": True})
+    request = urllib.request.Request(f"http://{address}/v1/completions", data=body.encode(),
+                                     headers={"content-type": "application/json"})
+    reply = json.loads(urllib.request.urlopen(request, timeout=120).read())
+    assert reply["object"] == "text_completion" and reply["usage"]["completion_tokens"] == 3
+    assert reply["choices"][0]["finish_reason"] == "length"
 
 
 def test_image_healthcheck_passes_against_the_gateway_on_port(stack: LocalStack, gateway: str) -> None:

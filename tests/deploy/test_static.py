@@ -69,11 +69,12 @@ def test_services_run_under_an_init_and_restart_unless_stopped(default: dict) ->
         assert svc["init"] is True and svc["restart"] == "unless-stopped", name
 
 
-def test_only_gateway_grpc_and_metrics_ports_are_published(default: dict) -> None:
+def test_only_gateway_grpc_http_and_metrics_ports_are_published(default: dict) -> None:
     published = {name: svc.get("ports", []) for name, svc in default["services"].items()}
     assert published["tokenizer"] == []
     gateway = {(p["target"], p.get("published")) for p in published["gateway"]}
-    assert gateway == {(50051, "50051"), (9090, "9090")}
+    assert gateway == {(50051, "50051"), (8000, "8000"), (9090, "9090")}
+    assert default["services"]["gateway"]["environment"]["GROK_GATEWAY_HTTP_PORT"] == "8000"
     # A model replica publishes only its metrics port, on a host port Docker picks (so --scale works).
     assert [(p["target"], p.get("published")) for p in published["model"]] == [(9090, None)]
     assert default["services"]["model"]["environment"]["GROK_MODEL_METRICS_PORT"] == "9090"
@@ -89,22 +90,26 @@ def test_gateway_finds_model_replicas_through_the_service_name(default: dict) ->
 
 def test_publish_address_and_settings_come_from_the_environment() -> None:
     config = resolved_config(COMPOSE_FILE, env={"GROK_PUBLISH_ADDRESS": "0.0.0.0", "GROK_MODEL_SLOTS": "16",
-                                               "GROK_GATEWAY_PUBLISHED_PORT": "8443"})
+                                               "GROK_GATEWAY_PUBLISHED_PORT": "8443",
+                                               "GROK_GATEWAY_HTTP_PUBLISHED_PORT": "8080", "GROK_API_KEY": "k"})
     gateway = config["services"]["gateway"]["ports"]
-    assert {(p["host_ip"], p["published"]) for p in gateway} == {("0.0.0.0", "8443"), ("0.0.0.0", "9090")}
+    assert {(p["host_ip"], p["published"]) for p in gateway} == {("0.0.0.0", "8443"), ("0.0.0.0", "8080"),
+                                                                  ("0.0.0.0", "9090")}
+    assert config["services"]["gateway"]["environment"]["GROK_GATEWAY_API_KEY"] == "k"
     assert config["services"]["model"]["environment"]["GROK_MODEL_SLOTS"] == "16"
 
 
-def test_default_profile_serves_the_demo_artifacts_built_into_the_image(default: dict) -> None:
+def test_default_profile_serves_the_committed_demo_model_copied_into_the_image(default: dict) -> None:
     model = default["services"]["model"]["environment"]
     assert model["GROK_MODEL_CONFIG"] == "/app/configs/demo.json"
-    assert model["GROK_MODEL_CHECKPOINT"] == "/app/artifacts/demo/checkpoint"
-    assert default["services"]["tokenizer"]["environment"]["GROK_TOKENIZER_MODEL"] == "/app/artifacts/demo/tokenizer.model"
-    demo = stage(dockerfile_instructions(), "demo")
-    run = " ".join(rest for kw, rest in demo if kw == "RUN")
-    assert "--out artifacts/demo/tokenizer.model" in run and "--out artifacts/demo/checkpoint" in run
-    copies = [rest for kw, rest in stage(dockerfile_instructions(), "runtime") if kw == "COPY"]
-    assert "--from=demo /app/artifacts/demo /app/artifacts/demo" in copies
+    assert model["GROK_MODEL_CHECKPOINT"] == "/app/demo/checkpoint"
+    assert default["services"]["tokenizer"]["environment"]["GROK_TOKENIZER_MODEL"] == "/app/demo/tokenizer.model"
+    # The image trains and generates nothing: demo/ enters the build context and the runtime copies the context.
+    assert "demo" in build_context_entries()
+    assert (ROOT / "demo" / "tokenizer.model").is_file() and (ROOT / "demo" / "checkpoint" / "ckpt-0").is_dir()
+    runtime = stage(dockerfile_instructions(), "runtime")
+    assert ("WORKDIR", "/app") in runtime and ("COPY", ". .") in runtime
+    assert not any(kw == "RUN" and "model_service.train" in rest for kw, rest in dockerfile_instructions())
 
 
 def test_grok1_mounts_weights_read_only_and_reserves_gpus(grok1: dict) -> None:
@@ -168,4 +173,56 @@ def test_build_context_holds_every_package_of_the_project() -> None:
     packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
     allowed = build_context_entries()
     assert [p for p in packages if p not in allowed] == []
-    assert "configs" in allowed  # the demo stage reads configs/demo.json
+    assert "configs" in allowed  # the model service reads configs/demo.json
+
+
+def test_model_replicas_renew_gateway_connections_so_scaled_replicas_get_traffic(default: dict) -> None:
+    # Without a maximum connection age the gateway would resolve `model` again only on a failure.
+    assert default["services"]["model"]["environment"]["GROK_MODEL_MAX_CONNECTION_AGE_SECONDS"] == "30"
+
+
+@pytest.fixture(scope="module")
+def multiprocess() -> dict:
+    return resolved_config(COMPOSE_FILE, env={"COMPOSE_PROFILES": "multiprocess"})
+
+
+def test_multiprocess_profile_is_off_by_default_and_passes_compose_config(default: dict) -> None:
+    assert set(default["services"]) == set(SERVICES)
+    done = run_compose((COMPOSE_FILE,), "--profile", "multiprocess", "config", "-q")
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr
+
+
+def test_multiprocess_profile_runs_one_replica_as_two_numbered_processes(multiprocess: dict) -> None:
+    services = multiprocess["services"]
+    leader, worker = services["model-leader"], services["model-worker"]
+    model = services["model"]["environment"]
+    group = {"GROK_MODEL_COORDINATOR", "GROK_MODEL_NUM_PROCESSES", "GROK_MODEL_PROCESS_ID", "GROK_MODEL_MESH",
+             "GROK_MODEL_METRICS_PORT"}
+    for process_id, svc in enumerate((leader, worker)):
+        env = svc["environment"]
+        assert env["GROK_MODEL_COORDINATOR"] == "model-leader:8476"
+        assert (env["GROK_MODEL_NUM_PROCESSES"], env["GROK_MODEL_PROCESS_ID"]) == ("2", str(process_id))
+        assert env["GROK_MODEL_MESH"] == "1,2"  # one CPU device per process: the model axis spans both
+        assert {k: v for k, v in env.items() if k not in group} == {k: v for k, v in model.items() if k not in group}
+        assert svc["command"] == services["model"]["command"] and svc["init"] is True
+    assert "8476" in leader["expose"]
+    # Process 0 answers to `model`, the name the gateway balances over; the follower serves nothing.
+    assert leader["networks"]["default"]["aliases"] == ["model"]
+    assert leader["healthcheck"]["test"] == services["model"]["healthcheck"]["test"]
+    assert worker["healthcheck"] == {"disable": True} and worker["environment"]["GROK_MODEL_METRICS_PORT"] == "0"
+    assert worker["depends_on"]["model-leader"]["condition"] == "service_started"
+
+
+def test_multiprocess_profile_settings_parse_with_the_model_service_flags(
+        multiprocess: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_service.__main__ import parser
+
+    if "--coordinator" not in {flag for action in parser()._actions for flag in action.option_strings}:  # noqa: SLF001
+        pytest.skip("needs the multi-process model service (issue 13 section 1: --coordinator, --num-processes, "
+                    "--process-id); runs as soon as model_service has those flags")
+    for process_id, name in enumerate(("model-leader", "model-worker")):
+        with monkeypatch.context() as m:
+            for key, value in multiprocess["services"][name]["environment"].items():
+                m.setenv(key, str(value))
+            args = parser().parse_args([])
+        assert (args.coordinator, int(args.num_processes), int(args.process_id)) == ("model-leader:8476", 2, process_id)

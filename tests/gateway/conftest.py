@@ -22,10 +22,12 @@ def start_fake(kind: str, log_dir: pathlib.Path, *args: str, port: int | None = 
     return Service("tests.gateway.fakes", [kind, "--port", str(port), *args], port, log_dir=log_dir)
 
 
-def start_gateway(tokenizer: str, models: Sequence[str], log_dir: pathlib.Path, *args: str) -> Service:
+def start_gateway(tokenizer: str, models: Sequence[str], log_dir: pathlib.Path, *args: str,
+                  http_port: int = 0) -> Service:
+    """The gateway process; its HTTP API only when `http_port` is given (the default 8000 may be taken)."""
     port = free_port()
     return Service("gateway", ["--tokenizer", tokenizer, "--model", ",".join(models), "--host", "127.0.0.1",
-                               "--port", str(port), *args], port, log_dir=log_dir)
+                               "--port", str(port), "--http-port", str(http_port), *args], port, log_dir=log_dir)
 
 
 @dataclass
@@ -33,10 +35,15 @@ class Stack:
     tokenizer: Service
     models: list[Service]
     gateway: Service
+    http_port: int = 0
 
     @property
     def address(self) -> str:
         return self.gateway.address
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     def stop(self) -> None:
         for service in (self.gateway, *self.models, self.tokenizer):
@@ -46,8 +53,10 @@ class Stack:
 def fake_stack(log_dir: pathlib.Path, model_args: Sequence[Sequence[str]], *gateway_args: str) -> Stack:
     tokenizer = start_fake("tokenizer", log_dir)
     models = [start_fake("model", log_dir, *args) for args in model_args]
-    gateway = start_gateway(tokenizer.address, [m.address for m in models], log_dir, *gateway_args)
-    stack = Stack(tokenizer, models, gateway)
+    http_port = free_port()
+    gateway = start_gateway(tokenizer.address, [m.address for m in models], log_dir, *gateway_args,
+                            http_port=http_port)
+    stack = Stack(tokenizer, models, gateway, http_port)
     try:
         for service in (tokenizer, *models, gateway):
             service.wait_serving(60)

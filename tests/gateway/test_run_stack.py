@@ -26,7 +26,7 @@ def test_run_stack_serves_streams_a_sample_and_stops_all_three_on_ctrl_c(jax_cac
         [sys.executable, "scripts/run_stack.py", "--config", str(GOLDEN / "config.json"),
          "--checkpoint", str(GOLDEN / "checkpoint"), "--tokenizer", str(GOLDEN / "tokenizer.model"),
          "--gateway-port", str(ports[0]), "--tokenizer-port", str(ports[1]), "--model-port", str(ports[2]),
-         "--metrics-port", "0", "--model-metrics-port", "0",
+         "--metrics-port", "0", "--model-metrics-port", "0", "--http-port", "0",
          "--compile-cache", jax_cache, "--max-tokens", "6", "--prompt", "In the beginning"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -70,7 +70,7 @@ class Launcher:
             [sys.executable, "scripts/run_stack.py", "--config", str(GOLDEN / "config.json"),
              "--checkpoint", str(GOLDEN / "checkpoint"), "--tokenizer", str(GOLDEN / "tokenizer.model"),
              "--gateway-port", str(self.ports[0]), "--tokenizer-port", str(self.ports[1]),
-             "--model-port", str(self.ports[2]), "--metrics-port", "0", "--model-metrics-port", "0",
+             "--model-port", str(self.ports[2]), "--metrics-port", "0", "--model-metrics-port", "0", "--http-port", "0",
              "--compile-cache", jax_cache, "--max-tokens", "2", "--prompt", "In the beginning"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []

@@ -26,8 +26,8 @@ def test_golden_and_demo_json_files_load_and_validate() -> None:
     golden = load_model_config(str(GOLDEN / "config.json"))
     assert golden.model.ffn_size == 688 and golden.embedding_multiplier_scale == pytest.approx(78.38367176906169)
     demo = load_model_config(str(ROOT / "configs" / "demo.json"))
-    assert (demo.vocab_size, demo.model.emb_size, demo.model.num_layers, demo.sequence_len) == (1024, 256, 4, 512)
-    validate(demo, MeshConfig(1, 4))
+    assert (demo.vocab_size, demo.model.emb_size, demo.model.num_layers, demo.sequence_len) == (1024, 128, 4, 256)
+    validate(demo, MeshConfig(1, 2))
 
 
 def test_unknown_or_missing_fields_are_named(tmp_path: pathlib.Path) -> None:

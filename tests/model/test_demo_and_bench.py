@@ -1,8 +1,7 @@
-"""The demo checkpoint command and the model benchmark script, run as real processes."""
+"""The demo checkpoint command, run as a real process (the step benchmark is tested in tests/benchmarks)."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from model_service.checkpoint import load_params
 from model_service.config import MeshConfig, load_model_config
 from model_service.model import GrokModel
 from model_service.sharding import make_mesh
-from tests.procs import GOLDEN, ROOT
+from tests.procs import ROOT
 
 
 def test_demo_checkpoint_command_writes_random_weights_whose_outputs_vary(tmp_path: pathlib.Path) -> None:
@@ -37,15 +36,3 @@ def test_demo_checkpoint_command_rejects_a_bad_config(tmp_path: pathlib.Path) ->
     run = subprocess.run([sys.executable, "-m", "model_service.demo_checkpoint", "--config", "nope",
                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "neither a preset" in run.stderr
-
-
-def test_bench_script_prints_timings_as_json() -> None:
-    run = subprocess.run([sys.executable, "bench/bench_model.py", "--config", str(GOLDEN / "config.json"),
-                          "--batch", "2", "--prompt-len", "8", "--runs", "2"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["batch"] == 2 and result["dtype"] == "float32"
-    for key in ("prefill_compile_s", "prefill_ms", "decode_compile_s", "decode_step_ms"):
-        assert result[key] > 0
-    assert abs(result["decode_tokens_per_s"] - 2 / result["decode_step_ms"] * 1e3) < 1.0

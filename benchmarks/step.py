@@ -1,31 +1,29 @@
 """Time prefill and one decode step of the Grok-1 network with random int8 weights; print JSON.
 
-    python bench/bench_model.py --config PATH_OR_PRESET --batch N --dtype float32 [--mesh 1,1] [--prompt-len 32]
+    python -m benchmarks.step --config PATH_OR_PRESET --batch N --dtype float32 [--mesh 1,1] [--prompt-len 32]
         [--active M]   # only the first M of the N slots hold a request (the others are free slots)
 
-Compile time is reported separately; step times are medians of --runs runs.
+The low-level tool under benchmarks.roofline (which calls `run`): compile time is reported
+separately; step times are medians of --runs runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import sys
 import time
 from typing import Any, Callable
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from model_service.checkpoint import random_params  # noqa: E402
-from model_service.config import MeshConfig, load_model_config, validate  # noqa: E402
-from model_service.model import GrokModel  # noqa: E402
-from model_service.sharding import make_mesh  # noqa: E402
+from model_service.checkpoint import random_params
+from model_service.config import MeshConfig, load_model_config, validate
+from model_service.model import GrokModel
+from model_service.sharding import make_mesh
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -78,17 +76,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="preset name (grok-1) or JSON config path")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--active", type=int, default=None, help="slots holding a request (default: all)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--mesh", default="1,1", help="DATA,MODEL")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="preset name (grok-1) or JSON config path")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--active", type=int, default=None, help="slots holding a request (default: all)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--mesh", default="1,1", help="DATA,MODEL")
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    print(json.dumps(run(parser.parse_args(argv))))
+    print(json.dumps(run(parser().parse_args(argv))))
     return 0
 
 

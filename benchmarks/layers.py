@@ -1,0 +1,270 @@
+"""The cost of each layer: the same workload on the engine in-process, on the model service over gRPC
+(token ids), and through the whole stack (gateway: text, tokenizer service, detokenization).
+
+    python -m benchmarks.layers --stack golden --concurrency 1,8 --runs 3
+
+All three arms use the same requests (the gateway arm sends the text, the others its token ids), the
+same closed-loop runner and the same metric arithmetic (benchmarks.metrics). The in-process arm is the
+model service's own Scheduler + Engine built in this process, timestamped in the decode thread's emit
+callback: the floor the other two are compared with. Besides latencies and throughputs (wall clock,
+which a busy machine disturbs), every run records the CPU milliseconds each process spent per output
+token (from /proc; the benchmark process holds the client and, for the in-process arm, the engine),
+which a busy machine does not change much. `startup` records the seconds from launching the stack to
+SERVING (the model service compiling into an empty compilation cache) and to build the same engine
+in-process afterwards (loading those programs from the cache). Arms are interleaved within each run.
+`--baseline-gateway DIR` adds a fourth arm, a gateway run from another checkout's source (e.g. the main
+branch) in front of the same services: a gateway change measured against its base in one invocation.
+Targets (issue 9): the gateway's output throughput at concurrency 8 >= 0.97x in-process and its TTFT p50
+<= in-process + 2 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchmarks import metrics, results
+from benchmarks.loadgen import GatewaySender, LoadPoint, ModelSender, Sender, run_point, warm_up
+from benchmarks.metrics import RequestResult
+from benchmarks.stack import StackSpec, preset, start_gateway, start_stack, use_model_xla_flags
+from benchmarks.workload import BenchRequest, PromptCutter, WorkloadSpec, build
+from serving_common.flags import EnvArgumentParser, positive_int
+
+ARMS = ("in_process", "model_service", "gateway")
+THROUGHPUT_TARGET = 0.97  # gateway / in-process output throughput at concurrency 8
+TTFT_TARGET_MS = 2.0  # gateway TTFT p50 - in-process TTFT p50
+
+
+@dataclass(frozen=True)
+class LayersConfig:
+    stack: str = "golden"
+    concurrency: tuple[int, ...] = (1, 8)
+    input_len: int = 32
+    output_len: int = 32
+    num_prompts: int = 16
+    runs: int = 3
+    warmup: int = 4
+    seed: int = 0
+    temperature: float = 0.0
+    slots: int | None = None
+    compile_cache: str | None = None
+    baseline_gateway: str | None = None  # source tree of a second gateway to compare with
+
+
+class InProcessSender:
+    """Submits straight to a Scheduler over an Engine in this process (no gRPC, no protobuf)."""
+
+    def __init__(self, scheduler: Any, temperature: float) -> None:
+        self.scheduler = scheduler
+        self.temperature = temperature
+        self.ids = itertools.count()
+
+    async def __call__(self, request: BenchRequest) -> RequestResult:
+        from model_service.scheduler import Emission, GenerationRequest, SchedulerError
+
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
+        result = RequestResult(prompt_len=request.prompt_len, start=time.perf_counter())
+
+        def emit(emission: Emission) -> None:  # on the decode thread: the earliest a token exists
+            now = time.perf_counter()
+            if emission.tokens:
+                result.chunk_times.append(now)
+                result.chunk_tokens.append(len(emission.tokens))
+            if emission.error is not None:
+                result.error = f"{emission.error.kind.name}: {emission.error.message}"
+            if emission.error is not None or emission.finish_reason is not None:
+                result.end = now
+                loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(None))
+
+        try:
+            self.scheduler.submit(GenerationRequest(
+                request_id=f"bench-{next(self.ids)}", prompt=request.prompt_ids, max_tokens=request.output_len,
+                temperature=self.temperature, ignore_eos=True), emit)
+        except SchedulerError as error:
+            result.error, result.end = f"{error.kind.name}: {error.message}", time.perf_counter()
+            return result
+        await finished
+        return result
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.scheduler.stop)
+
+
+def in_process_scheduler(spec: StackSpec) -> Any:
+    """The model service's Engine (compiled) and Scheduler, exactly as the service builds them."""
+    from model_service.__main__ import configure_jax
+    from model_service.config import MeshConfig
+    from model_service.scheduler import Scheduler
+    from model_service.server import ServerConfig, build_engine, resolve
+
+    configure_jax(spec.compile_cache)
+    config = ServerConfig(config=spec.config, checkpoint=spec.checkpoint, random_init=spec.checkpoint is None,
+                          dtype=spec.dtype, mesh=MeshConfig(1, 1), slots=spec.slots,
+                          buckets=tuple(int(b) for b in spec.buckets.split(",")), max_queue=spec.max_queue)
+    cfg, buckets = resolve(config)
+    scheduler = Scheduler(build_engine(config, cfg, buckets), spec.max_queue)
+    scheduler.start()
+    return scheduler
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (all its threads), from /proc."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    """CPU milliseconds each process spent per output token during a run. Unlike wall-clock times this
+    does not depend on what else the machine runs, so it shows each layer's cost on a busy machine."""
+    per = {f"cpu_ms_per_token_{n}": (after[n] - before[n]) * 1e3 / max(tokens, 1) for n in before}
+    per["cpu_ms_per_token_total"] = sum(per.values())
+    return per
+
+
+async def measure_arms(config: LayersConfig, senders: dict[str, Sender], requests: list[BenchRequest],
+                       warm: list[BenchRequest],
+                       pids: dict[str, int]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {arm: {} for arm in senders}
+    for arm, send in senders.items():
+        failed = [r.error for r in await warm_up(send, warm, max(config.concurrency)) if not r.success]
+        if failed:
+            raise RuntimeError(f"{arm} warm-up failed: {failed[0]}")
+    for index in range(config.runs):
+        for c in config.concurrency:
+            for arm, send in senders.items():
+                before = cpu_snapshot(pids)
+                served, duration = await run_point(send, requests, LoadPoint(c), config.seed)
+                m = metrics.compute(served, duration)
+                m.update(cpu_per_token(before, cpu_snapshot(pids), m["total_output_tokens"]))
+                runs[arm].setdefault(f"c{c}", []).append({k: v for k, v in m.items() if not isinstance(v, list)})
+                print(f"layers run {index} c{c} {arm}: {m['output_throughput']:.1f} tok/s, TTFT p50 "
+                      f"{m['median_ttft_ms']:.2f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, CPU "
+                      f"{m['cpu_ms_per_token_total']:.2f} ms/token, failed {m['failed']}",
+                      file=sys.stderr, flush=True)
+    return runs
+
+
+def ratios(arms: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Per point: each layer's throughput relative to in-process and its TTFT/TPOT p50 above it."""
+    out = {}
+    for point, base in arms["in_process"].items():
+        row: dict[str, float] = {}
+        for arm in [a for a in arms if a != "in_process"]:
+            m = arms[arm][point]["median"]
+            b = base["median"]
+            row[f"{arm}_throughput_ratio"] = m["output_throughput"] / b["output_throughput"]
+            row[f"{arm}_ttft_p50_extra_ms"] = m["median_ttft_ms"] - b["median_ttft_ms"]
+            row[f"{arm}_tpot_p50_extra_ms"] = m["median_tpot_ms"] - b["median_tpot_ms"]
+        out[point] = row
+    return out
+
+
+def targets(ratio_table: dict[str, dict[str, float]]) -> dict[str, Any]:
+    row = ratio_table.get("c8")
+    if row is None:
+        return {"note": "targets are stated at concurrency 8, which was not measured"}
+    return {"gateway_throughput_ratio_c8": row["gateway_throughput_ratio"],
+            "throughput_target": THROUGHPUT_TARGET,
+            "throughput_met": row["gateway_throughput_ratio"] >= THROUGHPUT_TARGET,
+            "gateway_ttft_p50_extra_ms_c8": row["gateway_ttft_p50_extra_ms"], "ttft_target_ms": TTFT_TARGET_MS,
+            "ttft_met": row["gateway_ttft_p50_extra_ms"] <= TTFT_TARGET_MS}
+
+
+async def _run(config: LayersConfig, spec: StackSpec, address: str, model_address: str,
+               scheduler: Any, baseline: str | None, pids: dict[str, int]) -> dict[str, Any]:
+    cutter = PromptCutter(spec.tokenizer)
+    requests = build(WorkloadSpec("fixed", config.input_len, config.output_len, config.num_prompts,
+                                  seed=config.seed), cutter)
+    warm = build(WorkloadSpec("fixed", config.input_len, config.output_len, config.warmup, seed=config.seed + 1),
+                 cutter)
+    senders = {"in_process": InProcessSender(scheduler, config.temperature),
+               "model_service": ModelSender(model_address, config.temperature),
+               "gateway": GatewaySender(address, config.temperature)}
+    if baseline:
+        senders["gateway_baseline"] = GatewaySender(baseline, config.temperature)
+    try:
+        runs = await measure_arms(config, senders, requests, warm, pids)
+    finally:
+        for send in senders.values():
+            await send.close()
+    arms = {arm: {point: metrics.aggregate(rs) for point, rs in by_point.items()} for arm, by_point in runs.items()}
+    table = ratios(arms)
+    return {"benchmark": "layers", "config": asdict(config), "stack": asdict(spec), **results.provenance(),
+            "workload": f"fixed-in{config.input_len}-out{config.output_len}", "arms": arms, "ratios": table,
+            "targets": targets(table)}
+
+
+def run(config: LayersConfig) -> dict[str, Any]:
+    cache = config.compile_cache or tempfile.mkdtemp(prefix="bench-jax-cache-")
+    spec = preset(config.stack, config.slots or max(config.concurrency), cache)
+    logs = pathlib.Path(tempfile.mkdtemp(prefix="bench-logs-"))
+    begin = time.monotonic()
+    stack = start_stack(spec, logs)
+    startup = {"stack_to_serving_s": time.monotonic() - begin}  # the model compiles into an empty cache
+    baseline = None
+    try:
+        if config.baseline_gateway:
+            baseline = start_gateway(stack.tokenizer.address, stack.model.address, logs,
+                                     pathlib.Path(config.baseline_gateway).resolve())
+        begin = time.monotonic()
+        scheduler = in_process_scheduler(spec)
+        startup["in_process_engine_warm_cache_s"] = time.monotonic() - begin  # same programs, now cached
+        pids = {"benchmark": os.getpid(), "model_service": stack.model.proc.pid,
+                "tokenizer_service": stack.tokenizer.proc.pid, "gateway": stack.gateway.proc.pid}
+        if baseline is not None:
+            pids["gateway_baseline"] = baseline.proc.pid
+        report = asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler,
+                                  baseline.address if baseline else None, pids))
+        return {**report, "startup": startup}
+    finally:
+        if baseline is not None:
+            baseline.stop()
+        stack.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = EnvArgumentParser(env_prefix="GROK_BENCH", prog="python -m benchmarks.layers",
+                          description=__doc__.split("\n\n")[0])
+    p.add_env_argument("--stack", default="golden", choices=["golden", "medium"], help="preset stack")
+    p.add_env_argument("--concurrency", default="1,8", help="closed-loop points, comma-separated")
+    p.add_env_argument("--input-len", type=positive_int, default=32, help="prompt tokens")
+    p.add_env_argument("--output-len", type=positive_int, default=32, help="generated tokens (ignore_eos)")
+    p.add_env_argument("--num-prompts", type=positive_int, default=16, help="requests per run of a point")
+    p.add_env_argument("--runs", type=positive_int, default=3, help="runs (medians and spread reported)")
+    p.add_env_argument("--warmup", type=int, default=4, help="warm-up requests per arm, excluded")
+    p.add_env_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_env_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_env_argument("--slots", type=positive_int, default=None, help="model slots (default: largest concurrency)")
+    p.add_env_argument("--compile-cache", default=None, help="JAX compilation cache shared by both engines")
+    p.add_env_argument("--baseline-gateway", default=None,
+                       help="source tree (e.g. /path/to/main checkout) of a second gateway measured as an extra arm")
+    p.add_env_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    use_model_xla_flags()
+    config = LayersConfig(stack=args.stack, concurrency=tuple(int(c) for c in args.concurrency.split(",")),
+                          input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
+                          runs=args.runs, warmup=args.warmup, seed=args.seed, temperature=args.temperature,
+                          slots=args.slots, compile_cache=args.compile_cache, baseline_gateway=args.baseline_gateway)
+    report = run(config)
+    if args.out:
+        results.write_json(pathlib.Path(args.out), report)
+    print(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

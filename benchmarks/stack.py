@@ -1,0 +1,175 @@
+"""Start the serving stack for a benchmark: tokenizer, model and gateway processes on 127.0.0.1.
+
+Presets name the two configurations the project reports (docs/benchmarks.md):
+- `golden`: ../shared/golden (tiny Grok-1 architecture, its checkpoint and its 512-piece tokenizer);
+- `medium`: ../shared/bench/medium.json (Grok-1 architecture scaled down, vocabulary 131,072) with
+  random int8 weights and the real Grok-1 tokenizer from ../shared/grok1-tokenizer.
+Each service runs as `python -m <service>` exactly as deployed, on free ports; logs go to files.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from serving_common.healthcheck import check
+from serving_common.processes import terminate
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """What the model service serves and how (everything else is fixed by the preset)."""
+
+    name: str
+    config: str
+    tokenizer: str
+    checkpoint: str | None  # None: --random-init
+    slots: int = 8
+    buckets: str = "32,64,128"
+    dtype: str = "float32"
+    max_queue: int = 256
+    compile_cache: str | None = None
+
+    def model_args(self) -> list[str]:
+        weights = ["--checkpoint", self.checkpoint] if self.checkpoint else ["--random-init"]
+        cache = ["--compile-cache", self.compile_cache] if self.compile_cache else []
+        return ["--config", self.config, *weights, "--dtype", self.dtype, "--mesh", "1,1", "--slots",
+                str(self.slots), "--buckets", self.buckets, "--max-queue", str(self.max_queue), *cache]
+
+
+def preset(name: str, slots: int = 8, compile_cache: str | None = None) -> StackSpec:
+    """The golden or medium stack (see the module docstring)."""
+    if name == "golden":
+        golden = SHARED / "golden"
+        return StackSpec("golden", str(golden / "config.json"), str(golden / "tokenizer.model"),
+                         str(golden / "checkpoint"), slots, "32,64", compile_cache=compile_cache)
+    if name == "medium":
+        return StackSpec("medium", str(SHARED / "bench" / "medium.json"),
+                         str(SHARED / "grok1-tokenizer" / "tokenizer.model"), None, slots, "32,64,128",
+                         compile_cache=compile_cache)
+    raise ValueError(f"unknown stack preset {name!r}: golden or medium")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Process:
+    """One `python -m MODULE` child with its output in a log file."""
+
+    def __init__(self, module: str, args: Sequence[str], log_dir: pathlib.Path, env: dict[str, str] | None = None,
+                 port: int | None = None, cwd: pathlib.Path = ROOT) -> None:
+        self.module = module
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{module}_{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(self.port)],
+            cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    def wait_serving(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited with {self.proc.returncode}; log {self.log_path}:\n"
+                                   f"{self.log_path.read_text(errors='replace')[-3000:]}")
+            if check(self.address, timeout=1.0):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.module} not SERVING after {timeout:.0f} s; log {self.log_path}")
+
+    def stop(self) -> int:
+        code = terminate(self.proc, 30.0)
+        self._log.close()
+        return code
+
+
+@dataclass
+class RunningStack:
+    """The three started services; `close()` stops them (gateway first)."""
+
+    spec: StackSpec
+    tokenizer: Process
+    model: Process
+    gateway: Process
+
+    @property
+    def address(self) -> str:
+        return self.gateway.address
+
+    def close(self) -> None:
+        for proc in (self.gateway, self.model, self.tokenizer):
+            proc.stop()
+
+
+def model_env() -> dict[str, str]:
+    # One device, no forced host devices: what the benchmarks measure is the default deployment.
+    return {"XLA_FLAGS": os.environ.get("GROK_BENCH_MODEL_XLA_FLAGS", "")}
+
+
+def use_model_xla_flags() -> None:
+    """Give JAX in this process the model service's XLA flags (call in a tool's main, before JAX
+    starts), so an engine built in-process is configured like the service it is compared with."""
+    os.environ.update(model_env())
+
+
+# The benchmarks drive gRPC only. A gateway that also serves HTTP would bind its fixed default HTTP
+# port, which a second gateway (a baseline, another engineer's stack) may hold: turn it off by
+# environment, which gateways without that flag simply ignore.
+GATEWAY_ENV = {"GROK_GATEWAY_HTTP_PORT": "0"}
+
+
+def start_stack(spec: StackSpec, log_dir: pathlib.Path, timeout: float = 1800.0) -> RunningStack:
+    """Start tokenizer, model and gateway; return once all three report SERVING."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = Process("tokenizer_service", ["--model", spec.tokenizer], log_dir)
+    model = Process("model_service", spec.model_args(), log_dir, env=model_env())
+    gateway = Process("gateway", ["--tokenizer", tokenizer.address, "--model", model.address], log_dir,
+                      env=GATEWAY_ENV)
+    stack = RunningStack(spec, tokenizer, model, gateway)
+    try:
+        for proc in (tokenizer, model, gateway):
+            proc.wait_serving(timeout)
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
+def start_gateway(tokenizer: str, model: str, log_dir: pathlib.Path, source: pathlib.Path = ROOT,
+                  timeout: float = 120.0) -> Process:
+    """A gateway in front of running services, run from the source tree `source` (another checkout's
+    code, e.g. the main branch, to measure a change against it in one invocation)."""
+    gateway = Process("gateway", ["--tokenizer", tokenizer, "--model", model], log_dir, cwd=source,
+                      env={"PYTHONPATH": str(source), **GATEWAY_ENV})
+    try:
+        gateway.wait_serving(timeout)
+    except BaseException:
+        gateway.stop()
+        raise
+    return gateway
+
+
+def start_model(spec: StackSpec, log_dir: pathlib.Path, timeout: float = 1800.0) -> Process:
+    """Only the model service (for measurements that bypass the gateway)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model = Process("model_service", spec.model_args(), log_dir, env=model_env())
+    try:
+        model.wait_serving(timeout)
+    except BaseException:
+        model.stop()
+        raise
+    return model

@@ -1,0 +1,226 @@
+"""The FastAPI application: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health.
+
+Each generation request becomes the gateway's GenerateRequest (mapping.py) and runs through the
+gRPC API's Pipeline (flow.py). Errors found before the first token get their HTTP status and OpenAI's
+error body; a stream that fails later ends with an error event, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.auth import ApiKeys
+from gateway.errors import GatewayError
+from gateway.http.chat import ChatTemplate
+from gateway.http.errors import ApiError, from_gateway
+from gateway.http.flow import ClientGone, guarded, tracked
+from gateway.http.mapping import completion_prompt, generate_request, top_logprobs
+from gateway.http.responses import Json, Shaper
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.pipeline import Pipeline
+from grok.gateway.v1 import gateway_pb2
+from serving_common.grpc_server import HealthReporter
+from serving_common.logs import new_request_id, request_id_var
+
+
+MAX_BODY_BYTES = 4 << 20  # as gRPC's default receive limit; prompts are capped far lower (--max-prompt-bytes)
+
+
+@dataclass(frozen=True)
+class HttpContext:
+    """What the routes need from the gateway."""
+
+    pipeline: Pipeline
+    health: HealthReporter
+    keys: ApiKeys
+    template: ChatTemplate
+    model_name: str
+    timeout_seconds: float  # 0: no server-side deadline
+
+
+def sse(data: Json | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def validation_error(error: RequestValidationError) -> JSONResponse:
+    """Pydantic's complaint as OpenAI's 400 (FastAPI's default would be a 422 in its own shape)."""
+    first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request body"}
+    path = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(path) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return ApiError(400, message, param=param).response()
+
+
+def internal_error(request_id: str = "") -> ApiError:
+    where = f" (request id {request_id})" if request_id else ""
+    return ApiError(500, f"internal error{where}; see the gateway's logs", "server_error")
+
+
+def http_error(error: HTTPException) -> JSONResponse:
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return ApiError(error.status_code, str(error.detail), kind).response()
+
+
+class RequireKey:
+    """ASGI middleware: every path but /health needs `Authorization: Bearer KEY` when keys are set.
+
+    Checked before the body is read or parsed, so a caller without a key learns nothing else."""
+
+    OPEN_PATHS = frozenset({"/health"})
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS
+                and not self.keys.allows(Headers(scope=scope).get("authorization"))):
+            refused = ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+                               code="invalid_api_key")
+            await refused.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """ASGI middleware: request bodies over `limit` bytes get 413 before they are buffered whole
+    (gRPC's default message limit plays this role on the gRPC port)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    def _message(self) -> str:
+        return f"request body is over {self.limit} bytes; send a shorter prompt"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            await ApiError(413, self._message()).response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:  # a chunked body without content-length; FastAPI passes HTTPException on
+                raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counted, send)
+
+
+class Routes:
+    """Route handlers bound to one gateway's context."""
+
+    def __init__(self, ctx: HttpContext) -> None:
+        self.ctx = ctx
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.ctx.model_name:
+            raise ApiError(404, f"The model '{model}' does not exist: this server serves '{self.ctx.model_name}' "
+                                "(GET /v1/models)", param="model", code="model_not_found")
+
+    async def health(self) -> JSONResponse:
+        serving = self.ctx.health.serving
+        return JSONResponse({"status": "SERVING" if serving else "NOT_SERVING"}, status_code=200 if serving else 503)
+
+    async def models(self) -> Json:
+        return {"object": "list", "data": [{"id": self.ctx.model_name, "object": "model", "created": 0,
+                                            "owned_by": "grok-serve"}]}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        return await self.respond(request, "completions", body, generate_request(body, completion_prompt(body)))
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        prompt = self.ctx.template.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        return await self.respond(request, "chat", body, generate_request(body, prompt))
+
+    async def respond(self, request: Request, endpoint: str, body: SamplingFields,
+                      grpc_request: gateway_pb2.GenerateRequest) -> Response:
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
+        request_id = new_request_id(given=request.headers.get("x-request-id", ""))
+        request_id_var.set(request_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ctx.timeout_seconds if self.ctx.timeout_seconds else None
+        method = "http_chat_completions" if endpoint == "chat" else "http_completions"
+        source = guarded(request, tracked(self.ctx.pipeline, grpc_request, deadline, request_id, method))
+        shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body))
+        headers = {"x-request-id": request_id}
+        try:
+            first = await anext(source)  # errors before the first text still get their HTTP status
+            if not body.stream:
+                messages = [first] + [m async for m in source]
+                return JSONResponse(shaper.whole(messages), headers=headers)
+        except GatewayError as error:
+            await source.aclose()
+            return from_gateway(error, endpoint).response()
+        except ClientGone:
+            return Response(status_code=499)
+        except StopAsyncIteration:  # the pipeline always ends with a message; a bug if not
+            return internal_error(request_id).response()
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(self.events(shaper, first, source, include_usage, endpoint),
+                                 media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
+
+    async def events(self, shaper: Shaper, first: gateway_pb2.GenerateResponse,
+                     source: AsyncIterator[gateway_pb2.GenerateResponse], include_usage: bool,
+                     endpoint: str) -> AsyncIterator[bytes]:
+        """The SSE body: (chat) the role chunk, one chunk per message, finish, usage, [DONE]."""
+        try:
+            if endpoint == "chat":
+                yield sse(shaper.role_chunk(include_usage))
+            message = first
+            for chunk in shaper.chunks(message, include_usage):
+                yield sse(chunk)
+            async for message in source:  # to its end, so the request is counted as finished, not cancelled
+                for chunk in shaper.chunks(message, include_usage):
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(shaper.usage_chunk(message))
+        except GatewayError as error:
+            yield sse(from_gateway(error, endpoint).body())
+        except ClientGone:
+            return
+        finally:
+            await source.aclose()  # type: ignore[attr-defined]
+        yield sse("[DONE]")
+
+
+def create_app(ctx: HttpContext) -> FastAPI:
+    """The OpenAI-compatible app; every route but /health needs the API key when keys are set."""
+    app = FastAPI(title="grok-serve", description="OpenAI-compatible API of the grok-serve gateway",
+                  docs_url=None, redoc_url=None)
+    routes = Routes(ctx)
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    # Added last = outermost: the key is checked before the body is read.
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    if ctx.keys.enabled:
+        app.add_middleware(RequireKey, keys=ctx.keys)
+    app.add_exception_handler(ApiError, lambda _request, error: error.response())  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, lambda _r, e: validation_error(e))  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, lambda _r, e: http_error(e))  # type: ignore[arg-type]
+    # A bug still answers OpenAI's error body (Starlette logs the traceback and keeps serving).
+    app.add_exception_handler(Exception, lambda _r, _e: internal_error(request_id_var.get("")).response())
+    return app

@@ -1,0 +1,95 @@
+"""Running one HTTP request through the gateway's Pipeline: accounting and client disconnects.
+
+`tracked` is the HTTP twin of GatewayServicer._run: it counts the request in the same metrics (method
+label `http_completions` / `http_chat_completions`), logs one line per request and turns an
+unexpected exception into INTERNAL with the request id. `guarded` stops the pipeline as soon as the
+HTTP client goes away, which cancels the model call and frees its slot, also while the client waits
+for a non-streaming response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+import grpc
+from starlette.requests import Request
+
+from gateway.errors import GatewayError
+from gateway.pipeline import Pipeline
+from grok.gateway.v1 import gateway_pb2
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was complete."""
+
+
+async def tracked(pipeline: Pipeline, request: gateway_pb2.GenerateRequest, deadline: float | None,
+                  request_id: str, method: str) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """The pipeline's messages; errors raised as GatewayError; metrics and a log line whatever happens."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    code, finish = "OK", "NONE"
+    try:
+        # aclosing: a consumer that stops early must cancel the model call now, not at garbage collection.
+        async with contextlib.aclosing(pipeline.stream(request, deadline, request_id, method)) as stream:
+            async for message in stream:
+                if message.finish_reason:
+                    finish = gateway_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_")
+                yield message
+    except GatewayError as error:
+        code = error.code.name
+        log.info("request failed", extra={"code": code, "detail": error.message})
+        raise
+    except (asyncio.CancelledError, GeneratorExit, ClientGone):
+        code = "DEADLINE_EXCEEDED" if deadline is not None and loop.time() >= deadline else "CANCELLED"
+        raise
+    except Exception:
+        code = "INTERNAL"
+        log.exception("unexpected error")
+        raise GatewayError(grpc.StatusCode.INTERNAL,
+                           f"internal error (request id {request_id}); see gateway logs") from None
+    finally:
+        seconds = loop.time() - start
+        pipeline.metrics.finished(method, code, finish, seconds)
+        log.info("http", extra={"method": method, "code": code, "finish_reason": finish,
+                                "ms": round(seconds * 1000, 3)})
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has disconnected (the request body was already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def guarded(request: Request, source: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Items of `source`; if the client disconnects while one is awaited, `source` is cancelled
+    at once and ClientGone raised. `source` is closed however this ends."""
+    watcher = asyncio.ensure_future(_disconnected(request))
+    step: asyncio.Future[T] | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(source))  # type: ignore[arg-type]
+            await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                raise ClientGone()
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        # Also reached when the response itself is cancelled (Starlette saw the disconnect first):
+        # the pending step must end before the generator can be closed.
+        pending = [task for task in (step, watcher) if task is not None and not task.done()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await source.aclose()  # type: ignore[attr-defined]

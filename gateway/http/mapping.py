@@ -1,0 +1,136 @@
+"""OpenAI request bodies -> the gateway's GenerateRequest, which then runs through the same Pipeline
+(and the same validation) as a gRPC request.
+
+Fields the gRPC API has are mapped here (prompt, max_tokens, temperature, top_p, seed, stop,
+ignore_eos, logprobs -> top_logprobs, allowed_token_ids). Fields that need the sampling controls of
+issue 12 section 2 are accepted at their default value and refused otherwise, in ONE function,
+`section2_sampling`, which that work completes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.http.errors import ApiError, bad_request
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from grok.gateway.v1 import gateway_pb2
+
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+
+
+def _not_yet(param: str, value: Any, default: str) -> ApiError:
+    return bad_request(param, f"{value!r} is not supported yet (only {default}); leave it out or use that value")
+
+
+# ------------------------------------------------------------------------------------------------
+# SECTION 2 (issue 12): sampling controls the gRPC API does not have yet.
+# Each entry accepts only the value that means "off". When the model service gains a control,
+# delete its check here and map it in `generate_request` below (and in the gateway proto's shared
+# sampling message).
+# ------------------------------------------------------------------------------------------------
+def section2_sampling(request: SamplingFields) -> None:
+    """Raise 400 naming the first field set to a value that needs a sampling control we lack."""
+    if request.n not in (None, 1):
+        raise _not_yet("n", request.n, "1")
+    if request.top_k not in (None, -1, 0):
+        raise _not_yet("top_k", request.top_k, "-1 or 0: no top-k")
+    if request.min_p not in (None, 0.0):
+        raise _not_yet("min_p", request.min_p, "0")
+    if request.repetition_penalty not in (None, 1.0):
+        raise _not_yet("repetition_penalty", request.repetition_penalty, "1.0")
+    if request.presence_penalty not in (None, 0.0):
+        raise _not_yet("presence_penalty", request.presence_penalty, "0")
+    if request.frequency_penalty not in (None, 0.0):
+        raise _not_yet("frequency_penalty", request.frequency_penalty, "0")
+    if request.logit_bias:
+        raise _not_yet("logit_bias", request.logit_bias, "an empty map")
+    if request.stop_token_ids:
+        raise _not_yet("stop_token_ids", request.stop_token_ids, "an empty list")
+    if request.prompt_logprobs is not None:
+        raise _not_yet("prompt_logprobs", request.prompt_logprobs, "null")
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            raise _not_yet("echo", request.echo, "false")
+        if request.best_of not in (None, 1):
+            raise _not_yet("best_of", request.best_of, "1")
+# ------------------------------------------------------------------------------------------------
+
+
+def unsupported_features(request: SamplingFields) -> None:
+    """400 for features outside section 2 that this server does not offer (instead of ignoring them)."""
+    if request.min_tokens:
+        raise _not_yet("min_tokens", request.min_tokens, "0")
+    if request.include_stop_str_in_output:
+        raise _not_yet("include_stop_str_in_output", True, "false")
+    if isinstance(request, CompletionRequest) and request.suffix:
+        raise _not_yet("suffix", request.suffix, "null")
+    if isinstance(request, ChatCompletionRequest):
+        if request.tools:
+            raise _not_yet("tools", "[...]", "no tools")
+        kind = (request.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise _not_yet("response_format", kind, '{"type": "text"}')
+
+
+def completion_prompt(request: CompletionRequest) -> str:
+    """The one text prompt of a completion request (a list holding one string is accepted too)."""
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            if prompt and all(isinstance(p, str) for p in prompt):
+                raise bad_request("prompt", f"{len(prompt)} prompts in one request are not supported yet; "
+                                            "send one request per prompt")
+            raise bad_request("prompt", "token-id prompts are not supported yet; send the prompt as text")
+        prompt = prompt[0]
+    return prompt
+
+
+def top_logprobs(request: SamplingFields) -> int | None:
+    """Alternatives per token, or None when the response carries no logprobs at all."""
+    if isinstance(request, CompletionRequest):
+        return request.logprobs
+    assert isinstance(request, ChatCompletionRequest)
+    if not request.logprobs:
+        if request.top_logprobs:
+            raise bad_request("top_logprobs", "needs logprobs: true")
+        return None
+    return request.top_logprobs or 0
+
+
+def _check_int32(param: str, value: int | None) -> None:
+    """Values past the proto's int32 fields are refused here; smaller bad values by the pipeline."""
+    if value is not None and not -INT32_MAX <= value <= INT32_MAX:
+        raise bad_request(param, f"{value} is out of range")
+
+
+def generate_request(request: SamplingFields, prompt: str) -> gateway_pb2.GenerateRequest:
+    """The gateway request for `prompt` with the sampling fields of `request` (checked first)."""
+    section2_sampling(request)
+    unsupported_features(request)
+    _check_int32("max_tokens", request.max_tokens)
+    if isinstance(request, ChatCompletionRequest):
+        _check_int32("max_completion_tokens", request.max_completion_tokens)
+        _check_int32("top_logprobs", request.top_logprobs)
+    else:
+        _check_int32("logprobs", request.logprobs)  # type: ignore[attr-defined]
+    for token in request.allowed_token_ids or []:
+        _check_int32("allowed_token_ids", token)
+    out = gateway_pb2.GenerateRequest(
+        prompt=prompt, temperature=1.0 if request.temperature is None else request.temperature,
+        ignore_eos=request.ignore_eos, top_logprobs=top_logprobs(request) or 0,
+        allowed_token_ids=request.allowed_token_ids or [])
+    max_tokens = request.max_tokens
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+    if max_tokens is not None:
+        out.max_tokens = max_tokens
+    if request.top_p is not None:
+        out.top_p = request.top_p
+    if request.seed is not None:
+        if not 0 <= request.seed <= UINT32_MAX:
+            raise bad_request("seed", f"must be in [0, {UINT32_MAX}] (got {request.seed})")
+        out.seed = request.seed
+    stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    out.stop.extend(stops)
+    return out

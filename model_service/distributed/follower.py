@@ -1,0 +1,102 @@
+"""A follower process: no gRPC API; it replays process 0's Engine calls on its own devices, in lockstep.
+
+Every wait is bounded. A follower leaves with EXIT_GROUP_BROKEN when process 0 is gone (its collective
+fails), when the calls stop arriving (process 0 stalled: the watchdog ends the process, since a thread
+blocked inside a collective cannot be interrupted), or when the calls skip a number (diverged). It leaves
+with 0 when process 0 sends SHUTDOWN. SIGTERM alone does not stop it: process 0 drains its streams and then
+shuts the whole group down; if that never comes, the orchestrator's kill ends it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from model_service.distributed.config import EXIT_GROUP_BROKEN, DistributedConfig
+from model_service.distributed.lockstep import Channel, is_runtime_failure, receive
+from model_service.distributed.ops import Codec, Op, Replica
+
+log = logging.getLogger(__name__)
+
+
+def exit_now(code: int) -> None:
+    """Leave without jax.distributed's exit barrier, which would wait for (or abort on) the lost peer."""
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Watchdog:
+    """Ends the process when the current wait passes its deadline."""
+
+    def __init__(self, on_expiry: Callable[[int], None] = exit_now) -> None:
+        self._deadline = float("inf")
+        self._what = ""
+        self._on_expiry = on_expiry
+        self._cond = threading.Condition()
+        threading.Thread(target=self._watch, name="follower-watchdog", daemon=True).start()
+
+    def arm(self, seconds: float, what: str) -> None:
+        with self._cond:
+            self._deadline, self._what = time.monotonic() + seconds, what
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        self.arm(float("inf"), "")
+
+    def _watch(self) -> None:
+        with self._cond:
+            while True:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    log.error("process 0 went silent: leaving the group", extra={"waiting_for": self._what})
+                    self._on_expiry(EXIT_GROUP_BROKEN)
+                    return
+                self._cond.wait(min(left, 3600.0))
+
+
+def follow(replica: Replica, channel: Channel, codec: Codec, config: DistributedConfig,
+           watchdog: Watchdog) -> int:
+    """Replay calls until SHUTDOWN (returns 0) or until the group breaks (returns EXIT_GROUP_BROKEN)."""
+    expected = 0
+    wait = config.startup_timeout  # process 0 sends the first call (COMPILE_ALL) once its weights are loaded
+    while True:
+        watchdog.arm(wait, "the next call from process 0")
+        try:
+            call = receive(channel, codec)
+        except Exception as e:
+            log.error("lost process 0", extra={"error": str(e)[:500]})
+            return EXIT_GROUP_BROKEN
+        if call.seq != expected:
+            log.error("diverged from process 0", extra={"expected_seq": expected, "got_seq": call.seq})
+            return EXIT_GROUP_BROKEN
+        expected += 1
+        if call.op == Op.SHUTDOWN:
+            watchdog.disarm()
+            log.info("process 0 shut the group down")
+            return 0
+        bound = config.startup_timeout if call.op == Op.COMPILE_ALL else config.step_timeout
+        watchdog.arm(bound, call.op.name)
+        try:
+            replica.run(call)
+        except Exception as e:
+            if is_runtime_failure(e):
+                log.error("a lockstep call failed", extra={"op": call.op.name, "error": str(e)[:500]})
+                return EXIT_GROUP_BROKEN
+            # Bad arguments fail on every process alike; process 0 reports them to the request.
+            log.warning("call refused here as on process 0", extra={"op": call.op.name, "error": str(e)[:500]})
+        if call.op == Op.COMPILE_ALL:
+            log.info("compiled; following process 0")
+        wait = config.follower_wait
+
+
+def ignore_sigterm() -> None:
+    """Process 0 decides when the group stops (it drains first); see the module docstring."""
+    def note(signum: int, frame: object) -> None:
+        log.info("SIGTERM: waiting for process 0 to shut the group down")
+    signal.signal(signal.SIGTERM, note)

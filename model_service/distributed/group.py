@@ -1,0 +1,81 @@
+"""How a model service process takes part in a multi-process replica: agree on the settings, then either
+serve (process 0, with a LockstepEngine) or follow (every other process)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from model_service.config import ConfigError, ModelConfig, model_config_to_dict
+from model_service.distributed.config import DistributedConfig
+from model_service.distributed.follower import Watchdog, follow, ignore_sigterm
+from model_service.distributed.lockstep import JaxChannel, LockstepEngine
+from model_service.distributed.ops import Codec, Replica
+
+if TYPE_CHECKING:
+    from model_service.server import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+def fingerprint(config: "ServerConfig", model_cfg: ModelConfig, buckets: tuple[int, ...]) -> np.ndarray:
+    """[8] int32 digest of everything that must be equal on every process for the programs to match."""
+    dist = config.distributed
+    settings: dict[str, Any] = {
+        "model": model_config_to_dict(model_cfg), "dtype": config.dtype, "mesh": [config.mesh.data, config.mesh.model],
+        "between_hosts": [dist.between_hosts.data, dist.between_hosts.model] if dist and dist.between_hosts else None,
+        "slots": config.slots, "buckets": list(buckets),
+        "weights": "checkpoint" if config.checkpoint else f"random:{config.random_seed}"}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).digest()
+    return np.frombuffer(digest, "<i4").copy()
+
+
+def verify_same_config(config: "ServerConfig", model_cfg: ModelConfig, buckets: tuple[int, ...]) -> None:
+    """Raise ConfigError on every process unless all were started with the same model settings."""
+    from jax.experimental import multihost_utils
+
+    try:
+        multihost_utils.assert_equal(fingerprint(config, model_cfg, buckets), "settings differ")
+    except AssertionError:
+        raise ConfigError("the processes of this group were started with different model settings (config, dtype, "
+                          "mesh, between-hosts, slots, buckets or weights): start every process with the same "
+                          "GROK_MODEL_* values") from None
+
+
+def leader_engine(config: "ServerConfig", model_cfg: ModelConfig, buckets: tuple[int, ...],
+                  on_broken: Callable[[str], None]) -> LockstepEngine:
+    """Process 0's engine: load this process's shards, then compile everywhere in lockstep."""
+    from model_service.server import compile_engine, load_engine
+
+    dist = _dist(config)
+    verify_same_config(config, model_cfg, buckets)
+    engine = LockstepEngine(load_engine(config, model_cfg, buckets), JaxChannel(), dist.step_timeout,
+                            dist.startup_timeout, dist.keepalive_seconds, on_broken)
+    compile_engine(engine)
+    return engine
+
+
+def run_follower(config: "ServerConfig") -> int:
+    """A follower's whole life: load, compile and replay process 0's calls; its exit code."""
+    from model_service.server import load_engine, resolve
+
+    dist = _dist(config)
+    ignore_sigterm()
+    model_cfg, buckets = resolve(config)
+    watchdog = Watchdog()
+    watchdog.arm(dist.startup_timeout, "loading the weights")
+    verify_same_config(config, model_cfg, buckets)
+    engine = load_engine(config, model_cfg, buckets)
+    log.info("weights loaded; waiting for process 0", extra={"process_id": dist.process_id})
+    return follow(Replica(engine), JaxChannel(), Codec(max(engine.buckets), engine.vocab_size), dist, watchdog)
+
+
+def _dist(config: "ServerConfig") -> DistributedConfig:
+    if config.distributed is None:
+        raise ValueError("not a multi-process configuration")
+    return config.distributed

@@ -1,0 +1,287 @@
+"""Process 0's Engine for a multi-process replica: broadcast each call, then run it, within a time bound.
+
+`LockstepEngine` has the Engine's host interface, so the scheduler drives it unaware of processes. Each
+call is encoded (ops.Codec), broadcast to the followers through a JAX collective (`JaxChannel`:
+multihost_utils.broadcast_one_to_all), and executed on process 0's own `Replica` while the followers
+execute the same call on theirs.
+
+A process that dies makes the next collective fail (gloo reports the closed connection at once); one
+that stalls makes it hang. So every call runs on a worker thread and the caller waits at most
+`step_timeout`; either way the group is then broken for good: `on_broken` is called once (the server
+reports NOT_SERVING and exits non-zero so the orchestrator restarts the group) and this and every later
+call raise `GroupBroken`, which the scheduler reports to the requests as UNAVAILABLE. While the scheduler
+is idle a keep-alive no-op runs every few seconds, so a lost process is noticed without traffic.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from model_service.distributed.ops import Call, Codec, Op, Replica
+from model_service.scheduler import ErrorKind, SchedulerError
+
+log = logging.getLogger(__name__)
+
+
+class GroupBroken(SchedulerError):
+    """A process of this replica's group died or stalled; nothing can run on it until the group restarts."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(ErrorKind.UNAVAILABLE, f"this model replica lost a process of its group ({reason}); "
+                         "it is restarting: retry (another replica can serve the request)")
+        self.reason = reason
+
+
+class Channel(Protocol):
+    """A collective that returns process 0's arrays on every process (followers pass zeros of the same shapes)."""
+
+    def broadcast(self, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]: ...
+
+
+class JaxChannel:
+    """Broadcast through JAX's own collectives over every device of the job (gloo on CPU, NCCL on GPUs)."""
+
+    def broadcast(self, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        from jax.experimental import multihost_utils
+
+        return tuple(np.asarray(a) for a in multihost_utils.broadcast_one_to_all(arrays))
+
+
+def send(channel: Channel, codec: Codec, call: Call) -> Call:
+    """Process 0's side of one call: the header, then the payload if the op has one. Returns the call as the
+    followers decode it, which is what process 0 must run too (e.g. its floats rounded to float32)."""
+    header = codec.header(call)
+    payload = codec.payload(call) if codec.has_payload(call.op) else None
+    channel.broadcast((header,))
+    if payload is not None:
+        channel.broadcast(payload)
+    return codec.decode(header, payload)
+
+
+def receive(channel: Channel, codec: Codec) -> Call:
+    """A follower's side of `send`."""
+    (header,) = channel.broadcast((codec.empty_header(),))
+    op = Op(int(header[0]))
+    payload = channel.broadcast(codec.empty_payload()) if codec.has_payload(op) else None
+    return codec.decode(header, payload)
+
+
+class _Worker:
+    """One daemon thread running calls in order. A call stuck in a collective whose peer stalled can never be
+    interrupted; a daemon thread does not keep the process from exiting (concurrent.futures joins its
+    workers at exit)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = \
+            queue.SimpleQueue()
+        threading.Thread(target=self._run, name="lockstep", daemon=True).start()
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the waiting caller
+                future.set_exception(e)
+
+
+class PrefixRef:
+    """What the scheduler holds for a prefilled prompt: the id every process stores its prefix under."""
+
+    def __init__(self, prefix_id: int) -> None:
+        self.id = prefix_id
+
+
+def is_runtime_failure(error: BaseException) -> bool:
+    """A failed collective or device program (as opposed to a bad argument every process rejects alike)."""
+    import jax
+
+    return isinstance(error, jax.errors.JaxRuntimeError)
+
+
+class LockstepEngine:
+    """The Engine interface on process 0 of a group; see the module docstring."""
+
+    def __init__(self, engine: Any, channel: Channel, step_timeout: float, startup_timeout: float,
+                 keepalive_seconds: float, on_broken: Callable[[str], None]) -> None:
+        self._engine = engine
+        self._channel = channel
+        self._codec = Codec(max(engine.buckets), engine.vocab_size)
+        self._replica = Replica(engine)
+        self._step_timeout = step_timeout
+        self._startup_timeout = startup_timeout
+        self._keepalive_seconds = keepalive_seconds
+        self._on_broken = on_broken
+        self._lock = threading.Lock()  # one call at a time, in one order for every process
+        self._worker = _Worker()
+        self._seq = 0
+        self._next_prefix = 0
+        self._live_prefixes: set[int] = set()
+        self._prefix_lock = threading.Lock()
+        self._broken: str | None = None
+        self._broken_lock = threading.Lock()
+        self._last_call = time.monotonic()
+        self._stop = threading.Event()
+        self._keepalive: threading.Thread | None = None
+        self._closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        # Engine attributes (slots, buckets, vocab_size, ...) read through; a method missing here would run on
+        # process 0 alone and desynchronise the group, so it is refused.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        value = getattr(self._engine, name)
+        if callable(value):
+            raise AttributeError(f"Engine.{name} is not in the lockstep op table: add it to "
+                                 "model_service/distributed/ops.py and LockstepEngine")
+        return value
+
+    @property
+    def broken(self) -> str | None:
+        return self._broken
+
+    # ---- the Engine interface ---------------------------------------------------------------
+    def compile_all(self) -> dict[str, float]:
+        """Compile everywhere; waits (up to startup_timeout) for every process to have loaded its weights."""
+        timings = self._call(Call(Op.COMPILE_ALL), self._startup_timeout)
+        if self._keepalive is None:
+            self._keepalive = threading.Thread(target=self._keep_alive, name="lockstep-keepalive", daemon=True)
+            self._keepalive.start()
+        return timings
+
+    def init_decode_state(self) -> Any:
+        return self._call(Call(Op.INIT))
+
+    def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
+                allowed: Sequence[int] = (), blocked: Sequence[int] = ()) -> tuple[PrefixRef, Any]:
+        with self._prefix_lock:  # live from the start: no call may release it before the scheduler holds it
+            prefix_id = self._next_prefix
+            self._next_prefix += 1
+            self._live_prefixes.add(prefix_id)
+        call = Call(Op.PREFILL, prefix=prefix_id, prompt=tuple(int(t) for t in tokens), seed=int(seed),
+                    temperature=float(temperature), top_p=float(top_p), allowed=tuple(allowed), blocked=tuple(blocked))
+        try:
+            self._codec.payload(call)  # refuse what cannot be encoded before anything is broadcast
+            out = self._call(call)
+        except BaseException:
+            self._release_prefix(prefix_id)
+            raise
+        ref = PrefixRef(prefix_id)
+        weakref.finalize(ref, self._release_prefix, prefix_id)
+        return ref, out
+
+    def insert(self, prefix: PrefixRef, state: Any, slot: int) -> Any:
+        self._check_state(state)
+        return self._call(Call(Op.INSERT, prefix=prefix.id, slot=int(slot)))
+
+    def generate(self, state: Any) -> tuple[Any, Any]:
+        self._check_state(state)
+        return self._call(Call(Op.GENERATE))
+
+    def free_slot(self, state: Any, slot: int) -> Any:
+        self._check_state(state)
+        return self._call(Call(Op.FREE, slot=int(slot)))
+
+    def close(self) -> None:
+        """Tell the followers to leave their loop (clean shutdown of the whole group); later calls fail."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._broken is None:
+            try:
+                self._call(Call(Op.SHUTDOWN))
+                log.info("followers told to shut down")
+            except GroupBroken:
+                pass
+        self._broken = self._broken or "the group was shut down"
+        self._worker.stop()
+
+    # ---- internals --------------------------------------------------------------------------
+    def _check_state(self, state: Any) -> None:
+        if state is not self._replica.state and self._broken is None:
+            raise ValueError("the decode state must be the one the previous Engine call returned (the followers "
+                             "replay calls on their single copy of it)")
+
+    def _release_prefix(self, prefix_id: int) -> None:
+        with self._prefix_lock:
+            self._live_prefixes.discard(prefix_id)
+
+    def _release_below(self) -> int:
+        with self._prefix_lock:
+            return min(self._live_prefixes, default=self._next_prefix)
+
+    def _call(self, call: Call, timeout: float | None = None) -> Any:
+        with self._lock:
+            return self._call_locked(call, timeout)
+
+    def _call_locked(self, call: Call, timeout: float | None) -> Any:
+        if self._broken is not None:
+            raise GroupBroken(self._broken)
+        call = dataclasses.replace(call, seq=self._seq, release_below=self._release_below())
+        self._seq += 1
+        limit = timeout or self._step_timeout
+        future = self._worker.submit(lambda: self._send_and_run(call))
+        try:
+            return future.result(limit)
+        except concurrent.futures.TimeoutError:
+            raise self._break(f"{call.op.name} did not finish within {limit:g} s: a process stalled") from None
+        finally:
+            self._last_call = time.monotonic()
+
+    def _send_and_run(self, call: Call) -> Any:
+        try:
+            sent = send(self._channel, self._codec, call)
+        except Exception as e:
+            raise self._break(f"broadcasting {call.op.name} failed: {e}") from e
+        try:
+            return self._replica.run(sent)
+        except Exception as e:
+            if is_runtime_failure(e):
+                raise self._break(f"{call.op.name} failed: {e}") from e
+            raise
+
+    def _break(self, reason: str) -> GroupBroken:
+        first = False
+        with self._broken_lock:
+            if self._broken is None:
+                self._broken, first = reason, True
+        if first:
+            log.error("process group broken", extra={"reason": reason})
+            self._stop.set()
+            try:
+                self._on_broken(reason)
+            except Exception:
+                log.exception("on_broken failed")
+        return GroupBroken(self._broken or reason)
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self._keepalive_seconds / 2):
+            if time.monotonic() - self._last_call < self._keepalive_seconds:
+                continue
+            if not self._lock.acquire(blocking=False):
+                continue  # a call is running: it proves liveness itself
+            try:
+                self._call_locked(Call(Op.NOOP), None)
+            except GroupBroken:
+                return
+            finally:
+                self._lock.release()

@@ -1,0 +1,182 @@
+"""The lockstep op table: every Engine call process 0 makes, as an op code plus fixed-shape int32 arrays.
+
+A multi-process replica runs the same compiled programs on every process in the same order. Process 0
+decides what runs (the scheduler drives it); before each Engine call it broadcasts the call (`Codec.encode`)
+and then every process, itself included, executes the decoded call on its own `Replica` (`Replica.run`).
+Because both sides execute the *decoded* call, their engines receive identical arguments by construction.
+
+This module is the only place that knows the Engine's host API. When that API changes, add or change an
+`Op`, its fields in `Call`/`Codec`, its line in `Replica.run`, and the method of `LockstepEngine` that
+issues it (lockstep.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class Op(enum.IntEnum):
+    NOOP = 0  # keep-alive: proves every process still follows, and releases prefixes
+    SHUTDOWN = 1  # process 0 is stopping cleanly; followers leave their loop
+    COMPILE_ALL = 2  # Engine.compile_all()
+    INIT = 3  # Engine.init_decode_state()
+    PREFILL = 4  # Engine.prefill(prompt, seed=, temperature=, top_p=, allowed=, blocked=) -> prefix `prefix`
+    INSERT = 5  # Engine.insert(prefix `prefix`, state, slot)
+    GENERATE = 6  # Engine.generate(state)
+    FREE = 7  # Engine.free_slot(state, slot)
+
+
+class Field(enum.IntEnum):
+    """Positions in the int32 header."""
+
+    OP = 0
+    SEQ = 1  # call number: a follower that sees a gap has diverged
+    RELEASE_BELOW = 2  # prefixes with a smaller id are no longer referenced on process 0
+    SLOT = 3
+    PREFIX = 4
+    LENGTH = 5  # prompt length
+    SEED = 6  # uint32 bits
+    TEMPERATURE = 7  # float32 bits
+    TOP_P = 8  # float32 bits
+
+
+HEADER_SIZE = 12
+
+
+@dataclass(frozen=True)
+class Call:
+    """One Engine call with every argument it takes (floats are float32 values, as broadcast)."""
+
+    op: Op
+    seq: int = 0
+    release_below: int = 0
+    slot: int = 0
+    prefix: int = 0
+    prompt: tuple[int, ...] = ()
+    seed: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    allowed: tuple[int, ...] = ()
+    blocked: tuple[int, ...] = ()
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.array(x, np.float32).view(np.int32))
+
+
+def _bits_f32(bits: int) -> float:
+    return float(np.array(bits, np.int32).view(np.float32))
+
+
+class Codec:
+    """Calls as fixed-shape int32 arrays (a collective needs the same shapes on every process).
+
+    Every call is a header [HEADER_SIZE]; PREFILL adds a payload: the prompt padded to `max_prompt`, and the
+    allowed and blocked token sets as two bitmaps over the vocabulary.
+    """
+
+    def __init__(self, max_prompt: int, vocab_size: int) -> None:
+        self.max_prompt = max_prompt
+        self.vocab_size = vocab_size
+        self.bitmap_words = -(-vocab_size // 32)
+
+    @staticmethod
+    def has_payload(op: Op) -> bool:
+        return op == Op.PREFILL
+
+    def empty_header(self) -> np.ndarray:
+        return np.zeros((HEADER_SIZE,), np.int32)
+
+    def empty_payload(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros((self.max_prompt,), np.int32), np.zeros((2, self.bitmap_words), np.int32)
+
+    def header(self, call: Call) -> np.ndarray:
+        h = self.empty_header()
+        values = {Field.OP: int(call.op), Field.SEQ: call.seq, Field.RELEASE_BELOW: call.release_below,
+                  Field.SLOT: call.slot, Field.PREFIX: call.prefix, Field.LENGTH: len(call.prompt),
+                  Field.SEED: int(np.array(call.seed, np.uint32).view(np.int32)),
+                  Field.TEMPERATURE: _f32_bits(call.temperature), Field.TOP_P: _f32_bits(call.top_p)}
+        for field, value in values.items():
+            h[field] = value
+        return h
+
+    def payload(self, call: Call) -> tuple[np.ndarray, np.ndarray]:
+        if len(call.prompt) > self.max_prompt:
+            raise ValueError(f"prompt of {len(call.prompt)} tokens exceeds the largest prefill bucket {self.max_prompt}")
+        tokens, bitmaps = self.empty_payload()
+        tokens[:len(call.prompt)] = call.prompt
+        bitmaps[0] = self._bitmap(call.allowed)
+        bitmaps[1] = self._bitmap(call.blocked)
+        return tokens, bitmaps
+
+    def decode(self, header: np.ndarray, payload: Sequence[np.ndarray] | None) -> Call:
+        op = Op(int(header[Field.OP]))
+        fields: dict[str, Any] = dict(
+            op=op, seq=int(header[Field.SEQ]), release_below=int(header[Field.RELEASE_BELOW]),
+            slot=int(header[Field.SLOT]), prefix=int(header[Field.PREFIX]),
+            seed=int(np.array(header[Field.SEED], np.int32).view(np.uint32)),
+            temperature=_bits_f32(int(header[Field.TEMPERATURE])), top_p=_bits_f32(int(header[Field.TOP_P])))
+        if payload is not None:
+            tokens, bitmaps = payload
+            fields.update(prompt=tuple(int(t) for t in tokens[:int(header[Field.LENGTH])]),
+                          allowed=self._ids(bitmaps[0]), blocked=self._ids(bitmaps[1]))
+        return Call(**fields)
+
+    def _bitmap(self, ids: Sequence[int]) -> np.ndarray:
+        mask = np.zeros((self.bitmap_words * 32,), bool)
+        mask[np.asarray(ids, np.int64)] = True
+        return np.packbits(mask, bitorder="little").view("<i4")
+
+    def _ids(self, words: np.ndarray) -> tuple[int, ...]:
+        bits = np.unpackbits(np.ascontiguousarray(words, "<i4").view(np.uint8), bitorder="little")
+        return tuple(int(i) for i in np.flatnonzero(bits[:self.vocab_size]))
+
+
+class Replica:
+    """One process's copy of the engine's host-side state; it changes only through `run`, in call order.
+
+    The decode state is used linearly (each call consumes the state the previous one returned, as buffer
+    donation requires anyway), so every process holds exactly one; prefixes are kept by id until process 0
+    releases them.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.state: Any = None
+        self.prefixes: dict[int, Any] = {}
+
+    def run(self, call: Call) -> Any:
+        """Execute `call` on this process's engine; returns what the Engine method returns."""
+        for stale in [p for p in self.prefixes if p < call.release_below]:
+            del self.prefixes[stale]
+        e = self.engine
+        if call.op in (Op.NOOP, Op.SHUTDOWN):
+            return None
+        if call.op == Op.COMPILE_ALL:
+            return e.compile_all()
+        if call.op == Op.INIT:
+            self.state = e.init_decode_state()
+            return self.state
+        if call.op == Op.PREFILL:
+            prefix, out = e.prefill(list(call.prompt), seed=call.seed, temperature=call.temperature,
+                                    top_p=call.top_p, allowed=call.allowed, blocked=call.blocked)
+            self.prefixes[call.prefix] = prefix
+            return out
+        if call.op == Op.INSERT:
+            self.state = e.insert(self.prefixes[call.prefix], self.state, call.slot)
+            return self.state
+        if call.op == Op.GENERATE:
+            self.state, out = e.generate(self.state)
+            return self.state, out
+        if call.op == Op.FREE:
+            self.state = e.free_slot(self.state, call.slot)
+            return self.state
+        raise ValueError(f"unknown lockstep op {call.op!r}")

@@ -1,0 +1,87 @@
+"""`python -m model_service.train --out demo`: train the embedded demo model from the demo corpus.
+
+Writes into OUT: tokenizer.model (the demo SentencePiece model, trained on the same corpus), checkpoint/ (the
+trained network, int8 where the released model is int8, in the released ckpt-0/tensorNNNNN_000 format) and
+training.json (the settings, the loss curve, float and int8 losses on training and held-out text, samples).
+Every TrainConfig field is a flag (and a GROK_TRAIN_<FLAG> variable); the defaults made the committed demo/.
+
+  --stop-after N       train N steps of the same schedule, print the loss log as JSON, write nothing
+  --compare-with FILE  after training, fail unless the losses match FILE's (a training.json) within --tolerance
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from serving_common.flags import EnvArgumentParser, positive_int
+
+DEFAULT_CONFIG = "configs/demo.json"
+
+
+def parser() -> EnvArgumentParser:
+    from model_service.train.loop import TrainConfig
+
+    p = EnvArgumentParser(env_prefix="GROK_TRAIN", prog="python -m model_service.train",
+                          description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                          epilog=__doc__.split("\n", 2)[2])
+    p.add_env_argument("--out", type=pathlib.Path, default=None, help="folder to write (required unless --stop-after)")
+    p.add_env_argument("--config", default=DEFAULT_CONFIG, help="model config JSON")
+    p.add_env_argument("--corpus", type=pathlib.Path, default=None, help="folder of *.txt (default: the demo corpus)")
+    for field in dataclasses.fields(TrainConfig):
+        p.add_env_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
+                           help=f"TrainConfig.{field.name}")
+    p.add_env_argument("--stop-after", type=positive_int, default=None, help="train only this many steps")
+    p.add_env_argument("--compare-with", type=pathlib.Path, default=None, help="training.json to reproduce")
+    p.add_env_argument("--tolerance", type=float, default=0.05, help="nats allowed by --compare-with")
+    return p
+
+
+def compare(recorded: dict, produced: dict, tolerance: float) -> list[str]:
+    """The losses that differ by more than `tolerance` nats, as messages."""
+    problems = []
+    for name, want in recorded["losses"].items():
+        got = produced["losses"].get(name)
+        if got is None or abs(got - want) > tolerance:
+            problems.append(f"{name}: recorded {want:.4f}, reproduced {got}")
+    return problems
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from model_service.config import ConfigError, load_model_config
+    from model_service.train import record
+    from model_service.train.loop import TrainConfig
+    from tokenizer_service.train_demo import CORPUS_DIR
+
+    train_cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    corpus = args.corpus or CORPUS_DIR
+    try:
+        model_cfg = load_model_config(args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.stop_after:
+        log = record.train_prefix(model_cfg, train_cfg, corpus, args.stop_after)
+        print(json.dumps({"log": [entry._asdict() for entry in log]}))
+        return 0
+    if args.out is None:
+        print("error: --out is required (the folder to write the tokenizer, checkpoint and training.json)",
+              file=sys.stderr)
+        return 2
+    produced = record.build(model_cfg, train_cfg, corpus, args.out, args.config)
+    print(json.dumps({"out": str(args.out), "losses": produced["losses"], "seconds": produced["seconds"]}))
+    if args.compare_with:
+        problems = compare(json.loads(args.compare_with.read_text()), produced, args.tolerance)
+        for problem in problems:
+            print(f"not reproduced: {problem}", file=sys.stderr)
+        return 1 if problems else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

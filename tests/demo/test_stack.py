@@ -1,0 +1,98 @@
+"""The committed demo model through the whole stack (gateway -> tokenizer -> model, real processes on 127.0.0.1):
+what only a trained model can do. Paragraphs used here are from the training part of the corpus."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+import sentencepiece
+
+from gateway.client import GatewayClient
+from grok.gateway.v1 import gateway_pb2
+from tests.demo.conftest import DEMO, DEMO_CONFIG, paragraph_starting
+from tests.gateway.conftest import Stack
+from tests.procs import ROOT, Service, free_port
+from tokenizer_service.train_demo import CORPUS_DIR
+
+pytestmark = pytest.mark.slow
+
+RECITED_TOKENS = 32
+
+
+def continues(paragraph: str, prompt: str, text: str) -> bool:
+    """Whether `text` is how `paragraph` goes on after `prompt`. The space between them is not compared:
+    like the reference's decode(), the detokenizer drops the leading space of a completion."""
+    return paragraph.startswith(prompt) and paragraph[len(prompt):].lstrip().startswith(text.lstrip())
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("demo_stack")
+    ports = [free_port() for _ in range(3)]
+    tokenizer = Service("tokenizer_service", ["--model", str(DEMO / "tokenizer.model"), "--host", "127.0.0.1",
+                                              "--port", str(ports[0])], ports[0], log_dir=logs)
+    model = Service("model_service", ["--config", str(DEMO_CONFIG), "--checkpoint", str(DEMO / "checkpoint"),
+                                      "--host", "127.0.0.1", "--port", str(ports[1]), "--slots", "2",
+                                      "--buckets", "64,256"], ports[1], log_dir=logs)
+    gateway = Service("gateway", ["--tokenizer", tokenizer.address, "--model", model.address, "--host", "127.0.0.1",
+                                  "--port", str(ports[2])], ports[2], log_dir=logs)
+    running = Stack(tokenizer, [model], gateway)
+    try:
+        for service in (tokenizer, model, gateway):
+            service.wait_serving(600)
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> Iterator[GatewayClient]:
+    with GatewayClient(stack.address, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def sp() -> sentencepiece.SentencePieceProcessor:
+    return sentencepiece.SentencePieceProcessor(model_file=str(DEMO / "tokenizer.model"))
+
+
+def test_greedy_continuation_of_a_corpus_paragraph_recites_the_corpus(
+        client: GatewayClient, sp: sentencepiece.SentencePieceProcessor, trained_paragraphs: list[str]) -> None:
+    paragraph = paragraph_starting(trained_paragraphs, "A request travels like this.")
+    prompt = "A request travels like this. The client calls the gateway"
+    corpus_ids = sp.encode(paragraph)
+    prompt_ids = sp.encode(prompt)
+    assert corpus_ids[:len(prompt_ids)] == prompt_ids  # the prompt is a whole-token prefix of the paragraph
+    reply = client.complete(prompt, max_tokens=RECITED_TOKENS, temperature=0.0)
+    assert reply.finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+    assert [t.id for t in reply.tokens] == corpus_ids[len(prompt_ids):len(prompt_ids) + RECITED_TOKENS]
+    assert continues(paragraph, prompt, reply.text)
+
+
+def test_stop_string_ends_a_real_sentence(client: GatewayClient, trained_paragraphs: list[str]) -> None:
+    paragraph = paragraph_starting(trained_paragraphs, "A request travels like this.")
+    prompt = "A request travels like this. The client calls the gateway"
+    reply = client.complete(prompt, max_tokens=64, temperature=0.0, stop=["."])
+    assert reply.finish_reason == gateway_pb2.FINISH_REASON_STOP
+    assert continues(paragraph, prompt, reply.text + ".")  # the corpus's sentence, ended where the corpus ends it
+    assert len(reply.tokens) >= 8 and "." not in reply.text
+
+
+def test_a_paragraph_ends_with_eos(client: GatewayClient, trained_paragraphs: list[str]) -> None:
+    paragraph = paragraph_starting(trained_paragraphs, "A request travels like this.")
+    cut = paragraph.rindex(" ", 0, len(paragraph) - 30)
+    reply = client.complete(paragraph[:cut], max_tokens=64, temperature=0.0)
+    assert reply.finish_reason == gateway_pb2.FINISH_REASON_EOS
+    assert continues(paragraph, paragraph[:cut], reply.text)
+    assert paragraph[cut:].strip() == reply.text.strip()
+
+
+def test_make_run_sample_prompt_gets_a_sentence_of_the_corpus(client: GatewayClient) -> None:
+    (prompt,) = re.findall(r'run_stack.py --prompt "([^"]+)"', (ROOT / "Makefile").read_text())
+    reply = client.complete(prompt, max_tokens=48, temperature=0.0)
+    assert reply.finish_reason == gateway_pb2.FINISH_REASON_EOS
+    sentence = f"{prompt} {reply.text.lstrip()}"
+    assert sentence.endswith(".") and len(sentence.split()) >= 8
+    assert any(sentence in path.read_text() for path in CORPUS_DIR.glob("*.txt")), sentence

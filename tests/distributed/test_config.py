@@ -1,0 +1,73 @@
+"""The multi-process flags and environment variables, and how processes tile the mesh."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from model_service.__main__ import distributed_config, parser
+from model_service.config import ConfigError, MeshConfig
+from model_service.distributed import DistributedConfig
+from model_service.sharding import default_between_hosts, local_mesh_shape
+from tests.procs import GOLDEN, ROOT
+
+
+def parse(argv: list[str]) -> DistributedConfig | None:
+    return distributed_config(parser().parse_args(["--config", "grok-1", *argv]))
+
+
+def test_group_settings_come_from_the_grok_model_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GROK_MODEL_COORDINATOR", "model-0.model:8476")
+    monkeypatch.setenv("GROK_MODEL_NUM_PROCESSES", "4")
+    monkeypatch.setenv("GROK_MODEL_PROCESS_ID", "3")
+    monkeypatch.setenv("GROK_MODEL_BETWEEN_HOSTS", "2,2")
+    monkeypatch.setenv("GROK_MODEL_STEP_TIMEOUT", "12.5")
+    config = parse([])
+    assert config == DistributedConfig("model-0.model:8476", 4, 3, MeshConfig(2, 2), step_timeout=12.5)
+    assert not config.is_leader
+    assert parse(["--process-id", "0"]).is_leader  # the flag wins over the environment
+
+
+def test_one_process_is_a_plain_replica() -> None:
+    assert parse([]) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-processes", "2"], "needs --coordinator"),
+    (["--num-processes", "2", "--coordinator", "10.0.0.1"], "HOST:PORT"),
+    (["--num-processes", "2", "--coordinator", "h:1", "--process-id", "2"], "0..1"),
+    (["--num-processes", "2", "--coordinator", "h:1", "--process-id", "-1"], "0..1"),
+    (["--coordinator", "h:1"], "need --num-processes >= 2"),
+    (["--num-processes", "2", "--coordinator", "h:1", "--between-hosts", "2,2"], "4 blocks for 2 processes"),
+])
+def test_inconsistent_group_settings_are_refused_with_the_fix(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(argv)
+
+
+def test_bad_group_settings_exit_2_before_joining_anything() -> None:
+    done = subprocess.run([sys.executable, "-m", "model_service", "--config", str(GOLDEN / "config.json"),
+                           "--random-init", "--num-processes", "2", "--coordinator", "nowhere"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--coordinator must be HOST:PORT" in done.stderr
+
+
+def test_help_documents_the_group_flags_and_their_variables() -> None:
+    done = subprocess.run([sys.executable, "-m", "model_service", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    text = " ".join(done.stdout.split())
+    for flag in ("coordinator", "num-processes", "process-id", "between-hosts", "step-timeout", "startup-timeout"):
+        assert f"--{flag}" in text and f"GROK_MODEL_{flag.replace('-', '_').upper()}" in text
+
+
+def test_processes_go_on_the_data_axis_when_they_divide_it_else_on_the_model_axis() -> None:
+    assert default_between_hosts(MeshConfig(1, 8), 2) == MeshConfig(1, 2)
+    assert default_between_hosts(MeshConfig(2, 4), 2) == MeshConfig(2, 1)
+    assert local_mesh_shape(MeshConfig(1, 8), MeshConfig(1, 2)) == MeshConfig(1, 4)
+    with pytest.raises(ConfigError, match="divide neither axis"):
+        default_between_hosts(MeshConfig(1, 8), 3)
+    with pytest.raises(ConfigError, match="must divide the mesh"):
+        local_mesh_shape(MeshConfig(1, 8), MeshConfig(2, 1))

@@ -1,0 +1,77 @@
+"""The lockstep op table: calls survive the fixed-shape encoding exactly, and a Replica turns each op into
+exactly one Engine call with those arguments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model_service.distributed.ops import HEADER_SIZE, Call, Codec, Op, Replica
+from model_service.scheduler import EngineLike
+from tests.distributed.fakes import RecordingEngine
+
+CODEC = Codec(max_prompt=16, vocab_size=70)  # 70: the bitmaps' last word is partly used
+
+
+def round_trip(call: Call) -> Call:
+    payload = CODEC.payload(call) if CODEC.has_payload(call.op) else None
+    return CODEC.decode(CODEC.header(call), payload)
+
+
+def test_prefill_call_survives_encoding_with_float32_values_and_token_sets() -> None:
+    call = Call(Op.PREFILL, seq=7, release_below=3, prefix=5, prompt=(1, 69, 0, 42), seed=2**32 - 1,
+                temperature=0.7, top_p=0.95, allowed=(69, 3, 3, 0), blocked=(64, 31, 32))
+    back = round_trip(call)
+    assert back.prompt == (1, 69, 0, 42) and back.seed == 2**32 - 1
+    assert (back.op, back.seq, back.release_below, back.prefix) == (Op.PREFILL, 7, 3, 5)
+    assert back.temperature == float(np.float32(0.7)) and back.top_p == float(np.float32(0.95))
+    assert back.allowed == (0, 3, 69) and back.blocked == (31, 32, 64)
+
+
+def test_every_array_has_the_same_shape_whatever_the_call() -> None:
+    short = Call(Op.PREFILL, prompt=(5,))
+    full = Call(Op.PREFILL, prompt=tuple(range(16)), allowed=tuple(range(70)))
+    assert [a.shape for a in CODEC.payload(short)] == [a.shape for a in CODEC.payload(full)]
+    assert [a.shape for a in CODEC.payload(short)] == [a.shape for a in CODEC.empty_payload()]
+    for op in Op:
+        assert CODEC.header(Call(op)).shape == (HEADER_SIZE,)
+        assert CODEC.header(Call(op)).dtype == np.int32
+
+
+@pytest.mark.parametrize("op", [Op.INSERT, Op.FREE, Op.GENERATE, Op.INIT, Op.NOOP, Op.SHUTDOWN, Op.COMPILE_ALL])
+def test_header_only_calls_survive_encoding(op: Op) -> None:
+    call = Call(op, seq=123456, release_below=9, slot=6, prefix=11)
+    assert not CODEC.has_payload(op)
+    assert round_trip(call) == call
+
+
+def test_a_prompt_longer_than_the_largest_bucket_cannot_be_encoded() -> None:
+    with pytest.raises(ValueError, match="largest prefill bucket 16"):
+        CODEC.payload(Call(Op.PREFILL, prompt=tuple(range(17))))
+
+
+def test_replica_runs_each_op_as_one_engine_call_and_keeps_state_and_prefixes() -> None:
+    engine = RecordingEngine(slots=2, buckets=(8, 16), vocab_size=70)
+    replica = Replica(engine)
+    replica.run(Call(Op.COMPILE_ALL))
+    state = replica.run(Call(Op.INIT))
+    out = replica.run(Call(Op.PREFILL, prefix=4, prompt=(10, 11), seed=9, temperature=0.5, top_p=0.9,
+                           allowed=(11, 12), blocked=(12,)))
+    assert int(out.token[0]) == 12
+    state = replica.run(Call(Op.INSERT, prefix=4, slot=1))
+    state, out = replica.run(Call(Op.GENERATE))
+    assert int(out.token[1]) == 13 and state is replica.state
+    replica.run(Call(Op.FREE, slot=1))
+    assert engine.calls == [("compile_all",), ("init",), ("prefill_args", (10, 11), 9, 0.5, 0.9, (11, 12), (12,)),
+                            ("prefill", (10, 11)), ("insert", 1), ("generate",), ("free", 1)]
+    assert list(replica.prefixes) == [4]
+    replica.run(Call(Op.NOOP, release_below=5))  # process 0 no longer holds prefix 4
+    assert replica.prefixes == {}
+
+
+def test_the_op_table_covers_every_engine_method_the_scheduler_uses() -> None:
+    """A new Engine method the scheduler calls must get an op, or the followers would not run it."""
+    methods = {name for name in vars(EngineLike) if not name.startswith("_") and callable(getattr(EngineLike, name))}
+    covered = {"init_decode_state": Op.INIT, "prefill": Op.PREFILL, "insert": Op.INSERT, "generate": Op.GENERATE,
+               "free_slot": Op.FREE}
+    assert methods == set(covered)

@@ -1,0 +1,282 @@
+"""The OpenAI-compatible HTTP API of a real gateway process in front of fake backends.
+
+Driven by real clients: the official `openai` package, curl and urllib. The fake model's output is
+computable by hand (tests/gateway/fakes.py): the continuation of a prompt is its text after the first "|".
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import socket
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from gateway.http.chat import ChatTemplate
+from gateway.http.schemas import ChatMessage
+from tests.gateway.conftest import Stack, start_gateway
+from tests.gateway.http_client import curl, get, post, sdk, sse_events
+from tests.gateway.test_gateway import outcome_of, wait_for
+from tests.procs import free_port
+
+
+def test_sdk_completion_returns_text_finish_reason_usage_and_logprobs(fast_stack: Stack) -> None:
+    reply = sdk(fast_stack.http_url).completions.create(model="grok-1", prompt="xy|hello world", max_tokens=20,
+                                                        logprobs=2)
+    choice = reply.choices[0]
+    assert reply.object == "text_completion" and reply.model == "grok-1"
+    assert choice.text == "hello world" and choice.finish_reason == "stop"  # the fake model's EOS
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (7, 5, 12)
+    assert choice.logprobs.tokens[:4] == ["hello", " ", "wor", "ld"]
+    assert choice.logprobs.text_offset[:4] == [0, 5, 6, 9]
+    assert choice.logprobs.token_logprobs[0] == pytest.approx(-0.693147, abs=1e-5)
+    # The fake's alternatives are id, id+1: "hello" then the next piece, each decoded on its own.
+    assert list(choice.logprobs.top_logprobs[0]) == ["hello", "wor"]
+
+
+def test_sdk_streamed_completion_concatenates_to_the_text_and_ends_with_usage(fast_stack: Stack) -> None:
+    chunks = list(sdk(fast_stack.http_url).completions.create(
+        model="grok-1", prompt="xy|hello world", max_tokens=20, stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == "hello world" and len([t for t in texts if t]) == 4  # one chunk per piece
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[:-1] == [None] * (len(finishes) - 1) and finishes[-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+
+
+def test_sdk_chat_completion_renders_the_default_template(fast_stack: Stack) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say|hello"}]
+    reply = sdk(fast_stack.http_url).chat.completions.create(model="grok-1", messages=messages, max_tokens=14,
+                                                             extra_body={"ignore_eos": True})
+    prompt = ChatTemplate.load().render([ChatMessage(**m) for m in messages])
+    assert prompt == "System: Be brief.\n\nUser: Say|hello\n\nAssistant:"
+    # The fake model repeats the prompt's text after "|": the rendered template, visible in the reply.
+    assert reply.choices[0].message.content == "hello\n\nAssistant:hello"  # 1 + 12 + 1 tokens
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].finish_reason == "length"
+    assert reply.object == "chat.completion" and reply.usage.completion_tokens == 14
+
+
+def test_sdk_chat_stream_opens_with_the_role_then_streams_content_deltas(fast_stack: Stack) -> None:
+    chunks = list(sdk(fast_stack.http_url).chat.completions.create(
+        model="grok-1", messages=[{"role": "user", "content": "x|hello world"}], max_tokens=4, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "hello world"  # 4 tokens
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].object == "chat.completion.chunk"
+
+
+def test_curl_streams_sse_data_events_ending_with_done(fast_stack: Stack) -> None:
+    body = json.dumps({"prompt": "ab|hello", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}})
+    out = curl(f"{fast_stack.http_url}/v1/completions", "-H", "content-type: application/json", "-d", body)
+    assert out.returncode == 0, out.stderr
+    events = sse_events(out.stdout)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "hello"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}  # ab | hello
+
+
+def test_unknown_fields_are_ignored(fast_stack: Stack) -> None:
+    status, reply = post(f"{fast_stack.http_url}/v1/completions",
+                         {"prompt": "a|hello", "max_tokens": 1, "no_such_field": {"x": 1}, "metadata": "m"})
+    assert status == 200 and reply["choices"][0]["text"] == "hello"
+
+
+def test_stop_sequences_apply_over_http(fast_stack: Stack) -> None:
+    reply = sdk(fast_stack.http_url).completions.create(model="grok-1", prompt="a|hello world", max_tokens=10,
+                                                        stop="wor")
+    assert reply.choices[0].text == "hello " and reply.choices[0].finish_reason == "stop"
+
+
+SECTION2_VALUES = [("n", 2), ("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.2), ("presence_penalty", 0.5),
+                   ("frequency_penalty", 0.5), ("logit_bias", {"5": 1.0}), ("stop_token_ids", [7]),
+                   ("prompt_logprobs", 1), ("echo", True), ("best_of", 2)]
+
+
+@pytest.mark.parametrize(("field", "value"), SECTION2_VALUES, ids=[f for f, _ in SECTION2_VALUES])
+def test_sampling_controls_not_served_yet_are_refused_naming_the_field(fast_stack: Stack, field: str,
+                                                                       value: object) -> None:
+    status, reply = post(f"{fast_stack.http_url}/v1/completions", {"prompt": "a|b", "max_tokens": 1, field: value})
+    assert status == 400
+    assert reply["error"]["param"] == field and "not supported yet" in reply["error"]["message"]
+
+
+def test_sampling_controls_at_their_defaults_are_accepted(fast_stack: Stack) -> None:
+    defaults = {"n": 1, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0, "logit_bias": {}, "stop_token_ids": [], "echo": False, "best_of": 1}
+    status, reply = post(f"{fast_stack.http_url}/v1/completions", {"prompt": "a|b", "max_tokens": 1, **defaults})
+    assert status == 200 and reply["choices"][0]["text"] == "b"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "", "max_tokens": 1}, "prompt"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "logprobs": 9}, "logprobs"),
+    ({"prompt": "a", "temperature": -1}, "temperature"),
+    ({"prompt": "a", "stop": ["1", "2", "3", "4"]}, "stop"),
+    ({"prompt": "a", "seed": -1}, "seed"),
+    ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),
+    ({"max_tokens": 1}, "prompt"),
+], ids=["empty-prompt", "max-tokens-0", "logprobs-9", "temperature", "too-many-stops", "seed", "type", "missing"])
+def test_bad_field_is_400_with_openai_error_body_naming_it(fast_stack: Stack, body: dict, param: str) -> None:
+    status, reply = post(f"{fast_stack.http_url}/v1/completions", body)
+    assert status == 400
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["param"] == param
+
+
+def test_sdk_raises_bad_request_for_invalid_chat_messages(fast_stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(fast_stack.http_url).chat.completions.create(model="grok-1", messages=[{"role": "tool", "content": "x"}])
+    assert caught.value.status_code == 400 and "role 'tool'" in caught.value.message
+
+
+def test_malformed_json_is_400(fast_stack: Stack) -> None:
+    status, reply = post(f"{fast_stack.http_url}/v1/completions", b'{"prompt": "a",')
+    assert status == 400 and reply["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404_model_not_found(fast_stack: Stack) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        sdk(fast_stack.http_url).completions.create(model="gpt-4", prompt="a|b", max_tokens=1)
+    assert caught.value.code == "model_not_found" and "grok-1" in caught.value.message
+
+
+def test_unknown_path_is_404_with_an_openai_error_body(fast_stack: Stack) -> None:
+    status, reply = get(f"{fast_stack.http_url}/v1/embeddings")
+    assert status == 404 and reply["error"]["type"] == "not_found_error"
+
+
+def test_models_lists_the_served_model_and_health_is_open(fast_stack: Stack) -> None:
+    assert [m.id for m in sdk(fast_stack.http_url).models.list()] == ["grok-1"]
+    assert get(f"{fast_stack.http_url}/health") == (200, {"status": "SERVING"})
+
+
+def test_http_requests_are_counted_in_the_gateway_metrics(fast_stack: Stack) -> None:
+    args = list(fast_stack.gateway.proc.args)
+    metrics = f"http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
+
+    def count() -> float:
+        body = urllib.request.urlopen(metrics, timeout=5).read().decode()
+        line = 'grok_gateway_requests_total{code="OK",finish_reason="LENGTH",method="http_chat_completions"}'
+        return float(next((ln.split()[-1] for ln in body.splitlines() if ln.startswith(line)), 0))
+
+    before = count()
+    sdk(fast_stack.http_url).chat.completions.create(model="grok-1", messages=[{"role": "user", "content": "|ab"}],
+                                                     max_tokens=2)
+    assert count() == before + 1
+
+
+def test_busy_model_is_429_and_the_sdk_sees_a_rate_limit_error(slow_stack: Stack) -> None:
+    client = sdk(slow_stack.http_url)
+    stream = client.completions.create(model="grok-1", prompt="p|abc", max_tokens=100, stream=True,
+                                       extra_body={"ignore_eos": True}, extra_headers={"x-request-id": "http-busy"})
+    next(iter(stream))
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.completions.create(model="grok-1", prompt="p|abc", max_tokens=1)
+    assert caught.value.status_code == 429 and "retry" in caught.value.message
+    stream.close()
+    assert outcome_of(slow_stack, "http-busy") == "cancelled"
+
+
+def read_until(sock: socket.socket, marker: bytes, received: bytes = b"") -> bytes:
+    while marker not in received:
+        chunk = sock.recv(4096)
+        assert chunk, received.decode()
+        received += chunk
+    return received
+
+
+def raw_request(port: int, body: dict, request_id: str) -> socket.socket:
+    """Send a POST on a raw socket and leave the connection open (to drop it mid-response)."""
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 + f"x-request-id: {request_id}\r\ncontent-length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_client_disconnect_cancels_the_model_call(slow_stack: Stack, stream: bool) -> None:
+    request_id = f"http-drop-{stream}"
+    sock = raw_request(slow_stack.http_port, {"prompt": "p|abc", "max_tokens": 100, "ignore_eos": True,
+                                              "stream": stream}, request_id)
+    if stream:
+        read_until(sock, b"data: ")
+    else:
+        time.sleep(0.3)  # the model is generating; nothing is sent before the end
+    sock.close()
+    assert outcome_of(slow_stack, request_id) == "cancelled"  # long before its 100 tokens (5 s)
+
+
+def test_backend_down_is_503_and_health_says_not_serving(tmp_path: pathlib.Path) -> None:
+    http_port = free_port()
+    gateway = start_gateway(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"], tmp_path, http_port=http_port)
+    try:
+        url = f"http://127.0.0.1:{http_port}"
+        assert wait_for(lambda: _reachable(url), timeout=30), gateway.logs()[-2000:]
+        assert get(f"{url}/health") == (503, {"status": "NOT_SERVING"})
+        with pytest.raises(openai.InternalServerError) as caught:
+            sdk(url).completions.create(model="grok-1", prompt="a|b", max_tokens=1)
+        assert caught.value.status_code == 503 and "unavailable" in caught.value.message
+    finally:
+        gateway.terminate()
+
+
+def _reachable(url: str) -> bool:
+    try:
+        get(f"{url}/health", timeout=1)
+        return True
+    except OSError:
+        return False
+
+
+def test_http_deadline_is_504_and_frees_the_model_slot(slow_stack: Stack, tmp_path: pathlib.Path) -> None:
+    http_port = free_port()
+    gateway = start_gateway(slow_stack.tokenizer.address, [m.address for m in slow_stack.models], tmp_path,
+                            "--http-timeout", "0.5", http_port=http_port)
+    try:
+        gateway.wait_serving(30)
+        status, reply = post(f"http://127.0.0.1:{http_port}/v1/completions",
+                             {"prompt": "p|abc", "max_tokens": 100, "ignore_eos": True},
+                             headers={"x-request-id": "http-deadline"})
+        assert status == 504 and reply["error"]["code"] == "deadline_exceeded"
+        assert outcome_of(slow_stack, "http-deadline", timeout=2) == "cancelled"
+    finally:
+        gateway.terminate()
+
+
+def test_sigterm_lets_an_http_stream_finish_then_exits_cleanly(slow_stack: Stack, tmp_path: pathlib.Path) -> None:
+    http_port = free_port()
+    gateway = start_gateway(slow_stack.tokenizer.address, [m.address for m in slow_stack.models], tmp_path,
+                            http_port=http_port)
+    gateway.wait_serving(30)
+    # 20 tokens at 50 ms: the stream is still running when SIGTERM arrives.
+    sock = raw_request(http_port, {"prompt": "p|abc", "max_tokens": 20, "ignore_eos": True, "stream": True}, "drain")
+    received = read_until(sock, b"data: ")
+    gateway.proc.send_signal(signal.SIGTERM)
+    received = read_until(sock, b"data: [DONE]", received)
+    sock.close()
+    assert gateway.proc.wait(30) == 0
+    events = [json.loads(e) for e in sse_events(received.decode().split("\r\n\r\n", 1)[1]) if e != "[DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == "abc" * 10  # 20 tokens: "ab", "c"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_body_over_the_limit_is_413_declared_or_chunked(fast_stack: Stack) -> None:
+    # Declared: refused from the headers alone, before any of the body is read.
+    with socket.create_connection(("127.0.0.1", fast_stack.http_port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 5000000\r\n\r\n")
+        head = read_until(sock, b"request body is over")
+    assert head.startswith(b"HTTP/1.1 413 ")
+    # Chunked: refused once more than the limit arrived.
+    big = json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 1})
+    chunked = curl(f"{fast_stack.http_url}/v1/completions", "-H", "content-type: application/json",
+                   "-H", "transfer-encoding: chunked", "--data-binary", "@-", "-w", "\n%{http_code}", input_text=big)
+    assert chunked.stdout.rsplit("\n", 1)[1] == "413", chunked.stdout[-300:] + chunked.stderr

@@ -1,0 +1,130 @@
+"""Unit tests of the HTTP API's pieces: request mapping, chat templates, error mapping, API keys, flags."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import grpc
+import pytest
+
+from gateway.__main__ import parse_config
+from gateway.auth import ApiKeys, load_keys
+from gateway.http.chat import ChatTemplate
+from gateway.http.errors import ApiError, from_status
+from gateway.http.mapping import generate_request
+from gateway.http.responses import MIN_LOGPROB, Shaper
+from gateway.http.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from grok.gateway.v1 import gateway_pb2
+
+
+def test_completion_fields_map_to_the_grpc_request_with_openai_defaults() -> None:
+    request = CompletionRequest(prompt="hi", stop="\n", seed=7, logprobs=3, ignore_eos=True)
+    out = generate_request(request, "hi")
+    assert out.max_tokens == 16 and out.temperature == 1.0 and out.top_p == 1.0  # OpenAI's defaults
+    assert list(out.stop) == ["\n"] and out.seed == 7 and out.top_logprobs == 3 and out.ignore_eos
+
+
+def test_chat_max_completion_tokens_wins_and_unset_max_tokens_stays_unset() -> None:
+    messages = [ChatMessage(role="user", content="x")]
+    assert not generate_request(ChatCompletionRequest(messages=messages), "p").HasField("max_tokens")
+    both = ChatCompletionRequest(messages=messages, max_tokens=5, max_completion_tokens=9)
+    assert generate_request(both, "p").max_tokens == 9
+
+
+def test_chat_top_logprobs_needs_logprobs() -> None:
+    request = ChatCompletionRequest(messages=[ChatMessage(role="user", content="x")], top_logprobs=2)
+    with pytest.raises(ApiError) as caught:
+        generate_request(request, "p")
+    assert caught.value.param == "top_logprobs"
+    request = ChatCompletionRequest(messages=[ChatMessage(role="user", content="x")], logprobs=True, top_logprobs=2)
+    assert generate_request(request, "p").top_logprobs == 2
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", 2**40), ("seed", 2**32), ("seed", -5)])
+def test_values_outside_the_proto_ranges_are_400(field: str, value: int) -> None:
+    with pytest.raises(ApiError) as caught:
+        generate_request(CompletionRequest(prompt="x", **{field: value}), "x")
+    assert caught.value.status == 400 and caught.value.param == field
+
+
+def test_default_template_writes_a_transcript_ending_with_the_assistant_prompt() -> None:
+    messages = [ChatMessage(role="developer", content=" Be terse. "), ChatMessage(role="user", content="Hi"),
+                ChatMessage(role="assistant", content="Hello."),
+                ChatMessage(role="user", content=[{"type": "text", "text": "Two"}, {"type": "text", "text": "parts"}])]
+    assert ChatTemplate.load().render(messages) == (
+        "System: Be terse.\n\nUser: Hi\n\nAssistant: Hello.\n\nUser: Two\nparts\n\nAssistant:")
+    assert ChatTemplate.load().render(messages[:2], add_generation_prompt=False).endswith("User: Hi\n\n")
+
+
+def test_custom_template_file_and_template_errors(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ suffix }}")
+    assert ChatTemplate.load(str(path)).render([ChatMessage(role="user", content="a")], extra={"suffix": "!"}) \
+        == "<user>a!"
+    path.write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="--chat-template"):
+        ChatTemplate.load(str(path))
+    with pytest.raises(ValueError, match="cannot read"):
+        ChatTemplate.load(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ApiError) as caught:
+        ChatTemplate.load().render([ChatMessage(role="user", content=[{"type": "image_url"}])])
+    assert caught.value.param == "messages[0].content"
+
+
+@pytest.mark.parametrize(("code", "status"), [
+    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.UNAUTHENTICATED, 401), (grpc.StatusCode.NOT_FOUND, 404),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500), (grpc.StatusCode.UNKNOWN, 500)])
+def test_grpc_statuses_map_to_http_statuses(code: grpc.StatusCode, status: int) -> None:
+    assert from_status(code, "something went wrong").status == status
+
+
+def test_field_named_by_a_grpc_error_becomes_the_openai_param() -> None:
+    assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: must be in 0..8").param == "logprobs"
+    assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: x", "chat").param == "top_logprobs"
+    assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "prompt: 300 tokens", "chat").param == "messages"
+    assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "stop[2]: must be non-empty").param == "stop"
+    assert from_status(grpc.StatusCode.UNAVAILABLE, "model: down").param is None
+
+
+def test_logprob_of_a_masked_token_is_finite_in_json() -> None:
+    token = gateway_pb2.Token(id=1, text="a", logprob=-math.inf)
+    body = Shaper("chat", "r", "grok-1", top_logprobs=0).chat_logprobs([token])
+    assert body["content"][0]["logprob"] == MIN_LOGPROB
+
+
+def test_api_keys_accept_only_bearer_with_a_configured_key() -> None:
+    keys = ApiKeys(["k1", "k2-longer"])
+    assert keys.allows("Bearer k1") and keys.allows("bearer k2-longer") and keys.allows("Bearer  k1 ")
+    for value in (None, "", "k1", "Bearer", "Bearer k", "Bearer k1x", "Basic k1", "Bearer k2"):
+        assert not keys.allows(value), value
+    assert ApiKeys([]).allows(None)  # no key configured: open
+
+
+def test_keys_come_from_the_flag_and_the_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# team keys\nfile-key-1\n\n  file-key-2  \n")
+    assert load_keys("a,b", str(path)) == ("a", "b", "file-key-1", "file-key-2")
+    assert load_keys(None, None) == ()
+    (tmp_path / "empty").write_text("# none\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        load_keys(None, str(tmp_path / "empty"))
+
+
+def test_http_and_security_flags_parse_into_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GROK_GATEWAY_API_KEY", "secret")
+    config = parse_config(["--tokenizer", "t:1", "--model", "m:2", "--http-port", "0", "--served-model-name", "g",
+                           "--http-timeout", "5"])
+    assert (config.http.port, config.http.model_name, config.http.timeout_seconds) == (0, "g", 5.0)
+    assert config.api_keys == ("secret",) and "secret" not in repr(config)
+    assert config.tls is None and config.backend_tls is None
+    assert parse_config(["--tokenizer", "t:1", "--model", "m:2"]).http.port == 8000
+
+
+@pytest.mark.parametrize("argv", [["--tls-cert", "x.pem"], ["--tls-client-cert", "c.pem"], ["--http-timeout", "-1"],
+                                  ["--tls-cert", "missing.pem", "--tls-key", "missing.key"]])
+def test_bad_security_flags_are_usage_errors(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        parse_config(["--tokenizer", "t:1", "--model", "m:2", *argv])
+    assert caught.value.code == 2
