@@ -32,7 +32,7 @@ demo-check: setup  ## retrain into build/demo-check and fail unless its losses m
 	$(PY) -m model_service.train --out build/demo-check --compare-with $(DEMO)/training.json
 
 run: setup  ## set up, then serve the embedded default (the committed demo/: tokenizer + model + gateway), stream a sample
-	$(PY) scripts/run_stack.py --prompt "The model service" --max-tokens 48
+	$(PY) scripts/run_stack.py
 
 protos: $(VENV)/.installed  ## regenerate the Python stubs from protos/
 	$(PY) scripts/gen_protos.py

@@ -1,8 +1,10 @@
 """Domain errors of the gateway and the one place that maps upstream gRPC statuses to ours.
 
-Upstream INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED and CANCELLED pass through with the
-backend's message and its google.rpc details (field violations, retry delay); an unreachable service
-is UNAVAILABLE naming the service, and so is a connection that broke mid-call (gRPC core reports some
+Upstream INVALID_ARGUMENT, RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED pass through with the backend's
+message and its google.rpc details (field violations, retry delay); an unreachable service is
+UNAVAILABLE naming the service, and so is a call the backend cancelled (the gateway's own
+cancellations never surface as an upstream error: a replica whose drain grace ran out mid-call), and
+a connection that broke mid-call (gRPC core reports some
 of those as INTERNAL or UNKNOWN, but without the details trailer every error from our services
 carries); a backend's own INTERNAL stays INTERNAL (a bug somewhere). Public messages never name a
 backend's address or the transport's error text: those go to the gateway's log.
@@ -23,7 +25,6 @@ PASS_THROUGH = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
 })
 # How long a client should wait before retrying when a backend is down (RetryInfo of UNAVAILABLE).
 UNAVAILABLE_RETRY_SECONDS = 1.0
@@ -62,6 +63,8 @@ def from_status(code: grpc.StatusCode, details: str, service: str, address: str,
     if trailers is None and error is not None and hasattr(error, "trailing_metadata"):
         trailers = error.trailing_metadata()
     from_our_service = any(key == DETAILS_KEY for key, _ in trailers or ())  # type: ignore[attr-defined]
+    if code == grpc.StatusCode.CANCELLED:
+        return down(service, "it cancelled the call: restarting or shutting down")
     if code == grpc.StatusCode.UNAVAILABLE or (code in TRANSPORT_CODES and not from_our_service):
         return down(service)
     return GatewayError(grpc.StatusCode.INTERNAL, f"the {service} service failed ({code.name}); the gateway's "

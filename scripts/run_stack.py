@@ -50,9 +50,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_env_argument("--model-port", type=port, default=50053, help="model gRPC port")
     p.add_env_argument("--metrics-port", type=port, default=9090, help="gateway Prometheus port (0: off)")
     p.add_env_argument("--model-metrics-port", type=port, default=9091, help="model Prometheus port (0: off)")
-    p.add_env_argument("--prompt", default="The answer to life the universe and everything is",
+    p.add_env_argument("--prompt", default="The model service",
                        help="prompt of the sample completion")
-    p.add_env_argument("--max-tokens", type=positive_int, default=24, help="tokens of the sample completion")
+    p.add_env_argument("--max-tokens", type=positive_int, default=48, help="tokens of the sample completion")
     p.add_env_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for SERVING")
     p.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)

@@ -50,3 +50,13 @@ def test_pass_through_keeps_the_backends_message_and_retry_info() -> None:
                            "model", "10.0.0.7:50053")
     assert mapped.code == grpc.StatusCode.RESOURCE_EXHAUSTED and mapped.retry_after == 1.0
     assert mapped.message == "model service: the waiting queue is full; retry later"
+
+
+def test_a_call_the_backend_cancelled_is_unavailable_so_the_client_retries() -> None:
+    # The gateway's own cancellations never come back as an RpcError (its reader is cancelled instead):
+    # a CANCELLED status from upstream means the backend ended the call, e.g. a model replica whose
+    # SIGTERM grace ran out while the call was still decoding. The client did not cancel anything.
+    mapped = from_upstream(FailedCall(grpc.StatusCode.CANCELLED, "Cancelled"), "model", "10.0.0.7:50053")
+    assert mapped.code == grpc.StatusCode.UNAVAILABLE
+    assert "model service" in mapped.message and "10.0.0.7" not in mapped.message
+    assert mapped.retry_after is not None

@@ -74,17 +74,19 @@ def test_max_tokens_gives_finish_reason_length(client: GatewayClient) -> None:
     assert reply.finish_reason == gateway_pb2.FINISH_REASON_LENGTH and reply.usage.completion_tokens == 7
 
 
-def test_stop_across_token_boundaries_is_not_emitted_and_ends_the_model_stream(fast_stack: Stack,
-                                                                               client: GatewayClient) -> None:
-    messages = list(client.generate("p|hello world", max_tokens=100, stop=["lo wo", "zz"], ignore_eos=True,
-                                    request_id="stop-test"))
+def test_stop_across_token_boundaries_is_not_emitted_and_ends_the_model_stream(slow_stack: Stack) -> None:
+    # The slow fake model (50 ms per token) needs 5 s for the 100 tokens allowed: only a cancel from the
+    # gateway can end its stream after the third token, however loaded the machine is.
+    with GatewayClient(slow_stack.address, timeout=30) as client:
+        messages = list(client.generate("p|hello world", max_tokens=100, stop=["lo wo", "zz"], ignore_eos=True,
+                                        request_id="stop-test"))
     assert "".join(m.text for m in messages) == "hel"
     assert messages[-1].finish_reason == gateway_pb2.FINISH_REASON_STOP
     # The stop spans "hello", " " and "wor"; "hello" is cut to what it added to the completion.
     assert [t.text for m in messages for t in m.tokens] == ["hel"]
     assert messages[-1].usage.completion_tokens == 3
     # Ending at the stop cancelled the model's stream (100 tokens were allowed).
-    assert outcome_of(fast_stack, "stop-test") == "cancelled"
+    assert outcome_of(slow_stack, "stop-test") == "cancelled"
 
 
 def test_multibyte_characters_are_never_split_across_messages(client: GatewayClient) -> None:
