@@ -90,7 +90,7 @@ def test_a_paragraph_ends_with_eos(client: GatewayClient, trained_paragraphs: li
 
 
 def test_make_run_sample_prompt_gets_a_sentence_of_the_corpus(client: GatewayClient) -> None:
-    (prompt,) = re.findall(r'run_stack.py --prompt "([^"]+)"', (ROOT / "Makefile").read_text())
+    (prompt,) = re.findall(r'"--prompt", default="([^"]+)"', (ROOT / "scripts" / "run_stack.py").read_text())
     reply = client.complete(prompt, max_tokens=48, temperature=0.0)
     assert reply.finish_reason == gateway_pb2.FINISH_REASON_EOS
     sentence = f"{prompt} {reply.text.lstrip()}"
