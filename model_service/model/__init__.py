@@ -1,8 +1,8 @@
 """GrokModel: the Grok-1 network's pure, jit-able entry points for the serving engine.
 
-prefill (one padded prompt -> last-position logits + a batch-1 KV prefix), insert (prefix -> batch slot),
-decode (one token per slot, each at its own position), plus full-sequence `forward` for parity checks and
-the sharding pytrees the engine jits with.
+prefill (padded prompts -> last-position logits + a KV prefix per prompt), insert (one prefix row -> a batch
+slot), decode (one token for each of the first R slots, each at its own position), plus full-sequence `forward`
+for parity checks and the sharding pytrees the engine jits with.
 """
 
 from __future__ import annotations
@@ -18,26 +18,37 @@ from jax.sharding import Mesh
 from model_service import kv_memory
 from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Memory
-from model_service.model.layers import QuantizedWeight
+from model_service.model.layers import Products, QuantizedWeight
 from model_service.model.params import Params
 from model_service.model.transformer import Step, forward
 from model_service.sharding import DATA, MODEL, params_shardings
 
-__all__ = ["GrokModel", "KVMemory", "Memory", "Params", "QuantizedWeight"]
+__all__ = ["GrokModel", "KVMemory", "Memory", "Params", "Products", "QuantizedWeight"]
 
 Array = jax.Array
 
 
-class GrokModel:
-    """The network bound to a config, a mesh and a compute dtype (float32 or bfloat16)."""
+def default_decode_products(mesh: Mesh) -> Products:
+    """Fused multiply-reduce products on CPU (faster there at decode sizes, and row-invariant for any row count);
+    dot_general elsewhere, where the vendor matrix kernels are the fast path."""
+    return Products.FUSED_REDUCE if mesh.devices.flat[0].platform == "cpu" else Products.DOT
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype) -> None:
+
+class GrokModel:
+    """The network bound to a config, a mesh and a compute dtype (float32 or bfloat16).
+
+    `decode_products` picks how decode steps multiply (layers.Products; default by platform); prefill and full
+    passes always use dot_general, which is what long inputs need.
+    """
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, decode_products: Products | None = None) -> None:
         validate(cfg, MeshConfig(data=mesh.shape[DATA], model=mesh.shape[MODEL]))
         if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             raise ValueError(f"compute dtype must be float32 or bfloat16, got {dtype}")
         self.cfg = cfg
         self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
+        self.decode_products = decode_products or default_decode_products(mesh)
         self._net = hk.without_apply_rng(hk.transform(functools.partial(forward, cfg, mesh, self.dtype)))
 
     def init_memory(self, batch: int) -> Memory:
@@ -47,31 +58,40 @@ class GrokModel:
                                      self.dtype)
 
     def prefill(self, params: Params, tokens: Array, length: Array) -> tuple[Array, Memory]:
-        """tokens [1, T] int32 padded after `length` -> (logits [1, V] float32 at length-1, batch-1 prefix)."""
-        n = tokens.shape[1]
+        """tokens [N, T] int32, each row padded after its `length` [N] -> (logits [N, V] float32 at each row's
+        length-1, a prefix Memory of N rows). Rows are computed independently: a prompt's results do not depend
+        on the others in the call."""
+        b, n = tokens.shape
         if n > self.cfg.sequence_len:
             raise ValueError(f"prompt bucket {n} exceeds sequence_len {self.cfg.sequence_len}")
-        length = jnp.clip(jnp.asarray(length, jnp.int32), 1, n)
-        positions = jnp.arange(n, dtype=jnp.int32)[None, :]
+        length = jnp.clip(jnp.broadcast_to(jnp.asarray(length, jnp.int32), (b,)), 1, n)
+        positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], (b, n))
         causal = jnp.tril(jnp.ones((n, n), bool))[None]
         mask = causal & (tokens != self.cfg.pad_token)[:, None, :]  # pad keys are masked, as the reference does
         step = Step(positions, mask, None, None)
-        logits, caches = self._net.apply(params, tokens, step, jnp.reshape(length - 1, (1,)))
-        return logits, Memory(caches, jnp.reshape(length, (1,)))
+        logits, caches = self._net.apply(params, tokens, step, length - 1)
+        return logits, Memory(caches, length)
 
     def decode(self, params: Params, tokens: Array, memory: Memory,
                active: Array | None = None) -> tuple[Array, Memory]:
-        """tokens [B] int32, one per slot -> (logits [B, V] float32, memory advanced by one per slot).
+        """tokens [R] int32 for the first R slots of `memory` (R <= its slots) -> (logits [R, V] float32, memory
+        with those R slots advanced by one; the other slots untouched).
 
-        `active` [B] bool marks the slots whose outputs are used; inactive slots never make an expert run
-        (their logits are then meaningless), and active slots' results are the same either way.
+        `active` [R] bool marks the slots whose outputs are used; inactive slots never make an expert run
+        (their logits are then meaningless), and active slots' results are the same either way, and the same
+        whatever R is (layers.Products).
         """
-        s = memory.layers[0].k.shape[2]
-        write = jnp.minimum(memory.positions, s - 1)  # a finished slot never writes out of bounds
-        mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= write[:, None])[:, None, :]  # [B, 1, S]
-        step = Step(write[:, None], mask, memory.layers, write, active)
+        r, s = tokens.shape[0], memory.layers[0].k.shape[2]
+        if r > memory.positions.shape[0]:
+            raise ValueError(f"decode of {r} rows over a memory of {memory.positions.shape[0]} slots")
+        if active is None:
+            active = jnp.ones((r,), bool)
+        write = jnp.minimum(memory.positions[:r], s - 1)  # a finished slot never writes out of bounds
+        mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= write[:, None])[:, None, :]  # [R, 1, S]
+        step = Step(write[:, None], mask, memory.layers, write, active, self.decode_products)
         logits, caches = self._net.apply(params, tokens[:, None], step, jnp.zeros_like(write))
-        return logits, Memory(caches, jnp.minimum(memory.positions + 1, s))
+        positions = memory.positions.at[:r].set(jnp.minimum(memory.positions[:r] + 1, s))
+        return logits, Memory(caches, positions)
 
     def forward(self, params: Params, tokens: Array) -> Array:
         """Full pass without memory: tokens [B, T] -> logits [B, T, V] float32 (pad keys masked)."""
@@ -81,9 +101,9 @@ class GrokModel:
         logits, _ = self._net.apply(params, tokens, Step(positions, mask, None, None), None)
         return logits
 
-    def insert(self, memory: Memory, prefix: Memory, slot: Array) -> Memory:
-        """Copy a batch-1 prefill result into `slot` (resets that slot's position to the prompt length)."""
-        return kv_memory.insert(memory, prefix, slot)
+    def insert(self, memory: Memory, prefix: Memory, slot: Array, row: Array | int = 0) -> Memory:
+        """Copy row `row` of a prefill result into `slot` (resets that slot's position to the prompt length)."""
+        return kv_memory.insert(memory, prefix, slot, row)
 
     def memory_shardings(self, batch: int) -> Memory:
         t = self.cfg.model

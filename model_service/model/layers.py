@@ -5,6 +5,7 @@ Every function is pure; the haiku modules in transformer.py / moe.py fetch param
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 import jax
@@ -19,27 +20,27 @@ MASK_VALUE = -1e30
 
 
 class QuantizedWeight(NamedTuple):
-    """An int8 matrix kept 8-bit in device memory, stored in the layout its product reads fastest on CPU.
+    """An int8 matrix kept 8-bit in device memory, stored output-major: [..., N, K] (the checkpoint's [..., K, N]
+    transposed once at load).
 
+    Every product then contracts the minor dimension of both operands: XLA-CPU fuses the int8 conversion into
+    such a product, and computes each output row the same way whatever the number of rows (see `product`).
     `scales` is [..., blocks, N]: one block for column-parallel matrices (query/key/value, moe linear and
-    linear_v), 8 consecutive row blocks of the contraction dim for row-parallel ones (attention output, moe
-    linear_1). Column-parallel weights are stored [..., N, K] (the checkpoint's [..., K, N] transposed once at
-    load) and scaled after the product; row-parallel ones keep the checkpoint's [..., K, N] and are
-    dequantised inside the computation, so any mesh can apply their block scales.
+    linear_v), 8 consecutive blocks of the contraction dim for row-parallel ones (attention output, moe linear_1).
     """
 
-    weight: Array  # int8 [..., N, K] if blocks == 1 else [..., K, N]
+    weight: Array  # int8 [..., N, K]
     scales: Array  # [..., blocks, N]
 
     @property
-    def transposed(self) -> bool:
-        return self.scales.shape[-2] == 1
+    def blocks(self) -> int:
+        return self.scales.shape[-2]
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The reference's logical shape [..., K, N] (haiku checks parameters against it)."""
-        *lead, a, b = self.weight.shape
-        return (*lead, b, a) if self.transposed else (*lead, a, b)
+        *lead, n, k = self.weight.shape
+        return (*lead, k, n)
 
 
 class ExpertStack(NamedTuple):
@@ -54,79 +55,80 @@ class ExpertStack(NamedTuple):
 
 
 def dequantize(q: QuantizedWeight, dtype: jnp.dtype) -> Array:
-    """dtype(int8) * dtype(scale), in the stored layout (the reference's dequantisation, done per call)."""
+    """dtype(int8) * dtype(scale) -> [..., N, K] (the reference's dequantisation, done per call)."""
     w = q.weight.astype(dtype)
-    if q.transposed:
-        return w * q.scales[..., 0, :, None].astype(dtype)
-    *lead, k, n = w.shape
-    blocks = q.scales.shape[-2]
-    w = w.reshape(*lead, blocks, k // blocks, n) * q.scales[..., :, None, :].astype(dtype)
-    return w.reshape(*lead, k, n)
+    *lead, n, k = w.shape
+    blocks = q.blocks
+    scales = jnp.swapaxes(q.scales, -1, -2).astype(dtype)  # [..., N, blocks]
+    return (w.reshape(*lead, n, blocks, k // blocks) * scales[..., None]).reshape(*lead, n, k)
 
 
-SMALL_ROWS = 16  # up to this many rows, expert products use a fused multiply-reduce
+class Products(enum.Enum):
+    """How a layer multiplies its token rows by a weight; chosen once per program (see `product`).
+
+    FUSED_REDUCE: a multiply fused with a reduction over the contraction dim, int8 converted inside. On XLA-CPU
+      this streams each weight once for all rows and beats its dot by ~8x for int8 matrices at decode sizes; each
+      output is one reduction whose order depends only on K, so a row's result is bit-identical for any number
+      of rows (1, 2, ... 64).
+    DOT: one dot_general per product (dequantised first for row-parallel weights and in bfloat16, as the
+      reference does). XLA-CPU's dot gives a row the same bits for any M >= 2 but a different summation for a
+      single row (it switches to a matrix-vector kernel), so a single row is padded to two.
+    """
+
+    FUSED_REDUCE = "fused_reduce"
+    DOT = "dot"
 
 
-def _rows_times_nk(x: Array, w: Array, small_rows: int) -> Array:
-    """x [M, K] @ w[N, K]^T. For a few rows a fused multiply-reduce streams the int8 weight once and beats
-    XLA-CPU's small-M matmul by ~2.5x on expert matrices; one row needs its own form (the broadcast one is
-    pathological). Measured slower for the attention projections, which therefore pass small_rows=1."""
+def _reduce_rows(x: Array, w: Array) -> Array:
+    """sum_k x[m, k] * w[n, k] as one fused reduction per output, weights streamed once: [M, K] x [N, K] -> [M, N].
+    The output is built [N, M] so the loop over rows is innermost; a single row takes the 2-D form (the broadcast
+    one is pathological on XLA-CPU). Both forms compute every output with the same reduction."""
+    if x.shape[0] == 1:
+        return jnp.sum(x[0][None, :] * w, axis=-1)[None]
+    return jnp.sum(w[:, None, :] * x[None, :, :], axis=-1).T
+
+
+def _dot_rows(x: Array, w: Array) -> Array:
+    """x [M, K] @ w[N, K]^T with a single row padded to two (see Products.DOT)."""
     m = x.shape[0]
     if m == 1:
-        return jnp.sum(x[0][None, :] * w, axis=-1)[None]
-    if m <= small_rows:
-        return jnp.sum(x[:, None, :] * w[None], axis=-1)
-    return jnp.einsum("mk,nk->mn", x, w)
+        x = jnp.concatenate([x, jnp.zeros_like(x)])
+    return jnp.einsum("mk,nk->mn", x, w.astype(x.dtype))[:m]
 
 
-def _row_times_blocked(x: Array, q: QuantizedWeight) -> Array:
-    """One row x [1, K] (float32) times a row-parallel int8 [K, N]: per scale block a multiply-reduce over
-    the converted int8 block, then the block scales [blocks, N] and a sum over blocks. Measured ~1.8x faster
-    than dequantise-then-matmul for an expert's linear_1 at one row (the conversion fuses into the reduce)."""
-    k, n = q.weight.shape
-    blocks = q.scales.shape[0]
-    w = q.weight.reshape(blocks, k // blocks, n).astype(jnp.float32)  # [blocks, K/blocks, N]
-    partial = jnp.sum(x.reshape(blocks, k // blocks, 1) * w, axis=1)  # [blocks, N]
-    return jnp.sum(partial * q.scales, axis=0)[None]
+def product(x: Array, w: "QuantizedWeight | Array", products: Products) -> Array:
+    """x [..., K] times a weight stored [N, K] (int8 QuantizedWeight, or a float array) -> [..., N] in x's dtype.
 
-
-def _rows_times_blocked(x: Array, q: QuantizedWeight) -> Array:
-    """A few rows x [M, K] (float32) times a row-parallel int8 [K, N]: one product per scale block with the
-    converted int8 block, scaled [blocks, N] and summed over blocks. ~20% faster decode at batch 8 than
-    dequantise-then-matmul (which materialises the dequantised matrix before each product)."""
-    k, n = q.weight.shape
-    blocks = q.scales.shape[0]
-    w = q.weight.reshape(blocks, k // blocks, n).astype(jnp.float32)  # [blocks, K/blocks, N]
-    partial = jnp.einsum("mbk,bkn->bmn", x.reshape(-1, blocks, k // blocks), w)  # [blocks, M, N]
-    return jnp.sum(partial * q.scales[:, None, :], axis=0)
-
-
-def qmatmul(x: Array, q: QuantizedWeight, small_rows: int = SMALL_ROWS) -> Array:
-    """x [..., K] times a 2-D int8 weight -> [..., N] in x's dtype.
-
-    float32 column-parallel: product with the converted int8 weight, scales applied per column after it.
-    float32 row-parallel, up to SMALL_ROWS rows: block by block (`_row_times_blocked`, `_rows_times_blocked`),
-    scales applied after each block's product.
-    Otherwise: dequantise first (as the reference does), so bfloat16 reproduces its roundings and row-block
-    scales work with any sharding of the contraction dim.
+    float32 int8 products apply the scales after the reduction (per column, or per row block and then summed
+    over blocks); bfloat16 dequantises first so it rounds as the reference does.
     """
     lead, k = x.shape[:-1], x.shape[-1]
-    if x.dtype == jnp.float32 and q.transposed:
-        y = _rows_times_nk(x.reshape(-1, k), q.weight.astype(jnp.float32), small_rows) * q.scales[0]
-        return y.reshape(*lead, -1)
-    if x.dtype == jnp.float32 and q.weight.ndim == 2 and x.size == k:
-        return _row_times_blocked(x.reshape(1, k), q).reshape(*lead, -1)
-    if x.dtype == jnp.float32 and q.weight.ndim == 2 and x.size <= SMALL_ROWS * k:
-        return _rows_times_blocked(x.reshape(-1, k), q).reshape(*lead, -1)
-    w = dequantize(q, x.dtype)
-    return jnp.einsum("...k,nk->...n" if q.transposed else "...k,kn->...n", x, w)
+    rows = x.reshape(-1, k)
+    if not isinstance(w, QuantizedWeight):
+        out = (_reduce_rows if products is Products.FUSED_REDUCE else _dot_rows)(rows, w.astype(x.dtype))
+    elif x.dtype != jnp.float32 or (products is Products.DOT and w.blocks > 1):
+        out = _dot_rows(rows, dequantize(w, x.dtype))
+    elif w.blocks == 1:
+        out = (_reduce_rows if products is Products.FUSED_REDUCE else _dot_rows)(rows, w.weight.astype(x.dtype))
+        out = out * w.scales[0]
+    else:
+        out = _blocked_reduce_rows(rows, w)
+    return out.reshape(*lead, -1)
 
 
-def linear(x: Array, w: "QuantizedWeight | Array", small_rows: int = SMALL_ROWS) -> Array:
-    """x [..., K] times a weight: int8 QuantizedWeight or a plain float [K, N] matrix."""
-    if isinstance(w, QuantizedWeight):
-        return qmatmul(x, w, small_rows)
-    return jnp.dot(x, w.astype(x.dtype))
+def _blocked_reduce_rows(x: Array, q: QuantizedWeight) -> Array:
+    """Row-parallel int8 [N, K] with per-block scales: one fused reduction per (output, block), then the block
+    scales [blocks, N] and a sum over blocks. x [M, K] -> [M, N]."""
+    n, k = q.weight.shape
+    blocks = q.blocks
+    w = q.weight.astype(x.dtype).reshape(n, blocks, k // blocks)
+    xb = x.reshape(-1, blocks, k // blocks)  # [M, blocks, K / blocks]
+    if x.shape[0] == 1:
+        partial = jnp.sum(w * xb[0][None], axis=-1)[None]  # [1, N, blocks]
+    else:
+        partial = jnp.sum(w[:, None] * xb[None], axis=-1)  # [N, M, blocks]
+        partial = jnp.swapaxes(partial, 0, 1)  # [M, N, blocks]
+    return jnp.sum(partial * jnp.swapaxes(q.scales, 0, 1)[None], axis=-1)
 
 
 def rms_norm(x: Array, scale: Array) -> Array:
