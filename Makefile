@@ -47,7 +47,7 @@ test: setup lint  ## set up, lint the protos, run every test
 bench: setup  ## model + engine benchmarks (JSON on stdout)
 	$(PY) bench/bench_model.py --config ../shared/bench/medium.json --batch 1
 	$(PY) bench/bench_model.py --config ../shared/bench/medium.json --batch 8
-	$(PY) bench/bench_engine.py --configs golden,medium --matched 1,8
+	$(PY) bench/bench_engine.py --runs 3
 
 clean:  ## remove build outputs (not the venv)
 	rm -rf $(DEMO) .pytest_cache build *.egg-info

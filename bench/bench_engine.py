@@ -1,10 +1,21 @@
-"""Engine benchmark: decode tokens/s at 1, 4, 8, 16 concurrent requests, time to first token, and
-time to SERVING cold and with a warm compile cache, for the golden and the medium configs -> JSON.
+"""Model-service benchmark over gRPC at the points of the decode-speed issue; prints JSON.
 
-Each configuration runs the real service (`python -m model_service`) as a subprocess and drives it
-over gRPC, so the numbers include the scheduler, the servicer and streaming:
+Each point starts the real service (`python -m model_service`, random int8 weights, float32, one
+device) as a subprocess and streams from it over gRPC, so the numbers include the scheduler, the
+servicer and streaming. The points (32-token prompts, 128 generated tokens, EOS ignored; sampled =
+temperature 0.7 top_p 0.9, greedy = temperature 0):
 
-    .venv/bin/python bench/bench_engine.py --matched 1,8 --out /tmp/engine_results.json
+    slots1_stream1    one stream on a 1-slot service: decode tokens/s after its first token
+    slots8_streams8   8 simultaneous streams on an 8-slot service: aggregate decode tokens/s, and the
+                      time to first token of those 8 simultaneous prompts (p50, max)
+    slots16_stream1   one stream on a 16-slot service (idle slots should cost next to nothing)
+
+each sampled and greedy, repeated --runs times (medians reported, every run kept). --repo runs the
+same points against other checkouts too (e.g. the code before a change, in a worktree of its own),
+point by point back to back, all with this interpreter:
+
+    .venv/bin/python bench/bench_engine.py --runs 3 --repo before=/tmp/grok-before --repo after=. \\
+        --out docs/bench/engine.json
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import os
 import pathlib
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -27,38 +39,43 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from grok.model.v1 import model_pb2, model_pb2_grpc  # noqa: E402
-from tests.procs import GOLDEN, SHARED, Service, free_port  # noqa: E402
+from serving_common.healthcheck import check  # noqa: E402
+from serving_common.processes import terminate  # noqa: E402
+from tests.procs import SHARED, free_port  # noqa: E402
 
-CONFIGS = {
-    "golden": {"config": str(GOLDEN / "config.json"), "weights": ["--checkpoint", str(GOLDEN / "checkpoint")]},
-    "medium": {"config": str(SHARED / "bench" / "medium.json"), "weights": ["--random-init"]},
-}
-
-
-def start(name: str, slots: int, cache: str, extra: list[str]) -> tuple[Service, float]:
-    """Start the service and return it with its seconds from launch to SERVING."""
-    port = free_port()
-    spec = CONFIGS[name]
-    begin = time.monotonic()
-    svc = Service("model_service", ["--config", spec["config"], *spec["weights"], "--host", "127.0.0.1",
-                                    "--port", str(port), "--slots", str(slots), "--mesh", "1,1",
-                                    "--compile-cache", cache, "--max-queue", "256", *extra], port,
-                  env={"XLA_FLAGS": os.environ.get("BENCH_XLA_FLAGS", "")})
-    svc.wait_serving(timeout=1800)
-    return svc, time.monotonic() - begin
+MEDIUM = SHARED / "bench" / "medium.json"
+POINTS = {"slots1_stream1": (1, 1), "slots8_streams8": (8, 8), "slots16_stream1": (16, 1)}  # name: (slots, streams)
 
 
-def startup_phases(svc: Service) -> dict[str, float]:
-    out = {}
-    for r in svc.log_records():
-        if r.get("msg") == "weights ready":
-            out["weights_seconds"] = r["seconds"]
-        if r.get("msg") == "compiled all programs":
-            out["compile_seconds"] = r["seconds"]
-    return out
+class ModelService:
+    """`python -m model_service` from checkout `repo`, on a free port, with a shared compile cache."""
+
+    def __init__(self, repo: pathlib.Path, config: pathlib.Path, slots: int, prompt_len: int, cache: str,
+                 log: pathlib.Path) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._log = open(log, "wb")
+        bucket = 1 << max(5, (prompt_len - 1).bit_length())
+        args = ["--config", str(config), "--random-init", "--host", "127.0.0.1", "--port", str(self.port),
+                "--slots", str(slots), "--mesh", "1,1", "--buckets", str(bucket), "--compile-cache", cache,
+                "--max-queue", "64"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": os.environ.get("BENCH_XLA_FLAGS", ""),
+               "PYTHONPATH": str(repo)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "model_service", *args], cwd=repo, env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        begin = time.monotonic()
+        while not check(self.address, "", timeout=1.0):
+            if self.proc.poll() is not None or time.monotonic() - begin > 1800:
+                raise RuntimeError(f"model service from {repo} did not start: see {log}")
+            time.sleep(0.2)
+        self.start_seconds = time.monotonic() - begin
+
+    def close(self) -> None:
+        terminate(self.proc, 30.0)
+        self._log.close()
 
 
-def one_request(stub: Any, prompt: list[int], tokens: int, seed: int, sampled: bool) -> dict[str, Any]:
+def stream(stub: Any, prompt: list[int], tokens: int, seed: int, sampled: bool) -> dict[str, float]:
     request = model_pb2.GenerateRequest(token_ids=prompt, max_tokens=tokens, seed=seed, ignore_eos=True,
                                         temperature=0.7 if sampled else 0.0)
     if sampled:
@@ -71,79 +88,84 @@ def one_request(stub: Any, prompt: list[int], tokens: int, seed: int, sampled: b
     return {"start": begin, "first": stamps[0], "end": stamps[-1], "tokens": count}
 
 
-def load_test(address: str, concurrency: int, tokens: int, prompt_len: int, vocab: int, sampled: bool) -> dict:
-    rng = random.Random(concurrency)
-    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(concurrency)]
-    results: list[dict[str, Any]] = [{}] * concurrency
+def measure(address: str, streams: int, args: argparse.Namespace, vocab: int, sampled: bool, run: int) -> dict:
+    """`streams` simultaneous requests (started together by a barrier); their decode rate and first tokens."""
+    rng = random.Random(1000 * run + streams)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(streams)]
+    results: list[dict[str, float]] = [{} for _ in range(streams)]
+    barrier = threading.Barrier(streams)
     with grpc.insecure_channel(address) as channel:
         stub = model_pb2_grpc.ModelServiceStub(channel)
-        one_request(stub, prompts[0], 4, 0, sampled)  # warm the connection
+        stream(stub, prompts[0], 2, 0, sampled)  # connect and warm up outside the measurement
 
-        def run(i: int) -> None:
-            results[i] = one_request(stub, prompts[i], tokens, i, sampled)
+        def run_one(i: int) -> None:
+            barrier.wait()
+            results[i] = stream(stub, prompts[i], args.tokens, 7 * run + i, sampled)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(concurrency)]
+        threads = [threading.Thread(target=run_one, args=(i,)) for i in range(streams)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    first = min(r["first"] for r in results)
-    last = max(r["end"] for r in results)
     decoded = sum(r["tokens"] - 1 for r in results)
-    ttft = [r["first"] - r["start"] for r in results]
-    per_request = [(r["tokens"] - 1) / (r["end"] - r["first"]) for r in results if r["end"] > r["first"]]
-    return {"concurrency": concurrency, "tokens_per_request": tokens, "sampled": sampled,
-            "aggregate_decode_tokens_per_s": round(decoded / (last - first), 2),
-            "mean_per_request_decode_tokens_per_s": round(statistics.mean(per_request), 2),
-            "ttft_mean_s": round(statistics.mean(ttft), 4), "ttft_max_s": round(max(ttft), 4)}
+    span = max(r["end"] for r in results) - min(r["first"] for r in results)
+    ttft = sorted(r["first"] - r["start"] for r in results)
+    return {"decode_tokens_per_s": round(decoded / span, 2), "ttft_p50_s": round(statistics.median(ttft), 4),
+            "ttft_max_s": round(ttft[-1], 4), "tokens": int(sum(r["tokens"] for r in results)),
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
-def bench_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"config": name}
-    vocab = json.loads(pathlib.Path(CONFIGS[name]["config"]).read_text())["vocab_size"]
-    with tempfile.TemporaryDirectory() as cache:
-        svc, cold = start(name, args.slots, cache, [])
-        out["slots"] = args.slots
-        out["time_to_serving_cold_s"] = round(cold, 2)
-        out["cold_phases"] = startup_phases(svc)
+def bench_point(name: str, repos: dict[str, pathlib.Path], args: argparse.Namespace, vocab: int,
+                cache_dir: pathlib.Path) -> dict[str, Any]:
+    slots, streams = POINTS[name]
+    out: dict[str, Any] = {"slots": slots, "streams": streams}
+    for label, repo in repos.items():
+        cache = cache_dir / label
+        cache.mkdir(exist_ok=True)
+        service = ModelService(repo, args.config, slots, args.prompt_len, str(cache), cache_dir / f"{label}_{name}.log")
         try:
-            out["runs"] = [load_test(svc.address, c, args.tokens, args.prompt_len, vocab, s)
-                           for s in (True, False) for c in args.concurrency]
+            result: dict[str, Any] = {"start_seconds": round(service.start_seconds, 1)}
+            for mode in ("sampled", "greedy"):
+                runs = [measure(service.address, streams, args, vocab, mode == "sampled", r) for r in range(args.runs)]
+                result[mode] = {"median_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
+                                "median_ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in runs), "runs": runs}
+            result["sampled_over_greedy"] = round(result["sampled"]["median_decode_tokens_per_s"]
+                                                  / result["greedy"]["median_decode_tokens_per_s"], 3)
         finally:
-            svc.terminate()
-        svc, warm = start(name, args.slots, cache, [])
-        out["time_to_serving_warm_cache_s"] = round(warm, 2)
-        out["warm_phases"] = startup_phases(svc)
-        svc.terminate()
-        out["matched_slot_runs"] = []
-        for n in args.matched:  # an n-slot service at n concurrent requests: no idle slots computed
-            svc, _ = start(name, n, cache, [])
-            try:
-                out["matched_slot_runs"] += [dict(load_test(svc.address, n, args.tokens, args.prompt_len, vocab, s),
-                                                  slots=n) for s in (True, False)]
-            finally:
-                svc.terminate()
-    print(json.dumps(out), file=sys.stderr, flush=True)
+            service.close()
+        out[label] = result
+        print(json.dumps({name: {label: {m: result[m]["median_decode_tokens_per_s"] for m in ("sampled", "greedy")}}}),
+              file=sys.stderr, flush=True)
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="golden,medium", help="comma-separated: golden, medium")
-    p.add_argument("--slots", type=int, default=16, help="service slots (>= the largest concurrency)")
-    p.add_argument("--concurrency", default="1,4,8,16", help="concurrent requests per measurement")
-    p.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
-    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request")
-    p.add_argument("--matched", default="", help="also measure N requests on an N-slot service, e.g. 1,8")
-    p.add_argument("--out", default=None, help="also write the JSON report to this path")
+    p.add_argument("--config", type=pathlib.Path, default=MEDIUM, help="model config JSON (default: medium)")
+    p.add_argument("--points", default=",".join(POINTS), help=f"comma-separated subset of {list(POINTS)}")
+    p.add_argument("--runs", type=int, default=3, help="measurements per point and mode (medians reported)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--repo", action="append", default=[], metavar="LABEL=DIR",
+                   help="checkout to benchmark (repeatable; default: this one, labelled 'current')")
+    p.add_argument("--out", type=pathlib.Path, default=None, help="also write the JSON report here")
     args = p.parse_args()
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.matched = [int(c) for c in args.matched.split(",") if c]
-    report = {"machine": {"cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg()},
-              "results": [bench_config(n, args) for n in args.configs.split(",")]}
+    repos = {label: pathlib.Path(d).resolve() for label, d in (r.split("=", 1) for r in args.repo)} or {"current": ROOT}
+    vocab = json.loads(args.config.read_text())["vocab_size"]
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
+        "settings": {"config": str(args.config), "tokens": args.tokens, "prompt_len": args.prompt_len,
+                     "runs": args.runs, "sampled": {"temperature": 0.7, "top_p": 0.9}, "repos": {k: str(v) for k, v in repos.items()}},
+        "points": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.points.split(","):
+            report["points"][name] = bench_point(name, repos, args, vocab, pathlib.Path(tmp))
+    report["machine"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    text = json.dumps(report, indent=1)
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(text)
     return 0
 
 

@@ -6,6 +6,12 @@ passed in and returned by every call with its buffers donated and its shardings 
 pytree. A prefill runs one prompt, padded to a bucket, into a batch-1 `Prefix` that already holds
 the first sampled token; `insert` copies it into a slot. Every bucket's prefill, the insert, the
 decode step and free_slot are compiled by `compile_all()` before the service reports SERVING.
+
+The decode step computes the slots in tiles of `row_tile` rows and stops after the last tile that
+holds an active slot, deciding on the device: idle slots past the busy ones cost nothing, one program
+serves any number of requests, and a row's bits depend only on the tile size (GrokModel.decode).
+`generate` returns before the step finishes: its `PendingStep` is copied to the host in the background
+and read with `get()`, so the caller can dispatch the next step first and overlap its own work with it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model_service.config import ModelConfig
 from model_service.sampling import (
+    TOP_K,
     SampleResult,
     SamplingParams,
     build_mask,
@@ -32,8 +39,11 @@ from model_service.sampling import (
     split_key,
     split_keys,
 )
+from model_service.sharding import DATA
 
 log = logging.getLogger(__name__)
+
+CPU_ROW_TILE = 8  # rows per decode tile on CPU: one tile streams the weights once for up to 8 requests
 
 
 class DecodeState(NamedTuple):
@@ -70,6 +80,22 @@ class StepOutput:
         return cls(host.token, host.prob, host.top_ids, host.top_probs, host.bad)
 
 
+class PendingStep:
+    """A decode step's result on its way to the host; `get()` waits for it (once) and returns a StepOutput."""
+
+    def __init__(self, result: SampleResult) -> None:
+        for leaf in jax.tree.leaves(result):
+            leaf.copy_to_host_async()
+        self._result: SampleResult | None = result
+        self._output: StepOutput | None = None
+
+    def get(self) -> StepOutput:
+        if self._output is None:
+            assert self._result is not None
+            self._output, self._result = StepOutput.from_device(self._result), None
+        return self._output
+
+
 def choose_buckets(buckets: Sequence[int], sequence_len: int) -> tuple[int, ...]:
     """Sorted, unique prefill buckets; each must fit the context."""
     chosen = tuple(sorted(set(buckets)))
@@ -79,15 +105,29 @@ def choose_buckets(buckets: Sequence[int], sequence_len: int) -> tuple[int, ...]
     return chosen
 
 
+def choose_row_tile(row_tile: int | None, slots: int, mesh: Mesh) -> int:
+    """Rows per decode tile: `row_tile` if given, else CPU_ROW_TILE on CPU and every slot elsewhere (where one
+    wide matrix product is cheap); always every slot when the batch is split over a data axis."""
+    if mesh.shape[DATA] > 1:
+        return slots
+    if row_tile is None:
+        row_tile = CPU_ROW_TILE if mesh.devices.flat[0].platform == "cpu" else slots
+    tile = min(row_tile, slots)
+    if tile < 1 or slots % tile:
+        raise ValueError(f"slots ({slots}) must be a multiple of the decode row tile ({tile})")
+    return tile
+
+
 class Engine:
     """Prefill, insert, generate and free_slot for `slots` concurrent sequences of one GrokModel."""
 
     def __init__(self, model: Any, params: Any, cfg: ModelConfig, mesh: Mesh, slots: int,
-                 buckets: Sequence[int]) -> None:
+                 buckets: Sequence[int], row_tile: int | None = None) -> None:
         self.model = model
         self.params = params
         self.mesh = mesh
         self.slots = slots
+        self.row_tile = choose_row_tile(row_tile, slots, mesh)
         self.buckets = choose_buckets(buckets, cfg.sequence_len)
         self.sequence_len = cfg.sequence_len
         self.vocab_size = cfg.vocab_size
@@ -96,7 +136,7 @@ class Engine:
         replicated = NamedSharding(mesh, PartitionSpec())
         self.state_shardings = DecodeState(
             memory=model.memory_shardings(slots), tokens=replicated, keys=replicated,
-            sampling=SamplingParams(replicated, replicated, replicated, replicated))
+            sampling=SamplingParams(*([replicated] * len(SamplingParams._fields))))
         self.params_shardings = model.params_shardings(params)
         self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
         self._prefill = jax.jit(self._prefill_impl)
@@ -113,14 +153,16 @@ class Engine:
             memory=self.model.init_memory(b), tokens=jnp.full((b,), self.pad_id, jnp.int32),
             keys=jnp.zeros((b, 2), jnp.uint32),
             sampling=SamplingParams(jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.float32),
-                                    jnp.ones((b, self.vocab_size), bool), jnp.zeros((b,), bool)))
+                                    jnp.ones((b, self.vocab_size), bool), jnp.zeros((b,), bool),
+                                    jnp.zeros((b,), jnp.int32)))
 
     def _prefill_impl(self, params: Any, tokens: jax.Array, length: jax.Array, seed: jax.Array,
-                      temperature: jax.Array, top_p: jax.Array, mask: jax.Array) -> tuple[Prefix, SampleResult]:
-        # tokens [1, T] int32 (T = bucket), length [] int32, seed [] uint32, mask [V] bool
-        logits, memory = self.model.prefill(params, tokens, length)  # [1, V]
+                      temperature: jax.Array, top_p: jax.Array, mask: jax.Array,
+                      num_top: jax.Array) -> tuple[Prefix, SampleResult]:
+        # tokens [1, T] int32 (T = bucket), length [] int32, seed [] uint32, mask [V] bool, num_top [] int32
+        logits, memory = self.model.prefill(params, tokens, length[None])  # [1, V]
         rest, draw = split_key(seed_key(seed))
-        sampling = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool))
+        sampling = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool), num_top[None])
         result = sample_tokens(draw[None], logits, sampling)
         return Prefix(memory, result.token[0], rest, sampling), result
 
@@ -132,17 +174,25 @@ class Engine:
             sampling=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.sampling, prefix.sampling))
 
     def _generate_impl(self, params: Any, state: DecodeState) -> tuple[DecodeState, SampleResult]:
-        logits, memory = self.model.decode(params, state.tokens, state.memory, state.sampling.active)  # [B, V]
+        active = state.sampling.active  # [B]
+        tile = self.row_tile
+        # Tiles up to the last one holding an active slot; the ones after it are skipped on the device.
+        last = jnp.max(jnp.where(active, jnp.arange(self.slots, dtype=jnp.int32), -1))
+        tiles = None if tile == self.slots else (last + tile) // tile
+        logits, memory = self.model.decode(params, state.tokens, state.memory, active, tile, tiles)  # [B, V]
         rest, draw = split_keys(state.keys)
         result = sample_tokens(draw, logits, state.sampling)
-        return DecodeState(memory, result.token, rest, state.sampling), result
+        # A free slot keeps its token and key (a later insert overwrites them).
+        tokens = jnp.where(active, result.token, state.tokens)
+        keys = jnp.where(active[:, None], rest, state.keys)
+        return DecodeState(memory, tokens, keys, state.sampling), result
 
     def _free_impl(self, state: DecodeState, slot: jax.Array) -> DecodeState:
-        # A free slot keeps computing (its output is discarded); give it neutral inputs so nothing
-        # of the finished request lingers in the state.
+        # A free slot is skipped by the step; give it neutral inputs so nothing of the finished request lingers.
         sampling = SamplingParams(state.sampling.temperature.at[slot].set(0.0),
                                   state.sampling.top_p.at[slot].set(1.0),
-                                  state.sampling.mask.at[slot].set(True), state.sampling.active.at[slot].set(False))
+                                  state.sampling.mask.at[slot].set(True), state.sampling.active.at[slot].set(False),
+                                  state.sampling.num_top.at[slot].set(0))
         return DecodeState(state.memory, state.tokens.at[slot].set(self.pad_id),
                            state.keys.at[slot].set(jnp.zeros((2,), jnp.uint32)), sampling)
 
@@ -157,23 +207,26 @@ class Engine:
         return self._init()
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int] = (), blocked: Sequence[int] = ()) -> tuple[Prefix, StepOutput]:
-        """Run one prompt; returns the prefix to insert and its first token (host arrays, batch 1)."""
+                allowed: Sequence[int] = (), blocked: Sequence[int] = (),
+                top_logprobs: int = TOP_K) -> tuple[Prefix, StepOutput]:
+        """Run one prompt; returns the prefix to insert and its first token (host arrays, batch 1).
+        `top_logprobs` alternatives are computed for every token of the request (0 skips them)."""
         n = len(tokens)
         padded = np.full((1, self.bucket_for(n)), self.pad_id, np.int32)
         padded[0, :n] = tokens
         mask = build_mask(self.vocab_size, self.pad_id, allowed, blocked)
-        prefix, result = self._prefill(self.params, padded, np.int32(n), np.uint32(seed),
-                                       np.float32(temperature), np.float32(top_p), mask)
+        prefix, result = self._prefill(self.params, padded, np.int32(n), np.uint32(seed), np.float32(temperature),
+                                       np.float32(top_p), mask, np.int32(top_logprobs))
         return prefix, StepOutput.from_device(result)
 
     def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
         return self._insert(prefix, state, np.int32(slot))
 
-    def generate(self, state: DecodeState) -> tuple[DecodeState, StepOutput]:
-        """One decode step for every slot; returns the new state and each slot's token."""
+    def generate(self, state: DecodeState) -> tuple[DecodeState, PendingStep]:
+        """Dispatch one decode step for the active slots; returns at once with the new state and the step's
+        tokens on their way to the host (`PendingStep.get()`)."""
         state, result = self._generate(self.params, state)
-        return state, StepOutput.from_device(result)
+        return state, PendingStep(result)
 
     def free_slot(self, state: DecodeState, slot: int) -> DecodeState:
         return self._free(state, np.int32(slot))
@@ -195,7 +248,8 @@ class Engine:
             state = jax.block_until_ready(self.insert(prefix, state, 0))
             timings[f"insert_{bucket}"] = time.monotonic() - start
         start = time.monotonic()
-        state = jax.block_until_ready(self.generate(state)[0])
+        state, pending = self.generate(state)
+        pending.get()
         timings["generate"] = time.monotonic() - start
         start = time.monotonic()
         jax.block_until_ready(self.free_slot(state, 0))

@@ -1,11 +1,14 @@
 """Continuous batching: a bounded waiting queue, N decode slots, and one thread that drives the Engine.
 
 Requests are validated and queued by `submit` (any thread). The decode thread admits waiting
-requests into free slots between decode steps (a prefill each, interleaved with decoding so running
-slots are never starved), runs one `Engine.generate` step for all slots, hands each active request
-its token through the request's `emit` callback, and frees a slot as soon as its request is done
-(EOS, max_tokens, full context), cancelled, past its deadline or failed. The scheduler knows only
-the Engine's interface (`EngineLike`); it never touches JAX, so a fake engine can drive it in tests.
+requests into free slots between decode steps (a prefill each; all of them when nothing is decoding,
+else up to a prompt-token budget per step so running slots are never starved), dispatches one
+`Engine.generate` step for all slots and, while the engine computes it, hands each request its token
+from the previous step through the request's `emit` callback (JetStream's overlap of host work with
+the next step), and frees a slot as soon as its request is done (EOS, max_tokens, full context),
+cancelled, past its deadline or failed. A step already in flight for a slot whose request ended is
+discarded. The scheduler knows only the Engine's interface (`EngineLike`); it never touches JAX, so a
+fake engine can drive it in tests.
 """
 
 from __future__ import annotations
@@ -99,6 +102,12 @@ class StepOutputLike(Protocol):
     bad: Any  # [B] bool
 
 
+class PendingStepLike(Protocol):
+    """A dispatched decode step; `get()` waits for its host arrays."""
+
+    def get(self) -> StepOutputLike: ...
+
+
 class EngineLike(Protocol):
     """The part of model_service.engine.Engine the scheduler uses; decode state and prefix are opaque."""
 
@@ -110,10 +119,11 @@ class EngineLike(Protocol):
     pad_id: int
 
     def init_decode_state(self) -> Any: ...
+    def bucket_for(self, length: int) -> int: ...
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int], blocked: Sequence[int]) -> tuple[Any, StepOutputLike]: ...
+                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int) -> tuple[Any, StepOutputLike]: ...
     def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
-    def generate(self, state: Any) -> tuple[Any, StepOutputLike]: ...
+    def generate(self, state: Any) -> tuple[Any, PendingStepLike]: ...
     def free_slot(self, state: Any, slot: int) -> Any: ...
 
 
@@ -183,15 +193,30 @@ class _Active:
         return Timings(self.admitted_at - self.handle.enqueued_at, self.prefill_seconds, mean)
 
 
+@dataclass
+class _InFlight:
+    """A dispatched decode step and the requests whose slots it computes."""
+
+    pending: PendingStepLike
+    owners: dict[int, _Active]  # slot -> the request that held it at dispatch
+    dispatched_at: float
+
+
 class Scheduler:
-    """N slots over one Engine; `start()` launches the decode thread, `stop()` ends it."""
+    """N slots over one Engine; `start()` launches the decode thread, `stop()` ends it.
+
+    While requests are decoding, each step admits waiting prompts until their padded lengths pass
+    `prefill_token_budget` tokens (at least one prompt) and at most `prefills_per_step` of them; with
+    nothing decoding it admits as many as there are free slots.
+    """
 
     def __init__(self, engine: EngineLike, max_queue: int, metrics: SchedulerMetrics | None = None,
-                 prefills_per_step: int = 1) -> None:
+                 prefills_per_step: int | None = None, prefill_token_budget: int = 128) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.metrics = metrics or SchedulerMetrics()
         self.prefills_per_step = prefills_per_step
+        self.prefill_token_budget = prefill_token_budget
         self._cond = threading.Condition()
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._active: dict[int, _Active] = {}
@@ -199,6 +224,7 @@ class Scheduler:
         self._accepting = False
         self._stopping = False
         self._state: Any = None
+        self._in_flight: _InFlight | None = None
         self._thread: threading.Thread | None = None
 
     # ---- any thread -------------------------------------------------------------------------
@@ -261,6 +287,8 @@ class Scheduler:
                 self._admit()
                 if self._active:
                     self._step()
+                else:
+                    self._finish_in_flight()
         except Exception:
             log.exception("decode loop crashed")
         finally:
@@ -291,16 +319,19 @@ class Scheduler:
                 handle.emit(Emission((), 0, len(handle.request.prompt), error=error))
 
     def _admit(self) -> None:
-        budget = self.prefills_per_step if self._active else self.engine.slots
-        while budget > 0:
+        decoding = bool(self._active)
+        count, tokens = 0, 0
+        while not decoding or (count < (self.prefills_per_step or self.engine.slots)
+                               and (count == 0 or tokens < self.prefill_token_budget)):
             with self._cond:
                 if not self._queue or not self._free:
                     return
                 handle = self._queue.popleft()
-                slot = min(self._free)
+                slot = min(self._free)  # the lowest free slot keeps the busy slots in the fewest decode tiles
                 self._free.discard(slot)
                 self.metrics.set_queued(len(self._queue))
-            budget -= 1
+            count += 1
+            tokens += self.engine.bucket_for(len(handle.request.prompt))
             self._prefill(handle, slot)
 
     def _prefill(self, handle: RequestHandle, slot: int) -> None:
@@ -309,7 +340,8 @@ class Scheduler:
         act = _Active(handle, seed, time.monotonic())
         try:
             prefix, out = self.engine.prefill(list(req.prompt), seed=seed, temperature=req.temperature,
-                                              top_p=req.top_p, allowed=req.allowed, blocked=req.blocked)
+                                              top_p=req.top_p, allowed=req.allowed, blocked=req.blocked,
+                                              top_logprobs=req.top_logprobs)
         except Exception:
             log.exception("prefill failed", extra={"request_id": req.request_id})
             handle.emit(Emission((), 0, len(req.prompt), error=SchedulerError(
@@ -327,21 +359,42 @@ class Scheduler:
             self.metrics.set_active(len(self._active))
 
     def _step(self) -> None:
-        start = time.monotonic()
+        """Dispatch a decode step, then deliver the previous one's tokens while the engine computes."""
         try:
-            self._state, out = self.engine.generate(self._state)
+            self._state, pending = self.engine.generate(self._state)
         except Exception:
-            log.exception("decode step failed")
-            self._fail_active(SchedulerError(ErrorKind.INTERNAL, "decode step failed; retry"))
-            self._state = self.engine.init_decode_state()
+            self._step_failed()
             return
-        seconds = time.monotonic() - start
+        previous, self._in_flight = self._in_flight, _InFlight(pending, dict(self._active), time.monotonic())
+        if previous is not None:
+            self._deliver_step(previous)
+
+    def _finish_in_flight(self) -> None:
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._deliver_step(previous)
+
+    def _deliver_step(self, step: _InFlight) -> None:
+        try:
+            out = step.pending.get()
+        except Exception:
+            self._step_failed()
+            return
+        seconds = time.monotonic() - step.dispatched_at
         self.metrics.observe_step(seconds)
-        for slot, act in list(self._active.items()):
+        for slot, act in step.owners.items():
+            if self._active.get(slot) is not act:  # ended (and maybe replaced) after the dispatch
+                continue
             act.steps += 1
             act.step_seconds += seconds
             if self._deliver(act, out, slot):
                 self._release(slot)
+
+    def _step_failed(self) -> None:
+        log.exception("decode step failed")
+        self._in_flight = None
+        self._fail_active(SchedulerError(ErrorKind.INTERNAL, "decode step failed; retry"))
+        self._state = self.engine.init_decode_state()
 
     def _deliver(self, act: _Active, out: StepOutputLike, row: int) -> bool:
         """Hand the request its token at `row` of `out`; True when the request is finished."""

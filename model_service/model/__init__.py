@@ -28,27 +28,26 @@ __all__ = ["GrokModel", "KVMemory", "Memory", "Params", "Products", "QuantizedWe
 Array = jax.Array
 
 
-def default_decode_products(mesh: Mesh) -> Products:
-    """Fused multiply-reduce products on CPU (faster there at decode sizes, and row-invariant for any row count);
-    dot_general elsewhere, where the vendor matrix kernels are the fast path."""
+def default_products(mesh: Mesh) -> Products:
+    """Fused multiply-reduce products on CPU (faster there at decode sizes); dot_general elsewhere, where the
+    vendor matrix kernels are the fast path."""
     return Products.FUSED_REDUCE if mesh.devices.flat[0].platform == "cpu" else Products.DOT
 
 
 class GrokModel:
     """The network bound to a config, a mesh and a compute dtype (float32 or bfloat16).
 
-    `decode_products` picks how decode steps multiply (layers.Products; default by platform); prefill and full
-    passes always use dot_general, which is what long inputs need.
+    `products` picks how token rows meet weights (layers.Products; default by platform).
     """
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, decode_products: Products | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, products: Products | None = None) -> None:
         validate(cfg, MeshConfig(data=mesh.shape[DATA], model=mesh.shape[MODEL]))
         if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             raise ValueError(f"compute dtype must be float32 or bfloat16, got {dtype}")
         self.cfg = cfg
         self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
-        self.decode_products = decode_products or default_decode_products(mesh)
+        self.products = products or default_products(mesh)
         self._net = hk.without_apply_rng(hk.transform(functools.partial(forward, cfg, mesh, self.dtype)))
 
     def init_memory(self, batch: int) -> Memory:
@@ -59,46 +58,79 @@ class GrokModel:
 
     def prefill(self, params: Params, tokens: Array, length: Array) -> tuple[Array, Memory]:
         """tokens [N, T] int32, each row padded after its `length` [N] -> (logits [N, V] float32 at each row's
-        length-1, a prefix Memory of N rows). Rows are computed independently: a prompt's results do not depend
-        on the others in the call."""
+        length-1, a prefix Memory of N rows).
+
+        The prompts run one after another through the same computation, so a prompt's bits never depend on the
+        others in the call (kernels are picked by shape, and even a row's position in a batch moves its bits)."""
         b, n = tokens.shape
         if n > self.cfg.sequence_len:
             raise ValueError(f"prompt bucket {n} exceeds sequence_len {self.cfg.sequence_len}")
         length = jnp.clip(jnp.broadcast_to(jnp.asarray(length, jnp.int32), (b,)), 1, n)
-        positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], (b, n))
+        if b == 1:
+            return self._prefill_one(params, tokens, length)
+        logits, caches = jax.lax.map(lambda a: self._prefill_one(params, a[0][None], a[1][None]), (tokens, length))
+        return logits[:, 0], Memory(jax.tree.map(lambda c: c[:, 0], caches.layers), length)
+
+    def _prefill_one(self, params: Params, tokens: Array, length: Array) -> tuple[Array, Memory]:
+        n = tokens.shape[1]
+        positions = jnp.arange(n, dtype=jnp.int32)[None, :]
         causal = jnp.tril(jnp.ones((n, n), bool))[None]
         mask = causal & (tokens != self.cfg.pad_token)[:, None, :]  # pad keys are masked, as the reference does
-        step = Step(positions, mask, None, None)
+        step = Step(positions, mask, None, None, products=self.products)
         logits, caches = self._net.apply(params, tokens, step, length - 1)
         return logits, Memory(caches, length)
 
-    def decode(self, params: Params, tokens: Array, memory: Memory,
-               active: Array | None = None) -> tuple[Array, Memory]:
+    def decode(self, params: Params, tokens: Array, memory: Memory, active: Array | None = None,
+               tile: int | None = None, tiles_to_run: Array | None = None) -> tuple[Array, Memory]:
         """tokens [R] int32 for the first R slots of `memory` (R <= its slots) -> (logits [R, V] float32, memory
         with those R slots advanced by one; the other slots untouched).
 
+        The rows run in tiles of `tile` (default R) rows, one after another, each through the same computation:
+        a row's bits depend only on the tile size, never on how many tiles run or what the other rows hold
+        (batch invariance by construction), while one tile streams each weight once for all its rows.
         `active` [R] bool marks the slots whose outputs are used; inactive slots never make an expert run
-        (their logits are then meaningless), and active slots' results are the same either way, and the same
-        whatever R is (layers.Products).
+        (their logits are then meaningless), and active slots' results are the same either way.
+        `tiles_to_run` [] int32 (traced) runs only the first tiles (the rest of the rows get zero logits and
+        keep their memory): idle tiles then cost nothing, with one compiled program for any number of requests.
         """
-        r, s = tokens.shape[0], memory.layers[0].k.shape[2]
-        if r > memory.positions.shape[0]:
-            raise ValueError(f"decode of {r} rows over a memory of {memory.positions.shape[0]} slots")
+        r = tokens.shape[0]
+        tile = tile or r
+        if r > memory.positions.shape[0] or r % tile:
+            raise ValueError(f"decode of {r} rows in tiles of {tile} over a memory of {memory.positions.shape[0]} slots")
         if active is None:
             active = jnp.ones((r,), bool)
-        write = jnp.minimum(memory.positions[:r], s - 1)  # a finished slot never writes out of bounds
-        mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= write[:, None])[:, None, :]  # [R, 1, S]
-        step = Step(write[:, None], mask, memory.layers, write, active, self.decode_products)
+        if r == tile and tiles_to_run is None:
+            return self._decode_tile(params, tokens, memory, active, 0)
+
+        def body(t: Array, carry: tuple[Array, Memory]) -> tuple[Array, Memory]:
+            logits, mem = carry
+            start = t * tile
+            out, mem = self._decode_tile(params, jax.lax.dynamic_slice_in_dim(tokens, start, tile), mem,
+                                         jax.lax.dynamic_slice_in_dim(active, start, tile), start)
+            return jax.lax.dynamic_update_slice_in_dim(logits, out, start, axis=0), mem
+
+        logits = jnp.zeros((r, self.cfg.vocab_size), jnp.float32)
+        upper = r // tile if tiles_to_run is None else jnp.minimum(tiles_to_run, r // tile)
+        return jax.lax.fori_loop(0, upper, body, (logits, memory))
+
+    def _decode_tile(self, params: Params, tokens: Array, memory: Memory, active: Array,
+                     start: Array | int) -> tuple[Array, Memory]:
+        """One tile: tokens/active [T] for memory slots start .. start + T - 1."""
+        t, s = tokens.shape[0], memory.layers[0].k.shape[2]
+        positions = jax.lax.dynamic_slice_in_dim(memory.positions, start, t)
+        write = jnp.minimum(positions, s - 1)  # a finished slot never writes out of bounds
+        mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= write[:, None])[:, None, :]  # [T, 1, S]
+        step = Step(write[:, None], mask, memory.layers, write, active, self.products, start)
         logits, caches = self._net.apply(params, tokens[:, None], step, jnp.zeros_like(write))
-        positions = memory.positions.at[:r].set(jnp.minimum(memory.positions[:r] + 1, s))
-        return logits, Memory(caches, positions)
+        advanced = jax.lax.dynamic_update_slice_in_dim(memory.positions, jnp.minimum(positions + 1, s), start, axis=0)
+        return logits, Memory(caches, advanced)
 
     def forward(self, params: Params, tokens: Array) -> Array:
         """Full pass without memory: tokens [B, T] -> logits [B, T, V] float32 (pad keys masked)."""
         n = tokens.shape[1]
         positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], tokens.shape)
         mask = jnp.tril(jnp.ones((n, n), bool))[None] & (tokens != self.cfg.pad_token)[:, None, :]
-        logits, _ = self._net.apply(params, tokens, Step(positions, mask, None, None), None)
+        logits, _ = self._net.apply(params, tokens, Step(positions, mask, None, None, products=self.products), None)
         return logits
 
     def insert(self, memory: Memory, prefix: Memory, slot: Array, row: Array | int = 0) -> Memory:

@@ -64,71 +64,60 @@ def dequantize(q: QuantizedWeight, dtype: jnp.dtype) -> Array:
 
 
 class Products(enum.Enum):
-    """How a layer multiplies its token rows by a weight; chosen once per program (see `product`).
+    """How a layer multiplies its token rows by a weight; chosen once per model (see `product`).
 
-    FUSED_REDUCE: a multiply fused with a reduction over the contraction dim, int8 converted inside. On XLA-CPU
-      this streams each weight once for all rows and beats its dot by ~8x for int8 matrices at decode sizes; each
-      output is one reduction whose order depends only on K, so a row's result is bit-identical for any number
-      of rows (1, 2, ... 64).
-    DOT: one dot_general per product (dequantised first for row-parallel weights and in bfloat16, as the
-      reference does). XLA-CPU's dot gives a row the same bits for any M >= 2 but a different summation for a
-      single row (it switches to a matrix-vector kernel), so a single row is padded to two.
+    FUSED_REDUCE (CPU): up to FUSED_MAX_ROWS rows, a multiply fused with a reduction over the contraction dim,
+      int8 converted (and row-block scales applied) inside the fusion. On XLA-CPU this streams each int8 weight
+      once for all rows and beats its dot, which materialises a float32 copy of the weight first, by ~8x at
+      decode sizes. More rows (long prompts) use dot_general, which blocks for caches.
+    DOT: one dot_general per product (dequantised first), where vendor matrix kernels are the fast path.
+
+    Neither promises that a row's bits are independent of the other rows: XLA picks kernels, and their summation
+    orders, by shape and even by a row's position in the batch. Batch invariance therefore comes from shapes
+    that never vary: decode runs fixed tiles of rows and prefill one prompt at a time (GrokModel).
     """
 
     FUSED_REDUCE = "fused_reduce"
     DOT = "dot"
 
 
+FUSED_MAX_ROWS = 64
+
+
 def _reduce_rows(x: Array, w: Array) -> Array:
-    """sum_k x[m, k] * w[n, k] as one fused reduction per output, weights streamed once: [M, K] x [N, K] -> [M, N].
-    The output is built [N, M] so the loop over rows is innermost; a single row takes the 2-D form (the broadcast
-    one is pathological on XLA-CPU). Both forms compute every output with the same reduction."""
+    """sum_k x[m, k] * w[n, k] as one fused reduction per output: [M, K] x [N, K] -> [M, N]. Several rows build
+    the output [N, M], so the loop over rows is innermost and each weight element is read once for all of them;
+    a single row takes the 2-D form (the broadcast one is pathological on XLA-CPU)."""
     if x.shape[0] == 1:
         return jnp.sum(x[0][None, :] * w, axis=-1)[None]
     return jnp.sum(w[:, None, :] * x[None, :, :], axis=-1).T
 
 
 def _dot_rows(x: Array, w: Array) -> Array:
-    """x [M, K] @ w[N, K]^T with a single row padded to two (see Products.DOT)."""
-    m = x.shape[0]
-    if m == 1:
-        x = jnp.concatenate([x, jnp.zeros_like(x)])
-    return jnp.einsum("mk,nk->mn", x, w.astype(x.dtype))[:m]
+    """x [M, K] @ w[N, K]^T."""
+    return jnp.einsum("mk,nk->mn", x, w.astype(x.dtype))
 
 
 def product(x: Array, w: "QuantizedWeight | Array", products: Products) -> Array:
     """x [..., K] times a weight stored [N, K] (int8 QuantizedWeight, or a float array) -> [..., N] in x's dtype.
 
-    float32 int8 products apply the scales after the reduction (per column, or per row block and then summed
-    over blocks); bfloat16 dequantises first so it rounds as the reference does.
+    float32 column-parallel int8 products apply the scales after the product; row-parallel ones and bfloat16
+    dequantise first (in FUSED_REDUCE inside the fusion), so bfloat16 rounds as the reference does.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
-    if not isinstance(w, QuantizedWeight):
-        out = (_reduce_rows if products is Products.FUSED_REDUCE else _dot_rows)(rows, w.astype(x.dtype))
-    elif x.dtype != jnp.float32 or (products is Products.DOT and w.blocks > 1):
-        out = _dot_rows(rows, dequantize(w, x.dtype))
+    fused = products is Products.FUSED_REDUCE and x.dtype == jnp.float32 and rows.shape[0] <= FUSED_MAX_ROWS
+    if not fused:
+        out = _dot_rows(rows, dequantize(w, x.dtype) if isinstance(w, QuantizedWeight) else w)
+    elif not isinstance(w, QuantizedWeight):
+        # A large float matrix (the unembedding) times one row: the matrix-vector kernel is the fastest read.
+        big_single = rows.shape[0] == 1 and w.size >= 1 << 22
+        out = _dot_rows(rows, w) if big_single else _reduce_rows(rows, w.astype(x.dtype))
     elif w.blocks == 1:
-        out = (_reduce_rows if products is Products.FUSED_REDUCE else _dot_rows)(rows, w.weight.astype(x.dtype))
-        out = out * w.scales[0]
+        out = _reduce_rows(rows, w.weight.astype(x.dtype)) * w.scales[0]
     else:
-        out = _blocked_reduce_rows(rows, w)
+        out = _reduce_rows(rows, dequantize(w, x.dtype))
     return out.reshape(*lead, -1)
-
-
-def _blocked_reduce_rows(x: Array, q: QuantizedWeight) -> Array:
-    """Row-parallel int8 [N, K] with per-block scales: one fused reduction per (output, block), then the block
-    scales [blocks, N] and a sum over blocks. x [M, K] -> [M, N]."""
-    n, k = q.weight.shape
-    blocks = q.blocks
-    w = q.weight.astype(x.dtype).reshape(n, blocks, k // blocks)
-    xb = x.reshape(-1, blocks, k // blocks)  # [M, blocks, K / blocks]
-    if x.shape[0] == 1:
-        partial = jnp.sum(w * xb[0][None], axis=-1)[None]  # [1, N, blocks]
-    else:
-        partial = jnp.sum(w[:, None] * xb[None], axis=-1)  # [N, M, blocks]
-        partial = jnp.swapaxes(partial, 0, 1)  # [M, N, blocks]
-    return jnp.sum(partial * jnp.swapaxes(q.scales, 0, 1)[None], axis=-1)
 
 
 def rms_norm(x: Array, scale: Array) -> Array:

@@ -5,8 +5,7 @@ Tokens are grouped by expert, and experts nobody selected cost nothing:
   weights once for all rows (the step is bound by weight reads at this size);
 - prefill: the (token, expert) pairs are sorted by expert and cut into tiles of `tile` rows that each belong to
   one expert; a loop runs over the used tiles only, multiplying only routed rows.
-Either way a row's result is the same whatever the other rows are (batch invariance): each row's products do
-not depend on the number of rows (layers.Products), and a row adds its experts' outputs in expert order.
+A row adds its experts' outputs in expert order.
 """
 
 from __future__ import annotations
@@ -74,13 +73,14 @@ def _expert_rows(x: Array, w: ExpertWeights, e: int, products: Products) -> Arra
     return product(h, pick(w.linear_1), products)
 
 
-def _expert_rows_dynamic(x: Array, w: ExpertWeights, e: Array) -> Array:
+def _expert_rows_dynamic(x: Array, w: ExpertWeights, e: Array, products: Products) -> Array:
     """The same for a traced expert index: a switch over static experts keeps weights unsliced."""
-    branches = [functools.partial(_expert_rows, w=w, e=i, products=Products.DOT) for i in range(w.linear.shape[0])]
+    branches = [functools.partial(_expert_rows, w=w, e=i, products=products) for i in range(w.linear.shape[0])]
     return jax.lax.switch(e, branches, x)
 
 
-def grouped_experts(x: Array, routing: Routing, w: ExpertWeights, tile: int) -> Array:
+def grouped_experts(x: Array, routing: Routing, w: ExpertWeights, tile: int,
+                    products: Products = Products.DOT) -> Array:
     """sum_k gate_k * expert_k(x) for every row of x [M, D], computing only selected (row, expert) pairs."""
     m, k = routing.experts.shape
     num_experts = w.linear.shape[0]
@@ -99,7 +99,7 @@ def grouped_experts(x: Array, routing: Routing, w: ExpertWeights, tile: int) -> 
         r = jnp.minimum(r, n_pairs - 1)
         tok = pair_token[r]
         gate = jnp.where(valid, pair_gate[r], 0.0).astype(x.dtype)
-        y = _expert_rows_dynamic(x[tok], w, plan.expert[i])  # [tile, D]
+        y = _expert_rows_dynamic(x[tok], w, plan.expert[i], products)  # [tile, D]
         return out.at[tok].add(jnp.where(valid[:, None], y * gate[:, None], 0.0))
 
     return jax.lax.fori_loop(0, plan.used, body, jnp.zeros_like(x))
@@ -162,7 +162,7 @@ class MoELayer(hk.Module):
         if active is not None:  # decode
             return experts_by_cond(flat, routing, w, active, products).reshape(b, t, d)
         tile = pick_tile(b * t, routing.experts.shape[-1], e)
-        return grouped_experts(flat, routing, w, tile).reshape(b, t, d)
+        return grouped_experts(flat, routing, w, tile, products).reshape(b, t, d)
 
 
 class ParamHolder(hk.Module):

@@ -26,7 +26,7 @@ Array = jax.Array
 
 class Step(NamedTuple):
     """What one forward call needs besides tokens. B is the number of rows computed; in decode these are the
-    first B slots of the memory, which may hold more."""
+    memory's slots row_start .. row_start + B - 1 (the memory may hold more)."""
 
     positions: Array  # [B, T] int32 rotary positions
     mask: Array  # [B, T, S] bool, which keys each query sees
@@ -34,6 +34,7 @@ class Step(NamedTuple):
     write_index: Array | None  # decode: [B] position each row writes (T == 1)
     active: Array | None = None  # decode: [B] bool, False rows (free slots) never make an expert run
     products: Products = Products.DOT  # static: how token rows meet weights (layers.Products)
+    row_start: Array | int = 0  # decode: memory slot of the first row
 
 
 def _norm(name: str, x: Array) -> Array:
@@ -45,11 +46,11 @@ def _linear(name: str, x: Array, out: int, products: Products) -> Array:
     return product(x, w if isinstance(w, QuantizedWeight) else w.T, products)  # plain [K, N] only in haiku init
 
 
-def _write(cache: Array, new: Array, index: Array) -> Array:
-    """cache [S_all, H, S, D] <- new [B, H, 1, D] at row b's own position index[b], for the first B rows.
+def _write(cache: Array, new: Array, start: Array | int, index: Array) -> Array:
+    """cache [slots, H, S, D] <- new [B, H, 1, D]: row b into slot start + b at its own position index[b].
 
     One scatter that XLA updates in place (a vmapped dynamic_update_slice made it copy every cache)."""
-    rows = jnp.arange(new.shape[0])
+    rows = start + jnp.arange(new.shape[0])
     return cache.at[rows, :, index, :].set(new[:, :, 0, :], indices_are_sorted=True, unique_indices=True,
                                           mode="promise_in_bounds")
 
@@ -71,11 +72,11 @@ class MultiHeadAttention(hk.Module):
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Hkv, T, D]
         if cache is not None:
             with jax.named_scope("kv_write"):
-                k = _write(cache.k, k.astype(cache.k.dtype), step.write_index)
-                v = _write(cache.v, v.astype(cache.v.dtype), step.write_index)
+                k = _write(cache.k, k.astype(cache.k.dtype), step.row_start, step.write_index)
+                v = _write(cache.v, v.astype(cache.v.dtype), step.row_start, step.write_index)
             full = KVMemory(k, v)
-            if k.shape[0] != b:  # the step computes the first b slots only
-                k, v = k[:b], v[:b]
+            if k.shape[0] != b:  # the step computes b of the slots
+                k, v = (jax.lax.dynamic_slice_in_dim(a, step.row_start, b, axis=0) for a in (k, v))
         q = constrain(q, self.mesh, P(DATA, None, MODEL, None))
         k, v = (constrain(a, self.mesh, P(DATA, MODEL, None, None)) for a in (k, v))
         if cache is None:

@@ -29,6 +29,16 @@ class FakeOutput:
 
 
 @dataclass(frozen=True)
+class FakePending:
+    """A decode step already computed; `get()` hands it over (the real engine's PendingStep waits for it)."""
+
+    output: FakeOutput
+
+    def get(self) -> FakeOutput:
+        return self.output
+
+
+@dataclass(frozen=True)
 class FakeState:
     last: np.ndarray  # [slots] last token per slot
 
@@ -59,8 +69,11 @@ class FakeEngine:
         self._log("init")
         return FakeState(np.zeros((self.slots,), dtype=np.int64))
 
+    def bucket_for(self, length: int) -> int:
+        return min(b for b in self.buckets if b >= length)
+
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int], blocked: Sequence[int]) -> tuple[int, FakeOutput]:
+                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8) -> tuple[int, FakeOutput]:
         self._log("prefill", tuple(tokens))
         if tokens[0] == self.fail_prefill_for:
             raise RuntimeError("fake prefill failure")
@@ -73,12 +86,12 @@ class FakeEngine:
         last[slot] = prefix
         return FakeState(last)
 
-    def generate(self, state: FakeState) -> tuple[FakeState, FakeOutput]:
+    def generate(self, state: FakeState) -> tuple[FakeState, FakePending]:
         self._log("generate")
         if self.step_delay:
             time.sleep(self.step_delay)
         nxt = (state.last + 1) % self.vocab_size
-        return FakeState(nxt), self._out(nxt)
+        return FakeState(nxt), FakePending(self._out(nxt))
 
     def free_slot(self, state: FakeState, slot: int) -> FakeState:
         self._log("free", slot)

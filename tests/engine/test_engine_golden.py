@@ -20,8 +20,8 @@ def run_alone(engine: Engine, case: dict[str, Any], slot: int) -> list[int]:
     tokens = [int(out.token[0])]
     state = engine.insert(prefix, state, slot)
     while len(tokens) < q["max_len"]:  # the reference's max_len counts generated tokens
-        state, out = engine.generate(state)
-        tokens.append(int(out.token[slot]))
+        state, pending = engine.generate(state)
+        tokens.append(int(pending.get().token[slot]))
     return tokens
 
 
@@ -42,7 +42,8 @@ def test_golden_requests_in_one_batch_reproduce_reference_ids(golden_engine: Eng
         outputs.append([int(out.token[0])])
         state = golden_engine.insert(prefix, state, slot + 3)
     for _ in range(19):
-        state, out = golden_engine.generate(state)
+        state, pending = golden_engine.generate(state)
+        out = pending.get()
         for slot, toks in enumerate(outputs):
             toks.append(int(out.token[slot + 3]))
     assert outputs == [c["output_ids"] for c in cases]

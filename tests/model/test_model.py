@@ -182,3 +182,45 @@ def test_int8_products_match_dequantise_then_matmul(rows: int, blocks: int, prod
     want = np.asarray(x, np.float64) @ np.asarray(dequantize(q, jnp.float32), np.float64).T
     got = jax.jit(product, static_argnums=2)(x, q, products)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-3)  # sums of ~1e4-sized terms
+
+
+@pytest.mark.parametrize("products", list(Products))
+def test_a_decode_row_is_bit_identical_whatever_number_of_tiles_runs(golden_model, products: Products) -> None:
+    from model_service.model import GrokModel
+
+    loaded = golden_model("1,1", "float32")
+    model = GrokModel(loaded.cfg, loaded.model.mesh, jnp.float32, products)
+    slots, tile = 8, 2
+    prompts = [_prompt(n, loaded.cfg.vocab_size) for n in (5, 11, 3, 14, 7, 9, 2, 12)]
+    toks = np.zeros((slots, 16), np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, : len(p)] = p
+    _, prefix = jax.jit(model.prefill)(loaded.params, jnp.asarray(toks), jnp.asarray([len(p) for p in prompts]))
+    memory = model.init_memory(slots)
+    for slot in range(slots):
+        memory = jax.jit(model.insert)(memory, prefix, jnp.int32(slot), jnp.int32(slot))
+    tokens = jnp.asarray(rng.integers(3, loaded.cfg.vocab_size, slots), jnp.int32)
+    decode = jax.jit(model.decode, static_argnums=4)
+    active = jnp.asarray([True, True, False, True, True, False, True, True])
+    results = {r: decode(loaded.params, tokens[:r], memory, active[:r], tile) for r in (2, 4, 6, 8)}
+    for r, (logits, mem) in results.items():
+        for row in np.flatnonzero(np.asarray(active[:r])):
+            np.testing.assert_array_equal(np.asarray(logits)[row], np.asarray(results[8][0])[row], err_msg=f"{r}/{row}")
+            np.testing.assert_array_equal(np.asarray(mem.layers[1].k)[row], np.asarray(results[8][1].layers[1].k)[row])
+        # slots beyond the computed rows are left as they were
+        np.testing.assert_array_equal(np.asarray(mem.layers[1].k)[r:], np.asarray(memory.layers[1].k)[r:])
+        assert list(np.asarray(mem.positions)) == [len(p) + (i < r) for i, p in enumerate(prompts)]
+
+
+def test_a_prefilled_prompt_is_bit_identical_alone_or_with_others(golden_model) -> None:
+    loaded = golden_model("1,1", "float32")
+    prompts = [_prompt(n, loaded.cfg.vocab_size) for n in (5, 11, 3, 14)]
+    toks = np.zeros((4, 16), np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, : len(p)] = p
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    together, prefix = loaded.prefill(loaded.params, jnp.asarray(toks), lengths)
+    for i in range(4):
+        alone, one = loaded.prefill(loaded.params, jnp.asarray(toks[i:i + 1]), lengths[i:i + 1])
+        np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(together)[i])
+        np.testing.assert_array_equal(np.asarray(one.layers[0].v)[0], np.asarray(prefix.layers[0].v)[i])
