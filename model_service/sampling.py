@@ -176,7 +176,7 @@ def _sample_active(
     probs = exps / jnp.sum(exps)  # [V], softmax of the filtered row
     k = min(TOP_K, probs.shape[-1])
     top_probs, top_ids = jax.lax.cond(
-        num_top > 0, lambda p: jax.lax.top_k(p, k),
+        num_top > 0, lambda p: tuple(jax.lax.top_k(p, k)),
         lambda p: (jnp.zeros((k,), p.dtype), jnp.zeros((k,), jnp.int32)), probs)
     bad = ~jnp.all(jnp.isfinite(logits))
     return SampleResult(drawn, probs[drawn], top_ids.astype(jnp.int32), top_probs, bad)
