@@ -100,7 +100,7 @@ def build(args: argparse.Namespace) -> tuple[Engine, Any]:
     temperature, top_p = (0.0, 1.0) if args.greedy else (0.7, 0.9)
     for slot in range(args.active or args.batch):
         prompt = rng.integers(3, cfg.vocab_size, args.prompt_len).tolist()
-        prefix, _ = engine.prefill(prompt, seed=slot, temperature=temperature, top_p=top_p)
+        prefix, _ = engine.prefill(prompt, seed=slot, temperature=temperature, top_p=top_p, top_logprobs=0)
         state = engine.insert(prefix, state, slot)
     return engine, state
 

@@ -20,16 +20,16 @@ from model_service.config import ConfigError, MeshConfig
 DATA = "data"
 MODEL = "model"
 
-# Paths are "<haiku module>/<param>[/weight|/scales]"; int8 weights are stored [N, K] (layers.QuantizedWeight).
+# Paths are "<haiku module>/<param>[/weight|/scales]"; int8 layouts as in layers.QuantizedWeight.
 PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"multi_head_attention/(query|key|value)/w/weight$", P(MODEL, None)),  # [N=heads*D, K]
     (r"multi_head_attention/(query|key|value)/w/scales$", P(None, MODEL)),  # [1, N]
-    (r"multi_head_attention/linear/w/weight$", P(None, MODEL)),  # [D, K=heads*D] (row-parallel)
+    (r"multi_head_attention/linear/w/weight$", P(MODEL, None)),  # [K=heads*D, D] (row-parallel, not transposed)
     (r"multi_head_attention/linear/w/scales$", P(None, None)),  # [8, D]
     # MoE matrices are one QuantizedWeight per expert (layers.ExpertStack): paths end experts/<e>/...
     (r"moe/(linear|linear_v)/w/experts/[0-9]+/weight$", P(MODEL, None)),  # [F, D]
     (r"moe/(linear|linear_v)/w/experts/[0-9]+/scales$", P(None, MODEL)),  # [1, F]
-    (r"moe/linear_1/w/experts/[0-9]+/weight$", P(None, MODEL)),  # [D, F] (row-parallel)
+    (r"moe/linear_1/w/experts/[0-9]+/weight$", P(MODEL, None)),  # [F, D] (row-parallel, not transposed)
     (r"moe/linear_1/w/experts/[0-9]+/scales$", P(None, None)),  # [8, D]
     (r"router/w$", P(None, None)),
     (r"rms_norm(_[0-9]+)?/scale$", P(None)),

@@ -1,8 +1,8 @@
 """The parameter tree of the Grok-1 network: names, shapes and kinds exactly as the reference's, plus
 conversions between the released checkpoint layout and the in-memory layout, and int8 quantisation.
 
-Checkpoint layout: int8 [..., K, N] + bfloat16 scales [..., blocks, N]. In memory: int8 as [..., N, K] (one-time
-transpose, see layers.QuantizedWeight), float32 scales; embeddings in the compute dtype; norms and router float32.
+Checkpoint layout: int8 [..., K, N] + bfloat16 scales [..., blocks, N]. In memory: column-parallel int8 as
+[..., N, K] (one-time transpose), row-parallel kept [..., K, N] (see layers.QuantizedWeight), float32 scales; embeddings in the compute dtype; norms and router float32.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def to_internal(spec: TensorSpec, leaf: Any, dtype: Any) -> Any:
     """A checkpoint leaf (numpy, or (weight, scales) for int8) -> its in-memory numpy form."""
     if spec.quantized:
         weight, scales = leaf
-        weight = np.swapaxes(weight, -1, -2)
+        if spec.blocks == 1:
+            weight = np.swapaxes(weight, -1, -2)
         if "/moe/" in spec.module + "/":
             return ExpertStack(tuple(QuantizedWeight(np.ascontiguousarray(weight[e]), np.asarray(scales[e], np.float32))
                                      for e in range(weight.shape[0])))
@@ -105,7 +106,9 @@ def to_checkpoint(spec: TensorSpec, leaf: Any) -> Any:
         if isinstance(leaf, ExpertStack):
             leaf = QuantizedWeight(np.stack([np.asarray(q.weight) for q in leaf.experts]),
                                    np.stack([np.asarray(q.scales) for q in leaf.experts]))
-        weight = np.swapaxes(np.asarray(leaf.weight), -1, -2)
+        weight = np.asarray(leaf.weight)
+        if leaf.transposed:
+            weight = np.swapaxes(weight, -1, -2)
         return np.ascontiguousarray(weight), np.asarray(leaf.scales).astype(ml_dtypes.bfloat16)
     return np.asarray(leaf, np.float32)
 

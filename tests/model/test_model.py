@@ -99,16 +99,17 @@ def _experts(e: int, d: int, f: int) -> ExpertWeights:
         return ExpertStack(tuple(QuantizedWeight(jnp.asarray(rng.integers(-127, 128, shape), jnp.int8),
                                                  jnp.asarray(rng.uniform(0.001, 0.01, (blocks, n)), jnp.float32))
                                  for _ in range(e)))
-    # every int8 matrix stored [N, K]: column-parallel [F, D] (one scale per column), row-parallel [D, F] (8 blocks)
-    return ExpertWeights(q((f, d), 1, f), q((f, d), 1, f), q((d, f), 8, d))
+    # column-parallel stored [E, N, K]; row-parallel (8 block scales) stored [E, K, N]
+    return ExpertWeights(q((f, d), 1, f), q((f, d), 1, f), q((f, d), 8, d))
 
 
 def _dense_reference(x: np.ndarray, routing: Routing, w: ExpertWeights) -> np.ndarray:
     def deq(q: ExpertStack, e: int) -> np.ndarray:  # [N, K] float64
         wt, sc = np.asarray(q.experts[e].weight, np.float64), np.asarray(q.experts[e].scales, np.float64)
-        n, k = wt.shape
-        blocks = sc.shape[0]
-        return (wt.reshape(n, blocks, k // blocks) * sc.T[:, :, None]).reshape(n, k)
+        if sc.shape[0] == 1:
+            return wt * sc[0][:, None]
+        k, n = wt.shape
+        return (wt.reshape(8, k // 8, n) * sc[:, None, :]).reshape(k, n).T
     gelu = lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))  # noqa: E731
     out = np.zeros(x.shape)
     for m in range(x.shape[0]):
@@ -176,10 +177,11 @@ def test_decode_with_free_slots_leaves_active_slots_bit_identical(tiny) -> None:
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
 @pytest.mark.parametrize("blocks", [1, 8])
 def test_int8_products_match_dequantise_then_matmul(rows: int, blocks: int, products: Products) -> None:
-    weight = jnp.asarray(rng.integers(-127, 128, (24, 64)), jnp.int8)  # [N, K]
+    weight = jnp.asarray(rng.integers(-127, 128, (24, 64) if blocks == 1 else (64, 24)), jnp.int8)  # [N,K] / [K,N]
     q = QuantizedWeight(weight, jnp.asarray(rng.uniform(0.5, 1.5, (blocks, 24)), jnp.float32))
     x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
-    want = np.asarray(x, np.float64) @ np.asarray(dequantize(q, jnp.float32), np.float64).T
+    deq = np.asarray(dequantize(q, jnp.float32), np.float64)
+    want = np.asarray(x, np.float64) @ (deq.T if q.transposed else deq)
     got = jax.jit(product, static_argnums=2)(x, q, products)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-3)  # sums of ~1e4-sized terms
 

