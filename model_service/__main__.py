@@ -42,6 +42,10 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     p.add_env_argument("--mesh", type=mesh, default="1,1", help="device mesh DATA,MODEL (e.g. 1,8)")
     p.add_env_argument("--slots", type=positive_int, default=8, help="batch slots decoded together")
+    p.add_env_argument("--row-tile", type=positive_int, default=None,
+                       help="decode rows computed together (default: 8 on CPU, all slots elsewhere); --slots must be "
+                            "a multiple. A request's tokens depend on this and never on other requests: smaller tiles "
+                            "cost less when few requests run, larger ones less when many do")
     p.add_env_argument("--buckets", type=bucket_list, default=None,
                        help="prefill buckets, e.g. 32,64,128 (default: powers of two from 32 up to the context)")
     p.add_env_argument("--max-queue", type=positive_int, default=64, help="waiting-queue capacity")
@@ -70,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
     config = ServerConfig(
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
-        port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, buckets=args.buckets,
+        port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, row_tile=args.row_tile,
+        buckets=args.buckets,
         max_queue=args.max_queue, compile_cache=args.compile_cache, metrics_port=args.metrics_port,
         metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed)
     try:

@@ -44,6 +44,7 @@ class ServerConfig:
     dtype: str = "float32"
     mesh: MeshConfig = MeshConfig()
     slots: int = 8
+    row_tile: int | None = None  # decode rows per tile; None: the engine's choice for the platform
     buckets: tuple[int, ...] | None = None  # None: powers of two from 32 up to the context
     max_queue: int = 64
     compile_cache: str | None = None
@@ -70,6 +71,8 @@ def resolve(config: ServerConfig) -> tuple[ModelConfig, tuple[int, ...]]:
                          "to serve random weights deliberately")
     model_cfg = load_model_config(config.config)
     validate(model_cfg, config.mesh)
+    if config.row_tile and config.slots % min(config.row_tile, config.slots):
+        raise ValueError(f"--slots ({config.slots}) must be a multiple of --row-tile ({config.row_tile})")
     buckets = config.buckets or default_buckets(model_cfg.sequence_len)
     return model_cfg, buckets
 
@@ -107,7 +110,7 @@ def build_engine(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...
         log.warning("serving RANDOM weights (--random-init): outputs are noise")
         params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed)
     log.info("weights ready", extra={"seconds": round(time.monotonic() - start, 2)})
-    engine = Engine(GrokModel(cfg, mesh, dtype), params, cfg, mesh, config.slots, buckets)
+    engine = Engine(GrokModel(cfg, mesh, dtype), params, cfg, mesh, config.slots, buckets, config.row_tile)
     start = time.monotonic()
     timings = engine.compile_all()
     log.info("compiled all programs", extra={"seconds": round(time.monotonic() - start, 2), "programs": len(timings)})
