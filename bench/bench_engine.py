@@ -9,6 +9,7 @@ temperature 0.7 top_p 0.9, greedy = temperature 0):
     slots8_streams8   8 simultaneous streams on an 8-slot service: aggregate decode tokens/s, and the
                       time to first token of those 8 simultaneous prompts (p50, max)
     slots16_stream1   one stream on a 16-slot service (idle slots should cost next to nothing)
+    slots16_stream1_tile1  the same with --row-tile 1 (skipped for checkouts without that flag)
 
 each sampled and greedy, repeated --runs times (medians reported, every run kept). --repo runs the
 same points against other checkouts too (e.g. the code before a change, in a worktree of its own),
@@ -44,21 +45,24 @@ from serving_common.processes import terminate  # noqa: E402
 from tests.procs import SHARED, free_port  # noqa: E402
 
 MEDIUM = SHARED / "bench" / "medium.json"
-POINTS = {"slots1_stream1": (1, 1), "slots8_streams8": (8, 8), "slots16_stream1": (16, 1)}  # name: (slots, streams)
+# name: (slots, streams, extra service flags)
+POINTS: dict[str, tuple[int, int, list[str]]] = {
+    "slots1_stream1": (1, 1, []), "slots8_streams8": (8, 8, []), "slots16_stream1": (16, 1, []),
+    "slots16_stream1_tile1": (16, 1, ["--row-tile", "1"])}
 
 
 class ModelService:
     """`python -m model_service` from checkout `repo`, on a free port, with a shared compile cache."""
 
     def __init__(self, repo: pathlib.Path, config: pathlib.Path, slots: int, prompt_len: int, cache: str,
-                 log: pathlib.Path) -> None:
+                 log: pathlib.Path, extra: list[str]) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._log = open(log, "wb")
         bucket = 1 << max(5, (prompt_len - 1).bit_length())
         args = ["--config", str(config), "--random-init", "--host", "127.0.0.1", "--port", str(self.port),
                 "--slots", str(slots), "--mesh", "1,1", "--buckets", str(bucket), "--compile-cache", cache,
-                "--max-queue", "64"]
+                "--max-queue", "64", *extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": os.environ.get("BENCH_XLA_FLAGS", ""),
                "PYTHONPATH": str(repo)}
         self.proc = subprocess.Popen([sys.executable, "-m", "model_service", *args], cwd=repo, env=env,
@@ -115,14 +119,26 @@ def measure(address: str, streams: int, args: argparse.Namespace, vocab: int, sa
             "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
+def supports(repo: pathlib.Path, flags: list[str]) -> bool:
+    if not flags:
+        return True
+    help_text = subprocess.run([sys.executable, "-m", "model_service", "--help"], cwd=repo, capture_output=True,
+                               text=True, env={**os.environ, "PYTHONPATH": str(repo)}).stdout
+    return flags[0] in help_text
+
+
 def bench_point(name: str, repos: dict[str, pathlib.Path], args: argparse.Namespace, vocab: int,
                 cache_dir: pathlib.Path) -> dict[str, Any]:
-    slots, streams = POINTS[name]
-    out: dict[str, Any] = {"slots": slots, "streams": streams}
+    slots, streams, extra = POINTS[name]
+    out: dict[str, Any] = {"slots": slots, "streams": streams, "flags": extra}
     for label, repo in repos.items():
+        if not supports(repo, extra):
+            out[label] = {"skipped": f"{repo} has no {extra[0]} flag"}
+            continue
         cache = cache_dir / label
         cache.mkdir(exist_ok=True)
-        service = ModelService(repo, args.config, slots, args.prompt_len, str(cache), cache_dir / f"{label}_{name}.log")
+        service = ModelService(repo, args.config, slots, args.prompt_len, str(cache), cache_dir / f"{label}_{name}.log",
+                               extra)
         try:
             result: dict[str, Any] = {"start_seconds": round(service.start_seconds, 1)}
             for mode in ("sampled", "greedy"):

@@ -1,6 +1,7 @@
 """Per-op time of one engine decode step (model + sampling) from a jax.profiler trace; prints JSON.
 
     python bench/profile_step.py --config ../shared/bench/medium.json --batch 8 [--active 8] [--greedy]
+        [--repo DIR]   # profile another checkout's engine (e.g. the code before a change)
 
 The step is the Engine's own compiled decode program (every slot holding a request with a 32-token
 prompt, temperature 0.7, top_p 0.9 unless --greedy). Each XLA thunk's self time (its duration less
@@ -21,7 +22,8 @@ import sys
 import tempfile
 from typing import Any
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+_REPO = sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else str(pathlib.Path(__file__).resolve().parent.parent)
+sys.path.insert(0, _REPO)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -33,18 +35,19 @@ from model_service.engine import Engine  # noqa: E402
 from model_service.model import GrokModel  # noqa: E402
 from model_service.sharding import make_mesh  # noqa: E402
 
-# First match wins: (category, regex over the op_name metadata of an HLO instruction).
+# First match wins: (category, regex over an HLO instruction's op_name metadata, or "<opcode> <shape>" when it
+# has none). Patterns cover this code's named scopes and the unscoped names of the code before them.
 CATEGORIES: tuple[tuple[str, str], ...] = (
-    ("sampling: nucleus threshold", r"top_p|threshold|_search|sort"),
-    ("sampling: gumbel noise + draw", r"categorical|gumbel|random_bits|threefry|first_argmax|random"),
-    ("sampling: softmax, top-k, rest", r"sample|softmax_rows|top_k|split"),
-    ("unembedding (logits)", r"unembed|einsum.*vd|/dot_general.*131072|language_model"),
+    ("sampling: nucleus threshold", r"/nucleus/|while/body/.*while/body|_search|/sort"),
+    ("sampling: gumbel noise + draw", r"/draw/|gumbel|_uniform|threefry|random_bits|categorical"),
+    ("unembedding (logits)", r"unembed|d,vd->|^dot f32\[\d+,131072\]"),
     ("moe experts", r"/moe/"),
-    ("router", r"router|/top_k"),
-    ("attention: q/k/v projections", r"multi_head_attention/(query|key|value)"),
-    ("attention: output projection", r"multi_head_attention/linear"),
-    ("attention: scores, softmax, values", r"multi_head_attention|attention"),
-    ("norms, residuals, embedding", r"rms_norm|decoder_layer|embed|transformer"),
+    ("router", r"/router"),
+    ("attention: q/k/v and output projections", r"qkv_projections|output_projection"),
+    ("attention: kv write, scores, softmax, values", r"multi_head_attention"),
+    ("KV memory copies", r"^copy f32\[\d+,\d+,\d+,\d+\]"),
+    ("norms, residuals, embedding", r"transformer|rms_norm|embed"),
+    ("sampling: softmax, top-k, keys, rest", r"/probabilities/|while/body|sample|split|cond"),
 )
 
 
@@ -59,14 +62,10 @@ def instructions(hlo_text: str) -> dict[str, str]:
 
 def categorise(name: str, names: dict[str, str]) -> str:
     op = names[name.removesuffix(".clone")]
-    if re.match(r"dot f32\[\d+,131072\]", op):
-        return "unembedding (logits)"
-    if re.match(r"copy f32\[\d+,\d+,\d+,\d+\]", op):
-        return "KV memory copies"
     for category, pattern in CATEGORIES:
         if re.search(pattern, op):
             return category
-    return f"other: {op[-70:]}"
+    return "other (glue, copies, small ops)"
 
 
 def self_times(events: list[dict[str, Any]]) -> list[tuple[str, float]]:
@@ -100,7 +99,8 @@ def build(args: argparse.Namespace) -> tuple[Engine, Any]:
     temperature, top_p = (0.0, 1.0) if args.greedy else (0.7, 0.9)
     for slot in range(args.active or args.batch):
         prompt = rng.integers(3, cfg.vocab_size, args.prompt_len).tolist()
-        prefix, _ = engine.prefill(prompt, seed=slot, temperature=temperature, top_p=top_p, top_logprobs=0)
+        extra = {"top_logprobs": 0} if "top_logprobs" in Engine.prefill.__code__.co_varnames else {}
+        prefix, _ = engine.prefill(prompt, seed=slot, temperature=temperature, top_p=top_p, **extra)
         state = engine.insert(prefix, state, slot)
     return engine, state
 
@@ -123,7 +123,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     for name, us in thunks:
         totals[categorise(name, names)] += us
     per_step = {k: round(v / args.runs / 1e3, 3) for k, v in totals.most_common()}
-    return {"config": args.config, "batch": args.batch, "active": args.active or args.batch,
+    return {"repo": args.repo, "config": args.config, "batch": args.batch, "active": args.active or args.batch,
             "sampled": not args.greedy, "runs": args.runs,
             "step_wall_ms_median": round(float(np.median(wall)) / 1e3, 3) if wall else None,
             "thunk_ms_per_step": per_step, "thunk_ms_total": round(sum(per_step.values()), 3)}
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--greedy", action="store_true", help="temperature 0 instead of 0.7 / top_p 0.9")
     p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--repo", default=_REPO, help="checkout whose engine to profile (default: this one)")
     print(json.dumps(profile(p.parse_args(argv)), indent=1))
     return 0
 

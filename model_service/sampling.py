@@ -171,13 +171,16 @@ def _sample_active(
         return jnp.where(kept, r, MASKED_LOGIT), jnp.where(kept, e, 0.0)
 
     # Both shortcuts are exact: top_p = 1 keeps every logit, and a greedy slot takes the argmax.
-    row, exps = jax.lax.cond(top_p < 1, nucleus, lambda operands: operands, (row, exps))
-    drawn = jax.lax.cond(greedy, lambda r: first_argmax(r), lambda r: categorical(key, r[None]), row)
-    probs = exps / jnp.sum(exps)  # [V], softmax of the filtered row
-    k = min(TOP_K, probs.shape[-1])
-    top_probs, top_ids = jax.lax.cond(
-        num_top > 0, lambda p: tuple(jax.lax.top_k(p, k)),
-        lambda p: (jnp.zeros((k,), p.dtype), jnp.zeros((k,), jnp.int32)), probs)
+    with jax.named_scope("nucleus"):
+        row, exps = jax.lax.cond(top_p < 1, nucleus, lambda operands: operands, (row, exps))
+    with jax.named_scope("draw"):
+        drawn = jax.lax.cond(greedy, lambda r: first_argmax(r), lambda r: categorical(key, r[None]), row)
+    with jax.named_scope("probabilities"):
+        probs = exps / jnp.sum(exps)  # [V], softmax of the filtered row
+        k = min(TOP_K, probs.shape[-1])
+        top_probs, top_ids = jax.lax.cond(
+            num_top > 0, lambda p: tuple(jax.lax.top_k(p, k)),
+            lambda p: (jnp.zeros((k,), p.dtype), jnp.zeros((k,), jnp.int32)), probs)
     bad = ~jnp.all(jnp.isfinite(logits))
     return SampleResult(drawn, probs[drawn], top_ids.astype(jnp.int32), top_probs, bad)
 
