@@ -11,9 +11,10 @@ temperature 0.7 top_p 0.9, greedy = temperature 0):
     slots16_stream1   one stream on a 16-slot service (idle slots should cost next to nothing)
     slots16_stream1_tile1  the same with --row-tile 1 (skipped for checkouts without that flag)
 
-each sampled and greedy, repeated --runs times (medians reported, every run kept). --repo runs the
-same points against other checkouts too (e.g. the code before a change, in a worktree of its own),
-point by point back to back, all with this interpreter:
+each sampled and greedy, repeated --runs times (medians reported, every run kept with the machine's load).
+--repo runs the same points against other checkouts too (e.g. the code before a change, in a worktree of
+its own): their services run side by side and the measurements alternate between them, all with this
+interpreter:
 
     .venv/bin/python bench/bench_engine.py --runs 3 --repo before=/tmp/grok-before --repo after=. \\
         --out docs/bench/engine.json
@@ -129,26 +130,37 @@ def supports(repo: pathlib.Path, flags: list[str]) -> bool:
 
 def bench_point(name: str, repos: dict[str, pathlib.Path], args: argparse.Namespace, vocab: int,
                 cache_dir: pathlib.Path) -> dict[str, Any]:
+    """Every checkout's service is started (an idle one costs no CPU), then the runs alternate between them,
+    so a change in the machine's load hits all of them alike."""
     slots, streams, extra = POINTS[name]
     out: dict[str, Any] = {"slots": slots, "streams": streams, "flags": extra}
-    for label, repo in repos.items():
-        if not supports(repo, extra):
-            out[label] = {"skipped": f"{repo} has no {extra[0]} flag"}
-            continue
-        cache = cache_dir / label
-        cache.mkdir(exist_ok=True)
-        service = ModelService(repo, args.config, slots, args.prompt_len, str(cache), cache_dir / f"{label}_{name}.log",
-                               extra)
-        try:
-            result: dict[str, Any] = {"start_seconds": round(service.start_seconds, 1)}
+    services: dict[str, ModelService] = {}
+    try:
+        for label, repo in repos.items():
+            if not supports(repo, extra):
+                out[label] = {"skipped": f"{repo} has no {extra[0]} flag"}
+                continue
+            cache = cache_dir / label
+            cache.mkdir(exist_ok=True)
+            services[label] = ModelService(repo, args.config, slots, args.prompt_len, str(cache),
+                                           cache_dir / f"{label}_{name}.log", extra)
+        runs: dict[tuple[str, str], list[dict]] = {(label, mode): [] for label in services
+                                                   for mode in ("sampled", "greedy")}
+        for r in range(args.runs):
             for mode in ("sampled", "greedy"):
-                runs = [measure(service.address, streams, args, vocab, mode == "sampled", r) for r in range(args.runs)]
-                result[mode] = {"median_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
-                                "median_ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in runs), "runs": runs}
-            result["sampled_over_greedy"] = round(result["sampled"]["median_decode_tokens_per_s"]
-                                                  / result["greedy"]["median_decode_tokens_per_s"], 3)
-        finally:
+                for label, service in services.items():
+                    runs[label, mode].append(measure(service.address, streams, args, vocab, mode == "sampled", r))
+    finally:
+        for service in services.values():
             service.close()
+    for label, service in services.items():
+        result: dict[str, Any] = {"start_seconds": round(service.start_seconds, 1)}
+        for mode in ("sampled", "greedy"):
+            rs = runs[label, mode]
+            result[mode] = {"median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in rs),
+                            "median_ttft_p50_s": statistics.median(x["ttft_p50_s"] for x in rs), "runs": rs}
+        result["sampled_over_greedy"] = round(result["sampled"]["median_decode_tokens_per_s"]
+                                              / result["greedy"]["median_decode_tokens_per_s"], 3)
         out[label] = result
         print(json.dumps({name: {label: {m: result[m]["median_decode_tokens_per_s"] for m in ("sampled", "greedy")}}}),
               file=sys.stderr, flush=True)

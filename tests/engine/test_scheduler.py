@@ -278,3 +278,41 @@ def test_many_requests_all_complete_and_every_slot_returns(engine: FakeEngine, s
     for i, c in enumerate(collectors):
         assert c.wait().ids == list(range(i + 21, i + 22 + i % 5))
     wait_for(lambda: sched.stats() == {"active": 0, "free": engine.slots, "queued": 0})
+
+
+def test_prompts_waiting_while_nothing_decodes_are_all_prefilled_before_the_first_step(engine: FakeEngine) -> None:
+    engine.slots = 4
+    s = Scheduler(engine, max_queue=8)
+    s._accepting = True  # queue them before the decode thread starts, as if they arrived together
+    collectors = [Collector() for _ in range(4)]
+    for i, c in enumerate(collectors):
+        s.submit(req((10 * i + 5,), max_tokens=3), c)
+    s.start()
+    try:
+        for c in collectors:
+            c.wait()
+        kinds = [c[0] for c in engine.calls if c[0] in ("prefill", "generate")]
+        assert kinds[:5] == ["prefill"] * 4 + ["generate"]
+    finally:
+        s.stop()
+
+
+def test_while_requests_decode_admission_per_step_stops_at_the_prompt_token_budget(engine: FakeEngine) -> None:
+    engine.slots = 4
+    engine.step_delay = 0.01
+    s = Scheduler(engine, max_queue=8, prefill_token_budget=16)  # two prompts of bucket 8 per step
+    s.start()
+    try:
+        first = Collector()
+        s.submit(req((30,), max_tokens=30), first)
+        assert first.first_token.wait(5)
+        others = [Collector() for _ in range(3)]
+        for i, c in enumerate(others):
+            s.submit(req((20 + i, 3, 4), max_tokens=2), c)
+        for c in [first, *others]:
+            c.wait()
+        kinds = "".join("p" if c[0] == "prefill" else "g" for c in engine.calls if c[0] in ("prefill", "generate"))
+        after_first = kinds[kinds.index("g"):]
+        assert "ppp" not in after_first and "pp" in after_first  # at most two prefills between decode steps
+    finally:
+        s.stop()
