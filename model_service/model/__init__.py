@@ -101,17 +101,21 @@ class GrokModel:
             active = jnp.ones((r,), bool)
         if r == tile and tiles_to_run is None:
             return self._decode_tile(params, tokens, memory, active, 0)
-
-        def body(t: Array, carry: tuple[Array, Memory]) -> tuple[Array, Memory]:
-            logits, mem = carry
-            start = t * tile
-            out, mem = self._decode_tile(params, jax.lax.dynamic_slice_in_dim(tokens, start, tile), mem,
-                                         jax.lax.dynamic_slice_in_dim(active, start, tile), start)
-            return jax.lax.dynamic_update_slice_in_dim(logits, out, start, axis=0), mem
-
         logits = jnp.zeros((r, self.cfg.vocab_size), jnp.float32)
-        upper = r // tile if tiles_to_run is None else jnp.minimum(tiles_to_run, r // tile)
-        return jax.lax.fori_loop(0, upper, body, (logits, memory))
+        # Tiles are unrolled (each with static row offsets) rather than looped: XLA-CPU runs a while loop's body
+        # without intra-op parallelism, which made a looped tile ~2.5x slower than the same tile unrolled.
+        for t in range(r // tile):
+            rows = slice(t * tile, (t + 1) * tile)
+
+            def run(carry: tuple[Array, Memory], rows: slice = rows) -> tuple[Array, Memory]:
+                out, mem = self._decode_tile(params, tokens[rows], carry[1], active[rows], rows.start)
+                return carry[0].at[rows].set(out), mem
+
+            if tiles_to_run is None or t == 0:
+                logits, memory = run((logits, memory))
+            else:
+                logits, memory = jax.lax.cond(t < tiles_to_run, run, lambda carry: carry, (logits, memory))
+        return logits, memory
 
     def _decode_tile(self, params: Params, tokens: Array, memory: Memory, active: Array,
                      start: Array | int) -> tuple[Array, Memory]:
