@@ -44,6 +44,7 @@ from model_service.sharding import DATA
 log = logging.getLogger(__name__)
 
 CPU_ROW_TILE = 8  # rows per decode tile on CPU: one tile streams the weights once for up to 8 requests
+PREFILL_CHUNK = 64  # prompts longer than this are prefilled this many tokens at a time, between decode steps
 
 
 class DecodeState(NamedTuple):
@@ -62,6 +63,21 @@ class Prefix(NamedTuple):
     token: jax.Array  # [] int32, the first sampled token
     key: jax.Array  # [2] uint32, the key to split for the next draw
     sampling: SamplingParams  # [1] / [1, V]
+
+
+@dataclass
+class ChunkedPrefill:
+    """A prompt being prefilled chunk by chunk straight into its slot (Engine.begin_prefill)."""
+
+    tokens: np.ndarray  # [n_chunks * C] int32, the prompt padded to whole chunks
+    length: int
+    slot: int
+    seed: int
+    temperature: float
+    top_p: float
+    mask: np.ndarray  # [V] bool
+    top_logprobs: int
+    next_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,7 +138,7 @@ class Engine:
     """Prefill, insert, generate and free_slot for `slots` concurrent sequences of one GrokModel."""
 
     def __init__(self, model: Any, params: Any, cfg: ModelConfig, mesh: Mesh, slots: int,
-                 buckets: Sequence[int], row_tile: int | None = None) -> None:
+                 buckets: Sequence[int], row_tile: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.model = model
         self.params = params
         self.mesh = mesh
@@ -133,6 +149,7 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self.eos_id = cfg.eos_token
         self.pad_id = cfg.pad_token
+        self.prefill_chunk = prefill_chunk  # 0: never chunk
         replicated = NamedSharding(mesh, PartitionSpec())
         self.state_shardings = DecodeState(
             memory=model.memory_shardings(slots), tokens=replicated, keys=replicated,
@@ -145,6 +162,12 @@ class Engine:
                                  in_shardings=(self.params_shardings, self.state_shardings),
                                  out_shardings=(self.state_shardings, None))
         self._free = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=self.state_shardings)
+        self._extend = jax.jit(self._extend_impl, donate_argnums=(1,),
+                               in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 4,
+                               out_shardings=self.state_shardings)
+        self._extend_last = jax.jit(self._extend_last_impl, donate_argnums=(1,),
+                                    in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 9,
+                                    out_shardings=(self.state_shardings, None))
 
     # ---- pure functions (jitted above) ------------------------------------------------------
     def _init_impl(self) -> DecodeState:
@@ -187,6 +210,22 @@ class Engine:
         keys = jnp.where(active[:, None], rest, state.keys)
         return DecodeState(memory, tokens, keys, state.sampling), result
 
+    def _extend_impl(self, params: Any, state: DecodeState, tokens: jax.Array, slot: jax.Array, start: jax.Array,
+                     last: jax.Array) -> DecodeState:
+        # tokens [1, C]; the slot stays inactive (decode steps skip it) until its last chunk
+        _, memory = self.model.extend(params, tokens, state.memory, slot, start, last)
+        return state._replace(memory=memory)
+
+    def _extend_last_impl(self, params: Any, state: DecodeState, tokens: jax.Array, slot: jax.Array,
+                          start: jax.Array, last: jax.Array, seed: jax.Array, temperature: jax.Array,
+                          top_p: jax.Array, mask: jax.Array, num_top: jax.Array) -> tuple[DecodeState, SampleResult]:
+        logits, memory = self.model.extend(params, tokens, state.memory, slot, start, last)  # [1, V]
+        rest, draw = split_key(seed_key(seed))
+        one = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool), num_top[None])
+        result = sample_tokens(draw[None], logits, one)
+        return DecodeState(memory, state.tokens.at[slot].set(result.token[0]), state.keys.at[slot].set(rest),
+                           jax.tree.map(lambda all_, o: all_.at[slot].set(o[0]), state.sampling, one)), result
+
     def _free_impl(self, state: DecodeState, slot: jax.Array) -> DecodeState:
         # A free slot is skipped by the step; give it neutral inputs so nothing of the finished request lingers.
         sampling = SamplingParams(state.sampling.temperature.at[slot].set(0.0),
@@ -222,6 +261,38 @@ class Engine:
     def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
         return self._insert(prefix, state, np.int32(slot))
 
+    def chunked(self, length: int) -> bool:
+        """Whether a prompt of `length` tokens is prefilled in chunks (begin_prefill) rather than at once."""
+        c = self.prefill_chunk
+        return 0 < c < length and -(-length // c) * c <= self.sequence_len
+
+    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
+                      allowed: Sequence[int] = (), blocked: Sequence[int] = (),
+                      top_logprobs: int = TOP_K) -> ChunkedPrefill:
+        """Start prefilling a long prompt into free `slot`, one chunk per `prefill_next_chunk` call.
+
+        The chunks depend only on the prompt, so its results never depend on what runs between them. Pad
+        tokens inside a prompt are masked as keys only within one prefill call, so such prompts are not
+        chunked (`chunked` is for prompts of real tokens)."""
+        c, n = self.prefill_chunk, len(tokens)
+        padded = np.full((-(-n // c) * c,), self.pad_id, np.int32)
+        padded[:n] = tokens
+        return ChunkedPrefill(padded, n, slot, seed, temperature, top_p,
+                              build_mask(self.vocab_size, self.pad_id, allowed, blocked), top_logprobs)
+
+    def prefill_next_chunk(self, job: ChunkedPrefill, state: DecodeState) -> tuple[DecodeState, StepOutput | None]:
+        """Run the job's next chunk; after the last one the slot is active and its first token returned."""
+        c, start = self.prefill_chunk, job.next_start
+        chunk = job.tokens[None, start:start + c]
+        job.next_start += c
+        if job.next_start < job.length:
+            return self._extend(self.params, state, chunk, np.int32(job.slot), np.int32(start), np.int32(c - 1)), None
+        state, result = self._extend_last(self.params, state, chunk, np.int32(job.slot), np.int32(start),
+                                          np.int32(job.length - 1 - start), np.uint32(job.seed),
+                                          np.float32(job.temperature), np.float32(job.top_p), job.mask,
+                                          np.int32(job.top_logprobs))
+        return state, StepOutput.from_device(result)
+
     def generate(self, state: DecodeState) -> tuple[DecodeState, PendingStep]:
         """Dispatch one decode step for the active slots; returns at once with the new state and the step's
         tokens on their way to the host (`PendingStep.get()`)."""
@@ -247,6 +318,12 @@ class Engine:
             start = time.monotonic()
             state = jax.block_until_ready(self.insert(prefix, state, 0))
             timings[f"insert_{bucket}"] = time.monotonic() - start
+        if self.chunked(self.buckets[-1]):
+            start = time.monotonic()
+            job = self.begin_prefill([self.eos_id] * self.buckets[-1], slot=0, seed=0, temperature=1.0, top_p=1.0)
+            while job.next_start < job.length:
+                state, _ = self.prefill_next_chunk(job, state)
+            timings["prefill_chunks"] = time.monotonic() - start
         start = time.monotonic()
         state, pending = self.generate(state)
         pending.get()

@@ -2,7 +2,8 @@
 
 Requests are validated and queued by `submit` (any thread). The decode thread admits waiting
 requests into free slots between decode steps (a prefill each; all of them when nothing is decoding,
-else up to a prompt-token budget per step so running slots are never starved), dispatches one
+else up to a prompt-token budget per step so running slots are never starved; a long prompt is
+prefilled one chunk per step, so it never stalls running streams for its whole length), dispatches one
 `Engine.generate` step for all slots and, while the engine computes it, hands each request its token
 from the previous step through the request's `emit` callback (JetStream's overlap of host work with
 the next step), and frees a slot as soon as its request is done (EOS, max_tokens, full context),
@@ -117,12 +118,17 @@ class EngineLike(Protocol):
     vocab_size: int
     eos_id: int
     pad_id: int
+    prefill_chunk: int  # tokens per chunk of a chunked prefill
 
     def init_decode_state(self) -> Any: ...
     def bucket_for(self, length: int) -> int: ...
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
                 allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int) -> tuple[Any, StepOutputLike]: ...
     def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
+    def chunked(self, length: int) -> bool: ...
+    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
+                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int) -> Any: ...
+    def prefill_next_chunk(self, job: Any, state: Any) -> tuple[Any, StepOutputLike | None]: ...
     def generate(self, state: Any) -> tuple[Any, PendingStepLike]: ...
     def free_slot(self, state: Any, slot: int) -> Any: ...
 
@@ -194,6 +200,14 @@ class _Active:
 
 
 @dataclass
+class _Prefilling:
+    """A long prompt being prefilled into its slot one chunk per step."""
+
+    act: _Active
+    job: Any
+
+
+@dataclass
 class _InFlight:
     """A dispatched decode step and the requests whose slots it computes."""
 
@@ -220,6 +234,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._active: dict[int, _Active] = {}
+        self._prefilling: dict[int, _Prefilling] = {}
         self._free = set(range(engine.slots))
         self._accepting = False
         self._stopping = False
@@ -267,7 +282,8 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         """Active slots, free slots and queued requests (for tests and health reporting)."""
         with self._cond:
-            return {"active": len(self._active), "free": len(self._free), "queued": len(self._queue)}
+            return {"active": len(self._active) + len(self._prefilling), "free": len(self._free),
+                    "queued": len(self._queue)}
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise INVALID_ARGUMENT for anything the engine could not serve as asked."""
@@ -285,6 +301,7 @@ class Scheduler:
             while self._wait_for_work():
                 self._reap()
                 self._admit()
+                self._advance_prefills()
                 if self._active:
                     self._step()
                 else:
@@ -298,7 +315,7 @@ class Scheduler:
 
     def _wait_for_work(self) -> bool:
         with self._cond:
-            while not self._stopping and not self._queue and not self._active:
+            while not self._stopping and not self._queue and not self._active and not self._prefilling:
                 self._cond.wait()
             return not self._stopping
 
@@ -310,6 +327,12 @@ class Scheduler:
             if error is not None:
                 act.handle.emit(Emission((), act.generated, len(act.handle.request.prompt), error=error))
                 self._release(slot)
+        for slot, job in list(self._prefilling.items()):
+            error = _abandoned(job.act.handle, now)
+            if error is not None:
+                job.act.handle.emit(Emission((), 0, len(job.act.handle.request.prompt), error=error))
+                del self._prefilling[slot]
+                self._return_slot(slot)  # never activated: the next prefill into it overwrites what it wrote
         with self._cond:
             verdicts = [(h, _abandoned(h, now)) for h in self._queue]
             self._queue = collections.deque(h for h, error in verdicts if error is None)
@@ -331,8 +354,13 @@ class Scheduler:
                 self._free.discard(slot)
                 self.metrics.set_queued(len(self._queue))
             count += 1
-            tokens += self.engine.bucket_for(len(handle.request.prompt))
-            self._prefill(handle, slot)
+            prompt = handle.request.prompt
+            if self.engine.chunked(len(prompt)) and self.engine.pad_id not in prompt:
+                tokens += self.engine.prefill_chunk
+                self._begin_chunked(handle, slot)
+            else:
+                tokens += self.engine.bucket_for(len(prompt))
+                self._prefill(handle, slot)
 
     def _prefill(self, handle: RequestHandle, slot: int) -> None:
         req = handle.request
@@ -357,6 +385,40 @@ class Scheduler:
         with self._cond:
             self._active[slot] = act
             self.metrics.set_active(len(self._active))
+
+    def _begin_chunked(self, handle: RequestHandle, slot: int) -> None:
+        req = handle.request
+        seed = req.seed if req.seed is not None else secrets.randbits(32)
+        job = self.engine.begin_prefill(list(req.prompt), slot=slot, seed=seed, temperature=req.temperature,
+                                        top_p=req.top_p, allowed=req.allowed, blocked=req.blocked,
+                                        top_logprobs=req.top_logprobs)
+        self._prefilling[slot] = _Prefilling(_Active(handle, seed, time.monotonic()), job)
+
+    def _advance_prefills(self) -> None:
+        """One chunk of every long prompt being prefilled; a finished one delivers its first token."""
+        for slot, job in list(self._prefilling.items()):
+            req = job.act.handle.request
+            try:
+                self._state, out = self.engine.prefill_next_chunk(job.job, self._state)
+            except Exception:
+                log.exception("prefill failed", extra={"request_id": req.request_id})
+                job.act.handle.emit(Emission((), 0, len(req.prompt), error=SchedulerError(
+                    ErrorKind.INTERNAL, f"prefill failed (request {req.request_id})")))
+                del self._prefilling[slot]
+                self._release(slot)
+                continue
+            if out is None:
+                continue
+            del self._prefilling[slot]
+            act = job.act
+            act.prefill_seconds = time.monotonic() - act.admitted_at
+            self.metrics.observe_prefill(act.prefill_seconds)
+            if self._deliver(act, out, 0):
+                self._release(slot)
+                continue
+            with self._cond:
+                self._active[slot] = act
+                self.metrics.set_active(len(self._active))
 
     def _step(self) -> None:
         """Dispatch a decode step, then deliver the previous one's tokens while the engine computes."""
@@ -436,6 +498,10 @@ class Scheduler:
 
     def _fail_all(self, error: SchedulerError) -> None:
         self._fail_active(error)
+        for slot, job in list(self._prefilling.items()):
+            job.act.handle.emit(Emission((), 0, len(job.act.handle.request.prompt), error=error))
+            del self._prefilling[slot]
+            self._return_slot(slot)
         with self._cond:
             queued, self._queue = list(self._queue), collections.deque()
             self.metrics.set_queued(0)

@@ -45,6 +45,7 @@ class ServerConfig:
     mesh: MeshConfig = MeshConfig()
     slots: int = 8
     row_tile: int | None = None  # decode rows per tile; None: the engine's choice for the platform
+    prefill_chunk: int = 64  # longer prompts are prefilled this many tokens per decode step; 0: at once
     buckets: tuple[int, ...] | None = None  # None: powers of two from 32 up to the context
     max_queue: int = 64
     compile_cache: str | None = None
@@ -110,7 +111,8 @@ def build_engine(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...
         log.warning("serving RANDOM weights (--random-init): outputs are noise")
         params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed)
     log.info("weights ready", extra={"seconds": round(time.monotonic() - start, 2)})
-    engine = Engine(GrokModel(cfg, mesh, dtype), params, cfg, mesh, config.slots, buckets, config.row_tile)
+    engine = Engine(GrokModel(cfg, mesh, dtype), params, cfg, mesh, config.slots, buckets, config.row_tile,
+                    config.prefill_chunk)
     start = time.monotonic()
     timings = engine.compile_all()
     log.info("compiled all programs", extra={"seconds": round(time.monotonic() - start, 2), "programs": len(timings)})

@@ -117,6 +117,18 @@ class GrokModel:
                 logits, memory = jax.lax.cond(t < tiles_to_run, run, lambda carry: carry, (logits, memory))
         return logits, memory
 
+    def extend(self, params: Params, tokens: Array, memory: Memory, slot: Array, start: Array,
+               last: Array) -> tuple[Array, Memory]:
+        """A prefill chunk: tokens [1, C] at positions start .. start + C - 1 of `slot`, attending to what the
+        slot's memory holds before `start` (the prompt's earlier chunks). Returns logits [1, V] at chunk row
+        `last` and the memory with the chunk written and the slot's position at start + last + 1."""
+        c, s = tokens.shape[1], memory.layers[0].k.shape[2]
+        positions = (start + jnp.arange(c, dtype=jnp.int32))[None, :]  # [1, C]
+        mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= positions[0][:, None])[None]  # [1, C, S], causal
+        step = Step(positions, mask, memory.layers, jnp.reshape(start, (1,)), None, self.products, slot)
+        logits, caches = self._net.apply(params, tokens, step, jnp.reshape(last, (1,)))
+        return logits, Memory(caches, memory.positions.at[slot].set(start + last + 1))
+
     def _decode_tile(self, params: Params, tokens: Array, memory: Memory, active: Array,
                      start: Array | int) -> tuple[Array, Memory]:
         """One tile: tokens/active [T] for memory slots start .. start + T - 1."""

@@ -31,7 +31,7 @@ class Step(NamedTuple):
     positions: Array  # [B, T] int32 rotary positions
     mask: Array  # [B, T, S] bool, which keys each query sees
     memory: tuple[KVMemory, ...] | None  # decode: caches to write into; None: keys are this call's tokens
-    write_index: Array | None  # decode: [B] position each row writes (T == 1)
+    write_index: Array | None  # decode: [B] position each row writes (T == 1); a prefill chunk: [1] its start
     active: Array | None = None  # decode: [B] bool, False rows (free slots) never make an expert run
     products: Products = Products.DOT  # static: how token rows meet weights (layers.Products)
     row_start: Array | int = 0  # decode: memory slot of the first row
@@ -47,9 +47,12 @@ def _linear(name: str, x: Array, out: int, products: Products) -> Array:
 
 
 def _write(cache: Array, new: Array, start: Array | int, index: Array) -> Array:
-    """cache [slots, H, S, D] <- new [B, H, 1, D]: row b into slot start + b at its own position index[b].
+    """cache [slots, H, S, D] <- new [B, H, T, D]: row b into slot start + b from its own position index[b]
+    (T == 1), or one row of T tokens (a prefill chunk) into slot start from position index[0].
 
     One scatter that XLA updates in place (a vmapped dynamic_update_slice made it copy every cache)."""
+    if new.shape[2] > 1:
+        return jax.lax.dynamic_update_slice(cache, new, (start, 0, index[0], 0))
     rows = start + jnp.arange(new.shape[0])
     return cache.at[rows, :, index, :].set(new[:, :, 0, :], indices_are_sorted=True, unique_indices=True,
                                           mode="promise_in_bounds")

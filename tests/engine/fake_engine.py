@@ -53,6 +53,7 @@ class FakeEngine:
     pad_id: int = 0
     step_delay: float = 0.0
     fail_prefill_for: int = -1  # prompts starting with this id make prefill raise
+    prefill_chunk: int = 0  # > 0: longer prompts are prefilled in chunks of this many tokens
     calls: list[tuple] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -79,6 +80,27 @@ class FakeEngine:
             raise RuntimeError("fake prefill failure")
         first = (tokens[-1] + 1) % self.vocab_size
         return first, self._out(np.array([first]))
+
+    def chunked(self, length: int) -> bool:
+        return 0 < self.prefill_chunk < length
+
+    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
+                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8) -> list:
+        self._log("begin_prefill", tuple(tokens), slot)
+        return [list(tokens), slot, 0]
+
+    def prefill_next_chunk(self, job: list, state: FakeState) -> tuple[FakeState, FakeOutput | None]:
+        tokens, slot, start = job
+        self._log("chunk", slot, start)
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        job[2] = start + self.prefill_chunk
+        if job[2] < len(tokens):
+            return state, None
+        first = (tokens[-1] + 1) % self.vocab_size
+        last = state.last.copy()
+        last[slot] = first
+        return FakeState(last), self._out(np.array([first]))
 
     def insert(self, prefix: int, state: FakeState, slot: int) -> FakeState:
         self._log("insert", slot)

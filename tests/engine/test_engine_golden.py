@@ -62,6 +62,31 @@ def sharded_engine() -> Engine:
     return build_engine(config, cfg, buckets)
 
 
+def test_golden_requests_prefilled_in_chunks_reproduce_reference_ids(golden_engine: Engine) -> None:
+    chunked = Engine(golden_engine.model, golden_engine.params, golden_engine.model.cfg, golden_engine.mesh, 2,
+                     golden_engine.buckets, prefill_chunk=8)
+    cases = golden_requests()
+    assert any(chunked.chunked(len(c["prompt_ids"])) for c in cases)
+    for case in cases:
+        q = case["request"]
+        state = chunked.init_decode_state()
+        out = None
+        if chunked.chunked(len(case["prompt_ids"])):
+            job = chunked.begin_prefill(case["prompt_ids"], slot=1, seed=q["rng_seed"], temperature=q["temperature"],
+                                        top_p=q["nucleus_p"])
+            while out is None:
+                state, out = chunked.prefill_next_chunk(job, state)
+        else:
+            prefix, out = chunked.prefill(case["prompt_ids"], seed=q["rng_seed"], temperature=q["temperature"],
+                                          top_p=q["nucleus_p"])
+            state = chunked.insert(prefix, state, 1)
+        tokens = [int(out.token[0])]
+        while len(tokens) < q["max_len"]:
+            state, pending = chunked.generate(state)
+            tokens.append(int(pending.get().token[1]))
+        assert tokens == case["output_ids"]
+
+
 def test_golden_requests_on_a_2x4_mesh_reproduce_reference_ids(sharded_engine: Engine) -> None:
     assert len(sharded_engine.mesh.devices.flat) == 8
     for i, case in enumerate(golden_requests()):

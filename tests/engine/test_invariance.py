@@ -1,6 +1,7 @@
 """Batch invariance while requests join and leave mid-stream: on an engine that decodes 4 slots in tiles of 2
-(so the number of tiles that run changes as requests come and go), every request's tokens and probabilities
-are bit-identical to its solo run."""
+(so the number of tiles that run changes as requests come and go) and prefills prompts longer than 8 tokens in
+chunks (decode steps of other requests run between them), every request's tokens and probabilities are
+bit-identical to its solo run."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def tiled_engine() -> Engine:
     cfg = load_model_config(str(GOLDEN / "config.json"))
     mesh = make_mesh(MeshConfig(1, 1))
     params = load_params(str(GOLDEN / "checkpoint"), cfg, mesh, jnp.float32)
-    return Engine(GrokModel(cfg, mesh, jnp.float32), params, cfg, mesh, 4, (32,), row_tile=2)
+    return Engine(GrokModel(cfg, mesh, jnp.float32), params, cfg, mesh, 4, (32,), row_tile=2, prefill_chunk=8)
 
 
 @dataclass
@@ -47,26 +48,34 @@ def requests(n: int) -> list[Req]:
             for i in range(n)]
 
 
-def prefill(engine: Engine, r: Req) -> object:
-    prefix, out = engine.prefill(r.prompt, seed=r.seed, temperature=r.temperature, top_p=r.top_p, blocked=r.blocked)
-    r.out.append((int(out.token[0]), float(out.prob[0])))
-    return prefix
-
-
 def run(engine: Engine, reqs: list[Req], joins: list[int]) -> None:
-    """Each request joins at step joins[i] into the lowest free slot and leaves after its length."""
-    state, owner, step = engine.init_decode_state(), {}, 0
+    """Each request joins at step joins[i] into the lowest free slot (a long prompt one chunk per step) and
+    leaves after its length."""
+    state, owner, chunking, step = engine.init_decode_state(), {}, {}, 0
     waiting = sorted(range(len(reqs)), key=lambda i: joins[i])
-    while waiting or owner:
+    while waiting or owner or chunking:
         for slot, i in list(owner.items()):
             if len(reqs[i].out) >= reqs[i].length:
                 state = engine.free_slot(state, slot)
                 del owner[slot]
-        while waiting and joins[waiting[0]] <= step and len(owner) < engine.slots:
-            i = waiting.pop(0)
-            slot = min(set(range(engine.slots)) - set(owner))
-            state = engine.insert(prefill(engine, reqs[i]), state, slot)
+        while waiting and joins[waiting[0]] <= step and len(owner) + len(chunking) < engine.slots:
+            i, r = waiting[0], reqs[waiting.pop(0)]
+            slot = min(set(range(engine.slots)) - set(owner) - set(chunking))
+            if engine.chunked(len(r.prompt)):
+                chunking[slot] = (i, engine.begin_prefill(r.prompt, slot=slot, seed=r.seed, temperature=r.temperature,
+                                                          top_p=r.top_p, blocked=r.blocked))
+                continue
+            prefix, out = engine.prefill(r.prompt, seed=r.seed, temperature=r.temperature, top_p=r.top_p,
+                                         blocked=r.blocked)
+            r.out.append((int(out.token[0]), float(out.prob[0])))
+            state = engine.insert(prefix, state, slot)
             owner[slot] = i
+        for slot, (i, job) in list(chunking.items()):
+            state, out = engine.prefill_next_chunk(job, state)
+            if out is not None:
+                reqs[i].out.append((int(out.token[0]), float(out.prob[0])))
+                owner[slot] = i
+                del chunking[slot]
         if owner:
             state, pending = engine.generate(state)
             out = pending.get()

@@ -316,3 +316,45 @@ def test_while_requests_decode_admission_per_step_stops_at_the_prompt_token_budg
         assert "ppp" not in after_first and "pp" in after_first  # at most two prefills between decode steps
     finally:
         s.stop()
+
+
+def test_a_long_prompt_is_prefilled_one_chunk_per_decode_step_while_others_stream(engine: FakeEngine) -> None:
+    engine.slots = 2
+    engine.prefill_chunk = 4
+    engine.step_delay = 0.005
+    s = Scheduler(engine, max_queue=8)
+    s.start()
+    try:
+        running, long_ = Collector(), Collector()
+        s.submit(req((30,), max_tokens=20), running)
+        assert running.first_token.wait(5)
+        s.submit(req(tuple(range(3, 16)), max_tokens=3), long_)  # 13 tokens: chunks at 0, 4, 8, 12
+        assert long_.wait().ids == [16, 17, 18]
+        assert running.wait().ids == list(range(31, 51))
+        kinds = [c[0] for c in engine.calls if c[0] in ("chunk", "generate")]
+        first = kinds.index("chunk")
+        assert kinds[first:first + 7] == ["chunk", "generate"] * 3 + ["chunk"]  # a decode step between chunks
+        assert [c[2] for c in engine.calls if c[0] == "chunk"] == [0, 4, 8, 12]
+    finally:
+        s.stop()
+
+
+def test_cancelling_a_request_during_its_chunked_prefill_frees_its_slot(engine: FakeEngine) -> None:
+    engine.slots = 1
+    engine.prefill_chunk = 2
+    engine.step_delay = 0.005
+    s = Scheduler(engine, max_queue=8)
+    s.start()
+    try:
+        c = Collector()
+        handle = s.submit(req(tuple(range(3, 16)), max_tokens=3), c)
+        wait_for(lambda: engine.count("chunk") >= 1)
+        handle.cancel()
+        assert c.wait().last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
+        assert c.ids == [] and engine.count("chunk") < 7  # stopped before its prompt was done
+        wait_for(lambda: s.stats() == {"active": 0, "free": 1, "queued": 0})
+        later = Collector()
+        s.submit(req((40,), max_tokens=2), later)
+        assert later.wait().ids == [41, 42]
+    finally:
+        s.stop()

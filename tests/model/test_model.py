@@ -226,3 +226,20 @@ def test_a_prefilled_prompt_is_bit_identical_alone_or_with_others(golden_model) 
         alone, one = loaded.prefill(loaded.params, jnp.asarray(toks[i:i + 1]), lengths[i:i + 1])
         np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(together)[i])
         np.testing.assert_array_equal(np.asarray(one.layers[0].v)[0], np.asarray(prefix.layers[0].v)[i])
+
+
+def test_a_prompt_prefilled_in_chunks_matches_a_prefill_at_once(tiny) -> None:
+    prompt = _prompt(14)
+    logits, prefix = _prefix(tiny, prompt)
+    memory = tiny.model.init_memory(2)
+    extend = jax.jit(tiny.model.extend)
+    chunk = np.zeros((1, 16), np.int32)
+    chunk[0, :14] = prompt
+    for start in (0, 4, 8, 12):
+        last = min(3, 13 - start)
+        out, memory = extend(tiny.params, jnp.asarray(chunk[:, start:start + 4]), memory, jnp.int32(1),
+                             jnp.int32(start), jnp.int32(last))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(memory.layers[1].k[1, :, :14]), np.asarray(prefix.layers[1].k[0, :, :14]),
+                               atol=1e-5)
+    assert list(np.asarray(memory.positions)) == [0, 14]
