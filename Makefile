@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 AIPERF_VENV ?= .venv-aiperf
 
-.PHONY: setup run demo demo-check protos lint test bench bench-docs bench-http clean help
+.PHONY: setup run demo demo-check protos lint test bench bench-docs bench-http bench-engine clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
@@ -59,6 +59,9 @@ $(AIPERF_VENV)/.installed:
 
 bench-http: setup $(AIPERF_VENV)/.installed  ## AIPerf against /v1/completions of the tiny golden stack
 	AIPERF_VENV=$(AIPERF_VENV) bash bench/aiperf_golden.sh
+
+bench-engine: setup  ## issue 10's decode points through the model service over gRPC, medium config (JSON)
+	$(PY) -m benchmarks.engine --runs 3
 
 clean:  ## remove build outputs (not the venv)
 	rm -rf .pytest_cache build *.egg-info

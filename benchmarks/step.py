@@ -2,6 +2,8 @@
 
     python -m benchmarks.step --config PATH_OR_PRESET --batch N --dtype float32 [--mesh 1,1] [--prompt-len 32]
         [--active M]   # only the first M of the N slots hold a request (the others are free slots)
+        [--tile T]     # decode rows per tile (default: the engine's choice for this platform and batch)
+        [--sampled]    # time the engine's whole step instead: decode + sampling (temperature 0.7, top_p 0.9)
 
 The low-level tool under benchmarks.roofline (which calls `run`): compile time is reported
 separately; step times are medians of --runs runs.
@@ -22,6 +24,7 @@ import numpy as np
 
 from model_service.checkpoint import random_params
 from model_service.config import MeshConfig, load_model_config, validate
+from model_service.engine import Engine, choose_row_tile
 from model_service.model import GrokModel
 from model_service.sharding import make_mesh
 
@@ -57,7 +60,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     step_tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (args.batch,)), jnp.int32)
     active_slots = args.batch if args.active is None else min(args.active, args.batch)
     active = jnp.arange(args.batch) < active_slots  # [B] bool: free slots never make an expert run
-    decode = jax.jit(model.decode, donate_argnums=2, out_shardings=(None, mem_sh))
+    tile = choose_row_tile(args.tile, args.batch, mesh)
+    tiles = None if tile == args.batch else jnp.int32(-(-active_slots // tile))
+    if args.sampled:
+        return {**_engine_step(args, cfg, mesh, model, params, active_slots), "prefill_ms":
+                round(statistics.median(prefill_times) * 1e3, 3), "prefill_compile_s": round(prefill_compile, 3)}
+    decode = jax.jit(lambda *a: model.decode(*a, tile=tile, tiles_to_run=tiles), donate_argnums=2,
+                     out_shardings=(None, mem_sh))
     decode_c, decode_compile = _timed(lambda: decode.lower(params, step_tokens, memory, active).compile())
     (_, memory), _ = _timed(lambda: decode_c(params, step_tokens, memory, active))
     decode_times = []
@@ -66,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         decode_times.append(dt)
     decode_ms = statistics.median(decode_times) * 1e3
     return {
-        "config": args.config, "batch": args.batch, "active": active_slots,
+        "config": args.config, "batch": args.batch, "active": active_slots, "tile": tile,
         "dtype": args.dtype, "mesh": args.mesh,
         "devices": mesh_cfg.size, "platform": jax.devices()[0].platform, "prompt_len": args.prompt_len,
         "params_init_s": round(load_s, 3),
@@ -76,11 +85,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _engine_step(args: argparse.Namespace, cfg: Any, mesh: Any, model: GrokModel, params: Any,
+                 active_slots: int) -> dict[str, Any]:
+    """The engine's whole decode step (model + sampling) with `active_slots` sampled requests."""
+    engine = Engine(model, params, cfg, mesh, args.batch, (args.prompt_len,), args.tile)
+    state = engine.init_decode_state()
+    rng = np.random.default_rng(args.seed)
+    for slot in range(active_slots):
+        prefix, _ = engine.prefill(rng.integers(3, cfg.vocab_size, args.prompt_len).tolist(), seed=slot,
+                                   temperature=0.7, top_p=0.9, top_logprobs=0)
+        state = engine.insert(prefix, state, slot)
+    (state, pending), compile_s = _timed(lambda: engine.generate(state))
+    pending.get()
+    times = []
+    for _ in range(args.runs):
+        start = time.perf_counter()
+        state, pending = engine.generate(state)
+        pending.get()
+        times.append(time.perf_counter() - start)
+    step_ms = statistics.median(times) * 1e3
+    return {"config": args.config, "batch": args.batch, "active": active_slots, "tile": engine.row_tile,
+            "dtype": args.dtype, "mesh": args.mesh, "devices": mesh.size, "platform": jax.devices()[0].platform,
+            "prompt_len": args.prompt_len, "sampled": True, "step_compile_s": round(compile_s, 3),
+            "step_ms": round(step_ms, 3), "tokens_per_s": round(active_slots / step_ms * 1e3, 2), "runs": args.runs}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="preset name (grok-1) or JSON config path")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--active", type=int, default=None, help="slots holding a request (default: all)")
+    p.add_argument("--tile", type=int, default=None, help="decode rows per tile (default: the engine's)")
+    p.add_argument("--sampled", action="store_true", help="time the engine step: decode + sampling")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--mesh", default="1,1", help="DATA,MODEL")
     p.add_argument("--prompt-len", type=int, default=32)

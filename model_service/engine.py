@@ -6,6 +6,12 @@ passed in and returned by every call with its buffers donated and its shardings 
 pytree. A prefill runs one prompt, padded to a bucket, into a batch-1 `Prefix` that already holds
 the first sampled token; `insert` copies it into a slot. Every bucket's prefill, the insert, the
 decode step and free_slot are compiled by `compile_all()` before the service reports SERVING.
+
+The decode step computes the slots in tiles of `row_tile` rows and stops after the last tile that
+holds an active slot, deciding on the device: idle slots past the busy ones cost nothing, one program
+serves any number of requests, and a row's bits depend only on the tile size (GrokModel.decode).
+`generate` returns before the step finishes: its `PendingStep` is copied to the host in the background
+and read with `get()`, so the caller can dispatch the next step first and overlap its own work with it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model_service.config import ModelConfig
 from model_service.sampling import (
+    TOP_K,
     SampleResult,
     SamplingParams,
     build_mask,
@@ -32,8 +39,12 @@ from model_service.sampling import (
     split_key,
     split_keys,
 )
+from model_service.sharding import DATA
 
 log = logging.getLogger(__name__)
+
+CPU_ROW_TILE = 8  # rows per decode tile on CPU: one tile streams the weights once for up to 8 requests
+PREFILL_CHUNK = 64  # prompts longer than this are prefilled this many tokens at a time, between decode steps
 
 
 class DecodeState(NamedTuple):
@@ -54,6 +65,21 @@ class Prefix(NamedTuple):
     sampling: SamplingParams  # [1] / [1, V]
 
 
+@dataclass
+class ChunkedPrefill:
+    """A prompt being prefilled chunk by chunk straight into its slot (Engine.begin_prefill)."""
+
+    tokens: np.ndarray  # [n_chunks * C] int32, the prompt padded to whole chunks
+    length: int
+    slot: int
+    seed: int
+    temperature: float
+    top_p: float
+    mask: np.ndarray  # [V] bool
+    top_logprobs: int
+    next_start: int = 0
+
+
 @dataclass(frozen=True)
 class StepOutput:
     """Host copy of a SampleResult: what the scheduler reads after each prefill or decode step."""
@@ -70,6 +96,22 @@ class StepOutput:
         return cls(host.token, host.prob, host.top_ids, host.top_probs, host.bad)
 
 
+class PendingStep:
+    """A decode step's result on its way to the host; `get()` waits for it (once) and returns a StepOutput."""
+
+    def __init__(self, result: SampleResult) -> None:
+        for leaf in jax.tree.leaves(result):
+            leaf.copy_to_host_async()
+        self._result: SampleResult | None = result
+        self._output: StepOutput | None = None
+
+    def get(self) -> StepOutput:
+        if self._output is None:
+            assert self._result is not None
+            self._output, self._result = StepOutput.from_device(self._result), None
+        return self._output
+
+
 def choose_buckets(buckets: Sequence[int], sequence_len: int) -> tuple[int, ...]:
     """Sorted, unique prefill buckets; each must fit the context."""
     chosen = tuple(sorted(set(buckets)))
@@ -79,24 +121,39 @@ def choose_buckets(buckets: Sequence[int], sequence_len: int) -> tuple[int, ...]
     return chosen
 
 
+def choose_row_tile(row_tile: int | None, slots: int, mesh: Mesh) -> int:
+    """Rows per decode tile: `row_tile` if given, else CPU_ROW_TILE on CPU and every slot elsewhere (where one
+    wide matrix product is cheap); always every slot when the batch is split over a data axis."""
+    if mesh.shape[DATA] > 1:
+        return slots
+    if row_tile is None:
+        row_tile = CPU_ROW_TILE if mesh.devices.flat[0].platform == "cpu" else slots
+    tile = min(row_tile, slots)
+    if tile < 1 or slots % tile:
+        raise ValueError(f"slots ({slots}) must be a multiple of the decode row tile ({tile})")
+    return tile
+
+
 class Engine:
     """Prefill, insert, generate and free_slot for `slots` concurrent sequences of one GrokModel."""
 
     def __init__(self, model: Any, params: Any, cfg: ModelConfig, mesh: Mesh, slots: int,
-                 buckets: Sequence[int]) -> None:
+                 buckets: Sequence[int], row_tile: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.model = model
         self.params = params
         self.mesh = mesh
         self.slots = slots
+        self.row_tile = choose_row_tile(row_tile, slots, mesh)
         self.buckets = choose_buckets(buckets, cfg.sequence_len)
         self.sequence_len = cfg.sequence_len
         self.vocab_size = cfg.vocab_size
         self.eos_id = cfg.eos_token
         self.pad_id = cfg.pad_token
+        self.prefill_chunk = prefill_chunk  # 0: never chunk
         replicated = NamedSharding(mesh, PartitionSpec())
         self.state_shardings = DecodeState(
             memory=model.memory_shardings(slots), tokens=replicated, keys=replicated,
-            sampling=SamplingParams(replicated, replicated, replicated, replicated))
+            sampling=SamplingParams(*([replicated] * len(SamplingParams._fields))))
         self.params_shardings = model.params_shardings(params)
         self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
         self._prefill = jax.jit(self._prefill_impl)
@@ -105,6 +162,12 @@ class Engine:
                                  in_shardings=(self.params_shardings, self.state_shardings),
                                  out_shardings=(self.state_shardings, None))
         self._free = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=self.state_shardings)
+        self._extend = jax.jit(self._extend_impl, donate_argnums=(1,),
+                               in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 4,
+                               out_shardings=self.state_shardings)
+        self._extend_last = jax.jit(self._extend_last_impl, donate_argnums=(1,),
+                                    in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 9,
+                                    out_shardings=(self.state_shardings, None))
 
     # ---- pure functions (jitted above) ------------------------------------------------------
     def _init_impl(self) -> DecodeState:
@@ -113,14 +176,16 @@ class Engine:
             memory=self.model.init_memory(b), tokens=jnp.full((b,), self.pad_id, jnp.int32),
             keys=jnp.zeros((b, 2), jnp.uint32),
             sampling=SamplingParams(jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.float32),
-                                    jnp.ones((b, self.vocab_size), bool), jnp.zeros((b,), bool)))
+                                    jnp.ones((b, self.vocab_size), bool), jnp.zeros((b,), bool),
+                                    jnp.zeros((b,), jnp.int32)))
 
     def _prefill_impl(self, params: Any, tokens: jax.Array, length: jax.Array, seed: jax.Array,
-                      temperature: jax.Array, top_p: jax.Array, mask: jax.Array) -> tuple[Prefix, SampleResult]:
-        # tokens [1, T] int32 (T = bucket), length [] int32, seed [] uint32, mask [V] bool
-        logits, memory = self.model.prefill(params, tokens, length)  # [1, V]
+                      temperature: jax.Array, top_p: jax.Array, mask: jax.Array,
+                      num_top: jax.Array) -> tuple[Prefix, SampleResult]:
+        # tokens [1, T] int32 (T = bucket), length [] int32, seed [] uint32, mask [V] bool, num_top [] int32
+        logits, memory = self.model.prefill(params, tokens, length[None])  # [1, V]
         rest, draw = split_key(seed_key(seed))
-        sampling = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool))
+        sampling = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool), num_top[None])
         result = sample_tokens(draw[None], logits, sampling)
         return Prefix(memory, result.token[0], rest, sampling), result
 
@@ -132,17 +197,41 @@ class Engine:
             sampling=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.sampling, prefix.sampling))
 
     def _generate_impl(self, params: Any, state: DecodeState) -> tuple[DecodeState, SampleResult]:
-        logits, memory = self.model.decode(params, state.tokens, state.memory, state.sampling.active)  # [B, V]
+        active = state.sampling.active  # [B]
+        tile = self.row_tile
+        # Tiles up to the last one holding an active slot; the ones after it are skipped on the device.
+        last = jnp.max(jnp.where(active, jnp.arange(self.slots, dtype=jnp.int32), -1))
+        tiles = None if tile == self.slots else (last + tile) // tile
+        logits, memory = self.model.decode(params, state.tokens, state.memory, active, tile, tiles)  # [B, V]
         rest, draw = split_keys(state.keys)
         result = sample_tokens(draw, logits, state.sampling)
-        return DecodeState(memory, result.token, rest, state.sampling), result
+        # A free slot keeps its token and key (a later insert overwrites them).
+        tokens = jnp.where(active, result.token, state.tokens)
+        keys = jnp.where(active[:, None], rest, state.keys)
+        return DecodeState(memory, tokens, keys, state.sampling), result
+
+    def _extend_impl(self, params: Any, state: DecodeState, tokens: jax.Array, slot: jax.Array, start: jax.Array,
+                     last: jax.Array) -> DecodeState:
+        # tokens [1, C]; the slot stays inactive (decode steps skip it) until its last chunk
+        _, memory = self.model.extend(params, tokens, state.memory, slot, start, last)
+        return state._replace(memory=memory)
+
+    def _extend_last_impl(self, params: Any, state: DecodeState, tokens: jax.Array, slot: jax.Array,
+                          start: jax.Array, last: jax.Array, seed: jax.Array, temperature: jax.Array,
+                          top_p: jax.Array, mask: jax.Array, num_top: jax.Array) -> tuple[DecodeState, SampleResult]:
+        logits, memory = self.model.extend(params, tokens, state.memory, slot, start, last)  # [1, V]
+        rest, draw = split_key(seed_key(seed))
+        one = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool), num_top[None])
+        result = sample_tokens(draw[None], logits, one)
+        return DecodeState(memory, state.tokens.at[slot].set(result.token[0]), state.keys.at[slot].set(rest),
+                           jax.tree.map(lambda all_, o: all_.at[slot].set(o[0]), state.sampling, one)), result
 
     def _free_impl(self, state: DecodeState, slot: jax.Array) -> DecodeState:
-        # A free slot keeps computing (its output is discarded); give it neutral inputs so nothing
-        # of the finished request lingers in the state.
+        # A free slot is skipped by the step; give it neutral inputs so nothing of the finished request lingers.
         sampling = SamplingParams(state.sampling.temperature.at[slot].set(0.0),
                                   state.sampling.top_p.at[slot].set(1.0),
-                                  state.sampling.mask.at[slot].set(True), state.sampling.active.at[slot].set(False))
+                                  state.sampling.mask.at[slot].set(True), state.sampling.active.at[slot].set(False),
+                                  state.sampling.num_top.at[slot].set(0))
         return DecodeState(state.memory, state.tokens.at[slot].set(self.pad_id),
                            state.keys.at[slot].set(jnp.zeros((2,), jnp.uint32)), sampling)
 
@@ -157,23 +246,58 @@ class Engine:
         return self._init()
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int] = (), blocked: Sequence[int] = ()) -> tuple[Prefix, StepOutput]:
-        """Run one prompt; returns the prefix to insert and its first token (host arrays, batch 1)."""
+                allowed: Sequence[int] = (), blocked: Sequence[int] = (),
+                top_logprobs: int = TOP_K) -> tuple[Prefix, StepOutput]:
+        """Run one prompt; returns the prefix to insert and its first token (host arrays, batch 1).
+        `top_logprobs` alternatives are computed for every token of the request (0 skips them)."""
         n = len(tokens)
         padded = np.full((1, self.bucket_for(n)), self.pad_id, np.int32)
         padded[0, :n] = tokens
         mask = build_mask(self.vocab_size, self.pad_id, allowed, blocked)
-        prefix, result = self._prefill(self.params, padded, np.int32(n), np.uint32(seed),
-                                       np.float32(temperature), np.float32(top_p), mask)
+        prefix, result = self._prefill(self.params, padded, np.int32(n), np.uint32(seed), np.float32(temperature),
+                                       np.float32(top_p), mask, np.int32(top_logprobs))
         return prefix, StepOutput.from_device(result)
 
     def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
         return self._insert(prefix, state, np.int32(slot))
 
-    def generate(self, state: DecodeState) -> tuple[DecodeState, StepOutput]:
-        """One decode step for every slot; returns the new state and each slot's token."""
-        state, result = self._generate(self.params, state)
+    def chunked(self, length: int) -> bool:
+        """Whether a prompt of `length` tokens is prefilled in chunks (begin_prefill) rather than at once."""
+        c = self.prefill_chunk
+        return 0 < c < length and -(-length // c) * c <= self.sequence_len
+
+    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
+                      allowed: Sequence[int] = (), blocked: Sequence[int] = (),
+                      top_logprobs: int = TOP_K) -> ChunkedPrefill:
+        """Start prefilling a long prompt into free `slot`, one chunk per `prefill_next_chunk` call.
+
+        The chunks depend only on the prompt, so its results never depend on what runs between them. Pad
+        tokens inside a prompt are masked as keys only within one prefill call, so such prompts are not
+        chunked (`chunked` is for prompts of real tokens)."""
+        c, n = self.prefill_chunk, len(tokens)
+        padded = np.full((-(-n // c) * c,), self.pad_id, np.int32)
+        padded[:n] = tokens
+        return ChunkedPrefill(padded, n, slot, seed, temperature, top_p,
+                              build_mask(self.vocab_size, self.pad_id, allowed, blocked), top_logprobs)
+
+    def prefill_next_chunk(self, job: ChunkedPrefill, state: DecodeState) -> tuple[DecodeState, StepOutput | None]:
+        """Run the job's next chunk; after the last one the slot is active and its first token returned."""
+        c, start = self.prefill_chunk, job.next_start
+        chunk = job.tokens[None, start:start + c]
+        job.next_start += c
+        if job.next_start < job.length:
+            return self._extend(self.params, state, chunk, np.int32(job.slot), np.int32(start), np.int32(c - 1)), None
+        state, result = self._extend_last(self.params, state, chunk, np.int32(job.slot), np.int32(start),
+                                          np.int32(job.length - 1 - start), np.uint32(job.seed),
+                                          np.float32(job.temperature), np.float32(job.top_p), job.mask,
+                                          np.int32(job.top_logprobs))
         return state, StepOutput.from_device(result)
+
+    def generate(self, state: DecodeState) -> tuple[DecodeState, PendingStep]:
+        """Dispatch one decode step for the active slots; returns at once with the new state and the step's
+        tokens on their way to the host (`PendingStep.get()`)."""
+        state, result = self._generate(self.params, state)
+        return state, PendingStep(result)
 
     def free_slot(self, state: DecodeState, slot: int) -> DecodeState:
         return self._free(state, np.int32(slot))
@@ -194,8 +318,15 @@ class Engine:
             start = time.monotonic()
             state = jax.block_until_ready(self.insert(prefix, state, 0))
             timings[f"insert_{bucket}"] = time.monotonic() - start
+        if self.chunked(self.buckets[-1]):
+            start = time.monotonic()
+            job = self.begin_prefill([self.eos_id] * self.buckets[-1], slot=0, seed=0, temperature=1.0, top_p=1.0)
+            while job.next_start < job.length:
+                state, _ = self.prefill_next_chunk(job, state)
+            timings["prefill_chunks"] = time.monotonic() - start
         start = time.monotonic()
-        state = jax.block_until_ready(self.generate(state)[0])
+        state, pending = self.generate(state)
+        pending.get()
         timings["generate"] = time.monotonic() - start
         start = time.monotonic()
         jax.block_until_ready(self.free_slot(state, 0))

@@ -1,6 +1,6 @@
 """KV memory: per-layer key/value caches plus each slot's next position, as immutable pytrees.
 
-Each batch slot decodes at its own position. A batch-1 prefill result (any length <= sequence_len) is copied
+Each batch slot decodes at its own position. One row of a prefill result (any length <= sequence_len) is copied
 into a slot with `insert`, which also resets that slot's position to the prompt length.
 """
 
@@ -37,20 +37,21 @@ def init_memory(batch: int, sequence_len: int, num_layers: int, num_kv_heads: in
     return Memory(layers, jnp.zeros((batch,), jnp.int32))
 
 
-def insert(memory: Memory, prefix: Memory, slot: jax.Array) -> Memory:
-    """Copy batch-1 `prefix` (length T <= S) into `slot` of `memory`; the slot's position becomes the prefix's."""
-    if prefix.positions.shape != (1,):
-        raise ValueError(f"insert expects a batch-1 prefix, got positions of shape {prefix.positions.shape}")
+def insert(memory: Memory, prefix: Memory, slot: jax.Array, row: jax.Array | int = 0) -> Memory:
+    """Copy row `row` of `prefix` (N rows of length T <= S) into `slot` of `memory`; the slot's position becomes
+    that row's."""
     s, t = memory.layers[0].k.shape[2], prefix.layers[0].k.shape[2]
     if t > s:
         raise ValueError(f"prefix of length {t} does not fit memory of length {s}")
     slot = jnp.asarray(slot, jnp.int32)
+    row = jnp.asarray(row, jnp.int32)
 
     def put(dst: jax.Array, src: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (slot, 0, 0, 0))
+        one = jax.lax.dynamic_slice_in_dim(src, row, 1, axis=0)
+        return jax.lax.dynamic_update_slice(dst, one.astype(dst.dtype), (slot, 0, 0, 0))
 
     layers = tuple(KVMemory(put(m.k, p.k), put(m.v, p.v)) for m, p in zip(memory.layers, prefix.layers))
-    positions = jax.lax.dynamic_update_slice(memory.positions, prefix.positions.astype(jnp.int32), (slot,))
+    positions = memory.positions.at[slot].set(prefix.positions[row].astype(jnp.int32))
     return Memory(layers, positions)
 
 

@@ -1,11 +1,14 @@
 """Token sampling as the reference's `sample_token` defines it, vectorised over batch slots.
 
-Every slot carries its own temperature, nucleus mass, token mask and PRNG key, and each slot's draw
-is computed by a per-slot function mapped over the slots, so a request's tokens never depend on
-what the other slots hold (batch invariance). The order of operations is the reference's: divide by the
-temperature, mask disallowed ids with -1e10, nucleus-filter, draw with `jax.random.categorical`;
-the reported probability and top-k alternatives come from the softmax of the filtered logits.
-Temperature 0 is greedy (argmax of the filtered logits; probabilities then use temperature 1).
+Every slot carries its own temperature, nucleus mass, token mask, number of alternatives and PRNG key,
+and each slot's draw is computed by a per-slot function mapped over the slots, so a request's tokens
+never depend on what the other slots hold (batch invariance). The order of operations is the
+reference's: divide by the temperature, mask disallowed ids with -1e10, nucleus-filter, draw with
+`jax.random.categorical`; the reported probability and top-k alternatives come from the softmax of the
+filtered logits. Temperature 0 is greedy (argmax of the filtered logits; probabilities then use
+temperature 1). Work nobody asked for is skipped: free slots, the nucleus search at top_p 1, the draw
+of a greedy slot, the alternatives of a slot that wants none; one exponential pass serves the nucleus
+search and the reported probabilities.
 
 Key schedule (the reference's): `key = PRNGKey(seed)`, `(rest, draw) = split(key)`; the first token
 is drawn with `draw`; before each later token the slot's `rest` is split again the same way.
@@ -32,6 +35,7 @@ class SamplingParams(NamedTuple):
     top_p: jax.Array  # [B] float32 in (0, 1]
     mask: jax.Array  # [B, V] bool, True = may be sampled
     active: jax.Array  # [B] bool, False for a free slot (its result is not computed)
+    num_top: jax.Array  # [B] int32, alternatives the request reports (0..TOP_K; 0 skips computing them)
 
 
 class SampleResult(NamedTuple):
@@ -95,12 +99,16 @@ def _sort_threshold(logits: jax.Array, top_p: jax.Array) -> jax.Array:
 
 
 def _search_threshold(logits: jax.Array, top_p: jax.Array) -> jax.Array:
-    """The smallest logit v with P(logit <= v) >= 1 - top_p: the sorted rule's threshold, without a sort.
+    """The smallest logit v with P(logit <= v) >= 1 - top_p: the sorted rule's threshold, without a sort."""
+    return _search_threshold_probs(logits, jax.nn.softmax(logits), top_p)
+
+
+def _search_threshold_probs(logits: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`_search_threshold` given softmax(logits) [V].
 
     Binary search over the order-preserving uint32 image of the float logits; each probe is
-    one masked sum over the vocabulary (a full sort of 131072 logits costs ~40 ms on CPU, this ~5).
+    one masked sum over the vocabulary (a full sort of 131072 logits costs ~40 ms on CPU, this ~1.5).
     """
-    probs = jax.nn.softmax(logits)  # [V]
     bits = jax.lax.bitcast_convert_type(logits, jnp.uint32)
     sign = jnp.uint32(0x80000000)
     keys = jnp.where(bits >= sign, ~bits, bits | sign)  # unsigned and monotone in the float value
@@ -142,30 +150,49 @@ def _sample_active(
     temperature: jax.Array,  # [] float32
     top_p: jax.Array,  # [] float32
     mask: jax.Array,  # [V] bool
+    num_top: jax.Array,  # [] int32
 ) -> SampleResult:
     greedy = temperature <= 0
     # Greedy requests report probabilities at temperature 1 (proto: Token.probability).
     scale = jnp.where(greedy, jnp.float32(1), temperature).astype(logits.dtype)
-    row = (logits / scale)[None, :]  # [1, V], the reference's per-slot shape
-    row = jnp.where(mask[None, :], row, MASKED_LOGIT)
+    row = jnp.where(mask, logits / scale, MASKED_LOGIT)  # [V]
+    # softmax(row) = exp(row - max) / sum; the nucleus keeps the max, so the filtered softmax has the same
+    # exponentials with the removed ones exactly 0 (exp(-1e10 - max) underflows to 0 as well).
+    exps = jnp.exp(row - jnp.max(row))  # [V]
+
+    def nucleus(operands: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        r, e = operands
+        p = top_p.astype(r.dtype)
+        if r.shape[-1] <= SORT_MAX_VOCAB:
+            threshold = _sort_threshold(r[None], p.reshape(1, 1))[0, 0]
+        else:
+            threshold = _search_threshold_probs(r, e / jnp.sum(e), p)
+        kept = r >= threshold
+        return jnp.where(kept, r, MASKED_LOGIT), jnp.where(kept, e, 0.0)
+
     # Both shortcuts are exact: top_p = 1 keeps every logit, and a greedy slot takes the argmax.
-    row = jax.lax.cond(top_p < 1, lambda r: top_p_filter(r, top_p.astype(r.dtype).reshape(1, 1)),
-                       lambda r: r, row)
-    drawn = jax.lax.cond(greedy, lambda r: first_argmax(r[0]), lambda r: categorical(key, r), row)
-    probs = jax.nn.softmax(row[0])  # [V]
-    top_probs, top_ids = jax.lax.top_k(probs, min(TOP_K, probs.shape[-1]))
+    with jax.named_scope("nucleus"):
+        row, exps = jax.lax.cond(top_p < 1, nucleus, lambda operands: operands, (row, exps))
+    with jax.named_scope("draw"):
+        drawn = jax.lax.cond(greedy, lambda r: first_argmax(r), lambda r: categorical(key, r[None]), row)
+    with jax.named_scope("probabilities"):
+        probs = exps / jnp.sum(exps)  # [V], softmax of the filtered row
+        k = min(TOP_K, probs.shape[-1])
+        top_probs, top_ids = jax.lax.cond(
+            num_top > 0, lambda p: tuple(jax.lax.top_k(p, k)),
+            lambda p: (jnp.zeros((k,), p.dtype), jnp.zeros((k,), jnp.int32)), probs)
     bad = ~jnp.all(jnp.isfinite(logits))
     return SampleResult(drawn, probs[drawn], top_ids.astype(jnp.int32), top_probs, bad)
 
 
 def _sample_one(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                mask: jax.Array, active: jax.Array) -> SampleResult:
+                mask: jax.Array, active: jax.Array, num_top: jax.Array) -> SampleResult:
     def idle(*_: jax.Array) -> SampleResult:
         k = min(TOP_K, logits.shape[-1])
         return SampleResult(jnp.int32(0), jnp.float32(0), jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.float32),
                             jnp.bool_(False))
 
-    return jax.lax.cond(active, _sample_active, idle, key, logits, temperature, top_p, mask)
+    return jax.lax.cond(active, _sample_active, idle, key, logits, temperature, top_p, mask, num_top)
 
 
 def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams) -> SampleResult:
@@ -177,4 +204,4 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams) ->
     is computed exactly as if it were alone.
     """
     return jax.lax.map(lambda args: _sample_one(*args), (keys, logits.astype(jnp.float32), params.temperature,
-                                                         params.top_p, params.mask, params.active))
+                                                         params.top_p, params.mask, params.active, params.num_top))

@@ -1,11 +1,15 @@
 """Continuous batching: a bounded waiting queue, N decode slots, and one thread that drives the Engine.
 
 Requests are validated and queued by `submit` (any thread). The decode thread admits waiting
-requests into free slots between decode steps (a prefill each, interleaved with decoding so running
-slots are never starved), runs one `Engine.generate` step for all slots, hands each active request
-its token through the request's `emit` callback, and frees a slot as soon as its request is done
-(EOS, max_tokens, full context), cancelled, past its deadline or failed. The scheduler knows only
-the Engine's interface (`EngineLike`); it never touches JAX, so a fake engine can drive it in tests.
+requests into free slots between decode steps (a prefill each; all of them when nothing is decoding,
+else up to a prompt-token budget per step so running slots are never starved; a long prompt is
+prefilled one chunk per step, so it never stalls running streams for its whole length), dispatches one
+`Engine.generate` step for all slots and, while the engine computes it, hands each request its token
+from the previous step through the request's `emit` callback (JetStream's overlap of host work with
+the next step), and frees a slot as soon as its request is done (EOS, max_tokens, full context),
+cancelled, past its deadline or failed. A step already in flight for a slot whose request ended is
+discarded. The scheduler knows only the Engine's interface (`EngineLike`); it never touches JAX, so a
+fake engine can drive it in tests.
 """
 
 from __future__ import annotations
@@ -99,6 +103,12 @@ class StepOutputLike(Protocol):
     bad: Any  # [B] bool
 
 
+class PendingStepLike(Protocol):
+    """A dispatched decode step; `get()` waits for its host arrays."""
+
+    def get(self) -> StepOutputLike: ...
+
+
 class EngineLike(Protocol):
     """The part of model_service.engine.Engine the scheduler uses; decode state and prefix are opaque."""
 
@@ -108,12 +118,18 @@ class EngineLike(Protocol):
     vocab_size: int
     eos_id: int
     pad_id: int
+    prefill_chunk: int  # tokens per chunk of a chunked prefill
 
     def init_decode_state(self) -> Any: ...
+    def bucket_for(self, length: int) -> int: ...
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int], blocked: Sequence[int]) -> tuple[Any, StepOutputLike]: ...
+                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int) -> tuple[Any, StepOutputLike]: ...
     def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
-    def generate(self, state: Any) -> tuple[Any, StepOutputLike]: ...
+    def chunked(self, length: int) -> bool: ...
+    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
+                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int) -> Any: ...
+    def prefill_next_chunk(self, job: Any, state: Any) -> tuple[Any, StepOutputLike | None]: ...
+    def generate(self, state: Any) -> tuple[Any, PendingStepLike]: ...
     def free_slot(self, state: Any, slot: int) -> Any: ...
 
 
@@ -206,22 +222,47 @@ class _Active:
         return Timings(self.admitted_at - self.handle.enqueued_at, self.prefill_seconds, mean)
 
 
+@dataclass
+class _Prefilling:
+    """A long prompt being prefilled into its slot one chunk per step."""
+
+    act: _Active
+    job: Any
+
+
+@dataclass
+class _InFlight:
+    """A dispatched decode step and the requests whose slots it computes."""
+
+    pending: PendingStepLike
+    owners: dict[int, _Active]  # slot -> the request that held it at dispatch
+    dispatched_at: float
+
+
 class Scheduler:
-    """N slots over one Engine; `start()` launches the decode thread, `stop()` ends it."""
+    """N slots over one Engine; `start()` launches the decode thread, `stop()` ends it.
+
+    While requests are decoding, each step admits waiting prompts until their padded lengths pass
+    `prefill_token_budget` tokens (at least one prompt) and at most `prefills_per_step` of them; with
+    nothing decoding it admits as many as there are free slots.
+    """
 
     def __init__(self, engine: EngineLike, max_queue: int, metrics: SchedulerMetrics | None = None,
-                 prefills_per_step: int = 1) -> None:
+                 prefills_per_step: int | None = None, prefill_token_budget: int = 128) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.metrics = metrics or SchedulerMetrics()
         self.prefills_per_step = prefills_per_step
+        self.prefill_token_budget = prefill_token_budget
         self._cond = threading.Condition()
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._active: dict[int, _Active] = {}
+        self._prefilling: dict[int, _Prefilling] = {}
         self._free = set(range(engine.slots))
         self._accepting = False
         self._stopping = False
         self._state: Any = None
+        self._in_flight: _InFlight | None = None
         self._thread: threading.Thread | None = None
         self._steps = 0
         self._beat = time.monotonic()
@@ -268,7 +309,7 @@ class Scheduler:
     def heartbeat(self) -> Heartbeat:
         with self._cond:
             alive = self._thread is not None and self._thread.is_alive()
-            pending = len(self._active) + len(self._queue) + (self._in_prefill is not None)
+            pending = len(self._active) + len(self._prefilling) + len(self._queue) + (self._in_prefill is not None)
             return Heartbeat(self._steps, self._beat, pending, alive)
 
     def fail_pending(self, error: SchedulerError) -> int:
@@ -276,6 +317,7 @@ class Scheduler:
         slots are freed if the loop comes back. Returns how many requests were ended."""
         with self._cond:
             handles = [act.handle for act in self._active.values()] + list(self._queue)
+            handles += [job.act.handle for job in list(self._prefilling.values())]
             handles += [self._in_prefill] if self._in_prefill is not None else []
             self._queue.clear()
             self.metrics.set_queued(0)
@@ -286,7 +328,8 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         """Active slots, free slots and queued requests (for tests and health reporting)."""
         with self._cond:
-            return {"active": len(self._active), "free": len(self._free), "queued": len(self._queue)}
+            return {"active": len(self._active) + len(self._prefilling), "free": len(self._free),
+                    "queued": len(self._queue)}
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise INVALID_ARGUMENT for anything the engine could not serve as asked."""
@@ -314,8 +357,11 @@ class Scheduler:
             while self._wait_for_work():
                 self._reap()
                 self._admit()
+                self._advance_prefills()
                 if self._active:
                     self._step()
+                else:
+                    self._finish_in_flight()
         except Exception:
             log.exception("decode loop crashed")
         finally:
@@ -325,7 +371,7 @@ class Scheduler:
 
     def _wait_for_work(self) -> bool:
         with self._cond:
-            while not self._stopping and not self._queue and not self._active:
+            while not self._stopping and not self._queue and not self._active and not self._prefilling:
                 self._cond.wait()
                 self._beat = time.monotonic()  # work (re)starts now, not at the last step before idling
             return not self._stopping
@@ -340,6 +386,14 @@ class Scheduler:
                     act.handle.emit(Emission((), act.generated, len(act.handle.request.prompt), error=error))
                 self._release(slot)
                 self._observe_reclaim(act.handle, error)
+        for slot, job in list(self._prefilling.items()):
+            error = _abandoned(job.act.handle, now)
+            if error is not None:
+                if not job.act.handle.done.is_set():
+                    job.act.handle.emit(Emission((), 0, len(job.act.handle.request.prompt), error=error))
+                del self._prefilling[slot]
+                self._return_slot(slot)  # never activated: the next prefill into it overwrites what it wrote
+                self._observe_reclaim(job.act.handle, error)
         with self._cond:
             verdicts = [(h, _abandoned(h, now)) for h in self._queue]
             self._queue = collections.deque(h for h, error in verdicts if error is None)
@@ -356,19 +410,27 @@ class Scheduler:
             self.metrics.observe_reclaim("cancelled", now - handle.cancelled_at, self._steps - handle.cancel_step)
 
     def _admit(self) -> None:
-        budget = self.prefills_per_step if self._active else self.engine.slots
-        while budget > 0:
+        decoding = bool(self._active)
+        count, tokens = 0, 0
+        while not decoding or (count < (self.prefills_per_step or self.engine.slots)
+                               and (count == 0 or tokens < self.prefill_token_budget)):
             with self._cond:
                 if not self._queue or not self._free:
                     return
                 handle = self._queue.popleft()
-                slot = min(self._free)
+                slot = min(self._free)  # the lowest free slot keeps the busy slots in the fewest decode tiles
                 self._free.discard(slot)
                 self.metrics.set_queued(len(self._queue))
                 self._in_prefill = handle  # still pending for the watchdog
-            budget -= 1
+            count += 1
+            prompt = handle.request.prompt
             try:
-                self._prefill(handle, slot)
+                if self.engine.chunked(len(prompt)) and self.engine.pad_id not in prompt:
+                    tokens += self.engine.prefill_chunk
+                    self._begin_chunked(handle, slot)
+                else:
+                    tokens += self.engine.bucket_for(len(prompt))
+                    self._prefill(handle, slot)
             finally:
                 with self._cond:
                     self._in_prefill = None
@@ -379,7 +441,8 @@ class Scheduler:
         act = _Active(handle, seed, time.monotonic())
         try:
             prefix, out = self.engine.prefill(list(req.prompt), seed=seed, temperature=req.temperature,
-                                              top_p=req.top_p, allowed=req.allowed, blocked=req.blocked)
+                                              top_p=req.top_p, allowed=req.allowed, blocked=req.blocked,
+                                              top_logprobs=req.top_logprobs)
         except Exception as e:
             log.exception("prefill failed", extra={"request_id": req.request_id})
             handle.emit(Emission((), 0, len(req.prompt), error=_engine_error(
@@ -397,25 +460,81 @@ class Scheduler:
             self._active[slot] = act
             self.metrics.set_active(len(self._active))
 
+    def _begin_chunked(self, handle: RequestHandle, slot: int) -> None:
+        req = handle.request
+        seed = req.seed if req.seed is not None else secrets.randbits(32)
+        job = self.engine.begin_prefill(list(req.prompt), slot=slot, seed=seed, temperature=req.temperature,
+                                        top_p=req.top_p, allowed=req.allowed, blocked=req.blocked,
+                                        top_logprobs=req.top_logprobs)
+        self._prefilling[slot] = _Prefilling(_Active(handle, seed, time.monotonic()), job)
+
+    def _advance_prefills(self) -> None:
+        """One chunk of every long prompt being prefilled; a finished one delivers its first token."""
+        for slot, job in list(self._prefilling.items()):
+            req = job.act.handle.request
+            try:
+                self._state, out = self.engine.prefill_next_chunk(job.job, self._state)
+            except Exception as e:
+                log.exception("prefill failed", extra={"request_id": req.request_id})
+                job.act.handle.emit(Emission((), 0, len(req.prompt), error=_engine_error(
+                    e, f"prefill failed (request {req.request_id})")))
+                del self._prefilling[slot]
+                self._release(slot)
+                continue
+            self._beat = time.monotonic()  # a chunk is progress for the watchdog
+            if out is None:
+                continue
+            del self._prefilling[slot]
+            act = job.act
+            act.prefill_seconds = time.monotonic() - act.admitted_at
+            self.metrics.observe_prefill(act.prefill_seconds)
+            if self._deliver(act, out, 0):
+                self._release(slot)
+                continue
+            with self._cond:
+                self._active[slot] = act
+                self.metrics.set_active(len(self._active))
+
     def _step(self) -> None:
-        start = time.monotonic()
+        """Dispatch a decode step, then deliver the previous one's tokens while the engine computes."""
         try:
-            self._state, out = self.engine.generate(self._state)
+            self._state, pending = self.engine.generate(self._state)
         except Exception as e:
-            log.exception("decode step failed")
-            self._fail_active(_engine_error(e, "decode step failed; retry"))
-            self._state = self.engine.init_decode_state()
+            self._step_failed(e)
             return
-        seconds = time.monotonic() - start
+        previous, self._in_flight = self._in_flight, _InFlight(pending, dict(self._active), time.monotonic())
+        if previous is not None:
+            self._deliver_step(previous)
+
+    def _finish_in_flight(self) -> None:
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._deliver_step(previous)
+
+    def _deliver_step(self, step: _InFlight) -> None:
+        try:
+            out = step.pending.get()
+        except Exception as e:
+            self._step_failed(e)
+            return
+        seconds = time.monotonic() - step.dispatched_at
         with self._cond:
             self._steps += 1
             self._beat = time.monotonic()
         self.metrics.observe_step(seconds)
-        for slot, act in list(self._active.items()):
+        for slot, act in step.owners.items():
+            if self._active.get(slot) is not act:  # ended (and maybe replaced) after the dispatch
+                continue
             act.steps += 1
             act.step_seconds += seconds
             if self._deliver(act, out, slot):
                 self._release(slot)
+
+    def _step_failed(self, error: Exception) -> None:
+        log.exception("decode step failed")
+        self._in_flight = None
+        self._fail_active(_engine_error(error, "decode step failed; retry"))
+        self._state = self.engine.init_decode_state()
 
     def _deliver(self, act: _Active, out: StepOutputLike, row: int) -> bool:
         """Hand the request its token at `row` of `out`; True when the request is finished."""
@@ -457,6 +576,10 @@ class Scheduler:
 
     def _fail_all(self, error: SchedulerError) -> None:
         self._fail_active(error)
+        for slot, job in list(self._prefilling.items()):
+            job.act.handle.emit(Emission((), 0, len(job.act.handle.request.prompt), error=error))
+            del self._prefilling[slot]
+            self._return_slot(slot)
         with self._cond:
             queued, self._queue = list(self._queue), collections.deque()
             self.metrics.set_queued(0)

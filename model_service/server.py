@@ -54,6 +54,8 @@ class ServerConfig:
     dtype: str = "float32"
     mesh: MeshConfig = MeshConfig()
     slots: int = 8
+    row_tile: int | None = None  # decode rows per tile; None: the engine's choice for the platform
+    prefill_chunk: int = 64  # longer prompts are prefilled this many tokens per decode step; 0: at once
     buckets: tuple[int, ...] | None = None  # None: powers of two from 32 up to the context
     max_queue: int = 64
     compile_cache: str | None = None
@@ -86,6 +88,8 @@ def resolve(config: ServerConfig) -> tuple[ModelConfig, tuple[int, ...]]:
                          "to serve random weights deliberately")
     model_cfg = load_model_config(config.config)
     validate(model_cfg, config.mesh)
+    if config.row_tile and config.slots % min(config.row_tile, config.slots):
+        raise ValueError(f"--slots ({config.slots}) must be a multiple of --row-tile ({config.row_tile})")
     buckets = config.buckets or default_buckets(model_cfg.sequence_len)
     return model_cfg, buckets
 
@@ -141,7 +145,12 @@ def load_engine(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...]
         params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed)
     log.info("weights ready", extra={"seconds": round(time.monotonic() - start, 2), "process_id": jax.process_index(),
                                      "bytes_read": _bytes_read() - read_before})
-    return Engine(GrokModel(cfg, mesh, dtype), params, cfg, mesh, config.slots, buckets)
+    engine = Engine(GrokModel(cfg, mesh, dtype), params, cfg, mesh, config.slots, buckets, config.row_tile,
+                    config.prefill_chunk)
+    start = time.monotonic()
+    timings = engine.compile_all()
+    log.info("compiled all programs", extra={"seconds": round(time.monotonic() - start, 2), "programs": len(timings)})
+    return engine
 
 
 def _bytes_read() -> int:

@@ -15,7 +15,7 @@ from model_service.config import ConfigError, ModelConfig, model_config_to_dict
 from model_service.distributed.config import DistributedConfig
 from model_service.distributed.follower import Watchdog, follow, ignore_sigterm
 from model_service.distributed.lockstep import JaxChannel, LockstepEngine
-from model_service.distributed.ops import Codec, Replica
+from model_service.distributed.ops import Replica, codec_for
 
 if TYPE_CHECKING:
     from model_service.server import ServerConfig
@@ -72,7 +72,7 @@ def run_follower(config: "ServerConfig") -> int:
     verify_same_config(config, model_cfg, buckets)
     engine = load_engine(config, model_cfg, buckets)
     log.info("weights loaded; waiting for process 0", extra={"process_id": dist.process_id})
-    return follow(Replica(engine), JaxChannel(), Codec(max(engine.buckets), engine.vocab_size), dist, watchdog)
+    return follow(Replica(engine), JaxChannel(), codec_for(engine), dist, watchdog)
 
 
 def _dist(config: "ServerConfig") -> DistributedConfig:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from model_service.distributed.ops import Call, Codec, Op, Replica
+from model_service.distributed.ops import Call, Codec, Op, Replica, codec_for
 from model_service.scheduler import ErrorKind, SchedulerError
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,8 @@ class _Worker:
 
 
 class PrefixRef:
-    """What the scheduler holds for a prefilled prompt: the id every process stores its prefix under."""
+    """What the scheduler holds for a prefilled prompt or a chunked-prefill job: the id every process stores it
+    under."""
 
     def __init__(self, prefix_id: int) -> None:
         self.id = prefix_id
@@ -124,7 +125,7 @@ class LockstepEngine:
                  keepalive_seconds: float, on_broken: Callable[[str], None]) -> None:
         self._engine = engine
         self._channel = channel
-        self._codec = Codec(max(engine.buckets), engine.vocab_size)
+        self._codec = codec_for(engine)
         self._replica = Replica(engine)
         self._step_timeout = step_timeout
         self._startup_timeout = startup_timeout
@@ -170,23 +171,34 @@ class LockstepEngine:
     def init_decode_state(self) -> Any:
         return self._call(Call(Op.INIT))
 
+    # Pure functions of the engine's configuration: they run on process 0 alone.
+    def bucket_for(self, length: int) -> int:
+        return int(self._engine.bucket_for(length))
+
+    def chunked(self, length: int) -> bool:
+        return bool(self._engine.chunked(length))
+
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int] = (), blocked: Sequence[int] = ()) -> tuple[PrefixRef, Any]:
-        with self._prefix_lock:  # live from the start: no call may release it before the scheduler holds it
-            prefix_id = self._next_prefix
-            self._next_prefix += 1
-            self._live_prefixes.add(prefix_id)
-        call = Call(Op.PREFILL, prefix=prefix_id, prompt=tuple(int(t) for t in tokens), seed=int(seed),
-                    temperature=float(temperature), top_p=float(top_p), allowed=tuple(allowed), blocked=tuple(blocked))
-        try:
-            self._codec.payload(call)  # refuse what cannot be encoded before anything is broadcast
-            out = self._call(call)
-        except BaseException:
-            self._release_prefix(prefix_id)
-            raise
-        ref = PrefixRef(prefix_id)
-        weakref.finalize(ref, self._release_prefix, prefix_id)
+                allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0
+                ) -> tuple[PrefixRef, Any]:
+        ref, out = self._with_new_id(lambda i: Call(
+            Op.PREFILL, prefix=i, prompt=tuple(int(t) for t in tokens), seed=int(seed), temperature=float(temperature),
+            top_p=float(top_p), allowed=tuple(allowed), blocked=tuple(blocked), top_logprobs=int(top_logprobs)))
         return ref, out
+
+    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
+                      allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0) -> PrefixRef:
+        """Every process starts the job and keeps it under one id, like a prefix; the scheduler's reference
+        keeps it alive (a cancelled job is released when the scheduler drops it)."""
+        ref, _ = self._with_new_id(lambda i: Call(
+            Op.BEGIN_PREFILL, prefix=i, slot=int(slot), prompt=tuple(int(t) for t in tokens), seed=int(seed),
+            temperature=float(temperature), top_p=float(top_p), allowed=tuple(allowed), blocked=tuple(blocked),
+            top_logprobs=int(top_logprobs)))
+        return ref
+
+    def prefill_next_chunk(self, job: PrefixRef, state: Any) -> tuple[Any, Any]:
+        self._check_state(state)
+        return self._call(Call(Op.PREFILL_CHUNK, prefix=job.id))
 
     def insert(self, prefix: PrefixRef, state: Any, slot: int) -> Any:
         self._check_state(state)
@@ -221,6 +233,24 @@ class LockstepEngine:
             raise ValueError("the decode state must be the one the previous Engine call returned (the followers "
                              "replay calls on their single copy of it)")
 
+    def _with_new_id(self, make: Callable[[int], Call]) -> tuple[PrefixRef, Any]:
+        """Run the call `make(id)` for a fresh prefix/job id; the returned reference releases the id on every
+        process once the scheduler no longer holds it."""
+        with self._prefix_lock:  # live from the start: no call may release it before the scheduler holds it
+            prefix_id = self._next_prefix
+            self._next_prefix += 1
+            self._live_prefixes.add(prefix_id)
+        call = make(prefix_id)
+        try:
+            self._codec.payload(call)  # refuse what cannot be encoded before anything is broadcast
+            out = self._call(call)
+        except BaseException:
+            self._release_prefix(prefix_id)
+            raise
+        ref = PrefixRef(prefix_id)
+        weakref.finalize(ref, self._release_prefix, prefix_id)
+        return ref, out
+
     def _release_prefix(self, prefix_id: int) -> None:
         with self._prefix_lock:
             self._live_prefixes.discard(prefix_id)
@@ -253,7 +283,13 @@ class LockstepEngine:
         except Exception as e:
             raise self._break(f"broadcasting {call.op.name} failed: {e}") from e
         try:
-            return self._replica.run(sent)
+            result = self._replica.run(sent)
+            if sent.op == Op.GENERATE:
+                # Wait for the step here, within the time bound: its cross-process collectives are where a dead
+                # peer shows (gloo fails at once). A multi-process step is therefore not overlapped with the
+                # delivery of the previous one, as it is on one process.
+                result[1].get()
+            return result
         except Exception as e:
             if is_runtime_failure(e):
                 raise self._break(f"{call.op.name} failed: {e}") from e

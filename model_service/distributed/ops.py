@@ -28,10 +28,12 @@ class Op(enum.IntEnum):
     SHUTDOWN = 1  # process 0 is stopping cleanly; followers leave their loop
     COMPILE_ALL = 2  # Engine.compile_all()
     INIT = 3  # Engine.init_decode_state()
-    PREFILL = 4  # Engine.prefill(prompt, seed=, temperature=, top_p=, allowed=, blocked=) -> prefix `prefix`
+    PREFILL = 4  # Engine.prefill(prompt, seed=, temperature=, top_p=, allowed=, blocked=, top_logprobs=) -> `prefix`
     INSERT = 5  # Engine.insert(prefix `prefix`, state, slot)
     GENERATE = 6  # Engine.generate(state)
     FREE = 7  # Engine.free_slot(state, slot)
+    BEGIN_PREFILL = 8  # Engine.begin_prefill(prompt, slot=, ...same as PREFILL) -> job kept under id `prefix`
+    PREFILL_CHUNK = 9  # Engine.prefill_next_chunk(job `prefix`, state)
 
 
 class Field(enum.IntEnum):
@@ -46,6 +48,7 @@ class Field(enum.IntEnum):
     SEED = 6  # uint32 bits
     TEMPERATURE = 7  # float32 bits
     TOP_P = 8  # float32 bits
+    TOP_LOGPROBS = 9
 
 
 HEADER_SIZE = 12
@@ -66,6 +69,7 @@ class Call:
     top_p: float = 1.0
     allowed: tuple[int, ...] = ()
     blocked: tuple[int, ...] = ()
+    top_logprobs: int = 0
 
 
 def _f32_bits(x: float) -> int:
@@ -79,7 +83,7 @@ def _bits_f32(bits: int) -> float:
 class Codec:
     """Calls as fixed-shape int32 arrays (a collective needs the same shapes on every process).
 
-    Every call is a header [HEADER_SIZE]; PREFILL adds a payload: the prompt padded to `max_prompt`, and the
+    Every call is a header [HEADER_SIZE]; PREFILL and BEGIN_PREFILL add a payload: the prompt padded to `max_prompt`, and the
     allowed and blocked token sets as two bitmaps over the vocabulary.
     """
 
@@ -90,7 +94,7 @@ class Codec:
 
     @staticmethod
     def has_payload(op: Op) -> bool:
-        return op == Op.PREFILL
+        return op in (Op.PREFILL, Op.BEGIN_PREFILL)
 
     def empty_header(self) -> np.ndarray:
         return np.zeros((HEADER_SIZE,), np.int32)
@@ -103,7 +107,8 @@ class Codec:
         values = {Field.OP: int(call.op), Field.SEQ: call.seq, Field.RELEASE_BELOW: call.release_below,
                   Field.SLOT: call.slot, Field.PREFIX: call.prefix, Field.LENGTH: len(call.prompt),
                   Field.SEED: int(np.array(call.seed, np.uint32).view(np.int32)),
-                  Field.TEMPERATURE: _f32_bits(call.temperature), Field.TOP_P: _f32_bits(call.top_p)}
+                  Field.TEMPERATURE: _f32_bits(call.temperature), Field.TOP_P: _f32_bits(call.top_p),
+                  Field.TOP_LOGPROBS: call.top_logprobs}
         for field, value in values.items():
             h[field] = value
         return h
@@ -123,7 +128,8 @@ class Codec:
             op=op, seq=int(header[Field.SEQ]), release_below=int(header[Field.RELEASE_BELOW]),
             slot=int(header[Field.SLOT]), prefix=int(header[Field.PREFIX]),
             seed=int(np.array(header[Field.SEED], np.int32).view(np.uint32)),
-            temperature=_bits_f32(int(header[Field.TEMPERATURE])), top_p=_bits_f32(int(header[Field.TOP_P])))
+            temperature=_bits_f32(int(header[Field.TEMPERATURE])), top_p=_bits_f32(int(header[Field.TOP_P])),
+            top_logprobs=int(header[Field.TOP_LOGPROBS]))
         if payload is not None:
             tokens, bitmaps = payload
             fields.update(prompt=tuple(int(t) for t in tokens[:int(header[Field.LENGTH])]),
@@ -140,12 +146,18 @@ class Codec:
         return tuple(int(i) for i in np.flatnonzero(bits[:self.vocab_size]))
 
 
+def codec_for(engine: Any) -> Codec:
+    """The codec of a group serving `engine`, the same on every process: a call carries a whole prompt, up to
+    the largest prefill bucket (the longest prompt the scheduler accepts, chunked or not)."""
+    return Codec(max(engine.buckets), engine.vocab_size)
+
+
 class Replica:
     """One process's copy of the engine's host-side state; it changes only through `run`, in call order.
 
     The decode state is used linearly (each call consumes the state the previous one returned, as buffer
-    donation requires anyway), so every process holds exactly one; prefixes are kept by id until process 0
-    releases them.
+    donation requires anyway), so every process holds exactly one; prefixes and chunked-prefill jobs are kept
+    by id (one id space) until process 0 releases them.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -167,9 +179,18 @@ class Replica:
             return self.state
         if call.op == Op.PREFILL:
             prefix, out = e.prefill(list(call.prompt), seed=call.seed, temperature=call.temperature,
-                                    top_p=call.top_p, allowed=call.allowed, blocked=call.blocked)
+                                    top_p=call.top_p, allowed=call.allowed, blocked=call.blocked,
+                                    top_logprobs=call.top_logprobs)
             self.prefixes[call.prefix] = prefix
             return out
+        if call.op == Op.BEGIN_PREFILL:
+            self.prefixes[call.prefix] = e.begin_prefill(
+                list(call.prompt), slot=call.slot, seed=call.seed, temperature=call.temperature, top_p=call.top_p,
+                allowed=call.allowed, blocked=call.blocked, top_logprobs=call.top_logprobs)
+            return None
+        if call.op == Op.PREFILL_CHUNK:
+            self.state, out = e.prefill_next_chunk(self.prefixes[call.prefix], self.state)
+            return self.state, out
         if call.op == Op.INSERT:
             self.state = e.insert(self.prefixes[call.prefix], self.state, call.slot)
             return self.state

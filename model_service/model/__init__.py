@@ -1,8 +1,8 @@
 """GrokModel: the Grok-1 network's pure, jit-able entry points for the serving engine.
 
-prefill (one padded prompt -> last-position logits + a batch-1 KV prefix), insert (prefix -> batch slot),
-decode (one token per slot, each at its own position), plus full-sequence `forward` for parity checks and
-the sharding pytrees the engine jits with.
+prefill (padded prompts -> last-position logits + a KV prefix per prompt), insert (one prefix row -> a batch
+slot), decode (one token for each of the first R slots, each at its own position), plus full-sequence `forward`
+for parity checks and the sharding pytrees the engine jits with.
 """
 
 from __future__ import annotations
@@ -18,26 +18,36 @@ from jax.sharding import Mesh
 from model_service import kv_memory
 from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Memory
-from model_service.model.layers import QuantizedWeight
+from model_service.model.layers import Products, QuantizedWeight
 from model_service.model.params import Params
 from model_service.model.transformer import Step, forward
 from model_service.sharding import DATA, MODEL, params_shardings
 
-__all__ = ["GrokModel", "KVMemory", "Memory", "Params", "QuantizedWeight"]
+__all__ = ["GrokModel", "KVMemory", "Memory", "Params", "Products", "QuantizedWeight"]
 
 Array = jax.Array
 
 
-class GrokModel:
-    """The network bound to a config, a mesh and a compute dtype (float32 or bfloat16)."""
+def default_products(mesh: Mesh) -> Products:
+    """Fused multiply-reduce products on CPU (faster there at decode sizes); dot_general elsewhere, where the
+    vendor matrix kernels are the fast path."""
+    return Products.FUSED_REDUCE if mesh.devices.flat[0].platform == "cpu" else Products.DOT
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype) -> None:
+
+class GrokModel:
+    """The network bound to a config, a mesh and a compute dtype (float32 or bfloat16).
+
+    `products` picks how token rows meet weights (layers.Products; default by platform).
+    """
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, products: Products | None = None) -> None:
         validate(cfg, MeshConfig(data=mesh.shape[DATA], model=mesh.shape[MODEL]))
         if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             raise ValueError(f"compute dtype must be float32 or bfloat16, got {dtype}")
         self.cfg = cfg
         self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
+        self.products = products or default_products(mesh)
         self._net = hk.without_apply_rng(hk.transform(functools.partial(forward, cfg, mesh, self.dtype)))
 
     def init_memory(self, batch: int) -> Memory:
@@ -47,43 +57,101 @@ class GrokModel:
                                      self.dtype)
 
     def prefill(self, params: Params, tokens: Array, length: Array) -> tuple[Array, Memory]:
-        """tokens [1, T] int32 padded after `length` -> (logits [1, V] float32 at length-1, batch-1 prefix)."""
-        n = tokens.shape[1]
+        """tokens [N, T] int32, each row padded after its `length` [N] -> (logits [N, V] float32 at each row's
+        length-1, a prefix Memory of N rows).
+
+        The prompts run one after another through the same computation, so a prompt's bits never depend on the
+        others in the call (kernels are picked by shape, and even a row's position in a batch moves its bits)."""
+        b, n = tokens.shape
         if n > self.cfg.sequence_len:
             raise ValueError(f"prompt bucket {n} exceeds sequence_len {self.cfg.sequence_len}")
-        length = jnp.clip(jnp.asarray(length, jnp.int32), 1, n)
+        length = jnp.clip(jnp.broadcast_to(jnp.asarray(length, jnp.int32), (b,)), 1, n)
+        if b == 1:
+            return self._prefill_one(params, tokens, length)
+        logits, caches = jax.lax.map(lambda a: self._prefill_one(params, a[0][None], a[1][None]), (tokens, length))
+        return logits[:, 0], Memory(jax.tree.map(lambda c: c[:, 0], caches.layers), length)
+
+    def _prefill_one(self, params: Params, tokens: Array, length: Array) -> tuple[Array, Memory]:
+        n = tokens.shape[1]
         positions = jnp.arange(n, dtype=jnp.int32)[None, :]
         causal = jnp.tril(jnp.ones((n, n), bool))[None]
         mask = causal & (tokens != self.cfg.pad_token)[:, None, :]  # pad keys are masked, as the reference does
-        step = Step(positions, mask, None, None)
-        logits, caches = self._net.apply(params, tokens, step, jnp.reshape(length - 1, (1,)))
-        return logits, Memory(caches, jnp.reshape(length, (1,)))
+        step = Step(positions, mask, None, None, products=self.products)
+        logits, caches = self._net.apply(params, tokens, step, length - 1)
+        return logits, Memory(caches, length)
 
-    def decode(self, params: Params, tokens: Array, memory: Memory,
-               active: Array | None = None) -> tuple[Array, Memory]:
-        """tokens [B] int32, one per slot -> (logits [B, V] float32, memory advanced by one per slot).
+    def decode(self, params: Params, tokens: Array, memory: Memory, active: Array | None = None,
+               tile: int | None = None, tiles_to_run: Array | None = None) -> tuple[Array, Memory]:
+        """tokens [R] int32 for the first R slots of `memory` (R <= its slots) -> (logits [R, V] float32, memory
+        with those R slots advanced by one; the other slots untouched).
 
-        `active` [B] bool marks the slots whose outputs are used; inactive slots never make an expert run
+        The rows run in tiles of `tile` (default R) rows, one after another, each through the same computation:
+        a row's bits depend only on the tile size, never on how many tiles run or what the other rows hold
+        (batch invariance by construction), while one tile streams each weight once for all its rows.
+        `active` [R] bool marks the slots whose outputs are used; inactive slots never make an expert run
         (their logits are then meaningless), and active slots' results are the same either way.
+        `tiles_to_run` [] int32 (traced) runs only the first tiles (the rest of the rows get zero logits and
+        keep their memory): idle tiles then cost nothing, with one compiled program for any number of requests.
         """
-        s = memory.layers[0].k.shape[2]
-        write = jnp.minimum(memory.positions, s - 1)  # a finished slot never writes out of bounds
-        mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= write[:, None])[:, None, :]  # [B, 1, S]
-        step = Step(write[:, None], mask, memory.layers, write, active)
+        r = tokens.shape[0]
+        tile = tile or r
+        if r > memory.positions.shape[0] or r % tile:
+            raise ValueError(f"decode of {r} rows in tiles of {tile} over a memory of {memory.positions.shape[0]} slots")
+        if active is None:
+            active = jnp.ones((r,), bool)
+        if r == tile and tiles_to_run is None:
+            return self._decode_tile(params, tokens, memory, active, 0)
+        logits = jnp.zeros((r, self.cfg.vocab_size), jnp.float32)
+        # Tiles are unrolled (each with static row offsets) rather than looped: XLA-CPU runs a while loop's body
+        # without intra-op parallelism, which made a looped tile ~2.5x slower than the same tile unrolled.
+        for t in range(r // tile):
+            rows = slice(t * tile, (t + 1) * tile)
+
+            def run(carry: tuple[Array, Memory], rows: slice = rows) -> tuple[Array, Memory]:
+                out, mem = self._decode_tile(params, tokens[rows], carry[1], active[rows], rows.start)
+                return carry[0].at[rows].set(out), mem
+
+            if tiles_to_run is None or t == 0:
+                logits, memory = run((logits, memory))
+            else:
+                logits, memory = jax.lax.cond(t < tiles_to_run, run, lambda carry: carry, (logits, memory))
+        return logits, memory
+
+    def extend(self, params: Params, tokens: Array, memory: Memory, slot: Array, start: Array,
+               last: Array) -> tuple[Array, Memory]:
+        """A prefill chunk: tokens [1, C] at positions start .. start + C - 1 of `slot`, attending to what the
+        slot's memory holds before `start` (the prompt's earlier chunks). Returns logits [1, V] at chunk row
+        `last` and the memory with the chunk written and the slot's position at start + last + 1."""
+        c, s = tokens.shape[1], memory.layers[0].k.shape[2]
+        positions = (start + jnp.arange(c, dtype=jnp.int32))[None, :]  # [1, C]
+        mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= positions[0][:, None])[None]  # [1, C, S], causal
+        step = Step(positions, mask, memory.layers, jnp.reshape(start, (1,)), None, self.products, slot)
+        logits, caches = self._net.apply(params, tokens, step, jnp.reshape(last, (1,)))
+        return logits, Memory(caches, memory.positions.at[slot].set(start + last + 1))
+
+    def _decode_tile(self, params: Params, tokens: Array, memory: Memory, active: Array,
+                     start: Array | int) -> tuple[Array, Memory]:
+        """One tile: tokens/active [T] for memory slots start .. start + T - 1."""
+        t, s = tokens.shape[0], memory.layers[0].k.shape[2]
+        positions = jax.lax.dynamic_slice_in_dim(memory.positions, start, t)
+        write = jnp.minimum(positions, s - 1)  # a finished slot never writes out of bounds
+        mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= write[:, None])[:, None, :]  # [T, 1, S]
+        step = Step(write[:, None], mask, memory.layers, write, active, self.products, start)
         logits, caches = self._net.apply(params, tokens[:, None], step, jnp.zeros_like(write))
-        return logits, Memory(caches, jnp.minimum(memory.positions + 1, s))
+        advanced = jax.lax.dynamic_update_slice_in_dim(memory.positions, jnp.minimum(positions + 1, s), start, axis=0)
+        return logits, Memory(caches, advanced)
 
     def forward(self, params: Params, tokens: Array) -> Array:
         """Full pass without memory: tokens [B, T] -> logits [B, T, V] float32 (pad keys masked)."""
         n = tokens.shape[1]
         positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], tokens.shape)
         mask = jnp.tril(jnp.ones((n, n), bool))[None] & (tokens != self.cfg.pad_token)[:, None, :]
-        logits, _ = self._net.apply(params, tokens, Step(positions, mask, None, None), None)
+        logits, _ = self._net.apply(params, tokens, Step(positions, mask, None, None, products=self.products), None)
         return logits
 
-    def insert(self, memory: Memory, prefix: Memory, slot: Array) -> Memory:
-        """Copy a batch-1 prefill result into `slot` (resets that slot's position to the prompt length)."""
-        return kv_memory.insert(memory, prefix, slot)
+    def insert(self, memory: Memory, prefix: Memory, slot: Array, row: Array | int = 0) -> Memory:
+        """Copy row `row` of a prefill result into `slot` (resets that slot's position to the prompt length)."""
+        return kv_memory.insert(memory, prefix, slot, row)
 
     def memory_shardings(self, batch: int) -> Memory:
         t = self.cfg.model

@@ -1,10 +1,11 @@
 """The mixture-of-experts block: a float32 router and gated-GELU int8 experts computed only where selected.
 
 Tokens are grouped by expert, and experts nobody selected cost nothing:
-- decode-sized inputs (<= 16 rows): one conditional per expert, run only if an active row selected it, converting
-  that expert's int8 weights once for all rows (the step is bound by weight reads at this size);
-- longer inputs (prefill): the (token, expert) pairs are sorted by expert and cut into tiles of `tile` rows
-  that each belong to one expert; a loop runs over the used tiles only, multiplying only routed rows.
+- decode: one conditional per expert, run only if an active row selected it, converting that expert's int8
+  weights once for all rows (the step is bound by weight reads at this size);
+- prefill: the (token, expert) pairs are sorted by expert and cut into tiles of `tile` rows that each belong to
+  one expert; a loop runs over the used tiles only, multiplying only routed rows.
+A row adds its experts' outputs in expert order.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from model_service.model.layers import ExpertStack, QuantizedWeight, linear
+from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product
 
 Array = jax.Array
 
@@ -26,9 +27,9 @@ class Routing(NamedTuple):
     experts: Array  # [M, k] int32
 
 
-def route(x: Array, router_w: Array, k: int) -> Routing:
-    """Softmax over experts in float32, then the top-k probabilities and their experts. x [M, D]."""
-    logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32))  # [M, E]
+def route(x: Array, router_w: Array, k: int, products: Products) -> Routing:
+    """Softmax over experts in float32, then the top-k probabilities and their experts. x [M, D], router_w [D, E]."""
+    logits = product(x.astype(jnp.float32), router_w.astype(jnp.float32).T, products)  # [M, E]
     gates, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
     return Routing(gates, experts.astype(jnp.int32))
 
@@ -60,23 +61,26 @@ def _plan_tiles(sorted_experts: Array, num_experts: int, tile: int, n_tiles: int
     return _Tiles(expert, first_row, group_start[expert] + counts[expert], tile_end[-1])
 
 
-def _expert_rows(x: Array, w: ExpertWeights, e: int) -> Array:
+def _expert_rows(x: Array, w: ExpertWeights, e: int, products: Products) -> Array:
     """gelu(x W) * (x V) U for one (static) expert e. x [R, D] -> [R, D]."""
     def pick(q: ExpertStack | QuantizedWeight | Array) -> Any:
         if isinstance(q, ExpertStack):
             return q.experts[e]
-        return QuantizedWeight(q.weight[e], q.scales[e]) if isinstance(q, QuantizedWeight) else q[e]
-    h = jax.nn.gelu(linear(x, pick(w.linear))) * linear(x, pick(w.linear_v))
-    return linear(h, pick(w.linear_1))
+        if isinstance(q, QuantizedWeight):
+            return QuantizedWeight(q.weight[e], q.scales[e])
+        return jnp.swapaxes(q[e], 0, 1)  # plain [E, K, N] (haiku shape checks) -> [N, K]
+    h = jax.nn.gelu(product(x, pick(w.linear), products)) * product(x, pick(w.linear_v), products)
+    return product(h, pick(w.linear_1), products)
 
 
-def _expert_rows_dynamic(x: Array, w: ExpertWeights, e: Array) -> Array:
+def _expert_rows_dynamic(x: Array, w: ExpertWeights, e: Array, products: Products) -> Array:
     """The same for a traced expert index: a switch over static experts keeps weights unsliced."""
-    branches = [functools.partial(_expert_rows, w=w, e=i) for i in range(w.linear.shape[0])]
+    branches = [functools.partial(_expert_rows, w=w, e=i, products=products) for i in range(w.linear.shape[0])]
     return jax.lax.switch(e, branches, x)
 
 
-def grouped_experts(x: Array, routing: Routing, w: ExpertWeights, tile: int) -> Array:
+def grouped_experts(x: Array, routing: Routing, w: ExpertWeights, tile: int,
+                    products: Products = Products.DOT) -> Array:
     """sum_k gate_k * expert_k(x) for every row of x [M, D], computing only selected (row, expert) pairs."""
     m, k = routing.experts.shape
     num_experts = w.linear.shape[0]
@@ -95,19 +99,21 @@ def grouped_experts(x: Array, routing: Routing, w: ExpertWeights, tile: int) -> 
         r = jnp.minimum(r, n_pairs - 1)
         tok = pair_token[r]
         gate = jnp.where(valid, pair_gate[r], 0.0).astype(x.dtype)
-        y = _expert_rows_dynamic(x[tok], w, plan.expert[i])  # [tile, D]
-        return out.at[tok].add(y * gate[:, None])
+        y = _expert_rows_dynamic(x[tok], w, plan.expert[i], products)  # [tile, D]
+        return out.at[tok].add(jnp.where(valid[:, None], y * gate[:, None], 0.0))
 
     return jax.lax.fori_loop(0, plan.used, body, jnp.zeros_like(x))
 
 
-def experts_by_cond(x: Array, routing: Routing, w: ExpertWeights, active: Array | None = None) -> Array:
-    """Decode-sized inputs (a few rows): one conditional per expert, taken only if some active row selected it.
+def experts_by_cond(x: Array, routing: Routing, w: ExpertWeights, active: Array | None = None,
+                    products: Products = Products.FUSED_REDUCE) -> Array:
+    """Decode: one conditional per expert, taken only if some active row selected it.
 
     Weights are sliced statically (no copies) and each used expert's int8 weights are converted once for all
-    rows; rows that did not pick the expert get gate 0. At this size the step is bound by weight reads.
-    `active` [M] bool: False rows (free decode slots, whose outputs are discarded) never make an expert run.
-    Each row is computed independently, so an active row's result does not depend on which experts run.
+    rows; a row that did not pick the expert adds an exact zero (not gate 0 times its output, which could be
+    non-finite). At this size the step is bound by weight reads. `active` [M] bool: False rows (free decode
+    slots, whose outputs are discarded) never make an expert run. Each row is computed independently, so an
+    active row's result does not depend on which experts run.
     """
     out = jnp.zeros_like(x)
     for e in range(w.linear.shape[0]):
@@ -115,16 +121,15 @@ def experts_by_cond(x: Array, routing: Routing, w: ExpertWeights, active: Array 
         if active is not None:
             hit = hit & active[:, None]
         gate = jnp.sum(jnp.where(hit, routing.gates, 0.0), axis=-1).astype(x.dtype)  # [M]
+        picked = jnp.any(hit, axis=-1)  # [M]
 
-        def run(operands: tuple[Array, Array], e: int = e, gate: Array = gate) -> Array:
+        def run(operands: tuple[Array, Array], e: int = e, gate: Array = gate, picked: Array = picked) -> Array:
             rows, acc = operands
-            return acc + _expert_rows(rows, w, e) * gate[:, None]
+            y = _expert_rows(rows, w, e, products) * gate[:, None]
+            return acc + jnp.where(picked[:, None], y, 0.0)
 
-        out = jax.lax.cond(jnp.any(hit), run, lambda operands: operands[1], (x, out))
+        out = jax.lax.cond(jnp.any(picked), run, lambda operands: operands[1], (x, out))
     return out
-
-
-SMALL_BATCH = 16
 
 
 def pick_tile(m: int, k: int, num_experts: int) -> int:
@@ -144,8 +149,8 @@ class MoELayer(hk.Module):
         self.num_experts = num_experts
         self.ffn_size = ffn_size
 
-    def __call__(self, x: Array, routing: Routing, active: Array | None = None) -> Array:
-        """x [B, T, D] -> [B, T, D]. `active` [B] bool (decode only, T == 1) masks free slots' rows."""
+    def __call__(self, x: Array, routing: Routing, active: Array | None, products: Products) -> Array:
+        """x [B, T, D] -> [B, T, D]. `active` [B] bool (decode only: T == 1, active given) masks free slots' rows."""
         b, t, d = x.shape
         e, f = self.num_experts, self.ffn_size
         w = ExpertWeights(
@@ -154,11 +159,10 @@ class MoELayer(hk.Module):
             ParamHolder("linear_1").get("w", (e, f, d)),
         )
         flat = x.reshape(b * t, d)
-        if b * t <= SMALL_BATCH:
-            rows_active = None if active is None else jnp.repeat(active, t)
-            return experts_by_cond(flat, routing, w, rows_active).reshape(b, t, d)
+        if active is not None:  # decode
+            return experts_by_cond(flat, routing, w, active, products).reshape(b, t, d)
         tile = pick_tile(b * t, routing.experts.shape[-1], e)
-        return grouped_experts(flat, routing, w, tile).reshape(b, t, d)
+        return grouped_experts(flat, routing, w, tile, products).reshape(b, t, d)
 
 
 class ParamHolder(hk.Module):

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from model_service.config import ModelConfig
 from model_service.kv_memory import KVMemory
-from model_service.model.layers import apply_rope, attention, linear, rms_norm
+from model_service.model.layers import Products, QuantizedWeight, apply_rope, attention, product, rms_norm
 from model_service.model.moe import MoELayer, ParamHolder, route
 from model_service.sharding import DATA, MODEL, constrain
 
@@ -25,26 +25,37 @@ Array = jax.Array
 
 
 class Step(NamedTuple):
-    """What one forward call needs besides tokens."""
+    """What one forward call needs besides tokens. B is the number of rows computed; in decode these are the
+    memory's slots row_start .. row_start + B - 1 (the memory may hold more)."""
 
     positions: Array  # [B, T] int32 rotary positions
     mask: Array  # [B, T, S] bool, which keys each query sees
     memory: tuple[KVMemory, ...] | None  # decode: caches to write into; None: keys are this call's tokens
-    write_index: Array | None  # decode: [B] position each slot writes (T == 1)
+    write_index: Array | None  # decode: [B] position each row writes (T == 1); a prefill chunk: [1] its start
     active: Array | None = None  # decode: [B] bool, False rows (free slots) never make an expert run
+    products: Products = Products.DOT  # static: how token rows meet weights (layers.Products)
+    row_start: Array | int = 0  # decode: memory slot of the first row
 
 
 def _norm(name: str, x: Array) -> Array:
     return rms_norm(x, ParamHolder(name).get("scale", (x.shape[-1],)))
 
 
-def _linear(name: str, x: Array, out: int) -> Array:
-    return linear(x, ParamHolder(name).get("w", (x.shape[-1], out)), small_rows=1)
+def _linear(name: str, x: Array, out: int, products: Products) -> Array:
+    w = ParamHolder(name).get("w", (x.shape[-1], out))
+    return product(x, w if isinstance(w, QuantizedWeight) else w.T, products)  # plain [K, N] only in haiku init
 
 
-def _write(cache: Array, new: Array, index: Array) -> Array:
-    """cache [B, H, S, D] <- new [B, H, 1, D] at each slot's own index [B]."""
-    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=1))(cache, new, index)
+def _write(cache: Array, new: Array, start: Array | int, index: Array) -> Array:
+    """cache [slots, H, S, D] <- new [B, H, T, D]: row b into slot start + b from its own position index[b]
+    (T == 1), or one row of T tokens (a prefill chunk) into slot start from position index[0].
+
+    One scatter that XLA updates in place (a vmapped dynamic_update_slice made it copy every cache)."""
+    if new.shape[2] > 1:
+        return jax.lax.dynamic_update_slice(cache, new, (start, 0, index[0], 0))
+    rows = start + jnp.arange(new.shape[0])
+    return cache.at[rows, :, index, :].set(new[:, :, 0, :], indices_are_sorted=True, unique_indices=True,
+                                          mode="promise_in_bounds")
 
 
 class MultiHeadAttention(hk.Module):
@@ -55,18 +66,28 @@ class MultiHeadAttention(hk.Module):
 
     def __call__(self, x: Array, step: Step, cache: KVMemory | None) -> tuple[Array, KVMemory]:
         t, (b, n, _) = self.t, x.shape
-        q = _linear("query", x, t.num_q_heads * t.key_size).reshape(b, n, t.num_q_heads, t.key_size)
-        k = _linear("key", x, t.num_kv_heads * t.key_size).reshape(b, n, t.num_kv_heads, t.key_size)
-        v = _linear("value", x, t.num_kv_heads * t.key_size).reshape(b, n, t.num_kv_heads, t.key_size)
-        q, k = apply_rope(q, step.positions), apply_rope(k, step.positions)
+        with jax.named_scope("qkv_projections"):
+            q = _linear("query", x, t.num_q_heads * t.key_size, step.products).reshape(b, n, t.num_q_heads, t.key_size)
+            k = _linear("key", x, t.num_kv_heads * t.key_size, step.products).reshape(b, n, t.num_kv_heads, t.key_size)
+            v = _linear("value", x, t.num_kv_heads * t.key_size, step.products).reshape(b, n, t.num_kv_heads,
+                                                                                       t.key_size)
+            q, k = apply_rope(q, step.positions), apply_rope(k, step.positions)
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Hkv, T, D]
         if cache is not None:
-            k = _write(cache.k, k.astype(cache.k.dtype), step.write_index)
-            v = _write(cache.v, v.astype(cache.v.dtype), step.write_index)
+            with jax.named_scope("kv_write"):
+                k = _write(cache.k, k.astype(cache.k.dtype), step.row_start, step.write_index)
+                v = _write(cache.v, v.astype(cache.v.dtype), step.row_start, step.write_index)
+            full = KVMemory(k, v)
+            if k.shape[0] != b:  # the step computes b of the slots
+                k, v = (jax.lax.dynamic_slice_in_dim(a, step.row_start, b, axis=0) for a in (k, v))
         q = constrain(q, self.mesh, P(DATA, None, MODEL, None))
         k, v = (constrain(a, self.mesh, P(DATA, MODEL, None, None)) for a in (k, v))
-        out = attention(q, k.astype(q.dtype), v.astype(q.dtype), step.mask, t.attn_output_multiplier)
-        return _linear("linear", out, x.shape[-1]), KVMemory(k, v)
+        if cache is None:
+            full = KVMemory(k, v)
+        with jax.named_scope("scores_softmax_values"):
+            out = attention(q, k.astype(q.dtype), v.astype(q.dtype), step.mask, t.attn_output_multiplier)
+        with jax.named_scope("output_projection"):
+            return _linear("linear", out, x.shape[-1], step.products), full
 
 
 class DecoderLayer(hk.Module):
@@ -82,8 +103,9 @@ class DecoderLayer(hk.Module):
         moe_in = _norm("rms_norm_2", h)
         b, n, d = moe_in.shape
         router_w = ParamHolder("router").get("w", (d, t.num_experts))
-        routing = route(moe_in.reshape(b * n, d), router_w, t.num_selected_experts)
-        moe_out = MoELayer(t.num_experts, t.ffn_size)(moe_in, routing, step.active)
+        with jax.named_scope("router"):
+            routing = route(moe_in.reshape(b * n, d), router_w, t.num_selected_experts, step.products)
+        moe_out = MoELayer(t.num_experts, t.ffn_size)(moe_in, routing, step.active, step.products)
         return self._constrain(h + _norm("rms_norm_3", moe_out)), kv
 
     def _constrain(self, h: Array) -> Array:
@@ -126,10 +148,10 @@ def embed(cfg: ModelConfig, lm: LanguageModelParams, tokens: Array, dtype: jnp.d
     return x * jnp.asarray(cfg.embedding_multiplier_scale, dtype)
 
 
-def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array) -> Array:
+def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array, products: Products) -> Array:
     """Final norm, then the tied unembedding: h [..., D] -> float32 logits [..., V]."""
     h = rms_norm(h, lm.norm_scale)
-    out = jnp.einsum("...d,vd->...v", h.astype(jnp.float32), lm.embeddings.astype(jnp.float32))
+    out = product(h.astype(jnp.float32), lm.embeddings.astype(jnp.float32), products)
     if h.dtype != jnp.float32:  # the reference's product and multiplier round to the compute dtype
         return (out.astype(h.dtype) * jnp.asarray(cfg.output_multiplier_scale, h.dtype)).astype(jnp.float32)
     return out * jnp.float32(cfg.output_multiplier_scale)
@@ -143,4 +165,5 @@ def forward(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step:
     h, caches = Transformer(cfg, mesh)(x, step)
     if last_index is not None:
         h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]  # [B, D]
-    return unembed(cfg, lm, h), caches
+    with jax.named_scope("unembed"):
+        return unembed(cfg, lm, h, step.products), caches

@@ -23,11 +23,19 @@ class RecordingEngine(FakeEngine):
         return {"fake": 0.0}
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int] = (), blocked: Sequence[int] = ()) -> tuple[int, FakeOutput]:
+                allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0
+                ) -> tuple[int, FakeOutput]:
         self._log("prefill_args", tuple(tokens), seed, temperature, top_p, tuple(sorted(set(allowed))),
-                  tuple(sorted(set(blocked))))
+                  tuple(sorted(set(blocked))), top_logprobs)
         return super().prefill(tokens, seed=seed, temperature=temperature, top_p=top_p, allowed=allowed,
-                               blocked=blocked)
+                               blocked=blocked, top_logprobs=top_logprobs)
+
+    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
+                      allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0) -> list:
+        self._log("begin_prefill_args", tuple(tokens), slot, seed, temperature, top_p,
+                  tuple(sorted(set(allowed))), tuple(sorted(set(blocked))), top_logprobs)
+        return super().begin_prefill(tokens, slot=slot, seed=seed, temperature=temperature, top_p=top_p,
+                                     allowed=allowed, blocked=blocked, top_logprobs=top_logprobs)
 
 
 class Wire:

@@ -16,7 +16,7 @@ import pytest
 from model_service.distributed.config import EXIT_GROUP_BROKEN, DistributedConfig
 from model_service.distributed.follower import Watchdog, follow
 from model_service.distributed.lockstep import GroupBroken, LockstepEngine, receive, send
-from model_service.distributed.ops import Call, Codec, Op, Replica
+from model_service.distributed.ops import Call, Codec, Op, Replica, codec_for
 from model_service.scheduler import ErrorKind, GenerationRequest, Scheduler
 from tests.distributed.fakes import Collector, DeadPeer, FollowerEnd, LeaderEnd, RecordingEngine, SwitchableChannel, Wire
 
@@ -49,7 +49,7 @@ class FollowerThread:
         self.expired: list[int] = []
         self.watchdog = Watchdog(on_expiry=self.expired.append)
         self.code: int | None = None
-        codec = Codec(max(engine.buckets), engine.vocab_size)
+        codec = codec_for(engine)
         self.thread = threading.Thread(target=self._run, args=(codec, wire), daemon=True)
         self.thread.start()
 
@@ -91,9 +91,33 @@ def test_follower_replays_every_engine_call_with_the_same_arguments(group: Any) 
     wait_for(lambda: len(follower.engine.calls) >= len(leader_engine.calls))
     assert follower.engine.calls == leader_engine.calls
     assert broken == [] and follower.expired == []
-    assert ("prefill_args", (20, 21), 7, pytest.approx(0.5), pytest.approx(0.9), (22, 23, 24), (23,)) \
+    assert ("prefill_args", (20, 21), 7, pytest.approx(0.5), pytest.approx(0.9), (22, 23, 24), (23,), 0) \
         in follower.engine.calls
-    assert ("prefill_args", (55,), 2**32 - 1, 0.0, 1.0, (), ()) in follower.engine.calls
+    assert ("prefill_args", (55,), 2**32 - 1, 0.0, 1.0, (), (), 0) in follower.engine.calls
+
+
+def test_a_chunked_prefill_runs_on_the_follower_too_and_a_cancelled_one_is_released() -> None:
+    wire, broken = Wire(), []
+    leader_engine = RecordingEngine(slots=2, prefill_chunk=4, step_delay=0.01)
+    follower = FollowerThread(RecordingEngine(slots=2, prefill_chunk=4, step_delay=0.01), wire)
+    engine = lockstep(leader_engine, LeaderEnd(wire), broken)
+    engine.compile_all()
+    sched = Scheduler(engine, max_queue=4)
+    sched.start()
+    try:
+        long, cancelled = Collector(), Collector()
+        sched.submit(req(tuple(range(10, 24)), max_tokens=3, ignore_eos=True), long)  # 14 tokens: 4 chunks
+        handle = sched.submit(req(tuple(range(40, 54)), max_tokens=3), cancelled)
+        handle.cancel()
+        assert long.done.wait(5) and long.tokens == [24, 25, 26]
+        assert cancelled.done.wait(5) and cancelled.error is not None
+        wait_for(lambda: sched.stats()["free"] == 2)
+    finally:
+        sched.stop()
+        engine.close()
+        follower.thread.join(5)
+    assert follower.engine.calls == leader_engine.calls
+    assert sum(c[0] == "chunk" for c in follower.engine.calls) >= 4 and broken == []
 
 
 def test_shutdown_ends_the_follower_loop_cleanly(group: Any) -> None:

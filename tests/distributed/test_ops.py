@@ -3,6 +3,8 @@ exactly one Engine call with those arguments."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -20,9 +22,9 @@ def round_trip(call: Call) -> Call:
 
 def test_prefill_call_survives_encoding_with_float32_values_and_token_sets() -> None:
     call = Call(Op.PREFILL, seq=7, release_below=3, prefix=5, prompt=(1, 69, 0, 42), seed=2**32 - 1,
-                temperature=0.7, top_p=0.95, allowed=(69, 3, 3, 0), blocked=(64, 31, 32))
+                temperature=0.7, top_p=0.95, allowed=(69, 3, 3, 0), blocked=(64, 31, 32), top_logprobs=6)
     back = round_trip(call)
-    assert back.prompt == (1, 69, 0, 42) and back.seed == 2**32 - 1
+    assert back.prompt == (1, 69, 0, 42) and back.seed == 2**32 - 1 and back.top_logprobs == 6
     assert (back.op, back.seq, back.release_below, back.prefix) == (Op.PREFILL, 7, 3, 5)
     assert back.temperature == float(np.float32(0.7)) and back.top_p == float(np.float32(0.95))
     assert back.allowed == (0, 3, 69) and back.blocked == (31, 32, 64)
@@ -38,7 +40,16 @@ def test_every_array_has_the_same_shape_whatever_the_call() -> None:
         assert CODEC.header(Call(op)).dtype == np.int32
 
 
-@pytest.mark.parametrize("op", [Op.INSERT, Op.FREE, Op.GENERATE, Op.INIT, Op.NOOP, Op.SHUTDOWN, Op.COMPILE_ALL])
+def test_begin_prefill_call_survives_encoding_with_its_slot() -> None:
+    call = Call(Op.BEGIN_PREFILL, seq=8, prefix=6, slot=3, prompt=tuple(range(16)), seed=5, temperature=0.5,
+                top_p=0.9, blocked=(7,), top_logprobs=2)
+    assert CODEC.has_payload(Op.BEGIN_PREFILL)
+    assert round_trip(call) == dataclasses.replace(call, temperature=float(np.float32(0.5)),
+                                                   top_p=float(np.float32(0.9)))
+
+
+@pytest.mark.parametrize("op", [Op.INSERT, Op.FREE, Op.GENERATE, Op.INIT, Op.NOOP, Op.SHUTDOWN, Op.COMPILE_ALL,
+                                Op.PREFILL_CHUNK])
 def test_header_only_calls_survive_encoding(op: Op) -> None:
     call = Call(op, seq=123456, release_below=9, slot=6, prefix=11)
     assert not CODEC.has_payload(op)
@@ -56,13 +67,13 @@ def test_replica_runs_each_op_as_one_engine_call_and_keeps_state_and_prefixes() 
     replica.run(Call(Op.COMPILE_ALL))
     state = replica.run(Call(Op.INIT))
     out = replica.run(Call(Op.PREFILL, prefix=4, prompt=(10, 11), seed=9, temperature=0.5, top_p=0.9,
-                           allowed=(11, 12), blocked=(12,)))
+                           allowed=(11, 12), blocked=(12,), top_logprobs=3))
     assert int(out.token[0]) == 12
     state = replica.run(Call(Op.INSERT, prefix=4, slot=1))
     state, out = replica.run(Call(Op.GENERATE))
-    assert int(out.token[1]) == 13 and state is replica.state
+    assert int(out.get().token[1]) == 13 and state is replica.state
     replica.run(Call(Op.FREE, slot=1))
-    assert engine.calls == [("compile_all",), ("init",), ("prefill_args", (10, 11), 9, 0.5, 0.9, (11, 12), (12,)),
+    assert engine.calls == [("compile_all",), ("init",), ("prefill_args", (10, 11), 9, 0.5, 0.9, (11, 12), (12,), 3),
                             ("prefill", (10, 11)), ("insert", 1), ("generate",), ("free", 1)]
     assert list(replica.prefixes) == [4]
     replica.run(Call(Op.NOOP, release_below=5))  # process 0 no longer holds prefix 4
@@ -73,5 +84,20 @@ def test_the_op_table_covers_every_engine_method_the_scheduler_uses() -> None:
     """A new Engine method the scheduler calls must get an op, or the followers would not run it."""
     methods = {name for name in vars(EngineLike) if not name.startswith("_") and callable(getattr(EngineLike, name))}
     covered = {"init_decode_state": Op.INIT, "prefill": Op.PREFILL, "insert": Op.INSERT, "generate": Op.GENERATE,
-               "free_slot": Op.FREE}
-    assert methods == set(covered)
+               "free_slot": Op.FREE, "begin_prefill": Op.BEGIN_PREFILL, "prefill_next_chunk": Op.PREFILL_CHUNK}
+    host_only = {"bucket_for", "chunked"}  # pure functions of the configuration, the same on every process
+    assert methods == set(covered) | host_only
+
+
+def test_replica_runs_a_chunked_prefill_job_kept_under_its_id_until_released() -> None:
+    engine = RecordingEngine(slots=2, buckets=(8,), vocab_size=70, prefill_chunk=4)
+    replica = Replica(engine)
+    replica.run(Call(Op.INIT))
+    assert replica.run(Call(Op.BEGIN_PREFILL, prefix=2, slot=1, prompt=tuple(range(10, 20)), seed=4,
+                            temperature=0.5, top_p=1.0, top_logprobs=1)) is None
+    outs = [replica.run(Call(Op.PREFILL_CHUNK, prefix=2))[1] for _ in range(3)]  # 10 tokens: chunks of 4, 4, 2
+    assert outs[:2] == [None, None] and int(outs[2].token[0]) == 20 and int(replica.state.last[1]) == 20
+    assert engine.calls[1] == ("begin_prefill_args", tuple(range(10, 20)), 1, 4, 0.5, 1.0, (), (), 1)
+    assert [c for c in engine.calls if c[0] == "chunk"] == [("chunk", 1, 0), ("chunk", 1, 4), ("chunk", 1, 8)]
+    replica.run(Call(Op.NOOP, release_below=3))
+    assert replica.prefixes == {}

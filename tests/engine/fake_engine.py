@@ -30,6 +30,16 @@ class FakeOutput:
 
 
 @dataclass(frozen=True)
+class FakePending:
+    """A decode step already computed; `get()` hands it over (the real engine's PendingStep waits for it)."""
+
+    output: FakeOutput
+
+    def get(self) -> FakeOutput:
+        return self.output
+
+
+@dataclass(frozen=True)
 class FakeState:
     last: np.ndarray  # [slots] last token per slot
 
@@ -50,6 +60,7 @@ class FakeEngine:
     pad_id: int = 0
     step_delay: float = 0.0
     fail_prefill_for: int = -1  # prompts starting with this id make prefill raise
+    prefill_chunk: int = 0  # > 0: longer prompts are prefilled in chunks of this many tokens
     calls: list[tuple] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     running: threading.Event = field(default_factory=_running)
@@ -67,8 +78,11 @@ class FakeEngine:
         self._log("init")
         return FakeState(np.zeros((self.slots,), dtype=np.int64))
 
+    def bucket_for(self, length: int) -> int:
+        return min(b for b in self.buckets if b >= length)
+
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int], blocked: Sequence[int]) -> tuple[int, FakeOutput]:
+                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8) -> tuple[int, FakeOutput]:
         self._log("prefill", tuple(tokens))
         self.running.wait()
         if tokens[0] == self.fail_prefill_for:
@@ -76,19 +90,40 @@ class FakeEngine:
         first = (tokens[-1] + 1) % self.vocab_size
         return first, self._out(np.array([first]))
 
+    def chunked(self, length: int) -> bool:
+        return 0 < self.prefill_chunk < length
+
+    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
+                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8) -> list:
+        self._log("begin_prefill", tuple(tokens), slot)
+        return [list(tokens), slot, 0]
+
+    def prefill_next_chunk(self, job: list, state: FakeState) -> tuple[FakeState, FakeOutput | None]:
+        tokens, slot, start = job
+        self._log("chunk", slot, start)
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        job[2] = start + self.prefill_chunk
+        if job[2] < len(tokens):
+            return state, None
+        first = (tokens[-1] + 1) % self.vocab_size
+        last = state.last.copy()
+        last[slot] = first
+        return FakeState(last), self._out(np.array([first]))
+
     def insert(self, prefix: int, state: FakeState, slot: int) -> FakeState:
         self._log("insert", slot)
         last = state.last.copy()
         last[slot] = prefix
         return FakeState(last)
 
-    def generate(self, state: FakeState) -> tuple[FakeState, FakeOutput]:
+    def generate(self, state: FakeState) -> tuple[FakeState, FakePending]:
         self._log("generate")
         self.running.wait()
         if self.step_delay:
             time.sleep(self.step_delay)
         nxt = (state.last + 1) % self.vocab_size
-        return FakeState(nxt), self._out(nxt)
+        return FakeState(nxt), FakePending(self._out(nxt))
 
     def free_slot(self, state: FakeState, slot: int) -> FakeState:
         self._log("free", slot)

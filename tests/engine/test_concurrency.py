@@ -124,10 +124,13 @@ def test_cancel_50_streams_midway_frees_each_slot_within_one_step_of_its_cancel(
 
 def test_an_expired_deadline_reaches_the_model_and_frees_the_slot_early(
         golden_service: ModelServer, golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    request = model_pb2.GenerateRequest(token_ids=[7, 8], max_tokens=125, ignore_eos=True)
+    start = time.monotonic()
+    assert len(collect(golden_stub.Generate(request, timeout=60))[0]) == 125
+    whole = time.monotonic() - start  # the deadline below is half of what this machine needs for the request
     reclaimed = sample(golden_service, "grok_model_slot_reclaim_seconds_count", reason="deadline")
     generated = sample(golden_service, "grok_model_generated_tokens_total")
-    call = golden_stub.Generate(model_pb2.GenerateRequest(token_ids=[7, 8], max_tokens=125, ignore_eos=True),
-                                timeout=0.25)  # 125 steps of this 8-slot model take about twice that
+    call = golden_stub.Generate(request, timeout=whole / 2)
     got = 0
     with pytest.raises(grpc.RpcError) as err:
         for response in call:

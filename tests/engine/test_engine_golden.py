@@ -20,8 +20,8 @@ def run_alone(engine: Engine, case: dict[str, Any], slot: int) -> list[int]:
     tokens = [int(out.token[0])]
     state = engine.insert(prefix, state, slot)
     while len(tokens) < q["max_len"]:  # the reference's max_len counts generated tokens
-        state, out = engine.generate(state)
-        tokens.append(int(out.token[slot]))
+        state, pending = engine.generate(state)
+        tokens.append(int(pending.get().token[slot]))
     return tokens
 
 
@@ -42,7 +42,8 @@ def test_golden_requests_in_one_batch_reproduce_reference_ids(golden_engine: Eng
         outputs.append([int(out.token[0])])
         state = golden_engine.insert(prefix, state, slot + 3)
     for _ in range(19):
-        state, out = golden_engine.generate(state)
+        state, pending = golden_engine.generate(state)
+        out = pending.get()
         for slot, toks in enumerate(outputs):
             toks.append(int(out.token[slot + 3]))
     assert outputs == [c["output_ids"] for c in cases]
@@ -59,6 +60,31 @@ def sharded_engine() -> Engine:
     config = golden_server_config(mesh=MeshConfig(2, 4), slots=4, buckets=(32,))
     cfg, buckets = resolve(config)
     return build_engine(config, cfg, buckets)
+
+
+def test_golden_requests_prefilled_in_chunks_reproduce_reference_ids(golden_engine: Engine) -> None:
+    chunked = Engine(golden_engine.model, golden_engine.params, golden_engine.model.cfg, golden_engine.mesh, 2,
+                     golden_engine.buckets, prefill_chunk=8)
+    cases = golden_requests()
+    assert any(chunked.chunked(len(c["prompt_ids"])) for c in cases)
+    for case in cases:
+        q = case["request"]
+        state = chunked.init_decode_state()
+        out = None
+        if chunked.chunked(len(case["prompt_ids"])):
+            job = chunked.begin_prefill(case["prompt_ids"], slot=1, seed=q["rng_seed"], temperature=q["temperature"],
+                                        top_p=q["nucleus_p"])
+            while out is None:
+                state, out = chunked.prefill_next_chunk(job, state)
+        else:
+            prefix, out = chunked.prefill(case["prompt_ids"], seed=q["rng_seed"], temperature=q["temperature"],
+                                          top_p=q["nucleus_p"])
+            state = chunked.insert(prefix, state, 1)
+        tokens = [int(out.token[0])]
+        while len(tokens) < q["max_len"]:
+            state, pending = chunked.generate(state)
+            tokens.append(int(pending.get().token[1]))
+        assert tokens == case["output_ids"]
 
 
 def test_golden_requests_on_a_2x4_mesh_reproduce_reference_ids(sharded_engine: Engine) -> None:

@@ -49,7 +49,8 @@ def test_seeded_wide_request_alone_reproduces_the_reference(wide_engine: Engine,
     tokens = [int(out.token[0])]
     state = wide_engine.insert(prefix, wide_engine.init_decode_state(), slot)
     while len(tokens) < case["request"]["max_len"]:
-        state, out = wide_engine.generate(state)
+        state, pending = wide_engine.generate(state)
+        out = pending.get()
         tokens.append(int(out.token[slot]))
     assert tokens == case["output_ids"]
 
@@ -62,7 +63,8 @@ def test_seeded_wide_requests_batched_reproduce_the_reference(wide_engine: Engin
         outputs.append([int(out.token[0])])
         state = wide_engine.insert(prefix, state, slot)
     for _ in range(max(case["request"]["max_len"] for case in CASES) - 1):
-        state, out = wide_engine.generate(state)
+        state, pending = wide_engine.generate(state)
+        out = pending.get()
         for slot, tokens in enumerate(outputs):
             tokens.append(int(out.token[slot]))
     assert [tokens[:case["request"]["max_len"]] for tokens, case in zip(outputs, CASES)] == \

@@ -26,7 +26,7 @@ def params(temperature: list[float], top_p: list[float], mask: np.ndarray | None
     b = len(temperature)
     m = np.ones((b, V), bool) if mask is None else mask
     return SamplingParams(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32), jnp.asarray(m),
-                          jnp.ones((b,), bool))
+                          jnp.ones((b,), bool), jnp.full((b,), 8, jnp.int32))
 
 
 def keys(seeds: list[int]) -> jax.Array:
@@ -77,7 +77,8 @@ def test_allowed_ids_restrict_the_draw() -> None:
 
 def test_seeded_draw_uses_the_second_half_of_split_prngkey() -> None:
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, 64)).astype(np.float32))
-    p = SamplingParams(jnp.ones((1,)), jnp.ones((1,)), jnp.ones((1, 64), bool), jnp.ones((1,), bool))
+    p = SamplingParams(jnp.ones((1,)), jnp.ones((1,)), jnp.ones((1, 64), bool), jnp.ones((1,), bool),
+                       jnp.zeros((1,), jnp.int32))
     for seed in range(5):
         expected = jax.random.categorical(jax.random.split(jax.random.PRNGKey(seed))[1], logits)[0]
         assert int(sample_tokens(keys([seed]), logits, p).token[0]) == int(expected)
@@ -89,7 +90,7 @@ def test_a_slot_result_does_not_depend_on_the_other_slots() -> None:
     mask = np.ones((4, 64), bool)
     mask[2, :10] = False
     p4 = SamplingParams(jnp.asarray([0.7, 0.0, 1.3, 0.2]), jnp.asarray([0.9, 1.0, 0.5, 0.95]), jnp.asarray(mask),
-                        jnp.ones((4,), bool))
+                        jnp.ones((4,), bool), jnp.asarray([8, 0, 3, 8], jnp.int32))
     k4 = keys([11, 12, 13, 14])
     together = sample_tokens(k4, jnp.asarray(logits), p4)
     for i in range(4):

@@ -308,3 +308,83 @@ def test_many_requests_all_complete_and_every_slot_returns(engine: FakeEngine, s
     for i, c in enumerate(collectors):
         assert c.wait().ids == list(range(i + 21, i + 22 + i % 5))
     wait_for(lambda: sched.stats() == {"active": 0, "free": engine.slots, "queued": 0})
+
+
+def test_prompts_waiting_while_nothing_decodes_are_all_prefilled_before_the_first_step(engine: FakeEngine) -> None:
+    engine.slots = 4
+    s = Scheduler(engine, max_queue=8)
+    s._accepting = True  # queue them before the decode thread starts, as if they arrived together
+    collectors = [Collector() for _ in range(4)]
+    for i, c in enumerate(collectors):
+        s.submit(req((10 * i + 5,), max_tokens=3), c)
+    s.start()
+    try:
+        for c in collectors:
+            c.wait()
+        kinds = [c[0] for c in engine.calls if c[0] in ("prefill", "generate")]
+        assert kinds[:5] == ["prefill"] * 4 + ["generate"]
+    finally:
+        s.stop()
+
+
+def test_while_requests_decode_admission_per_step_stops_at_the_prompt_token_budget(engine: FakeEngine) -> None:
+    engine.slots = 4
+    engine.step_delay = 0.01
+    s = Scheduler(engine, max_queue=8, prefill_token_budget=16)  # two prompts of bucket 8 per step
+    s.start()
+    try:
+        first = Collector()
+        s.submit(req((30,), max_tokens=30), first)
+        assert first.first_token.wait(5)
+        others = [Collector() for _ in range(3)]
+        for i, c in enumerate(others):
+            s.submit(req((20 + i, 3, 4), max_tokens=2), c)
+        for c in [first, *others]:
+            c.wait()
+        kinds = "".join("p" if c[0] == "prefill" else "g" for c in engine.calls if c[0] in ("prefill", "generate"))
+        after_first = kinds[kinds.index("g"):]
+        assert "ppp" not in after_first and "pp" in after_first  # at most two prefills between decode steps
+    finally:
+        s.stop()
+
+
+def test_a_long_prompt_is_prefilled_one_chunk_per_decode_step_while_others_stream(engine: FakeEngine) -> None:
+    engine.slots = 2
+    engine.prefill_chunk = 4
+    engine.step_delay = 0.005
+    s = Scheduler(engine, max_queue=8)
+    s.start()
+    try:
+        running, long_ = Collector(), Collector()
+        s.submit(req((30,), max_tokens=20), running)
+        assert running.first_token.wait(5)
+        s.submit(req(tuple(range(3, 16)), max_tokens=3), long_)  # 13 tokens: chunks at 0, 4, 8, 12
+        assert long_.wait().ids == [16, 17, 18]
+        assert running.wait().ids == list(range(31, 51))
+        kinds = [c[0] for c in engine.calls if c[0] in ("chunk", "generate")]
+        first = kinds.index("chunk")
+        assert kinds[first:first + 7] == ["chunk", "generate"] * 3 + ["chunk"]  # a decode step between chunks
+        assert [c[2] for c in engine.calls if c[0] == "chunk"] == [0, 4, 8, 12]
+    finally:
+        s.stop()
+
+
+def test_cancelling_a_request_during_its_chunked_prefill_frees_its_slot(engine: FakeEngine) -> None:
+    engine.slots = 1
+    engine.prefill_chunk = 2
+    engine.step_delay = 0.005
+    s = Scheduler(engine, max_queue=8)
+    s.start()
+    try:
+        c = Collector()
+        handle = s.submit(req(tuple(range(3, 16)), max_tokens=3), c)
+        wait_for(lambda: engine.count("chunk") >= 1)
+        handle.cancel()
+        assert c.wait().last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
+        assert c.ids == [] and engine.count("chunk") < 7  # stopped before its prompt was done
+        wait_for(lambda: s.stats() == {"active": 0, "free": 1, "queued": 0})
+        later = Collector()
+        s.submit(req((40,), max_tokens=2), later)
+        assert later.wait().ids == [41, 42]
+    finally:
+        s.stop()

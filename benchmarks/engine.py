@@ -1,0 +1,200 @@
+"""Model-service benchmark over gRPC at the points of the decode-speed issue; prints JSON.
+
+Each point starts the real service (`python -m model_service`, random int8 weights, float32, one
+device) as a subprocess and streams from it over gRPC, so the numbers include the scheduler, the
+servicer and streaming. The points (32-token prompts, 128 generated tokens, EOS ignored; sampled =
+temperature 0.7 top_p 0.9, greedy = temperature 0):
+
+    slots1_stream1    one stream on a 1-slot service: decode tokens/s after its first token
+    slots8_streams8   8 simultaneous streams on an 8-slot service: aggregate decode tokens/s, and the
+                      time to first token of those 8 simultaneous prompts (p50, max)
+    slots16_stream1   one stream on a 16-slot service (idle slots should cost next to nothing)
+    slots16_stream1_tile1  the same with --row-tile 1 (skipped for checkouts without that flag)
+
+each sampled and greedy, repeated --runs times (medians reported, every run kept with the machine's load).
+--repo runs the same points against other checkouts too (e.g. the code before a change, in a worktree of
+its own): their services run side by side and the measurements alternate between them, all with this
+interpreter:
+
+    .venv/bin/python -m benchmarks.engine --runs 3 --repo before=/tmp/grok-before --repo after=. \\
+        --out docs/bench/engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import grpc
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+from grok.model.v1 import model_pb2, model_pb2_grpc
+from serving_common.healthcheck import check
+from serving_common.processes import terminate
+from tests.procs import SHARED, free_port
+
+MEDIUM = SHARED / "bench" / "medium.json"
+# name: (slots, streams, extra service flags)
+POINTS: dict[str, tuple[int, int, list[str]]] = {
+    "slots1_stream1": (1, 1, []), "slots8_streams8": (8, 8, []), "slots16_stream1": (16, 1, []),
+    "slots16_stream1_tile1": (16, 1, ["--row-tile", "1"])}
+
+
+class ModelService:
+    """`python -m model_service` from checkout `repo`, on a free port, with a shared compile cache."""
+
+    def __init__(self, repo: pathlib.Path, config: pathlib.Path, slots: int, prompt_len: int, cache: str,
+                 log: pathlib.Path, extra: list[str]) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._log = open(log, "wb")
+        bucket = 1 << max(5, (prompt_len - 1).bit_length())
+        args = ["--config", str(config), "--random-init", "--host", "127.0.0.1", "--port", str(self.port),
+                "--slots", str(slots), "--mesh", "1,1", "--buckets", str(bucket), "--compile-cache", cache,
+                "--max-queue", "64", *extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": os.environ.get("BENCH_XLA_FLAGS", ""),
+               "PYTHONPATH": str(repo)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "model_service", *args], cwd=repo, env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        begin = time.monotonic()
+        while not check(self.address, "", timeout=1.0):
+            if self.proc.poll() is not None or time.monotonic() - begin > 1800:
+                raise RuntimeError(f"model service from {repo} did not start: see {log}")
+            time.sleep(0.2)
+        self.start_seconds = time.monotonic() - begin
+
+    def close(self) -> None:
+        terminate(self.proc, 30.0)
+        self._log.close()
+
+
+def stream(stub: Any, prompt: list[int], tokens: int, seed: int, sampled: bool) -> dict[str, float]:
+    request = model_pb2.GenerateRequest(token_ids=prompt, max_tokens=tokens, seed=seed, ignore_eos=True,
+                                        temperature=0.7 if sampled else 0.0)
+    if sampled:
+        request.top_p = 0.9
+    begin = time.monotonic()
+    stamps, count = [], 0
+    for response in stub.Generate(request, timeout=3600):
+        count += len(response.token_ids)
+        stamps.append(time.monotonic())
+    return {"start": begin, "first": stamps[0], "end": stamps[-1], "tokens": count}
+
+
+def measure(address: str, streams: int, args: argparse.Namespace, vocab: int, sampled: bool, run: int) -> dict:
+    """`streams` simultaneous requests (started together by a barrier); their decode rate and first tokens."""
+    rng = random.Random(1000 * run + streams)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(streams)]
+    results: list[dict[str, float]] = [{} for _ in range(streams)]
+    barrier = threading.Barrier(streams)
+    with grpc.insecure_channel(address) as channel:
+        stub = model_pb2_grpc.ModelServiceStub(channel)
+        stream(stub, prompts[0], 2, 0, sampled)  # connect and warm up outside the measurement
+
+        def run_one(i: int) -> None:
+            barrier.wait()
+            results[i] = stream(stub, prompts[i], args.tokens, 7 * run + i, sampled)
+
+        threads = [threading.Thread(target=run_one, args=(i,)) for i in range(streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    decoded = sum(r["tokens"] - 1 for r in results)
+    span = max(r["end"] for r in results) - min(r["first"] for r in results)
+    ttft = sorted(r["first"] - r["start"] for r in results)
+    return {"decode_tokens_per_s": round(decoded / span, 2), "ttft_p50_s": round(statistics.median(ttft), 4),
+            "ttft_max_s": round(ttft[-1], 4), "tokens": int(sum(r["tokens"] for r in results)),
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def supports(repo: pathlib.Path, flags: list[str]) -> bool:
+    if not flags:
+        return True
+    help_text = subprocess.run([sys.executable, "-m", "model_service", "--help"], cwd=repo, capture_output=True,
+                               text=True, env={**os.environ, "PYTHONPATH": str(repo)}).stdout
+    return flags[0] in help_text
+
+
+def bench_point(name: str, repos: dict[str, pathlib.Path], args: argparse.Namespace, vocab: int,
+                cache_dir: pathlib.Path) -> dict[str, Any]:
+    """Every checkout's service is started (an idle one costs no CPU), then the runs alternate between them,
+    so a change in the machine's load hits all of them alike."""
+    slots, streams, extra = POINTS[name]
+    out: dict[str, Any] = {"slots": slots, "streams": streams, "flags": extra}
+    services: dict[str, ModelService] = {}
+    try:
+        for label, repo in repos.items():
+            if not supports(repo, extra):
+                out[label] = {"skipped": f"{repo} has no {extra[0]} flag"}
+                continue
+            cache = cache_dir / label
+            cache.mkdir(exist_ok=True)
+            services[label] = ModelService(repo, args.config, slots, args.prompt_len, str(cache),
+                                           cache_dir / f"{label}_{name}.log", extra)
+        runs: dict[tuple[str, str], list[dict]] = {(label, mode): [] for label in services
+                                                   for mode in ("sampled", "greedy")}
+        for r in range(args.runs):
+            for mode in ("sampled", "greedy"):
+                for label, service in services.items():
+                    runs[label, mode].append(measure(service.address, streams, args, vocab, mode == "sampled", r))
+    finally:
+        for service in services.values():
+            service.close()
+    for label, service in services.items():
+        result: dict[str, Any] = {"start_seconds": round(service.start_seconds, 1)}
+        for mode in ("sampled", "greedy"):
+            rs = runs[label, mode]
+            result[mode] = {"median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in rs),
+                            "median_ttft_p50_s": statistics.median(x["ttft_p50_s"] for x in rs), "runs": rs}
+        result["sampled_over_greedy"] = round(result["sampled"]["median_decode_tokens_per_s"]
+                                              / result["greedy"]["median_decode_tokens_per_s"], 3)
+        out[label] = result
+        print(json.dumps({name: {label: {m: result[m]["median_decode_tokens_per_s"] for m in ("sampled", "greedy")}}}),
+              file=sys.stderr, flush=True)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=pathlib.Path, default=MEDIUM, help="model config JSON (default: medium)")
+    p.add_argument("--points", default=",".join(POINTS), help=f"comma-separated subset of {list(POINTS)}")
+    p.add_argument("--runs", type=int, default=3, help="measurements per point and mode (medians reported)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--repo", action="append", default=[], metavar="LABEL=DIR",
+                   help="checkout to benchmark (repeatable; default: this one, labelled 'current')")
+    p.add_argument("--out", type=pathlib.Path, default=None, help="also write the JSON report here")
+    args = p.parse_args()
+    repos = {label: pathlib.Path(d).resolve() for label, d in (r.split("=", 1) for r in args.repo)} or {"current": ROOT}
+    vocab = json.loads(args.config.read_text())["vocab_size"]
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
+        "settings": {"config": str(args.config), "tokens": args.tokens, "prompt_len": args.prompt_len,
+                     "runs": args.runs, "sampled": {"temperature": 0.7, "top_p": 0.9}, "repos": {k: str(v) for k, v in repos.items()}},
+        "points": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.points.split(","):
+            report["points"][name] = bench_point(name, repos, args, vocab, pathlib.Path(tmp))
+    report["machine"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    text = json.dumps(report, indent=1)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
