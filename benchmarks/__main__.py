@@ -65,6 +65,7 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--range-ratio", type=float, default=0.5, help="random dataset: relative length spread")
     p.add_env_argument("--num-prompts", type=positive_int, default=16, help="requests per run of a point")
     p.add_env_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_env_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")
     p.add_env_argument("--concurrency", type=ints, default=[1, 2, 4, 8],
                           help="closed-loop points: requests kept in flight")
     p.add_env_argument("--request-rate", type=floats, default=[],
@@ -97,7 +98,7 @@ def config_from(args: argparse.Namespace, p: argparse.ArgumentParser) -> ServeCo
     return ServeConfig(
         workloads=tuple(workloads), points=points, stack=None if args.stack == "none" else args.stack,
         address=args.address, tokenizer=args.tokenizer, slots=args.slots, runs=args.runs, warmup=args.warmup,
-        seed=args.seed, percentiles=tuple(args.percentiles), slo=slo, temperature=args.temperature,
+        seed=args.seed, percentiles=tuple(args.percentiles), slo=slo, temperature=args.temperature, top_p=args.top_p,
         result_dir=args.result_dir, label=args.label, plots=not args.no_plots, compile_cache=args.compile_cache)
 
 

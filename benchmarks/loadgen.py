@@ -90,15 +90,16 @@ CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 64 << 20),)
 class GatewaySender:
     """Generate through the public gateway: text in, streamed text and tokens out."""
 
-    def __init__(self, address: str, temperature: float = 0.0, timeout: float = 3600.0) -> None:
+    def __init__(self, address: str, temperature: float = 0.0, timeout: float = 3600.0, top_p: float = 1.0) -> None:
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
         self.temperature = temperature
+        self.top_p = top_p
         self.timeout = timeout
 
     async def __call__(self, request: BenchRequest) -> RequestResult:
         message = gateway_pb2.GenerateRequest(prompt=request.prompt, max_tokens=request.output_len,
-                                              ignore_eos=True, temperature=self.temperature)
+                                              ignore_eos=True, temperature=self.temperature, top_p=self.top_p)
         result = RequestResult(prompt_len=request.prompt_len, start=time.perf_counter())
         texts: list[str] = []
         try:
@@ -122,15 +123,16 @@ class GatewaySender:
 class ModelSender:
     """Generate on the model service directly: token ids in, token ids out (no tokenizer, no gateway)."""
 
-    def __init__(self, address: str, temperature: float = 0.0, timeout: float = 3600.0) -> None:
+    def __init__(self, address: str, temperature: float = 0.0, timeout: float = 3600.0, top_p: float = 1.0) -> None:
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = model_pb2_grpc.ModelServiceStub(self.channel)
         self.temperature = temperature
+        self.top_p = top_p
         self.timeout = timeout
 
     async def __call__(self, request: BenchRequest) -> RequestResult:
         message = model_pb2.GenerateRequest(token_ids=request.prompt_ids, max_tokens=request.output_len,
-                                            ignore_eos=True, temperature=self.temperature)
+                                            ignore_eos=True, temperature=self.temperature, top_p=self.top_p)
         result = RequestResult(prompt_len=request.prompt_len, start=time.perf_counter())
         try:
             async for reply in self.stub.Generate(message, timeout=self.timeout):

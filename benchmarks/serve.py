@@ -42,6 +42,7 @@ class ServeConfig:
     percentiles: tuple[float, ...] = (50, 90, 99)
     slo: Slo = Slo()
     temperature: float = 0.0
+    top_p: float = 1.0
     result_dir: str = "bench-results"
     label: str = "serve"
     plots: bool = True
@@ -149,7 +150,7 @@ async def measure(config: ServeConfig, address: str, tokenizer: str, model_id: s
                   out_dir: pathlib.Path) -> dict[str, Any]:
     workloads, warmups = prepare(config, tokenizer, await model_context(address))
     context = {**results.provenance(), "model_id": model_id, "tokenizer_id": tokenizer}
-    send = GatewaySender(address, config.temperature)
+    send = GatewaySender(address, config.temperature, top_p=config.top_p)
     try:
         return await sweep(config, send, workloads, warmups, context, out_dir)
     finally:
