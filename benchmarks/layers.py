@@ -17,6 +17,8 @@ branch) in front of the same services: a gateway change measured against its bas
 `--baseline-stack DIR` instead starts a whole second stack (tokenizer, model and gateway services) from
 the other checkout and adds two arms, `model_service_baseline` and `gateway_baseline`, with that stack's
 processes in the CPU table: a change to any of the services measured against its base in one invocation.
+`--local-gateway` adds a `gateway_local` arm: a second gateway from this tree that detokenizes in-process
+(`--detokenize local`) in front of the same services, beside the default remote DecodeStream gateway.
 Targets (issue 9): the gateway's output throughput at concurrency 8 >= 0.97x in-process and its TTFT p50
 <= in-process + 2 ms.
 """
@@ -40,6 +42,7 @@ from benchmarks.loadgen import GatewaySender, LoadPoint, ModelSender, Sender, ru
 from benchmarks.metrics import RequestResult
 from benchmarks.stack import (
     GATEWAY_ENV,
+    ROOT,
     Process,
     RunningStack,
     StackSpec,
@@ -72,6 +75,7 @@ class LayersConfig:
     compile_cache: str | None = None
     baseline_gateway: str | None = None  # source tree of a second gateway to compare with
     baseline_stack: str | None = None  # source tree of a second whole stack to compare with
+    local_gateway: bool = False  # also measure a gateway with --detokenize local
 
     def __post_init__(self) -> None:
         if self.baseline_gateway and self.baseline_stack:
@@ -232,6 +236,8 @@ async def _run(config: LayersConfig, spec: StackSpec, address: str, model_addres
                "gateway": GatewaySender(address, config.temperature)}
     if "model_service" in baselines:
         senders["model_service_baseline"] = ModelSender(baselines["model_service"], config.temperature)
+    if "gateway_local" in baselines:
+        senders["gateway_local"] = GatewaySender(baselines["gateway_local"], config.temperature)
     if "gateway" in baselines:
         senders["gateway_baseline"] = GatewaySender(baselines["gateway"], config.temperature)
     try:
@@ -255,6 +261,7 @@ def run(config: LayersConfig) -> dict[str, Any]:
     startup = {"stack_to_serving_s": time.monotonic() - begin}  # the model compiles into an empty cache
     baseline_gateway: Process | None = None
     baseline_stack: RunningStack | None = None
+    local_gateway: Process | None = None
     try:
         pids = {"benchmark": os.getpid(), "model_service": stack.model.proc.pid,
                 "tokenizer_service": stack.tokenizer.proc.pid, "gateway": stack.gateway.proc.pid}
@@ -264,6 +271,11 @@ def run(config: LayersConfig) -> dict[str, Any]:
                                              pathlib.Path(config.baseline_gateway).resolve())
             baselines["gateway"] = baseline_gateway.address
             pids["gateway_baseline"] = baseline_gateway.proc.pid
+        if config.local_gateway:
+            local_gateway = start_gateway(stack.tokenizer.address, stack.model.address, logs, ROOT,
+                                          env={"GROK_GATEWAY_DETOKENIZE": "local"})
+            baselines["gateway_local"] = local_gateway.address
+            pids["gateway_local"] = local_gateway.proc.pid
         if config.baseline_stack:
             baseline_stack = start_baseline_stack(spec, logs, pathlib.Path(config.baseline_stack).resolve())
             baselines.update(gateway=baseline_stack.address, model_service=baseline_stack.model.address)
@@ -276,8 +288,9 @@ def run(config: LayersConfig) -> dict[str, Any]:
         report = asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler, baselines, pids))
         return {**report, "startup": startup}
     finally:
-        if baseline_gateway is not None:
-            baseline_gateway.stop()
+        for gateway in (baseline_gateway, local_gateway):
+            if gateway is not None:
+                gateway.stop()
         if baseline_stack is not None:
             baseline_stack.close()
         stack.close()
@@ -302,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_env_argument("--baseline-stack", default=None,
                        help="source tree of a second whole stack (tokenizer, model, gateway) measured as two extra "
                             "arms, model_service_baseline and gateway_baseline")
+    p.add_env_argument("--local-gateway", action="store_true",
+                       help="also measure a gateway that detokenizes in-process (--detokenize local) as arm "
+                            "gateway_local")
     p.add_env_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     use_model_xla_flags()
@@ -309,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
                           runs=args.runs, warmup=args.warmup, seed=args.seed, temperature=args.temperature,
                           slots=args.slots, compile_cache=args.compile_cache, baseline_gateway=args.baseline_gateway,
-                          baseline_stack=args.baseline_stack)
+                          baseline_stack=args.baseline_stack, local_gateway=args.local_gateway)
     report = run(config)
     if args.out:
         results.write_json(pathlib.Path(args.out), report)
