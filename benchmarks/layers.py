@@ -14,6 +14,11 @@ SERVING (the model service compiling into an empty compilation cache) and to bui
 in-process afterwards (loading those programs from the cache). Arms are interleaved within each run.
 `--baseline-gateway DIR` adds a fourth arm, a gateway run from another checkout's source (e.g. the main
 branch) in front of the same services: a gateway change measured against its base in one invocation.
+`--baseline-stack DIR` instead starts a whole second stack (tokenizer, model and gateway services) from
+the other checkout and adds two arms, `model_service_baseline` and `gateway_baseline`, with that stack's
+processes in the CPU table: a change to any of the services measured against its base in one invocation.
+`--local-gateway` adds a `gateway_local` arm: a second gateway from this tree that detokenizes in-process
+(`--detokenize local`) in front of the same services, beside the default remote DecodeStream gateway.
 Targets (issue 9): the gateway's output throughput at concurrency 8 >= 0.97x in-process and its TTFT p50
 <= in-process + 2 ms.
 """
@@ -35,7 +40,18 @@ from typing import Any
 from benchmarks import metrics, results
 from benchmarks.loadgen import GatewaySender, LoadPoint, ModelSender, Sender, run_point, warm_up
 from benchmarks.metrics import RequestResult
-from benchmarks.stack import StackSpec, preset, start_gateway, start_stack, use_model_xla_flags
+from benchmarks.stack import (
+    GATEWAY_ENV,
+    ROOT,
+    Process,
+    RunningStack,
+    StackSpec,
+    model_env,
+    preset,
+    start_gateway,
+    start_stack,
+    use_model_xla_flags,
+)
 from benchmarks.workload import BenchRequest, PromptCutter, WorkloadSpec, build
 from serving_common.flags import EnvArgumentParser, positive_int
 
@@ -58,6 +74,12 @@ class LayersConfig:
     slots: int | None = None
     compile_cache: str | None = None
     baseline_gateway: str | None = None  # source tree of a second gateway to compare with
+    baseline_stack: str | None = None  # source tree of a second whole stack to compare with
+    local_gateway: bool = False  # also measure a gateway with --detokenize local
+
+    def __post_init__(self) -> None:
+        if self.baseline_gateway and self.baseline_stack:
+            raise ValueError("--baseline-gateway and --baseline-stack both add a gateway_baseline arm: give one")
 
 
 class InProcessSender:
@@ -115,6 +137,24 @@ def in_process_scheduler(spec: StackSpec) -> Any:
     scheduler = Scheduler(build_engine(config, cfg, buckets), spec.max_queue)
     scheduler.start()
     return scheduler
+
+
+def start_baseline_stack(spec: StackSpec, log_dir: pathlib.Path, source: pathlib.Path,
+                         timeout: float = 1800.0) -> RunningStack:
+    """The three services run from another checkout's source tree (same preset, same compilation cache)."""
+    env = {"PYTHONPATH": str(source)}
+    tokenizer = Process("tokenizer_service", ["--model", spec.tokenizer], log_dir, env=env, cwd=source)
+    model = Process("model_service", spec.model_args(), log_dir, env={**model_env(), **env}, cwd=source)
+    gateway = Process("gateway", ["--tokenizer", tokenizer.address, "--model", model.address], log_dir,
+                      env={**env, **GATEWAY_ENV}, cwd=source)
+    stack = RunningStack(spec, tokenizer, model, gateway)
+    try:
+        for proc in (tokenizer, model, gateway):
+            proc.wait_serving(timeout)
+    except BaseException:
+        stack.close()
+        raise
+    return stack
 
 
 def cpu_seconds(pid: int) -> float:
@@ -185,7 +225,7 @@ def targets(ratio_table: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 
 async def _run(config: LayersConfig, spec: StackSpec, address: str, model_address: str,
-               scheduler: Any, baseline: str | None, pids: dict[str, int]) -> dict[str, Any]:
+               scheduler: Any, baselines: dict[str, str], pids: dict[str, int]) -> dict[str, Any]:
     cutter = PromptCutter(spec.tokenizer)
     requests = build(WorkloadSpec("fixed", config.input_len, config.output_len, config.num_prompts,
                                   seed=config.seed), cutter)
@@ -194,8 +234,12 @@ async def _run(config: LayersConfig, spec: StackSpec, address: str, model_addres
     senders = {"in_process": InProcessSender(scheduler, config.temperature),
                "model_service": ModelSender(model_address, config.temperature),
                "gateway": GatewaySender(address, config.temperature)}
-    if baseline:
-        senders["gateway_baseline"] = GatewaySender(baseline, config.temperature)
+    if "model_service" in baselines:
+        senders["model_service_baseline"] = ModelSender(baselines["model_service"], config.temperature)
+    if "gateway_local" in baselines:
+        senders["gateway_local"] = GatewaySender(baselines["gateway_local"], config.temperature)
+    if "gateway" in baselines:
+        senders["gateway_baseline"] = GatewaySender(baselines["gateway"], config.temperature)
     try:
         runs = await measure_arms(config, senders, requests, warm, pids)
     finally:
@@ -215,24 +259,40 @@ def run(config: LayersConfig) -> dict[str, Any]:
     begin = time.monotonic()
     stack = start_stack(spec, logs)
     startup = {"stack_to_serving_s": time.monotonic() - begin}  # the model compiles into an empty cache
-    baseline = None
+    baseline_gateway: Process | None = None
+    baseline_stack: RunningStack | None = None
+    local_gateway: Process | None = None
     try:
+        pids = {"benchmark": os.getpid(), "model_service": stack.model.proc.pid,
+                "tokenizer_service": stack.tokenizer.proc.pid, "gateway": stack.gateway.proc.pid}
+        baselines: dict[str, str] = {}
         if config.baseline_gateway:
-            baseline = start_gateway(stack.tokenizer.address, stack.model.address, logs,
-                                     pathlib.Path(config.baseline_gateway).resolve())
+            baseline_gateway = start_gateway(stack.tokenizer.address, stack.model.address, logs,
+                                             pathlib.Path(config.baseline_gateway).resolve())
+            baselines["gateway"] = baseline_gateway.address
+            pids["gateway_baseline"] = baseline_gateway.proc.pid
+        if config.local_gateway:
+            local_gateway = start_gateway(stack.tokenizer.address, stack.model.address, logs, ROOT,
+                                          env={"GROK_GATEWAY_DETOKENIZE": "local"})
+            baselines["gateway_local"] = local_gateway.address
+            pids["gateway_local"] = local_gateway.proc.pid
+        if config.baseline_stack:
+            baseline_stack = start_baseline_stack(spec, logs, pathlib.Path(config.baseline_stack).resolve())
+            baselines.update(gateway=baseline_stack.address, model_service=baseline_stack.model.address)
+            pids.update(gateway_baseline=baseline_stack.gateway.proc.pid,
+                        model_service_baseline=baseline_stack.model.proc.pid,
+                        tokenizer_service_baseline=baseline_stack.tokenizer.proc.pid)
         begin = time.monotonic()
         scheduler = in_process_scheduler(spec)
         startup["in_process_engine_warm_cache_s"] = time.monotonic() - begin  # same programs, now cached
-        pids = {"benchmark": os.getpid(), "model_service": stack.model.proc.pid,
-                "tokenizer_service": stack.tokenizer.proc.pid, "gateway": stack.gateway.proc.pid}
-        if baseline is not None:
-            pids["gateway_baseline"] = baseline.proc.pid
-        report = asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler,
-                                  baseline.address if baseline else None, pids))
+        report = asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler, baselines, pids))
         return {**report, "startup": startup}
     finally:
-        if baseline is not None:
-            baseline.stop()
+        for gateway in (baseline_gateway, local_gateway):
+            if gateway is not None:
+                gateway.stop()
+        if baseline_stack is not None:
+            baseline_stack.close()
         stack.close()
 
 
@@ -252,13 +312,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_env_argument("--compile-cache", default=None, help="JAX compilation cache shared by both engines")
     p.add_env_argument("--baseline-gateway", default=None,
                        help="source tree (e.g. /path/to/main checkout) of a second gateway measured as an extra arm")
+    p.add_env_argument("--baseline-stack", default=None,
+                       help="source tree of a second whole stack (tokenizer, model, gateway) measured as two extra "
+                            "arms, model_service_baseline and gateway_baseline")
+    p.add_env_argument("--local-gateway", action="store_true",
+                       help="also measure a gateway that detokenizes in-process (--detokenize local) as arm "
+                            "gateway_local")
     p.add_env_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     use_model_xla_flags()
     config = LayersConfig(stack=args.stack, concurrency=tuple(int(c) for c in args.concurrency.split(",")),
                           input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
                           runs=args.runs, warmup=args.warmup, seed=args.seed, temperature=args.temperature,
-                          slots=args.slots, compile_cache=args.compile_cache, baseline_gateway=args.baseline_gateway)
+                          slots=args.slots, compile_cache=args.compile_cache, baseline_gateway=args.baseline_gateway,
+                          baseline_stack=args.baseline_stack, local_gateway=args.local_gateway)
     report = run(config)
     if args.out:
         results.write_json(pathlib.Path(args.out), report)

@@ -150,11 +150,11 @@ def start_stack(spec: StackSpec, log_dir: pathlib.Path, timeout: float = 1800.0)
 
 
 def start_gateway(tokenizer: str, model: str, log_dir: pathlib.Path, source: pathlib.Path = ROOT,
-                  timeout: float = 120.0) -> Process:
+                  timeout: float = 120.0, env: dict[str, str] | None = None) -> Process:
     """A gateway in front of running services, run from the source tree `source` (another checkout's
-    code, e.g. the main branch, to measure a change against it in one invocation)."""
+    code, e.g. the main branch, to measure a change against it in one invocation), with `env` added."""
     gateway = Process("gateway", ["--tokenizer", tokenizer, "--model", model], log_dir, cwd=source,
-                      env={"PYTHONPATH": str(source), **GATEWAY_ENV})
+                      env={"PYTHONPATH": str(source), **GATEWAY_ENV, **(env or {})})
     try:
         gateway.wait_serving(timeout)
     except BaseException:

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from gateway.auth import load_keys
-from gateway.config import GatewayConfig, HttpConfig, Limits
+from gateway.config import DETOKENIZE_MODES, GatewayConfig, HttpConfig, Limits
 from gateway.server import serve
 from serving_common import logs
 from serving_common.flags import EnvArgumentParser, port, positive_int
@@ -83,6 +83,11 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_env_argument("--grace-seconds", type=float, default=10.0,
                             help="on SIGTERM, how long in-flight requests may finish")
     parser.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_env_argument("--detokenize", default="remote", choices=list(DETOKENIZE_MODES),
+                            help="where generated ids become text: 'remote', a DecodeStream call to the tokenizer "
+                                 "service per request, or 'local', the same incremental detokenizer in the gateway "
+                                 "over the piece table it fetches from the tokenizer service (fewer messages per "
+                                 "token; see docs/benchmarks.md)")
     add_http_flags(parser)
     add_security_flags(parser)
     args = parser.parse_args(argv)
@@ -96,7 +101,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
             raise ValueError("--http-timeout: must be >= 0 seconds (0: no limit)")
         return GatewayConfig(tokenizer=args.tokenizer, models=models, host=args.host, port=args.port,
                              metrics_port=args.metrics_port, grace_seconds=args.grace_seconds,
-                             log_level=args.log_level, limits=limits, http=http,
+                             log_level=args.log_level, limits=limits, http=http, detokenize=args.detokenize,
                              api_keys=load_keys(args.api_key, args.api_key_file),
                              tls=server_tls(args.tls_cert, args.tls_key), backend_tls=backend_tls(args))
     except ValueError as error:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from serving_common.tls import ChannelTLS, ServerTLS
 
 
+DETOKENIZE_MODES = ("remote", "local")
+
+
 @dataclass(frozen=True)
 class Limits:
     """Request limits enforced at the boundary (each is a flag)."""
@@ -49,9 +52,14 @@ class GatewayConfig:
     health_retry_seconds: float = 0.5
     # Tokenizer calls are retried on UNAVAILABLE this many times (cheap, idempotent calls).
     tokenizer_retries: int = 2
+    # Where generated ids become text: "remote" (the tokenizer service's DecodeStream, per request) or
+    # "local" (the same detokenizer in the gateway, over the piece table fetched from that service).
+    detokenize: str = "remote"
 
     def __post_init__(self) -> None:
         if not self.tokenizer:
             raise ValueError("--tokenizer: the tokenizer service address is required (HOST:PORT)")
+        if self.detokenize not in DETOKENIZE_MODES:
+            raise ValueError(f"--detokenize: {self.detokenize!r} is not one of {', '.join(DETOKENIZE_MODES)}")
         if not self.models or any(not m for m in self.models):
             raise ValueError("--model: at least one model service address is required (HOST:PORT[,HOST:PORT...])")

@@ -43,6 +43,8 @@ class DependencyWatch:
             self.tasks.append(asyncio.create_task(self._watch(replica.channel, f"model {replica.address}", setter)))
 
     def _set_tokenizer(self, up: bool) -> None:
+        if up and not self.tokenizer_serving:
+            self.tokenizer.forget_piece_table()  # it (re)started: it may serve another model now
         self.tokenizer_serving = up
 
     def _set_replica(self, replica: Replica, up: bool) -> None:

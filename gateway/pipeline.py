@@ -2,7 +2,9 @@
 
 `Pipeline.stream` yields the GatewayService's GenerateResponse messages; Complete concatenates them.
 Errors are raised as GatewayError (the shared interceptor turns them into statuses); whatever way the request
-ends, the model call and the detokenizer stream are cancelled, which frees the model's slot.
+ends, the model call and the detokenizer stream are cancelled, which frees the model's slot. Ids become
+text through the tokenizer service's DecodeStream, or in-process over its piece table with
+`--detokenize local` (gateway.detokenize: the same detokenizer, the same text).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from dataclasses import dataclass, field
 
 from gateway.clients import Metadata, ModelPool, TokenizerClient
 from gateway.config import Limits
+from gateway.detokenize import LocalDetokenizer, TextStream, invalid_id
 from gateway.errors import down
 from gateway.metrics import GatewayMetrics
 from gateway.stops import Release, StopMatcher
 from gateway.validation import Plan, TextRequest, check_request, plan
 from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
+from tokenizer_service.tokenizer import PieceTable, TokenizerInputError
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +65,13 @@ def model_request(request: TextRequest, planned: Plan, request_id: str) -> model
 class Pipeline:
     """Runs requests against the tokenizer service and the model pool."""
 
-    def __init__(self, tokenizer: TokenizerClient, pool: ModelPool, limits: Limits, metrics: GatewayMetrics) -> None:
+    def __init__(self, tokenizer: TokenizerClient, pool: ModelPool, limits: Limits, metrics: GatewayMetrics,
+                 local_detokenize: bool = False) -> None:
         self.tokenizer = tokenizer
         self.pool = pool
         self.limits = limits
         self.metrics = metrics
+        self.local_detokenize = local_detokenize
 
     async def stream(self, request: TextRequest, deadline: float | None, request_id: str,
                      method: str) -> AsyncIterator[gateway_pb2.GenerateResponse]:
@@ -77,17 +83,20 @@ class Pipeline:
         progress.tokenize_seconds = loop.time() - progress.arrival
         planned = plan(request, prompt_ids, await self.pool.info(deadline), self.limits)
         progress.prompt_tokens = len(planned.prompt_ids)
+        # Before the model call: a tokenizer that cannot give its table costs no model slot.
+        table = await self.tokenizer.piece_table(deadline) if self.local_detokenize else None
         model_stream = await self.pool.generate(model_request(request, planned, request_id), deadline, metadata)
-        detokenizer = None
+        detokenizer: TextStream | None = None
         try:
-            detokenizer = self.tokenizer.detokenizer(deadline, metadata)
+            detokenizer = (LocalDetokenizer(table) if table is not None
+                           else self.tokenizer.detokenizer(deadline, metadata))
             matcher = StopMatcher(request.stop)
             finish = gateway_pb2.FINISH_REASON_UNSPECIFIED
             release = Release()
             async for reply in model_stream.responses():
                 self._observe(reply, progress, method)
                 _, token_texts = await detokenizer.push(reply.token_ids) if reply.token_ids else ("", [])
-                tokens = await self._tokens(reply, token_texts, request.top_logprobs, deadline, metadata)
+                tokens = await self._tokens(reply, token_texts, request.top_logprobs, table, deadline, metadata)
                 release = matcher.feed(tokens)
                 if release.stopped:
                     finish = gateway_pb2.FINISH_REASON_STOP
@@ -133,12 +142,13 @@ class Pipeline:
         progress.last_token_at = now
 
     async def _tokens(self, reply: model_pb2.GenerateResponse, texts: list[str], top_logprobs: int,
-                      deadline: float | None, metadata: Metadata) -> list[gateway_pb2.Token]:
+                      table: PieceTable | None, deadline: float | None, metadata: Metadata) -> list[gateway_pb2.Token]:
         details = list(reply.tokens) if len(reply.tokens) == len(reply.token_ids) else [None] * len(reply.token_ids)
         alternatives: dict[int, str] = {}
         if top_logprobs:
             ids = [top.id for d in details if d is not None for top in d.top_tokens]
-            alternatives = await self.tokenizer.piece_texts(ids, deadline, metadata)
+            alternatives = (await self.tokenizer.piece_texts(ids, deadline, metadata) if table is None
+                            else _piece_texts(table, ids))
         tokens = []
         for token_id, text, detail in zip(reply.token_ids, texts, details):
             token = gateway_pb2.Token(id=token_id, text=text)
@@ -163,3 +173,11 @@ class Pipeline:
                                   total_tokens=progress.prompt_tokens + completion)
         return gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, finish_reason=finish,
                                             usage=usage, timings=timings)
+
+
+def _piece_texts(table: PieceTable, ids: list[int]) -> dict[int, str]:
+    """Each id's piece decoded on its own, from the table (what the tokenizer's Decode of the id gives)."""
+    try:
+        return {i: table.piece_text(i) for i in ids}
+    except TokenizerInputError as error:
+        raise invalid_id(error) from None

@@ -69,11 +69,12 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     """Build, bind and start the server and its dependency watches (call inside the event loop)."""
     keys = ApiKeys(config.api_keys)
     template = ChatTemplate.load(config.http.chat_template)  # a bad template stops the start, naming the flag
-    tokenizer = TokenizerClient(config.tokenizer, config.tokenizer_retries, config.backend_tls)
+    tokenizer = TokenizerClient(config.tokenizer, config.tokenizer_retries, config.backend_tls,
+                                prefetch_pieces=config.detokenize == "local")
     pool = ModelPool(config.models, config.backend_tls)
     metrics = GatewayMetrics()
     server = new_server("gateway", interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else ())
-    pipeline = Pipeline(tokenizer, pool, config.limits, metrics)
+    pipeline = Pipeline(tokenizer, pool, config.limits, metrics, local_detokenize=config.detokenize == "local")
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(pipeline, config), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind_port(server, config.host, config.port, config.tls)

@@ -4,9 +4,11 @@ Errors are raised as ServiceError (with BadRequest / RetryInfo details); the sha
 serving_common ends the call with them.
 
 No JAX here. Generate submits a request to the Scheduler, whose decode thread hands back one
-Emission per step through a thread-safe callback; they are streamed to the client as they come
-(coalesced when the client reads slower than the model decodes). Client cancellation and deadline
-expiry cancel the request, which frees its slot at the next step boundary.
+Emission per request per step through the `emit` callback. An EmissionRelay carries them to the event
+loop with one wake-up for everything emitted together (a step's tokens for every request), not one
+per token; each stream then sends what it received as one message (so tokens that are ready together
+travel together when the client reads slower than the model decodes). Client cancellation and
+deadline expiry cancel the request, which frees its slot at the next step boundary.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -83,6 +86,8 @@ def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: 
 
 
 def _token(t: TokenOut) -> model_pb2.Token:
+    if not t.top:  # the common case: no alternatives asked for, no list to build
+        return model_pb2.Token(id=t.id, probability=t.prob, logprob=_log(t.prob))
     return model_pb2.Token(
         id=t.id, probability=t.prob, logprob=_log(t.prob),
         top_tokens=[model_pb2.TopToken(id=i, probability=p, logprob=_log(p)) for i, p in t.top])
@@ -109,6 +114,73 @@ def to_response(batch: list[Emission]) -> model_pb2.GenerateResponse:
         timings=_timings(timings) if timings else None)
 
 
+class EmissionSink:
+    """One request's emissions on the event loop: `take()` waits for and returns all that arrived."""
+
+    def __init__(self, relay: EmissionRelay) -> None:
+        self._relay = relay
+        self._items: list[Emission] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def emit(self, emission: Emission) -> None:
+        """The scheduler's `emit` callback (decode thread)."""
+        self._relay.post(self, emission)
+
+    def put(self, emission: Emission) -> None:
+        """On the loop (called by the relay)."""
+        self._items.append(emission)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list[Emission]:
+        while not self._items:
+            self._waiter = self._relay.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
+class EmissionRelay:
+    """Carries emissions from the decode thread to the event loop with one wake-up per batch.
+
+    A wake-up (call_soon_threadsafe: a self-pipe write, an epoll return, a loop iteration, a GIL
+    hand-over) per request per step cost the model process more than the protobuf and the gRPC write
+    of the token. Here the first emission after a delivery schedules one callback and the rest of the
+    step's emissions (the decode thread holds the GIL while it emits them) join it.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[EmissionSink, Emission]] = []
+        self._scheduled = False
+
+    def sink(self) -> EmissionSink:
+        return EmissionSink(self)
+
+    def post(self, sink: EmissionSink, emission: Emission) -> None:
+        """Any thread."""
+        with self._lock:
+            self._pending.append((sink, emission))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed (the server is gone): nobody is left to read it
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._scheduled = False
+        for sink, emission in pending:
+            sink.put(emission)
+
+
 class ModelServicer(model_pb2_grpc.ModelServiceServicer):
     """Serves Generate once `attach` gave it a running scheduler; UNAVAILABLE before."""
 
@@ -117,6 +189,13 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         self.metrics = metrics
         self.scheduler: Scheduler | None = None
         self.unavailable: str | None = None  # set by the watchdog while the decode loop is stalled
+        self._relay: EmissionRelay | None = None
+
+    def _relay_for(self, loop: asyncio.AbstractEventLoop) -> EmissionRelay:
+        """The relay of the loop serving the calls (made on the first call: the loop is known then)."""
+        if self._relay is None or self._relay.loop is not loop:
+            self._relay = EmissionRelay(loop)
+        return self._relay
 
     def attach(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -158,20 +237,15 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             raise SchedulerError(ErrorKind.UNAVAILABLE, "the model is still loading or compiling; retry shortly")
         if self.unavailable is not None:
             raise SchedulerError(ErrorKind.UNAVAILABLE, self.unavailable)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Emission] = asyncio.Queue()
-
-        def emit(emission: Emission) -> None:  # called on the decode thread
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, emission)
-
-        handle = scheduler.submit(to_request(request, rid, context.time_remaining()), emit)
+        sink = self._relay_for(asyncio.get_running_loop()).sink()
+        handle = scheduler.submit(to_request(request, rid, context.time_remaining()), sink.emit)
         context.add_done_callback(lambda _: handle.cancel())
         try:
             while True:
-                batch = [await queue.get()]
-                while not queue.empty() and batch[-1].finish_reason is None and batch[-1].error is None:
-                    batch.append(queue.get_nowait())
+                batch = await sink.take()
+                end = next((i for i, e in enumerate(batch) if e.error is not None or e.finish_reason is not None),
+                           len(batch) - 1)
+                batch = batch[:end + 1]  # nothing follows a request's last emission
                 error = batch[-1].error
                 good = [e for e in batch if e.error is None]
                 if good:

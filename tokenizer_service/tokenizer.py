@@ -15,6 +15,11 @@ How sentencepiece 0.2.3 decodes (the rules `StreamDecoder` mirrors):
   dropped, or once any text was produced before a non-byte piece.
 Surfaces are taken from sentencepiece itself (decode of the id alone, and after a probe piece), so
 unknown-piece surfaces and normalizer settings come from the model rather than being re-derived.
+
+`StreamDecoder` needs only those facts (`Pieces`: byte values, surfaces, the leading-space rule), so
+it runs the same way over the `Tokenizer` (in the tokenizer service) and over a `PieceTable`, the
+same facts for every id as plain data, which the service sends to a gateway that detokenizes
+in-process (GetPieces) without ever loading the SentencePiece model there.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import hashlib
 import pathlib
 import re
 from collections.abc import Sequence
+from typing import Protocol
 
 import sentencepiece
 
@@ -63,6 +69,75 @@ class PieceSurface:
     def drops_space(self) -> bool:
         """True when this piece loses a leading "▁" at the start of the text."""
         return self.first != self.rest
+
+
+class Pieces(Protocol):
+    """What the incremental detokenizer needs to know about a vocabulary."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def byte_value(self) -> Sequence[int]: ...  # per id: the byte of a byte-fallback piece, -1 for other pieces
+
+    @property
+    def strip_all_leading_spaces(self) -> bool: ...
+
+    def surface(self, token_id: int) -> PieceSurface: ...
+
+    def check_ids(self, ids: Sequence[int]) -> None: ...
+
+
+def check_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """Raise TokenizerInputError naming the first id outside [0, vocab_size)."""
+    for index, token_id in enumerate(ids):
+        if not 0 <= token_id < vocab_size:
+            raise TokenizerInputError(
+                f"token_ids[{index}] = {token_id} is out of range: valid ids are 0..{vocab_size - 1}",
+                f"token_ids[{index}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceTable:
+    """Every id's decoding facts as data (see `Tokenizer.piece_table`): a `Pieces` without SentencePiece.
+
+    `surfaces[i]` is None exactly for byte pieces (`byte_value[i] >= 0`).
+    """
+
+    byte_value: tuple[int, ...]
+    surfaces: tuple[PieceSurface | None, ...]
+    strip_all_leading_spaces: bool
+
+    def __post_init__(self) -> None:
+        if len(self.byte_value) != len(self.surfaces):
+            raise ValueError(f"{len(self.byte_value)} byte values but {len(self.surfaces)} surfaces")
+        for token_id, (byte, surface) in enumerate(zip(self.byte_value, self.surfaces)):
+            if (byte >= 0) == (surface is not None) or byte > 0xFF:
+                raise ValueError(f"piece {token_id}: needs a byte value in 0..255 or a surface, not both")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.byte_value)
+
+    def surface(self, token_id: int) -> PieceSurface:
+        surface = self.surfaces[token_id]
+        if surface is None:
+            raise ValueError(f"piece {token_id} is a byte piece: it has no surface")
+        return surface
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        check_ids(ids, self.vocab_size)
+
+    def piece_text(self, token_id: int) -> str:
+        """The id decoded on its own, exactly as `Tokenizer.decode([token_id])`."""
+        self.check_ids((token_id,))
+        byte = self.byte_value[token_id]
+        if byte >= 0:
+            return decode_byte_run(bytearray((byte,)), final=True)
+        return self.surface(token_id).first
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
 
 
 def _utf8_sequence_length(lead: int) -> tuple[int, int, int]:
@@ -152,6 +227,7 @@ class Tokenizer:
         self._surfaces: list[PieceSurface | None] = [None] * self.vocab_size
         self._probe_id, self._probe_text = self._find_probe()
         self.strip_all_leading_spaces = self._strips_repeatedly()
+        self._table: PieceTable | None = None
 
     def _byte_of(self, token_id: int) -> int:
         if not self.sp.is_byte(token_id):
@@ -212,11 +288,14 @@ class Tokenizer:
 
     def check_ids(self, ids: Sequence[int]) -> None:
         """Raise TokenizerInputError naming the first id outside [0, vocab_size)."""
-        for index, token_id in enumerate(ids):
-            if not 0 <= token_id < self.vocab_size:
-                raise TokenizerInputError(
-                    f"token_ids[{index}] = {token_id} is out of range: valid ids are 0..{self.vocab_size - 1}",
-                    f"token_ids[{index}]")
+        check_ids(ids, self.vocab_size)
+
+    def piece_table(self) -> PieceTable:
+        """Every piece's decoding facts (measures every surface once: ~2 decode calls per piece)."""
+        if self._table is None:
+            surfaces = tuple(None if byte >= 0 else self.surface(i) for i, byte in enumerate(self.byte_value))
+            self._table = PieceTable(tuple(self.byte_value), surfaces, self.strip_all_leading_spaces)
+        return self._table
 
     def decode(self, ids: Sequence[int]) -> str:
         """Exactly sentencepiece's decode (control pieces give "")."""
@@ -231,11 +310,12 @@ class StreamDecoder:
     """Incremental detokenizer for one sequence: feed ids, get the text each one made final.
 
     The state is tiny (up to three undecided bytes and two flags), never the whole id history, so a
-    stream of any length costs O(1) memory.
+    stream of any length costs O(1) memory. `pieces` is the Tokenizer or a PieceTable of it: the same
+    facts, so the same text.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tok = tokenizer
+    def __init__(self, pieces: Pieces) -> None:
+        self._tok = pieces
         self._run = bytearray()  # undecided bytes of the current byte-piece run
         self._expect_space = True  # sentencepiece would still drop a leading "▁"
         self._dropped_space = False  # the previous non-byte piece had its "▁" dropped

@@ -81,3 +81,33 @@ class GetInfoResponse(_message.Message):
     model_sha256: str
     model_path: str
     def __init__(self, vocab_size: _Optional[int] = ..., bos_id: _Optional[int] = ..., eos_id: _Optional[int] = ..., pad_id: _Optional[int] = ..., unk_id: _Optional[int] = ..., model_sha256: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
+
+class GetPiecesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Piece(_message.Message):
+    __slots__ = ("is_byte", "byte_value", "text", "first_text")
+    IS_BYTE_FIELD_NUMBER: _ClassVar[int]
+    BYTE_VALUE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TEXT_FIELD_NUMBER: _ClassVar[int]
+    is_byte: bool
+    byte_value: int
+    text: str
+    first_text: str
+    def __init__(self, is_byte: _Optional[bool] = ..., byte_value: _Optional[int] = ..., text: _Optional[str] = ..., first_text: _Optional[str] = ...) -> None: ...
+
+class GetPiecesResponse(_message.Message):
+    __slots__ = ("vocab_size", "model_sha256", "strip_all_leading_spaces", "start_id", "pieces")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    STRIP_ALL_LEADING_SPACES_FIELD_NUMBER: _ClassVar[int]
+    START_ID_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    model_sha256: str
+    strip_all_leading_spaces: bool
+    start_id: int
+    pieces: _containers.RepeatedCompositeFieldContainer[Piece]
+    def __init__(self, vocab_size: _Optional[int] = ..., model_sha256: _Optional[str] = ..., strip_all_leading_spaces: _Optional[bool] = ..., start_id: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ...) -> None: ...

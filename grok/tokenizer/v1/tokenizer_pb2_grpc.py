@@ -62,6 +62,11 @@ class TokenizerServiceStub:
                 request_serializer=grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.GetPieces = channel.unary_stream(
+                '/grok.tokenizer.v1.TokenizerService/GetPieces',
+                request_serializer=grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetPiecesRequest.SerializeToString,
+                response_deserializer=grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetPiecesResponse.FromString,
+                _registered_method=True)
 
 
 class TokenizerServiceServicer:
@@ -113,6 +118,17 @@ class TokenizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPieces(self, request, context):
+        """Every piece's decoding facts, for a client that detokenizes in-process
+        with the same incremental detokenizer as DecodeStream (the gateway's
+        --detokenize local): the byte of each byte-fallback piece and the text of
+        every other piece. Streamed in chunks of consecutive ids, ids 0.. in order;
+        every chunk repeats the vocabulary size and the model's checksum.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +156,11 @@ def add_TokenizerServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetInfoRequest.FromString,
                     response_serializer=grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'GetPieces': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetPieces,
+                    request_deserializer=grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetPiecesRequest.FromString,
+                    response_serializer=grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetPiecesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -280,6 +301,33 @@ class TokenizerService:
             '/grok.tokenizer.v1.TokenizerService/GetInfo',
             grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetInfoRequest.SerializeToString,
             grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPieces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/grok.tokenizer.v1.TokenizerService/GetPieces',
+            grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetPiecesRequest.SerializeToString,
+            grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetPiecesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,110 @@
+"""`--detokenize local` on the real golden stack: a second gateway in front of the session's tokenizer and
+model services must answer exactly as the default (remote DecodeStream) gateway does, token for token."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from gateway.client import GatewayClient
+from grok.gateway.v1 import gateway_pb2
+from serving_common.healthcheck import check
+from tests.gateway.conftest import Stack, start_gateway
+from tests.gateway.test_e2e import GOLDEN_REQUESTS, frozen, golden_options
+from tests.gateway.test_gateway import wait_for
+from tests.procs import Service
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def local_gateway(golden_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    gateway = start_gateway(golden_stack.tokenizer.address, [m.address for m in golden_stack.models],
+                            tmp_path_factory.mktemp("local"), "--detokenize", "local")
+    try:
+        yield gateway.wait_serving(60)
+    finally:
+        gateway.terminate()
+
+
+def token_view(messages: list[gateway_pb2.GenerateResponse]) -> list[tuple]:
+    """Everything a client sees per token, independent of how tokens were grouped into messages."""
+    return [(t.id, t.text, round(t.logprob, 5), [(a.id, a.text, round(a.logprob, 5)) for a in t.top_tokens])
+            for m in messages for t in m.tokens]
+
+
+def generate(address: str, prompt: str, **options: object) -> list[gateway_pb2.GenerateResponse]:
+    with GatewayClient(address, timeout=120) as client:
+        return list(client.generate(prompt, **options))
+
+
+@pytest.mark.parametrize("case", GOLDEN_REQUESTS, ids=[f"golden{i}" for i in range(len(GOLDEN_REQUESTS))])
+def test_local_golden_requests_equal_the_reference_and_the_remote_gateway_per_token(
+        golden_stack: Stack, local_gateway: Service, case: dict) -> None:
+    prompt, options = case["request"]["prompt"], {**golden_options(case), "top_logprobs": 3}
+    local = generate(local_gateway.address, prompt, **options)
+    remote = generate(golden_stack.address, prompt, **options)
+    assert "".join(m.text for m in local) == case["output_text"]
+    assert [t.id for m in local for t in m.tokens] == case["output_ids"]
+    assert all(m.text == "".join(t.text for t in m.tokens) for m in local)
+    # Texts per token (multibyte characters held back to the token that completes them), probabilities
+    # and the alternatives' texts (each piece decoded alone) are what the remote path gives.
+    assert token_view(local) == token_view(remote)
+    assert local[-1].finish_reason == remote[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+
+
+def test_local_stop_string_across_tokens_ends_the_completion_as_remote_does(golden_stack: Stack,
+                                                                           local_gateway: Service) -> None:
+    case = GOLDEN_REQUESTS[2]
+    stop = "ldch"  # spans the pieces of several tokens
+    replies = []
+    for address in (local_gateway.address, golden_stack.address):
+        with GatewayClient(address, timeout=120) as client:
+            replies.append(client.complete(case["request"]["prompt"], stop=[stop], **golden_options(case)))
+    local, remote = replies
+    assert local.text == case["output_text"][: case["output_text"].index(stop)] == remote.text
+    assert local.finish_reason == gateway_pb2.FINISH_REASON_STOP
+    assert local.usage.completion_tokens == remote.usage.completion_tokens
+
+
+def test_local_deadline_is_deadline_exceeded(golden_stack: Stack, local_gateway: Service) -> None:
+    with GatewayClient(local_gateway.address) as client:
+        stream = client.generate("In the beginning", max_tokens=120, ignore_eos=True, timeout=1.0)
+        next(stream)
+        with frozen(golden_stack.models[0]):
+            time.sleep(1.2)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stream)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_local_stream_survives_the_tokenizer_dying_and_the_table_is_prefetched_again_after_restart(
+        golden_stack: Stack, local_gateway: Service, tmp_path: pathlib.Path) -> None:
+    prompt, options = "In the beginning", dict(max_tokens=110, ignore_eos=True)  # greedy: the same text each time
+    with GatewayClient(local_gateway.address, timeout=60) as client:
+        expected = client.complete(prompt, **options).text
+        stream = client.generate(prompt, **options)
+        first = next(stream)
+        old = golden_stack.tokenizer
+        with frozen(golden_stack.models[0]):  # most of the 110 tokens are generated after the kill
+            old.kill()
+            assert wait_for(lambda: not check(local_gateway.address), timeout=10)
+        # Ids become text in the gateway: the request in flight needs no tokenizer to finish.
+        rest = list(stream)
+        assert first.text + "".join(m.text for m in rest) == expected
+        assert rest[-1].usage.completion_tokens == 110
+        with pytest.raises(grpc.RpcError) as caught:  # a new prompt cannot be encoded
+            client.complete(prompt, **options)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        golden_stack.tokenizer = Service("tokenizer_service", old.proc.args[3:], old.port, log_dir=tmp_path)
+        golden_stack.tokenizer.wait_serving(60)
+        assert wait_for(lambda: check(local_gateway.address), timeout=10)
+        # The restarted service may serve another model: the gateway asks it for its table again as soon
+        # as it is up, before any request needs it.
+        assert wait_for(lambda: any(r.get("method") == "GetPieces" for r in golden_stack.tokenizer.log_records()))
+        assert client.complete(prompt, **options).text == expected
+    assert not [r for r in local_gateway.log_records() if r.get("level") == "error"]
