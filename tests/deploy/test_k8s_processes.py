@@ -159,15 +159,6 @@ def test_sigterm_stops_every_pod_with_exit_code_0(cluster: LocalCluster) -> None
     assert codes == {name: 0 for name in codes} and len(codes) == len(cluster.pods)
 
 
-def multiprocess_flags_missing() -> bool:
-    from model_service.__main__ import parser
-
-    return "--coordinator" not in {o for a in parser()._actions for o in a.option_strings}  # noqa: SLF001
-
-
-@pytest.mark.skipif(multiprocess_flags_missing(),
-                    reason="needs the multi-process model service (issue 13 section 1: --coordinator, "
-                           "--num-processes, --process-id); runs as soon as model_service has those flags")
 def test_multiprocess_group_serves_a_completion_through_the_gateway(
         image_app: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The demo-multiprocess overlay: leader and worker pods (started together, as podManagementPolicy

@@ -197,9 +197,6 @@ def test_every_grok_variable_names_a_flag_of_its_service(rendered: dict[str, Man
 
 def test_multi_process_variables_name_flags_of_the_model_service(rendered: dict[str, Manifests],
                                                                  flag_variables: dict[str, set[str]]) -> None:
-    if not GROUP_VARIABLES <= flag_variables["model"]:
-        pytest.skip("needs the multi-process model service (issue 13 section 1: --coordinator, --num-processes, "
-                    "--process-id); runs as soon as `python -m model_service --help` lists them")
     used = {k for m in rendered.values() for pod in m.all_pods() for k in m.environment(pod)}
     assert GROUP_VARIABLES <= used
 

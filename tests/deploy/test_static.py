@@ -217,9 +217,6 @@ def test_multiprocess_profile_settings_parse_with_the_model_service_flags(
         multiprocess: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     from model_service.__main__ import parser
 
-    if "--coordinator" not in {flag for action in parser()._actions for flag in action.option_strings}:  # noqa: SLF001
-        pytest.skip("needs the multi-process model service (issue 13 section 1: --coordinator, --num-processes, "
-                    "--process-id); runs as soon as model_service has those flags")
     for process_id, name in enumerate(("model-leader", "model-worker")):
         with monkeypatch.context() as m:
             for key, value in multiprocess["services"][name]["environment"].items():
