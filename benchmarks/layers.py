@@ -41,12 +41,10 @@ from benchmarks import metrics, results
 from benchmarks.loadgen import GatewaySender, LoadPoint, ModelSender, Sender, run_point, warm_up
 from benchmarks.metrics import RequestResult
 from benchmarks.stack import (
-    GATEWAY_ENV,
     ROOT,
     Process,
     RunningStack,
     StackSpec,
-    model_env,
     preset,
     start_gateway,
     start_stack,
@@ -137,24 +135,6 @@ def in_process_scheduler(spec: StackSpec) -> Any:
     scheduler = Scheduler(build_engine(config, cfg, buckets), spec.max_queue)
     scheduler.start()
     return scheduler
-
-
-def start_baseline_stack(spec: StackSpec, log_dir: pathlib.Path, source: pathlib.Path,
-                         timeout: float = 1800.0) -> RunningStack:
-    """The three services run from another checkout's source tree (same preset, same compilation cache)."""
-    env = {"PYTHONPATH": str(source)}
-    tokenizer = Process("tokenizer_service", ["--model", spec.tokenizer], log_dir, env=env, cwd=source)
-    model = Process("model_service", spec.model_args(), log_dir, env={**model_env(), **env}, cwd=source)
-    gateway = Process("gateway", ["--tokenizer", tokenizer.address, "--model", model.address], log_dir,
-                      env={**env, **GATEWAY_ENV}, cwd=source)
-    stack = RunningStack(spec, tokenizer, model, gateway)
-    try:
-        for proc in (tokenizer, model, gateway):
-            proc.wait_serving(timeout)
-    except BaseException:
-        stack.close()
-        raise
-    return stack
 
 
 def cpu_seconds(pid: int) -> float:
@@ -277,7 +257,7 @@ def run(config: LayersConfig) -> dict[str, Any]:
             baselines["gateway_local"] = local_gateway.address
             pids["gateway_local"] = local_gateway.proc.pid
         if config.baseline_stack:
-            baseline_stack = start_baseline_stack(spec, logs, pathlib.Path(config.baseline_stack).resolve())
+            baseline_stack = start_stack(spec, logs, source=pathlib.Path(config.baseline_stack).resolve())
             baselines.update(gateway=baseline_stack.address, model_service=baseline_stack.model.address)
             pids.update(gateway_baseline=baseline_stack.gateway.proc.pid,
                         model_service_baseline=baseline_stack.model.proc.pid,

@@ -132,13 +132,17 @@ def use_model_xla_flags() -> None:
 GATEWAY_ENV = {"GROK_GATEWAY_HTTP_PORT": "0"}
 
 
-def start_stack(spec: StackSpec, log_dir: pathlib.Path, timeout: float = 1800.0) -> RunningStack:
-    """Start tokenizer, model and gateway; return once all three report SERVING."""
+def start_stack(spec: StackSpec, log_dir: pathlib.Path, timeout: float = 1800.0,
+                source: pathlib.Path | None = None) -> RunningStack:
+    """Start tokenizer, model and gateway; return once all three report SERVING. `source`: run the three
+    services from another checkout's source tree (e.g. a baseline), with the same preset and compile cache."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = Process("tokenizer_service", ["--model", spec.tokenizer], log_dir)
-    model = Process("model_service", spec.model_args(), log_dir, env=model_env())
+    env: dict[str, str] = {} if source is None else {"PYTHONPATH": str(source)}
+    cwd = source or ROOT
+    tokenizer = Process("tokenizer_service", ["--model", spec.tokenizer], log_dir, env=env or None, cwd=cwd)
+    model = Process("model_service", spec.model_args(), log_dir, env={**model_env(), **env}, cwd=cwd)
     gateway = Process("gateway", ["--tokenizer", tokenizer.address, "--model", model.address], log_dir,
-                      env=GATEWAY_ENV)
+                      env={**env, **GATEWAY_ENV}, cwd=cwd)
     stack = RunningStack(spec, tokenizer, model, gateway)
     try:
         for proc in (tokenizer, model, gateway):
