@@ -29,6 +29,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model_service.config import ModelConfig
+from model_service.controls import NO_CONTROLS, SamplingControls
+from model_service.logits_processing import (
+    Controls,
+    History,
+    controls_row,
+    empty_history,
+    idle_controls,
+    prompt_mask,
+    record_tokens,
+)
 from model_service.sampling import (
     TOP_K,
     SampleResult,
@@ -54,6 +64,8 @@ class DecodeState(NamedTuple):
     tokens: jax.Array  # [B] int32, each slot's last sampled token (the next step's input)
     keys: jax.Array  # [B, 2] uint32, each slot's PRNG key (split before every draw)
     sampling: SamplingParams  # [B] / [B, V]
+    controls: Controls  # [B] / [B, MAX_LOGIT_BIAS]: issue 12's controls (logits_processing.py)
+    history: History  # [B, V]: prompt tokens and generated-token counts, for the penalties
 
 
 class Prefix(NamedTuple):
@@ -63,6 +75,8 @@ class Prefix(NamedTuple):
     token: jax.Array  # [] int32, the first sampled token
     key: jax.Array  # [2] uint32, the key to split for the next draw
     sampling: SamplingParams  # [1] / [1, V]
+    controls: Controls  # batch 1
+    history: History  # [1, V], the first token already counted
 
 
 @dataclass
@@ -77,6 +91,7 @@ class ChunkedPrefill:
     top_p: float
     mask: np.ndarray  # [V] bool
     top_logprobs: int
+    controls: SamplingControls = NO_CONTROLS
     next_start: int = 0
 
 
@@ -153,7 +168,8 @@ class Engine:
         replicated = NamedSharding(mesh, PartitionSpec())
         self.state_shardings = DecodeState(
             memory=model.memory_shardings(slots), tokens=replicated, keys=replicated,
-            sampling=SamplingParams(*([replicated] * len(SamplingParams._fields))))
+            sampling=SamplingParams(*([replicated] * len(SamplingParams._fields))),
+            controls=Controls(*([replicated] * len(Controls._fields))), history=History(replicated, replicated))
         self.params_shardings = model.params_shardings(params)
         self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
         self._prefill = jax.jit(self._prefill_impl)
@@ -166,7 +182,7 @@ class Engine:
                                in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 4,
                                out_shardings=self.state_shardings)
         self._extend_last = jax.jit(self._extend_last_impl, donate_argnums=(1,),
-                                    in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 9,
+                                    in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 11,
                                     out_shardings=(self.state_shardings, None))
 
     # ---- pure functions (jitted above) ------------------------------------------------------
@@ -177,24 +193,30 @@ class Engine:
             keys=jnp.zeros((b, 2), jnp.uint32),
             sampling=SamplingParams(jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.float32),
                                     jnp.ones((b, self.vocab_size), bool), jnp.zeros((b,), bool),
-                                    jnp.zeros((b,), jnp.int32)))
+                                    jnp.zeros((b,), jnp.int32)),
+            controls=idle_controls(b, self.vocab_size), history=empty_history(b, self.vocab_size))
 
     def _prefill_impl(self, params: Any, tokens: jax.Array, length: jax.Array, seed: jax.Array,
-                      temperature: jax.Array, top_p: jax.Array, mask: jax.Array,
-                      num_top: jax.Array) -> tuple[Prefix, SampleResult]:
-        # tokens [1, T] int32 (T = bucket), length [] int32, seed [] uint32, mask [V] bool, num_top [] int32
+                      temperature: jax.Array, top_p: jax.Array, mask: jax.Array, num_top: jax.Array,
+                      controls: Controls, prompt: jax.Array) -> tuple[Prefix, SampleResult]:
+        # tokens [1, T] int32 (T = bucket), length [] int32, seed [] uint32, mask [V] bool, num_top [] int32,
+        # controls batch 1, prompt [1, V] bool
         logits, memory = self.model.prefill(params, tokens, length[None])  # [1, V]
         rest, draw = split_key(seed_key(seed))
         sampling = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool), num_top[None])
-        result = sample_tokens(draw[None], logits, sampling)
-        return Prefix(memory, result.token[0], rest, sampling), result
+        history = History(prompt, jnp.zeros(prompt.shape, jnp.int32))
+        result = sample_tokens(draw[None], logits, sampling, controls, history)
+        history = record_tokens(history, result.token, jnp.ones((1,), bool))
+        return Prefix(memory, result.token[0], rest, sampling, controls, history), result
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeState:
         return DecodeState(
             memory=self.model.insert(state.memory, prefix.memory, slot),
             tokens=state.tokens.at[slot].set(prefix.token),
             keys=state.keys.at[slot].set(prefix.key),
-            sampling=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.sampling, prefix.sampling))
+            sampling=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.sampling, prefix.sampling),
+            controls=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.controls, prefix.controls),
+            history=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.history, prefix.history))
 
     def _generate_impl(self, params: Any, state: DecodeState) -> tuple[DecodeState, SampleResult]:
         active = state.sampling.active  # [B]
@@ -204,11 +226,12 @@ class Engine:
         tiles = None if tile == self.slots else (last + tile) // tile
         logits, memory = self.model.decode(params, state.tokens, state.memory, active, tile, tiles)  # [B, V]
         rest, draw = split_keys(state.keys)
-        result = sample_tokens(draw, logits, state.sampling)
+        result = sample_tokens(draw, logits, state.sampling, state.controls, state.history)
         # A free slot keeps its token and key (a later insert overwrites them).
         tokens = jnp.where(active, result.token, state.tokens)
         keys = jnp.where(active[:, None], rest, state.keys)
-        return DecodeState(memory, tokens, keys, state.sampling), result
+        history = record_tokens(state.history, result.token, active)
+        return DecodeState(memory, tokens, keys, state.sampling, state.controls, history), result
 
     def _extend_impl(self, params: Any, state: DecodeState, tokens: jax.Array, slot: jax.Array, start: jax.Array,
                      last: jax.Array) -> DecodeState:
@@ -218,13 +241,18 @@ class Engine:
 
     def _extend_last_impl(self, params: Any, state: DecodeState, tokens: jax.Array, slot: jax.Array,
                           start: jax.Array, last: jax.Array, seed: jax.Array, temperature: jax.Array,
-                          top_p: jax.Array, mask: jax.Array, num_top: jax.Array) -> tuple[DecodeState, SampleResult]:
+                          top_p: jax.Array, mask: jax.Array, num_top: jax.Array, controls: Controls,
+                          prompt: jax.Array) -> tuple[DecodeState, SampleResult]:
         logits, memory = self.model.extend(params, tokens, state.memory, slot, start, last)  # [1, V]
         rest, draw = split_key(seed_key(seed))
         one = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool), num_top[None])
-        result = sample_tokens(draw[None], logits, one)
+        history = History(prompt, jnp.zeros(prompt.shape, jnp.int32))
+        result = sample_tokens(draw[None], logits, one, controls, history)
+        history = record_tokens(history, result.token, jnp.ones((1,), bool))
+        put = lambda all_, o: all_.at[slot].set(o[0])  # noqa: E731
         return DecodeState(memory, state.tokens.at[slot].set(result.token[0]), state.keys.at[slot].set(rest),
-                           jax.tree.map(lambda all_, o: all_.at[slot].set(o[0]), state.sampling, one)), result
+                           jax.tree.map(put, state.sampling, one), jax.tree.map(put, state.controls, controls),
+                           jax.tree.map(put, state.history, history)), result
 
     def _free_impl(self, state: DecodeState, slot: jax.Array) -> DecodeState:
         # A free slot is skipped by the step; give it neutral inputs so nothing of the finished request lingers.
@@ -232,8 +260,11 @@ class Engine:
                                   state.sampling.top_p.at[slot].set(1.0),
                                   state.sampling.mask.at[slot].set(True), state.sampling.active.at[slot].set(False),
                                   state.sampling.num_top.at[slot].set(0))
+        idle = idle_controls(1, self.vocab_size)
         return DecodeState(state.memory, state.tokens.at[slot].set(self.pad_id),
-                           state.keys.at[slot].set(jnp.zeros((2,), jnp.uint32)), sampling)
+                           state.keys.at[slot].set(jnp.zeros((2,), jnp.uint32)), sampling,
+                           jax.tree.map(lambda all_, o: all_.at[slot].set(o[0]), state.controls, idle),
+                           jax.tree.map(lambda all_: all_.at[slot].set(jnp.zeros_like(all_[0])), state.history))
 
     # ---- host API ---------------------------------------------------------------------------
     def bucket_for(self, length: int) -> int:
@@ -247,15 +278,17 @@ class Engine:
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
                 allowed: Sequence[int] = (), blocked: Sequence[int] = (),
-                top_logprobs: int = TOP_K) -> tuple[Prefix, StepOutput]:
+                top_logprobs: int = TOP_K, controls: SamplingControls = NO_CONTROLS) -> tuple[Prefix, StepOutput]:
         """Run one prompt; returns the prefix to insert and its first token (host arrays, batch 1).
-        `top_logprobs` alternatives are computed for every token of the request (0 skips them)."""
+        `top_logprobs` alternatives are computed for every token of the request (0 skips them); `controls`
+        are issue 12's (controls.py), all off by default."""
         n = len(tokens)
         padded = np.full((1, self.bucket_for(n)), self.pad_id, np.int32)
         padded[0, :n] = tokens
         mask = build_mask(self.vocab_size, self.pad_id, allowed, blocked)
         prefix, result = self._prefill(self.params, padded, np.int32(n), np.uint32(seed), np.float32(temperature),
-                                       np.float32(top_p), mask, np.int32(top_logprobs))
+                                       np.float32(top_p), mask, np.int32(top_logprobs),
+                                       controls_row(controls, self.vocab_size), prompt_mask(tokens, self.vocab_size))
         return prefix, StepOutput.from_device(result)
 
     def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
@@ -268,7 +301,7 @@ class Engine:
 
     def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
                       allowed: Sequence[int] = (), blocked: Sequence[int] = (),
-                      top_logprobs: int = TOP_K) -> ChunkedPrefill:
+                      top_logprobs: int = TOP_K, controls: SamplingControls = NO_CONTROLS) -> ChunkedPrefill:
         """Start prefilling a long prompt into free `slot`, one chunk per `prefill_next_chunk` call.
 
         The chunks depend only on the prompt, so its results never depend on what runs between them. Pad
@@ -278,7 +311,7 @@ class Engine:
         padded = np.full((-(-n // c) * c,), self.pad_id, np.int32)
         padded[:n] = tokens
         return ChunkedPrefill(padded, n, slot, seed, temperature, top_p,
-                              build_mask(self.vocab_size, self.pad_id, allowed, blocked), top_logprobs)
+                              build_mask(self.vocab_size, self.pad_id, allowed, blocked), top_logprobs, controls)
 
     def prefill_next_chunk(self, job: ChunkedPrefill, state: DecodeState) -> tuple[DecodeState, StepOutput | None]:
         """Run the job's next chunk; after the last one the slot is active and its first token returned."""
@@ -290,7 +323,8 @@ class Engine:
         state, result = self._extend_last(self.params, state, chunk, np.int32(job.slot), np.int32(start),
                                           np.int32(job.length - 1 - start), np.uint32(job.seed),
                                           np.float32(job.temperature), np.float32(job.top_p), job.mask,
-                                          np.int32(job.top_logprobs))
+                                          np.int32(job.top_logprobs), controls_row(job.controls, self.vocab_size),
+                                          prompt_mask(job.tokens[:job.length], self.vocab_size))
         return state, StepOutput.from_device(result)
 
     def generate(self, state: DecodeState) -> tuple[DecodeState, PendingStep]:

@@ -25,11 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from model_service.controls import NO_CONTROLS, SamplingControls, controls_problem, stop_token_ids_problem
+
 
 class FinishReason(enum.Enum):
     LENGTH = "length"
     EOS = "eos"
     CONTEXT_LENGTH = "context_length"
+    STOP_TOKEN = "stop_token"  # one of the request's stop_token_ids (included in the tokens)
 
 
 class ErrorKind(enum.Enum):
@@ -65,6 +68,8 @@ class GenerationRequest:
     allowed: tuple[int, ...] = ()
     blocked: tuple[int, ...] = ()
     deadline: float | None = None  # time.monotonic() value
+    controls: SamplingControls = NO_CONTROLS  # top_k, min_p, penalties, logit_bias (controls.py)
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,11 +128,13 @@ class EngineLike(Protocol):
     def init_decode_state(self) -> Any: ...
     def bucket_for(self, length: int) -> int: ...
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int) -> tuple[Any, StepOutputLike]: ...
+                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int,
+                controls: SamplingControls) -> tuple[Any, StepOutputLike]: ...
     def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
     def chunked(self, length: int) -> bool: ...
     def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
-                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int) -> Any: ...
+                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int,
+                      controls: SamplingControls) -> Any: ...
     def prefill_next_chunk(self, job: Any, state: Any) -> tuple[Any, StepOutputLike | None]: ...
     def generate(self, state: Any) -> tuple[Any, PendingStepLike]: ...
     def free_slot(self, state: Any, slot: int) -> Any: ...
@@ -442,7 +449,7 @@ class Scheduler:
         try:
             prefix, out = self.engine.prefill(list(req.prompt), seed=seed, temperature=req.temperature,
                                               top_p=req.top_p, allowed=req.allowed, blocked=req.blocked,
-                                              top_logprobs=req.top_logprobs)
+                                              top_logprobs=req.top_logprobs, controls=req.controls)
         except Exception as e:
             log.exception("prefill failed", extra={"request_id": req.request_id})
             handle.emit(Emission((), 0, len(req.prompt), error=_engine_error(
@@ -465,7 +472,7 @@ class Scheduler:
         seed = req.seed if req.seed is not None else secrets.randbits(32)
         job = self.engine.begin_prefill(list(req.prompt), slot=slot, seed=seed, temperature=req.temperature,
                                         top_p=req.top_p, allowed=req.allowed, blocked=req.blocked,
-                                        top_logprobs=req.top_logprobs)
+                                        top_logprobs=req.top_logprobs, controls=req.controls)
         self._prefilling[slot] = _Prefilling(_Active(handle, seed, time.monotonic()), job)
 
     def _advance_prefills(self) -> None:
@@ -615,6 +622,8 @@ def _token_out(out: StepOutputLike, row: int, top_logprobs: int) -> TokenOut:
 def _finish_reason(req: GenerationRequest, generated: int, token: int, engine: EngineLike) -> FinishReason | None:
     if token == engine.eos_id and not req.ignore_eos:
         return FinishReason.EOS
+    if token in req.stop_token_ids:
+        return FinishReason.STOP_TOKEN
     if req.max_tokens is not None and generated >= req.max_tokens:
         return FinishReason.LENGTH
     if len(req.prompt) + generated >= engine.sequence_len:
@@ -654,4 +663,4 @@ def _problem(req: GenerationRequest, engine: EngineLike) -> str:
     left = bool(set(req.allowed) - removed) if req.allowed else len(removed) < vocab
     if not left:
         return "allowed_token_ids/blocked_token_ids: no token is left to sample (the pad id is never sampled)"
-    return ""
+    return controls_problem(req.controls, vocab) or stop_token_ids_problem(req.stop_token_ids, vocab)

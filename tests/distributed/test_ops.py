@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from model_service.controls import SamplingControls
 from model_service.distributed.ops import HEADER_SIZE, Call, Codec, Op, Replica
 from model_service.scheduler import EngineLike
 from tests.distributed.fakes import RecordingEngine
@@ -30,9 +31,28 @@ def test_prefill_call_survives_encoding_with_float32_values_and_token_sets() -> 
     assert back.allowed == (0, 3, 69) and back.blocked == (31, 32, 64)
 
 
+def test_sampling_controls_survive_encoding_as_float32_values() -> None:
+    controls = SamplingControls(top_k=40, min_p=0.05, repetition_penalty=1.1, presence_penalty=-0.5,
+                                frequency_penalty=1.9, logit_bias=((69, -100.0), (0, 0.3), (12, 7.25)))
+    back = round_trip(Call(Op.BEGIN_PREFILL, prompt=(1, 2), controls=controls)).controls
+    f32 = lambda x: float(np.float32(x))  # noqa: E731
+    assert back == SamplingControls(40, f32(0.05), f32(1.1), -0.5, f32(1.9), ((69, -100.0), (0, f32(0.3)), (12, 7.25)))
+    assert round_trip(Call(Op.PREFILL, prompt=(1,))).controls == SamplingControls()
+
+
+def test_replica_passes_the_controls_to_the_engine() -> None:
+    engine = RecordingEngine(slots=2, buckets=(8,), vocab_size=70)
+    replica = Replica(engine)
+    controls = SamplingControls(top_k=3, logit_bias=((5, 1.0),))
+    replica.run(Call(Op.PREFILL, prefix=1, prompt=(10,), controls=controls))
+    replica.run(Call(Op.BEGIN_PREFILL, prefix=2, slot=1, prompt=(10,), controls=controls))
+    assert [c for c in engine.calls if c[0] == "controls"] == [("controls", controls)] * 2
+
+
 def test_every_array_has_the_same_shape_whatever_the_call() -> None:
     short = Call(Op.PREFILL, prompt=(5,))
-    full = Call(Op.PREFILL, prompt=tuple(range(16)), allowed=tuple(range(70)))
+    full = Call(Op.PREFILL, prompt=tuple(range(16)), allowed=tuple(range(70)),
+                controls=SamplingControls(top_k=2, logit_bias=tuple((i, 1.0) for i in range(70))))
     assert [a.shape for a in CODEC.payload(short)] == [a.shape for a in CODEC.payload(full)]
     assert [a.shape for a in CODEC.payload(short)] == [a.shape for a in CODEC.empty_payload()]
     for op in Op:

@@ -82,7 +82,8 @@ class FakeEngine:
         return min(b for b in self.buckets if b >= length)
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8) -> tuple[int, FakeOutput]:
+                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8,
+                controls: object = None) -> tuple[int, FakeOutput]:
         self._log("prefill", tuple(tokens))
         self.running.wait()
         if tokens[0] == self.fail_prefill_for:
@@ -94,7 +95,8 @@ class FakeEngine:
         return 0 < self.prefill_chunk < length
 
     def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
-                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8) -> list:
+                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8,
+                      controls: object = None) -> list:
         self._log("begin_prefill", tuple(tokens), slot)
         return [list(tokens), slot, 0]
 
