@@ -27,6 +27,7 @@ FINISH = {
     model_pb2.FINISH_REASON_LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
     model_pb2.FINISH_REASON_EOS: gateway_pb2.FINISH_REASON_EOS,
     model_pb2.FINISH_REASON_CONTEXT_LENGTH: gateway_pb2.FINISH_REASON_CONTEXT_LENGTH,
+    model_pb2.FINISH_REASON_STOP_TOKEN: gateway_pb2.FINISH_REASON_STOP,
 }
 
 
@@ -46,15 +47,27 @@ class Progress:
 
 
 def model_request(request: TextRequest, planned: Plan, request_id: str) -> model_pb2.GenerateRequest:
+    s = request.sampling
     out = model_pb2.GenerateRequest(
-        token_ids=planned.prompt_ids, max_tokens=planned.max_tokens, temperature=request.temperature,
-        ignore_eos=request.ignore_eos, top_logprobs=request.top_logprobs,
-        allowed_token_ids=request.allowed_token_ids, blocked_token_ids=request.blocked_token_ids,
-        request_id=request_id)
-    if request.HasField("top_p"):
-        out.top_p = request.top_p
-    if request.HasField("seed"):
-        out.seed = request.seed
+        token_ids=planned.prompt_ids, max_tokens=planned.max_tokens, temperature=s.temperature,
+        ignore_eos=s.ignore_eos, top_logprobs=s.top_logprobs,
+        allowed_token_ids=s.allowed_token_ids, blocked_token_ids=s.blocked_token_ids,
+        request_id=request_id, top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias), stop_token_ids=s.stop_token_ids)
+    for name in ("top_p", "seed", "repetition_penalty"):
+        if s.HasField(name):
+            setattr(out, name, getattr(s, name))
+    return out
+
+
+def without_stop_token(reply: model_pb2.GenerateResponse) -> model_pb2.GenerateResponse:
+    """A reply that ended on one of the request's stop_token_ids, less that token: its text is not returned (as
+    vLLM does); usage still counts it."""
+    out = model_pb2.GenerateResponse()
+    out.CopyFrom(reply)
+    del out.token_ids[-1:]
+    if len(out.tokens) == len(reply.token_ids):
+        del out.tokens[-1:]
     return out
 
 
@@ -81,13 +94,15 @@ class Pipeline:
         detokenizer = None
         try:
             detokenizer = self.tokenizer.detokenizer(deadline, metadata)
-            matcher = StopMatcher(request.stop)
+            matcher = StopMatcher(request.sampling.stop)
             finish = gateway_pb2.FINISH_REASON_UNSPECIFIED
             release = Release()
             async for reply in model_stream.responses():
                 self._observe(reply, progress, method)
+                if reply.finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN:
+                    reply = without_stop_token(reply)
                 _, token_texts = await detokenizer.push(reply.token_ids) if reply.token_ids else ("", [])
-                tokens = await self._tokens(reply, token_texts, request.top_logprobs, deadline, metadata)
+                tokens = await self._tokens(reply, token_texts, request.sampling.top_logprobs, deadline, metadata)
                 release = matcher.feed(tokens)
                 if release.stopped:
                     finish = gateway_pb2.FINISH_REASON_STOP

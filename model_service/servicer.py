@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
+from model_service.controls import SamplingControls
 from model_service.metrics import Metrics
 from model_service.scheduler import (
     Emission,
@@ -51,6 +52,7 @@ FINISH = {
     FinishReason.LENGTH: model_pb2.FINISH_REASON_LENGTH,
     FinishReason.EOS: model_pb2.FINISH_REASON_EOS,
     FinishReason.CONTEXT_LENGTH: model_pb2.FINISH_REASON_CONTEXT_LENGTH,
+    FinishReason.STOP_TOKEN: model_pb2.FINISH_REASON_STOP_TOKEN,
 }
 
 
@@ -79,6 +81,12 @@ def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: 
         allowed=tuple(msg.allowed_token_ids),
         blocked=tuple(msg.blocked_token_ids),
         deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+        controls=SamplingControls(
+            top_k=msg.top_k, min_p=msg.min_p,
+            repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+            presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+            logit_bias=tuple(sorted(msg.logit_bias.items()))),
+        stop_token_ids=tuple(msg.stop_token_ids),
     )
 
 
