@@ -73,10 +73,11 @@ def text_request(kind: type, **fields: Any) -> Any:
     """A gateway GenerateRequest or CompleteRequest: the golden request with `fields` changed."""
     request = kind.FromString(golden_text_request().SerializeToString())  # the two share every field
     for key, value in fields.items():
+        target = request if key == "prompt" else request.sampling
         if isinstance(value, list):
-            getattr(request, key).extend(value)
+            getattr(target, key).extend(value)
         else:
-            setattr(request, key, value)
+            setattr(target, key, value)
     return request
 
 
