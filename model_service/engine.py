@@ -77,6 +77,7 @@ class Prefix(NamedTuple):
     sampling: SamplingParams  # [1] / [1, V]
     controls: Controls  # batch 1
     history: History  # [1, V], the first token already counted
+    logits: jax.Array  # [1, V] float32, the prompt's last logits: `resample` draws more first tokens from them
 
 
 @dataclass
@@ -178,6 +179,7 @@ class Engine:
                                  in_shardings=(self.params_shardings, self.state_shardings),
                                  out_shardings=(self.state_shardings, None))
         self._free = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=self.state_shardings)
+        self._resample = jax.jit(self._resample_impl)
         self._extend = jax.jit(self._extend_impl, donate_argnums=(1,),
                                in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 4,
                                out_shardings=self.state_shardings)
@@ -207,7 +209,15 @@ class Engine:
         history = History(prompt, jnp.zeros(prompt.shape, jnp.int32))
         result = sample_tokens(draw[None], logits, sampling, controls, history)
         history = record_tokens(history, result.token, jnp.ones((1,), bool))
-        return Prefix(memory, result.token[0], rest, sampling, controls, history), result
+        return Prefix(memory, result.token[0], rest, sampling, controls, history, logits), result
+
+    def _resample_impl(self, prefix: Prefix, seed: jax.Array) -> tuple[Prefix, SampleResult]:
+        # The same prompt's first token drawn with another seed's key: exactly what a prefill with `seed` draws.
+        rest, draw = split_key(seed_key(seed))
+        history = History(prefix.history.prompt, jnp.zeros_like(prefix.history.counts))
+        result = sample_tokens(draw[None], prefix.logits, prefix.sampling, prefix.controls, history)
+        history = record_tokens(history, result.token, jnp.ones((1,), bool))
+        return prefix._replace(token=result.token[0], key=rest, history=history), result
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeState:
         return DecodeState(
@@ -291,6 +301,13 @@ class Engine:
                                        controls_row(controls, self.vocab_size), prompt_mask(tokens, self.vocab_size))
         return prefix, StepOutput.from_device(result)
 
+    def resample(self, prefix: Prefix, *, seed: int) -> tuple[Prefix, StepOutput]:
+        """Another sample of a prefilled prompt (n > 1 shares one prefill): the prefix with its first token drawn
+        with `seed`'s key, bit-identical to `prefill(..., seed=seed)` of the same prompt and settings. The KV
+        memory is shared, not copied (insert copies it into the slot)."""
+        prefix, result = self._resample(prefix, np.uint32(seed))
+        return prefix, StepOutput.from_device(result)
+
     def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
         return self._insert(prefix, state, np.int32(slot))
 
@@ -337,7 +354,7 @@ class Engine:
         return self._free(state, np.int32(slot))
 
     def compile_all(self) -> dict[str, float]:
-        """Compile (by running) every bucket's prefill and insert, the decode step and free_slot.
+        """Compile (by running) every bucket's prefill, insert and resample, the decode step and free_slot.
 
         Returns seconds per program; with a warm persistent compilation cache these are loads.
         """
@@ -352,6 +369,9 @@ class Engine:
             start = time.monotonic()
             state = jax.block_until_ready(self.insert(prefix, state, 0))
             timings[f"insert_{bucket}"] = time.monotonic() - start
+            start = time.monotonic()
+            self.resample(prefix, seed=1)  # n > 1 draws its other first tokens with it
+            timings[f"resample_{bucket}"] = time.monotonic() - start
         if self.chunked(self.buckets[-1]):
             start = time.monotonic()
             job = self.begin_prefill([self.eos_id] * self.buckets[-1], slot=0, seed=0, temperature=1.0, top_p=1.0)

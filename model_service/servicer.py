@@ -87,6 +87,7 @@ def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: 
             presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
             logit_bias=tuple(sorted(msg.logit_bias.items()))),
         stop_token_ids=tuple(msg.stop_token_ids),
+        n=msg.n or 1,
     )
 
 
@@ -106,7 +107,7 @@ def _timings(t: Timings) -> model_pb2.Timings:
 
 
 def to_response(batch: list[Emission]) -> model_pb2.GenerateResponse:
-    """One response for consecutive emissions of a request (tokens concatenated, last state wins)."""
+    """One response for consecutive emissions of one sample (tokens concatenated, last state wins)."""
     tokens = [t for e in batch for t in e.tokens]
     last = batch[-1]
     timings = next((e.timings for e in reversed(batch) if e.timings is not None), None)
@@ -114,7 +115,15 @@ def to_response(batch: list[Emission]) -> model_pb2.GenerateResponse:
         token_ids=[t.id for t in tokens], tokens=[_token(t) for t in tokens],
         finish_reason=FINISH[last.finish_reason] if last.finish_reason else model_pb2.FINISH_REASON_UNSPECIFIED,
         prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-        timings=_timings(timings) if timings else None)
+        timings=_timings(timings) if timings else None, index=last.index)
+
+
+def to_responses(batch: list[Emission]) -> list[model_pb2.GenerateResponse]:
+    """Responses for consecutive emissions of a request: one per sample, in the order the samples appear."""
+    by_index: dict[int, list[Emission]] = {}
+    for emission in batch:
+        by_index.setdefault(emission.index, []).append(emission)
+    return [to_response(run) for run in by_index.values()]
 
 
 class ModelServicer(model_pb2_grpc.ModelServiceServicer):
@@ -173,8 +182,10 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             if not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, emission)
 
-        handle = scheduler.submit(to_request(request, rid, context.time_remaining()), emit)
+        domain = to_request(request, rid, context.time_remaining())
+        handle = scheduler.submit(domain, emit)
         context.add_done_callback(lambda _: handle.cancel())
+        open_samples = domain.n
         try:
             while True:
                 batch = [await queue.get()]
@@ -182,11 +193,12 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                     batch.append(queue.get_nowait())
                 error = batch[-1].error
                 good = [e for e in batch if e.error is None]
-                if good:
-                    yield to_response(good)
+                for response in to_responses(good):
+                    yield response
                 if error is not None:
                     raise error
-                if batch[-1].finish_reason is not None:
+                open_samples -= sum(e.finish_reason is not None for e in good)
+                if open_samples <= 0:
                     return
         finally:
             handle.cancel()

@@ -199,6 +199,10 @@ class LockstepEngine:
             top_logprobs=int(top_logprobs), controls=controls))
         return ref
 
+    def resample(self, prefix: PrefixRef, *, seed: int) -> tuple[PrefixRef, Any]:
+        """Every process draws the new sample from its copy of `prefix` (held alive by the caller's reference)."""
+        return self._with_new_id(lambda i: Call(Op.RESAMPLE, prefix=i, source=prefix.id, seed=int(seed)))
+
     def prefill_next_chunk(self, job: PrefixRef, state: Any) -> tuple[Any, Any]:
         self._check_state(state)
         return self._call(Call(Op.PREFILL_CHUNK, prefix=job.id))

@@ -37,6 +37,7 @@ class Op(enum.IntEnum):
     FREE = 7  # Engine.free_slot(state, slot)
     BEGIN_PREFILL = 8  # Engine.begin_prefill(prompt, slot=, ...same as PREFILL) -> job kept under id `prefix`
     PREFILL_CHUNK = 9  # Engine.prefill_next_chunk(job `prefix`, state)
+    RESAMPLE = 10  # Engine.resample(prefix `source`, seed=) -> a new prefix kept under id `prefix` (n > 1)
 
 
 class Field(enum.IntEnum):
@@ -52,6 +53,7 @@ class Field(enum.IntEnum):
     TEMPERATURE = 7  # float32 bits
     TOP_P = 8  # float32 bits
     TOP_LOGPROBS = 9
+    SOURCE = 10  # RESAMPLE: the prefix it draws from
 
 
 HEADER_SIZE = 12
@@ -74,6 +76,7 @@ class Call:
     blocked: tuple[int, ...] = ()
     top_logprobs: int = 0
     controls: SamplingControls = NO_CONTROLS
+    source: int = 0
 
 
 CONTROL_WORDS = 6 + 2 * MAX_LOGIT_BIAS  # top_k, 4 float32 controls, bias count, bias ids, bias values
@@ -117,7 +120,7 @@ class Codec:
                   Field.SLOT: call.slot, Field.PREFIX: call.prefix, Field.LENGTH: len(call.prompt),
                   Field.SEED: int(np.array(call.seed, np.uint32).view(np.int32)),
                   Field.TEMPERATURE: _f32_bits(call.temperature), Field.TOP_P: _f32_bits(call.top_p),
-                  Field.TOP_LOGPROBS: call.top_logprobs}
+                  Field.TOP_LOGPROBS: call.top_logprobs, Field.SOURCE: call.source}
         for field, value in values.items():
             h[field] = value
         return h
@@ -145,7 +148,7 @@ class Codec:
             slot=int(header[Field.SLOT]), prefix=int(header[Field.PREFIX]),
             seed=int(np.array(header[Field.SEED], np.int32).view(np.uint32)),
             temperature=_bits_f32(int(header[Field.TEMPERATURE])), top_p=_bits_f32(int(header[Field.TOP_P])),
-            top_logprobs=int(header[Field.TOP_LOGPROBS]))
+            top_logprobs=int(header[Field.TOP_LOGPROBS]), source=int(header[Field.SOURCE]))
         if payload is not None:
             tokens, bitmaps, words = payload
             fields.update(prompt=tuple(int(t) for t in tokens[:int(header[Field.LENGTH])]),
@@ -211,6 +214,10 @@ class Replica:
                 list(call.prompt), slot=call.slot, seed=call.seed, temperature=call.temperature, top_p=call.top_p,
                 allowed=call.allowed, blocked=call.blocked, top_logprobs=call.top_logprobs, controls=call.controls)
             return None
+        if call.op == Op.RESAMPLE:
+            prefix, out = e.resample(self.prefixes[call.source], seed=call.seed)
+            self.prefixes[call.prefix] = prefix
+            return out
         if call.op == Op.PREFILL_CHUNK:
             self.state, out = e.prefill_next_chunk(self.prefixes[call.prefix], self.state)
             return self.state, out

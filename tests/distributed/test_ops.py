@@ -49,6 +49,18 @@ def test_replica_passes_the_controls_to_the_engine() -> None:
     assert [c for c in engine.calls if c[0] == "controls"] == [("controls", controls)] * 2
 
 
+def test_replica_resamples_a_kept_prefix_into_a_new_id() -> None:
+    engine = RecordingEngine(slots=2, buckets=(8,), vocab_size=70)
+    replica = Replica(engine)
+    replica.run(Call(Op.INIT))
+    replica.run(Call(Op.PREFILL, prefix=3, prompt=(10, 11)))
+    back = round_trip(Call(Op.RESAMPLE, prefix=4, source=3, seed=2))
+    assert (back.op, back.prefix, back.source, back.seed) == (Op.RESAMPLE, 4, 3, 2)
+    out = replica.run(back)
+    assert int(out.token[0]) == 14 and replica.prefixes == {3: 12, 4: 14}  # the fake: first token + seed
+    assert ("resample", 2) in engine.calls
+
+
 def test_every_array_has_the_same_shape_whatever_the_call() -> None:
     short = Call(Op.PREFILL, prompt=(5,))
     full = Call(Op.PREFILL, prompt=tuple(range(16)), allowed=tuple(range(70)),
@@ -104,7 +116,8 @@ def test_the_op_table_covers_every_engine_method_the_scheduler_uses() -> None:
     """A new Engine method the scheduler calls must get an op, or the followers would not run it."""
     methods = {name for name in vars(EngineLike) if not name.startswith("_") and callable(getattr(EngineLike, name))}
     covered = {"init_decode_state": Op.INIT, "prefill": Op.PREFILL, "insert": Op.INSERT, "generate": Op.GENERATE,
-               "free_slot": Op.FREE, "begin_prefill": Op.BEGIN_PREFILL, "prefill_next_chunk": Op.PREFILL_CHUNK}
+               "free_slot": Op.FREE, "begin_prefill": Op.BEGIN_PREFILL, "prefill_next_chunk": Op.PREFILL_CHUNK,
+               "resample": Op.RESAMPLE}
     host_only = {"bucket_for", "chunked"}  # pure functions of the configuration, the same on every process
     assert methods == set(covered) | host_only
 

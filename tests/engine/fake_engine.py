@@ -91,6 +91,12 @@ class FakeEngine:
         first = (tokens[-1] + 1) % self.vocab_size
         return first, self._out(np.array([first]))
 
+    def resample(self, prefix: int, *, seed: int) -> tuple[int, FakeOutput]:
+        """Another sample's first token: the prefill's plus `seed` (so with seed 0, sample i starts at first + i)."""
+        self._log("resample", seed)
+        first = (prefix + seed) % self.vocab_size
+        return first, self._out(np.array([first]))
+
     def chunked(self, length: int) -> bool:
         return 0 < self.prefill_chunk < length
 
