@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from gateway.clients import Metadata, ModelPool, TokenizerClient
+from gateway.clients import Detokenizer, Metadata, ModelPool, TokenizerClient
 from gateway.config import Limits
 from gateway.errors import down
 from gateway.metrics import GatewayMetrics
@@ -38,12 +38,28 @@ class Progress:
     arrival: float
     tokenize_seconds: float = 0.0
     prompt_tokens: int = 0
-    completion_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
     model_timings: model_pb2.Timings = field(default_factory=model_pb2.Timings)
     queue_seconds: float = 0.0
     prefill_seconds: float = 0.0
+
+
+@dataclass
+class Completion:
+    """One of the request's n completions: its own detokenizer stream, stop matching and finish."""
+
+    index: int
+    detokenizer: Detokenizer
+    matcher: StopMatcher
+    completion_tokens: int = 0
+    release: Release = field(default_factory=Release)
+    finish: int = gateway_pb2.FINISH_REASON_UNSPECIFIED
+    model_finished: bool = False  # the model ended it (else a stop sequence did, and the model may still run it)
+
+    @property
+    def done(self) -> bool:
+        return self.finish != gateway_pb2.FINISH_REASON_UNSPECIFIED
 
 
 def model_request(request: TextRequest, planned: Plan, request_id: str) -> model_pb2.GenerateRequest:
@@ -52,7 +68,7 @@ def model_request(request: TextRequest, planned: Plan, request_id: str) -> model
         token_ids=planned.prompt_ids, max_tokens=planned.max_tokens, temperature=s.temperature,
         ignore_eos=s.ignore_eos, top_logprobs=s.top_logprobs,
         allowed_token_ids=s.allowed_token_ids, blocked_token_ids=s.blocked_token_ids,
-        request_id=request_id, top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
+        request_id=request_id, n=planned.n, top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias), stop_token_ids=s.stop_token_ids)
     for name in ("top_p", "seed", "repetition_penalty"):
         if s.HasField(name):
@@ -91,46 +107,58 @@ class Pipeline:
         planned = plan(request, prompt_ids, await self.pool.info(deadline), self.limits)
         progress.prompt_tokens = len(planned.prompt_ids)
         model_stream = await self.pool.generate(model_request(request, planned, request_id), deadline, metadata)
-        detokenizer = None
+        completions: list[Completion] = []
         try:
-            detokenizer = self.tokenizer.detokenizer(deadline, metadata)
-            matcher = StopMatcher(request.sampling.stop)
-            finish = gateway_pb2.FINISH_REASON_UNSPECIFIED
-            release = Release()
+            for index in range(planned.n):
+                completions.append(Completion(index, self.tokenizer.detokenizer(deadline, metadata),
+                                              StopMatcher(request.sampling.stop)))
             async for reply in model_stream.responses():
-                self._observe(reply, progress, method)
-                if reply.finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN:
-                    reply = without_stop_token(reply)
-                _, token_texts = await detokenizer.push(reply.token_ids) if reply.token_ids else ("", [])
-                tokens = await self._tokens(reply, token_texts, request.sampling.top_logprobs, deadline, metadata)
-                release = matcher.feed(tokens)
-                if release.stopped:
-                    finish = gateway_pb2.FINISH_REASON_STOP
+                if not 0 <= reply.index < len(completions) or completions[reply.index].done:
+                    continue  # a completion a stop sequence ended: the model's further tokens for it are dropped
+                completion = completions[reply.index]
+                async for message in self._advance(completion, reply, request, progress, method, deadline, metadata):
+                    yield message
+                if all(c.done for c in completions):
                     break
-                if reply.finish_reason != model_pb2.FINISH_REASON_UNSPECIFIED:
-                    finish = FINISH.get(reply.finish_reason, gateway_pb2.FINISH_REASON_LENGTH)
-                    break
-                if release.tokens:
-                    yield gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens)
             else:
                 log.warning("model stream ended without a finish reason",
                             extra={"replica": model_stream.replica.address})
                 raise down("model", "it ended the stream without a finish reason (restarting?)")
-            if finish != gateway_pb2.FINISH_REASON_STOP:
-                await model_stream.drain()
-                tail = matcher.finish(await detokenizer.finish())
-                release = Release(release.tokens + tail.tokens, tail.stopped, tail.extra)
-                finish = gateway_pb2.FINISH_REASON_STOP if tail.stopped else finish
-            yield self._last(release, finish, progress, loop.time())
+            if all(c.model_finished for c in completions):
+                await model_stream.drain()  # every completion ended in the model: let the call complete OK
         finally:
             model_stream.close()
-            if detokenizer is not None:
-                detokenizer.cancel()
+            for completion in completions:
+                completion.detokenizer.cancel()
+
+    async def _advance(self, completion: Completion, reply: model_pb2.GenerateResponse, request: TextRequest,
+                       progress: Progress, method: str, deadline: float | None,
+                       metadata: Metadata) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """One model reply for `completion`: its text so far, or (when it ends) its last message."""
+        self._observe(reply, progress, method)
+        completion.completion_tokens = max(completion.completion_tokens, reply.completion_tokens)
+        if reply.finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN:
+            reply = without_stop_token(reply)
+        texts = (await completion.detokenizer.push(reply.token_ids))[1] if reply.token_ids else []
+        tokens = await self._tokens(reply, texts, request.sampling.top_logprobs, deadline, metadata)
+        release = completion.matcher.feed(tokens)
+        if release.stopped:
+            completion.release, completion.finish = release, gateway_pb2.FINISH_REASON_STOP
+        elif reply.finish_reason != model_pb2.FINISH_REASON_UNSPECIFIED:
+            completion.model_finished = True
+            tail = completion.matcher.finish(await completion.detokenizer.finish())
+            completion.release = Release(release.tokens + tail.tokens, tail.stopped, tail.extra)
+            completion.finish = gateway_pb2.FINISH_REASON_STOP if tail.stopped else FINISH.get(
+                reply.finish_reason, gateway_pb2.FINISH_REASON_LENGTH)
+        elif release.tokens:
+            yield gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, index=completion.index)
+            return
+        if completion.done:
+            yield self._last(completion, progress, asyncio.get_running_loop().time())
 
     def _observe(self, reply: model_pb2.GenerateResponse, progress: Progress, method: str) -> None:
         now = asyncio.get_running_loop().time()
         progress.prompt_tokens = reply.prompt_tokens or progress.prompt_tokens
-        progress.completion_tokens = max(progress.completion_tokens, reply.completion_tokens)
         if reply.HasField("timings"):
             if progress.first_token_at is None:
                 progress.queue_seconds = reply.timings.queue_seconds
@@ -165,16 +193,19 @@ class Pipeline:
             tokens.append(token)
         return tokens
 
-    def _last(self, release: Release, finish: int, progress: Progress, now: float) -> gateway_pb2.GenerateResponse:
-        completion = progress.completion_tokens
-        self.metrics.prompt_tokens.inc(progress.prompt_tokens)
-        self.metrics.completion_tokens.inc(completion)
+    def _last(self, completion: Completion, progress: Progress, now: float) -> gateway_pb2.GenerateResponse:
+        """A completion's last message: its remaining text, finish reason, usage and timings."""
+        completion_tokens = completion.completion_tokens
+        if completion.index == 0:
+            self.metrics.prompt_tokens.inc(progress.prompt_tokens)  # the prompt once per request
+        self.metrics.completion_tokens.inc(completion_tokens)
         first = progress.first_token_at if progress.first_token_at is not None else now
         timings = gateway_pb2.Timings(
             tokenize_seconds=progress.tokenize_seconds, queue_seconds=progress.queue_seconds,
             prefill_seconds=progress.prefill_seconds, mean_step_seconds=progress.model_timings.mean_step_seconds,
             time_to_first_token_seconds=first - progress.arrival, total_seconds=now - progress.arrival)
-        usage = gateway_pb2.Usage(prompt_tokens=progress.prompt_tokens, completion_tokens=completion,
-                                  total_tokens=progress.prompt_tokens + completion)
-        return gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, finish_reason=finish,
-                                            usage=usage, timings=timings)
+        usage = gateway_pb2.Usage(prompt_tokens=progress.prompt_tokens, completion_tokens=completion_tokens,
+                                  total_tokens=progress.prompt_tokens + completion_tokens)
+        release = completion.release
+        return gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, finish_reason=completion.finish,
+                                            usage=usage, timings=timings, index=completion.index)

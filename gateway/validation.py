@@ -69,6 +69,8 @@ def check_controls(s: gateway_pb2.SamplingParams) -> None:
             raise invalid("logit_bias", f"the bias of token {token} must be in [-100, 100] (got {bias})")
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise invalid("stop_token_ids", f"{len(s.stop_token_ids)} ids is over the limit of {MAX_STOP_TOKEN_IDS}")
+    if s.n < 0:
+        raise invalid("n", f"must be >= 1 (got {s.n}); 0 or unset means 1")
 
 
 def check_stops(stops: list[str], limits: Limits) -> None:
@@ -87,6 +89,7 @@ class Plan:
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
+    n: int = 1  # completions
 
 
 def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoResponse, limits: Limits) -> Plan:
@@ -98,6 +101,10 @@ def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoRes
         for token in getattr(s, field):
             if not 0 <= token < vocab:
                 raise invalid(field, f"token id {token} is outside the vocabulary [0, {vocab})")
+    n = s.n or 1
+    if info.slots and n > info.slots:
+        raise invalid("n", f"{n} completions is over the model's {info.slots} slots (each completion takes one); "
+                      "ask for fewer")
     count = len(prompt_ids)
     if count == 0:
         raise invalid("prompt", "encodes to no tokens")
@@ -110,5 +117,5 @@ def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoRes
         if count + s.max_tokens > context:
             raise invalid("max_tokens", f"prompt ({count} tokens) + max_tokens ({s.max_tokens}) is over the "
                           f"model's context of {context} tokens; lower max_tokens to at most {context - count}")
-        return Plan(tuple(prompt_ids), s.max_tokens)
-    return Plan(tuple(prompt_ids), min(limits.default_max_tokens, context - count))
+        return Plan(tuple(prompt_ids), s.max_tokens, n)
+    return Plan(tuple(prompt_ids), min(limits.default_max_tokens, context - count), n)

@@ -30,15 +30,13 @@ def _not_yet(param: str, value: Any, default: str) -> ApiError:
 # ------------------------------------------------------------------------------------------------
 def section2_sampling(request: SamplingFields) -> None:
     """Raise 400 naming the first field set to a value that needs a sampling control we lack."""
-    if request.n not in (None, 1):
-        raise _not_yet("n", request.n, "1")
     if request.prompt_logprobs is not None:
         raise _not_yet("prompt_logprobs", request.prompt_logprobs, "null")
     if isinstance(request, CompletionRequest):
         if request.echo:
             raise _not_yet("echo", request.echo, "false")
-        if request.best_of not in (None, 1):
-            raise _not_yet("best_of", request.best_of, "1")
+        if request.best_of not in (None, request.n or 1):
+            raise _not_yet("best_of", request.best_of, "null or n (every sample is returned)")
 
 
 def sampling_controls(request: SamplingFields, out: gateway_pb2.SamplingParams) -> None:
@@ -61,6 +59,10 @@ def sampling_controls(request: SamplingFields, out: gateway_pb2.SamplingParams) 
     for token in request.stop_token_ids or []:
         _check_int32("stop_token_ids", token)
     out.stop_token_ids.extend(request.stop_token_ids or [])
+    if request.n is not None and request.n < 1:
+        raise bad_request("n", f"must be >= 1 (got {request.n})")
+    _check_int32("n", request.n)
+    out.n = request.n if request.n is not None else 1
 # ------------------------------------------------------------------------------------------------
 
 

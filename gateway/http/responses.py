@@ -31,10 +31,12 @@ def logprob(value: float) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
 
 
-def usage(message: gateway_pb2.GenerateResponse) -> Json:
-    u = message.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens}
+def usage(lasts: Sequence[gateway_pb2.GenerateResponse]) -> Json:
+    """OpenAI's usage of a request from its completions' last messages: the prompt once, every completion's
+    tokens."""
+    prompt = lasts[0].usage.prompt_tokens if lasts else 0
+    generated = sum(m.usage.completion_tokens for m in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
 @dataclass
@@ -46,7 +48,8 @@ class Shaper:
     model: str
     top_logprobs: int | None  # None: no logprobs in the response
     created: int = field(default_factory=lambda: int(time.time()))
-    text_offset: int = 0  # characters of completion text already sent (completions' text_offset)
+    # Characters of each completion's text already sent (completions' text_offset), by completion index.
+    text_offsets: dict[int, int] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -55,11 +58,11 @@ class Shaper:
     def _envelope(self, obj: str) -> Json:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def completion_logprobs(self, tokens: Sequence[gateway_pb2.Token]) -> Json:
+    def completion_logprobs(self, tokens: Sequence[gateway_pb2.Token], index: int = 0) -> Json:
         offsets = []
         for token in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(token.text)
+            offsets.append(self.text_offsets.get(index, 0))
+            self.text_offsets[index] = offsets[-1] + len(token.text)
         tops = ([{top.text: logprob(top.logprob) for top in t.top_tokens} for t in tokens]
                 if self.top_logprobs else None)
         return {"tokens": [t.text for t in tokens], "token_logprobs": [logprob(t.logprob) for t in tokens],
@@ -73,33 +76,33 @@ class Shaper:
                                "bytes": list(top.text.encode("utf-8"))} for top in t.top_tokens]}
             for t in tokens]}
 
-    def _logprobs(self, tokens: Sequence[gateway_pb2.Token]) -> Json | None:
+    def _logprobs(self, tokens: Sequence[gateway_pb2.Token], index: int = 0) -> Json | None:
         if self.top_logprobs is None:
             return None
-        return self.chat_logprobs(tokens) if self.endpoint == "chat" else self.completion_logprobs(tokens)
+        return self.chat_logprobs(tokens) if self.endpoint == "chat" else self.completion_logprobs(tokens, index)
 
     def chunk(self, text: str, tokens: Sequence[gateway_pb2.Token], finish: str | None,
-              include_usage: bool) -> Json:
-        """One streamed chunk carrying `text` (and its tokens' logprobs), or the finish reason."""
+              include_usage: bool, index: int = 0) -> Json:
+        """One streamed chunk of completion `index` carrying `text` (and its tokens' logprobs), or its finish."""
+        logprobs = self._logprobs(tokens, index) if tokens else None
         if self.endpoint == "chat":
             delta = {"content": text} if text or not finish else {}
-            choice: Json = {"index": 0, "delta": delta, "logprobs": self._logprobs(tokens) if tokens else None,
-                            "finish_reason": finish}
+            choice: Json = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             out = self._envelope("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(tokens) if tokens else None,
-                      "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             out = self._envelope("text_completion")
         out["choices"] = [choice]
         if include_usage:
             out["usage"] = None  # OpenAI: null on every chunk but the final usage chunk
         return out
 
-    def role_chunk(self, include_usage: bool) -> Json:
-        """Chat streams open with the assistant role and empty content, as OpenAI's do."""
+    def role_chunk(self, include_usage: bool, n: int = 1) -> Json:
+        """Chat streams open with the assistant role and empty content (for each of the n choices), as OpenAI's
+        do."""
         out = self._envelope("chat.completion.chunk")
-        out["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None}]
+        out["choices"] = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None} for i in range(n)]
         if include_usage:
             out["usage"] = None
         return out
@@ -110,27 +113,31 @@ class Shaper:
         # A token without text (EOS, or bytes of a character still incomplete) gets its own chunk
         # only when its logprob was asked for.
         if message.text or (message.tokens and self.top_logprobs is not None):
-            out.append(self.chunk(message.text, message.tokens, None, include_usage))
+            out.append(self.chunk(message.text, message.tokens, None, include_usage, message.index))
         if message.finish_reason:
-            out.append(self.chunk("", [], FINISH[message.finish_reason], include_usage))
+            out.append(self.chunk("", [], FINISH[message.finish_reason], include_usage, message.index))
         return out
 
-    def usage_chunk(self, last: gateway_pb2.GenerateResponse) -> Json:
+    def usage_chunk(self, lasts: Sequence[gateway_pb2.GenerateResponse]) -> Json:
         """The extra final chunk `stream_options.include_usage` asks for: no choices, the usage."""
         obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
-        return {**self._envelope(obj), "choices": [], "usage": usage(last)}
+        return {**self._envelope(obj), "choices": [], "usage": usage(lasts)}
 
     def whole(self, messages: Sequence[gateway_pb2.GenerateResponse]) -> Json:
-        """The non-streaming response body for a finished stream."""
-        text = "".join(m.text for m in messages)
-        tokens = [t for m in messages for t in m.tokens]
-        last = messages[-1]
-        finish = FINISH.get(last.finish_reason)
-        if self.endpoint == "chat":
-            choice: Json = {"index": 0, "message": {"role": "assistant", "content": text},
-                            "logprobs": self._logprobs(tokens), "finish_reason": finish}
-            out = self._envelope("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finish}
-            out = self._envelope("text_completion")
-        return {**out, "choices": [choice], "usage": usage(last)}
+        """The non-streaming response body for a finished stream: one choice per completion index."""
+        indexes = sorted({m.index for m in messages})
+        choices, lasts = [], []
+        for index in indexes:
+            mine = [m for m in messages if m.index == index]
+            text = "".join(m.text for m in mine)
+            tokens = [t for m in mine for t in m.tokens]
+            finish = FINISH.get(mine[-1].finish_reason)
+            lasts.append(mine[-1])
+            if self.endpoint == "chat":
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": self._logprobs(tokens, index), "finish_reason": finish})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": self._logprobs(tokens, index),
+                                "finish_reason": finish})
+        out = self._envelope("chat.completion" if self.endpoint == "chat" else "text_completion")
+        return {**out, "choices": choices, "usage": usage(lasts)}

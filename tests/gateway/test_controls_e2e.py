@@ -5,9 +5,6 @@ naming the field."""
 
 from __future__ import annotations
 
-import pathlib
-from collections.abc import Iterator
-
 import grpc
 import pytest
 
@@ -15,9 +12,8 @@ from gateway.client import GatewayClient, completion_request
 from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
 from grok.tokenizer.v1 import tokenizer_pb2
-from tests.gateway.conftest import Stack, Stubs, start_gateway
+from tests.gateway.conftest import Stack, Stubs
 from tests.gateway.http_client import post, sdk
-from tests.procs import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -25,25 +21,12 @@ PROMPT = "The quick brown fox"
 CONTROLS = dict(top_k=12, min_p=0.02, repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.3)
 
 
-@pytest.fixture(scope="module")
-def http_url(golden_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A second gateway on the golden stack's backends, with the HTTP API on."""
-    port = free_port()
-    gateway = start_gateway(golden_stack.tokenizer.address, [m.address for m in golden_stack.models],
-                            pathlib.Path(tmp_path_factory.mktemp("controls_http")), http_port=port)
-    try:
-        gateway.wait_serving(120)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        gateway.terminate()
-
-
 def prompt_ids(stubs: Stubs) -> list[int]:
     return list(stubs.tokenizer.Encode(tokenizer_pb2.EncodeRequest(text=PROMPT), timeout=10).token_ids)
 
 
 def test_grpc_and_http_give_the_model_services_tokens_for_the_same_controls(golden_stack: Stack, golden_stubs: Stubs,
-                                                                            http_url: str) -> None:
+                                                                            golden_http_url: str) -> None:
     bias = {7: 2.0, 300: -5.0}
     direct = [t for r in golden_stubs.model.Generate(model_pb2.GenerateRequest(
         token_ids=prompt_ids(golden_stubs), max_tokens=10, temperature=0.9, seed=5, ignore_eos=True,
@@ -52,7 +35,7 @@ def test_grpc_and_http_give_the_model_services_tokens_for_the_same_controls(gold
         over_grpc = client.complete(PROMPT, max_tokens=10, temperature=0.9, seed=5, ignore_eos=True,
                                     logit_bias=bias, **CONTROLS)
     assert [t.id for t in over_grpc.tokens] == direct
-    over_http = sdk(http_url).completions.create(
+    over_http = sdk(golden_http_url).completions.create(
         model="grok-1", prompt=PROMPT, max_tokens=10, temperature=0.9, seed=5, presence_penalty=0.6,
         frequency_penalty=0.3, logit_bias={"7": 2.0, "300": -5.0},
         extra_body={"ignore_eos": True, "top_k": 12, "min_p": 0.02, "repetition_penalty": 1.4})
@@ -66,17 +49,17 @@ def client_text(stack: Stack, **options: object) -> str:
         return client.complete(PROMPT, **options).text
 
 
-def test_logit_bias_of_100_forces_the_token_over_grpc_and_http(golden_stack: Stack, http_url: str) -> None:
+def test_logit_bias_of_100_forces_the_token_over_grpc_and_http(golden_stack: Stack, golden_http_url: str) -> None:
     with GatewayClient(golden_stack.address, timeout=60) as client:
         forced = client.complete(PROMPT, max_tokens=4, logit_bias={123: 100.0}, ignore_eos=True)
     assert [t.id for t in forced.tokens] == [123] * 4
-    reply = sdk(http_url).completions.create(model="grok-1", prompt=PROMPT, max_tokens=4,
+    reply = sdk(golden_http_url).completions.create(model="grok-1", prompt=PROMPT, max_tokens=4,
                                                           temperature=0, logit_bias={"123": 100},
                                                           extra_body={"ignore_eos": True})
     assert reply.choices[0].text == forced.text
 
 
-def test_stop_token_ids_end_with_finish_stop_without_the_tokens_text(golden_stack: Stack, http_url: str) -> None:
+def test_stop_token_ids_end_with_finish_stop_without_the_tokens_text(golden_stack: Stack, golden_http_url: str) -> None:
     with GatewayClient(golden_stack.address, timeout=60) as client:
         plain = client.complete(PROMPT, max_tokens=8, ignore_eos=True)
         stop = plain.tokens[3].id
@@ -86,7 +69,7 @@ def test_stop_token_ids_end_with_finish_stop_without_the_tokens_text(golden_stac
     assert [t.id for t in stopped.tokens] == [t.id for t in plain.tokens[:first]]
     assert stopped.text == "".join(t.text for t in plain.tokens[:first])
     assert stopped.usage.completion_tokens == first + 1  # the stop token is generated, counted, not returned
-    over_http = sdk(http_url).completions.create(model="grok-1", prompt=PROMPT, max_tokens=8,
+    over_http = sdk(golden_http_url).completions.create(model="grok-1", prompt=PROMPT, max_tokens=8,
                                                               temperature=0, extra_body={"ignore_eos": True,
                                                                                          "stop_token_ids": [stop]})
     assert over_http.choices[0].finish_reason == "stop" and over_http.choices[0].text == stopped.text
@@ -95,17 +78,17 @@ def test_stop_token_ids_end_with_finish_stop_without_the_tokens_text(golden_stac
 @pytest.mark.parametrize(("field", "value"), [("top_k", -3), ("min_p", 1.5), ("repetition_penalty", 0.0),
                                               ("presence_penalty", 2.5), ("frequency_penalty", -9.0),
                                               ("stop_token_ids", [600])])
-def test_bad_controls_are_invalid_argument_over_grpc_and_400_over_http(golden_stubs: Stubs, http_url: str,
+def test_bad_controls_are_invalid_argument_over_grpc_and_400_over_http(golden_stubs: Stubs, golden_http_url: str,
                                                                        field: str, value: object) -> None:
     with pytest.raises(grpc.RpcError) as caught:
         golden_stubs.gateway.Complete(completion_request(PROMPT, max_tokens=2, **{field: value}), timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith(f"{field}:")
-    status, body = post(f"{http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, field: value})
+    status, body = post(f"{golden_http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, field: value})
     assert status == 400 and body["error"]["param"] == field
 
 
-def test_bad_logit_bias_over_http_names_logit_bias(http_url: str) -> None:
+def test_bad_logit_bias_over_http_names_logit_bias(golden_http_url: str) -> None:
     for bias in ({"600": 1}, {"5": 101}, {"five": 1}):
-        status, body = post(f"{http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logit_bias": bias})
+        status, body = post(f"{golden_http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logit_bias": bias})
         assert status == 400 and body["error"]["param"] == "logit_bias", body

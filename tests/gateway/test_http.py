@@ -93,7 +93,7 @@ def test_stop_sequences_apply_over_http(fast_stack: Stack) -> None:
     assert reply.choices[0].text == "hello " and reply.choices[0].finish_reason == "stop"
 
 
-SECTION2_VALUES = [("n", 2), ("prompt_logprobs", 1), ("echo", True), ("best_of", 2)]
+SECTION2_VALUES = [("prompt_logprobs", 1), ("echo", True), ("best_of", 2)]
 
 
 @pytest.mark.parametrize(("field", "value"), SECTION2_VALUES, ids=[f for f, _ in SECTION2_VALUES])
