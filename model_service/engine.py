@@ -17,6 +17,7 @@ and read with `get()`, so the caller can dispatch the next step first and overla
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -97,6 +98,15 @@ class ChunkedPrefill:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Host arrays scoring a prompt's tokens 1..n-1 (each after the tokens before it) under the raw logits."""
+
+    logprob: np.ndarray  # [n-1] float32, of the prompt's own next token
+    top_ids: np.ndarray  # [n-1, TOP_K] int32, most likely first
+    top_logprobs: np.ndarray  # [n-1, TOP_K] float32
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """Host copy of a SampleResult: what the scheduler reads after each prefill or decode step."""
 
@@ -105,6 +115,7 @@ class StepOutput:
     top_ids: np.ndarray  # [B, TOP_K] int32
     top_probs: np.ndarray  # [B, TOP_K] float32
     bad: np.ndarray  # [B] bool
+    prompt: PromptLogprobs | None = None  # a prefill's prompt logprobs, when asked for
 
     @classmethod
     def from_device(cls, result: SampleResult) -> "StepOutput":
@@ -180,6 +191,8 @@ class Engine:
                                  out_shardings=(self.state_shardings, None))
         self._free = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=self.state_shardings)
         self._resample = jax.jit(self._resample_impl)
+        # Compiled on first use per bucket (prompt logprobs are rare; compile_all stays as fast as before).
+        self._score = jax.jit(model.prompt_logprobs, static_argnums=(2,))
         self._extend = jax.jit(self._extend_impl, donate_argnums=(1,),
                                in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 4,
                                out_shardings=self.state_shardings)
@@ -288,10 +301,12 @@ class Engine:
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
                 allowed: Sequence[int] = (), blocked: Sequence[int] = (),
-                top_logprobs: int = TOP_K, controls: SamplingControls = NO_CONTROLS) -> tuple[Prefix, StepOutput]:
+                top_logprobs: int = TOP_K, controls: SamplingControls = NO_CONTROLS,
+                prompt_logprobs: int | None = None) -> tuple[Prefix, StepOutput]:
         """Run one prompt; returns the prefix to insert and its first token (host arrays, batch 1).
         `top_logprobs` alternatives are computed for every token of the request (0 skips them); `controls`
-        are issue 12's (controls.py), all off by default."""
+        are issue 12's (controls.py), all off by default. `prompt_logprobs` (not None) also scores the prompt's
+        tokens (StepOutput.prompt) in a second, full pass over the prompt."""
         n = len(tokens)
         padded = np.full((1, self.bucket_for(n)), self.pad_id, np.int32)
         padded[0, :n] = tokens
@@ -299,7 +314,11 @@ class Engine:
         prefix, result = self._prefill(self.params, padded, np.int32(n), np.uint32(seed), np.float32(temperature),
                                        np.float32(top_p), mask, np.int32(top_logprobs),
                                        controls_row(controls, self.vocab_size), prompt_mask(tokens, self.vocab_size))
-        return prefix, StepOutput.from_device(result)
+        out = StepOutput.from_device(result)
+        if prompt_logprobs is not None:
+            chosen, top, ids = jax.device_get(self._score(self.params, padded, TOP_K))
+            out = dataclasses.replace(out, prompt=PromptLogprobs(chosen[:n - 1], ids[:n - 1], top[:n - 1]))
+        return prefix, out
 
     def resample(self, prefix: Prefix, *, seed: int) -> tuple[Prefix, StepOutput]:
         """Another sample of a prefilled prompt (n > 1 shares one prefill): the prefix with its first token drawn

@@ -73,6 +73,7 @@ class GenerationRequest:
     # Samples of the prompt, sharing one prefill, each in its own slot; sample i uses seed + i (mod 2**32), as
     # vLLM derives them, so sample i equals a request with that seed (n = 1 is exactly a plain request).
     n: int = 1
+    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives each (0..8)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class Emission:
     error: SchedulerError | None = None
     timings: Timings | None = None
     index: int = 0  # which of the request's n samples (tokens, counts and finish are per sample)
+    prompt: tuple[TokenOut, ...] | None = None  # prompt tokens 1..n-1 scored (first emission, when asked for)
 
 
 class StepOutputLike(Protocol):
@@ -110,6 +112,7 @@ class StepOutputLike(Protocol):
     top_ids: Any  # [B, K] int
     top_probs: Any  # [B, K] float
     bad: Any  # [B] bool
+    prompt: Any  # PromptLogprobs-like (logprob [n-1], top_ids / top_logprobs [n-1, K]) or None
 
 
 class PendingStepLike(Protocol):
@@ -133,7 +136,7 @@ class EngineLike(Protocol):
     def bucket_for(self, length: int) -> int: ...
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
                 allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int,
-                controls: SamplingControls) -> tuple[Any, StepOutputLike]: ...
+                controls: SamplingControls, prompt_logprobs: int | None) -> tuple[Any, StepOutputLike]: ...
     def resample(self, prefix: Any, *, seed: int) -> tuple[Any, StepOutputLike]: ...
     def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
     def chunked(self, length: int) -> bool: ...
@@ -445,7 +448,9 @@ class Scheduler:
             count += 1
             prompt = handle.request.prompt
             try:
-                if handle.request.n == 1 and self.engine.chunked(len(prompt)) and self.engine.pad_id not in prompt:
+                # n > 1 and prompt logprobs need the whole prompt's prefill, which chunks do not keep.
+                one_pass = handle.request.n > 1 or handle.request.prompt_logprobs is not None
+                if not one_pass and self.engine.chunked(len(prompt)) and self.engine.pad_id not in prompt:
                     tokens += self.engine.prefill_chunk
                     self._begin_chunked(handle, slots[0])
                 else:
@@ -463,7 +468,8 @@ class Scheduler:
         try:
             prefix, out = self.engine.prefill(list(req.prompt), seed=seed, temperature=req.temperature,
                                               top_p=req.top_p, allowed=req.allowed, blocked=req.blocked,
-                                              top_logprobs=req.top_logprobs, controls=req.controls)
+                                              top_logprobs=req.top_logprobs, controls=req.controls,
+                                              prompt_logprobs=req.prompt_logprobs)
             samples = [(prefix, out)]
             for i in range(1, req.n):
                 samples.append(self.engine.resample(prefix, seed=(seed + i) % 2**32))
@@ -480,7 +486,8 @@ class Scheduler:
         for index, (slot, (sample, first)) in enumerate(zip(slots, samples)):
             act = _Active(handle, (seed + index) % 2**32, admitted, index)
             act.prefill_seconds = prefill_seconds
-            if handle.done.is_set() or self._deliver(act, first, 0):
+            scored = _prompt_out(req, out) if index == 0 else None
+            if handle.done.is_set() or self._deliver(act, first, 0, scored):
                 self._return_slot(slot)
                 continue
             self._state = self.engine.insert(sample, self._state, slot)
@@ -564,8 +571,9 @@ class Scheduler:
         self._fail_active(_engine_error(error, "decode step failed; retry"))
         self._state = self.engine.init_decode_state()
 
-    def _deliver(self, act: _Active, out: StepOutputLike, row: int) -> bool:
-        """Hand the request its token at `row` of `out`; True when the request is finished."""
+    def _deliver(self, act: _Active, out: StepOutputLike, row: int, prompt: tuple[TokenOut, ...] | None = None) -> bool:
+        """Hand the request its token at `row` of `out` (and its scored prompt, on the first); True when the
+        request is finished."""
         req = act.handle.request
         if bool(out.bad[row]):
             log.error("non-finite logits", extra={"request_id": req.request_id})
@@ -578,7 +586,7 @@ class Scheduler:
         reason = _finish_reason(req, act.generated, token.id, self.engine)
         first_or_last = act.generated == 1 or reason is not None
         act.handle.emit(Emission((token,), act.generated, len(req.prompt), finish_reason=reason,
-                                 timings=act.timings() if first_or_last else None, index=act.index))
+                                 timings=act.timings() if first_or_last else None, index=act.index, prompt=prompt))
         if reason is not None:
             self.metrics.finished(reason)
         return reason is not None
@@ -640,6 +648,17 @@ def _token_out(out: StepOutputLike, row: int, top_logprobs: int) -> TokenOut:
     return TokenOut(int(out.token[row]), float(out.prob[row]), top)
 
 
+def _prompt_out(req: GenerationRequest, out: StepOutputLike) -> tuple[TokenOut, ...] | None:
+    """Prompt tokens 1..n-1 with their probabilities and `prompt_logprobs` alternatives (from the prefill)."""
+    scored = getattr(out, "prompt", None)
+    if req.prompt_logprobs is None or scored is None:
+        return None
+    k = req.prompt_logprobs
+    return tuple(TokenOut(int(token), math.exp(float(lp)),
+                          tuple((int(i), math.exp(float(p))) for i, p in zip(ids[:k], tops[:k])))
+                 for token, lp, ids, tops in zip(req.prompt[1:], scored.logprob, scored.top_ids, scored.top_logprobs))
+
+
 def _finish_reason(req: GenerationRequest, generated: int, token: int, engine: EngineLike) -> FinishReason | None:
     if token == engine.eos_id and not req.ignore_eos:
         return FinishReason.EOS
@@ -677,6 +696,8 @@ def _problem(req: GenerationRequest, engine: EngineLike) -> str:
         return "top_logprobs: must be in 0..8"
     if req.seed is not None and not 0 <= req.seed < 2**32:
         return "seed: must be a uint32"
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= 8:
+        return "prompt_logprobs: must be in 0..8 (alternatives per prompt token)"
     if not 1 <= req.n <= engine.slots:
         return (f"n: must be in 1..{engine.slots} (each sample takes one of the {engine.slots} slots; got {req.n}): "
                 "ask for fewer samples")

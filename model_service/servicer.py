@@ -88,6 +88,7 @@ def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: 
             logit_bias=tuple(sorted(msg.logit_bias.items()))),
         stop_token_ids=tuple(msg.stop_token_ids),
         n=msg.n or 1,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -115,7 +116,8 @@ def to_response(batch: list[Emission]) -> model_pb2.GenerateResponse:
         token_ids=[t.id for t in tokens], tokens=[_token(t) for t in tokens],
         finish_reason=FINISH[last.finish_reason] if last.finish_reason else model_pb2.FINISH_REASON_UNSPECIFIED,
         prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-        timings=_timings(timings) if timings else None, index=last.index)
+        timings=_timings(timings) if timings else None, index=last.index,
+        prompt_logprobs=[_token(t) for e in batch if e.prompt for t in e.prompt])
 
 
 def to_responses(batch: list[Emission]) -> list[model_pb2.GenerateResponse]:

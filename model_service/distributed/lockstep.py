@@ -181,11 +181,12 @@ class LockstepEngine:
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
                 allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0,
-                controls: SamplingControls = NO_CONTROLS) -> tuple[PrefixRef, Any]:
+                controls: SamplingControls = NO_CONTROLS, prompt_logprobs: int | None = None
+                ) -> tuple[PrefixRef, Any]:
         ref, out = self._with_new_id(lambda i: Call(
             Op.PREFILL, prefix=i, prompt=tuple(int(t) for t in tokens), seed=int(seed), temperature=float(temperature),
             top_p=float(top_p), allowed=tuple(allowed), blocked=tuple(blocked), top_logprobs=int(top_logprobs),
-            controls=controls))
+            controls=controls, prompt_logprobs=prompt_logprobs))
         return ref, out
 
     def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,

@@ -54,6 +54,7 @@ class Field(enum.IntEnum):
     TOP_P = 8  # float32 bits
     TOP_LOGPROBS = 9
     SOURCE = 10  # RESAMPLE: the prefix it draws from
+    PROMPT_LOGPROBS = 11  # PREFILL: -1 for none
 
 
 HEADER_SIZE = 12
@@ -77,6 +78,7 @@ class Call:
     top_logprobs: int = 0
     controls: SamplingControls = NO_CONTROLS
     source: int = 0
+    prompt_logprobs: int | None = None
 
 
 CONTROL_WORDS = 6 + 2 * MAX_LOGIT_BIAS  # top_k, 4 float32 controls, bias count, bias ids, bias values
@@ -120,7 +122,8 @@ class Codec:
                   Field.SLOT: call.slot, Field.PREFIX: call.prefix, Field.LENGTH: len(call.prompt),
                   Field.SEED: int(np.array(call.seed, np.uint32).view(np.int32)),
                   Field.TEMPERATURE: _f32_bits(call.temperature), Field.TOP_P: _f32_bits(call.top_p),
-                  Field.TOP_LOGPROBS: call.top_logprobs, Field.SOURCE: call.source}
+                  Field.TOP_LOGPROBS: call.top_logprobs, Field.SOURCE: call.source,
+                  Field.PROMPT_LOGPROBS: -1 if call.prompt_logprobs is None else call.prompt_logprobs}
         for field, value in values.items():
             h[field] = value
         return h
@@ -148,7 +151,8 @@ class Codec:
             slot=int(header[Field.SLOT]), prefix=int(header[Field.PREFIX]),
             seed=int(np.array(header[Field.SEED], np.int32).view(np.uint32)),
             temperature=_bits_f32(int(header[Field.TEMPERATURE])), top_p=_bits_f32(int(header[Field.TOP_P])),
-            top_logprobs=int(header[Field.TOP_LOGPROBS]), source=int(header[Field.SOURCE]))
+            top_logprobs=int(header[Field.TOP_LOGPROBS]), source=int(header[Field.SOURCE]),
+            prompt_logprobs=None if int(header[Field.PROMPT_LOGPROBS]) < 0 else int(header[Field.PROMPT_LOGPROBS]))
         if payload is not None:
             tokens, bitmaps, words = payload
             fields.update(prompt=tuple(int(t) for t in tokens[:int(header[Field.LENGTH])]),
@@ -206,7 +210,8 @@ class Replica:
         if call.op == Op.PREFILL:
             prefix, out = e.prefill(list(call.prompt), seed=call.seed, temperature=call.temperature,
                                     top_p=call.top_p, allowed=call.allowed, blocked=call.blocked,
-                                    top_logprobs=call.top_logprobs, controls=call.controls)
+                                    top_logprobs=call.top_logprobs, controls=call.controls,
+                                    prompt_logprobs=call.prompt_logprobs)
             self.prefixes[call.prefix] = prefix
             return out
         if call.op == Op.BEGIN_PREFILL:

@@ -25,13 +25,15 @@ class RecordingEngine(FakeEngine):
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
                 allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0,
-                controls: SamplingControls = NO_CONTROLS) -> tuple[int, FakeOutput]:
+                controls: SamplingControls = NO_CONTROLS, prompt_logprobs: int | None = None) -> tuple[int, FakeOutput]:
         self._log("prefill_args", tuple(tokens), seed, temperature, top_p, tuple(sorted(set(allowed))),
                   tuple(sorted(set(blocked))), top_logprobs)
         if controls != NO_CONTROLS:
             self._log("controls", controls)
+        if prompt_logprobs is not None:
+            self._log("prompt_logprobs", prompt_logprobs)
         return super().prefill(tokens, seed=seed, temperature=temperature, top_p=top_p, allowed=allowed,
-                               blocked=blocked, top_logprobs=top_logprobs)
+                               blocked=blocked, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
 
     def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
                       allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0,

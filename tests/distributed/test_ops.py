@@ -40,6 +40,15 @@ def test_sampling_controls_survive_encoding_as_float32_values() -> None:
     assert round_trip(Call(Op.PREFILL, prompt=(1,))).controls == SamplingControls()
 
 
+def test_prompt_logprobs_survive_encoding_and_reach_the_engine() -> None:
+    assert round_trip(Call(Op.PREFILL, prompt=(1,), prompt_logprobs=0)).prompt_logprobs == 0
+    assert round_trip(Call(Op.PREFILL, prompt=(1,), prompt_logprobs=5)).prompt_logprobs == 5
+    assert round_trip(Call(Op.PREFILL, prompt=(1,))).prompt_logprobs is None
+    engine = RecordingEngine(slots=2, buckets=(8,), vocab_size=70)
+    out = Replica(engine).run(Call(Op.PREFILL, prefix=1, prompt=(10, 11, 12), prompt_logprobs=2))
+    assert ("prompt_logprobs", 2) in engine.calls and list(out.prompt.top_ids[:, 0]) == [11, 12]
+
+
 def test_replica_passes_the_controls_to_the_engine() -> None:
     engine = RecordingEngine(slots=2, buckets=(8,), vocab_size=70)
     replica = Replica(engine)

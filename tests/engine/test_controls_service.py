@@ -112,3 +112,37 @@ def test_bad_controls_are_invalid_argument_naming_the_field(golden_stub: model_p
         list(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=2, **fields), timeout=30))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith(f"{field}:"), caught.value.details()
+
+
+def np_log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+
+def test_prompt_logprobs_are_numpy_log_softmax_of_the_full_forward_pass(golden_engine: Engine) -> None:
+    prompt = PROMPT + [3, 250, 17, 40]
+    logits = np.asarray(golden_engine.model.forward(golden_engine.params, jnp.asarray([prompt], jnp.int32)))[0]
+    want = np_log_softmax(logits)  # [n, V]: row t scores token t + 1
+    _, plain = golden_engine.prefill(prompt, seed=4, temperature=0.8, top_p=1.0)
+    _, scored = golden_engine.prefill(prompt, seed=4, temperature=0.8, top_p=1.0, prompt_logprobs=3)
+    assert plain.prompt is None and int(scored.token[0]) == int(plain.token[0])  # the first token is unchanged
+    got = scored.prompt
+    assert got.logprob.shape == (len(prompt) - 1,)
+    np.testing.assert_allclose(got.logprob, [want[t, prompt[t + 1]] for t in range(len(prompt) - 1)], atol=2e-4)
+    for t in range(len(prompt) - 1):
+        order = np.argsort(-want[t], kind="stable")[:8]
+        np.testing.assert_allclose(got.top_logprobs[t], want[t, order], atol=2e-4)
+        assert int(got.top_ids[t, 0]) == int(order[0])
+
+
+def test_prompt_logprobs_over_grpc_score_every_prompt_token_but_the_first(
+        golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    replies = list(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=3, prompt_logprobs=2,
+                                                                  ignore_eos=True), timeout=60))
+    scored = [t for r in replies for t in r.prompt_logprobs]
+    assert [t.id for t in scored] == PROMPT[1:] and len(replies[0].prompt_logprobs) == len(PROMPT) - 1
+    assert all(len(t.top_tokens) == 2 and t.logprob <= 0 for t in scored)
+    assert all(abs(np.exp(t.logprob) - t.probability) < 1e-6 for t in scored)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=1, prompt_logprobs=9)))
+    assert caught.value.details().startswith("prompt_logprobs:")

@@ -78,7 +78,7 @@ def test_cancelling_a_request_frees_every_samples_slot() -> None:
     sched.start()
     try:
         out = SampleCollector(3)
-        handle = sched.submit(req((5,), max_tokens=25, n=3, ignore_eos=True), out)
+        handle = sched.submit(req((20,), max_tokens=25, n=3, seed=0, ignore_eos=True), out)
         wait_for(lambda: sched.stats()["active"] == 3)
         handle.cancel()
         wait_for(lambda: sched.stats()["free"] == 4)
