@@ -56,6 +56,17 @@ class Completion:
     release: Release = field(default_factory=Release)
     finish: int = gateway_pb2.FINISH_REASON_UNSPECIFIED
     model_finished: bool = False  # the model ended it (else a stop sequence did, and the model may still run it)
+    echo: str = ""  # the prompt text, until the completion's first message carries it
+    scored: list[gateway_pb2.PromptToken] = field(default_factory=list)  # the scored prompt, until it is sent
+
+    def decorate(self, message: gateway_pb2.GenerateResponse) -> gateway_pb2.GenerateResponse:
+        """Put the echoed prompt and the scored prompt (each once) in front of the completion's next message."""
+        if self.echo:
+            message.text, self.echo = self.echo + message.text, ""
+        if self.scored:
+            message.prompt_logprobs.extend(self.scored)
+            self.scored = []
+        return message
 
     @property
     def done(self) -> bool:
@@ -70,7 +81,7 @@ def model_request(request: TextRequest, planned: Plan, request_id: str) -> model
         allowed_token_ids=s.allowed_token_ids, blocked_token_ids=s.blocked_token_ids,
         request_id=request_id, n=planned.n, top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias), stop_token_ids=s.stop_token_ids)
-    for name in ("top_p", "seed", "repetition_penalty"):
+    for name in ("top_p", "seed", "repetition_penalty", "prompt_logprobs"):
         if s.HasField(name):
             setattr(out, name, getattr(s, name))
     return out
@@ -111,11 +122,16 @@ class Pipeline:
         try:
             for index in range(planned.n):
                 completions.append(Completion(index, self.tokenizer.detokenizer(deadline, metadata),
-                                              StopMatcher(request.sampling.stop)))
+                                              StopMatcher(request.sampling.stop),
+                                              echo=request.prompt if request.sampling.echo else ""))
             async for reply in model_stream.responses():
                 if not 0 <= reply.index < len(completions) or completions[reply.index].done:
                     continue  # a completion a stop sequence ended: the model's further tokens for it are dropped
                 completion = completions[reply.index]
+                if reply.prompt_logprobs:  # each completion's first message carries the scored prompt
+                    scored = await self._scored_prompt(reply, planned.prompt_ids[0], deadline, metadata)
+                    for c in completions:
+                        c.scored = list(scored)
                 async for message in self._advance(completion, reply, request, progress, method, deadline, metadata):
                     yield message
                 if all(c.done for c in completions):
@@ -150,11 +166,23 @@ class Pipeline:
             completion.release = Release(release.tokens + tail.tokens, tail.stopped, tail.extra)
             completion.finish = gateway_pb2.FINISH_REASON_STOP if tail.stopped else FINISH.get(
                 reply.finish_reason, gateway_pb2.FINISH_REASON_LENGTH)
-        elif release.tokens:
-            yield gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, index=completion.index)
+        elif release.tokens or completion.scored:
+            yield completion.decorate(gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens,
+                                                                   index=completion.index))
             return
         if completion.done:
-            yield self._last(completion, progress, asyncio.get_running_loop().time())
+            yield completion.decorate(self._last(completion, progress, asyncio.get_running_loop().time()))
+
+    async def _scored_prompt(self, reply: model_pb2.GenerateResponse, first_id: int, deadline: float | None,
+                             metadata: Metadata) -> list[gateway_pb2.PromptToken]:
+        """The model's scored prompt (tokens 1..end) as PromptTokens, after the unscored first token."""
+        scored = list(reply.prompt_logprobs)
+        ids = [first_id] + [t.id for t in scored] + [top.id for t in scored for top in t.top_tokens]
+        texts = await self.tokenizer.piece_texts(ids, deadline, metadata)
+        return [gateway_pb2.PromptToken(id=first_id, text=texts[first_id])] + [gateway_pb2.PromptToken(
+            id=t.id, text=texts.get(t.id, ""), logprob=t.logprob,
+            top_tokens=[gateway_pb2.TopToken(id=top.id, text=texts.get(top.id, ""), probability=top.probability,
+                                             logprob=top.logprob) for top in t.top_tokens]) for t in scored]
 
     def _observe(self, reply: model_pb2.GenerateResponse, progress: Progress, method: str) -> None:
         now = asyncio.get_running_loop().time()

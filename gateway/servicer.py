@@ -71,7 +71,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                        context: grpc.aio.ServicerContext) -> gateway_pb2.CompleteResponse:
         choices: dict[int, gateway_pb2.Completion] = {}
         last: dict[int, gateway_pb2.GenerateResponse] = {}
+        scored: list[gateway_pb2.PromptToken] = []
         async for message in self._run(request, context, "Complete"):
+            if message.index == 0:  # every completion's first message carries the same scored prompt
+                scored.extend(message.prompt_logprobs)
             choice = choices.setdefault(message.index, gateway_pb2.Completion(index=message.index))
             choice.text += message.text
             choice.tokens.extend(message.tokens)
@@ -79,7 +82,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 choice.finish_reason = message.finish_reason
                 choice.completion_tokens = message.usage.completion_tokens
                 last[message.index] = message
-        return complete_response([choices[i] for i in sorted(choices)], last)
+        out = complete_response([choices[i] for i in sorted(choices)], last)
+        out.prompt_logprobs.extend(scored)
+        return out
 
     async def GetInfo(self, request: gateway_pb2.GetInfoRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> gateway_pb2.GetInfoResponse:

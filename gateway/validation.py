@@ -21,6 +21,7 @@ PENALTY_LIMIT = 2.0
 LOGIT_BIAS_LIMIT = 100.0
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 64
+MAX_PROMPT_LOGPROBS = 8
 
 
 class TextRequest(Protocol):
@@ -69,6 +70,8 @@ def check_controls(s: gateway_pb2.SamplingParams) -> None:
             raise invalid("logit_bias", f"the bias of token {token} must be in [-100, 100] (got {bias})")
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise invalid("stop_token_ids", f"{len(s.stop_token_ids)} ids is over the limit of {MAX_STOP_TOKEN_IDS}")
+    if s.HasField("prompt_logprobs") and not 0 <= s.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+        raise invalid("prompt_logprobs", f"must be in 0..{MAX_PROMPT_LOGPROBS} (got {s.prompt_logprobs})")
     if s.n < 0:
         raise invalid("n", f"must be >= 1 (got {s.n}); 0 or unset means 1")
 

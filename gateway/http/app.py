@@ -163,7 +163,8 @@ class Routes:
         deadline = loop.time() + self.ctx.timeout_seconds if self.ctx.timeout_seconds else None
         method = "http_chat_completions" if endpoint == "chat" else "http_completions"
         source = guarded(request, tracked(self.ctx.pipeline, grpc_request, deadline, request_id, method))
-        shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body))
+        shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body),
+                        echo=grpc_request.sampling.echo, prompt_logprobs=body.prompt_logprobs is not None)
         headers = {"x-request-id": request_id}
         try:
             first = await anext(source)  # errors before the first text still get their HTTP status

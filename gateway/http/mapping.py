@@ -30,13 +30,8 @@ def _not_yet(param: str, value: Any, default: str) -> ApiError:
 # ------------------------------------------------------------------------------------------------
 def section2_sampling(request: SamplingFields) -> None:
     """Raise 400 naming the first field set to a value that needs a sampling control we lack."""
-    if request.prompt_logprobs is not None:
-        raise _not_yet("prompt_logprobs", request.prompt_logprobs, "null")
-    if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise _not_yet("echo", request.echo, "false")
-        if request.best_of not in (None, request.n or 1):
-            raise _not_yet("best_of", request.best_of, "null or n (every sample is returned)")
+    if isinstance(request, CompletionRequest) and request.best_of not in (None, request.n or 1):
+        raise _not_yet("best_of", request.best_of, "null or n (every sample is returned)")
 
 
 def sampling_controls(request: SamplingFields, out: gateway_pb2.SamplingParams) -> None:
@@ -63,6 +58,13 @@ def sampling_controls(request: SamplingFields, out: gateway_pb2.SamplingParams) 
         raise bad_request("n", f"must be >= 1 (got {request.n})")
     _check_int32("n", request.n)
     out.n = request.n if request.n is not None else 1
+    _check_int32("prompt_logprobs", request.prompt_logprobs)
+    if request.prompt_logprobs is not None:
+        out.prompt_logprobs = request.prompt_logprobs
+    if isinstance(request, CompletionRequest) and request.echo:
+        out.echo = True
+        if request.logprobs is not None and request.prompt_logprobs is None:
+            out.prompt_logprobs = request.logprobs  # echo with logprobs scores the prompt tokens too (OpenAI)
 # ------------------------------------------------------------------------------------------------
 
 
