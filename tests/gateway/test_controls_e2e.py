@@ -5,6 +5,8 @@ naming the field."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -14,6 +16,7 @@ from grok.model.v1 import model_pb2
 from grok.tokenizer.v1 import tokenizer_pb2
 from tests.gateway.conftest import Stack, Stubs
 from tests.gateway.http_client import post, sdk
+from tests.procs import grpcurl
 
 pytestmark = pytest.mark.slow
 
@@ -92,3 +95,16 @@ def test_bad_logit_bias_over_http_names_logit_bias(golden_http_url: str) -> None
     for bias in ({"600": 1}, {"5": 101}, {"five": 1}):
         status, body = post(f"{golden_http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logit_bias": bias})
         assert status == 400 and body["error"]["param"] == "logit_bias", body
+
+
+def test_grpcurl_complete_with_every_new_sampling_field(golden_stack: Stack) -> None:
+    body = json.dumps({"prompt": PROMPT, "sampling": {
+        "max_tokens": 4, "temperature": 0.9, "seed": 1, "n": 2, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.2,
+        "frequency_penalty": 0.5, "presence_penalty": 0.1, "logit_bias": {"17": -100}, "stop_token_ids": [511],
+        "echo": True, "prompt_logprobs": 1, "ignore_eos": True}})
+    out = grpcurl("-plaintext", "-d", body, golden_stack.address, "grok.gateway.v1.GatewayService/Complete")
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    assert [c.get("index", 0) for c in reply["choices"]] == [0, 1]
+    assert all(c["text"].startswith(PROMPT) for c in reply["choices"])
+    assert "logprob" not in reply["prompt_logprobs"][0] and "logprob" in reply["prompt_logprobs"][1]
