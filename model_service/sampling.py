@@ -157,7 +157,20 @@ def categorical(key: jax.Array, row: jax.Array) -> jax.Array:
     return first_argmax((noise + row)[0])
 
 
-def _sample_active(
+def _sample_active(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array, mask: jax.Array,
+                   num_top: jax.Array, extra: SlotControls | None = None) -> SampleResult:
+    """A slot that uses no control runs the reference's steps alone (one condition for all of them: the off path
+    carries no per-control branches or buffers); otherwise each control is applied under its own condition."""
+    if extra is None:
+        return _sample_filtered(key, logits, temperature, top_p, mask, num_top)
+    c, v = extra.controls, logits.shape[-1]
+    used = (jnp.any(c.bias_ids < v) | (c.repetition != 1) | (c.presence != 0) | (c.frequency != 0)
+            | ((c.top_k > 0) & (c.top_k < v)) | (c.min_p > 0))
+    return jax.lax.cond(used, lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, extra),
+                        lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top))
+
+
+def _sample_filtered(
     key: jax.Array,  # [2] uint32
     logits: jax.Array,  # [V] float32
     temperature: jax.Array,  # [] float32
