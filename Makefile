@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 AIPERF_VENV ?= .venv-aiperf
 
-.PHONY: setup run demo demo-check protos lint test bench bench-docs bench-http bench-engine clean help
+.PHONY: setup run demo demo-check protos proto-baseline lint test bench bench-docs bench-http bench-engine clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
@@ -37,9 +37,13 @@ run: setup  ## set up, then serve the embedded default (the committed demo/: tok
 protos: $(VENV)/.installed  ## regenerate the Python stubs from protos/
 	$(PY) scripts/gen_protos.py
 
-lint: setup  ## buf lint + stale-stub check
+lint: setup  ## buf lint + buf breaking against the committed API baseline + stale-stub check
 	npx --no-install buf lint
+	npx --no-install buf breaking --against protos/baseline.binpb
 	$(PY) scripts/gen_protos.py --check
+
+proto-baseline: setup  ## accept the current protos as the API baseline `make lint` checks for breaking changes
+	npx --no-install buf build -o protos/baseline.binpb
 
 test: setup lint  ## set up, lint the protos, run every test
 	$(PY) -m pytest $(PYTEST_ARGS)

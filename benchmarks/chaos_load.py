@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.client import completion_request, generate_request
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from serving_common.errors import details_of
 
@@ -43,8 +44,8 @@ class Seeded:
     expected: str = ""
 
     def request(self, max_tokens: int = 12) -> gateway_pb2.CompleteRequest:
-        return gateway_pb2.CompleteRequest(prompt=self.prompt, max_tokens=max_tokens, temperature=0.8, top_p=0.9,
-                                           seed=self.seed, ignore_eos=True)
+        return completion_request(self.prompt, max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=self.seed,
+                                  ignore_eos=True)
 
 
 def baseline(address: str, count: int = 4) -> list[Seeded]:
@@ -120,8 +121,8 @@ class Caller:
         return "OK" if text == case.expected else "WRONG_OUTPUT"
 
     def cancel(self) -> str:
-        request = gateway_pb2.GenerateRequest(prompt=self.rng.choice(SEEDED_PROMPTS), max_tokens=self.long_tokens,
-                                              ignore_eos=True, temperature=1.0)
+        request = generate_request(self.rng.choice(SEEDED_PROMPTS), max_tokens=self.long_tokens, ignore_eos=True,
+                                   temperature=1.0)
         call = self.stub.Generate(request, timeout=120)
         timer = threading.Timer(self.rng.uniform(0.0, 0.3), call.cancel)
         timer.start()
@@ -135,8 +136,7 @@ class Caller:
         return "OK"
 
     def deadline(self) -> str:
-        request = gateway_pb2.CompleteRequest(prompt=self.rng.choice(SEEDED_PROMPTS), max_tokens=self.long_tokens,
-                                              ignore_eos=True)
+        request = completion_request(self.rng.choice(SEEDED_PROMPTS), max_tokens=self.long_tokens, ignore_eos=True)
         try:
             self.stub.Complete(request, timeout=self.rng.uniform(0.02, 0.3))
         except grpc.RpcError as error:
@@ -145,23 +145,24 @@ class Caller:
 
     def fuzz(self) -> str:
         time.sleep(0.02)  # refusals are instant: keep them from drowning the other kinds in the counts
-        request = gateway_pb2.CompleteRequest(prompt="fuzz", max_tokens=4)
+        request = completion_request("fuzz", max_tokens=4)
+        sampling = request.sampling
         broken = self.rng.choice(["prompt", "max_tokens", "temperature", "top_p", "top_logprobs", "stop",
                                   "blocked_token_ids"])
         if broken == "prompt":
             request.prompt = ""
         elif broken == "max_tokens":
-            request.max_tokens = self.rng.choice([0, -1, 10**9])
+            sampling.max_tokens = self.rng.choice([0, -1, 10**9])
         elif broken == "temperature":
-            request.temperature = self.rng.choice([-1.0, float("nan"), float("inf")])
+            sampling.temperature = self.rng.choice([-1.0, float("nan"), float("inf")])
         elif broken == "top_p":
-            request.top_p = self.rng.choice([0.0, 1.5, float("nan")])
+            sampling.top_p = self.rng.choice([0.0, 1.5, float("nan")])
         elif broken == "top_logprobs":
-            request.top_logprobs = self.rng.choice([-1, 9, 2**31 - 1])
+            sampling.top_logprobs = self.rng.choice([-1, 9, 2**31 - 1])
         elif broken == "stop":
-            request.stop.extend([""])
+            sampling.stop.extend([""])
         else:
-            request.blocked_token_ids.extend([-5])
+            sampling.blocked_token_ids.extend([-5])
         try:
             self.stub.Complete(request, timeout=60)
         except grpc.RpcError as error:
@@ -230,8 +231,8 @@ def burst(address: str, count: int, long_tokens: int,
     def one(i: int) -> None:
         with grpc.insecure_channel(address) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-            request = gateway_pb2.CompleteRequest(prompt=SEEDED_PROMPTS[i % len(SEEDED_PROMPTS)],
-                                                  max_tokens=long_tokens, ignore_eos=True)
+            request = completion_request(SEEDED_PROMPTS[i % len(SEEDED_PROMPTS)], max_tokens=long_tokens,
+                                         ignore_eos=True)
             grpc.channel_ready_future(channel).result(timeout=30)
             gate.wait(30)
             try:

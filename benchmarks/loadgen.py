@@ -18,7 +18,8 @@ import grpc
 
 from benchmarks.metrics import RequestResult
 from benchmarks.workload import BenchRequest, arrival_offsets
-from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from gateway.client import generate_request
+from grok.gateway.v1 import gateway_pb2_grpc
 from grok.model.v1 import model_pb2, model_pb2_grpc
 
 Sender = Callable[[BenchRequest], Awaitable[RequestResult]]
@@ -98,8 +99,8 @@ class GatewaySender:
         self.timeout = timeout
 
     async def __call__(self, request: BenchRequest) -> RequestResult:
-        message = gateway_pb2.GenerateRequest(prompt=request.prompt, max_tokens=request.output_len,
-                                              ignore_eos=True, temperature=self.temperature, top_p=self.top_p)
+        message = generate_request(request.prompt, max_tokens=request.output_len, ignore_eos=True,
+                                   temperature=self.temperature, top_p=self.top_p)
         result = RequestResult(prompt_len=request.prompt_len, start=time.perf_counter())
         texts: list[str] = []
         try:

@@ -4,6 +4,8 @@
         [--active M]   # only the first M of the N slots hold a request (the others are free slots)
         [--tile T]     # decode rows per tile (default: the engine's choice for this platform and batch)
         [--sampled]    # time the engine's whole step instead: decode + sampling (temperature 0.7, top_p 0.9)
+        [--controls]   # with --sampled: every request also uses issue 12's controls (top_k, min_p, the three
+                       # penalties, 16 logit_bias entries)
 
 The low-level tool under benchmarks.roofline (which calls `run`): compile time is reported
 separately; step times are medians of --runs runs.
@@ -24,6 +26,7 @@ import numpy as np
 
 from model_service.checkpoint import random_params
 from model_service.config import MeshConfig, load_model_config, validate
+from model_service.controls import NO_CONTROLS, SamplingControls
 from model_service.engine import Engine, choose_row_tile
 from model_service.model import GrokModel
 from model_service.sharding import make_mesh
@@ -91,9 +94,14 @@ def _engine_step(args: argparse.Namespace, cfg: Any, mesh: Any, model: GrokModel
     engine = Engine(model, params, cfg, mesh, args.batch, (args.prompt_len,), args.tile)
     state = engine.init_decode_state()
     rng = np.random.default_rng(args.seed)
+    controls = NO_CONTROLS
+    if args.controls:
+        bias = tuple((int(t), 1.5) for t in rng.choice(cfg.vocab_size, 16, replace=False))
+        controls = SamplingControls(top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.3,
+                                    frequency_penalty=0.2, logit_bias=bias)
     for slot in range(active_slots):
         prefix, _ = engine.prefill(rng.integers(3, cfg.vocab_size, args.prompt_len).tolist(), seed=slot,
-                                   temperature=0.7, top_p=0.9, top_logprobs=0)
+                                   temperature=0.7, top_p=0.9, top_logprobs=0, controls=controls)
         state = engine.insert(prefix, state, slot)
     (state, pending), compile_s = _timed(lambda: engine.generate(state))
     pending.get()
@@ -106,7 +114,7 @@ def _engine_step(args: argparse.Namespace, cfg: Any, mesh: Any, model: GrokModel
     step_ms = statistics.median(times) * 1e3
     return {"config": args.config, "batch": args.batch, "active": active_slots, "tile": engine.row_tile,
             "dtype": args.dtype, "mesh": args.mesh, "devices": mesh.size, "platform": jax.devices()[0].platform,
-            "prompt_len": args.prompt_len, "sampled": True, "step_compile_s": round(compile_s, 3),
+            "prompt_len": args.prompt_len, "sampled": True, "controls": bool(args.controls), "step_compile_s": round(compile_s, 3),
             "step_ms": round(step_ms, 3), "tokens_per_s": round(active_slots / step_ms * 1e3, 2), "runs": args.runs}
 
 
@@ -117,6 +125,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--active", type=int, default=None, help="slots holding a request (default: all)")
     p.add_argument("--tile", type=int, default=None, help="decode rows per tile (default: the engine's)")
     p.add_argument("--sampled", action="store_true", help="time the engine step: decode + sampling")
+    p.add_argument("--controls", action="store_true", help="with --sampled: top_k, min_p, penalties, logit_bias on")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--mesh", default="1,1", help="DATA,MODEL")
     p.add_argument("--prompt-len", type=int, default=32)

@@ -31,6 +31,7 @@ FINISH = {
     model_pb2.FINISH_REASON_LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
     model_pb2.FINISH_REASON_EOS: gateway_pb2.FINISH_REASON_EOS,
     model_pb2.FINISH_REASON_CONTEXT_LENGTH: gateway_pb2.FINISH_REASON_CONTEXT_LENGTH,
+    model_pb2.FINISH_REASON_STOP_TOKEN: gateway_pb2.FINISH_REASON_STOP,
 }
 
 
@@ -41,7 +42,6 @@ class Progress:
     arrival: float
     tokenize_seconds: float = 0.0
     prompt_tokens: int = 0
-    completion_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
     model_timings: model_pb2.Timings = field(default_factory=model_pb2.Timings)
@@ -49,16 +49,56 @@ class Progress:
     prefill_seconds: float = 0.0
 
 
+@dataclass
+class Completion:
+    """One of the request's n completions: its own detokenizer stream, stop matching and finish."""
+
+    index: int
+    detokenizer: TextStream
+    matcher: StopMatcher
+    completion_tokens: int = 0
+    release: Release = field(default_factory=Release)
+    finish: int = gateway_pb2.FINISH_REASON_UNSPECIFIED
+    model_finished: bool = False  # the model ended it (else a stop sequence did, and the model may still run it)
+    echo: str = ""  # the prompt text, until the completion's first message carries it
+    scored: list[gateway_pb2.PromptToken] = field(default_factory=list)  # the scored prompt, until it is sent
+
+    def decorate(self, message: gateway_pb2.GenerateResponse) -> gateway_pb2.GenerateResponse:
+        """Put the echoed prompt and the scored prompt (each once) in front of the completion's next message."""
+        if self.echo:
+            message.text, self.echo = self.echo + message.text, ""
+        if self.scored:
+            message.prompt_logprobs.extend(self.scored)
+            self.scored = []
+        return message
+
+    @property
+    def done(self) -> bool:
+        return self.finish != gateway_pb2.FINISH_REASON_UNSPECIFIED
+
+
 def model_request(request: TextRequest, planned: Plan, request_id: str) -> model_pb2.GenerateRequest:
+    s = request.sampling
     out = model_pb2.GenerateRequest(
-        token_ids=planned.prompt_ids, max_tokens=planned.max_tokens, temperature=request.temperature,
-        ignore_eos=request.ignore_eos, top_logprobs=request.top_logprobs,
-        allowed_token_ids=request.allowed_token_ids, blocked_token_ids=request.blocked_token_ids,
-        request_id=request_id)
-    if request.HasField("top_p"):
-        out.top_p = request.top_p
-    if request.HasField("seed"):
-        out.seed = request.seed
+        token_ids=planned.prompt_ids, max_tokens=planned.max_tokens, temperature=s.temperature,
+        ignore_eos=s.ignore_eos, top_logprobs=s.top_logprobs,
+        allowed_token_ids=s.allowed_token_ids, blocked_token_ids=s.blocked_token_ids,
+        request_id=request_id, n=planned.n, top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias), stop_token_ids=s.stop_token_ids)
+    for name in ("top_p", "seed", "repetition_penalty", "prompt_logprobs"):
+        if s.HasField(name):
+            setattr(out, name, getattr(s, name))
+    return out
+
+
+def without_stop_token(reply: model_pb2.GenerateResponse) -> model_pb2.GenerateResponse:
+    """A reply that ended on one of the request's stop_token_ids, less that token: its text is not returned (as
+    vLLM does); usage still counts it."""
+    out = model_pb2.GenerateResponse()
+    out.CopyFrom(reply)
+    del out.token_ids[-1:]
+    if len(out.tokens) == len(reply.token_ids):
+        del out.tokens[-1:]
     return out
 
 
@@ -86,45 +126,85 @@ class Pipeline:
         # Before the model call: a tokenizer that cannot give its table costs no model slot.
         table = await self.tokenizer.piece_table(deadline) if self.local_detokenize else None
         model_stream = await self.pool.generate(model_request(request, planned, request_id), deadline, metadata)
-        detokenizer: TextStream | None = None
+        completions: list[Completion] = []
         try:
-            detokenizer = (LocalDetokenizer(table) if table is not None
-                           else self.tokenizer.detokenizer(deadline, metadata))
-            matcher = StopMatcher(request.stop)
-            finish = gateway_pb2.FINISH_REASON_UNSPECIFIED
-            release = Release()
+            for index in range(planned.n):
+                detokenizer = (LocalDetokenizer(table) if table is not None
+                               else self.tokenizer.detokenizer(deadline, metadata))
+                completions.append(Completion(index, detokenizer,
+                                              StopMatcher(request.sampling.stop),
+                                              echo=request.prompt if request.sampling.echo else ""))
             async for reply in model_stream.responses():
-                self._observe(reply, progress, method)
-                _, token_texts = await detokenizer.push(reply.token_ids) if reply.token_ids else ("", [])
-                tokens = await self._tokens(reply, token_texts, request.top_logprobs, table, deadline, metadata)
-                release = matcher.feed(tokens)
-                if release.stopped:
-                    finish = gateway_pb2.FINISH_REASON_STOP
+                if not 0 <= reply.index < len(completions) or completions[reply.index].done:
+                    continue  # a completion a stop sequence ended: the model's further tokens for it are dropped
+                completion = completions[reply.index]
+                if reply.prompt_logprobs:  # each completion's first message carries the scored prompt
+                    scored = await self._scored_prompt(reply, planned.prompt_ids[0], table, deadline, metadata)
+                    for c in completions:
+                        c.scored = list(scored)
+                async for message in self._advance(completion, reply, request, progress, method, table, deadline,
+                                                   metadata):
+                    yield message
+                if all(c.done for c in completions):
                     break
-                if reply.finish_reason != model_pb2.FINISH_REASON_UNSPECIFIED:
-                    finish = FINISH.get(reply.finish_reason, gateway_pb2.FINISH_REASON_LENGTH)
-                    break
-                if release.tokens:
-                    yield gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens)
             else:
                 log.warning("model stream ended without a finish reason",
                             extra={"replica": model_stream.replica.address})
                 raise down("model", "it ended the stream without a finish reason (restarting?)")
-            if finish != gateway_pb2.FINISH_REASON_STOP:
-                await model_stream.drain()
-                tail = matcher.finish(await detokenizer.finish())
-                release = Release(release.tokens + tail.tokens, tail.stopped, tail.extra)
-                finish = gateway_pb2.FINISH_REASON_STOP if tail.stopped else finish
-            yield self._last(release, finish, progress, loop.time())
+            if all(c.model_finished for c in completions):
+                await model_stream.drain()  # every completion ended in the model: let the call complete OK
         finally:
             model_stream.close()
-            if detokenizer is not None:
-                detokenizer.cancel()
+            for completion in completions:
+                completion.detokenizer.cancel()
+
+    async def _advance(self, completion: Completion, reply: model_pb2.GenerateResponse, request: TextRequest,
+                       progress: Progress, method: str, table: PieceTable | None, deadline: float | None,
+                       metadata: Metadata) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """One model reply for `completion`: its text so far, or (when it ends) its last message."""
+        self._observe(reply, progress, method)
+        completion.completion_tokens = max(completion.completion_tokens, reply.completion_tokens)
+        if reply.finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN:
+            reply = without_stop_token(reply)
+        texts = (await completion.detokenizer.push(reply.token_ids))[1] if reply.token_ids else []
+        tokens = await self._tokens(reply, texts, request.sampling.top_logprobs, table, deadline, metadata)
+        release = completion.matcher.feed(tokens)
+        if release.stopped:
+            completion.release, completion.finish = release, gateway_pb2.FINISH_REASON_STOP
+        elif reply.finish_reason != model_pb2.FINISH_REASON_UNSPECIFIED:
+            completion.model_finished = True
+            tail = completion.matcher.finish(await completion.detokenizer.finish())
+            completion.release = Release(release.tokens + tail.tokens, tail.stopped, tail.extra)
+            completion.finish = gateway_pb2.FINISH_REASON_STOP if tail.stopped else FINISH.get(
+                reply.finish_reason, gateway_pb2.FINISH_REASON_LENGTH)
+        elif release.tokens or completion.scored:
+            yield completion.decorate(gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens,
+                                                                   index=completion.index))
+            return
+        if completion.done:
+            yield completion.decorate(self._last(completion, progress, asyncio.get_running_loop().time()))
+
+    async def _scored_prompt(self, reply: model_pb2.GenerateResponse, first_id: int, table: PieceTable | None,
+                             deadline: float | None, metadata: Metadata) -> list[gateway_pb2.PromptToken]:
+        """The model's scored prompt (tokens 1..end) as PromptTokens, after the unscored first token."""
+        scored = list(reply.prompt_logprobs)
+        ids = [first_id] + [t.id for t in scored] + [top.id for t in scored for top in t.top_tokens]
+        texts = await self._piece_texts(ids, table, deadline, metadata)
+        return [gateway_pb2.PromptToken(id=first_id, text=texts[first_id])] + [gateway_pb2.PromptToken(
+            id=t.id, text=texts.get(t.id, ""), logprob=t.logprob,
+            top_tokens=[gateway_pb2.TopToken(id=top.id, text=texts.get(top.id, ""), probability=top.probability,
+                                             logprob=top.logprob) for top in t.top_tokens]) for t in scored]
+
+    async def _piece_texts(self, ids: list[int], table: PieceTable | None, deadline: float | None,
+                           metadata: Metadata) -> dict[int, str]:
+        """Each id's piece text: from the local table, else from the tokenizer service."""
+        if table is not None:
+            return _piece_texts(table, ids)
+        return await self.tokenizer.piece_texts(ids, deadline, metadata)
 
     def _observe(self, reply: model_pb2.GenerateResponse, progress: Progress, method: str) -> None:
         now = asyncio.get_running_loop().time()
         progress.prompt_tokens = reply.prompt_tokens or progress.prompt_tokens
-        progress.completion_tokens = max(progress.completion_tokens, reply.completion_tokens)
         if reply.HasField("timings"):
             if progress.first_token_at is None:
                 progress.queue_seconds = reply.timings.queue_seconds
@@ -147,8 +227,7 @@ class Pipeline:
         alternatives: dict[int, str] = {}
         if top_logprobs:
             ids = [top.id for d in details if d is not None for top in d.top_tokens]
-            alternatives = (await self.tokenizer.piece_texts(ids, deadline, metadata) if table is None
-                            else _piece_texts(table, ids))
+            alternatives = await self._piece_texts(ids, table, deadline, metadata)
         tokens = []
         for token_id, text, detail in zip(reply.token_ids, texts, details):
             token = gateway_pb2.Token(id=token_id, text=text)
@@ -160,19 +239,22 @@ class Pipeline:
             tokens.append(token)
         return tokens
 
-    def _last(self, release: Release, finish: int, progress: Progress, now: float) -> gateway_pb2.GenerateResponse:
-        completion = progress.completion_tokens
-        self.metrics.prompt_tokens.inc(progress.prompt_tokens)
-        self.metrics.completion_tokens.inc(completion)
+    def _last(self, completion: Completion, progress: Progress, now: float) -> gateway_pb2.GenerateResponse:
+        """A completion's last message: its remaining text, finish reason, usage and timings."""
+        completion_tokens = completion.completion_tokens
+        if completion.index == 0:
+            self.metrics.prompt_tokens.inc(progress.prompt_tokens)  # the prompt once per request
+        self.metrics.completion_tokens.inc(completion_tokens)
         first = progress.first_token_at if progress.first_token_at is not None else now
         timings = gateway_pb2.Timings(
             tokenize_seconds=progress.tokenize_seconds, queue_seconds=progress.queue_seconds,
             prefill_seconds=progress.prefill_seconds, mean_step_seconds=progress.model_timings.mean_step_seconds,
             time_to_first_token_seconds=first - progress.arrival, total_seconds=now - progress.arrival)
-        usage = gateway_pb2.Usage(prompt_tokens=progress.prompt_tokens, completion_tokens=completion,
-                                  total_tokens=progress.prompt_tokens + completion)
-        return gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, finish_reason=finish,
-                                            usage=usage, timings=timings)
+        usage = gateway_pb2.Usage(prompt_tokens=progress.prompt_tokens, completion_tokens=completion_tokens,
+                                  total_tokens=progress.prompt_tokens + completion_tokens)
+        release = completion.release
+        return gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, finish_reason=completion.finish,
+                                            usage=usage, timings=timings, index=completion.index)
 
 
 def _piece_texts(table: PieceTable, ids: list[int]) -> dict[int, str]:

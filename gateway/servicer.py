@@ -36,6 +36,24 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return asyncio.get_running_loop().time() + left
 
 
+def complete_response(choices: list[gateway_pb2.Completion],
+                      last: dict[int, gateway_pb2.GenerateResponse]) -> gateway_pb2.CompleteResponse:
+    """Completion 0 in the top-level fields, every completion in `choices`; usage counts the prompt once."""
+    out = gateway_pb2.CompleteResponse(choices=choices)
+    if not choices:
+        return out
+    first = choices[0]
+    out.text, out.finish_reason = first.text, first.finish_reason
+    out.tokens.extend(first.tokens)
+    if first.index in last:
+        out.timings.CopyFrom(last[first.index].timings)
+        prompt = last[first.index].usage.prompt_tokens
+        generated = sum(c.completion_tokens for c in choices)
+        out.usage.CopyFrom(gateway_pb2.Usage(prompt_tokens=prompt, completion_tokens=generated,
+                                             total_tokens=prompt + generated))
+    return out
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     """Generate, Complete and GetInfo over a Pipeline."""
 
@@ -51,16 +69,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def Complete(self, request: gateway_pb2.CompleteRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> gateway_pb2.CompleteResponse:
-        out = gateway_pb2.CompleteResponse()
-        parts = []
+        choices: dict[int, gateway_pb2.Completion] = {}
+        last: dict[int, gateway_pb2.GenerateResponse] = {}
+        scored: list[gateway_pb2.PromptToken] = []
         async for message in self._run(request, context, "Complete"):
-            parts.append(message.text)
-            out.tokens.extend(message.tokens)
+            if message.index == 0:  # every completion's first message carries the same scored prompt
+                scored.extend(message.prompt_logprobs)
+            choice = choices.setdefault(message.index, gateway_pb2.Completion(index=message.index))
+            choice.text += message.text
+            choice.tokens.extend(message.tokens)
             if message.finish_reason:
-                out.finish_reason = message.finish_reason
-                out.usage.CopyFrom(message.usage)
-                out.timings.CopyFrom(message.timings)
-        out.text = "".join(parts)
+                choice.finish_reason = message.finish_reason
+                choice.completion_tokens = message.usage.completion_tokens
+                last[message.index] = message
+        out = complete_response([choices[i] for i in sorted(choices)], last)
+        out.prompt_logprobs.extend(scored)
         return out
 
     async def GetInfo(self, request: gateway_pb2.GetInfoRequest,  # noqa: N802

@@ -12,42 +12,68 @@ from typing import Protocol
 
 from gateway.config import Limits
 from gateway.errors import invalid
+from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
 
 
+# Bounds of the sampling controls (vLLM's and OpenAI's ranges; the model service checks them too).
+PENALTY_LIMIT = 2.0
+LOGIT_BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 64
+MAX_PROMPT_LOGPROBS = 8
+
+
 class TextRequest(Protocol):
-    """The fields GenerateRequest and CompleteRequest share."""
+    """What GenerateRequest and CompleteRequest share: a prompt and one SamplingParams."""
 
     prompt: str
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    stop: list[str]
-    ignore_eos: bool
-    top_logprobs: int
-    allowed_token_ids: list[int]
-    blocked_token_ids: list[int]
-
-    def HasField(self, name: str) -> bool: ...  # noqa: N802 (protobuf's name)
+    sampling: gateway_pb2.SamplingParams
 
 
 def check_request(request: TextRequest, limits: Limits) -> None:
-    """Raise INVALID_ARGUMENT naming the first bad field of `request`."""
+    """Raise INVALID_ARGUMENT naming the first bad field of `request` (a sampling field by its own name)."""
     if not request.prompt:
         raise invalid("prompt", "must be non-empty")
     size = len(request.prompt.encode("utf-8"))
     if size > limits.max_prompt_bytes:
         raise invalid("prompt", f"{size} bytes is over the limit of {limits.max_prompt_bytes} bytes")
-    if request.HasField("max_tokens") and request.max_tokens < 1:
-        raise invalid("max_tokens", f"must be >= 1 (got {request.max_tokens}); leave it unset for the default")
-    if not math.isfinite(request.temperature) or request.temperature < 0:
-        raise invalid("temperature", f"must be finite and >= 0 (got {request.temperature}); 0 means greedy")
-    if request.HasField("top_p") and not (math.isfinite(request.top_p) and 0 < request.top_p <= 1):
-        raise invalid("top_p", f"must be in (0, 1] (got {request.top_p}); leave it unset for 1.0")
-    if not 0 <= request.top_logprobs <= limits.max_top_logprobs:
-        raise invalid("top_logprobs", f"must be in 0..{limits.max_top_logprobs} (got {request.top_logprobs})")
-    check_stops(list(request.stop), limits)
+    s = request.sampling
+    if s.HasField("max_tokens") and s.max_tokens < 1:
+        raise invalid("max_tokens", f"must be >= 1 (got {s.max_tokens}); leave it unset for the default")
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise invalid("temperature", f"must be finite and >= 0 (got {s.temperature}); 0 means greedy")
+    if s.HasField("top_p") and not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
+        raise invalid("top_p", f"must be in (0, 1] (got {s.top_p}); leave it unset for 1.0")
+    if not 0 <= s.top_logprobs <= limits.max_top_logprobs:
+        raise invalid("top_logprobs", f"must be in 0..{limits.max_top_logprobs} (got {s.top_logprobs})")
+    check_controls(s)
+    check_stops(list(s.stop), limits)
+
+
+def check_controls(s: gateway_pb2.SamplingParams) -> None:
+    """The ranges of top_k, min_p, the penalties, logit_bias and stop_token_ids (ids are checked by `plan`)."""
+    if s.top_k < -1:
+        raise invalid("top_k", f"must be -1 or 0 (off) or >= 1 (got {s.top_k})")
+    if not (math.isfinite(s.min_p) and 0 <= s.min_p <= 1):
+        raise invalid("min_p", f"must be in [0, 1] (got {s.min_p}); 0 is off")
+    if s.HasField("repetition_penalty") and not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
+        raise invalid("repetition_penalty", f"must be > 0 (got {s.repetition_penalty}); 1 is off")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not (math.isfinite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT):
+            raise invalid(name, f"must be in [-2, 2] (got {value}); 0 is off")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise invalid("logit_bias", f"{len(s.logit_bias)} entries is over the limit of {MAX_LOGIT_BIAS}")
+    for token, bias in s.logit_bias.items():
+        if not (math.isfinite(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
+            raise invalid("logit_bias", f"the bias of token {token} must be in [-100, 100] (got {bias})")
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid("stop_token_ids", f"{len(s.stop_token_ids)} ids is over the limit of {MAX_STOP_TOKEN_IDS}")
+    if s.HasField("prompt_logprobs") and not 0 <= s.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+        raise invalid("prompt_logprobs", f"must be in 0..{MAX_PROMPT_LOGPROBS} (got {s.prompt_logprobs})")
+    if s.n < 0:
+        raise invalid("n", f"must be >= 1 (got {s.n}); 0 or unset means 1")
 
 
 def check_stops(stops: list[str], limits: Limits) -> None:
@@ -66,16 +92,22 @@ class Plan:
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
+    n: int = 1  # completions
 
 
 def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoResponse, limits: Limits) -> Plan:
     """Check the encoded prompt and token ids against the model; choose max_tokens."""
     config = info.config
     vocab, context = config.vocab_size, config.sequence_len
-    for field in ("allowed_token_ids", "blocked_token_ids"):
-        for token in getattr(request, field):
+    s = request.sampling
+    for field in ("allowed_token_ids", "blocked_token_ids", "stop_token_ids", "logit_bias"):
+        for token in getattr(s, field):
             if not 0 <= token < vocab:
                 raise invalid(field, f"token id {token} is outside the vocabulary [0, {vocab})")
+    n = s.n or 1
+    if info.slots and n > info.slots:
+        raise invalid("n", f"{n} completions is over the model's {info.slots} slots (each completion takes one); "
+                      "ask for fewer")
     count = len(prompt_ids)
     if count == 0:
         raise invalid("prompt", "encodes to no tokens")
@@ -84,9 +116,9 @@ def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoRes
         raise invalid("prompt", f"{count} tokens is over the longest prompt the model accepts ({longest} tokens)")
     if count >= context:
         raise invalid("prompt", f"{count} tokens leave no room to generate in the model's context of {context}")
-    if request.HasField("max_tokens"):
-        if count + request.max_tokens > context:
-            raise invalid("max_tokens", f"prompt ({count} tokens) + max_tokens ({request.max_tokens}) is over the "
+    if s.HasField("max_tokens"):
+        if count + s.max_tokens > context:
+            raise invalid("max_tokens", f"prompt ({count} tokens) + max_tokens ({s.max_tokens}) is over the "
                           f"model's context of {context} tokens; lower max_tokens to at most {context - count}")
-        return Plan(tuple(prompt_ids), request.max_tokens)
-    return Plan(tuple(prompt_ids), min(limits.default_max_tokens, context - count))
+        return Plan(tuple(prompt_ids), s.max_tokens, n)
+    return Plan(tuple(prompt_ids), min(limits.default_max_tokens, context - count), n)

@@ -17,6 +17,7 @@ and read with `get()`, so the caller can dispatch the next step first and overla
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -29,6 +30,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model_service.config import ModelConfig
+from model_service.controls import NO_CONTROLS, SamplingControls
+from model_service.logits_processing import (
+    Controls,
+    History,
+    controls_row,
+    empty_history,
+    idle_controls,
+    prompt_mask,
+    record_tokens,
+)
 from model_service.sampling import (
     TOP_K,
     SampleResult,
@@ -54,6 +65,8 @@ class DecodeState(NamedTuple):
     tokens: jax.Array  # [B] int32, each slot's last sampled token (the next step's input)
     keys: jax.Array  # [B, 2] uint32, each slot's PRNG key (split before every draw)
     sampling: SamplingParams  # [B] / [B, V]
+    controls: Controls  # [B] / [B, MAX_LOGIT_BIAS]: issue 12's controls (logits_processing.py)
+    history: History  # [B, V]: prompt tokens and generated-token counts, for the penalties
 
 
 class Prefix(NamedTuple):
@@ -63,6 +76,9 @@ class Prefix(NamedTuple):
     token: jax.Array  # [] int32, the first sampled token
     key: jax.Array  # [2] uint32, the key to split for the next draw
     sampling: SamplingParams  # [1] / [1, V]
+    controls: Controls  # batch 1
+    history: History  # [1, V], the first token already counted
+    logits: jax.Array  # [1, V] float32, the prompt's last logits: `resample` draws more first tokens from them
 
 
 @dataclass
@@ -77,7 +93,17 @@ class ChunkedPrefill:
     top_p: float
     mask: np.ndarray  # [V] bool
     top_logprobs: int
+    controls: SamplingControls = NO_CONTROLS
     next_start: int = 0
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Host arrays scoring a prompt's tokens 1..n-1 (each after the tokens before it) under the raw logits."""
+
+    logprob: np.ndarray  # [n-1] float32, of the prompt's own next token
+    top_ids: np.ndarray  # [n-1, TOP_K] int32, most likely first
+    top_logprobs: np.ndarray  # [n-1, TOP_K] float32
 
 
 @dataclass(frozen=True)
@@ -89,6 +115,7 @@ class StepOutput:
     top_ids: np.ndarray  # [B, TOP_K] int32
     top_probs: np.ndarray  # [B, TOP_K] float32
     bad: np.ndarray  # [B] bool
+    prompt: PromptLogprobs | None = None  # a prefill's prompt logprobs, when asked for
 
     @classmethod
     def from_device(cls, result: SampleResult) -> "StepOutput":
@@ -153,7 +180,8 @@ class Engine:
         replicated = NamedSharding(mesh, PartitionSpec())
         self.state_shardings = DecodeState(
             memory=model.memory_shardings(slots), tokens=replicated, keys=replicated,
-            sampling=SamplingParams(*([replicated] * len(SamplingParams._fields))))
+            sampling=SamplingParams(*([replicated] * len(SamplingParams._fields))),
+            controls=Controls(*([replicated] * len(Controls._fields))), history=History(replicated, replicated))
         self.params_shardings = model.params_shardings(params)
         self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
         self._prefill = jax.jit(self._prefill_impl)
@@ -162,11 +190,14 @@ class Engine:
                                  in_shardings=(self.params_shardings, self.state_shardings),
                                  out_shardings=(self.state_shardings, None))
         self._free = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=self.state_shardings)
+        self._resample = jax.jit(self._resample_impl)
+        # Compiled on first use per bucket (prompt logprobs are rare; compile_all stays as fast as before).
+        self._score = jax.jit(model.prompt_logprobs, static_argnums=(2,))
         self._extend = jax.jit(self._extend_impl, donate_argnums=(1,),
                                in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 4,
                                out_shardings=self.state_shardings)
         self._extend_last = jax.jit(self._extend_last_impl, donate_argnums=(1,),
-                                    in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 9,
+                                    in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 11,
                                     out_shardings=(self.state_shardings, None))
 
     # ---- pure functions (jitted above) ------------------------------------------------------
@@ -177,24 +208,38 @@ class Engine:
             keys=jnp.zeros((b, 2), jnp.uint32),
             sampling=SamplingParams(jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.float32),
                                     jnp.ones((b, self.vocab_size), bool), jnp.zeros((b,), bool),
-                                    jnp.zeros((b,), jnp.int32)))
+                                    jnp.zeros((b,), jnp.int32)),
+            controls=idle_controls(b, self.vocab_size), history=empty_history(b, self.vocab_size))
 
     def _prefill_impl(self, params: Any, tokens: jax.Array, length: jax.Array, seed: jax.Array,
-                      temperature: jax.Array, top_p: jax.Array, mask: jax.Array,
-                      num_top: jax.Array) -> tuple[Prefix, SampleResult]:
-        # tokens [1, T] int32 (T = bucket), length [] int32, seed [] uint32, mask [V] bool, num_top [] int32
+                      temperature: jax.Array, top_p: jax.Array, mask: jax.Array, num_top: jax.Array,
+                      controls: Controls, prompt: jax.Array) -> tuple[Prefix, SampleResult]:
+        # tokens [1, T] int32 (T = bucket), length [] int32, seed [] uint32, mask [V] bool, num_top [] int32,
+        # controls batch 1, prompt [1, V] bool
         logits, memory = self.model.prefill(params, tokens, length[None])  # [1, V]
         rest, draw = split_key(seed_key(seed))
         sampling = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool), num_top[None])
-        result = sample_tokens(draw[None], logits, sampling)
-        return Prefix(memory, result.token[0], rest, sampling), result
+        history = History(prompt, jnp.zeros(prompt.shape, jnp.int32))
+        result = sample_tokens(draw[None], logits, sampling, controls, history)
+        history = record_tokens(history, result.token, jnp.ones((1,), bool))
+        return Prefix(memory, result.token[0], rest, sampling, controls, history, logits), result
+
+    def _resample_impl(self, prefix: Prefix, seed: jax.Array) -> tuple[Prefix, SampleResult]:
+        # The same prompt's first token drawn with another seed's key: exactly what a prefill with `seed` draws.
+        rest, draw = split_key(seed_key(seed))
+        history = History(prefix.history.prompt, jnp.zeros_like(prefix.history.counts))
+        result = sample_tokens(draw[None], prefix.logits, prefix.sampling, prefix.controls, history)
+        history = record_tokens(history, result.token, jnp.ones((1,), bool))
+        return prefix._replace(token=result.token[0], key=rest, history=history), result
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeState:
         return DecodeState(
             memory=self.model.insert(state.memory, prefix.memory, slot),
             tokens=state.tokens.at[slot].set(prefix.token),
             keys=state.keys.at[slot].set(prefix.key),
-            sampling=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.sampling, prefix.sampling))
+            sampling=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.sampling, prefix.sampling),
+            controls=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.controls, prefix.controls),
+            history=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.history, prefix.history))
 
     def _generate_impl(self, params: Any, state: DecodeState) -> tuple[DecodeState, SampleResult]:
         active = state.sampling.active  # [B]
@@ -204,11 +249,12 @@ class Engine:
         tiles = None if tile == self.slots else (last + tile) // tile
         logits, memory = self.model.decode(params, state.tokens, state.memory, active, tile, tiles)  # [B, V]
         rest, draw = split_keys(state.keys)
-        result = sample_tokens(draw, logits, state.sampling)
+        result = sample_tokens(draw, logits, state.sampling, state.controls, state.history)
         # A free slot keeps its token and key (a later insert overwrites them).
         tokens = jnp.where(active, result.token, state.tokens)
         keys = jnp.where(active[:, None], rest, state.keys)
-        return DecodeState(memory, tokens, keys, state.sampling), result
+        history = record_tokens(state.history, result.token, active)
+        return DecodeState(memory, tokens, keys, state.sampling, state.controls, history), result
 
     def _extend_impl(self, params: Any, state: DecodeState, tokens: jax.Array, slot: jax.Array, start: jax.Array,
                      last: jax.Array) -> DecodeState:
@@ -218,13 +264,18 @@ class Engine:
 
     def _extend_last_impl(self, params: Any, state: DecodeState, tokens: jax.Array, slot: jax.Array,
                           start: jax.Array, last: jax.Array, seed: jax.Array, temperature: jax.Array,
-                          top_p: jax.Array, mask: jax.Array, num_top: jax.Array) -> tuple[DecodeState, SampleResult]:
+                          top_p: jax.Array, mask: jax.Array, num_top: jax.Array, controls: Controls,
+                          prompt: jax.Array) -> tuple[DecodeState, SampleResult]:
         logits, memory = self.model.extend(params, tokens, state.memory, slot, start, last)  # [1, V]
         rest, draw = split_key(seed_key(seed))
         one = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool), num_top[None])
-        result = sample_tokens(draw[None], logits, one)
+        history = History(prompt, jnp.zeros(prompt.shape, jnp.int32))
+        result = sample_tokens(draw[None], logits, one, controls, history)
+        history = record_tokens(history, result.token, jnp.ones((1,), bool))
+        put = lambda all_, o: all_.at[slot].set(o[0])  # noqa: E731
         return DecodeState(memory, state.tokens.at[slot].set(result.token[0]), state.keys.at[slot].set(rest),
-                           jax.tree.map(lambda all_, o: all_.at[slot].set(o[0]), state.sampling, one)), result
+                           jax.tree.map(put, state.sampling, one), jax.tree.map(put, state.controls, controls),
+                           jax.tree.map(put, state.history, history)), result
 
     def _free_impl(self, state: DecodeState, slot: jax.Array) -> DecodeState:
         # A free slot is skipped by the step; give it neutral inputs so nothing of the finished request lingers.
@@ -232,8 +283,11 @@ class Engine:
                                   state.sampling.top_p.at[slot].set(1.0),
                                   state.sampling.mask.at[slot].set(True), state.sampling.active.at[slot].set(False),
                                   state.sampling.num_top.at[slot].set(0))
+        idle = idle_controls(1, self.vocab_size)
         return DecodeState(state.memory, state.tokens.at[slot].set(self.pad_id),
-                           state.keys.at[slot].set(jnp.zeros((2,), jnp.uint32)), sampling)
+                           state.keys.at[slot].set(jnp.zeros((2,), jnp.uint32)), sampling,
+                           jax.tree.map(lambda all_, o: all_.at[slot].set(o[0]), state.controls, idle),
+                           jax.tree.map(lambda all_: all_.at[slot].set(jnp.zeros_like(all_[0])), state.history))
 
     # ---- host API ---------------------------------------------------------------------------
     def bucket_for(self, length: int) -> int:
@@ -247,15 +301,30 @@ class Engine:
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
                 allowed: Sequence[int] = (), blocked: Sequence[int] = (),
-                top_logprobs: int = TOP_K) -> tuple[Prefix, StepOutput]:
+                top_logprobs: int = TOP_K, controls: SamplingControls = NO_CONTROLS,
+                prompt_logprobs: int | None = None) -> tuple[Prefix, StepOutput]:
         """Run one prompt; returns the prefix to insert and its first token (host arrays, batch 1).
-        `top_logprobs` alternatives are computed for every token of the request (0 skips them)."""
+        `top_logprobs` alternatives are computed for every token of the request (0 skips them); `controls`
+        are issue 12's (controls.py), all off by default. `prompt_logprobs` (not None) also scores the prompt's
+        tokens (StepOutput.prompt) in a second, full pass over the prompt."""
         n = len(tokens)
         padded = np.full((1, self.bucket_for(n)), self.pad_id, np.int32)
         padded[0, :n] = tokens
         mask = build_mask(self.vocab_size, self.pad_id, allowed, blocked)
         prefix, result = self._prefill(self.params, padded, np.int32(n), np.uint32(seed), np.float32(temperature),
-                                       np.float32(top_p), mask, np.int32(top_logprobs))
+                                       np.float32(top_p), mask, np.int32(top_logprobs),
+                                       controls_row(controls, self.vocab_size), prompt_mask(tokens, self.vocab_size))
+        out = StepOutput.from_device(result)
+        if prompt_logprobs is not None:
+            chosen, top, ids = jax.device_get(self._score(self.params, padded, TOP_K))
+            out = dataclasses.replace(out, prompt=PromptLogprobs(chosen[:n - 1], ids[:n - 1], top[:n - 1]))
+        return prefix, out
+
+    def resample(self, prefix: Prefix, *, seed: int) -> tuple[Prefix, StepOutput]:
+        """Another sample of a prefilled prompt (n > 1 shares one prefill): the prefix with its first token drawn
+        with `seed`'s key, bit-identical to `prefill(..., seed=seed)` of the same prompt and settings. The KV
+        memory is shared, not copied (insert copies it into the slot)."""
+        prefix, result = self._resample(prefix, np.uint32(seed))
         return prefix, StepOutput.from_device(result)
 
     def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
@@ -268,7 +337,7 @@ class Engine:
 
     def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
                       allowed: Sequence[int] = (), blocked: Sequence[int] = (),
-                      top_logprobs: int = TOP_K) -> ChunkedPrefill:
+                      top_logprobs: int = TOP_K, controls: SamplingControls = NO_CONTROLS) -> ChunkedPrefill:
         """Start prefilling a long prompt into free `slot`, one chunk per `prefill_next_chunk` call.
 
         The chunks depend only on the prompt, so its results never depend on what runs between them. Pad
@@ -278,7 +347,7 @@ class Engine:
         padded = np.full((-(-n // c) * c,), self.pad_id, np.int32)
         padded[:n] = tokens
         return ChunkedPrefill(padded, n, slot, seed, temperature, top_p,
-                              build_mask(self.vocab_size, self.pad_id, allowed, blocked), top_logprobs)
+                              build_mask(self.vocab_size, self.pad_id, allowed, blocked), top_logprobs, controls)
 
     def prefill_next_chunk(self, job: ChunkedPrefill, state: DecodeState) -> tuple[DecodeState, StepOutput | None]:
         """Run the job's next chunk; after the last one the slot is active and its first token returned."""
@@ -290,7 +359,8 @@ class Engine:
         state, result = self._extend_last(self.params, state, chunk, np.int32(job.slot), np.int32(start),
                                           np.int32(job.length - 1 - start), np.uint32(job.seed),
                                           np.float32(job.temperature), np.float32(job.top_p), job.mask,
-                                          np.int32(job.top_logprobs))
+                                          np.int32(job.top_logprobs), controls_row(job.controls, self.vocab_size),
+                                          prompt_mask(job.tokens[:job.length], self.vocab_size))
         return state, StepOutput.from_device(result)
 
     def generate(self, state: DecodeState) -> tuple[DecodeState, PendingStep]:
@@ -303,7 +373,7 @@ class Engine:
         return self._free(state, np.int32(slot))
 
     def compile_all(self) -> dict[str, float]:
-        """Compile (by running) every bucket's prefill and insert, the decode step and free_slot.
+        """Compile (by running) every bucket's prefill, insert and resample, the decode step and free_slot.
 
         Returns seconds per program; with a warm persistent compilation cache these are loads.
         """
@@ -318,6 +388,9 @@ class Engine:
             start = time.monotonic()
             state = jax.block_until_ready(self.insert(prefix, state, 0))
             timings[f"insert_{bucket}"] = time.monotonic() - start
+            start = time.monotonic()
+            self.resample(prefix, seed=1)  # n > 1 draws its other first tokens with it
+            timings[f"resample_{bucket}"] = time.monotonic() - start
         if self.chunked(self.buckets[-1]):
             start = time.monotonic()
             job = self.begin_prefill([self.eos_id] * self.buckets[-1], slot=0, seed=0, temperature=1.0, top_p=1.0)

@@ -10,6 +10,10 @@ temperature 1). Work nobody asked for is skipped: free slots, the nucleus search
 of a greedy slot, the alternatives of a slot that wants none; one exponential pass serves the nucleus
 search and the reported probabilities.
 
+The controls of issue 12 (logit_bias, penalties, top-k, min-p: controls.py for their order) are applied
+when `sample_tokens` gets their per-slot settings, each under its own per-slot condition, so a slot that
+uses none of them runs exactly the steps above.
+
 Key schedule (the reference's): `key = PRNGKey(seed)`, `(rest, draw) = split(key)`; the first token
 is drawn with `draw`; before each later token the slot's `rest` is split again the same way.
 """
@@ -22,6 +26,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from model_service.logits_processing import (
+    Controls,
+    History,
+    add_bias,
+    apply_penalties,
+    min_p_filter,
+    top_k_filter,
+)
 
 TOP_K = 8  # alternatives computed per token (the proto allows asking for 0..8 of them)
 SORT_MAX_VOCAB = 8192  # up to this vocabulary size the nucleus threshold uses the reference's sort
@@ -144,14 +157,31 @@ def categorical(key: jax.Array, row: jax.Array) -> jax.Array:
     return first_argmax((noise + row)[0])
 
 
-def _sample_active(
+def _sample_active(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array, mask: jax.Array,
+                   num_top: jax.Array, extra: SlotControls | None = None) -> SampleResult:
+    """A slot that uses no control runs the reference's steps alone (one condition for all of them: the off path
+    carries no per-control branches or buffers); otherwise each control is applied under its own condition."""
+    if extra is None:
+        return _sample_filtered(key, logits, temperature, top_p, mask, num_top)
+    c, v = extra.controls, logits.shape[-1]
+    used = (jnp.any(c.bias_ids < v) | (c.repetition != 1) | (c.presence != 0) | (c.frequency != 0)
+            | ((c.top_k > 0) & (c.top_k < v)) | (c.min_p > 0))
+    return jax.lax.cond(used, lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, extra),
+                        lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top))
+
+
+def _sample_filtered(
     key: jax.Array,  # [2] uint32
     logits: jax.Array,  # [V] float32
     temperature: jax.Array,  # [] float32
     top_p: jax.Array,  # [] float32
     mask: jax.Array,  # [V] bool
     num_top: jax.Array,  # [] int32
+    extra: SlotControls | None = None,
 ) -> SampleResult:
+    raw = logits
+    if extra is not None:  # bias and penalties act on the raw logits (controls.py: order of operations)
+        logits = _biased_and_penalized(logits, extra)
     greedy = temperature <= 0
     # Greedy requests report probabilities at temperature 1 (proto: Token.probability).
     scale = jnp.where(greedy, jnp.float32(1), temperature).astype(logits.dtype)
@@ -159,6 +189,11 @@ def _sample_active(
     # softmax(row) = exp(row - max) / sum; the nucleus keeps the max, so the filtered softmax has the same
     # exponentials with the removed ones exactly 0 (exp(-1e10 - max) underflows to 0 as well).
     exps = jnp.exp(row - jnp.max(row))  # [V]
+    if extra is not None:  # top-k keeps the max too, so the same argument holds after it
+        k = extra.controls.top_k
+        with jax.named_scope("top_k"):
+            row, exps = jax.lax.cond((k > 0) & (k < row.shape[-1]),
+                                     lambda o: top_k_filter(o[0], o[1], k, MASKED_LOGIT), lambda o: o, (row, exps))
 
     def nucleus(operands: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         r, e = operands
@@ -173,6 +208,11 @@ def _sample_active(
     # Both shortcuts are exact: top_p = 1 keeps every logit, and a greedy slot takes the argmax.
     with jax.named_scope("nucleus"):
         row, exps = jax.lax.cond(top_p < 1, nucleus, lambda operands: operands, (row, exps))
+    if extra is not None:
+        min_p = extra.controls.min_p
+        with jax.named_scope("min_p"):
+            row, exps = jax.lax.cond(min_p > 0, lambda o: min_p_filter(o[0], o[1], min_p, MASKED_LOGIT),
+                                     lambda o: o, (row, exps))
     with jax.named_scope("draw"):
         drawn = jax.lax.cond(greedy, lambda r: first_argmax(r), lambda r: categorical(key, r[None]), row)
     with jax.named_scope("probabilities"):
@@ -181,27 +221,55 @@ def _sample_active(
         top_probs, top_ids = jax.lax.cond(
             num_top > 0, lambda p: tuple(jax.lax.top_k(p, k)),
             lambda p: (jnp.zeros((k,), p.dtype), jnp.zeros((k,), jnp.int32)), probs)
-    bad = ~jnp.all(jnp.isfinite(logits))
+    bad = ~jnp.all(jnp.isfinite(raw))
     return SampleResult(drawn, probs[drawn], top_ids.astype(jnp.int32), top_probs, bad)
 
 
+def _biased_and_penalized(logits: jax.Array, extra: SlotControls) -> jax.Array:
+    """logit_bias, then the penalties, each skipped when the slot does not use it (exact: identity)."""
+    c = extra.controls
+    with jax.named_scope("logit_bias"):
+        logits = jax.lax.cond(jnp.any(c.bias_ids < logits.shape[-1]), lambda x: add_bias(x, c.bias_ids, c.bias),
+                              lambda x: x, logits)
+    penalized = (c.repetition != 1) | (c.presence != 0) | (c.frequency != 0)
+    with jax.named_scope("penalties"):
+        return jax.lax.cond(penalized, lambda x: apply_penalties(x, extra.prompt, extra.counts, c.repetition,
+                                                                 c.presence, c.frequency), lambda x: x, logits)
+
+
+class SlotControls(NamedTuple):
+    """One slot's controls and token history (the rows of `Controls` and `History`)."""
+
+    controls: Controls
+    prompt: jax.Array  # [V] bool
+    counts: jax.Array  # [V] int32
+
+
 def _sample_one(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                mask: jax.Array, active: jax.Array, num_top: jax.Array) -> SampleResult:
-    def idle(*_: jax.Array) -> SampleResult:
+                mask: jax.Array, active: jax.Array, num_top: jax.Array,
+                extra: SlotControls | None = None) -> SampleResult:
+    def idle(*_: object) -> SampleResult:
         k = min(TOP_K, logits.shape[-1])
         return SampleResult(jnp.int32(0), jnp.float32(0), jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.float32),
                             jnp.bool_(False))
 
-    return jax.lax.cond(active, _sample_active, idle, key, logits, temperature, top_p, mask, num_top)
+    return jax.lax.cond(active, _sample_active, idle, key, logits, temperature, top_p, mask, num_top, extra)
 
 
-def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams) -> SampleResult:
+def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, controls: Controls | None = None,
+                  history: History | None = None) -> SampleResult:
     """Draw one token per slot. keys [B, 2] (draw keys), logits [B, V] float32.
 
     Slots are processed one after another (lax.map, not vmap) so that the per-slot branches are
     real: a free slot computes nothing, a greedy one skips the nucleus filter and the random draw
     (top_p = 1 skips the filter too; both shortcuts are exact), and a slot's result
-    is computed exactly as if it were alone.
+    is computed exactly as if it were alone. `controls` and `history` (both or neither) add the controls of
+    controls.py; without them the reference's sampler alone is compiled.
     """
-    return jax.lax.map(lambda args: _sample_one(*args), (keys, logits.astype(jnp.float32), params.temperature,
-                                                         params.top_p, params.mask, params.active, params.num_top))
+    xs = (keys, logits.astype(jnp.float32), params.temperature, params.top_p, params.mask, params.active,
+          params.num_top)
+    if controls is None:
+        return jax.lax.map(lambda args: _sample_one(*args), xs)
+    assert history is not None
+    return jax.lax.map(lambda args: _sample_one(*args[:-1], extra=args[-1]),
+                       xs + (SlotControls(controls, history.prompt, history.counts),))

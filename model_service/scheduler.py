@@ -25,11 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from model_service.controls import NO_CONTROLS, SamplingControls, controls_problem, stop_token_ids_problem
+
 
 class FinishReason(enum.Enum):
     LENGTH = "length"
     EOS = "eos"
     CONTEXT_LENGTH = "context_length"
+    STOP_TOKEN = "stop_token"  # one of the request's stop_token_ids (included in the tokens)
 
 
 class ErrorKind(enum.Enum):
@@ -65,6 +68,12 @@ class GenerationRequest:
     allowed: tuple[int, ...] = ()
     blocked: tuple[int, ...] = ()
     deadline: float | None = None  # time.monotonic() value
+    controls: SamplingControls = NO_CONTROLS  # top_k, min_p, penalties, logit_bias (controls.py)
+    stop_token_ids: tuple[int, ...] = ()
+    # Samples of the prompt, sharing one prefill, each in its own slot; sample i uses seed + i (mod 2**32), as
+    # vLLM derives them, so sample i equals a request with that seed (n = 1 is exactly a plain request).
+    n: int = 1
+    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives each (0..8)
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,8 @@ class Emission:
     finish_reason: FinishReason | None = None
     error: SchedulerError | None = None
     timings: Timings | None = None
+    index: int = 0  # which of the request's n samples (tokens, counts and finish are per sample)
+    prompt: tuple[TokenOut, ...] | None = None  # prompt tokens 1..n-1 scored (first emission, when asked for)
 
 
 class StepOutputLike(Protocol):
@@ -101,6 +112,7 @@ class StepOutputLike(Protocol):
     top_ids: Any  # [B, K] int
     top_probs: Any  # [B, K] float
     bad: Any  # [B] bool
+    prompt: Any  # PromptLogprobs-like (logprob [n-1], top_ids / top_logprobs [n-1, K]) or None
 
 
 class PendingStepLike(Protocol):
@@ -123,11 +135,14 @@ class EngineLike(Protocol):
     def init_decode_state(self) -> Any: ...
     def bucket_for(self, length: int) -> int: ...
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int) -> tuple[Any, StepOutputLike]: ...
+                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int,
+                controls: SamplingControls, prompt_logprobs: int | None) -> tuple[Any, StepOutputLike]: ...
+    def resample(self, prefix: Any, *, seed: int) -> tuple[Any, StepOutputLike]: ...
     def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
     def chunked(self, length: int) -> bool: ...
     def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
-                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int) -> Any: ...
+                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int,
+                      controls: SamplingControls) -> Any: ...
     def prefill_next_chunk(self, job: Any, state: Any) -> tuple[Any, StepOutputLike | None]: ...
     def generate(self, state: Any) -> tuple[Any, PendingStepLike]: ...
     def free_slot(self, state: Any, slot: int) -> Any: ...
@@ -175,6 +190,7 @@ class RequestHandle:
         self.enqueued_at = time.monotonic()
         self.cancelled_at: float | None = None
         self.cancel_step = 0  # the scheduler's step count when cancel() was called
+        self._open = request.n  # samples not finished yet
 
     def cancel(self) -> None:
         """Leave the waiting queue at once, or free the slot at the next step boundary (no-op once done)."""
@@ -197,8 +213,12 @@ class RequestHandle:
         return self.request.deadline is not None and now >= self.request.deadline
 
     def emit(self, emission: Emission) -> None:
-        if emission.finish_reason is not None or emission.error is not None:
+        if emission.finish_reason is not None:
+            self._open -= 1
+        if emission.error is not None or self._open <= 0:
             self.done.set()
+            if emission.error is not None:
+                self._cancelled.set()  # the request failed: its other samples' slots are freed too
         try:
             self._emit(emission)
         except Exception:  # a broken consumer must not take the decode thread down
@@ -208,9 +228,10 @@ class RequestHandle:
 class _Active:
     """Bookkeeping of one request that owns a slot."""
 
-    def __init__(self, handle: RequestHandle, seed: int, admitted_at: float) -> None:
+    def __init__(self, handle: RequestHandle, seed: int, admitted_at: float, index: int = 0) -> None:
         self.handle = handle
         self.seed = seed
+        self.index = index
         self.admitted_at = admitted_at
         self.generated = 0
         self.prefill_seconds = 0.0
@@ -415,57 +436,71 @@ class Scheduler:
         while not decoding or (count < (self.prefills_per_step or self.engine.slots)
                                and (count == 0 or tokens < self.prefill_token_budget)):
             with self._cond:
-                if not self._queue or not self._free:
+                # A request of n samples waits for n free slots (the queue stays in order).
+                if not self._queue or len(self._free) < self._queue[0].request.n:
                     return
                 handle = self._queue.popleft()
-                slot = min(self._free)  # the lowest free slot keeps the busy slots in the fewest decode tiles
-                self._free.discard(slot)
+                # The lowest free slots keep the busy slots in the fewest decode tiles.
+                slots = sorted(self._free)[:handle.request.n]
+                self._free.difference_update(slots)
                 self.metrics.set_queued(len(self._queue))
                 self._in_prefill = handle  # still pending for the watchdog
             count += 1
             prompt = handle.request.prompt
             try:
-                if self.engine.chunked(len(prompt)) and self.engine.pad_id not in prompt:
+                # n > 1 and prompt logprobs need the whole prompt's prefill, which chunks do not keep.
+                one_pass = handle.request.n > 1 or handle.request.prompt_logprobs is not None
+                if not one_pass and self.engine.chunked(len(prompt)) and self.engine.pad_id not in prompt:
                     tokens += self.engine.prefill_chunk
-                    self._begin_chunked(handle, slot)
+                    self._begin_chunked(handle, slots[0])
                 else:
                     tokens += self.engine.bucket_for(len(prompt))
-                    self._prefill(handle, slot)
+                    self._prefill(handle, slots)
             finally:
                 with self._cond:
                     self._in_prefill = None
 
-    def _prefill(self, handle: RequestHandle, slot: int) -> None:
+    def _prefill(self, handle: RequestHandle, slots: list[int]) -> None:
+        """One prefill for the request; each of its samples draws its own first token from it into its slot."""
         req = handle.request
         seed = req.seed if req.seed is not None else secrets.randbits(32)
-        act = _Active(handle, seed, time.monotonic())
+        admitted = time.monotonic()
         try:
             prefix, out = self.engine.prefill(list(req.prompt), seed=seed, temperature=req.temperature,
                                               top_p=req.top_p, allowed=req.allowed, blocked=req.blocked,
-                                              top_logprobs=req.top_logprobs)
+                                              top_logprobs=req.top_logprobs, controls=req.controls,
+                                              prompt_logprobs=req.prompt_logprobs)
+            samples = [(prefix, out)]
+            for i in range(1, req.n):
+                samples.append(self.engine.resample(prefix, seed=(seed + i) % 2**32))
         except Exception as e:
             log.exception("prefill failed", extra={"request_id": req.request_id})
             handle.emit(Emission((), 0, len(req.prompt), error=_engine_error(
                 e, f"prefill failed (request {req.request_id})")))
-            self._return_slot(slot)
+            for slot in slots:
+                self._return_slot(slot)
             return
-        act.prefill_seconds = time.monotonic() - act.admitted_at
+        prefill_seconds = time.monotonic() - admitted
         self._beat = time.monotonic()
-        self.metrics.observe_prefill(act.prefill_seconds)
-        if self._deliver(act, out, 0):
-            self._return_slot(slot)
-            return
-        self._state = self.engine.insert(prefix, self._state, slot)
-        with self._cond:
-            self._active[slot] = act
-            self.metrics.set_active(len(self._active))
+        self.metrics.observe_prefill(prefill_seconds)
+        for index, (slot, (sample, first)) in enumerate(zip(slots, samples)):
+            act = _Active(handle, (seed + index) % 2**32, admitted, index)
+            act.prefill_seconds = prefill_seconds
+            scored = _prompt_out(req, out) if index == 0 else None
+            if handle.done.is_set() or self._deliver(act, first, 0, scored):
+                self._return_slot(slot)
+                continue
+            self._state = self.engine.insert(sample, self._state, slot)
+            with self._cond:
+                self._active[slot] = act
+                self.metrics.set_active(len(self._active))
 
     def _begin_chunked(self, handle: RequestHandle, slot: int) -> None:
         req = handle.request
         seed = req.seed if req.seed is not None else secrets.randbits(32)
         job = self.engine.begin_prefill(list(req.prompt), slot=slot, seed=seed, temperature=req.temperature,
                                         top_p=req.top_p, allowed=req.allowed, blocked=req.blocked,
-                                        top_logprobs=req.top_logprobs)
+                                        top_logprobs=req.top_logprobs, controls=req.controls)
         self._prefilling[slot] = _Prefilling(_Active(handle, seed, time.monotonic()), job)
 
     def _advance_prefills(self) -> None:
@@ -536,8 +571,9 @@ class Scheduler:
         self._fail_active(_engine_error(error, "decode step failed; retry"))
         self._state = self.engine.init_decode_state()
 
-    def _deliver(self, act: _Active, out: StepOutputLike, row: int) -> bool:
-        """Hand the request its token at `row` of `out`; True when the request is finished."""
+    def _deliver(self, act: _Active, out: StepOutputLike, row: int, prompt: tuple[TokenOut, ...] | None = None) -> bool:
+        """Hand the request its token at `row` of `out` (and its scored prompt, on the first); True when the
+        request is finished."""
         req = act.handle.request
         if bool(out.bad[row]):
             log.error("non-finite logits", extra={"request_id": req.request_id})
@@ -550,7 +586,7 @@ class Scheduler:
         reason = _finish_reason(req, act.generated, token.id, self.engine)
         first_or_last = act.generated == 1 or reason is not None
         act.handle.emit(Emission((token,), act.generated, len(req.prompt), finish_reason=reason,
-                                 timings=act.timings() if first_or_last else None))
+                                 timings=act.timings() if first_or_last else None, index=act.index, prompt=prompt))
         if reason is not None:
             self.metrics.finished(reason)
         return reason is not None
@@ -612,9 +648,22 @@ def _token_out(out: StepOutputLike, row: int, top_logprobs: int) -> TokenOut:
     return TokenOut(int(out.token[row]), float(out.prob[row]), top)
 
 
+def _prompt_out(req: GenerationRequest, out: StepOutputLike) -> tuple[TokenOut, ...] | None:
+    """Prompt tokens 1..n-1 with their probabilities and `prompt_logprobs` alternatives (from the prefill)."""
+    scored = getattr(out, "prompt", None)
+    if req.prompt_logprobs is None or scored is None:
+        return None
+    k = req.prompt_logprobs
+    return tuple(TokenOut(int(token), math.exp(float(lp)),
+                          tuple((int(i), math.exp(float(p))) for i, p in zip(ids[:k], tops[:k])))
+                 for token, lp, ids, tops in zip(req.prompt[1:], scored.logprob, scored.top_ids, scored.top_logprobs))
+
+
 def _finish_reason(req: GenerationRequest, generated: int, token: int, engine: EngineLike) -> FinishReason | None:
     if token == engine.eos_id and not req.ignore_eos:
         return FinishReason.EOS
+    if token in req.stop_token_ids:
+        return FinishReason.STOP_TOKEN
     if req.max_tokens is not None and generated >= req.max_tokens:
         return FinishReason.LENGTH
     if len(req.prompt) + generated >= engine.sequence_len:
@@ -647,6 +696,11 @@ def _problem(req: GenerationRequest, engine: EngineLike) -> str:
         return "top_logprobs: must be in 0..8"
     if req.seed is not None and not 0 <= req.seed < 2**32:
         return "seed: must be a uint32"
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= 8:
+        return "prompt_logprobs: must be in 0..8 (alternatives per prompt token)"
+    if not 1 <= req.n <= engine.slots:
+        return (f"n: must be in 1..{engine.slots} (each sample takes one of the {engine.slots} slots; got {req.n}): "
+                "ask for fewer samples")
     for field, ids in (("allowed_token_ids", req.allowed), ("blocked_token_ids", req.blocked)):
         if any(not 0 <= t < vocab for t in ids):
             return f"{field}: every id must be in [0, {vocab})"
@@ -654,4 +708,4 @@ def _problem(req: GenerationRequest, engine: EngineLike) -> str:
     left = bool(set(req.allowed) - removed) if req.allowed else len(removed) < vocab
     if not left:
         return "allowed_token_ids/blocked_token_ids: no token is left to sample (the pad id is never sampled)"
-    return ""
+    return controls_problem(req.controls, vocab) or stop_token_ids_problem(req.stop_token_ids, vocab)

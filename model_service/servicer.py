@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
+from model_service.controls import SamplingControls
 from model_service.metrics import Metrics
 from model_service.scheduler import (
     Emission,
@@ -54,6 +55,7 @@ FINISH = {
     FinishReason.LENGTH: model_pb2.FINISH_REASON_LENGTH,
     FinishReason.EOS: model_pb2.FINISH_REASON_EOS,
     FinishReason.CONTEXT_LENGTH: model_pb2.FINISH_REASON_CONTEXT_LENGTH,
+    FinishReason.STOP_TOKEN: model_pb2.FINISH_REASON_STOP_TOKEN,
 }
 
 
@@ -82,6 +84,14 @@ def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: 
         allowed=tuple(msg.allowed_token_ids),
         blocked=tuple(msg.blocked_token_ids),
         deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+        controls=SamplingControls(
+            top_k=msg.top_k, min_p=msg.min_p,
+            repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+            presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+            logit_bias=tuple(sorted(msg.logit_bias.items()))),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        n=msg.n or 1,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -103,7 +113,7 @@ def _timings(t: Timings) -> model_pb2.Timings:
 
 
 def to_response(batch: list[Emission]) -> model_pb2.GenerateResponse:
-    """One response for consecutive emissions of a request (tokens concatenated, last state wins)."""
+    """One response for consecutive emissions of one sample (tokens concatenated, last state wins)."""
     tokens = [t for e in batch for t in e.tokens]
     last = batch[-1]
     timings = next((e.timings for e in reversed(batch) if e.timings is not None), None)
@@ -111,7 +121,26 @@ def to_response(batch: list[Emission]) -> model_pb2.GenerateResponse:
         token_ids=[t.id for t in tokens], tokens=[_token(t) for t in tokens],
         finish_reason=FINISH[last.finish_reason] if last.finish_reason else model_pb2.FINISH_REASON_UNSPECIFIED,
         prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-        timings=_timings(timings) if timings else None)
+        timings=_timings(timings) if timings else None, index=last.index,
+        prompt_logprobs=[_token(t) for e in batch if e.prompt for t in e.prompt])
+
+
+def to_responses(batch: list[Emission]) -> list[model_pb2.GenerateResponse]:
+    """Responses for consecutive emissions of a request: one per sample, in the order the samples appear."""
+    by_index: dict[int, list[Emission]] = {}
+    for emission in batch:
+        by_index.setdefault(emission.index, []).append(emission)
+    return [to_response(run) for run in by_index.values()]
+
+
+def _until_end(batch: list[Emission], open_samples: int) -> list[Emission]:
+    """`batch` up to the request's last emission: its error, or the finish of the last open sample."""
+    finished = 0
+    for i, emission in enumerate(batch):
+        finished += emission.error is None and emission.finish_reason is not None
+        if emission.error is not None or finished >= open_samples:
+            return batch[:i + 1]
+    return batch
 
 
 class EmissionSink:
@@ -238,21 +267,21 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         if self.unavailable is not None:
             raise SchedulerError(ErrorKind.UNAVAILABLE, self.unavailable)
         sink = self._relay_for(asyncio.get_running_loop()).sink()
-        handle = scheduler.submit(to_request(request, rid, context.time_remaining()), sink.emit)
+        domain = to_request(request, rid, context.time_remaining())
+        handle = scheduler.submit(domain, sink.emit)
         context.add_done_callback(lambda _: handle.cancel())
+        open_samples = domain.n
         try:
             while True:
-                batch = await sink.take()
-                end = next((i for i, e in enumerate(batch) if e.error is not None or e.finish_reason is not None),
-                           len(batch) - 1)
-                batch = batch[:end + 1]  # nothing follows a request's last emission
+                batch = _until_end(await sink.take(), open_samples)
                 error = batch[-1].error
                 good = [e for e in batch if e.error is None]
-                if good:
-                    yield to_response(good)
+                for response in to_responses(good):
+                    yield response
                 if error is not None:
                     raise error
-                if batch[-1].finish_reason is not None:
+                open_samples -= sum(e.finish_reason is not None for e in good)
+                if open_samples <= 0:
                     return
         finally:
             handle.cancel()

@@ -175,10 +175,12 @@ def tool(name: str, fallback: pathlib.Path) -> str:
 def sample(args: argparse.Namespace, address: str, out: TextIO) -> int:
     out.write(f"\nrun_stack: sample completion of {args.prompt!r} (streamed as it arrives):\n")
     request = argparse.Namespace(prompt=args.prompt, max_tokens=args.max_tokens, temperature=0.0, top_p=None,
-                                 seed=None, stop=[], ignore_eos=False, timeout=600.0, quiet=False)
+                                 seed=None, stop=[], ignore_eos=False, top_k=None, min_p=None,
+                                 repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+                                 timeout=600.0, quiet=False)
     with GatewayClient(address) as client:
         code = stream(client, request, out, out)
-    body = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens})
+    body = json.dumps({"prompt": args.prompt, "sampling": {"max_tokens": args.max_tokens}})
     http_body = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens, "stream": True})
     python, grpcurl = tool("python", pathlib.Path(sys.executable)), tool("grpcurl", ROOT / ".venv" / "bin" / "grpcurl")
     curl = (f"  curl -sN http://{args.host}:{args.http_port}/v1/completions -H 'content-type: application/json' "

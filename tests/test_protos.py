@@ -31,12 +31,36 @@ def test_stale_check_detects_an_edited_stub(tmp_path, monkeypatch) -> None:
     assert gen_protos.check() == 1
 
 
-def test_buf_lint_is_clean() -> None:
-    buf = ROOT / "node_modules" / ".bin" / "buf"
+def buf() -> str:
+    path = ROOT / "node_modules" / ".bin" / "buf"
     # CI installs buf (`make setup`); a missing buf is a broken setup, not a reason to skip the contract.
-    assert buf.exists(), "buf is not installed: run `make setup` (npm ci installs it into node_modules/)"
-    result = subprocess.run([str(buf), "lint"], cwd=ROOT, capture_output=True, text=True)
+    assert path.exists(), "buf is not installed: run `make setup` (npm ci installs it into node_modules/)"
+    return str(path)
+
+
+def test_buf_lint_is_clean() -> None:
+    result = subprocess.run([buf(), "lint"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_buf_breaking_finds_no_break_against_the_committed_baseline() -> None:
+    """protos/baseline.binpb is the published API (buf image). A change that breaks it fails here (and in `make
+    lint`); accepting one on purpose means regenerating the baseline (`make proto-baseline`) in a reviewed commit."""
+    result = subprocess.run([buf(), "breaking", "--against", "protos/baseline.binpb"], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_buf_breaking_catches_a_deleted_field(tmp_path) -> None:
+    shutil.copytree(ROOT / "protos", tmp_path / "protos")
+    shutil.copy(ROOT / "buf.yaml", tmp_path / "buf.yaml")
+    proto = tmp_path / "protos" / "grok" / "gateway" / "v1" / "gateway.proto"
+    text = proto.read_text()
+    assert "  int32 top_k = 10;\n" in text
+    proto.write_text(text.replace("  int32 top_k = 10;\n", ""))
+    result = subprocess.run([buf(), "breaking", "--against", str(ROOT / "protos" / "baseline.binpb")], cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "top_k" in result.stdout + result.stderr
 
 
 def test_contract_names() -> None:
@@ -52,8 +76,16 @@ def test_contract_names() -> None:
     model_fields = set(model_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
     assert model_fields >= {"token_ids", "max_tokens", "temperature", "top_p", "seed", "ignore_eos",
                             "top_logprobs", "allowed_token_ids", "blocked_token_ids"}
+    assert model_fields >= {"top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                            "logit_bias", "stop_token_ids"}
     gateway_fields = set(gateway_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
-    assert gateway_fields >= {"prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos",
-                              "top_logprobs", "allowed_token_ids", "blocked_token_ids"}
+    assert gateway_fields == {"prompt", "sampling"}
     assert gateway_fields == set(gateway_pb2.CompleteRequest.DESCRIPTOR.fields_by_name)
-    assert gateway_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["seed"].has_presence
+    sampling = gateway_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+    assert set(sampling) >= {"max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "top_logprobs",
+                             "allowed_token_ids", "blocked_token_ids", "top_k", "min_p", "repetition_penalty",
+                             "presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids"}
+    for field in ("seed", "max_tokens", "top_p", "repetition_penalty"):
+        assert sampling[field].has_presence
+    for message in (gateway_pb2.GenerateRequest, gateway_pb2.CompleteRequest):
+        assert message.DESCRIPTOR.fields_by_name["sampling"].message_type is gateway_pb2.SamplingParams.DESCRIPTOR

@@ -55,7 +55,7 @@ export default function () {
     }
     outputTokens.add(tokens);
   });
-  stream.write({ prompt: item.prompt, max_tokens: item.max_tokens, ignore_eos: true });
+  stream.write({ prompt: item.prompt, sampling: { max_tokens: item.max_tokens, ignore_eos: true } });
   stream.end();
 }
 

@@ -13,14 +13,14 @@ channel TLS, verifying the gateway's certificate.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
 
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-__all__ = ["AsyncGatewayClient", "GatewayClient", "completion_request", "generate_request"]
+__all__ = ["AsyncGatewayClient", "GatewayClient", "completion_request", "generate_request", "sampling_params"]
 
 
 def _metadata(request_id: str, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
@@ -32,26 +32,20 @@ def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(pathlib.Path(tls_ca).read_bytes()) if tls_ca else None
 
 
-def generate_request(prompt: str, *, max_tokens: int | None = None, temperature: float = 0.0,
-                     top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
-                     ignore_eos: bool = False, top_logprobs: int = 0, allowed_token_ids: Sequence[int] = (),
-                     blocked_token_ids: Sequence[int] = ()) -> gateway_pb2.GenerateRequest:
-    """A GenerateRequest; None leaves an optional field unset (the server's default)."""
-    request = gateway_pb2.GenerateRequest(
-        prompt=prompt, temperature=temperature, stop=list(stop), ignore_eos=ignore_eos, top_logprobs=top_logprobs,
-        allowed_token_ids=list(allowed_token_ids), blocked_token_ids=list(blocked_token_ids))
-    if max_tokens is not None:
-        request.max_tokens = max_tokens
-    if top_p is not None:
-        request.top_p = top_p
-    if seed is not None:
-        request.seed = seed
-    return request
+def sampling_params(**options: Any) -> gateway_pb2.SamplingParams:
+    """SamplingParams from its fields by name (max_tokens=16, top_k=40, logit_bias={5: -100}, ...); a None value
+    leaves the field unset (the server's default)."""
+    return gateway_pb2.SamplingParams(**{name: value for name, value in options.items() if value is not None})
+
+
+def generate_request(prompt: str, **options: Any) -> gateway_pb2.GenerateRequest:
+    """A GenerateRequest for `prompt` with the SamplingParams fields in `options`."""
+    return gateway_pb2.GenerateRequest(prompt=prompt, sampling=sampling_params(**options))
 
 
 def completion_request(prompt: str, **options: Any) -> gateway_pb2.CompleteRequest:
-    """A CompleteRequest with the same options as generate_request (the messages share their fields)."""
-    return gateway_pb2.CompleteRequest.FromString(generate_request(prompt, **options).SerializeToString())
+    """A CompleteRequest with the same options as generate_request (the messages share SamplingParams)."""
+    return gateway_pb2.CompleteRequest(prompt=prompt, sampling=sampling_params(**options))
 
 
 class GatewayClient:

@@ -29,6 +29,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+    parser.add_argument("--top-k", type=int, default=None, help="keep the k most probable tokens (0/-1: off)")
+    parser.add_argument("--min-p", type=float, default=None, help="min-p filter in [0, 1]")
+    parser.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1 is off")
+    parser.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]")
+    parser.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2]")
     parser.add_env_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--quiet", action="store_true", help="print only the text")
     parser.add_env_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY'")
@@ -42,7 +47,9 @@ def stream(client: GatewayClient, args: argparse.Namespace, out: TextIO, err: Te
     try:
         for message in client.generate(
                 args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, timeout=args.timeout):
+                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, top_k=args.top_k, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, timeout=args.timeout):
             out.write(message.text)
             out.flush()
             last = message

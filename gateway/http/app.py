@@ -163,7 +163,8 @@ class Routes:
         deadline = loop.time() + self.ctx.timeout_seconds if self.ctx.timeout_seconds else None
         method = "http_chat_completions" if endpoint == "chat" else "http_completions"
         source = guarded(request, tracked(self.ctx.pipeline, grpc_request, deadline, request_id, method))
-        shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body))
+        shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body),
+                        echo=grpc_request.sampling.echo, prompt_logprobs=body.prompt_logprobs is not None)
         headers = {"x-request-id": request_id}
         try:
             first = await anext(source)  # errors before the first text still get their HTTP status
@@ -178,24 +179,28 @@ class Routes:
         except StopAsyncIteration:  # the pipeline always ends with a message; a bug if not
             return internal_error(request_id).response()
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(self.events(shaper, first, source, include_usage, endpoint),
+        events = self.events(shaper, first, source, include_usage, endpoint, grpc_request.sampling.n or 1)
+        return StreamingResponse(events,
                                  media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
 
     async def events(self, shaper: Shaper, first: gateway_pb2.GenerateResponse,
                      source: AsyncIterator[gateway_pb2.GenerateResponse], include_usage: bool,
-                     endpoint: str) -> AsyncIterator[bytes]:
-        """The SSE body: (chat) the role chunk, one chunk per message, finish, usage, [DONE]."""
+                     endpoint: str, n: int) -> AsyncIterator[bytes]:
+        """The SSE body: (chat) the role chunk, one chunk per message (each names its choice index), finishes,
+        usage, [DONE]."""
+        lasts = []
         try:
             if endpoint == "chat":
-                yield sse(shaper.role_chunk(include_usage))
-            message = first
-            for chunk in shaper.chunks(message, include_usage):
+                yield sse(shaper.role_chunk(include_usage, n))
+            for chunk in shaper.chunks(first, include_usage):
                 yield sse(chunk)
+            lasts += [first] if first.finish_reason else []
             async for message in source:  # to its end, so the request is counted as finished, not cancelled
                 for chunk in shaper.chunks(message, include_usage):
                     yield sse(chunk)
+                lasts += [message] if message.finish_reason else []
             if include_usage:
-                yield sse(shaper.usage_chunk(message))
+                yield sse(shaper.usage_chunk(lasts))
         except GatewayError as error:
             yield sse(from_gateway(error, endpoint).body())
         except ClientGone:

@@ -2,9 +2,9 @@
 (and the same validation) as a gRPC request.
 
 Fields the gRPC API has are mapped here (prompt, max_tokens, temperature, top_p, seed, stop,
-ignore_eos, logprobs -> top_logprobs, allowed_token_ids). Fields that need the sampling controls of
-issue 12 section 2 are accepted at their default value and refused otherwise, in ONE function,
-`section2_sampling`, which that work completes.
+ignore_eos, logprobs -> top_logprobs, allowed_token_ids, and issue 12's top_k, min_p, the penalties,
+logit_bias, stop_token_ids). Fields whose feature is still missing are accepted at their default value
+and refused otherwise, in ONE function, `section2_sampling`.
 """
 
 from __future__ import annotations
@@ -24,36 +24,47 @@ def _not_yet(param: str, value: Any, default: str) -> ApiError:
 
 
 # ------------------------------------------------------------------------------------------------
-# SECTION 2 (issue 12): sampling controls the gRPC API does not have yet.
-# Each entry accepts only the value that means "off". When the model service gains a control,
-# delete its check here and map it in `generate_request` below (and in the gateway proto's shared
-# sampling message).
+# SECTION 2 (issue 12): the sampling controls. Those the model service has are mapped into the gateway's
+# SamplingParams by `sampling_controls`; the ones still missing (listed in `section2_sampling`) accept
+# only the value that means "off".
 # ------------------------------------------------------------------------------------------------
 def section2_sampling(request: SamplingFields) -> None:
     """Raise 400 naming the first field set to a value that needs a sampling control we lack."""
-    if request.n not in (None, 1):
-        raise _not_yet("n", request.n, "1")
-    if request.top_k not in (None, -1, 0):
-        raise _not_yet("top_k", request.top_k, "-1 or 0: no top-k")
-    if request.min_p not in (None, 0.0):
-        raise _not_yet("min_p", request.min_p, "0")
-    if request.repetition_penalty not in (None, 1.0):
-        raise _not_yet("repetition_penalty", request.repetition_penalty, "1.0")
-    if request.presence_penalty not in (None, 0.0):
-        raise _not_yet("presence_penalty", request.presence_penalty, "0")
-    if request.frequency_penalty not in (None, 0.0):
-        raise _not_yet("frequency_penalty", request.frequency_penalty, "0")
-    if request.logit_bias:
-        raise _not_yet("logit_bias", request.logit_bias, "an empty map")
-    if request.stop_token_ids:
-        raise _not_yet("stop_token_ids", request.stop_token_ids, "an empty list")
+    if isinstance(request, CompletionRequest) and request.best_of not in (None, request.n or 1):
+        raise _not_yet("best_of", request.best_of, "null or n (every sample is returned)")
+
+
+def sampling_controls(request: SamplingFields, out: gateway_pb2.SamplingParams) -> None:
+    """top_k, min_p, the penalties, logit_bias and stop_token_ids into `out` (ranges are checked by the
+    pipeline, as for gRPC; here only what the proto cannot hold)."""
+    _check_int32("top_k", request.top_k)
+    out.top_k = request.top_k or 0
+    out.min_p = request.min_p or 0.0
+    if request.repetition_penalty is not None:
+        out.repetition_penalty = request.repetition_penalty
+    out.presence_penalty = request.presence_penalty or 0.0
+    out.frequency_penalty = request.frequency_penalty or 0.0
+    for key, bias in (request.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request("logit_bias", f"keys must be token ids (got {key!r})") from None
+        _check_int32("logit_bias", token)
+        out.logit_bias[token] = bias
+    for token in request.stop_token_ids or []:
+        _check_int32("stop_token_ids", token)
+    out.stop_token_ids.extend(request.stop_token_ids or [])
+    if request.n is not None and request.n < 1:
+        raise bad_request("n", f"must be >= 1 (got {request.n})")
+    _check_int32("n", request.n)
+    out.n = request.n if request.n is not None else 1
+    _check_int32("prompt_logprobs", request.prompt_logprobs)
     if request.prompt_logprobs is not None:
-        raise _not_yet("prompt_logprobs", request.prompt_logprobs, "null")
-    if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise _not_yet("echo", request.echo, "false")
-        if request.best_of not in (None, 1):
-            raise _not_yet("best_of", request.best_of, "1")
+        out.prompt_logprobs = request.prompt_logprobs
+    if isinstance(request, CompletionRequest) and request.echo:
+        out.echo = True
+        if request.logprobs is not None and request.prompt_logprobs is None:
+            out.prompt_logprobs = request.logprobs  # echo with logprobs scores the prompt tokens too (OpenAI)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -116,8 +127,8 @@ def generate_request(request: SamplingFields, prompt: str) -> gateway_pb2.Genera
         _check_int32("logprobs", request.logprobs)  # type: ignore[attr-defined]
     for token in request.allowed_token_ids or []:
         _check_int32("allowed_token_ids", token)
-    out = gateway_pb2.GenerateRequest(
-        prompt=prompt, temperature=1.0 if request.temperature is None else request.temperature,
+    out = gateway_pb2.SamplingParams(
+        temperature=1.0 if request.temperature is None else request.temperature,
         ignore_eos=request.ignore_eos, top_logprobs=top_logprobs(request) or 0,
         allowed_token_ids=request.allowed_token_ids or [])
     max_tokens = request.max_tokens
@@ -133,4 +144,5 @@ def generate_request(request: SamplingFields, prompt: str) -> gateway_pb2.Genera
         out.seed = request.seed
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     out.stop.extend(stops)
-    return out
+    sampling_controls(request, out)
+    return gateway_pb2.GenerateRequest(prompt=prompt, sampling=out)

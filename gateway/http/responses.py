@@ -31,10 +31,12 @@ def logprob(value: float) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
 
 
-def usage(message: gateway_pb2.GenerateResponse) -> Json:
-    u = message.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens}
+def usage(lasts: Sequence[gateway_pb2.GenerateResponse]) -> Json:
+    """OpenAI's usage of a request from its completions' last messages: the prompt once, every completion's
+    tokens."""
+    prompt = lasts[0].usage.prompt_tokens if lasts else 0
+    generated = sum(m.usage.completion_tokens for m in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
 @dataclass
@@ -45,8 +47,11 @@ class Shaper:
     request_id: str
     model: str
     top_logprobs: int | None  # None: no logprobs in the response
+    echo: bool = False  # completions: the prompt's tokens lead each choice's logprobs (its text leads the text)
+    prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field goes with each choice (chat: the response)
     created: int = field(default_factory=lambda: int(time.time()))
-    text_offset: int = 0  # characters of completion text already sent (completions' text_offset)
+    # Characters of each completion's text already sent (completions' text_offset), by completion index.
+    text_offsets: dict[int, int] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -55,15 +60,28 @@ class Shaper:
     def _envelope(self, obj: str) -> Json:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def completion_logprobs(self, tokens: Sequence[gateway_pb2.Token]) -> Json:
+    def completion_logprobs(self, tokens: Sequence[gateway_pb2.Token], index: int = 0,
+                            prompt: Sequence[gateway_pb2.PromptToken] = ()) -> Json:
+        """OpenAI's completions logprobs; `prompt` (echo) leads, its first token with null logprobs."""
+        entries = [(p.text, logprob(p.logprob) if p.HasField("logprob") else None,
+                    {top.text: logprob(top.logprob) for top in p.top_tokens} if p.HasField("logprob") else None)
+                   for p in prompt]
+        entries += [(t.text, logprob(t.logprob), {top.text: logprob(top.logprob) for top in t.top_tokens})
+                    for t in tokens]
         offsets = []
-        for token in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(token.text)
-        tops = ([{top.text: logprob(top.logprob) for top in t.top_tokens} for t in tokens]
-                if self.top_logprobs else None)
-        return {"tokens": [t.text for t in tokens], "token_logprobs": [logprob(t.logprob) for t in tokens],
-                "top_logprobs": tops, "text_offset": offsets}
+        for text, _, _ in entries:
+            offsets.append(self.text_offsets.get(index, 0))
+            self.text_offsets[index] = offsets[-1] + len(text)
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [e[2] for e in entries] if self.top_logprobs else None, "text_offset": offsets}
+
+    @staticmethod
+    def vllm_prompt_logprobs(prompt: Sequence[gateway_pb2.PromptToken]) -> list[Json | None]:
+        """vLLM's prompt_logprobs: per prompt token, null for the first, else {id: {logprob, decoded_token}} for the
+        token and its alternatives."""
+        return [None if not p.HasField("logprob") else {
+            **{str(top.id): {"logprob": logprob(top.logprob), "decoded_token": top.text} for top in p.top_tokens},
+            str(p.id): {"logprob": logprob(p.logprob), "decoded_token": p.text}} for p in prompt]
 
     @staticmethod
     def chat_logprobs(tokens: Sequence[gateway_pb2.Token]) -> Json:
@@ -73,33 +91,39 @@ class Shaper:
                                "bytes": list(top.text.encode("utf-8"))} for top in t.top_tokens]}
             for t in tokens]}
 
-    def _logprobs(self, tokens: Sequence[gateway_pb2.Token]) -> Json | None:
+    def _logprobs(self, tokens: Sequence[gateway_pb2.Token], index: int = 0,
+                  prompt: Sequence[gateway_pb2.PromptToken] = ()) -> Json | None:
         if self.top_logprobs is None:
             return None
-        return self.chat_logprobs(tokens) if self.endpoint == "chat" else self.completion_logprobs(tokens)
+        if self.endpoint == "chat":
+            return self.chat_logprobs(tokens)
+        return self.completion_logprobs(tokens, index, prompt if self.echo else ())
 
     def chunk(self, text: str, tokens: Sequence[gateway_pb2.Token], finish: str | None,
-              include_usage: bool) -> Json:
-        """One streamed chunk carrying `text` (and its tokens' logprobs), or the finish reason."""
+              include_usage: bool, index: int = 0, prompt: Sequence[gateway_pb2.PromptToken] = ()) -> Json:
+        """One streamed chunk of completion `index` carrying `text` (and its tokens' logprobs; the scored prompt
+        on its first chunk), or its finish."""
+        logprobs = self._logprobs(tokens, index, prompt) if tokens or (prompt and self.echo) else None
         if self.endpoint == "chat":
             delta = {"content": text} if text or not finish else {}
-            choice: Json = {"index": 0, "delta": delta, "logprobs": self._logprobs(tokens) if tokens else None,
-                            "finish_reason": finish}
+            choice: Json = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             out = self._envelope("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(tokens) if tokens else None,
-                      "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             out = self._envelope("text_completion")
+        if prompt and self.prompt_logprobs:
+            choice["prompt_logprobs"] = self.vllm_prompt_logprobs(prompt)
         out["choices"] = [choice]
         if include_usage:
             out["usage"] = None  # OpenAI: null on every chunk but the final usage chunk
         return out
 
-    def role_chunk(self, include_usage: bool) -> Json:
-        """Chat streams open with the assistant role and empty content, as OpenAI's do."""
+    def role_chunk(self, include_usage: bool, n: int = 1) -> Json:
+        """Chat streams open with the assistant role and empty content (for each of the n choices), as OpenAI's
+        do."""
         out = self._envelope("chat.completion.chunk")
-        out["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None}]
+        out["choices"] = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None} for i in range(n)]
         if include_usage:
             out["usage"] = None
         return out
@@ -109,28 +133,38 @@ class Shaper:
         out = []
         # A token without text (EOS, or bytes of a character still incomplete) gets its own chunk
         # only when its logprob was asked for.
-        if message.text or (message.tokens and self.top_logprobs is not None):
-            out.append(self.chunk(message.text, message.tokens, None, include_usage))
+        if message.text or message.prompt_logprobs or (message.tokens and self.top_logprobs is not None):
+            out.append(self.chunk(message.text, message.tokens, None, include_usage, message.index,
+                                  message.prompt_logprobs))
         if message.finish_reason:
-            out.append(self.chunk("", [], FINISH[message.finish_reason], include_usage))
+            out.append(self.chunk("", [], FINISH[message.finish_reason], include_usage, message.index))
         return out
 
-    def usage_chunk(self, last: gateway_pb2.GenerateResponse) -> Json:
+    def usage_chunk(self, lasts: Sequence[gateway_pb2.GenerateResponse]) -> Json:
         """The extra final chunk `stream_options.include_usage` asks for: no choices, the usage."""
         obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
-        return {**self._envelope(obj), "choices": [], "usage": usage(last)}
+        return {**self._envelope(obj), "choices": [], "usage": usage(lasts)}
 
     def whole(self, messages: Sequence[gateway_pb2.GenerateResponse]) -> Json:
-        """The non-streaming response body for a finished stream."""
-        text = "".join(m.text for m in messages)
-        tokens = [t for m in messages for t in m.tokens]
-        last = messages[-1]
-        finish = FINISH.get(last.finish_reason)
-        if self.endpoint == "chat":
-            choice: Json = {"index": 0, "message": {"role": "assistant", "content": text},
-                            "logprobs": self._logprobs(tokens), "finish_reason": finish}
-            out = self._envelope("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finish}
-            out = self._envelope("text_completion")
-        return {**out, "choices": [choice], "usage": usage(last)}
+        """The non-streaming response body for a finished stream: one choice per completion index."""
+        indexes = sorted({m.index for m in messages})
+        choices, lasts = [], []
+        scored = [p for m in messages if m.index == 0 for p in m.prompt_logprobs]
+        for index in indexes:
+            mine = [m for m in messages if m.index == index]
+            text = "".join(m.text for m in mine)
+            tokens = [t for m in mine for t in m.tokens]
+            finish = FINISH.get(mine[-1].finish_reason)
+            lasts.append(mine[-1])
+            if self.endpoint == "chat":
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": self._logprobs(tokens, index), "finish_reason": finish})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": self._logprobs(tokens, index, scored),
+                                "finish_reason": finish})
+                if self.prompt_logprobs:
+                    choices[-1]["prompt_logprobs"] = self.vllm_prompt_logprobs(scored)
+        out = self._envelope("chat.completion" if self.endpoint == "chat" else "text_completion")
+        if self.endpoint == "chat" and self.prompt_logprobs:
+            out["prompt_logprobs"] = self.vllm_prompt_logprobs(scored)
+        return {**out, "choices": choices, "usage": usage(lasts)}

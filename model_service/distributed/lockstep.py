@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from model_service.controls import NO_CONTROLS, SamplingControls
 from model_service.distributed.ops import Call, Codec, Op, Replica, codec_for
 from model_service.scheduler import ErrorKind, SchedulerError
 
@@ -179,22 +180,29 @@ class LockstepEngine:
         return bool(self._engine.chunked(length))
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0
+                allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0,
+                controls: SamplingControls = NO_CONTROLS, prompt_logprobs: int | None = None
                 ) -> tuple[PrefixRef, Any]:
         ref, out = self._with_new_id(lambda i: Call(
             Op.PREFILL, prefix=i, prompt=tuple(int(t) for t in tokens), seed=int(seed), temperature=float(temperature),
-            top_p=float(top_p), allowed=tuple(allowed), blocked=tuple(blocked), top_logprobs=int(top_logprobs)))
+            top_p=float(top_p), allowed=tuple(allowed), blocked=tuple(blocked), top_logprobs=int(top_logprobs),
+            controls=controls, prompt_logprobs=prompt_logprobs))
         return ref, out
 
     def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
-                      allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0) -> PrefixRef:
+                      allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0,
+                      controls: SamplingControls = NO_CONTROLS) -> PrefixRef:
         """Every process starts the job and keeps it under one id, like a prefix; the scheduler's reference
         keeps it alive (a cancelled job is released when the scheduler drops it)."""
         ref, _ = self._with_new_id(lambda i: Call(
             Op.BEGIN_PREFILL, prefix=i, slot=int(slot), prompt=tuple(int(t) for t in tokens), seed=int(seed),
             temperature=float(temperature), top_p=float(top_p), allowed=tuple(allowed), blocked=tuple(blocked),
-            top_logprobs=int(top_logprobs)))
+            top_logprobs=int(top_logprobs), controls=controls))
         return ref
+
+    def resample(self, prefix: PrefixRef, *, seed: int) -> tuple[PrefixRef, Any]:
+        """Every process draws the new sample from its copy of `prefix` (held alive by the caller's reference)."""
+        return self._with_new_id(lambda i: Call(Op.RESAMPLE, prefix=i, source=prefix.id, seed=int(seed)))
 
     def prefill_next_chunk(self, job: PrefixRef, state: Any) -> tuple[Any, Any]:
         self._check_state(state)

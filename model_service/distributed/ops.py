@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from model_service.controls import MAX_LOGIT_BIAS, NO_CONTROLS, SamplingControls
+
 log = logging.getLogger(__name__)
 
 
@@ -28,12 +30,14 @@ class Op(enum.IntEnum):
     SHUTDOWN = 1  # process 0 is stopping cleanly; followers leave their loop
     COMPILE_ALL = 2  # Engine.compile_all()
     INIT = 3  # Engine.init_decode_state()
-    PREFILL = 4  # Engine.prefill(prompt, seed=, temperature=, top_p=, allowed=, blocked=, top_logprobs=) -> `prefix`
+    PREFILL = 4  # Engine.prefill(prompt, seed=, temperature=, top_p=, allowed=, blocked=, top_logprobs=, controls=)
+    #              -> `prefix`
     INSERT = 5  # Engine.insert(prefix `prefix`, state, slot)
     GENERATE = 6  # Engine.generate(state)
     FREE = 7  # Engine.free_slot(state, slot)
     BEGIN_PREFILL = 8  # Engine.begin_prefill(prompt, slot=, ...same as PREFILL) -> job kept under id `prefix`
     PREFILL_CHUNK = 9  # Engine.prefill_next_chunk(job `prefix`, state)
+    RESAMPLE = 10  # Engine.resample(prefix `source`, seed=) -> a new prefix kept under id `prefix` (n > 1)
 
 
 class Field(enum.IntEnum):
@@ -49,6 +53,8 @@ class Field(enum.IntEnum):
     TEMPERATURE = 7  # float32 bits
     TOP_P = 8  # float32 bits
     TOP_LOGPROBS = 9
+    SOURCE = 10  # RESAMPLE: the prefix it draws from
+    PROMPT_LOGPROBS = 11  # PREFILL: -1 for none
 
 
 HEADER_SIZE = 12
@@ -70,6 +76,12 @@ class Call:
     allowed: tuple[int, ...] = ()
     blocked: tuple[int, ...] = ()
     top_logprobs: int = 0
+    controls: SamplingControls = NO_CONTROLS
+    source: int = 0
+    prompt_logprobs: int | None = None
+
+
+CONTROL_WORDS = 6 + 2 * MAX_LOGIT_BIAS  # top_k, 4 float32 controls, bias count, bias ids, bias values
 
 
 def _f32_bits(x: float) -> int:
@@ -83,8 +95,9 @@ def _bits_f32(bits: int) -> float:
 class Codec:
     """Calls as fixed-shape int32 arrays (a collective needs the same shapes on every process).
 
-    Every call is a header [HEADER_SIZE]; PREFILL and BEGIN_PREFILL add a payload: the prompt padded to `max_prompt`, and the
-    allowed and blocked token sets as two bitmaps over the vocabulary.
+    Every call is a header [HEADER_SIZE]; PREFILL and BEGIN_PREFILL add a payload: the prompt padded to `max_prompt`, the
+    allowed and blocked token sets as two bitmaps over the vocabulary, and the sampling controls [CONTROL_WORDS]
+    (floats as their float32 bits).
     """
 
     def __init__(self, max_prompt: int, vocab_size: int) -> None:
@@ -99,8 +112,9 @@ class Codec:
     def empty_header(self) -> np.ndarray:
         return np.zeros((HEADER_SIZE,), np.int32)
 
-    def empty_payload(self) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros((self.max_prompt,), np.int32), np.zeros((2, self.bitmap_words), np.int32)
+    def empty_payload(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (np.zeros((self.max_prompt,), np.int32), np.zeros((2, self.bitmap_words), np.int32),
+                np.zeros((CONTROL_WORDS,), np.int32))
 
     def header(self, call: Call) -> np.ndarray:
         h = self.empty_header()
@@ -108,19 +122,27 @@ class Codec:
                   Field.SLOT: call.slot, Field.PREFIX: call.prefix, Field.LENGTH: len(call.prompt),
                   Field.SEED: int(np.array(call.seed, np.uint32).view(np.int32)),
                   Field.TEMPERATURE: _f32_bits(call.temperature), Field.TOP_P: _f32_bits(call.top_p),
-                  Field.TOP_LOGPROBS: call.top_logprobs}
+                  Field.TOP_LOGPROBS: call.top_logprobs, Field.SOURCE: call.source,
+                  Field.PROMPT_LOGPROBS: -1 if call.prompt_logprobs is None else call.prompt_logprobs}
         for field, value in values.items():
             h[field] = value
         return h
 
-    def payload(self, call: Call) -> tuple[np.ndarray, np.ndarray]:
+    def payload(self, call: Call) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if len(call.prompt) > self.max_prompt:
             raise ValueError(f"prompt of {len(call.prompt)} tokens exceeds the largest prefill bucket {self.max_prompt}")
-        tokens, bitmaps = self.empty_payload()
+        if len(call.controls.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(call.controls.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        tokens, bitmaps, words = self.empty_payload()
         tokens[:len(call.prompt)] = call.prompt
         bitmaps[0] = self._bitmap(call.allowed)
         bitmaps[1] = self._bitmap(call.blocked)
-        return tokens, bitmaps
+        c, n = call.controls, len(call.controls.logit_bias)
+        words[:6] = [c.top_k, _f32_bits(c.min_p), _f32_bits(c.repetition_penalty), _f32_bits(c.presence_penalty),
+                     _f32_bits(c.frequency_penalty), n]
+        for i, (token, bias) in enumerate(c.logit_bias):
+            words[6 + i], words[6 + MAX_LOGIT_BIAS + i] = token, _f32_bits(bias)
+        return tokens, bitmaps, words
 
     def decode(self, header: np.ndarray, payload: Sequence[np.ndarray] | None) -> Call:
         op = Op(int(header[Field.OP]))
@@ -129,11 +151,12 @@ class Codec:
             slot=int(header[Field.SLOT]), prefix=int(header[Field.PREFIX]),
             seed=int(np.array(header[Field.SEED], np.int32).view(np.uint32)),
             temperature=_bits_f32(int(header[Field.TEMPERATURE])), top_p=_bits_f32(int(header[Field.TOP_P])),
-            top_logprobs=int(header[Field.TOP_LOGPROBS]))
+            top_logprobs=int(header[Field.TOP_LOGPROBS]), source=int(header[Field.SOURCE]),
+            prompt_logprobs=None if int(header[Field.PROMPT_LOGPROBS]) < 0 else int(header[Field.PROMPT_LOGPROBS]))
         if payload is not None:
-            tokens, bitmaps = payload
+            tokens, bitmaps, words = payload
             fields.update(prompt=tuple(int(t) for t in tokens[:int(header[Field.LENGTH])]),
-                          allowed=self._ids(bitmaps[0]), blocked=self._ids(bitmaps[1]))
+                          allowed=self._ids(bitmaps[0]), blocked=self._ids(bitmaps[1]), controls=_controls(words))
         return Call(**fields)
 
     def _bitmap(self, ids: Sequence[int]) -> np.ndarray:
@@ -144,6 +167,13 @@ class Codec:
     def _ids(self, words: np.ndarray) -> tuple[int, ...]:
         bits = np.unpackbits(np.ascontiguousarray(words, "<i4").view(np.uint8), bitorder="little")
         return tuple(int(i) for i in np.flatnonzero(bits[:self.vocab_size]))
+
+
+def _controls(words: np.ndarray) -> SamplingControls:
+    n = int(words[5])
+    bias = tuple((int(words[6 + i]), _bits_f32(int(words[6 + MAX_LOGIT_BIAS + i]))) for i in range(n))
+    return SamplingControls(int(words[0]), _bits_f32(int(words[1])), _bits_f32(int(words[2])),
+                            _bits_f32(int(words[3])), _bits_f32(int(words[4])), bias)
 
 
 def codec_for(engine: Any) -> Codec:
@@ -180,14 +210,19 @@ class Replica:
         if call.op == Op.PREFILL:
             prefix, out = e.prefill(list(call.prompt), seed=call.seed, temperature=call.temperature,
                                     top_p=call.top_p, allowed=call.allowed, blocked=call.blocked,
-                                    top_logprobs=call.top_logprobs)
+                                    top_logprobs=call.top_logprobs, controls=call.controls,
+                                    prompt_logprobs=call.prompt_logprobs)
             self.prefixes[call.prefix] = prefix
             return out
         if call.op == Op.BEGIN_PREFILL:
             self.prefixes[call.prefix] = e.begin_prefill(
                 list(call.prompt), slot=call.slot, seed=call.seed, temperature=call.temperature, top_p=call.top_p,
-                allowed=call.allowed, blocked=call.blocked, top_logprobs=call.top_logprobs)
+                allowed=call.allowed, blocked=call.blocked, top_logprobs=call.top_logprobs, controls=call.controls)
             return None
+        if call.op == Op.RESAMPLE:
+            prefix, out = e.resample(self.prefixes[call.source], seed=call.seed)
+            self.prefixes[call.prefix] = prefix
+            return out
         if call.op == Op.PREFILL_CHUNK:
             self.state, out = e.prefill_next_chunk(self.prefixes[call.prefix], self.state)
             return self.state, out

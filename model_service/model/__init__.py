@@ -20,7 +20,7 @@ from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Memory
 from model_service.model.layers import Products, QuantizedWeight
 from model_service.model.params import Params
-from model_service.model.transformer import Step, forward
+from model_service.model.transformer import Step, forward, prompt_logprobs
 from model_service.sharding import DATA, MODEL, params_shardings
 
 __all__ = ["GrokModel", "KVMemory", "Memory", "Params", "Products", "QuantizedWeight"]
@@ -49,6 +49,7 @@ class GrokModel:
         self.dtype = jnp.dtype(dtype)
         self.products = products or default_products(mesh)
         self._net = hk.without_apply_rng(hk.transform(functools.partial(forward, cfg, mesh, self.dtype)))
+        self._scorer = hk.without_apply_rng(hk.transform(functools.partial(prompt_logprobs, cfg, mesh, self.dtype)))
 
     def init_memory(self, batch: int) -> Memory:
         """Empty KV memory: `batch` slots of sequence_len positions, all at position 0."""
@@ -140,6 +141,15 @@ class GrokModel:
         logits, caches = self._net.apply(params, tokens[:, None], step, jnp.zeros_like(write))
         advanced = jax.lax.dynamic_update_slice_in_dim(memory.positions, jnp.minimum(positions + 1, s), start, axis=0)
         return logits, Memory(caches, advanced)
+
+    def prompt_logprobs(self, params: Params, tokens: Array, k: int) -> tuple[Array, Array, Array]:
+        """tokens [1, T] (a padded prompt) -> the log-probability of each next prompt token [T] and the k most
+        likely [T, k] (+ ids), from one full pass over the prompt (transformer.prompt_logprobs)."""
+        n = tokens.shape[1]
+        positions = jnp.arange(n, dtype=jnp.int32)[None, :]
+        mask = jnp.tril(jnp.ones((n, n), bool))[None] & (tokens != self.cfg.pad_token)[:, None, :]
+        chunk = next(c for c in (16, 8, 4, 2, 1) if n % c == 0)
+        return self._scorer.apply(params, tokens, Step(positions, mask, None, None, products=self.products), k, chunk)
 
     def forward(self, params: Params, tokens: Array) -> Array:
         """Full pass without memory: tokens [B, T] -> logits [B, T, V] float32 (pad keys masked)."""

@@ -167,3 +167,27 @@ def forward(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step:
         h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]  # [B, D]
     with jax.named_scope("unembed"):
         return unembed(cfg, lm, h, step.products), caches
+
+
+def prompt_logprobs(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: Step, k: int,
+                    chunk: int) -> tuple[Array, Array, Array]:
+    """Haiku-transformed (same parameters as `forward`): how likely the network finds each prompt token.
+
+    tokens [1, T] -> (logprob of token t + 1 after tokens ..t [T], top-k logprobs [T, k], their ids [T, k]),
+    from the raw logits' log-softmax (vLLM's prompt_logprobs). The last row and rows past the prompt are
+    meaningless. The [T, V] logits are never held at once: `chunk` rows are unembedded at a time.
+    """
+    lm = language_model_params(cfg)
+    x = constrain(embed(cfg, lm, tokens, dtype), mesh, P(DATA, None, MODEL))
+    h, _ = Transformer(cfg, mesh)(x, step)  # [1, T, D]
+    t = tokens.shape[1]
+    targets = jnp.roll(tokens[0], -1).reshape(t // chunk, chunk)
+
+    def rows(args: tuple[Array, Array]) -> tuple[Array, Array, Array]:
+        hidden, target = args  # [chunk, D], [chunk]
+        logprobs = jax.nn.log_softmax(unembed(cfg, lm, hidden, step.products), axis=-1)  # [chunk, V]
+        top, ids = jax.lax.top_k(logprobs, k)
+        return jnp.take_along_axis(logprobs, target[:, None], axis=-1)[:, 0], top, ids.astype(jnp.int32)
+
+    chosen, top, ids = jax.lax.map(rows, (h[0].reshape(t // chunk, chunk, -1), targets))
+    return chosen.reshape(t), top.reshape(t, k), ids.reshape(t, k)

@@ -130,7 +130,7 @@ def test_grpcurl_lists_the_gateway_api_on_its_published_port(gateway: str) -> No
 
 
 def test_grpcurl_generate_streams_a_completion_through_the_stack(gateway: str) -> None:
-    request = {"prompt": "Serving on two cores", "max_tokens": 5, "ignore_eos": True, "seed": 11}
+    request = {"prompt": "Serving on two cores", "sampling": {"max_tokens": 5, "ignore_eos": True, "seed": 11}}
     done = grpcurl("-plaintext", "-max-time", "120", "-d", json.dumps(request), gateway,
                    "grok.gateway.v1.GatewayService/Generate", timeout=150)
     assert done.returncode == 0, done.stderr
@@ -151,7 +151,7 @@ def test_gateway_spreads_requests_over_model_replicas_found_through_the_service_
     assert address.endswith(f"/model:{stack.get('model').ports[model_port]}")
     assert ("model", 1) in dns.queries  # the gateway asked "DNS" for the A records of `model`
     for seed in range(6):
-        request = {"prompt": f"replica {seed}", "max_tokens": 2, "ignore_eos": True, "seed": seed}
+        request = {"prompt": f"replica {seed}", "sampling": {"max_tokens": 2, "ignore_eos": True, "seed": seed}}
         done = grpcurl("-plaintext", "-max-time", "120", "-d", json.dumps(request), gateway,
                        "grok.gateway.v1.GatewayService/Complete", timeout=150)
         assert done.returncode == 0, done.stderr
@@ -164,7 +164,7 @@ def test_gateway_spreads_requests_over_model_replicas_found_through_the_service_
 def test_gateway_published_metrics_port_counts_requests(config: dict, stack: LocalStack, gateway: str) -> None:
     address = published_port(config, stack, "gateway", metrics=True)
     before = metric(address, "grok_gateway_requests_total")
-    request = {"prompt": "count me", "max_tokens": 1}
+    request = {"prompt": "count me", "sampling": {"max_tokens": 1}}
     assert grpcurl("-plaintext", "-max-time", "120", "-d", json.dumps(request), gateway,
                    "grok.gateway.v1.GatewayService/Complete", timeout=150).returncode == 0
     assert metric(address, "grok_gateway_requests_total") == before + 1

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from model_service.controls import NO_CONTROLS, SamplingControls
 from model_service.scheduler import Emission, SchedulerError
 from tests.engine.fake_engine import FakeEngine, FakeOutput
 
@@ -23,17 +24,24 @@ class RecordingEngine(FakeEngine):
         return {"fake": 0.0}
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0
-                ) -> tuple[int, FakeOutput]:
+                allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0,
+                controls: SamplingControls = NO_CONTROLS, prompt_logprobs: int | None = None) -> tuple[int, FakeOutput]:
         self._log("prefill_args", tuple(tokens), seed, temperature, top_p, tuple(sorted(set(allowed))),
                   tuple(sorted(set(blocked))), top_logprobs)
+        if controls != NO_CONTROLS:
+            self._log("controls", controls)
+        if prompt_logprobs is not None:
+            self._log("prompt_logprobs", prompt_logprobs)
         return super().prefill(tokens, seed=seed, temperature=temperature, top_p=top_p, allowed=allowed,
-                               blocked=blocked, top_logprobs=top_logprobs)
+                               blocked=blocked, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
 
     def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
-                      allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0) -> list:
+                      allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0,
+                      controls: SamplingControls = NO_CONTROLS) -> list:
         self._log("begin_prefill_args", tuple(tokens), slot, seed, temperature, top_p,
                   tuple(sorted(set(allowed))), tuple(sorted(set(blocked))), top_logprobs)
+        if controls != NO_CONTROLS:
+            self._log("controls", controls)
         return super().begin_prefill(tokens, slot=slot, seed=seed, temperature=temperature, top_p=top_p,
                                      allowed=allowed, blocked=blocked, top_logprobs=top_logprobs)
 

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from model_service.controls import SamplingControls
 from model_service.distributed.ops import HEADER_SIZE, Call, Codec, Op, Replica
 from model_service.scheduler import EngineLike
 from tests.distributed.fakes import RecordingEngine
@@ -30,9 +31,49 @@ def test_prefill_call_survives_encoding_with_float32_values_and_token_sets() -> 
     assert back.allowed == (0, 3, 69) and back.blocked == (31, 32, 64)
 
 
+def test_sampling_controls_survive_encoding_as_float32_values() -> None:
+    controls = SamplingControls(top_k=40, min_p=0.05, repetition_penalty=1.1, presence_penalty=-0.5,
+                                frequency_penalty=1.9, logit_bias=((69, -100.0), (0, 0.3), (12, 7.25)))
+    back = round_trip(Call(Op.BEGIN_PREFILL, prompt=(1, 2), controls=controls)).controls
+    f32 = lambda x: float(np.float32(x))  # noqa: E731
+    assert back == SamplingControls(40, f32(0.05), f32(1.1), -0.5, f32(1.9), ((69, -100.0), (0, f32(0.3)), (12, 7.25)))
+    assert round_trip(Call(Op.PREFILL, prompt=(1,))).controls == SamplingControls()
+
+
+def test_prompt_logprobs_survive_encoding_and_reach_the_engine() -> None:
+    assert round_trip(Call(Op.PREFILL, prompt=(1,), prompt_logprobs=0)).prompt_logprobs == 0
+    assert round_trip(Call(Op.PREFILL, prompt=(1,), prompt_logprobs=5)).prompt_logprobs == 5
+    assert round_trip(Call(Op.PREFILL, prompt=(1,))).prompt_logprobs is None
+    engine = RecordingEngine(slots=2, buckets=(8,), vocab_size=70)
+    out = Replica(engine).run(Call(Op.PREFILL, prefix=1, prompt=(10, 11, 12), prompt_logprobs=2))
+    assert ("prompt_logprobs", 2) in engine.calls and list(out.prompt.top_ids[:, 0]) == [11, 12]
+
+
+def test_replica_passes_the_controls_to_the_engine() -> None:
+    engine = RecordingEngine(slots=2, buckets=(8,), vocab_size=70)
+    replica = Replica(engine)
+    controls = SamplingControls(top_k=3, logit_bias=((5, 1.0),))
+    replica.run(Call(Op.PREFILL, prefix=1, prompt=(10,), controls=controls))
+    replica.run(Call(Op.BEGIN_PREFILL, prefix=2, slot=1, prompt=(10,), controls=controls))
+    assert [c for c in engine.calls if c[0] == "controls"] == [("controls", controls)] * 2
+
+
+def test_replica_resamples_a_kept_prefix_into_a_new_id() -> None:
+    engine = RecordingEngine(slots=2, buckets=(8,), vocab_size=70)
+    replica = Replica(engine)
+    replica.run(Call(Op.INIT))
+    replica.run(Call(Op.PREFILL, prefix=3, prompt=(10, 11)))
+    back = round_trip(Call(Op.RESAMPLE, prefix=4, source=3, seed=2))
+    assert (back.op, back.prefix, back.source, back.seed) == (Op.RESAMPLE, 4, 3, 2)
+    out = replica.run(back)
+    assert int(out.token[0]) == 14 and replica.prefixes == {3: 12, 4: 14}  # the fake: first token + seed
+    assert ("resample", 2) in engine.calls
+
+
 def test_every_array_has_the_same_shape_whatever_the_call() -> None:
     short = Call(Op.PREFILL, prompt=(5,))
-    full = Call(Op.PREFILL, prompt=tuple(range(16)), allowed=tuple(range(70)))
+    full = Call(Op.PREFILL, prompt=tuple(range(16)), allowed=tuple(range(70)),
+                controls=SamplingControls(top_k=2, logit_bias=tuple((i, 1.0) for i in range(70))))
     assert [a.shape for a in CODEC.payload(short)] == [a.shape for a in CODEC.payload(full)]
     assert [a.shape for a in CODEC.payload(short)] == [a.shape for a in CODEC.empty_payload()]
     for op in Op:
@@ -84,7 +125,8 @@ def test_the_op_table_covers_every_engine_method_the_scheduler_uses() -> None:
     """A new Engine method the scheduler calls must get an op, or the followers would not run it."""
     methods = {name for name in vars(EngineLike) if not name.startswith("_") and callable(getattr(EngineLike, name))}
     covered = {"init_decode_state": Op.INIT, "prefill": Op.PREFILL, "insert": Op.INSERT, "generate": Op.GENERATE,
-               "free_slot": Op.FREE, "begin_prefill": Op.BEGIN_PREFILL, "prefill_next_chunk": Op.PREFILL_CHUNK}
+               "free_slot": Op.FREE, "begin_prefill": Op.BEGIN_PREFILL, "prefill_next_chunk": Op.PREFILL_CHUNK,
+               "resample": Op.RESAMPLE}
     host_only = {"bucket_for", "chunked"}  # pure functions of the configuration, the same on every process
     assert methods == set(covered) | host_only
 

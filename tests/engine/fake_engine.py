@@ -27,6 +27,17 @@ class FakeOutput:
     top_ids: np.ndarray  # [B, K]
     top_probs: np.ndarray  # [B, K]
     bad: np.ndarray  # [B]
+    prompt: object = None  # FakePrompt when prompt logprobs were asked for
+
+
+@dataclass(frozen=True)
+class FakePrompt:
+    """Prompt scores of the fake: every prompt token 1..n-1 has probability 0.25; its alternatives are
+    (token, token + 1, ...) with probabilities 0.5, 0.25, ..."""
+
+    logprob: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -82,19 +93,33 @@ class FakeEngine:
         return min(b for b in self.buckets if b >= length)
 
     def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8) -> tuple[int, FakeOutput]:
+                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8,
+                controls: object = None, prompt_logprobs: int | None = None) -> tuple[int, FakeOutput]:
         self._log("prefill", tuple(tokens))
         self.running.wait()
         if tokens[0] == self.fail_prefill_for:
             raise RuntimeError("fake prefill failure")
         first = (tokens[-1] + 1) % self.vocab_size
+        out = self._out(np.array([first]))
+        if prompt_logprobs is not None:
+            rest = np.asarray(tokens[1:])
+            ids = (rest[:, None] + np.arange(K)[None, :]) % self.vocab_size
+            out = FakeOutput(out.token, out.prob, out.top_ids, out.top_probs, out.bad, FakePrompt(
+                np.log(np.full(rest.shape, 0.25)), ids, np.log(np.broadcast_to(0.5 ** np.arange(1, K + 1), ids.shape))))
+        return first, out
+
+    def resample(self, prefix: int, *, seed: int) -> tuple[int, FakeOutput]:
+        """Another sample's first token: the prefill's plus `seed` (so with seed 0, sample i starts at first + i)."""
+        self._log("resample", seed)
+        first = (prefix + seed) % self.vocab_size
         return first, self._out(np.array([first]))
 
     def chunked(self, length: int) -> bool:
         return 0 < self.prefill_chunk < length
 
     def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
-                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8) -> list:
+                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8,
+                      controls: object = None) -> list:
         self._log("begin_prefill", tuple(tokens), slot)
         return [list(tokens), slot, 0]
 

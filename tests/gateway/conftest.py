@@ -149,6 +149,19 @@ class Stubs:
 
 
 @pytest.fixture(scope="session")
+def golden_http_url(golden_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second gateway on the golden stack's backends with the HTTP API on; its base URL."""
+    port = free_port()
+    gateway = start_gateway(golden_stack.tokenizer.address, [m.address for m in golden_stack.models],
+                            tmp_path_factory.mktemp("golden_http"), http_port=port)
+    try:
+        gateway.wait_serving(120)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        gateway.terminate()
+
+
+@pytest.fixture(scope="session")
 def golden_stubs(golden_stack: Stack) -> Iterator[Stubs]:
     channels = {name: grpc.insecure_channel(service.address) for name, service in
                 (("gateway", golden_stack.gateway), ("tokenizer", golden_stack.tokenizer),

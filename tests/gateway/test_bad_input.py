@@ -19,6 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.client import completion_request
 from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
 from grok.tokenizer.v1 import tokenizer_pb2
@@ -35,8 +36,8 @@ INTERNALS = ("Traceback", "<class", "Exception", "Error:", "127.0.0.1", "ipv4:",
 
 def golden_text_request(**fields: Any) -> gateway_pb2.CompleteRequest:
     q = GOLDEN_CASE["request"]
-    return gateway_pb2.CompleteRequest(prompt=q["prompt"], max_tokens=q["max_len"], temperature=q["temperature"],
-                                       top_p=q["nucleus_p"], seed=q["rng_seed"], ignore_eos=True, **fields)
+    return completion_request(q["prompt"], max_tokens=q["max_len"], temperature=q["temperature"],
+                              top_p=q["nucleus_p"], seed=q["rng_seed"], ignore_eos=True, **fields)
 
 
 def golden_model_request(**fields: Any) -> model_pb2.GenerateRequest:
@@ -72,10 +73,11 @@ def text_request(kind: type, **fields: Any) -> Any:
     """A gateway GenerateRequest or CompleteRequest: the golden request with `fields` changed."""
     request = kind.FromString(golden_text_request().SerializeToString())  # the two share every field
     for key, value in fields.items():
+        target = request if key == "prompt" else request.sampling
         if isinstance(value, list):
-            getattr(request, key).extend(value)
+            getattr(target, key).extend(value)
         else:
-            setattr(request, key, value)
+            setattr(target, key, value)
     return request
 
 

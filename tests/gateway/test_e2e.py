@@ -134,9 +134,9 @@ def test_prompt_over_the_context_is_invalid_argument(golden_stack: Stack) -> Non
 def test_grpcurl_generate_against_the_real_stack(golden_stack: Stack) -> None:
     case = GOLDEN_REQUESTS[1]
     options = golden_options(case)
-    body = json.dumps({"prompt": case["request"]["prompt"], "max_tokens": options["max_tokens"],
-                       "temperature": options["temperature"], "top_p": options["top_p"], "seed": options["seed"],
-                       "ignore_eos": True})
+    body = json.dumps({"prompt": case["request"]["prompt"], "sampling": {
+        "max_tokens": options["max_tokens"], "temperature": options["temperature"], "top_p": options["top_p"],
+        "seed": options["seed"], "ignore_eos": True}})
     out = grpcurl("-plaintext", "-d", body, golden_stack.address, "grok.gateway.v1.GatewayService/Generate")
     assert out.returncode == 0, out.stderr
     messages = [json.loads(chunk) for chunk in out.stdout.replace("}\n{", "}\x00{").split("\x00")]

@@ -17,6 +17,7 @@ import pytest
 from benchmarks.chaos_faults import good_answer, scrape, slots_free
 from benchmarks.chaos_load import EXPECTED, Seeded, Traffic, baseline, burst, wait_until
 from benchmarks.chaos_stack import LocalStack, StackConfig
+from gateway.client import generate_request
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from serving_common.errors import details_of
 from tests.procs import GOLDEN
@@ -59,8 +60,8 @@ def test_cancel_storm_frees_every_slot_and_refuses_no_live_request(stack: LocalS
         with grpc.insecure_channel(stack.gateway.address) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             for _ in calls:
-                call = stub.Generate(gateway_pb2.GenerateRequest(prompt="In the beginning", max_tokens=LONG,
-                                                                 ignore_eos=True), timeout=60)
+                call = stub.Generate(generate_request("In the beginning", max_tokens=LONG,
+                                                                  ignore_eos=True), timeout=60)
                 timer = threading.Timer(rng.uniform(0, 0.3), call.cancel)
                 timer.start()
                 try:
@@ -153,7 +154,7 @@ def long_streams(address: str, count: int) -> tuple[list[threading.Thread], list
     def one() -> None:
         with grpc.insecure_channel(address) as channel:
             stream = gateway_pb2_grpc.GatewayServiceStub(channel).Generate(
-                gateway_pb2.GenerateRequest(prompt="In the beginning", max_tokens=LONG, ignore_eos=True), timeout=60)
+                generate_request("In the beginning", max_tokens=LONG, ignore_eos=True), timeout=60)
             try:
                 next(stream)
                 started.wait(30)

@@ -46,6 +46,13 @@ VALID = {
     "allowed_token_ids": st.lists(st.integers(1, VOCAB - 1), max_size=12),
     "blocked_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=12),
     "token_ids": st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=60),
+    "top_k": st.integers(-1, 600),
+    "min_p": st.floats(0, 1, width=32),
+    "repetition_penalty": st.floats(0.0625, 4, width=32),
+    "presence_penalty": st.floats(-2, 2, width=32),
+    "frequency_penalty": st.floats(-2, 2, width=32),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100, width=32), max_size=8),
+    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=6),
 }
 WILD = {
     "prompt": st.one_of(st.text(max_size=40), st.text(alphabet=ODD_TEXT, max_size=400)),
@@ -59,12 +66,21 @@ WILD = {
     "blocked_token_ids": st.one_of(st.lists(st.one_of(st.integers(-3, 600), INT32), max_size=12),
                                    st.just(list(range(1, VOCAB)))),
     "token_ids": st.lists(st.one_of(st.integers(0, 600), INT32), max_size=70),
+    "top_k": st.one_of(st.integers(-3, 700), INT32),
+    "min_p": FLOATS,
+    "repetition_penalty": FLOATS,
+    "presence_penalty": FLOATS,
+    "frequency_penalty": FLOATS,
+    "logit_bias": st.dictionaries(st.one_of(st.integers(-3, 600), INT32), FLOATS, max_size=8),
+    "stop_token_ids": st.lists(st.one_of(st.integers(-3, 600), INT32), max_size=80),
 }
-OPTIONAL = ("max_tokens", "top_p", "seed")
-TEXT_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "top_logprobs", "allowed_token_ids",
-               "blocked_token_ids")
+OPTIONAL = ("max_tokens", "top_p", "seed", "repetition_penalty")
+CONTROLS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+            "stop_token_ids")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "top_logprobs", "allowed_token_ids",
+                   "blocked_token_ids") + CONTROLS
 MODEL_FIELDS = ("token_ids", "max_tokens", "temperature", "top_p", "seed", "top_logprobs", "allowed_token_ids",
-                "blocked_token_ids")
+                "blocked_token_ids") + CONTROLS
 
 
 def fill(draw: st.DrawFn, request: object, fields: tuple[str, ...]) -> None:
@@ -76,14 +92,17 @@ def fill(draw: st.DrawFn, request: object, fields: tuple[str, ...]) -> None:
         value = draw((WILD if field in wild else VALID)[field])
         if isinstance(value, list):
             getattr(request, field).extend(value)
+        elif isinstance(value, dict):
+            getattr(request, field).update(value)
         else:
             setattr(request, field, value)
 
 
 @st.composite
 def text_requests(draw: st.DrawFn) -> gateway_pb2.CompleteRequest:
-    request = gateway_pb2.CompleteRequest(ignore_eos=draw(st.booleans()))
-    fill(draw, request, TEXT_FIELDS)
+    request = gateway_pb2.CompleteRequest(sampling=gateway_pb2.SamplingParams(ignore_eos=draw(st.booleans())))
+    fill(draw, request, ("prompt",))
+    fill(draw, request.sampling, SAMPLING_FIELDS)
     return request
 
 
@@ -124,8 +143,8 @@ def test_gateway_answers_any_request_with_text_or_a_documented_status(golden_stu
         done = reply[0]
         assert done.finish_reason != gateway_pb2.FINISH_REASON_UNSPECIFIED
         assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
-        assert not any(stop in done.text for stop in request.stop)
-        blocked = set(request.blocked_token_ids) | {0}
+        assert not any(stop in done.text for stop in request.sampling.stop)
+        blocked = set(request.sampling.blocked_token_ids) | {0}
         assert not blocked & {t.id for t in done.tokens}
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from gateway.client import AsyncGatewayClient, GatewayClient
+from gateway.client import AsyncGatewayClient, GatewayClient, completion_request, generate_request
 from grok.gateway.v1 import gateway_pb2
 from tests.gateway.conftest import Stack
 from tests.gateway.fakes import PIECES
@@ -134,9 +134,9 @@ BAD_REQUESTS = [
 def test_bad_request_is_invalid_argument_naming_the_field_on_both_rpcs(fast_stack: Stack, fields: dict,
                                                                         field: str) -> None:
     with GatewayClient(fast_stack.address, timeout=10) as c:
-        request = gateway_pb2.GenerateRequest(**fields)
+        request = generate_request(**fields)
         for call in (lambda: list(c.stub.Generate(request, timeout=10)),
-                     lambda: c.stub.Complete(gateway_pb2.CompleteRequest(**fields), timeout=10)):
+                     lambda: c.stub.Complete(completion_request(**fields), timeout=10)):
             with pytest.raises(grpc.RpcError) as caught:
                 call()
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -20,16 +20,16 @@ from grok.gateway.v1 import gateway_pb2
 
 def test_completion_fields_map_to_the_grpc_request_with_openai_defaults() -> None:
     request = CompletionRequest(prompt="hi", stop="\n", seed=7, logprobs=3, ignore_eos=True)
-    out = generate_request(request, "hi")
+    out = generate_request(request, "hi").sampling
     assert out.max_tokens == 16 and out.temperature == 1.0 and out.top_p == 1.0  # OpenAI's defaults
     assert list(out.stop) == ["\n"] and out.seed == 7 and out.top_logprobs == 3 and out.ignore_eos
 
 
 def test_chat_max_completion_tokens_wins_and_unset_max_tokens_stays_unset() -> None:
     messages = [ChatMessage(role="user", content="x")]
-    assert not generate_request(ChatCompletionRequest(messages=messages), "p").HasField("max_tokens")
+    assert not generate_request(ChatCompletionRequest(messages=messages), "p").sampling.HasField("max_tokens")
     both = ChatCompletionRequest(messages=messages, max_tokens=5, max_completion_tokens=9)
-    assert generate_request(both, "p").max_tokens == 9
+    assert generate_request(both, "p").sampling.max_tokens == 9
 
 
 def test_chat_top_logprobs_needs_logprobs() -> None:
@@ -38,10 +38,29 @@ def test_chat_top_logprobs_needs_logprobs() -> None:
         generate_request(request, "p")
     assert caught.value.param == "top_logprobs"
     request = ChatCompletionRequest(messages=[ChatMessage(role="user", content="x")], logprobs=True, top_logprobs=2)
-    assert generate_request(request, "p").top_logprobs == 2
+    assert generate_request(request, "p").sampling.top_logprobs == 2
 
 
-@pytest.mark.parametrize(("field", "value"), [("max_tokens", 2**40), ("seed", 2**32), ("seed", -5)])
+def test_vllm_sampling_controls_map_to_the_shared_sampling_params() -> None:
+    request = CompletionRequest(prompt="hi", top_k=40, min_p=0.1, repetition_penalty=1.25, presence_penalty=0.5,
+                                frequency_penalty=-0.5, logit_bias={"5": -100, "17": 2.5}, stop_token_ids=[3, 9])
+    out = generate_request(request, "hi").sampling
+    assert (out.top_k, out.repetition_penalty, out.presence_penalty, out.frequency_penalty) == (40, 1.25, 0.5, -0.5)
+    assert out.min_p == pytest.approx(0.1) and dict(out.logit_bias) == {5: -100.0, 17: 2.5}
+    assert list(out.stop_token_ids) == [3, 9]
+    off = generate_request(CompletionRequest(prompt="hi"), "hi").sampling  # OpenAI's defaults are all "off"
+    assert (off.top_k, off.min_p, off.presence_penalty, off.frequency_penalty) == (0, 0, 0, 0)
+    assert not off.HasField("repetition_penalty") and not off.logit_bias and not off.stop_token_ids
+
+
+def test_logit_bias_keys_must_be_token_ids() -> None:
+    with pytest.raises(ApiError) as caught:
+        generate_request(CompletionRequest(prompt="x", logit_bias={"hello": 1.0}), "x")
+    assert caught.value.status == 400 and caught.value.param == "logit_bias"
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", 2**40), ("seed", 2**32), ("seed", -5), ("top_k", 2**40),
+                                              ("stop_token_ids", [2**40])])
 def test_values_outside_the_proto_ranges_are_400(field: str, value: int) -> None:
     with pytest.raises(ApiError) as caught:
         generate_request(CompletionRequest(prompt="x", **{field: value}), "x")

@@ -108,3 +108,27 @@ def test_local_stream_survives_the_tokenizer_dying_and_the_table_is_prefetched_a
         assert wait_for(lambda: any(r.get("method") == "GetPieces" for r in golden_stack.tokenizer.log_records()))
         assert client.complete(prompt, **options).text == expected
     assert not [r for r in local_gateway.log_records() if r.get("level") == "error"]
+
+
+def test_local_n_samples_echo_and_prompt_logprobs_equal_the_remote_gateway(golden_stack: Stack,
+                                                                          local_gateway: Service) -> None:
+    # Each completion has its own detokenizer, and the scored prompt's texts come from the table: the same
+    # messages per completion index as the remote path.
+    prompt = "In the beginning"
+    options = dict(max_tokens=12, ignore_eos=True, temperature=0.9, seed=7, n=2, echo=True, prompt_logprobs=2,
+                   top_logprobs=2)
+    local = generate(local_gateway.address, prompt, **options)
+    remote = generate(golden_stack.address, prompt, **options)
+    for index in (0, 1):
+        mine = [m for m in local if m.index == index]
+        theirs = [m for m in remote if m.index == index]
+        assert "".join(m.text for m in mine) == "".join(m.text for m in theirs)
+        assert mine[0].text.startswith(prompt)
+        assert token_view(mine) == token_view(theirs)
+        assert [(p.id, p.text, round(p.logprob, 5), [(a.id, a.text) for a in p.top_tokens])
+                for m in mine for p in m.prompt_logprobs] == \
+               [(p.id, p.text, round(p.logprob, 5), [(a.id, a.text) for a in p.top_tokens])
+                for m in theirs for p in m.prompt_logprobs]
+        assert mine[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+    assert "".join(m.text for m in local if m.index == 0) != "".join(m.text for m in local if m.index == 1)
+    assert [p.text for m in local if m.index == 0 for p in m.prompt_logprobs][0]

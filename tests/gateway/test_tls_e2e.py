@@ -22,7 +22,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.client import GatewayClient
+from gateway.client import GatewayClient, completion_request
 from gateway.http.chat import ChatTemplate
 from gateway.http.schemas import ChatMessage
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -138,7 +138,7 @@ def test_wrong_or_missing_key_is_refused_on_grpc_and_http_while_health_stays_ope
     with channel:
         for metadata in ([("authorization", "Bearer wrong")], [("authorization", KEY)], []):
             with pytest.raises(grpc.RpcError) as caught:
-                stub.Complete(gateway_pb2.CompleteRequest(prompt="x", max_tokens=1), timeout=30, metadata=metadata)
+                stub.Complete(completion_request("x", max_tokens=1), timeout=30, metadata=metadata)
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "API key" in caught.value.details()
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)

@@ -24,7 +24,7 @@ def test_grpcurl_describes_the_gateway_service(fast_stack: Stack) -> None:
 
 
 def test_grpcurl_generate_with_json_streams_messages(fast_stack: Stack) -> None:
-    body = json.dumps({"prompt": "p|hello world", "max_tokens": 8, "stop": ["ld"]})
+    body = json.dumps({"prompt": "p|hello world", "sampling": {"max_tokens": 8, "stop": ["ld"]}})
     out = grpcurl("-plaintext", "-d", body, fast_stack.address, "grok.gateway.v1.GatewayService/Generate")
     assert out.returncode == 0, out.stderr
     messages = [json.loads(chunk) for chunk in out.stdout.replace("}\n{", "}\x00{").split("\x00")]
@@ -35,7 +35,7 @@ def test_grpcurl_generate_with_json_streams_messages(fast_stack: Stack) -> None:
 
 
 def test_grpcurl_invalid_request_exits_with_invalid_argument(fast_stack: Stack) -> None:
-    out = grpcurl("-plaintext", "-d", '{"prompt": "p|a", "top_p": 2}', fast_stack.address,
+    out = grpcurl("-plaintext", "-d", '{"prompt": "p|a", "sampling": {"top_p": 2}}', fast_stack.address,
                   "grok.gateway.v1.GatewayService/Complete")
     assert out.returncode == 64 + 3, out.stderr  # grpcurl exits 64 + status code
     assert "top_p" in out.stderr

@@ -7,6 +7,7 @@ import math
 import grpc
 import pytest
 
+from gateway.client import generate_request
 from gateway.config import Limits
 from gateway.errors import GatewayError
 from gateway.validation import check_request, plan
@@ -18,7 +19,7 @@ INFO = model_pb2.GetInfoResponse(config=model_pb2.ModelConfig(vocab_size=100, se
 
 
 def bad_field(**fields: object) -> str:
-    request = gateway_pb2.GenerateRequest(**{"prompt": "hi", **fields})
+    request = generate_request(**{"prompt": "hi", **fields})
     with pytest.raises(GatewayError) as caught:
         check_request(request, LIMITS)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -41,19 +42,35 @@ def bad_field(**fields: object) -> str:
     ({"stop": ["a", "b", "c"]}, "stop"),
     ({"stop": ["abcde"]}, "stop[0]"),
     ({"stop": ["a", ""]}, "stop[1]"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": math.nan}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"frequency_penalty": math.nan}, "frequency_penalty"),
+    ({"logit_bias": {3: 100.5}}, "logit_bias"),
+    ({"logit_bias": {3: math.nan}}, "logit_bias"),
+    ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+    ({"stop_token_ids": [1] * 65}, "stop_token_ids"),
 ])
 def test_bad_parameter_is_invalid_argument_naming_the_field(fields: dict, field: str) -> None:
     assert bad_field(**fields).startswith(f"{field}:")
 
 
 def test_good_request_passes() -> None:
-    check_request(gateway_pb2.GenerateRequest(prompt="é" * 8, max_tokens=1, temperature=0.5, top_p=1.0,
-                                              top_logprobs=8, stop=["abcd", "x"]), LIMITS)
+    check_request(generate_request("é" * 8, max_tokens=1, temperature=0.5, top_p=1.0, top_logprobs=8,
+                                   stop=["abcd", "x"], top_k=-1, min_p=1.0, repetition_penalty=0.01,
+                                   presence_penalty=-2.0, frequency_penalty=2.0, logit_bias={5: -100.0, 6: 100.0},
+                                   stop_token_ids=[1] * 64), LIMITS)
 
 
 def test_unset_max_tokens_is_default_lowered_to_fit_the_context() -> None:
-    assert plan(gateway_pb2.GenerateRequest(prompt="p"), [5] * 4, INFO, LIMITS).max_tokens == 50
-    assert plan(gateway_pb2.GenerateRequest(prompt="p"), [5] * 30, INFO, LIMITS).max_tokens == 34
+    assert plan(generate_request("p"), [5] * 4, INFO, LIMITS).max_tokens == 50
+    assert plan(generate_request("p"), [5] * 30, INFO, LIMITS).max_tokens == 34
 
 
 @pytest.mark.parametrize(("fields", "ids", "field"), [
@@ -61,13 +78,16 @@ def test_unset_max_tokens_is_default_lowered_to_fit_the_context() -> None:
     ({}, [5] * 33, "prompt"),
     ({"allowed_token_ids": [3, 100]}, [5], "allowed_token_ids"),
     ({"blocked_token_ids": [-1]}, [5], "blocked_token_ids"),
+    ({"stop_token_ids": [100]}, [5], "stop_token_ids"),
+    ({"logit_bias": {-1: 1.0}}, [5], "logit_bias"),
+    ({"logit_bias": {100: 1.0}}, [5], "logit_bias"),
 ])
 def test_plan_rejects_what_does_not_fit_the_model(fields: dict, ids: list[int], field: str) -> None:
     with pytest.raises(GatewayError) as caught:
-        plan(gateway_pb2.GenerateRequest(prompt="p", **fields), ids, INFO, LIMITS)
+        plan(generate_request("p", **fields), ids, INFO, LIMITS)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.message.startswith(f"{field}:")
 
 
 def test_prompt_plus_max_tokens_equal_to_context_is_allowed() -> None:
-    assert plan(gateway_pb2.GenerateRequest(prompt="p", max_tokens=59), [5] * 5, INFO, LIMITS).max_tokens == 59
+    assert plan(generate_request("p", max_tokens=59), [5] * 5, INFO, LIMITS).max_tokens == 59

@@ -24,31 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19grok/model/v1/model.proto\x12\rgrok.model.v1\"\x8f\x02\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x19\n\x11\x61llowed_token_ids\x18\x08 \x03(\x05\x12\x19\n\x11\x62locked_token_ids\x18\t \x03(\x05\x12\x12\n\nrequest_id\x18\n \x01(\tB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"<\n\x08TopToken\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x13\n\x0bprobability\x18\x02 \x01(\x02\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"f\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x13\n\x0bprobability\x18\x02 \x01(\x02\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\ntop_tokens\x18\x04 \x03(\x0b\x32\x17.grok.model.v1.TopToken\"T\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x19\n\x11mean_step_seconds\x18\x03 \x01(\x01\"\xda\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12$\n\x06tokens\x18\x02 \x03(\x0b\x32\x14.grok.model.v1.Token\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.grok.model.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.grok.model.v1.Timings\"\x10\n\x0eGetInfoRequest\"\x8f\x03\n\x0bModelConfig\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x11\n\tpad_token\x18\x02 \x01(\x05\x12\x11\n\teos_token\x18\x03 \x01(\x05\x12\x14\n\x0csequence_len\x18\x04 \x01(\x05\x12\x1c\n\x14\x65mbedding_init_scale\x18\x05 \x01(\x01\x12\x1f\n\x17output_multiplier_scale\x18\x06 \x01(\x01\x12\"\n\x1a\x65mbedding_multiplier_scale\x18\x07 \x01(\x01\x12\x10\n\x08\x65mb_size\x18\x08 \x01(\x05\x12\x17\n\x0fwidening_factor\x18\t \x01(\x01\x12\x10\n\x08key_size\x18\n \x01(\x05\x12\x13\n\x0bnum_q_heads\x18\x0b \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x0c \x01(\x05\x12\x12\n\nnum_layers\x18\r \x01(\x05\x12\x1e\n\x16\x61ttn_output_multiplier\x18\x0e \x01(\x01\x12\x13\n\x0bnum_experts\x18\x0f \x01(\x05\x12\x1c\n\x14num_selected_experts\x18\x10 \x01(\x05\"\x82\x02\n\x0fGetInfoResponse\x12*\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.grok.model.v1.ModelConfig\x12\x11\n\tmesh_data\x18\x02 \x01(\x05\x12\x12\n\nmesh_model\x18\x03 \x01(\x05\x12\r\n\x05slots\x18\x04 \x01(\x05\x12\x17\n\x0fprefill_buckets\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x11\n\tmax_queue\x18\x07 \x01(\x05\x12\x12\n\ncheckpoint\x18\x08 \x01(\t\x12\x16\n\x0erandom_weights\x18\t \x01(\x08\x12\x10\n\x08platform\x18\n \x01(\t\x12\x14\n\x0c\x64\x65vice_count\x18\x0b \x01(\x05*\x80\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x03\x32\xa7\x01\n\x0cModelService\x12M\n\x08Generate\x12\x1e.grok.model.v1.GenerateRequest\x1a\x1f.grok.model.v1.GenerateResponse0\x01\x12H\n\x07GetInfo\x12\x1d.grok.model.v1.GetInfoRequest\x1a\x1e.grok.model.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19grok/model/v1/model.proto\x12\rgrok.model.v1\"\xe4\x04\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x19\n\x11\x61llowed_token_ids\x18\x08 \x03(\x05\x12\x19\n\x11\x62locked_token_ids\x18\t \x03(\x05\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\r\n\x05top_k\x18\x0b \x01(\x05\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x41\n\nlogit_bias\x18\x10 \x03(\x0b\x32-.grok.model.v1.GenerateRequest.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\t\n\x01n\x18\x12 \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"<\n\x08TopToken\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x13\n\x0bprobability\x18\x02 \x01(\x02\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"f\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x13\n\x0bprobability\x18\x02 \x01(\x02\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\ntop_tokens\x18\x04 \x03(\x0b\x32\x17.grok.model.v1.TopToken\"T\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x19\n\x11mean_step_seconds\x18\x03 \x01(\x01\"\x98\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12$\n\x06tokens\x18\x02 \x03(\x0b\x32\x14.grok.model.v1.Token\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.grok.model.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.grok.model.v1.Timings\x12\r\n\x05index\x18\x07 \x01(\x05\x12-\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x14.grok.model.v1.Token\"\x10\n\x0eGetInfoRequest\"\x8f\x03\n\x0bModelConfig\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x11\n\tpad_token\x18\x02 \x01(\x05\x12\x11\n\teos_token\x18\x03 \x01(\x05\x12\x14\n\x0csequence_len\x18\x04 \x01(\x05\x12\x1c\n\x14\x65mbedding_init_scale\x18\x05 \x01(\x01\x12\x1f\n\x17output_multiplier_scale\x18\x06 \x01(\x01\x12\"\n\x1a\x65mbedding_multiplier_scale\x18\x07 \x01(\x01\x12\x10\n\x08\x65mb_size\x18\x08 \x01(\x05\x12\x17\n\x0fwidening_factor\x18\t \x01(\x01\x12\x10\n\x08key_size\x18\n \x01(\x05\x12\x13\n\x0bnum_q_heads\x18\x0b \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x0c \x01(\x05\x12\x12\n\nnum_layers\x18\r \x01(\x05\x12\x1e\n\x16\x61ttn_output_multiplier\x18\x0e \x01(\x01\x12\x13\n\x0bnum_experts\x18\x0f \x01(\x05\x12\x1c\n\x14num_selected_experts\x18\x10 \x01(\x05\"\x82\x02\n\x0fGetInfoResponse\x12*\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.grok.model.v1.ModelConfig\x12\x11\n\tmesh_data\x18\x02 \x01(\x05\x12\x12\n\nmesh_model\x18\x03 \x01(\x05\x12\r\n\x05slots\x18\x04 \x01(\x05\x12\x17\n\x0fprefill_buckets\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x11\n\tmax_queue\x18\x07 \x01(\x05\x12\x12\n\ncheckpoint\x18\x08 \x01(\t\x12\x16\n\x0erandom_weights\x18\t \x01(\x08\x12\x10\n\x08platform\x18\n \x01(\t\x12\x14\n\x0c\x64\x65vice_count\x18\x0b \x01(\x05*\x9e\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x03\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x04\x32\xa7\x01\n\x0cModelService\x12M\n\x08Generate\x12\x1e.grok.model.v1.GenerateRequest\x1a\x1f.grok.model.v1.GenerateResponse0\x01\x12H\n\x07GetInfo\x12\x1d.grok.model.v1.GetInfoRequest\x1a\x1e.grok.model.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'grok.model.v1.model_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1473
-  _globals['_FINISHREASON']._serialized_end=1601
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1876
+  _globals['_FINISHREASON']._serialized_end=2034
   _globals['_GENERATEREQUEST']._serialized_start=45
-  _globals['_GENERATEREQUEST']._serialized_end=316
-  _globals['_TOPTOKEN']._serialized_start=318
-  _globals['_TOPTOKEN']._serialized_end=378
-  _globals['_TOKEN']._serialized_start=380
-  _globals['_TOKEN']._serialized_end=482
-  _globals['_TIMINGS']._serialized_start=484
-  _globals['_TIMINGS']._serialized_end=568
-  _globals['_GENERATERESPONSE']._serialized_start=571
-  _globals['_GENERATERESPONSE']._serialized_end=789
-  _globals['_GETINFOREQUEST']._serialized_start=791
-  _globals['_GETINFOREQUEST']._serialized_end=807
-  _globals['_MODELCONFIG']._serialized_start=810
-  _globals['_MODELCONFIG']._serialized_end=1209
-  _globals['_GETINFORESPONSE']._serialized_start=1212
-  _globals['_GETINFORESPONSE']._serialized_end=1470
-  _globals['_MODELSERVICE']._serialized_start=1604
-  _globals['_MODELSERVICE']._serialized_end=1771
+  _globals['_GENERATEREQUEST']._serialized_end=657
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=532
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=580
+  _globals['_TOPTOKEN']._serialized_start=659
+  _globals['_TOPTOKEN']._serialized_end=719
+  _globals['_TOKEN']._serialized_start=721
+  _globals['_TOKEN']._serialized_end=823
+  _globals['_TIMINGS']._serialized_start=825
+  _globals['_TIMINGS']._serialized_end=909
+  _globals['_GENERATERESPONSE']._serialized_start=912
+  _globals['_GENERATERESPONSE']._serialized_end=1192
+  _globals['_GETINFOREQUEST']._serialized_start=1194
+  _globals['_GETINFOREQUEST']._serialized_end=1210
+  _globals['_MODELCONFIG']._serialized_start=1213
+  _globals['_MODELCONFIG']._serialized_end=1612
+  _globals['_GETINFORESPONSE']._serialized_start=1615
+  _globals['_GETINFORESPONSE']._serialized_end=1873
+  _globals['_MODELSERVICE']._serialized_start=2037
+  _globals['_MODELSERVICE']._serialized_end=2204
 # @@protoc_insertion_point(module_scope)

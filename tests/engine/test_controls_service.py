@@ -1,0 +1,148 @@
+"""Issue 12's controls through the real golden engine and the model service's gRPC API: the first token of a
+prefill against NumPy applied to the model's own logits, the token history the penalties read, stop_token_ids,
+logit_bias, and validation naming the field."""
+
+from __future__ import annotations
+
+import grpc
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grok.model.v1 import model_pb2, model_pb2_grpc
+from model_service.controls import SamplingControls
+from model_service.engine import Engine
+from tests.engine.conftest import collect
+from tests.engine.test_controls import np_distribution
+
+PROMPT = [17, 40, 9, 40, 311, 17, 5, 88]
+
+
+def model_logits(engine: Engine, prompt: list[int]) -> np.ndarray:
+    """The network's logits after `prompt` ([V]), as the engine's prefill computes them."""
+    tokens = np.full((1, engine.bucket_for(len(prompt))), engine.pad_id, np.int32)
+    tokens[0, :len(prompt)] = prompt
+    logits, _ = engine.model.prefill(engine.params, jnp.asarray(tokens), jnp.asarray([len(prompt)], jnp.int32))
+    return np.asarray(logits, np.float32)[0]
+
+
+@pytest.mark.parametrize("controls", [
+    SamplingControls(repetition_penalty=3.0),
+    SamplingControls(repetition_penalty=0.3, logit_bias=((7, 4.0), (40, -3.0))),
+    SamplingControls(top_k=5, min_p=0.2),
+], ids=["repetition", "bias+repetition", "top_k+min_p"])
+def test_first_token_distribution_is_numpy_applied_to_the_models_logits(golden_engine: Engine,
+                                                                         controls: SamplingControls) -> None:
+    v = golden_engine.vocab_size
+    prompt_mask = np.zeros(v, bool)
+    prompt_mask[PROMPT] = True
+    mask = np.ones(v, bool)
+    mask[golden_engine.pad_id] = False
+    want = np_distribution(model_logits(golden_engine, PROMPT), controls, 0.9, 1.0, mask, prompt_mask,
+                           np.zeros(v, np.int32))
+    _, out = golden_engine.prefill(PROMPT, seed=3, temperature=0.9, top_p=1.0, top_logprobs=8, controls=controls)
+    order = np.argsort(-want, kind="stable")[:8]
+    np.testing.assert_allclose(np.asarray(out.top_probs[0]), want[order], rtol=1e-4, atol=1e-6)
+    assert want[int(out.token[0])] > 0
+
+
+def test_history_counts_every_generated_token_and_free_slot_clears_it(golden_engine: Engine) -> None:
+    state = golden_engine.init_decode_state()
+    prefix, out = golden_engine.prefill(PROMPT, seed=1, temperature=1.0, top_p=1.0, top_logprobs=0,
+                                        controls=SamplingControls(frequency_penalty=0.5))
+    state = golden_engine.insert(prefix, state, 2)
+    generated = [int(out.token[0])]
+    for _ in range(5):
+        state, pending = golden_engine.generate(state)
+        generated.append(int(pending.get().token[2]))
+    counts = np.asarray(state.history.counts)
+    want = np.bincount(generated, minlength=golden_engine.vocab_size)
+    assert np.array_equal(counts[2], want) and counts[[0, 1, 3]].sum() == 0
+    assert np.flatnonzero(np.asarray(state.history.prompt)[2]).tolist() == sorted(set(PROMPT))
+    assert float(state.controls.frequency[2]) == 0.5
+    state = golden_engine.free_slot(state, 2)
+    assert not np.asarray(state.history.counts).any() and not np.asarray(state.history.prompt).any()
+    assert float(state.controls.frequency[2]) == 0.0
+
+
+def test_a_repeated_token_is_penalised_by_the_counts_of_earlier_steps(golden_engine: Engine) -> None:
+    """Greedy with a huge frequency penalty (and no presence of the prompt): a token generated once falls 2 logits
+    per occurrence, so a greedy run whose plain version repeats a token must differ from it there."""
+    plain, penalised = [], []
+    for controls, out in ((SamplingControls(), plain), (SamplingControls(frequency_penalty=2.0,
+                                                                           presence_penalty=2.0), penalised)):
+        state = golden_engine.init_decode_state()
+        prefix, first = golden_engine.prefill(PROMPT, seed=0, temperature=0.0, top_p=1.0, top_logprobs=0,
+                                              controls=controls)
+        state = golden_engine.insert(prefix, state, 0)
+        out.append(int(first.token[0]))
+        for _ in range(12):
+            state, pending = golden_engine.generate(state)
+            out.append(int(pending.get().token[0]))
+        golden_engine.free_slot(state, 0)
+    assert len(set(plain)) < len(plain), "the plain greedy run should repeat a token for this test to mean anything"
+    assert len(set(penalised)) > len(set(plain))
+
+
+def test_stop_token_ids_end_the_stream_with_the_token_included(golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    plain, _ = collect(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=12,
+                                                                      ignore_eos=True)))
+    stop = plain[4]
+    ids, replies = collect(golden_stub.Generate(model_pb2.GenerateRequest(
+        token_ids=PROMPT, max_tokens=12, ignore_eos=True, stop_token_ids=[stop, 999 % 512])))
+    assert ids == plain[:plain.index(stop) + 1]
+    assert replies[-1].finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN
+
+
+def test_logit_bias_of_100_makes_greedy_pick_that_token(golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    ids, _ = collect(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=6, ignore_eos=True,
+                                                                    logit_bias={123: 100.0})))
+    assert ids == [123] * 6
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"top_k": -5}, "top_k"), ({"min_p": 2.0}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"presence_penalty": -3.0}, "presence_penalty"), ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"logit_bias": {600: 1.0}}, "logit_bias"), ({"logit_bias": {6: 101.0}}, "logit_bias"),
+    ({"stop_token_ids": [512]}, "stop_token_ids"),
+])
+def test_bad_controls_are_invalid_argument_naming_the_field(golden_stub: model_pb2_grpc.ModelServiceStub,
+                                                            fields: dict, field: str) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        list(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=2, **fields), timeout=30))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith(f"{field}:"), caught.value.details()
+
+
+def np_log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+
+def test_prompt_logprobs_are_numpy_log_softmax_of_the_full_forward_pass(golden_engine: Engine) -> None:
+    prompt = PROMPT + [3, 250, 17, 40]
+    logits = np.asarray(golden_engine.model.forward(golden_engine.params, jnp.asarray([prompt], jnp.int32)))[0]
+    want = np_log_softmax(logits)  # [n, V]: row t scores token t + 1
+    _, plain = golden_engine.prefill(prompt, seed=4, temperature=0.8, top_p=1.0)
+    _, scored = golden_engine.prefill(prompt, seed=4, temperature=0.8, top_p=1.0, prompt_logprobs=3)
+    assert plain.prompt is None and int(scored.token[0]) == int(plain.token[0])  # the first token is unchanged
+    got = scored.prompt
+    assert got.logprob.shape == (len(prompt) - 1,)
+    np.testing.assert_allclose(got.logprob, [want[t, prompt[t + 1]] for t in range(len(prompt) - 1)], atol=2e-4)
+    for t in range(len(prompt) - 1):
+        order = np.argsort(-want[t], kind="stable")[:8]
+        np.testing.assert_allclose(got.top_logprobs[t], want[t, order], atol=2e-4)
+        assert int(got.top_ids[t, 0]) == int(order[0])
+
+
+def test_prompt_logprobs_over_grpc_score_every_prompt_token_but_the_first(
+        golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    replies = list(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=3, prompt_logprobs=2,
+                                                                  ignore_eos=True), timeout=60))
+    scored = [t for r in replies for t in r.prompt_logprobs]
+    assert [t.id for t in scored] == PROMPT[1:] and len(replies[0].prompt_logprobs) == len(PROMPT) - 1
+    assert all(len(t.top_tokens) == 2 and t.logprob <= 0 for t in scored)
+    assert all(abs(np.exp(t.logprob) - t.probability) < 1e-6 for t in scored)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=1, prompt_logprobs=9)))
+    assert caught.value.details().startswith("prompt_logprobs:")

@@ -1,0 +1,156 @@
+"""n > 1: several samples of one prompt sharing one prefill, each in its own slot with seed + i.
+
+Against FakeEngine (resample's first token is the prefill's plus the seed) for the scheduler's routing, and
+against the golden engine and the model service for the property that defines the feature: sample i of a
+request equals a plain request with seed + i, and n = 1 is exactly a plain request."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from grok.model.v1 import model_pb2, model_pb2_grpc
+from model_service.controls import SamplingControls
+from model_service.engine import Engine
+from model_service.scheduler import Emission, FinishReason, GenerationRequest, Scheduler, SchedulerError
+from tests.engine.fake_engine import FakeEngine
+from tests.engine.test_scheduler import Collector, req, wait_for
+
+
+class SampleCollector(Collector):
+    """Done when every one of `n` samples finished (or on an error)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.open = n
+
+    def __call__(self, emission: Emission) -> None:
+        self.emissions.append(emission)
+        self.open -= emission.finish_reason is not None
+        if self.open == 0 or emission.error is not None:
+            self.finished.set()
+
+    def ids_of(self, index: int) -> list[int]:
+        return [t.id for e in self.emissions if e.index == index for t in e.tokens]
+
+
+def test_samples_share_one_prefill_and_stream_by_index() -> None:
+    engine = FakeEngine(slots=4)
+    sched = Scheduler(engine, max_queue=4)
+    sched.start()
+    try:
+        out = SampleCollector(3)
+        sched.submit(req((40,), max_tokens=3, seed=0, n=3), out)
+        out.wait()
+        assert engine.count("prefill") == 1 and engine.count("resample") == 2 and engine.count("insert") == 3
+        assert [out.ids_of(i) for i in range(3)] == [[41, 42, 43], [42, 43, 44], [43, 44, 45]]
+        finishes = [(e.index, e.finish_reason, e.completion_tokens) for e in out.emissions if e.finish_reason]
+        assert sorted(finishes) == [(i, FinishReason.LENGTH, 3) for i in range(3)]
+        wait_for(lambda: sched.stats()["free"] == 4)
+    finally:
+        sched.stop()
+
+
+def test_a_request_of_n_samples_waits_for_n_free_slots_in_queue_order() -> None:
+    engine = FakeEngine(slots=2, step_delay=0.01)
+    sched = Scheduler(engine, max_queue=4)
+    sched.start()
+    try:
+        first, pair, after = Collector(), SampleCollector(2), Collector()
+        sched.submit(req((10,), max_tokens=20), first)
+        wait_for(lambda: bool(first.emissions))
+        sched.submit(req((20,), max_tokens=2, n=2), pair)
+        sched.submit(req((30,), max_tokens=1), after)
+        first.wait()
+        pair.wait()
+        after.wait()
+        prefills = [c[1] for c in engine.calls if c[0] == "prefill"]
+        assert prefills == [(10,), (20,), (30,)]  # the single request behind the pair did not overtake it
+    finally:
+        sched.stop()
+
+
+def test_cancelling_a_request_frees_every_samples_slot() -> None:
+    engine = FakeEngine(slots=4, step_delay=0.01)
+    sched = Scheduler(engine, max_queue=4)
+    sched.start()
+    try:
+        out = SampleCollector(3)
+        handle = sched.submit(req((20,), max_tokens=25, n=3, seed=0, ignore_eos=True), out)
+        wait_for(lambda: sched.stats()["active"] == 3)
+        handle.cancel()
+        wait_for(lambda: sched.stats()["free"] == 4)
+    finally:
+        sched.stop()
+
+
+def test_n_over_the_slots_is_invalid_naming_n() -> None:
+    sched = Scheduler(FakeEngine(slots=4), max_queue=4)
+    for n in (0, 5):
+        with pytest.raises(SchedulerError) as caught:
+            sched.validate(GenerationRequest("t", (5,), n=n))
+        assert str(caught.value).startswith("n: must be in 1..4")
+
+
+def test_each_sample_equals_a_plain_request_with_seed_plus_index(golden_engine: Engine) -> None:
+    controls = SamplingControls(top_k=30, frequency_penalty=0.5)
+    scheduler = Scheduler(golden_engine, max_queue=8)
+    scheduler.start()
+    try:
+        def run(request: GenerationRequest, n: int) -> SampleCollector:
+            out = SampleCollector(n)
+            scheduler.submit(request, out)
+            return out.wait(120)
+
+        prompt = (17, 40, 9, 311, 5)
+        together = run(GenerationRequest("n", prompt, max_tokens=6, temperature=1.1, seed=2**32 - 2, ignore_eos=True,
+                                         controls=controls, n=3), 3)
+        for i in range(3):
+            alone = run(GenerationRequest("1", prompt, max_tokens=6, temperature=1.1, seed=(2**32 - 2 + i) % 2**32,
+                                          ignore_eos=True, controls=controls), 1)
+            assert together.ids_of(i) == alone.ids_of(0)
+        assert len({tuple(together.ids_of(i)) for i in range(3)}) > 1  # the samples do differ
+    finally:
+        scheduler.stop()
+
+
+def test_n_samples_over_grpc_carry_their_index_and_match_seeded_requests(
+        golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    base = dict(token_ids=[17, 40, 9, 311, 5], max_tokens=5, temperature=0.9, seed=7, ignore_eos=True)
+    replies = list(golden_stub.Generate(model_pb2.GenerateRequest(n=3, **base), timeout=120))
+    for i in range(3):
+        mine = [r for r in replies if r.index == i]
+        assert mine[-1].finish_reason == model_pb2.FINISH_REASON_LENGTH and mine[-1].completion_tokens == 5
+        seeded = dict(base, seed=7 + i)
+        alone = [t for r in golden_stub.Generate(model_pb2.GenerateRequest(**seeded), timeout=60) for t in r.token_ids]
+        assert [t for r in mine for t in r.token_ids] == alone
+    plain = list(golden_stub.Generate(model_pb2.GenerateRequest(**base), timeout=60))
+    one = list(golden_stub.Generate(model_pb2.GenerateRequest(n=1, **base), timeout=60))
+    assert [t for r in one for t in r.token_ids] == [t for r in plain for t in r.token_ids]
+    assert {r.index for r in one} == {0}
+    with pytest.raises(grpc.RpcError) as caught:
+        list(golden_stub.Generate(model_pb2.GenerateRequest(n=99, **base), timeout=30))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and caught.value.details().startswith("n:")
+
+
+def test_concurrent_n_requests_leave_no_slot_behind(golden_service: object,
+                                                    golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    errors: list[BaseException] = []
+
+    def one(seed: int) -> None:
+        try:
+            list(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=[5, 6, 7], max_tokens=3, n=3, seed=seed,
+                                                                temperature=1.0, ignore_eos=True), timeout=120))
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    scheduler = golden_service.scheduler  # type: ignore[attr-defined]
+    wait_for(lambda: scheduler.stats()["free"] == scheduler.engine.slots, timeout=30)

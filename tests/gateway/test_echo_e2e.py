@@ -1,0 +1,85 @@
+"""echo and prompt logprobs end to end on the real golden stack, through the gateway's gRPC API and the HTTP API
+(official openai package): the prompt leads the text, the scored prompt equals the model service's own."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gateway.client import GatewayClient
+from grok.model.v1 import model_pb2
+from grok.tokenizer.v1 import tokenizer_pb2
+from tests.gateway.conftest import Stack, Stubs
+from tests.gateway.http_client import post, sdk
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox"
+OPTIONS = dict(max_tokens=3, ignore_eos=True)
+
+
+def model_scores(stubs: Stubs, k: int) -> tuple[list[int], list[model_pb2.Token]]:
+    ids = list(stubs.tokenizer.Encode(tokenizer_pb2.EncodeRequest(text=PROMPT), timeout=10).token_ids)
+    replies = list(stubs.model.Generate(model_pb2.GenerateRequest(token_ids=ids, max_tokens=1, prompt_logprobs=k),
+                                        timeout=60))
+    return ids, [t for r in replies for t in r.prompt_logprobs]
+
+
+def test_grpc_echo_puts_the_prompt_before_the_completion(golden_stack: Stack) -> None:
+    with GatewayClient(golden_stack.address, timeout=60) as client:
+        plain = client.complete(PROMPT, **OPTIONS)
+        echoed = client.complete(PROMPT, echo=True, **OPTIONS)
+        streamed = list(client.generate(PROMPT, echo=True, **OPTIONS))
+    assert echoed.text == PROMPT + plain.text and echoed.usage == plain.usage
+    assert streamed[0].text.startswith(PROMPT) and "".join(m.text for m in streamed) == echoed.text
+
+
+def test_grpc_prompt_logprobs_equal_the_model_services_scores(golden_stack: Stack, golden_stubs: Stubs) -> None:
+    ids, scores = model_scores(golden_stubs, 2)
+    with GatewayClient(golden_stack.address, timeout=60) as client:
+        reply = client.complete(PROMPT, prompt_logprobs=2, **OPTIONS)
+        plain = client.complete(PROMPT, **OPTIONS)
+    scored = list(reply.prompt_logprobs)
+    assert [p.id for p in scored] == ids and not scored[0].HasField("logprob") and not scored[0].top_tokens
+    assert [p.logprob for p in scored[1:]] == pytest.approx([t.logprob for t in scores], abs=1e-6)
+    assert all(len(p.top_tokens) == 2 and p.top_tokens[0].text for p in scored[1:])
+    assert reply.text == plain.text and not plain.prompt_logprobs
+
+
+def test_openai_echo_with_logprobs_scores_the_prompt_tokens_first(golden_stack: Stack, golden_stubs: Stubs,
+                                                                 golden_http_url: str) -> None:
+    ids, scores = model_scores(golden_stubs, 1)
+    reply = sdk(golden_http_url).completions.create(model="grok-1", prompt=PROMPT, echo=True, logprobs=1,
+                                                    temperature=0, max_tokens=3, extra_body={"ignore_eos": True})
+    choice = reply.choices[0]
+    with GatewayClient(golden_stack.address, timeout=60) as client:
+        plain = client.complete(PROMPT, **OPTIONS)
+    assert choice.text == PROMPT + plain.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([t.logprob for t in scores], abs=1e-5)
+    assert lp.token_logprobs[len(ids):] == pytest.approx([t.logprob for t in plain.tokens], abs=1e-5)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_openai_prompt_logprobs_in_vllms_format(golden_stubs: Stubs, golden_http_url: str) -> None:
+    ids, scores = model_scores(golden_stubs, 2)
+    status, body = post(f"{golden_http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 1,
+                                                              "prompt_logprobs": 2})
+    assert status == 200
+    scored = body["choices"][0]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    for position, (token, score) in enumerate(zip(ids[1:], scores), start=1):
+        assert math.isclose(scored[position][str(token)]["logprob"], score.logprob, abs_tol=1e-5)
+        assert len(scored[position]) in (2, 3)  # the token and its 2 alternatives (it may be one of them)
+    chunks = list(sdk(golden_http_url).completions.create(model="grok-1", prompt=PROMPT, max_tokens=2, stream=True,
+                                                          echo=True, extra_body={"prompt_logprobs": 0}))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert len(chunks[0].choices[0].model_extra["prompt_logprobs"]) == len(ids)
+
+
+def test_bad_prompt_logprobs_is_400_naming_it(golden_http_url: str) -> None:
+    status, body = post(f"{golden_http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 1,
+                                                              "prompt_logprobs": 9})
+    assert status == 400 and body["error"]["param"] == "prompt_logprobs"
