@@ -14,8 +14,10 @@ import pytest
 from model_service import sampling
 from model_service.config import MeshConfig
 from model_service.engine import Engine
-from model_service.scheduler import Emission, GenerationRequest, Scheduler
-from model_service.server import ServerConfig, build_engine, resolve
+from model_service.requests import Emission, GenerationRequest
+from model_service.sampling_settings import SamplingSettings
+from model_service.scheduler import Scheduler
+from model_service.loading import ServerConfig, build_engine, resolve
 from tests.procs import SHARED
 
 WIDE = SHARED / "golden_wide"
@@ -33,7 +35,7 @@ def wide_engine() -> Iterator[Engine]:
 
 def settings(case: dict[str, Any]) -> dict[str, Any]:
     q = case["request"]
-    return dict(seed=q["rng_seed"], temperature=q["temperature"], top_p=q["nucleus_p"])
+    return dict(sampling=SamplingSettings(temperature=q["temperature"], top_p=q["nucleus_p"]), seed=q["rng_seed"])
 
 
 def test_the_vocabulary_takes_the_large_vocabulary_nucleus_branch(wide_engine: Engine) -> None:
