@@ -182,8 +182,9 @@ class Scheduler:
             plan = schedule(view, self.policy)
             gone = plan.admitted | {w.ref for w in plan.end_waiting}
             self._queue = collections.deque(h for h in self._queue if id(h) not in gone)
-            for admit in plan.admit:
-                self._free.difference_update(admit.slots)
+            # The slots of ended requests are free for this very plan's admissions: account for both at once.
+            self._free |= {o.slot for o in plan.end_decoding + plan.end_prefilling}
+            self._free -= {slot for admit in plan.admit for slot in admit.slots}
             self._admitting = [handles[a.ref] for a in plan.admit]  # still pending for the watchdog
             self.metrics.set_queued(len(self._queue))
         return plan, handles, now
@@ -200,13 +201,12 @@ class Scheduler:
     # ---- decode thread: carrying out the plan -----------------------------------------------
     def _carry_out(self, planned: tuple[StepPlan, dict[int, RequestHandle], float]) -> None:
         plan, handles, now = planned
-        for o in plan.end_decoding:
+        for o in plan.end_decoding:  # their slots were already counted free by _plan
             run = self._active[o.slot]
             self._end(run.handle, now, run.generated)
-            self._release(o.slot)
-        for o in plan.end_prefilling:
+            self._release(o.slot, free=False)
+        for o in plan.end_prefilling:  # never activated: the next prefill into the slot overwrites what it wrote
             self._end(self._prefilling.pop(o.slot).run.handle, now)
-            self._return_slot(o.slot)  # never activated: the next prefill into it overwrites what it wrote
         for w in plan.end_waiting:
             self._end(handles[w.ref], now, reclaimed=False)
         for admit in plan.admit:
@@ -371,12 +371,13 @@ class Scheduler:
             self.metrics.finished(reason)
         return reason is not None
 
-    def _release(self, slot: int) -> None:
+    def _release(self, slot: int, free: bool = True) -> None:
         self._state = self.engine.free_slot(self._state, slot)
         with self._cond:
             self._active.pop(slot, None)
             self.metrics.set_active(len(self._active))
-        self._return_slot(slot)
+        if free:
+            self._return_slot(slot)
 
     def _return_slot(self, slot: int) -> None:
         with self._cond:

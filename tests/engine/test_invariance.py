@@ -23,6 +23,7 @@ from model_service.requests import Emission, GenerationRequest
 from model_service.sampling_settings import GREEDY, SamplingSettings
 from model_service.scheduler import Scheduler
 from model_service.sharding import make_mesh
+from tests.engine.conftest import Runner
 from tests.procs import GOLDEN
 
 
@@ -112,7 +113,8 @@ def test_requests_joining_and_leaving_mid_stream_equal_their_solo_runs(tiled_eng
     assert all(len(r.out) == r.length for r in mixed)
 
 
-def test_scheduler_streams_arriving_at_random_times_equal_their_solo_runs(tiled_engine: Engine) -> None:
+def test_scheduler_streams_arriving_at_random_times_equal_their_solo_runs(tiled_engine: Engine,
+                                                                          running: Runner) -> None:
     reqs = requests(10)
 
     def submit(s: Scheduler, r: Req, done: threading.Event, out: list[tuple[int, float]]) -> None:
@@ -123,29 +125,25 @@ def test_scheduler_streams_arriving_at_random_times_equal_their_solo_runs(tiled_
         s.submit(GenerationRequest("t", tuple(r.prompt), r.sampling, seed=r.seed, max_tokens=r.length,
                                    ignore_eos=True), emit)
 
-    scheduler = Scheduler(tiled_engine, max_queue=16)
-    scheduler.start()
-    try:
-        solo = []
-        for r in reqs:
-            done, out = threading.Event(), []
-            submit(scheduler, r, done, out)
-            assert done.wait(60)
-            solo.append(out)
-        delays = random.Random(9).choices([0.0, 0.005, 0.02, 0.05, 0.1], k=len(reqs))
-        events = [threading.Event() for _ in reqs]
-        outs: list[list[tuple[int, float]]] = [[] for _ in reqs]
+    scheduler = running(tiled_engine, max_queue=16)
+    solo = []
+    for r in reqs:
+        done, out = threading.Event(), []
+        submit(scheduler, r, done, out)
+        assert done.wait(60)
+        solo.append(out)
+    delays = random.Random(9).choices([0.0, 0.005, 0.02, 0.05, 0.1], k=len(reqs))
+    events = [threading.Event() for _ in reqs]
+    outs: list[list[tuple[int, float]]] = [[] for _ in reqs]
 
-        def later(i: int) -> None:
-            time.sleep(delays[i])
-            submit(scheduler, reqs[i], events[i], outs[i])
+    def later(i: int) -> None:
+        time.sleep(delays[i])
+        submit(scheduler, reqs[i], events[i], outs[i])
 
-        threads = [threading.Thread(target=later, args=(i,)) for i in range(len(reqs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert all(e.wait(120) for e in events)
-        assert outs == solo
-    finally:
-        scheduler.stop()
+    threads = [threading.Thread(target=later, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(e.wait(120) for e in events)
+    assert outs == solo

@@ -235,6 +235,27 @@ def test_cancel_frees_the_slot_within_one_step(engine: FakeEngine, running: Runn
     assert later.wait().ids == [41, 42]
 
 
+def test_a_slot_freed_by_a_cancel_goes_to_one_waiting_request_only(engine: FakeEngine, running: Runner) -> None:
+    engine.slots = 1
+    s = running(engine)
+    first, second, third = Collector(), Collector(), Collector()
+    handle = None
+
+    def emit(e: Emission) -> None:  # on the decode thread: cancel at the 3rd token, before the next boundary
+        first(e)
+        if len(first.ids) == 3:
+            assert handle is not None
+            handle.cancel()
+
+    handle = s.submit(req((20,), max_tokens=25), emit)
+    s.submit(req((30,), max_tokens=4), second)
+    s.submit(req((40,), max_tokens=4), third)
+    assert first.wait().last.error is not None and first.last.error.kind is ErrorKind.CANCELLED
+    assert second.wait().ids == [31, 32, 33, 34] and third.wait().ids == [41, 42, 43, 44]
+    assert [c[1] for c in engine.calls if c[0] == "insert"] == [0, 0, 0]
+    wait_for(lambda: s.stats() == {"active": 0, "free": 1, "queued": 0})
+
+
 def test_expired_deadline_fails_with_deadline_exceeded_and_frees_the_slot(engine: FakeEngine, running: Runner) -> None:
     engine.step_delay = 0.01
     s = running(engine)
