@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
 from model_service.plan import Admit, Occupant, Policy, StepPlan, View, Waiting, finish_reason, schedule, token_out
@@ -97,3 +99,19 @@ def test_token_out_reports_as_many_alternatives_as_the_request_asked_for() -> No
     out = FakeEngine()._out(np.array([40, 7]))
     assert token_out(out, 1, SamplingSettings().top_logprobs).top == ()
     assert token_out(out, 1, 2).id == 7 and token_out(out, 1, 2).top == ((7, 0.5), (8, 0.25))
+
+
+def test_admissions_use_only_free_or_freed_slots_and_never_share_one() -> None:
+    rng = random.Random(3)
+    for _ in range(500):
+        slots = list(range(8))
+        rng.shuffle(slots)
+        decoding, prefilling, free = slots[:3], slots[3:5], slots[5:]
+        ended = tuple(s for s in decoding + prefilling if rng.random() < 0.5)
+        queue = tuple(waiting(i, samples=rng.randint(1, 3), cost=rng.choice((4, 32, 64)), chunked=rng.random() < 0.3,
+                              ended=rng.random() < 0.2) for i in range(rng.randint(0, 6)))
+        plan = schedule(view(queue, tuple(free), tuple(decoding), tuple(prefilling), ended), Policy(8, None, 64))
+        taken = [slot for a in plan.admit for slot in a.slots]
+        assert len(taken) == len(set(taken)) and set(taken) <= set(free) | set(ended)
+        assert all(len(a.slots) == next(w.samples for w in queue if w.ref == a.ref) for a in plan.admit)
+        assert not plan.admitted & {w.ref for w in queue if w.ended}
