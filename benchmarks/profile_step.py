@@ -33,6 +33,7 @@ from model_service.checkpoint import random_params  # noqa: E402
 from model_service.config import MeshConfig, load_model_config  # noqa: E402
 from model_service.engine import Engine  # noqa: E402
 from model_service.model import GrokModel  # noqa: E402
+from model_service.sampling_settings import SamplingSettings  # noqa: E402
 from model_service.sharding import make_mesh  # noqa: E402
 
 # First match wins: (category, regex over an HLO instruction's op_name metadata, or "<opcode> <shape>" when it
@@ -96,11 +97,10 @@ def build(args: argparse.Namespace) -> tuple[Engine, Any]:
     engine = Engine(GrokModel(cfg, mesh, jnp.float32), params, cfg, mesh, args.batch, (args.prompt_len,))
     state = engine.init_decode_state()
     rng = np.random.default_rng(0)
-    temperature, top_p = (0.0, 1.0) if args.greedy else (0.7, 0.9)
+    sampling = SamplingSettings() if args.greedy else SamplingSettings(temperature=0.7, top_p=0.9)
     for slot in range(args.active or args.batch):
         prompt = rng.integers(3, cfg.vocab_size, args.prompt_len).tolist()
-        extra = {"top_logprobs": 0} if "top_logprobs" in Engine.prefill.__code__.co_varnames else {}
-        prefix, _ = engine.prefill(prompt, seed=slot, temperature=temperature, top_p=top_p, **extra)
+        prefix, _ = engine.prefill(prompt, sampling, seed=slot)
         state = engine.insert(prefix, state, slot)
     return engine, state
 

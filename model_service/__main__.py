@@ -158,14 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         from model_service.distributed import initialize
 
         initialize(dist)  # before anything creates a JAX backend
-    from model_service.server import ServerConfig, serve
+    from model_service.loading import ServerConfig
+    from model_service.server import serve
 
     config = ServerConfig(
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
         port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, row_tile=args.row_tile,
         prefill_chunk=max(0, args.prefill_chunk),
         buckets=args.buckets,
-        max_queue=args.max_queue, compile_cache=args.compile_cache, metrics_port=args.metrics_port,
+        max_queue=args.max_queue, metrics_port=args.metrics_port,
         metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed, tls=tls,
         max_connection_age_seconds=args.max_connection_age_seconds,
         max_connection_age_grace_seconds=args.max_connection_age_grace_seconds, distributed=dist,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from model_service.scheduler import FinishReason, SchedulerMetrics
+from model_service.loop_state import SchedulerMetrics
+from model_service.requests import FinishReason
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
 

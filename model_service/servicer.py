@@ -23,18 +23,18 @@ from collections.abc import AsyncIterator
 import grpc
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
-from model_service.controls import SamplingControls
 from model_service.metrics import Metrics
-from model_service.scheduler import (
+from model_service.requests import (
     Emission,
     ErrorKind,
     FinishReason,
     GenerationRequest,
-    Scheduler,
     SchedulerError,
     Timings,
     TokenOut,
 )
+from model_service.sampling_settings import SamplingSettings
+from model_service.scheduler import Scheduler
 from serving_common.errors import ServiceError, invalid_message, resource_exhausted, unavailable
 from serving_common.logs import request_id_var
 
@@ -71,28 +71,33 @@ def to_service_error(error: SchedulerError) -> ServiceError:
 
 
 def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: float | None) -> GenerationRequest:
-    """The domain request; field values are checked by Scheduler.validate."""
+    """The domain request; field values are checked by validation.py when it is submitted."""
     return GenerationRequest(
         request_id=request_id,
         prompt=tuple(msg.token_ids),
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
-        temperature=msg.temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        sampling=to_sampling(msg),
         seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         ignore_eos=msg.ignore_eos,
-        top_logprobs=msg.top_logprobs,
-        allowed=tuple(msg.allowed_token_ids),
-        blocked=tuple(msg.blocked_token_ids),
         deadline=None if time_remaining is None else time.monotonic() + time_remaining,
-        controls=SamplingControls(
-            top_k=msg.top_k, min_p=msg.min_p,
-            repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-            presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-            logit_bias=tuple(sorted(msg.logit_bias.items()))),
         stop_token_ids=tuple(msg.stop_token_ids),
         n=msg.n or 1,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
+
+
+def to_sampling(msg: model_pb2.GenerateRequest) -> SamplingSettings:
+    """How the request's tokens are drawn (unset optional fields mean "off")."""
+    return SamplingSettings(
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        allowed=tuple(msg.allowed_token_ids),
+        blocked=tuple(msg.blocked_token_ids),
+        top_logprobs=msg.top_logprobs,
+        top_k=msg.top_k, min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        logit_bias=tuple(sorted(msg.logit_bias.items())))
 
 
 def _token(t: TokenOut) -> model_pb2.Token:

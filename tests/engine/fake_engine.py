@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from model_service.sampling_settings import GREEDY, SamplingSettings
+
 POISON = 13
 K = 8
 
@@ -92,9 +94,8 @@ class FakeEngine:
     def bucket_for(self, length: int) -> int:
         return min(b for b in self.buckets if b >= length)
 
-    def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8,
-                controls: object = None, prompt_logprobs: int | None = None) -> tuple[int, FakeOutput]:
+    def prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, seed: int,
+                prompt_logprobs: int | None = None) -> tuple[int, FakeOutput]:
         self._log("prefill", tuple(tokens))
         self.running.wait()
         if tokens[0] == self.fail_prefill_for:
@@ -117,9 +118,8 @@ class FakeEngine:
     def chunked(self, length: int) -> bool:
         return 0 < self.prefill_chunk < length
 
-    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
-                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8,
-                      controls: object = None) -> list:
+    def begin_prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, slot: int,
+                      seed: int) -> list:
         self._log("begin_prefill", tuple(tokens), slot)
         return [list(tokens), slot, 0]
 
