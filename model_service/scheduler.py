@@ -642,9 +642,14 @@ def _abandoned(handle: RequestHandle, now: float) -> SchedulerError | None:
     return None
 
 
+def _alternatives(ids: Any, probs: Any, k: int) -> tuple[tuple[int, float], ...]:
+    """The first `k` (id, probability) pairs of a step's top-k, less those of probability 0: a token the step
+    could not draw is no alternative (top-k over a filtered distribution pads with such ties)."""
+    return tuple((int(i), p) for i, p in ((i, float(p)) for i, p in zip(ids[:k], probs[:k])) if p > 0)
+
+
 def _token_out(out: StepOutputLike, row: int, top_logprobs: int) -> TokenOut:
-    top = tuple((int(i), float(p)) for i, p in zip(out.top_ids[row][:top_logprobs],
-                                                   out.top_probs[row][:top_logprobs]))
+    top = _alternatives(out.top_ids[row], out.top_probs[row], top_logprobs)
     return TokenOut(int(out.token[row]), float(out.prob[row]), top)
 
 
@@ -655,7 +660,7 @@ def _prompt_out(req: GenerationRequest, out: StepOutputLike) -> tuple[TokenOut, 
         return None
     k = req.prompt_logprobs
     return tuple(TokenOut(int(token), math.exp(float(lp)),
-                          tuple((int(i), math.exp(float(p))) for i, p in zip(ids[:k], tops[:k])))
+                          _alternatives(ids, [math.exp(float(p)) for p in tops[:k]], k))
                  for token, lp, ids, tops in zip(req.prompt[1:], scored.logprob, scored.top_ids, scored.top_logprobs))
 
 

@@ -68,6 +68,15 @@ def decode(ids: list[int]) -> str:
     return b"".join(token_bytes(t) for t in ids).decode("utf-8", errors="replace")
 
 
+def peek(decoder: codecs.IncrementalDecoder, token: int) -> str:
+    """The text `token` would add now; the decoder's state is left as it was."""
+    state = decoder.getstate()
+    try:
+        return decoder.decode(token_bytes(token))
+    finally:
+        decoder.setstate(state)
+
+
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Encode(self, request: tokenizer_pb2.EncodeRequest, context: Context) -> tokenizer_pb2.EncodeResponse:
         return tokenizer_pb2.EncodeResponse(token_ids=encode(request.text))
@@ -79,8 +88,15 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                            context: Context) -> AsyncIterator[tokenizer_pb2.DecodeStreamResponse]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         async for request in request_iterator:
-            texts = [decoder.decode(token_bytes(t)) for t in request.token_ids]
-            yield tokenizer_pb2.DecodeStreamResponse(text="".join(texts), token_texts=texts)
+            for token in request.prompt_ids:  # read as text already returned
+                decoder.decode(token_bytes(token))
+            texts, others = [], []
+            for index, token in enumerate(request.token_ids):
+                if request.alternatives:
+                    others.append(tokenizer_pb2.AlternativeTexts(texts=[
+                        peek(decoder, other) for other in request.alternatives[index].token_ids]))
+                texts.append(decoder.decode(token_bytes(token)))
+            yield tokenizer_pb2.DecodeStreamResponse(text="".join(texts), token_texts=texts, alternative_texts=others)
         yield tokenizer_pb2.DecodeStreamResponse(text=decoder.decode(b"", final=True))
 
     async def GetInfo(self, request: tokenizer_pb2.GetInfoRequest, context: Context) -> tokenizer_pb2.GetInfoResponse:
