@@ -16,6 +16,9 @@ How sentencepiece 0.2.3 decodes (the rules `StreamDecoder` mirrors):
 Surfaces are taken from sentencepiece itself (decode of the id alone, and after a probe piece), so
 unknown-piece surfaces and normalizer settings come from the model rather than being re-derived.
 
+A completion is decoded after its prompt (`StreamDecoder.prime`), so its text is what the prompt's
+text lacks and its first piece keeps its space; `peek` gives an alternative's text in the same context.
+
 `StreamDecoder` needs only those facts (`Pieces`: byte values, surfaces, the leading-space rule), so
 it runs the same way over the `Tokenizer` (in the tokenizer service) and over a `PieceTable`, the
 same facts for every id as plain data, which the service sends to a gateway that detokenizes
@@ -309,7 +312,7 @@ class Tokenizer:
 class StreamDecoder:
     """Incremental detokenizer for one sequence: feed ids, get the text each one made final.
 
-    The state is tiny (up to three undecided bytes and two flags), never the whole id history, so a
+    The state is tiny (up to three undecided bytes and a few flags), never the whole id history, so a
     stream of any length costs O(1) memory. `pieces` is the Tokenizer or a PieceTable of it: the same
     facts, so the same text.
     """
