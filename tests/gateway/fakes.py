@@ -78,6 +78,9 @@ def peek(decoder: codecs.IncrementalDecoder, token: int) -> str:
 
 
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    def __init__(self, legacy: bool = False) -> None:
+        self.legacy = legacy  # as a tokenizer service older than DecodeStream's prompt_ids and alternatives
+
     async def Encode(self, request: tokenizer_pb2.EncodeRequest, context: Context) -> tokenizer_pb2.EncodeResponse:
         return tokenizer_pb2.EncodeResponse(token_ids=encode(request.text))
 
@@ -88,6 +91,8 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                            context: Context) -> AsyncIterator[tokenizer_pb2.DecodeStreamResponse]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         async for request in request_iterator:
+            if self.legacy:
+                request = tokenizer_pb2.DecodeStreamRequest(token_ids=request.token_ids)
             for token in request.prompt_ids:  # read as text already returned
                 decoder.decode(token_bytes(token))
             texts, others = [], []
@@ -155,10 +160,10 @@ class FakeModel(model_pb2_grpc.ModelServiceServicer):
             slots=self.slots, prefill_buckets=[32, 64], dtype="float32", random_weights=True, platform="fake")
 
 
-async def serve(kind: str, port: int, slots: int, delay: float) -> None:
+async def serve(kind: str, port: int, slots: int, delay: float, legacy: bool) -> None:
     server = grpc.aio.server()
     if kind == "tokenizer":
-        tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(FakeTokenizer(), server)
+        tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(FakeTokenizer(legacy), server)
         name = "grok.tokenizer.v1.TokenizerService"
     else:
         model_pb2_grpc.add_ModelServiceServicer_to_server(FakeModel(slots, delay), server)
@@ -177,9 +182,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--legacy", action="store_true", help="tokenizer: ignore DecodeStream's newer fields")
     args = parser.parse_args()
     logs.configure(f"fake-{args.kind}", "info")
-    asyncio.run(serve(args.kind, args.port, args.slots, args.delay))
+    asyncio.run(serve(args.kind, args.port, args.slots, args.delay, args.legacy))
 
 
 if __name__ == "__main__":

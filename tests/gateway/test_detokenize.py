@@ -13,7 +13,7 @@ from gateway.client import GatewayClient
 from gateway.detokenize import Decoded, LocalDetokenizer, piece_table
 from gateway.errors import GatewayError
 from grok.tokenizer.v1 import tokenizer_pb2
-from tests.gateway.conftest import fake_stack, start_gateway
+from tests.gateway.conftest import fake_stack, start_fake, start_gateway
 from tests.procs import GOLDEN, GROK1_TOKENIZER
 from tokenizer_service.servicer import piece_messages
 from tokenizer_service.tokenizer import PieceTable, Tokenizer
@@ -142,3 +142,23 @@ def test_local_gateway_before_a_tokenizer_without_get_pieces_is_internal_naming_
         assert not [r for r in stack.gateway.log_records() if r.get("level") == "error"]
     finally:
         stack.stop()
+
+
+def test_an_older_tokenizer_service_still_gets_alternatives_texts_from_single_piece_decodes(
+        tmp_path: pathlib.Path) -> None:
+    # A tokenizer service that predates DecodeStream's alternatives answers none: each alternative is then
+    # decoded alone (Decode), so alternatives keep a text rather than an empty one.
+    tokenizer = start_fake("tokenizer", tmp_path, "--legacy")
+    model = start_fake("model", tmp_path)
+    gateway = start_gateway(tokenizer.address, [model.address], tmp_path)
+    try:
+        for service in (tokenizer, model, gateway):
+            service.wait_serving(60)
+        with GatewayClient(gateway.address, timeout=30) as client:
+            reply = client.complete("xy|hello", max_tokens=1, top_logprobs=2)
+        assert reply.text == "hello"
+        assert [(t.id, t.text) for t in reply.tokens[0].top_tokens] == [(reply.tokens[0].id, "hello"),
+                                                                        (reply.tokens[0].id + 1, "wor")]
+    finally:
+        for service in (gateway, model, tokenizer):
+            service.terminate()
