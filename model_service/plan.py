@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from model_service.engine_api import StepOutputLike
 from model_service.requests import FinishReason, GenerationRequest, TokenOut
@@ -117,10 +118,16 @@ def _admit(queue: list[Waiting], free: set[int], decoding: bool, policy: Policy)
 
 
 # ---- reading a step's output (update_from_output) -------------------------------------------------
+def alternatives(ids: Any, probs: Any, k: int) -> tuple[tuple[int, float], ...]:
+    """The first `k` (id, probability) pairs of a step's top-k, less those of probability 0: a token the step
+    could not draw is no alternative (top-k over a filtered distribution pads with such ties)."""
+    return tuple((int(i), p) for i, p in ((i, float(p)) for i, p in zip(ids[:k], probs[:k])) if p > 0)
+
+
 def token_out(out: StepOutputLike, row: int, top_logprobs: int) -> TokenOut:
-    """The token of `row` with its probability and the `top_logprobs` alternatives the request asked for."""
-    top = tuple((int(i), float(p)) for i, p in zip(out.top_ids[row][:top_logprobs],
-                                                   out.top_probs[row][:top_logprobs]))
+    """The token of `row` with its probability and the `top_logprobs` alternatives the request asked for
+    (fewer when fewer could be drawn)."""
+    top = alternatives(out.top_ids[row], out.top_probs[row], top_logprobs)
     return TokenOut(int(out.token[row]), float(out.prob[row]), top)
 
 
@@ -131,7 +138,7 @@ def prompt_out(req: GenerationRequest, out: StepOutputLike) -> tuple[TokenOut, .
         return None
     k = req.prompt_logprobs
     return tuple(TokenOut(int(token), math.exp(float(lp)),
-                          tuple((int(i), math.exp(float(p))) for i, p in zip(ids[:k], tops[:k])))
+                          alternatives(ids, [math.exp(float(p)) for p in tops[:k]], k))
                  for token, lp, ids, tops in zip(req.prompt[1:], scored.logprob, scored.top_ids, scored.top_logprobs))
 
 

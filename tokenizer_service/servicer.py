@@ -18,7 +18,7 @@ import grpc
 
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from serving_common.errors import FieldViolation, ServiceError
-from tokenizer_service.tokenizer import PieceTable, Tokenizer, TokenizerInputError
+from tokenizer_service.tokenizer import PieceTable, StreamDecoder, Tokenizer, TokenizerInputError
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +156,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         tokens = 0
         try:
             async for request in request_iterator:
-                ids = list(request.token_ids)
-                self._check_id_count(len(ids), "token_ids")
-                texts = decoder.push_many(ids)
-                tokens += len(ids)
-                yield tokenizer_pb2.DecodeStreamResponse(text="".join(texts), token_texts=texts)
+                yield self._decode_step(decoder, request)
+                tokens += len(request.token_ids)
             if decoder.pending:
                 yield tokenizer_pb2.DecodeStreamResponse(text=decoder.flush())
         except Exception as err:
@@ -170,6 +167,23 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 raise
             raise mapped from err
         self._log_done("DecodeStream", grpc.StatusCode.OK, started, tokens=tokens)
+
+    def _decode_step(self, decoder: StreamDecoder,
+                     request: tokenizer_pb2.DecodeStreamRequest) -> tokenizer_pb2.DecodeStreamResponse:
+        """One DecodeStream message: prime with its prompt ids, then its tokens (and their alternatives)."""
+        ids = list(request.token_ids)
+        self._check_id_count(len(ids), "token_ids")
+        if request.prompt_ids:
+            self._check_id_count(len(request.prompt_ids), "prompt_ids")
+            decoder.prime(list(request.prompt_ids))
+        if not request.alternatives:
+            texts = decoder.push_many(ids)
+            return tokenizer_pb2.DecodeStreamResponse(text="".join(texts), token_texts=texts)
+        self._check_id_count(sum(len(a.token_ids) for a in request.alternatives), "alternatives")
+        texts, others = decoder.push_with_alternatives(ids, [list(a.token_ids) for a in request.alternatives])
+        return tokenizer_pb2.DecodeStreamResponse(
+            text="".join(texts), token_texts=texts,
+            alternative_texts=[tokenizer_pb2.AlternativeTexts(texts=t) for t in others])
 
     def _piece_messages(self) -> list[tokenizer_pb2.GetPiecesResponse]:
         return piece_messages(self.tokenizer.piece_table(), self.tokenizer.sha256)

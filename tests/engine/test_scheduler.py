@@ -83,6 +83,21 @@ def test_tokens_follow_the_engine_and_stop_at_max_tokens(sched: Scheduler) -> No
     assert c.emissions[1].timings is None
 
 
+def test_alternatives_of_probability_zero_are_not_reported() -> None:
+    engine = FakeEngine(kept=2)  # as a nucleus that left two tokens: top-k pads with ids 0, 1, ... at 0
+    s = Scheduler(engine, max_queue=8)
+    s.start()
+    try:
+        c = Collector()
+        s.submit(req((5, 40, 9), max_tokens=2, top_logprobs=5, prompt_logprobs=4), c)
+        c.wait()
+    finally:
+        s.stop()
+    assert [t.top for e in c.emissions for t in e.tokens] == [((10, 0.5), (11, 0.25)), ((11, 0.5), (12, 0.25))]
+    scored = [t for e in c.emissions if e.prompt for t in e.prompt]
+    assert [t.top for t in scored] == [((40, 0.5), (41, 0.25)), ((9, 0.5), (10, 0.25))]
+
+
 def test_eos_stops_and_is_included_unless_ignore_eos(sched: Scheduler) -> None:
     c = Collector()
     sched.submit(req((7, 63), max_tokens=10), c)  # 0 (pad id is only masked by the real sampler), 1, 2=EOS
