@@ -35,6 +35,7 @@ from model_service.engine import Engine  # noqa: E402
 from model_service.model import GrokModel  # noqa: E402
 from model_service.sampling_settings import SamplingSettings  # noqa: E402
 from model_service.sharding import make_mesh  # noqa: E402
+from benchmarks.stack import use_model_xla_flags
 
 # First match wins: (category, regex over an HLO instruction's op_name metadata, or "<opcode> <shape>" when it
 # has none). Patterns cover this code's named scopes and the unscoped names of the code before them.
@@ -130,6 +131,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_model_xla_flags()  # the model service's process settings, before JAX computes
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--batch", type=int, default=1, help="decode slots")

@@ -30,6 +30,7 @@ from model_service.engine import Engine, choose_row_tile
 from model_service.model import GrokModel
 from model_service.sampling_settings import SamplingSettings
 from model_service.sharding import make_mesh
+from benchmarks.stack import use_model_xla_flags
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -134,6 +135,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_model_xla_flags()  # the model service's process settings, before JAX computes
     print(json.dumps(run(parser().parse_args(argv))))
     return 0
 

@@ -127,6 +127,14 @@ def distributed_config(args: argparse.Namespace) -> DistributedConfig | None:
     return config
 
 
+def prepare_process() -> None:
+    """Process-wide settings a model process needs before JAX computes anything: the host allocator keeps
+    the decode step's freed buffers (model_service/host_memory.py)."""
+    from model_service.host_memory import keep_freed_memory
+
+    keep_freed_memory()
+
+
 def configure_jax(compile_cache: str | None) -> None:
     import jax
 
@@ -153,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         # before the others (gloo on CPU waits 30 s for a new clique).
         logging.getLogger(__name__).warning("--compile-cache is not used by a multi-process replica")
         compile_cache = None
+    prepare_process()
     configure_jax(compile_cache)
     if dist is not None:
         from model_service.distributed import initialize

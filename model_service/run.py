@@ -98,6 +98,9 @@ def generate(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logs.configure("model-run", args.log_level)
+    from model_service.__main__ import prepare_process
+
+    prepare_process()
     from model_service.requests import SchedulerError
 
     try:
