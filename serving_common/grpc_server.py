@@ -124,10 +124,16 @@ def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Itera
     return HealthReporter(servicer, names)
 
 
+# gRPC turns SO_REUSEPORT on by default: a second process bound to a port in use then starts anyway
+# and the kernel splits the calls between the two. Off, binding a port in use fails.
+NO_PORT_SHARING = ("grpc.so_reuseport", 0)
+
+
 def new_server(service: str, options: Sequence[tuple[str, Any]] = (),
                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    """A grpc.aio server with the shared status interceptor first (see serving_common.interceptor)."""
-    return grpc.aio.server(interceptors=install(service, interceptors), options=list(options))
+    """A grpc.aio server with the shared status interceptor first (see serving_common.interceptor) that
+    refuses to share its port with another process."""
+    return grpc.aio.server(interceptors=install(service, interceptors), options=[NO_PORT_SHARING, *options])
 
 
 # gRPC core reads INT_MAX milliseconds as "no limit".
