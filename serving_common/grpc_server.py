@@ -127,13 +127,19 @@ def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Itera
 # gRPC turns SO_REUSEPORT on by default: a second process bound to a port in use then starts anyway
 # and the kernel splits the calls between the two. Off, binding a port in use fails.
 NO_PORT_SHARING = ("grpc.so_reuseport", 0)
+# gRPC refuses request headers between its soft (8 KiB) and hard (16 KiB) limits at random, with a
+# RESOURCE_EXHAUSTED that no retry fixes. One limit, 16 KiB, so that a header below it always reaches
+# the interceptor (which refuses an over-long x-request-id with INVALID_ARGUMENT) and one above it never does.
+METADATA_LIMIT_BYTES = 16 << 10
+HEADER_LIMITS = (("grpc.max_metadata_size", METADATA_LIMIT_BYTES),
+                 ("grpc.absolute_max_metadata_size", METADATA_LIMIT_BYTES))
 
 
 def new_server(service: str, options: Sequence[tuple[str, Any]] = (),
                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
     """A grpc.aio server with the shared status interceptor first (see serving_common.interceptor) that
     refuses to share its port with another process."""
-    return grpc.aio.server(interceptors=install(service, interceptors), options=[NO_PORT_SHARING, *options])
+    return grpc.aio.server(interceptors=install(service, interceptors), options=[NO_PORT_SHARING, *HEADER_LIMITS, *options])
 
 
 # gRPC core reads INT_MAX milliseconds as "no limit".
