@@ -149,32 +149,87 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
-class RestrictedUnpickler(pickle.Unpickler):
-    """Admits only the globals in _ALLOWED, each mapped to an inert stand-in."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _ALLOWED[(module, name)]
-        except KeyError:
-            raise CheckpointError(f"refused to unpickle global {module}.{name}: checkpoints may only contain "
-                                  f"numpy arrays and QuantizedWeight8bit") from None
+def _refuse_global(module: str, name: str) -> Any:
+    try:
+        return _ALLOWED[(module, name)]
+    except KeyError:
+        raise CheckpointError(f"refused to unpickle global {module}.{name}: checkpoints may only contain "
+                              f"numpy arrays and QuantizedWeight8bit") from None
 
 
-class _LocatingUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # noqa: SLF001
-    """RestrictedUnpickler's rules, but byte payloads outside pickle frames are located, not read.
+def _past_the_end(n: int, left: int) -> CheckpointError:
+    return CheckpointError(f"a pickle record of {n} bytes runs past the end of the file ({left} bytes are left): "
+                           "truncated or corrupt")
 
-    The pure-Python unpickler is used because its opcode table can be extended; a checkpoint file has only a
-    few dozen opcodes, so its speed does not matter, and the array bytes themselves are never parsed by it.
+
+class _SizedFile:
+    """The file as an unpickler reads it: a read asking for more than is left of the file is refused before
+    anything is allocated for it (FileIO.read(n) allocates n bytes first, whatever the file holds)."""
+
+    def __init__(self, file: Any, size: int) -> None:
+        self.file, self.size = file, size
+
+    def left(self) -> int:
+        return self.size - self.file.tell()
+
+    def read(self, n: int = -1) -> bytes:
+        left = self.left()
+        if n > left:
+            raise _past_the_end(n, left)
+        return self.file.read(left if n < 0 else n)
+
+    def readinto(self, buffer: Any) -> int:
+        if len(buffer) > self.left():
+            raise _past_the_end(len(buffer), self.left())
+        return self.file.readinto(buffer)
+
+    def readline(self) -> bytes:
+        return self.file.readline()
+
+
+class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # noqa: SLF001
+    """Admits only the globals in _ALLOWED, each mapped to an inert stand-in, and checks every announced size
+    against the bytes left before allocating for it.
+
+    The pure-Python unpickler, because its opcode table can be extended (C's allocates a BYTEARRAY8's size
+    before reading it); a checkpoint file has only a few dozen opcodes, so its speed does not matter, and the
+    array bytes themselves are never parsed by it.
     """
 
-    find_class = RestrictedUnpickler.find_class
+    find_class = staticmethod(_refuse_global)  # type: ignore[assignment]
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]  # noqa: SLF001
 
+    def __init__(self, file: Any, size: int | None = None) -> None:
+        self._sized = _SizedFile(file, len(file.getbuffer()) if size is None else size)
+        super().__init__(self._sized)
+
+    def _left(self) -> int:
+        """Bytes still unread: the rest of the current frame, then the rest of the file."""
+        frame = self._unframer.current_frame
+        in_frame = len(frame.getbuffer()) - frame.tell() if frame is not None else 0
+        return in_frame + self._sized.left()
+
+    def _load_bytearray8(self) -> None:
+        (n,) = struct.unpack("<Q", self.read(8))
+        if n > self._left():
+            raise _past_the_end(n, self._left())
+        buffer = bytearray(n)
+        self.readinto(buffer)
+        self.append(buffer)
+
+    dispatch[pickle.BYTEARRAY8[0]] = _load_bytearray8
+
+
+class _LocatingUnpickler(RestrictedUnpickler):
+    """RestrictedUnpickler's rules, but byte payloads outside pickle frames are located, not read."""
+
+    dispatch = dict(RestrictedUnpickler.dispatch)
+
     def __init__(self, file: Any, path: str) -> None:
-        super().__init__(file)
         self._raw_file = file
         self._path = path
         self._size = os.fstat(file.fileno()).st_size
+        super().__init__(file, self._size)
 
     def _payload(self, n: int) -> bytes | _Payload:
         frame = self._unframer.current_frame
@@ -242,7 +297,7 @@ def read_bounded(path: pathlib.Path | str, max_bytes: int, root: pathlib.Path | 
     f, _ = open_checked(path, max_bytes, root)
     with f:
         try:
-            data = f.read(max_bytes + 1)
+            data = f.read(min(os.fstat(f.fileno()).st_size, max_bytes) + 1)  # never more than the file holds
         except (OSError, MemoryError) as e:
             raise CheckpointError(f"{path}: could not be read ({type(e).__name__}: {e})") from None
     if len(data) > max_bytes:  # grew while being read
