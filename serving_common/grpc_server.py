@@ -187,8 +187,8 @@ async def serve_until_signal(
 ) -> None:
     """Wait for SIGTERM/SIGINT, then drain: NOT_SERVING, stop accepting, finish in-flight calls.
 
-    `before_stop` runs after health flips (e.g. stop admitting work); `after_stop` after the server
-    stopped (e.g. stop a scheduler thread).
+    `before_stop` runs after health flips (e.g. stop admitting work, wait for routed work) and counts
+    against the grace period; `after_stop` after the server stopped (e.g. stop a scheduler thread).
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -196,10 +196,11 @@ async def serve_until_signal(
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("draining", extra={"grace_seconds": grace_seconds})
+    began = loop.time()
     await health_reporter.drain()
     if before_stop is not None:
         await before_stop()
-    await server.stop(grace_seconds)
+    await server.stop(max(0.0, grace_seconds - (loop.time() - began)))  # the grace period is the whole drain
     if after_stop is not None:
         await after_stop()
     log.info("stopped")
