@@ -42,7 +42,8 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
     else:
         return None
     for key, item in items:
-        where = f"{path}.{key}" if path else str(key)
+        name = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else str(key)
+        where = f"{path}.{name}" if path else name  # printable even when the key is the bad string
         found = lone_surrogate_at(key, where) if isinstance(key, str) else None
         found = found or lone_surrogate_at(item, where)
         if found:

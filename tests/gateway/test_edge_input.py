@@ -81,6 +81,8 @@ SURROGATE = '"a\\ud800b"'  # JSON text: a lone high surrogate escape
      '[{"type": "text", "text": %s}]}]}' % SURROGATE, "messages.0.content.0.text"),
     ("/v1/chat/completions", '{"model": "grok-1", "max_tokens": 3, "stop": %s, "messages": [{"role": "user", '
      '"content": "hi"}]}' % SURROGATE, "stop"),
+    ("/v1/completions", '{"model": "grok-1", "max_tokens": 3, "prompt": "xy|hi", "logit_bias": {%s: 1}}' % SURROGATE,
+     "logit_bias.a\\ud800b"),  # a bad key is named printably
 ])
 def test_a_lone_surrogate_in_any_text_is_400_naming_the_field(fast_stack: Stack, path: str, body: str,
                                                                field: str) -> None:
