@@ -270,6 +270,7 @@ UNARY_METHODS = [  # (service, full method name) of every unary-request method
 ]
 MALFORMED = [  # (service, method, raw request bytes) that do not parse
     ("gateway", "/grok.gateway.v1.GatewayService/Complete", b"\x0a\x03\xff\xfe\xfd"),  # prompt not UTF-8
+    ("gateway", "/grok.gateway.v1.GatewayService/Generate", b"\x0a\x03\xed\xa0\x80"),  # a lone surrogate, encoded
     ("gateway", "/grok.gateway.v1.GatewayService/Generate", b"\x0a\x7fabc"),  # length past the end
     ("gateway", "/grok.gateway.v1.GatewayService/GetInfo", b"\xff\xff\xff"),
     ("tokenizer", "/grok.tokenizer.v1.TokenizerService/Encode", b"\x0a\x02\xc3\x28"),
@@ -295,8 +296,8 @@ def protocol_cases() -> list[Case]:
     """Request streams that end without a message, bytes that do not parse, request ids at the limits."""
     cases = [Case(f"{service}-empty-stream-{method.rsplit('/', 1)[1]}", service, _raw_stream(service, method, []), INVALID, "request", "before its request message")
              for service, method in UNARY_METHODS]
-    cases += [Case(f"{service}-malformed-{method.rsplit('/', 1)[1]}", service, _raw_stream(service, method, [raw]),
-                   INVALID, "request", "not a valid") for service, method, raw in MALFORMED]
+    cases += [Case(f"{service}-malformed-{i}-{method.rsplit('/', 1)[1]}", service, _raw_stream(service, method, [raw]),
+                   INVALID, "request", "not a valid") for i, (service, method, raw) in enumerate(MALFORMED)]
     for service in ("gateway", "tokenizer", "model"):
         cases += [
             Case(f"{service}-request-id-128", service, _with_id(service, "i" * 128), "OK"),
