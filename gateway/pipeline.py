@@ -125,15 +125,23 @@ class Pipeline:
         progress.prompt_tokens = len(planned.prompt_ids)
         # Before the model call: a tokenizer that cannot give its table costs no model slot.
         table = await self.tokenizer.piece_table(deadline) if self.local_detokenize else None
-        model_stream = await self.pool.generate(model_request(request, planned, request_id), deadline, metadata)
-        completions: list[Completion] = []
+        # Each completion's detokenizer is opened now, before the model call: a remote one is then a call in
+        # flight at the tokenizer for the whole request (a draining tokenizer serves it to the end), even
+        # while the request waits in a model's queue; opened at the first token, it could find the
+        # tokenizer already stopped.
+        # Each reads the prompt first: its tokens' texts are texts in context.
+        completions = [Completion(index, LocalDetokenizer(table, planned.prompt_ids) if table is not None
+                                  else self.tokenizer.detokenizer(deadline, metadata, planned.prompt_ids),
+                                  StopMatcher(request.sampling.stop),
+                                  echo=request.prompt if request.sampling.echo else "")
+                       for index in range(planned.n)]
         try:
-            for index in range(planned.n):  # each reads the prompt first: its tokens' texts are texts in context
-                detokenizer = (LocalDetokenizer(table, planned.prompt_ids) if table is not None
-                               else self.tokenizer.detokenizer(deadline, metadata, planned.prompt_ids))
-                completions.append(Completion(index, detokenizer,
-                                              StopMatcher(request.sampling.stop),
-                                              echo=request.prompt if request.sampling.echo else ""))
+            model_stream = await self.pool.generate(model_request(request, planned, request_id), deadline, metadata)
+        except BaseException:
+            for completion in completions:
+                completion.detokenizer.cancel()
+            raise
+        try:
             async for reply in model_stream.responses():
                 if not 0 <= reply.index < len(completions) or completions[reply.index].done:
                     continue  # a completion a stop sequence ended: the model's further tokens for it are dropped

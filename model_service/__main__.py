@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             code = run_follower(config)
         else:
             code = asyncio.run(serve(config))
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, OSError) as e:  # OSError: a port in use or not on this machine
         print(f"model_service: {e}", file=sys.stderr)
         code = 2
     if dist is not None and code != 0:

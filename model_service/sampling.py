@@ -39,6 +39,7 @@ from model_service.logits_processing import (
 TOP_K = 8  # alternatives computed per token (the proto allows asking for 0..8 of them)
 SORT_MAX_VOCAB = 8192  # up to this vocabulary size the nucleus threshold uses the reference's sort
 MASKED_LOGIT = -1e10  # the reference's value for removed logits
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class SamplingParams(NamedTuple):
@@ -185,7 +186,9 @@ def _sample_filtered(
     greedy = temperature <= 0
     # Greedy requests report probabilities at temperature 1 (proto: Token.probability).
     scale = jnp.where(greedy, jnp.float32(1), temperature).astype(logits.dtype)
-    row = jnp.where(mask, logits / scale, MASKED_LOGIT)  # [V]
+    # Clipped to finite: a tiny temperature or repetition_penalty (both valid) overflows a logit to inf,
+    # and inf - max(row) is NaN in every probability. Identity on finite values, so exact; fused here.
+    row = jnp.where(mask, jnp.clip(logits / scale, -FLOAT32_MAX, FLOAT32_MAX), MASKED_LOGIT)  # [V]
     # softmax(row) = exp(row - max) / sum; the nucleus keeps the max, so the filtered softmax has the same
     # exponentials with the removed ones exactly 0 (exp(-1e10 - max) underflows to 0 as well).
     exps = jnp.exp(row - jnp.max(row))  # [V]

@@ -35,8 +35,8 @@ from model_service.requests import (
 )
 from model_service.sampling_settings import SamplingSettings
 from model_service.scheduler import Scheduler
-from serving_common.errors import ServiceError, invalid_message, resource_exhausted, unavailable
-from serving_common.logs import request_id_var
+from serving_common.errors import ServiceError, invalid_argument, invalid_message, resource_exhausted, unavailable
+from serving_common.logs import new_request_id, request_id_too_long, request_id_var
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,9 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
 
     async def Generate(self, request: model_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[model_pb2.GenerateResponse]:
-        rid = request.request_id or request_id_var.get()
+        if (problem := request_id_too_long(request.request_id)) is not None:
+            raise invalid_argument("request_id", problem)
+        rid = new_request_id(given=request.request_id) if request.request_id else request_id_var.get()
         code = grpc.StatusCode.OK
         try:
             async for response in self._stream(request, context, rid):

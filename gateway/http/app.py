@@ -32,7 +32,7 @@ from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, Sampl
 from gateway.pipeline import Pipeline
 from grok.gateway.v1 import gateway_pb2
 from serving_common.grpc_server import HealthReporter
-from serving_common.logs import new_request_id, request_id_var
+from serving_common.logs import new_request_id, request_id_too_long, request_id_var
 
 
 MAX_BODY_BYTES = 4 << 20  # as gRPC's default receive limit; prompts are capped far lower (--max-prompt-bytes)
@@ -202,7 +202,10 @@ class Routes:
                       grpc_request: gateway_pb2.GenerateRequest) -> Response:
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
-        request_id = new_request_id(given=request.headers.get("x-request-id", ""))
+        given = request.headers.get("x-request-id", "")
+        if (problem := request_id_too_long(given)) is not None:
+            raise ApiError(400, f"x-request-id: {problem}", param="x-request-id")
+        request_id = new_request_id(given=given)  # a fresh one when not printable ASCII
         request_id_var.set(request_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ctx.timeout_seconds if self.ctx.timeout_seconds else None
