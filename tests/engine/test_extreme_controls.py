@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model_service.controls import SamplingControls, controls_problem
+from model_service.sampling_settings import SamplingSettings
+from model_service.validation import controls_problem, reference_problem
 from model_service.engine import Engine
 from tests.engine.test_controls_service import PROMPT
 
@@ -16,33 +17,38 @@ F32_MAX = float(np.finfo(np.float32).max)
 TINY = 1e-38
 
 EXTREMES = [
-    ("temperature tiny", TINY, 1.0, SamplingControls()),
-    ("temperature subnormal", 1e-45, 1.0, SamplingControls()),
-    ("temperature huge", F32_MAX, 1.0, SamplingControls()),
-    ("top_p tiny", 1.0, 1e-45, SamplingControls()),
-    ("min_p 1", 1.0, 1.0, SamplingControls(min_p=1.0)),
-    ("min_p tiny", 1.0, 1.0, SamplingControls(min_p=1e-45)),
-    ("repetition tiny", 1.0, 1.0, SamplingControls(repetition_penalty=TINY)),
-    ("repetition subnormal", 1.0, 1.0, SamplingControls(repetition_penalty=1e-45)),
-    ("repetition huge", 1.0, 1.0, SamplingControls(repetition_penalty=F32_MAX)),
-    ("repetition tiny, temperature tiny", TINY, 0.5, SamplingControls(repetition_penalty=TINY, min_p=0.5)),
-    ("penalties -2", 1.0, 1.0, SamplingControls(presence_penalty=-2.0, frequency_penalty=-2.0)),
-    ("penalties 2", 1.0, 1.0, SamplingControls(presence_penalty=2.0, frequency_penalty=2.0)),
-    ("logit_bias +-100", TINY, 1.0, SamplingControls(logit_bias=tuple((t, 100.0 if t % 2 else -100.0)
+    ("temperature tiny", TINY, 1.0, dict()),
+    ("temperature subnormal", 1e-45, 1.0, dict()),
+    ("temperature huge", F32_MAX, 1.0, dict()),
+    ("top_p tiny", 1.0, 1e-45, dict()),
+    ("min_p 1", 1.0, 1.0, dict(min_p=1.0)),
+    ("min_p tiny", 1.0, 1.0, dict(min_p=1e-45)),
+    ("repetition tiny", 1.0, 1.0, dict(repetition_penalty=TINY)),
+    ("repetition subnormal", 1.0, 1.0, dict(repetition_penalty=1e-45)),
+    ("repetition huge", 1.0, 1.0, dict(repetition_penalty=F32_MAX)),
+    ("repetition tiny, temperature tiny", TINY, 0.5, dict(repetition_penalty=TINY, min_p=0.5)),
+    ("penalties -2", 1.0, 1.0, dict(presence_penalty=-2.0, frequency_penalty=-2.0)),
+    ("penalties 2", 1.0, 1.0, dict(presence_penalty=2.0, frequency_penalty=2.0)),
+    ("logit_bias +-100", TINY, 1.0, dict(logit_bias=tuple((t, 100.0 if t % 2 else -100.0)
                                                                       for t in range(0, 300)))),
-    ("everything at once", TINY, 1e-45, SamplingControls(top_k=1, min_p=1.0, repetition_penalty=TINY,
+    ("everything at once", TINY, 1e-45, dict(top_k=1, min_p=1.0, repetition_penalty=TINY,
                                                           presence_penalty=2.0, frequency_penalty=-2.0,
                                                           logit_bias=((5, 100.0), (6, -100.0)))),
 ]
 
 
+def settings(temperature: float, top_p: float, controls: dict) -> SamplingSettings:
+    return SamplingSettings(temperature=temperature, top_p=top_p, top_logprobs=8, **controls)
+
+
 @pytest.mark.parametrize(("temperature", "top_p", "controls"), [e[1:] for e in EXTREMES], ids=[e[0] for e in EXTREMES])
 def test_extreme_controls_report_finite_probabilities(golden_engine: Engine, temperature: float, top_p: float,
-                                                      controls: SamplingControls) -> None:
-    assert controls_problem(controls, golden_engine.vocab_size) == ""  # every one of them is accepted
+                                                      controls: dict) -> None:
+    sampling = settings(temperature, top_p, controls)
+    # every one of them is accepted
+    assert reference_problem(sampling) == "" and controls_problem(sampling, golden_engine.vocab_size) == ""
     state = golden_engine.init_decode_state()
-    prefix, out = golden_engine.prefill(PROMPT, seed=5, temperature=temperature, top_p=top_p, top_logprobs=8,
-                                        controls=controls)
+    prefix, out = golden_engine.prefill(PROMPT, sampling, seed=5)
     steps = [(np.asarray(out.token)[:1], np.asarray(out.prob)[:1], np.asarray(out.top_probs)[:1])]
     state = golden_engine.insert(prefix, state, 0)
     for _ in range(3):  # decode steps read the generated tokens' history too
