@@ -121,9 +121,12 @@ def model_env() -> dict[str, str]:
 
 
 def use_model_xla_flags() -> None:
-    """Give JAX in this process the model service's XLA flags (call in a tool's main, before JAX
-    starts), so an engine built in-process is configured like the service it is compared with."""
+    """Give this process the model service's XLA flags and process settings (call in a tool's main, before
+    JAX starts), so an engine built in-process is configured like the service it is compared with."""
     os.environ.update(model_env())
+    from model_service.__main__ import prepare_process
+
+    prepare_process()
 
 
 # The benchmarks drive gRPC only. A gateway that also serves HTTP would bind its fixed default HTTP
