@@ -68,7 +68,8 @@ def test_hello_gets_a_short_greeting_back(openai_client: OpenAI, system: str | N
     messages = ([("system", system)] if system else []) + [("user", "Hello!")]
     answer, finish = chat(openai_client, *messages)
     assert finish == "stop"
-    assert answer.startswith(("Hello", "Hi")), answer
+    # The answer's text continues the prompt ("Assistant:"), so it may start with the space the model wrote.
+    assert answer.lstrip().startswith(("Hello", "Hi")), answer
     assert 1 <= len(answer.split()) <= 20, answer
 
 
