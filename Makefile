@@ -64,7 +64,7 @@ $(AIPERF_VENV)/.installed:
 bench-http: setup $(AIPERF_VENV)/.installed  ## AIPerf against /v1/completions of the tiny golden stack
 	AIPERF_VENV=$(AIPERF_VENV) bash bench/aiperf_golden.sh
 
-bench-engine: setup  ## the decode points through the model service over gRPC, medium config (JSON)
+bench-engine: setup  ## the decode-speed points of docs/performance.md through the model service over gRPC, medium config (JSON)
 	$(PY) -m benchmarks.engine --runs 3
 
 clean:  ## remove build outputs (not the venv)
