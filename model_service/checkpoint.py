@@ -34,9 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from model_service.config import ModelConfig
 from model_service.file_arrays import FileArray
-from model_service.model.layers import ExpertStack
-from model_service.model.packed import pack_experts
-from model_service.model.params import Params, TensorSpec, random_leaf, set_leaf, tensor_specs, to_checkpoint, \
+from model_service.model.params import Params, TensorSpec, pack_for_native, random_leaf, set_leaf, tensor_specs, to_checkpoint, \
     to_internal
 from model_service.sharding import fit_spec, path_to_str, spec_for_path
 
@@ -465,11 +463,8 @@ def place_leaf(spec: TensorSpec, internal: Any, mesh: Mesh) -> Any:
 
 
 def _for_products(spec: TensorSpec, internal: Any, mesh: Mesh, pack: bool) -> Any:
-    """With native products, an expert matrix is packed on the host before it reaches the devices (the int8 is
-    never held twice)."""
-    if pack and isinstance(internal, ExpertStack):
-        return pack_experts(internal, mesh)
-    return internal
+    """With native products, a matrix is packed on the host before it reaches the devices (never held twice)."""
+    return pack_for_native(spec.module, internal, mesh) if pack else internal
 
 
 def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progress: Progress | None = None,

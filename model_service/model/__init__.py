@@ -21,9 +21,9 @@ from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Memory
 import numpy as np
 
-from model_service.model.layers import ExpertStack, Products, QuantizedWeight
-from model_service.model.packed import native_ok, pack_experts
-from model_service.model.params import Params
+from model_service.model.layers import Products, QuantizedWeight
+from model_service.model.packed import native_ok
+from model_service.model.params import Params, pack_for_native, packable
 from model_service.model.transformer import Step, forward, prompt_logprobs
 from model_service.sharding import DATA, MODEL, params_shardings
 
@@ -75,18 +75,17 @@ class GrokModel:
         self._scorer = hk.without_apply_rng(hk.transform(functools.partial(prompt_logprobs, cfg, mesh, self.dtype)))
 
     def pack_params(self, params: Params) -> Params:
-        """With native products: the same tree with every expert matrix packed for the kernel (a packed copy,
-        placed like a loaded one; already packed trees come back as they are). Other products: `params`."""
+        """With native products: the same tree with its packable leaves (params.packable) packed for the kernel,
+        each a packed copy placed like a loaded one; packed trees come back as they are. Otherwise `params`."""
         if self.products is not Products.NATIVE:
             return params
         out: Params = {}
         for module, leaves in params.items():
-            w = leaves.get("w")
-            if isinstance(w, ExpertStack) and isinstance(w.experts[0], QuantizedWeight):
-                packed = pack_experts(jax.tree.map(np.asarray, w), self.mesh)
-                leaves = {**leaves, "w": jax.device_put(packed, params_shardings({module: {"w": packed}},
-                                                                                 self.mesh)[module]["w"])}
-            out[module] = leaves
+            out[module] = dict(leaves)
+            for name, leaf in leaves.items():
+                if packable(module, leaf):
+                    host = {module: {name: pack_for_native(module, jax.tree.map(np.asarray, leaf), self.mesh)}}
+                    out[module][name] = jax.device_put(host, params_shardings(host, self.mesh))[module][name]
         return out
 
     def init_memory(self, batch: int) -> Memory:

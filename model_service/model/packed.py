@@ -41,20 +41,26 @@ class PackedWeight:
     COLUMNS, else 1), `packed_scales` float32 [blocks, S*NB*16] (zero on padding columns)."""
 
     packed: Any
-    packed_scales: Any
+    packed_scales: Any  # None for float32 weights (the router, the embedding table)
     n: int  # logical output columns
     split: str  # COLUMNS or ROWS: which dim the mesh's model axis splits
     shards: int  # how many model-axis shards split that dim (1: the matrix is replicated)
     mesh: Mesh | None  # the mesh the weight was packed for (None: one device)
+    table: bool = False  # the embedding table, whose reference shape is [V, D] = [N, K]
 
     @property
     def shape(self) -> tuple[int, int]:
-        """The reference's logical shape [K, N] (haiku checks parameters against it)."""
-        return (self.packed.shape[1], self.n)
+        """The reference's logical shape [K, N] ([N, K] for the table; haiku checks parameters against it)."""
+        k = self.packed.shape[1]
+        return (self.n, k) if self.table else (k, self.n)
+
+    def rows_of(self, ids: Array) -> Array:
+        """The table's rows for token ids [...] -> [..., K] (the embedding lookup on the packed layout)."""
+        return self.packed[ids // LANES, :, ids % LANES]
 
 
 jax.tree_util.register_dataclass(PackedWeight, data_fields=["packed", "packed_scales"],
-                                 meta_fields=["n", "split", "shards", "mesh"])
+                                 meta_fields=["n", "split", "shards", "mesh", "table"])
 
 
 def _pack_blocks(w_nk: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -85,6 +91,18 @@ def pack_quantized(q: "QuantizedWeight", mesh: Mesh | None) -> PackedWeight:
     return PackedWeight(packed, packed_scales, weight.shape[1], ROWS, shards, mesh)
 
 
+def pack_float(w_kn: np.ndarray, mesh: Mesh | None, table: bool = False) -> PackedWeight:
+    """A host float32 [K, N] matrix -> a PackedWeight without scales. The table ([V, D] given as its transpose
+    view [D, V]) splits K (its features) over the model axis, as sharding.py places the embeddings; anything
+    else is replicated."""
+    w_kn = np.asarray(w_kn, np.float32)
+    k, n = w_kn.shape
+    model = mesh.shape[MODEL] if mesh is not None and mesh.size > 1 else 1
+    shards = model if table and k % model == 0 else 1
+    packed, _ = _pack_blocks(w_kn.T, np.zeros((0, n), np.float32))
+    return PackedWeight(packed, None, n, ROWS, shards, mesh if mesh is not None and mesh.size > 1 else None, table)
+
+
 def pack_experts(stack: "ExpertStack", mesh: Mesh | None) -> "ExpertStack":
     return type(stack)(tuple(pack_quantized(q, mesh) for q in stack.experts))
 
@@ -96,20 +114,24 @@ def _row_spec(m: int, mesh: Mesh) -> str | None:
 
 def packed_product(x: Array, w: PackedWeight, isa: str | None = None) -> Array:
     """x float32 [M, K] times a PackedWeight -> float32 [M, N], through the native kernel (per shard)."""
+    scaled = w.packed_scales is not None
+    operands = (x, w.packed, w.packed_scales) if scaled else (x, w.packed)
     if w.mesh is None:
-        return kernels.matmul(x, w.packed, w.packed_scales, w.n, isa)
+        return kernels.matmul(*operands[:2], w.packed_scales, w.n, isa)
     rows, split = _row_spec(x.shape[0], w.mesh), MODEL if w.shards > 1 else None
     if w.split == COLUMNS:
-        def columns(xs: Array, ws: Array, ss: Array) -> Array:
+        def columns(xs: Array, ws: Array, ss: Array | None = None) -> Array:
             return kernels.matmul(xs, ws, ss, w.n // w.shards, isa)
-        return shard_map(columns, mesh=w.mesh, in_specs=(P(rows, None), P(split, None, None), P(None, split)),
-                         out_specs=P(rows, split), check_vma=False)(x, w.packed, w.packed_scales)
+        specs = (P(rows, None), P(split, None, None), P(None, split))
+        return shard_map(columns, mesh=w.mesh, in_specs=specs[:len(operands)], out_specs=P(rows, split),
+                         check_vma=False)(*operands)
 
-    def row_blocks(xs: Array, ws: Array, ss: Array) -> Array:
+    def row_blocks(xs: Array, ws: Array, ss: Array | None = None) -> Array:
         partial = kernels.matmul(xs, ws, ss, w.n, isa)
         return jax.lax.psum(partial, MODEL) if split else partial
-    return shard_map(row_blocks, mesh=w.mesh, in_specs=(P(rows, split), P(None, split, None), P(split, None)),
-                     out_specs=P(rows, None), check_vma=False)(x, w.packed, w.packed_scales)
+    specs = (P(rows, split), P(None, split, None), P(split, None))
+    return shard_map(row_blocks, mesh=w.mesh, in_specs=specs[:len(operands)], out_specs=P(rows, None),
+                     check_vma=False)(*operands)
 
 
 def native_ok(dtype: Any) -> bool:
