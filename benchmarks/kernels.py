@@ -1,6 +1,6 @@
 """Native kernel vs XLA's products at the medium config's shapes, interleaved in one process; print JSON.
 
-    python -m benchmarks.kernels [--runs 50] [--rows 1,8] [--threads 0]
+    python -m benchmarks.kernels [--runs 50] [--rows 1,8]
 
 Points: one whole expert (gelu(x W) * (x V) U, W/V 512x2736 column-parallel int8, U 2736x512 row-parallel
 with 8 block scales) and the float32 unembedding (131072x512), at each row count. Each point alternates
@@ -25,7 +25,7 @@ import numpy as np
 from model_service import kernels
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product
 from model_service.model.moe import ExpertWeights, _expert_rows
-from model_service.model.packed import LANES, _pack_blocks, pack_quantized
+from model_service.model.packed import LANES, PackedWeight, pack_float, pack_quantized
 
 EMB, FFN, VOCAB = 512, 2736, 131072
 
@@ -42,10 +42,10 @@ def _expert(rng: np.random.Generator) -> tuple[ExpertWeights, ExpertWeights]:
     return xla, packed
 
 
-def _unembedding(rng: np.random.Generator) -> tuple[jax.Array, jax.Array]:
+def _unembedding(rng: np.random.Generator) -> tuple[jax.Array, PackedWeight]:
+    """The float32 table [V, D] as XLA's product reads it ([N, K]) and packed as the model packs it."""
     table = rng.standard_normal((VOCAB, EMB), dtype=np.float32) * 0.02
-    packed, _ = _pack_blocks(table, np.zeros((1, VOCAB), np.float32))
-    return jnp.asarray(table), jnp.asarray(packed)
+    return jnp.asarray(table), jax.tree.map(jnp.asarray, pack_float(table.T, None, table=True))
 
 
 def _interleaved(fns: dict[str, Callable[[], Any]], runs: int) -> dict[str, float]:
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         expert_xla = jax.jit(lambda x, w: _expert_rows(x, w, 0, Products.FUSED_REDUCE))
         expert_native = jax.jit(lambda x, w: _expert_rows(x, w, 0, Products.NATIVE))
         unembed_xla = jax.jit(lambda x, t: product(x, t, Products.FUSED_REDUCE))
-        unembed_native = jax.jit(lambda x, t: kernels.matmul(x, t, None, VOCAB, threads=args.threads))
+        unembed_native = jax.jit(lambda x, t: product(x, t, Products.NATIVE))
         for shape, fns in (("expert", {"xla": lambda: expert_xla(x, xla_w), "native": lambda: expert_native(x, packed_w)}),
                            ("unembedding", {"xla": lambda: unembed_xla(x, table),
                                             "native": lambda: unembed_native(x, packed_table)})):
@@ -88,7 +88,6 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=50, help="calls of each form per point (median reported)")
     p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8], help="e.g. 1,8")
-    p.add_argument("--threads", type=int, default=0, help="kernel threads for the unembedding (0: XLA's pool)")
     return p
 
 

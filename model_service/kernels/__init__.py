@@ -71,6 +71,7 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa
     isa = isa or default_isa()
     out = jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32)
     attrs = {"isa": np.int64(ISAS[isa]), "threads": np.int64(threads)}
+    # Under vmap each batch element is its own call: a batched call would have to be one product anyway.
     if scales is None:
-        return jax.ffi.ffi_call("grok_f32_matmul", out)(x, w, **attrs)
-    return jax.ffi.ffi_call("grok_int8_matmul", out)(x, w, scales, **attrs)
+        return jax.ffi.ffi_call("grok_f32_matmul", out, vmap_method="sequential")(x, w, **attrs)
+    return jax.ffi.ffi_call("grok_int8_matmul", out, vmap_method="sequential")(x, w, scales, **attrs)

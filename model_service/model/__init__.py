@@ -42,13 +42,16 @@ def default_products(mesh: Mesh) -> Products:
 
 def choose_products(choice: str, mesh: Mesh, dtype: Any) -> Products:
     """--products: "xla" (XLA's forms), "native" (the native CPU kernel; an error where it cannot run) or "auto"
-    (native on CPU in float32 where the kernel loaded, XLA's forms elsewhere: GPUs/TPUs keep their dots)."""
+    (native on CPU in float32 where the kernel loaded and the replica is one process; XLA's forms elsewhere:
+    GPUs/TPUs keep their dots)."""
     if choice not in PRODUCT_CHOICES:
         raise ValueError(f"products must be one of {', '.join(PRODUCT_CHOICES)}, got {choice!r}")
     if choice == "xla":
         return default_products(mesh)
     cpu = mesh.devices.flat[0].platform == "cpu"
-    if cpu and native_ok(dtype):
+    # A replica spanning processes keeps XLA's forms under auto: packing reads each whole matrix in every
+    # process, where XLA's layouts let each process read only the shards its devices hold.
+    if cpu and native_ok(dtype) and (choice == "native" or jax.process_count() == 1):
         return Products.NATIVE
     if choice == "native":
         raise ValueError("--products native needs the CPU platform, --dtype float32 and the native kernels built "

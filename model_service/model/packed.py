@@ -2,14 +2,17 @@
 
 A PackedWeight holds a matrix as [NB, K, 16]: 16 output columns per contiguous stream, so the kernel reads
 each weight once per step with unit stride while every output element stays one in-order chain over K.
-It replaces the QuantizedWeight (the int8 is held once), packed on the host as the weights load.
+It replaces the original (every int8 QuantizedWeight, the float32 router and a float32 embedding table, which
+is held only packed), packed on the host as the weights load (params.pack_for_native).
 
 Under a mesh the kernel runs per shard through `shard_map`, split like the weights (sharding.py):
-- column-parallel ("columns": the experts' linear / linear_v, N split over `model`): each shard's columns
+- column-parallel ("columns": query/key/value, the experts' linear / linear_v, N split over `model`; the
+  router, replicated): each shard's columns
   are padded to whole 16-column blocks on their own, so the packed rows split evenly over the shards and a
   shard's product is just its columns;
-- row-parallel ("rows": the experts' linear_1, K split over `model`, 8 row-block scales): each shard holds
-  whole scale blocks of K and returns a partial sum; a psum over `model` adds the shards in a fixed order.
+- row-parallel ("rows": the attention output and the experts' linear_1 with 8 row-block scales, the table
+  without scales; K split over `model`): each shard holds whole scale blocks of K and returns a partial sum;
+  a psum over `model` adds the shards in a fixed order.
 Rows are split over `data` when it divides them; the kernel is row-independent, so that changes no bits.
 """
 
@@ -37,8 +40,8 @@ COLUMNS, ROWS = "columns", "rows"
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A [K, N] matrix packed for the native kernel. `packed` int8 [S*NB, K, 16] (S = `shards` when split ==
-    COLUMNS, else 1), `packed_scales` float32 [blocks, S*NB*16] (zero on padding columns)."""
+    """A [K, N] matrix packed for the native kernel. `packed` int8 (or float32) [S*NB, K, 16] (S = `shards` when
+    split == COLUMNS, else 1), `packed_scales` float32 [blocks, S*NB*16] (zero on padding columns) or None."""
 
     packed: Any
     packed_scales: Any  # None for float32 weights (the router, the embedding table)

@@ -121,3 +121,13 @@ def test_with_the_kernels_disabled_everything_runs_on_xla_with_one_log_line() ->
     assert done.returncode == 0, done.stderr
     assert "logits (1, 8, 512)" in done.stdout
     assert done.stderr.count("native kernels disabled") == 1, done.stderr
+
+
+def test_vmap_over_a_batch_of_row_sets_equals_each_call() -> None:
+    rng = np.random.default_rng(5)
+    q = _weight(rng, 64, 40, 1)
+    w = jax.tree.map(jnp.asarray, pack_quantized(q, None))
+    xs = jnp.asarray(rng.standard_normal((3, 2, 64)).astype(np.float32))
+    batched = np.asarray(jax.jit(jax.vmap(lambda x: product(x, w, Products.NATIVE)))(xs))
+    for i in range(3):
+        np.testing.assert_array_equal(batched[i], np.asarray(product(xs[i], w, Products.NATIVE)))
