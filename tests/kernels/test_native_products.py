@@ -131,3 +131,15 @@ def test_vmap_over_a_batch_of_row_sets_equals_each_call() -> None:
     batched = np.asarray(jax.jit(jax.vmap(lambda x: product(x, w, Products.NATIVE)))(xs))
     for i in range(3):
         np.testing.assert_array_equal(batched[i], np.asarray(product(xs[i], w, Products.NATIVE)))
+
+
+def test_the_products_flag_reads_its_environment_variable_and_rejects_unknown_values(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_service.__main__ import parser
+
+    assert parser().parse_args(["--config", "c"]).products == "auto"
+    monkeypatch.setenv("GROK_MODEL_PRODUCTS", "xla")
+    assert parser().parse_args(["--config", "c"]).products == "xla"
+    assert parser().parse_args(["--config", "c", "--products", "native"]).products == "native"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--config", "c", "--products", "fast"])
