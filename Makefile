@@ -48,7 +48,7 @@ proto-baseline: setup  ## accept the current protos as the API baseline `make li
 test: setup lint  ## set up, lint the protos, run every test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: setup  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer -> bench-results/quick
+bench: setup $(AIPERF_VENV)/.installed  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer, three-client cross-check -> bench-results/quick
 	$(PY) -m benchmarks.suite --quick --out bench-results/quick
 
 bench-docs: setup  ## re-measure everything docs/benchmarks.md reports (about an hour) and regenerate its tables

@@ -26,7 +26,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.chaos_faults import kill_and_restart, overload, reclaim_stats, sigterm_and_restart, slots_free
+from benchmarks.chaos_faults import kill_and_restart, overload, reclaim_stats, sigterm_and_restart, \
+    sigterm_tokenizer_with_streams_in_flight, slots_free
 from benchmarks.chaos_load import Traffic, baseline
 from benchmarks.chaos_stack import LocalStack, StackConfig, rss_bytes
 
@@ -56,6 +57,11 @@ def rss(stack: LocalStack) -> dict[str, dict[str, int]]:
     return {p.name: {"pid": p.pid, "rss_mib": round(rss_bytes(p.pid) / 2**20, 1)} for p in stack.services}
 
 
+def in_flight_streams(stack: LocalStack) -> int:
+    """Streams held through the tokenizer SIGTERM: every slot busy and two more waiting in queues."""
+    return stack.config.replicas * stack.config.slots + 2
+
+
 def attack(stack: LocalStack, args: argparse.Namespace) -> dict[str, Any]:
     """Traffic for `args.duration` seconds with the faults spread over it; the report."""
     started = time.monotonic()
@@ -68,7 +74,9 @@ def attack(stack: LocalStack, args: argparse.Namespace) -> dict[str, Any]:
         steps = [(0.10, lambda: overload(stack, long_tokens)),
                  (0.25, lambda: kill_and_restart(stack, stack.tokenizer, traffic, seeded, down)),
                  (0.45, lambda: kill_and_restart(stack, stack.models[0], traffic, seeded, down)),
-                 (0.70, lambda: sigterm_and_restart(stack, stack.models[0], traffic, seeded))]
+                 (0.65, lambda: sigterm_and_restart(stack, stack.models[0], traffic, seeded)),
+                 (0.85, lambda: sigterm_tokenizer_with_streams_in_flight(
+                     stack, seeded, in_flight_streams(stack), long_tokens, traffic))]
         for at, fault in steps:
             time.sleep(max(0.0, started + at * args.duration - time.monotonic()))
             faults.append(fault())
@@ -84,6 +92,8 @@ def verdict(report: dict[str, Any]) -> list[str]:
     problems = [f"unexpected outcome {k} x{n}" for k, n in report["unexpected"].items()]
     problems += [f"{f['fault']}: no recovery" for f in report["faults"] if f.get("recovery_seconds", 0) is None]
     problems += [f"{f['fault']}: exit code {f['exit_code']}" for f in report["faults"] if f.get("exit_code")]
+    problems += [f"{f['fault']}: {f['in_flight_lost']} of {f['in_flight']} streams in flight lost"
+                 for f in report["faults"] if f.get("in_flight_lost")]
     if not report["slots_after"]["all_free"]:
         problems.append("slots still busy after the traffic stopped (leak)")
     burst = next(f for f in report["faults"] if f["fault"].startswith("burst"))
@@ -102,7 +112,8 @@ def markdown(report: dict[str, Any]) -> str:
         during = f.get("calls_during", f.get("outcomes", {}))
         cells = [f.get(k, "-") for k in ("down_seconds", "drain_seconds", "restart_to_serving_seconds",
                                          "answered_after_serving_seconds", "recovery_seconds")]
-        lines.append(f"| {f['fault']} | " + " | ".join(str(c) for c in cells) +
+        lost = f" (streams in flight lost: {f['in_flight_lost']} of {f['in_flight']})" if "in_flight" in f else ""
+        lines.append(f"| {f['fault']}{lost} | " + " | ".join(str(c) for c in cells) +
                      f" | {', '.join(f'{o}: {n}' for o, n in during.items())} |")
     lines += ["", "| slot reclaim | slots | mean (s) | p99 at most (s) |", "|---|---|---|---|"]
     for reason in ("cancelled", "deadline"):

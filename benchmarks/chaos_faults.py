@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import re
+import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import grpc
 
 from benchmarks.chaos_load import Seeded, Traffic, burst, wait_until
 from benchmarks.chaos_stack import LocalStack, Proc
+from gateway.client import generate_request
 from grok.gateway.v1 import gateway_pb2_grpc
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$")
@@ -92,6 +94,67 @@ def sigterm_and_restart(stack: LocalStack, proc: Proc, traffic: Traffic, seeded:
             "restart_to_serving_seconds": _round(restart), "answered_after_serving_seconds": _round(recovered),
             "recovery_seconds": _round(time.monotonic() - began if recovered is not None else None),
             "calls_during": _during(traffic, before)}
+
+
+class _Streams:
+    """`count` Generate streams of `tokens` tokens each, on threads; each records how it ended."""
+
+    def __init__(self, address: str, count: int, tokens: int) -> None:
+        self.address, self.tokens = address, tokens
+        self.outcomes: list[str] = []
+        self.started = 0
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._one, daemon=True) for _ in range(count)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self) -> None:
+        request = generate_request("In the beginning", max_tokens=self.tokens, ignore_eos=True)
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                stream = gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request, timeout=120)
+                messages = [next(stream)]
+                with self._lock:
+                    self.started += 1
+                messages += list(stream)
+                outcome = "OK" if messages[-1].usage.completion_tokens == self.tokens else "SHORT"
+            except grpc.RpcError as error:
+                outcome = error.code().name
+        with self._lock:
+            self.outcomes.append(outcome)
+
+    def join(self, timeout: float) -> None:
+        for t in self.threads:
+            t.join(timeout)
+
+
+def sigterm_tokenizer_with_streams_in_flight(stack: LocalStack, seeded: Sequence[Seeded], streams: int, tokens: int,
+                                             traffic: Traffic | None = None) -> dict[str, Any]:
+    """SIGTERM the tokenizer while `streams` long streams are in flight, more than the replicas have slots (the
+    rest wait in a model queue, already encoded), then start it again. Every stream the gateway admitted must
+    finish: `in_flight_lost` counts those that did not (refused ones, RESOURCE_EXHAUSTED, were never in flight)."""
+    before = traffic.outcomes.snapshot() if traffic is not None else collections.Counter()
+    running = _Streams(stack.gateway.address, streams, tokens)
+    decoding = min(streams, stack.config.replicas * stack.config.slots)
+    wait_until(lambda: running.started >= decoding, timeout=120, step=0.05)
+    time.sleep(0.3)  # the waiting streams are encoded and queued in a model by now (ms after they were sent)
+    running_at_signal = streams - len(running.outcomes)
+    began = time.monotonic()
+    code = stack.tokenizer.terminate(timeout=stack.config.grace_seconds + 20)
+    drained = time.monotonic() - began
+    running.join(120)
+    stack.tokenizer.start()
+    restart = stack.tokenizer.wait_serving()
+    recovered = wait_until(lambda: good_answer(stack.gateway.address, seeded), timeout=120)
+    outcomes = collections.Counter(running.outcomes)
+    in_flight = streams - outcomes.get("RESOURCE_EXHAUSTED", 0)
+    return {"fault": f"SIGTERM tokenizer, {streams} streams in flight", "exit_code": code,
+            "drain_seconds": _round(drained), "in_flight": in_flight, "in_flight_lost": in_flight - outcomes["OK"],
+            "running_at_signal": running_at_signal, "decoding_at_signal": decoding,
+            "stream_outcomes": dict(sorted(outcomes.items())), "restart_to_serving_seconds": _round(restart),
+            "answered_after_serving_seconds": _round(recovered),
+            "recovery_seconds": _round(time.monotonic() - began if recovered is not None else None),
+            "calls_during": _during(traffic, before) if traffic is not None else {}}
 
 
 def overload(stack: LocalStack, long_tokens: int) -> dict[str, Any]:

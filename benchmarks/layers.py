@@ -89,7 +89,8 @@ class InProcessSender:
         self.ids = itertools.count()
 
     async def __call__(self, request: BenchRequest) -> RequestResult:
-        from model_service.scheduler import Emission, GenerationRequest, SchedulerError
+        from model_service.requests import Emission, GenerationRequest, SchedulerError
+        from model_service.sampling_settings import SamplingSettings
 
         loop = asyncio.get_running_loop()
         finished = loop.create_future()
@@ -108,8 +109,9 @@ class InProcessSender:
 
         try:
             self.scheduler.submit(GenerationRequest(
-                request_id=f"bench-{next(self.ids)}", prompt=request.prompt_ids, max_tokens=request.output_len,
-                temperature=self.temperature, ignore_eos=True), emit)
+                request_id=f"bench-{next(self.ids)}", prompt=request.prompt_ids,
+                sampling=SamplingSettings(temperature=self.temperature), max_tokens=request.output_len,
+                ignore_eos=True), emit)
         except SchedulerError as error:
             result.error, result.end = f"{error.kind.name}: {error.message}", time.perf_counter()
             return result

@@ -33,7 +33,9 @@ from model_service.checkpoint import random_params  # noqa: E402
 from model_service.config import MeshConfig, load_model_config  # noqa: E402
 from model_service.engine import Engine  # noqa: E402
 from model_service.model import GrokModel  # noqa: E402
+from model_service.sampling_settings import SamplingSettings  # noqa: E402
 from model_service.sharding import make_mesh  # noqa: E402
+from benchmarks.stack import use_model_xla_flags
 
 # First match wins: (category, regex over an HLO instruction's op_name metadata, or "<opcode> <shape>" when it
 # has none). Patterns cover this code's named scopes and the unscoped names of the code before them.
@@ -96,11 +98,10 @@ def build(args: argparse.Namespace) -> tuple[Engine, Any]:
     engine = Engine(GrokModel(cfg, mesh, jnp.float32), params, cfg, mesh, args.batch, (args.prompt_len,))
     state = engine.init_decode_state()
     rng = np.random.default_rng(0)
-    temperature, top_p = (0.0, 1.0) if args.greedy else (0.7, 0.9)
+    sampling = SamplingSettings() if args.greedy else SamplingSettings(temperature=0.7, top_p=0.9)
     for slot in range(args.active or args.batch):
         prompt = rng.integers(3, cfg.vocab_size, args.prompt_len).tolist()
-        extra = {"top_logprobs": 0} if "top_logprobs" in Engine.prefill.__code__.co_varnames else {}
-        prefix, _ = engine.prefill(prompt, seed=slot, temperature=temperature, top_p=top_p, **extra)
+        prefix, _ = engine.prefill(prompt, sampling, seed=slot)
         state = engine.insert(prefix, state, slot)
     return engine, state
 
@@ -130,6 +131,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_model_xla_flags()  # the model service's process settings, before JAX computes
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--batch", type=int, default=1, help="decode slots")

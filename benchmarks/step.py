@@ -27,10 +27,11 @@ import numpy as np
 
 from model_service.checkpoint import random_params
 from model_service.config import MeshConfig, load_model_config, validate
-from model_service.controls import NO_CONTROLS, SamplingControls
 from model_service.engine import Engine, choose_row_tile
 from model_service.model import GrokModel, Products, choose_products
+from model_service.sampling_settings import SamplingSettings
 from model_service.sharding import make_mesh
+from benchmarks.stack import use_model_xla_flags
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -96,14 +97,13 @@ def _engine_step(args: argparse.Namespace, cfg: Any, mesh: Any, model: GrokModel
     engine = Engine(model, params, cfg, mesh, args.batch, (args.prompt_len,), args.tile)
     state = engine.init_decode_state()
     rng = np.random.default_rng(args.seed)
-    controls = NO_CONTROLS
+    sampling = SamplingSettings(temperature=0.7, top_p=0.9)
     if args.controls:
         bias = tuple((int(t), 1.5) for t in rng.choice(cfg.vocab_size, 16, replace=False))
-        controls = SamplingControls(top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.3,
-                                    frequency_penalty=0.2, logit_bias=bias)
+        sampling = SamplingSettings(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
+                                    presence_penalty=0.3, frequency_penalty=0.2, logit_bias=bias)
     for slot in range(active_slots):
-        prefix, _ = engine.prefill(rng.integers(3, cfg.vocab_size, args.prompt_len).tolist(), seed=slot,
-                                   temperature=0.7, top_p=0.9, top_logprobs=0, controls=controls)
+        prefix, _ = engine.prefill(rng.integers(3, cfg.vocab_size, args.prompt_len).tolist(), sampling, seed=slot)
         state = engine.insert(prefix, state, slot)
     (state, pending), compile_s = _timed(lambda: engine.generate(state))
     pending.get()
@@ -139,6 +139,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_model_xla_flags()  # the model service's process settings, before JAX computes
     print(json.dumps(run(parser().parse_args(argv))))
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -112,7 +113,11 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     logs.configure("gateway", config.log_level)
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except OSError as error:  # a port in use or not on this machine: one line, no traceback
+        logging.getLogger("gateway").error("startup failed", extra={"error": str(error)})
+        return 2
     return 0
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.detokenize import bad_table, piece_table
+from gateway.detokenize import Decoded, bad_table, piece_table
 from gateway.errors import GatewayError, down, from_finished_call, from_upstream
 from serving_common.tls import ChannelTLS, secure_channel
 from grok.model.v1 import model_pb2, model_pb2_grpc
@@ -50,17 +50,37 @@ def remaining(deadline: float | None) -> float | None:
     return left
 
 
-class Detokenizer:
-    """One DecodeStream call: token ids in, text that became final out (held bytes are never split)."""
+def decode_request(token_ids: Sequence[int], alternatives: Sequence[Sequence[int]],
+                   prompt_ids: Sequence[int] = ()) -> tokenizer_pb2.DecodeStreamRequest:
+    return tokenizer_pb2.DecodeStreamRequest(
+        token_ids=token_ids, prompt_ids=prompt_ids,
+        alternatives=[tokenizer_pb2.AlternativeIds(token_ids=ids) for ids in alternatives])
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, address: str) -> None:
+
+def alternative_texts(reply: tokenizer_pb2.DecodeStreamResponse,
+                      alternatives: Sequence[Sequence[int]]) -> list[list[str]] | None:
+    """The reply's texts of the alternatives asked for; None when it has none that fit (an older service)."""
+    texts = [list(a.texts) for a in reply.alternative_texts]
+    if not alternatives or [len(t) for t in texts] != [len(a) for a in alternatives]:
+        return None
+    return texts
+
+
+class Detokenizer:
+    """One DecodeStream call: token ids in, text that became final out (held bytes are never split).
+    The prompt's ids go with the first message, so that the tokens read as they do after the prompt."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, address: str, prompt_ids: Sequence[int] = ()) -> None:
         self.call = call
         self.address = address
+        self.prompt_ids = prompt_ids
 
-    async def push(self, token_ids: Sequence[int]) -> tuple[str, list[str]]:
-        """Send ids; return the new text and the part of it each id produced."""
+    async def push(self, token_ids: Sequence[int], alternatives: Sequence[Sequence[int]] = ()) -> Decoded:
+        """Send ids (and their alternatives); return the new text, each id's part, the alternatives' texts."""
+        request = decode_request(token_ids, alternatives, self.prompt_ids)
+        self.prompt_ids = ()
         try:
-            await self.call.write(tokenizer_pb2.DecodeStreamRequest(token_ids=token_ids))
+            await self.call.write(request)
             reply = await self.call.read()
         except grpc.aio.AioRpcError as error:
             raise from_upstream(error, "tokenizer", self.address) from error
@@ -72,7 +92,7 @@ class Detokenizer:
         texts = list(reply.token_texts)
         if len(texts) != len(token_ids):
             texts = [""] * (len(token_ids) - 1) + [reply.text] if token_ids else []
-        return reply.text, texts
+        return Decoded(reply.text, texts, alternative_texts(reply, alternatives))
 
     async def finish(self) -> str:
         """Half-close and return the flushed remainder (bytes of an incomplete character, decoded)."""
@@ -177,8 +197,32 @@ class TokenizerClient:
                 await asyncio.sleep(0.05 * 2**attempt)
         raise AssertionError("unreachable")
 
-    def detokenizer(self, deadline: float | None, metadata: Metadata = ()) -> Detokenizer:
-        return Detokenizer(self.stub.DecodeStream(timeout=remaining(deadline), metadata=metadata), self.address)
+    def detokenizer(self, deadline: float | None, metadata: Metadata = (),
+                    prompt_ids: Sequence[int] = ()) -> Detokenizer:
+        return Detokenizer(self.stub.DecodeStream(timeout=remaining(deadline), metadata=metadata), self.address,
+                           prompt_ids)
+
+    async def texts_in_context(self, ids: Sequence[int], alternatives: Sequence[Sequence[int]],
+                               deadline: float | None, metadata: Metadata = ()) -> tuple[list[str], list[list[str]]]:
+        """Each id's text after the ids before it (a scored prompt) and its alternatives' texts in its place:
+        one DecodeStream of `ids` alone (an older service that gives no alternatives' texts: each alone)."""
+        call = self.stub.DecodeStream(iter([decode_request(ids, alternatives)]), timeout=remaining(deadline),
+                                      metadata=metadata)
+        try:
+            replies = [reply async for reply in call]
+        except grpc.aio.AioRpcError as error:
+            raise from_upstream(error, "tokenizer", self.address) from error
+        texts = list(replies[0].token_texts) if replies else []
+        if len(texts) != len(ids):
+            raise GatewayError(grpc.StatusCode.INTERNAL, f"the tokenizer service answered {len(texts)} texts "
+                               f"for {len(ids)} ids")
+        if texts and len(replies) > 1:
+            texts[-1] += "".join(r.text for r in replies[1:])  # the flush of bytes held back at the end
+        others = alternative_texts(replies[0], alternatives)
+        if others is None:
+            alone = await self.piece_texts([i for a in alternatives for i in a], deadline, metadata)
+            others = [[alone[i] for i in a] for a in alternatives]
+        return texts, others
 
     async def close(self) -> None:
         if self._table is not None:

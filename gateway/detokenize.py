@@ -1,5 +1,10 @@
 """The two ways the gateway turns generated ids into text, behind one interface (`TextStream`).
 
+Either way every text is a text in context: a completion's detokenizer first reads the prompt's ids
+(they give no text), so the first generated piece keeps the leading space SentencePiece drops only at
+the very start of a text, and `prompt text + completion text == decode(prompt ids + completion ids)`;
+an alternative's text is what it would have added in the chosen token's place (docs/api.md).
+
 - remote (the default, the documented architecture): a DecodeStream call to the tokenizer service per
   request, one message each way per model message (`gateway.clients.Detokenizer`);
 - local (`--detokenize local`): the tokenizer service's own incremental detokenizer
@@ -13,6 +18,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -23,11 +29,22 @@ from serving_common.errors import FieldViolation
 from tokenizer_service.tokenizer import PieceSurface, PieceTable, TokenizerInputError
 
 
-class TextStream(Protocol):
-    """One request's incremental detokenization."""
+@dataclass(frozen=True)
+class Decoded:
+    """What one push made final: the new text, each id's part of it, and (when alternatives were given)
+    for each id the texts its alternatives would have added in its place (None: the tokenizer service
+    did not answer them, an older version)."""
 
-    async def push(self, token_ids: Sequence[int]) -> tuple[str, list[str]]:
-        """Add ids; return the new text and the part of it each id produced."""
+    text: str
+    token_texts: list[str]
+    alternative_texts: list[list[str]] | None = None
+
+
+class TextStream(Protocol):
+    """One completion's incremental detokenization, after its prompt."""
+
+    async def push(self, token_ids: Sequence[int], alternatives: Sequence[Sequence[int]] = ()) -> Decoded:
+        """Add ids (with, optionally, each one's alternatives); return what became final."""
         ...
 
     async def finish(self) -> str:
@@ -45,23 +62,45 @@ def invalid_id(error: TokenizerInputError) -> GatewayError:
 
 
 class LocalDetokenizer:
-    """A StreamDecoder over the piece table, in the gateway's event loop (no I/O, no waiting)."""
+    """A StreamDecoder over the piece table, in the gateway's event loop (no I/O, no waiting).
 
-    def __init__(self, table: PieceTable) -> None:
+    The prompt's ids are read with the first push, as the remote DecodeStream reads them with its first
+    message, so that both give the same text however the stream ends."""
+
+    def __init__(self, table: PieceTable, prompt_ids: Sequence[int] = ()) -> None:
         self.decoder = table.stream_decoder()
+        self.prompt_ids: Sequence[int] | None = prompt_ids
 
-    async def push(self, token_ids: Sequence[int]) -> tuple[str, list[str]]:
+    async def push(self, token_ids: Sequence[int], alternatives: Sequence[Sequence[int]] = ()) -> Decoded:
         try:
-            texts = self.decoder.push_many(token_ids)
+            if self.prompt_ids is not None:
+                self.decoder.prime(self.prompt_ids)
+                self.prompt_ids = None
+            texts, others = self.decoder.push_with_alternatives(token_ids, alternatives)
         except TokenizerInputError as error:
             raise invalid_id(error) from None
-        return "".join(texts), texts
+        return Decoded("".join(texts), texts, others if alternatives else None)
 
     async def finish(self) -> str:
         return self.decoder.flush()
 
     def cancel(self) -> None:
         """Nothing to release: the decoder is a few bytes of state."""
+
+
+def texts_in_context(table: PieceTable, ids: Sequence[int],
+                     alternatives: Sequence[Sequence[int]]) -> tuple[list[str], list[list[str]]]:
+    """Each id's text after the ids before it (a scored prompt), and its alternatives' texts in its place;
+    what a DecodeStream of `ids` alone answers."""
+    decoder = table.stream_decoder()
+    try:
+        texts, others = decoder.push_with_alternatives(ids, alternatives)
+    except TokenizerInputError as error:
+        raise invalid_id(error) from None
+    tail = decoder.flush()
+    if tail and texts:
+        texts[-1] += tail
+    return texts, others
 
 
 def bad_table(detail: str) -> GatewayError:

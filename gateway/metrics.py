@@ -5,7 +5,9 @@ Each gateway owns its registry, so several gateways in one process (tests) do no
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from serving_common.metrics_server import serve_metrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
@@ -36,7 +38,7 @@ class GatewayMetrics:
     def serve(self, port: int, host: str) -> None:
         """Start the /metrics HTTP endpoint (a daemon thread); port 0 means no endpoint."""
         if port:
-            start_http_server(port, addr=host, registry=self.registry)
+            serve_metrics(port, host, self.registry)
 
     def finished(self, method: str, code: str, finish_reason: str, seconds: float) -> None:
         self.requests.labels(method, code, finish_reason).inc()

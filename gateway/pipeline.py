@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 
 from gateway.clients import Metadata, ModelPool, TokenizerClient
 from gateway.config import Limits
-from gateway.detokenize import LocalDetokenizer, TextStream, invalid_id
+from gateway.detokenize import LocalDetokenizer, TextStream, texts_in_context
 from gateway.errors import down
 from gateway.metrics import GatewayMetrics
 from gateway.stops import Release, StopMatcher
 from gateway.validation import Plan, TextRequest, check_request, plan
 from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
-from tokenizer_service.tokenizer import PieceTable, TokenizerInputError
+from tokenizer_service.tokenizer import PieceTable
 
 log = logging.getLogger(__name__)
 
@@ -125,25 +125,32 @@ class Pipeline:
         progress.prompt_tokens = len(planned.prompt_ids)
         # Before the model call: a tokenizer that cannot give its table costs no model slot.
         table = await self.tokenizer.piece_table(deadline) if self.local_detokenize else None
-        model_stream = await self.pool.generate(model_request(request, planned, request_id), deadline, metadata)
-        completions: list[Completion] = []
+        # Each completion's detokenizer is opened now, before the model call: a remote one is then a call in
+        # flight at the tokenizer for the whole request (a draining tokenizer serves it to the end), even
+        # while the request waits in a model's queue; opened at the first token, it could find the
+        # tokenizer already stopped.
+        # Each reads the prompt first: its tokens' texts are texts in context.
+        completions = [Completion(index, LocalDetokenizer(table, planned.prompt_ids) if table is not None
+                                  else self.tokenizer.detokenizer(deadline, metadata, planned.prompt_ids),
+                                  StopMatcher(request.sampling.stop),
+                                  echo=request.prompt if request.sampling.echo else "")
+                       for index in range(planned.n)]
         try:
-            for index in range(planned.n):
-                detokenizer = (LocalDetokenizer(table) if table is not None
-                               else self.tokenizer.detokenizer(deadline, metadata))
-                completions.append(Completion(index, detokenizer,
-                                              StopMatcher(request.sampling.stop),
-                                              echo=request.prompt if request.sampling.echo else ""))
+            model_stream = await self.pool.generate(model_request(request, planned, request_id), deadline, metadata)
+        except BaseException:
+            for completion in completions:
+                completion.detokenizer.cancel()
+            raise
+        try:
             async for reply in model_stream.responses():
                 if not 0 <= reply.index < len(completions) or completions[reply.index].done:
                     continue  # a completion a stop sequence ended: the model's further tokens for it are dropped
                 completion = completions[reply.index]
                 if reply.prompt_logprobs:  # each completion's first message carries the scored prompt
-                    scored = await self._scored_prompt(reply, planned.prompt_ids[0], table, deadline, metadata)
+                    scored = await self._scored_prompt(reply, planned.prompt_ids, table, deadline, metadata)
                     for c in completions:
                         c.scored = list(scored)
-                async for message in self._advance(completion, reply, request, progress, method, table, deadline,
-                                                   metadata):
+                async for message in self._advance(completion, reply, request, progress, method, deadline, metadata):
                     yield message
                 if all(c.done for c in completions):
                     break
@@ -159,15 +166,14 @@ class Pipeline:
                 completion.detokenizer.cancel()
 
     async def _advance(self, completion: Completion, reply: model_pb2.GenerateResponse, request: TextRequest,
-                       progress: Progress, method: str, table: PieceTable | None, deadline: float | None,
+                       progress: Progress, method: str, deadline: float | None,
                        metadata: Metadata) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """One model reply for `completion`: its text so far, or (when it ends) its last message."""
         self._observe(reply, progress, method)
         completion.completion_tokens = max(completion.completion_tokens, reply.completion_tokens)
         if reply.finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN:
             reply = without_stop_token(reply)
-        texts = (await completion.detokenizer.push(reply.token_ids))[1] if reply.token_ids else []
-        tokens = await self._tokens(reply, texts, request.sampling.top_logprobs, table, deadline, metadata)
+        tokens = await self._tokens(completion, reply, request.sampling.top_logprobs, deadline, metadata)
         release = completion.matcher.feed(tokens)
         if release.stopped:
             completion.release, completion.finish = release, gateway_pb2.FINISH_REASON_STOP
@@ -184,23 +190,22 @@ class Pipeline:
         if completion.done:
             yield completion.decorate(self._last(completion, progress, asyncio.get_running_loop().time()))
 
-    async def _scored_prompt(self, reply: model_pb2.GenerateResponse, first_id: int, table: PieceTable | None,
-                             deadline: float | None, metadata: Metadata) -> list[gateway_pb2.PromptToken]:
-        """The model's scored prompt (tokens 1..end) as PromptTokens, after the unscored first token."""
+    async def _scored_prompt(self, reply: model_pb2.GenerateResponse, prompt_ids: list[int],
+                             table: PieceTable | None, deadline: float | None,
+                             metadata: Metadata) -> list[gateway_pb2.PromptToken]:
+        """The model's scored prompt (tokens 1..end) as PromptTokens, after the unscored first token; every text
+        in context (the prompt tokens' texts concatenate to the prompt's decode)."""
         scored = list(reply.prompt_logprobs)
-        ids = [first_id] + [t.id for t in scored] + [top.id for t in scored for top in t.top_tokens]
-        texts = await self._piece_texts(ids, table, deadline, metadata)
-        return [gateway_pb2.PromptToken(id=first_id, text=texts[first_id])] + [gateway_pb2.PromptToken(
-            id=t.id, text=texts.get(t.id, ""), logprob=t.logprob,
-            top_tokens=[gateway_pb2.TopToken(id=top.id, text=texts.get(top.id, ""), probability=top.probability,
-                                             logprob=top.logprob) for top in t.top_tokens]) for t in scored]
-
-    async def _piece_texts(self, ids: list[int], table: PieceTable | None, deadline: float | None,
-                           metadata: Metadata) -> dict[int, str]:
-        """Each id's piece text: from the local table, else from the tokenizer service."""
+        alternatives = [[]] + [[top.id for top in t.top_tokens] for t in scored]
         if table is not None:
-            return _piece_texts(table, ids)
-        return await self.tokenizer.piece_texts(ids, deadline, metadata)
+            texts, others = texts_in_context(table, prompt_ids, alternatives)
+        else:
+            texts, others = await self.tokenizer.texts_in_context(prompt_ids, alternatives, deadline, metadata)
+        return [gateway_pb2.PromptToken(id=prompt_ids[0], text=texts[0])] + [gateway_pb2.PromptToken(
+            id=t.id, text=text, logprob=t.logprob,
+            top_tokens=[gateway_pb2.TopToken(id=top.id, text=other, probability=top.probability,
+                                             logprob=top.logprob) for top, other in zip(t.top_tokens, other_texts)])
+            for t, text, other_texts in zip(scored, texts[1:], others[1:])]
 
     def _observe(self, reply: model_pb2.GenerateResponse, progress: Progress, method: str) -> None:
         now = asyncio.get_running_loop().time()
@@ -221,21 +226,27 @@ class Pipeline:
                 self.metrics.inter_token_latency.labels(method).observe(per_token)
         progress.last_token_at = now
 
-    async def _tokens(self, reply: model_pb2.GenerateResponse, texts: list[str], top_logprobs: int,
-                      table: PieceTable | None, deadline: float | None, metadata: Metadata) -> list[gateway_pb2.Token]:
+    async def _tokens(self, completion: Completion, reply: model_pb2.GenerateResponse, top_logprobs: int,
+                      deadline: float | None, metadata: Metadata) -> list[gateway_pb2.Token]:
+        """The reply's tokens with their texts in context, their alternatives' texts in their place."""
+        if not reply.token_ids:
+            return []
         details = list(reply.tokens) if len(reply.tokens) == len(reply.token_ids) else [None] * len(reply.token_ids)
-        alternatives: dict[int, str] = {}
-        if top_logprobs:
-            ids = [top.id for d in details if d is not None for top in d.top_tokens]
-            alternatives = await self._piece_texts(ids, table, deadline, metadata)
+        alternatives = [[top.id for top in d.top_tokens] if d is not None else [] for d in details]
+        asked = alternatives if top_logprobs and any(alternatives) else []
+        decoded = await completion.detokenizer.push(reply.token_ids, asked)
+        others = decoded.alternative_texts
+        if others is None:  # none asked for, or an older tokenizer service: each piece decoded alone
+            alone = await self.tokenizer.piece_texts([i for a in asked for i in a], deadline, metadata) if asked else {}
+            others = [[alone.get(i, "") for i in a] for a in alternatives]
         tokens = []
-        for token_id, text, detail in zip(reply.token_ids, texts, details):
+        for token_id, text, detail, other_texts in zip(reply.token_ids, decoded.token_texts, details, others):
             token = gateway_pb2.Token(id=token_id, text=text)
             if detail is not None:
                 token.probability, token.logprob = detail.probability, detail.logprob
                 token.top_tokens.extend(
-                    gateway_pb2.TopToken(id=top.id, text=alternatives.get(top.id, ""), probability=top.probability,
-                                         logprob=top.logprob) for top in detail.top_tokens)
+                    gateway_pb2.TopToken(id=top.id, text=other, probability=top.probability, logprob=top.logprob)
+                    for top, other in zip(detail.top_tokens, other_texts))
             tokens.append(token)
         return tokens
 
@@ -256,10 +267,3 @@ class Pipeline:
         return gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, finish_reason=completion.finish,
                                             usage=usage, timings=timings, index=completion.index)
 
-
-def _piece_texts(table: PieceTable, ids: list[int]) -> dict[int, str]:
-    """Each id's piece decoded on its own, from the table (what the tokenizer's Decode of the id gives)."""
-    try:
-        return {i: table.piece_text(i) for i in ids}
-    except TokenizerInputError as error:
-        raise invalid_id(error) from None

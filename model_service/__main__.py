@@ -131,6 +131,14 @@ def distributed_config(args: argparse.Namespace) -> DistributedConfig | None:
     return config
 
 
+def prepare_process() -> None:
+    """Process-wide settings a model process needs before JAX computes anything: the host allocator keeps
+    the decode step's freed buffers (model_service/host_memory.py)."""
+    from model_service.host_memory import keep_freed_memory
+
+    keep_freed_memory()
+
+
 def configure_jax(compile_cache: str | None) -> None:
     import jax
 
@@ -157,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         # before the others (gloo on CPU waits 30 s for a new clique).
         logging.getLogger(__name__).warning("--compile-cache is not used by a multi-process replica")
         compile_cache = None
+    prepare_process()
     configure_jax(compile_cache)
     if dist is not None:
         from model_service.distributed import initialize
 
         initialize(dist)  # before anything creates a JAX backend
-    from model_service.server import ServerConfig, serve
+    from model_service.loading import ServerConfig
+    from model_service.server import serve
 
     config = ServerConfig(
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
@@ -170,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         products=args.products,
         prefill_chunk=max(0, args.prefill_chunk),
         buckets=args.buckets,
-        max_queue=args.max_queue, compile_cache=args.compile_cache, metrics_port=args.metrics_port,
+        max_queue=args.max_queue, metrics_port=args.metrics_port,
         metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed, tls=tls,
         max_connection_age_seconds=args.max_connection_age_seconds,
         max_connection_age_grace_seconds=args.max_connection_age_grace_seconds, distributed=dist,
@@ -182,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             code = run_follower(config)
         else:
             code = asyncio.run(serve(config))
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, OSError) as e:  # OSError: a port in use or not on this machine
         print(f"model_service: {e}", file=sys.stderr)
         code = 2
     if dist is not None and code != 0:

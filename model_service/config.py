@@ -30,8 +30,6 @@ class TransformerConfig:
     num_experts: int
     num_selected_experts: int
     shard_activations: bool = True
-    data_axis: str = "data"
-    model_axis: str = "model"
 
     @property
     def ffn_size(self) -> int:
@@ -112,17 +110,29 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     return cls(**values)
 
 
+# The reference's TransformerConfig names its mesh axes; this service's mesh axes are always named "data" and
+# "model" (sharding.DATA / MODEL). The reference's JSON layout (golden/config.json) carries the two keys, so they
+# are read and written with exactly these values and are not config fields: any other value is refused.
+MESH_AXIS_KEYS = {"data_axis": "data", "model_axis": "model"}
+
+
 def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
     """Build a ModelConfig from golden/config.json's layout (`model` holds the transformer fields)."""
     if not isinstance(values.get("model"), dict):
         raise ConfigError("model config needs a 'model' object with the transformer fields")
-    transformer = _build(TransformerConfig, values["model"], "model")
-    return _build(ModelConfig, {**values, "model": transformer}, "config")
+    transformer = dict(values["model"])
+    for key, fixed in MESH_AXIS_KEYS.items():
+        if transformer.pop(key, fixed) != fixed:
+            raise ConfigError(f"model.{key}: this service names its mesh axes 'data' and 'model'; "
+                              f"set {key} to {fixed!r} or leave it out")
+    return _build(ModelConfig, {**values, "model": _build(TransformerConfig, transformer, "model")}, "config")
 
 
 def model_config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """The JSON layout `model_config_from_dict` reads."""
-    return dataclasses.asdict(cfg)
+    """The JSON layout `model_config_from_dict` reads (the reference's, mesh axis names included)."""
+    values = dataclasses.asdict(cfg)
+    values["model"].update(MESH_AXIS_KEYS)
+    return values
 
 
 def load_model_config(preset_or_json_path: str) -> ModelConfig:

@@ -30,7 +30,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model_service.config import ModelConfig
-from model_service.controls import NO_CONTROLS, SamplingControls
 from model_service.logits_processing import (
     Controls,
     History,
@@ -50,12 +49,14 @@ from model_service.sampling import (
     split_key,
     split_keys,
 )
+from model_service.sampling_settings import GREEDY, SamplingSettings
 from model_service.sharding import DATA
 
 log = logging.getLogger(__name__)
 
 CPU_ROW_TILE = 8  # rows per decode tile on CPU: one tile streams the weights once for up to 8 requests
 PREFILL_CHUNK = 64  # prompts longer than this are prefilled this many tokens at a time, between decode steps
+COMPILE_SETTINGS = SamplingSettings(temperature=1.0, top_logprobs=TOP_K)  # compile_all's (values are traced)
 
 
 class DecodeState(NamedTuple):
@@ -65,7 +66,7 @@ class DecodeState(NamedTuple):
     tokens: jax.Array  # [B] int32, each slot's last sampled token (the next step's input)
     keys: jax.Array  # [B, 2] uint32, each slot's PRNG key (split before every draw)
     sampling: SamplingParams  # [B] / [B, V]
-    controls: Controls  # [B] / [B, MAX_LOGIT_BIAS]: issue 12's controls (logits_processing.py)
+    controls: Controls  # [B] / [B, MAX_LOGIT_BIAS]: the sampling controls (logits_processing.py)
     history: History  # [B, V]: prompt tokens and generated-token counts, for the penalties
 
 
@@ -89,11 +90,7 @@ class ChunkedPrefill:
     length: int
     slot: int
     seed: int
-    temperature: float
-    top_p: float
-    mask: np.ndarray  # [V] bool
-    top_logprobs: int
-    controls: SamplingControls = NO_CONTROLS
+    sampling: SamplingSettings
     next_start: int = 0
 
 
@@ -167,7 +164,7 @@ class Engine:
     def __init__(self, model: Any, params: Any, cfg: ModelConfig, mesh: Mesh, slots: int,
                  buckets: Sequence[int], row_tile: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.model = model
-        self.params = model.pack_params(params)  # native products: expert matrices packed (no-op if loaded so)
+        self.params = model.pack_params(params)  # native products: matrices packed (no-op if loaded so)
         self.mesh = mesh
         self.slots = slots
         self.row_tile = choose_row_tile(row_tile, slots, mesh)
@@ -197,7 +194,7 @@ class Engine:
                                in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 4,
                                out_shardings=self.state_shardings)
         self._extend_last = jax.jit(self._extend_last_impl, donate_argnums=(1,),
-                                    in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 11,
+                                    in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 8,
                                     out_shardings=(self.state_shardings, None))
 
     # ---- pure functions (jitted above) ------------------------------------------------------
@@ -212,13 +209,11 @@ class Engine:
             controls=idle_controls(b, self.vocab_size), history=empty_history(b, self.vocab_size))
 
     def _prefill_impl(self, params: Any, tokens: jax.Array, length: jax.Array, seed: jax.Array,
-                      temperature: jax.Array, top_p: jax.Array, mask: jax.Array, num_top: jax.Array,
-                      controls: Controls, prompt: jax.Array) -> tuple[Prefix, SampleResult]:
-        # tokens [1, T] int32 (T = bucket), length [] int32, seed [] uint32, mask [V] bool, num_top [] int32,
-        # controls batch 1, prompt [1, V] bool
+                      sampling: SamplingParams, controls: Controls, prompt: jax.Array) -> tuple[Prefix, SampleResult]:
+        # tokens [1, T] int32 (T = bucket), length [] int32, seed [] uint32, sampling and controls batch 1
+        # (device_rows), prompt [1, V] bool
         logits, memory = self.model.prefill(params, tokens, length[None])  # [1, V]
         rest, draw = split_key(seed_key(seed))
-        sampling = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool), num_top[None])
         history = History(prompt, jnp.zeros(prompt.shape, jnp.int32))
         result = sample_tokens(draw[None], logits, sampling, controls, history)
         history = record_tokens(history, result.token, jnp.ones((1,), bool))
@@ -263,12 +258,10 @@ class Engine:
         return state._replace(memory=memory)
 
     def _extend_last_impl(self, params: Any, state: DecodeState, tokens: jax.Array, slot: jax.Array,
-                          start: jax.Array, last: jax.Array, seed: jax.Array, temperature: jax.Array,
-                          top_p: jax.Array, mask: jax.Array, num_top: jax.Array, controls: Controls,
-                          prompt: jax.Array) -> tuple[DecodeState, SampleResult]:
+                          start: jax.Array, last: jax.Array, seed: jax.Array, one: SamplingParams,
+                          controls: Controls, prompt: jax.Array) -> tuple[DecodeState, SampleResult]:
         logits, memory = self.model.extend(params, tokens, state.memory, slot, start, last)  # [1, V]
         rest, draw = split_key(seed_key(seed))
-        one = SamplingParams(temperature[None], top_p[None], mask[None], jnp.ones((1,), bool), num_top[None])
         history = History(prompt, jnp.zeros(prompt.shape, jnp.int32))
         result = sample_tokens(draw[None], logits, one, controls, history)
         history = record_tokens(history, result.token, jnp.ones((1,), bool))
@@ -299,21 +292,17 @@ class Engine:
     def init_decode_state(self) -> DecodeState:
         return self._init()
 
-    def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int] = (), blocked: Sequence[int] = (),
-                top_logprobs: int = TOP_K, controls: SamplingControls = NO_CONTROLS,
+    def prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, seed: int,
                 prompt_logprobs: int | None = None) -> tuple[Prefix, StepOutput]:
-        """Run one prompt; returns the prefix to insert and its first token (host arrays, batch 1).
-        `top_logprobs` alternatives are computed for every token of the request (0 skips them); `controls`
-        are issue 12's (controls.py), all off by default. `prompt_logprobs` (not None) also scores the prompt's
-        tokens (StepOutput.prompt) in a second, full pass over the prompt."""
+        """Run one prompt; returns the prefix to insert and its first token (host arrays, batch 1), drawn as
+        `sampling` says (its `top_logprobs` alternatives are computed for every token of the request; 0 skips
+        them). `prompt_logprobs` (not None) also scores the prompt's tokens (StepOutput.prompt) in a second,
+        full pass over the prompt."""
         n = len(tokens)
         padded = np.full((1, self.bucket_for(n)), self.pad_id, np.int32)
         padded[0, :n] = tokens
-        mask = build_mask(self.vocab_size, self.pad_id, allowed, blocked)
-        prefix, result = self._prefill(self.params, padded, np.int32(n), np.uint32(seed), np.float32(temperature),
-                                       np.float32(top_p), mask, np.int32(top_logprobs),
-                                       controls_row(controls, self.vocab_size), prompt_mask(tokens, self.vocab_size))
+        prefix, result = self._prefill(self.params, padded, np.int32(n), np.uint32(seed),
+                                       *self.device_rows(sampling), prompt_mask(tokens, self.vocab_size))
         out = StepOutput.from_device(result)
         if prompt_logprobs is not None:
             chosen, top, ids = jax.device_get(self._score(self.params, padded, TOP_K))
@@ -327,6 +316,14 @@ class Engine:
         prefix, result = self._resample(prefix, np.uint32(seed))
         return prefix, StepOutput.from_device(result)
 
+    def device_rows(self, s: SamplingSettings) -> tuple[SamplingParams, Controls]:
+        """One request's settings as the device's per-slot rows (host arrays, batch 1): what the jitted prefill
+        takes and `insert` copies into the slot."""
+        mask = build_mask(self.vocab_size, self.pad_id, s.allowed, s.blocked)
+        sampling = SamplingParams(np.asarray([s.temperature], np.float32), np.asarray([s.top_p], np.float32),
+                                  mask[None], np.ones((1,), bool), np.asarray([s.top_logprobs], np.int32))
+        return sampling, controls_row(s, self.vocab_size)
+
     def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
         return self._insert(prefix, state, np.int32(slot))
 
@@ -335,9 +332,8 @@ class Engine:
         c = self.prefill_chunk
         return 0 < c < length and -(-length // c) * c <= self.sequence_len
 
-    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
-                      allowed: Sequence[int] = (), blocked: Sequence[int] = (),
-                      top_logprobs: int = TOP_K, controls: SamplingControls = NO_CONTROLS) -> ChunkedPrefill:
+    def begin_prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, slot: int,
+                      seed: int) -> ChunkedPrefill:
         """Start prefilling a long prompt into free `slot`, one chunk per `prefill_next_chunk` call.
 
         The chunks depend only on the prompt, so its results never depend on what runs between them. Pad
@@ -346,8 +342,7 @@ class Engine:
         c, n = self.prefill_chunk, len(tokens)
         padded = np.full((-(-n // c) * c,), self.pad_id, np.int32)
         padded[:n] = tokens
-        return ChunkedPrefill(padded, n, slot, seed, temperature, top_p,
-                              build_mask(self.vocab_size, self.pad_id, allowed, blocked), top_logprobs, controls)
+        return ChunkedPrefill(padded, n, slot, seed, sampling)
 
     def prefill_next_chunk(self, job: ChunkedPrefill, state: DecodeState) -> tuple[DecodeState, StepOutput | None]:
         """Run the job's next chunk; after the last one the slot is active and its first token returned."""
@@ -358,8 +353,7 @@ class Engine:
             return self._extend(self.params, state, chunk, np.int32(job.slot), np.int32(start), np.int32(c - 1)), None
         state, result = self._extend_last(self.params, state, chunk, np.int32(job.slot), np.int32(start),
                                           np.int32(job.length - 1 - start), np.uint32(job.seed),
-                                          np.float32(job.temperature), np.float32(job.top_p), job.mask,
-                                          np.int32(job.top_logprobs), controls_row(job.controls, self.vocab_size),
+                                          *self.device_rows(job.sampling),
                                           prompt_mask(job.tokens[:job.length], self.vocab_size))
         return state, StepOutput.from_device(result)
 
@@ -383,7 +377,7 @@ class Engine:
         timings["init"] = time.monotonic() - start
         for bucket in self.buckets:  # the prefix (and so insert) has the bucket's length
             start = time.monotonic()
-            prefix, _ = self.prefill([self.eos_id] * bucket, seed=0, temperature=1.0, top_p=1.0)
+            prefix, _ = self.prefill([self.eos_id] * bucket, COMPILE_SETTINGS, seed=0)
             timings[f"prefill_{bucket}"] = time.monotonic() - start
             start = time.monotonic()
             state = jax.block_until_ready(self.insert(prefix, state, 0))
@@ -393,7 +387,7 @@ class Engine:
             timings[f"resample_{bucket}"] = time.monotonic() - start
         if self.chunked(self.buckets[-1]):
             start = time.monotonic()
-            job = self.begin_prefill([self.eos_id] * self.buckets[-1], slot=0, seed=0, temperature=1.0, top_p=1.0)
+            job = self.begin_prefill([self.eos_id] * self.buckets[-1], COMPILE_SETTINGS, slot=0, seed=0)
             while job.next_start < job.length:
                 state, _ = self.prefill_next_chunk(job, state)
             timings["prefill_chunks"] = time.monotonic() - start

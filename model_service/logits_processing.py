@@ -1,4 +1,4 @@
-"""The device side of the sampling controls in controls.py: per-slot settings, token history, filters.
+"""The device side of the sampling controls in sampling_settings.py: per-slot settings, token history, filters.
 
 Everything here works on one slot's row (the sampler maps over slots), so a request's result never
 depends on its neighbours. Each control is applied under a `lax.cond` on its own "on" flag, so a slot
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model_service.controls import MAX_LOGIT_BIAS, SamplingControls
+from model_service.sampling_settings import MAX_LOGIT_BIAS, SamplingSettings
 
 
 class Controls(NamedTuple):
@@ -43,8 +43,9 @@ class History(NamedTuple):
     counts: jax.Array  # [B, V] int32, times the token was generated so far
 
 
-def controls_row(c: SamplingControls, vocab_size: int) -> Controls:
-    """Host arrays of one request's controls, batch 1 (top_k -1 is stored as 0: both mean off)."""
+def controls_row(c: SamplingSettings, vocab_size: int) -> Controls:
+    """Host arrays of one request's controls (the control fields of its settings), batch 1 (top_k -1 is stored
+    as 0: both mean off)."""
     ids = np.full((1, MAX_LOGIT_BIAS), vocab_size, np.int32)
     bias = np.zeros((1, MAX_LOGIT_BIAS), np.float32)
     for i, (token, value) in enumerate(c.logit_bias):

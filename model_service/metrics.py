@@ -6,9 +6,11 @@ The scheduler reports slots, queue depth, step durations, tokens and finish reas
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from model_service.scheduler import FinishReason, SchedulerMetrics
+from model_service.loop_state import SchedulerMetrics
+from model_service.requests import FinishReason
+from serving_common.metrics_server import serve_metrics
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -65,4 +67,4 @@ class Metrics(SchedulerMetrics):
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Start the /metrics HTTP endpoint (a daemon thread)."""
-        start_http_server(port, addr=host, registry=self.registry)
+        serve_metrics(port, host, self.registry)

@@ -52,7 +52,9 @@ def generate(args: argparse.Namespace) -> str:
     from model_service.config import load_model_config, validate
     from model_service.engine import Engine
     from model_service.model import GrokModel
-    from model_service.scheduler import Emission, GenerationRequest, Scheduler, SchedulerError
+    from model_service.requests import Emission, GenerationRequest, SchedulerError
+    from model_service.sampling_settings import SamplingSettings
+    from model_service.scheduler import Scheduler
     from model_service.sharding import make_mesh
 
     if not args.checkpoint and not args.random_init:
@@ -82,8 +84,9 @@ def generate(args: argparse.Namespace) -> str:
 
     scheduler.start()
     try:
-        scheduler.submit(GenerationRequest("run", tuple(ids), max_tokens=args.max_tokens, temperature=args.temperature,
-                                           top_p=args.top_p, seed=args.seed % 2**32, ignore_eos=args.ignore_eos), emit)
+        sampling = SamplingSettings(temperature=args.temperature, top_p=args.top_p)
+        scheduler.submit(GenerationRequest("run", tuple(ids), sampling, seed=args.seed % 2**32,
+                                           max_tokens=args.max_tokens, ignore_eos=args.ignore_eos), emit)
         done.wait()
     finally:
         scheduler.stop()
@@ -95,7 +98,10 @@ def generate(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logs.configure("model-run", args.log_level)
-    from model_service.scheduler import SchedulerError
+    from model_service.__main__ import prepare_process
+
+    prepare_process()
+    from model_service.requests import SchedulerError
 
     try:
         text = generate(args)

@@ -10,7 +10,7 @@ temperature 1). Work nobody asked for is skipped: free slots, the nucleus search
 of a greedy slot, the alternatives of a slot that wants none; one exponential pass serves the nucleus
 search and the reported probabilities.
 
-The controls of issue 12 (logit_bias, penalties, top-k, min-p: controls.py for their order) are applied
+The controls of issue 12 (logit_bias, penalties, top-k, min-p: sampling_settings.py for their order) are applied
 when `sample_tokens` gets their per-slot settings, each under its own per-slot condition, so a slot that
 uses none of them runs exactly the steps above.
 
@@ -39,6 +39,7 @@ from model_service.logits_processing import (
 TOP_K = 8  # alternatives computed per token (the proto allows asking for 0..8 of them)
 SORT_MAX_VOCAB = 8192  # up to this vocabulary size the nucleus threshold uses the reference's sort
 MASKED_LOGIT = -1e10  # the reference's value for removed logits
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class SamplingParams(NamedTuple):
@@ -180,12 +181,14 @@ def _sample_filtered(
     extra: SlotControls | None = None,
 ) -> SampleResult:
     raw = logits
-    if extra is not None:  # bias and penalties act on the raw logits (controls.py: order of operations)
+    if extra is not None:  # bias and penalties act on the raw logits (sampling_settings.py: order of operations)
         logits = _biased_and_penalized(logits, extra)
     greedy = temperature <= 0
     # Greedy requests report probabilities at temperature 1 (proto: Token.probability).
     scale = jnp.where(greedy, jnp.float32(1), temperature).astype(logits.dtype)
-    row = jnp.where(mask, logits / scale, MASKED_LOGIT)  # [V]
+    # Clipped to finite: a tiny temperature or repetition_penalty (both valid) overflows a logit to inf,
+    # and inf - max(row) is NaN in every probability. Identity on finite values, so exact; fused here.
+    row = jnp.where(mask, jnp.clip(logits / scale, -FLOAT32_MAX, FLOAT32_MAX), MASKED_LOGIT)  # [V]
     # softmax(row) = exp(row - max) / sum; the nucleus keeps the max, so the filtered softmax has the same
     # exponentials with the removed ones exactly 0 (exp(-1e10 - max) underflows to 0 as well).
     exps = jnp.exp(row - jnp.max(row))  # [V]
@@ -264,7 +267,7 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, co
     real: a free slot computes nothing, a greedy one skips the nucleus filter and the random draw
     (top_p = 1 skips the filter too; both shortcuts are exact), and a slot's result
     is computed exactly as if it were alone. `controls` and `history` (both or neither) add the controls of
-    controls.py; without them the reference's sampler alone is compiled.
+    sampling_settings.py; without them the reference's sampler alone is compiled.
     """
     xs = (keys, logits.astype(jnp.float32), params.temperature, params.top_p, params.mask, params.active,
           params.num_top)

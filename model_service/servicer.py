@@ -23,20 +23,20 @@ from collections.abc import AsyncIterator
 import grpc
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
-from model_service.controls import SamplingControls
 from model_service.metrics import Metrics
-from model_service.scheduler import (
+from model_service.requests import (
     Emission,
     ErrorKind,
     FinishReason,
     GenerationRequest,
-    Scheduler,
     SchedulerError,
     Timings,
     TokenOut,
 )
-from serving_common.errors import ServiceError, invalid_message, resource_exhausted, unavailable
-from serving_common.logs import request_id_var
+from model_service.sampling_settings import SamplingSettings
+from model_service.scheduler import Scheduler
+from serving_common.errors import ServiceError, invalid_argument, invalid_message, resource_exhausted, unavailable
+from serving_common.logs import new_request_id, request_id_too_long, request_id_var
 
 log = logging.getLogger(__name__)
 
@@ -71,28 +71,33 @@ def to_service_error(error: SchedulerError) -> ServiceError:
 
 
 def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: float | None) -> GenerationRequest:
-    """The domain request; field values are checked by Scheduler.validate."""
+    """The domain request; field values are checked by validation.py when it is submitted."""
     return GenerationRequest(
         request_id=request_id,
         prompt=tuple(msg.token_ids),
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
-        temperature=msg.temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        sampling=to_sampling(msg),
         seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         ignore_eos=msg.ignore_eos,
-        top_logprobs=msg.top_logprobs,
-        allowed=tuple(msg.allowed_token_ids),
-        blocked=tuple(msg.blocked_token_ids),
         deadline=None if time_remaining is None else time.monotonic() + time_remaining,
-        controls=SamplingControls(
-            top_k=msg.top_k, min_p=msg.min_p,
-            repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-            presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-            logit_bias=tuple(sorted(msg.logit_bias.items()))),
         stop_token_ids=tuple(msg.stop_token_ids),
         n=msg.n or 1,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
+
+
+def to_sampling(msg: model_pb2.GenerateRequest) -> SamplingSettings:
+    """How the request's tokens are drawn (unset optional fields mean "off")."""
+    return SamplingSettings(
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        allowed=tuple(msg.allowed_token_ids),
+        blocked=tuple(msg.blocked_token_ids),
+        top_logprobs=msg.top_logprobs,
+        top_k=msg.top_k, min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        logit_bias=tuple(sorted(msg.logit_bias.items())))
 
 
 def _token(t: TokenOut) -> model_pb2.Token:
@@ -239,7 +244,9 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
 
     async def Generate(self, request: model_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[model_pb2.GenerateResponse]:
-        rid = request.request_id or request_id_var.get()
+        if (problem := request_id_too_long(request.request_id)) is not None:
+            raise invalid_argument("request_id", problem)
+        rid = new_request_id(given=request.request_id) if request.request_id else request_id_var.get()
         code = grpc.StatusCode.OK
         try:
             async for response in self._stream(request, context, rid):

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from model_service.scheduler import ErrorKind, Heartbeat, SchedulerError
+from model_service.loop_state import Heartbeat
+from model_service.requests import ErrorKind, SchedulerError
 
 log = logging.getLogger(__name__)
 

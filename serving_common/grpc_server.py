@@ -124,10 +124,22 @@ def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Itera
     return HealthReporter(servicer, names)
 
 
+# gRPC turns SO_REUSEPORT on by default: a second process bound to a port in use then starts anyway
+# and the kernel splits the calls between the two. Off, binding a port in use fails.
+NO_PORT_SHARING = ("grpc.so_reuseport", 0)
+# gRPC refuses request headers between its soft (8 KiB) and hard (16 KiB) limits at random, with a
+# RESOURCE_EXHAUSTED that no retry fixes. One limit, 16 KiB, so that a header below it always reaches
+# the interceptor (which refuses an over-long x-request-id with INVALID_ARGUMENT) and one above it never does.
+METADATA_LIMIT_BYTES = 16 << 10
+HEADER_LIMITS = (("grpc.max_metadata_size", METADATA_LIMIT_BYTES),
+                 ("grpc.absolute_max_metadata_size", METADATA_LIMIT_BYTES))
+
+
 def new_server(service: str, options: Sequence[tuple[str, Any]] = (),
                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    """A grpc.aio server with the shared status interceptor first (see serving_common.interceptor)."""
-    return grpc.aio.server(interceptors=install(service, interceptors), options=list(options))
+    """A grpc.aio server with the shared status interceptor first (see serving_common.interceptor) that
+    refuses to share its port with another process."""
+    return grpc.aio.server(interceptors=install(service, interceptors), options=[NO_PORT_SHARING, *HEADER_LIMITS, *options])
 
 
 # gRPC core reads INT_MAX milliseconds as "no limit".
@@ -175,8 +187,8 @@ async def serve_until_signal(
 ) -> None:
     """Wait for SIGTERM/SIGINT, then drain: NOT_SERVING, stop accepting, finish in-flight calls.
 
-    `before_stop` runs after health flips (e.g. stop admitting work); `after_stop` after the server
-    stopped (e.g. stop a scheduler thread).
+    `before_stop` runs after health flips (e.g. stop admitting work, wait for routed work) and counts
+    against the grace period; `after_stop` after the server stopped (e.g. stop a scheduler thread).
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -184,10 +196,11 @@ async def serve_until_signal(
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("draining", extra={"grace_seconds": grace_seconds})
+    began = loop.time()
     await health_reporter.drain()
     if before_stop is not None:
         await before_stop()
-    await server.stop(grace_seconds)
+    await server.stop(max(0.0, grace_seconds - (loop.time() - began)))  # the grace period is the whole drain
     if after_stop is not None:
         await after_stop()
     log.info("stopped")

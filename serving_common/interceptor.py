@@ -1,11 +1,14 @@
 """The server interceptor every service installs: request ids, malformed requests, errors -> statuses.
 
 For each call it
-- takes the caller's `x-request-id` (or makes one), tags the call's log lines with it and echoes it in
-  the trailing metadata;
+- takes the caller's `x-request-id` (or makes one, when there is none or it is not printable ASCII),
+  tags the call's log lines with it and echoes it in the trailing metadata; an id longer than 128
+  characters is refused with INVALID_ARGUMENT;
 - refuses a request that does not parse (corrupt protobuf, a string field that is not UTF-8) with
   INVALID_ARGUMENT and one warning line; grpcio alone answers UNKNOWN naming an internal exception
   class and logs a traceback;
+- reads a unary request from the request stream, so that a call whose stream ends without a complete
+  message (an empty or truncated body) is refused with INVALID_ARGUMENT; grpcio alone never answers it;
 - ends the call with the status of a raised `ServiceError`, details included (`google.rpc.Status`
   with BadRequest / RetryInfo); anything else raised is INTERNAL, logged with its traceback and the
   request id, and the process keeps serving.
@@ -24,12 +27,13 @@ from typing import Any, NoReturn
 import grpc
 
 from serving_common.errors import DETAILS_KEY, ServiceError, invalid_argument
-from serving_common.logs import new_request_id, request_id_var
+from serving_common.logs import given_request_id, new_request_id, request_id_too_long, request_id_var
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_KEY = "x-request-id"
 Behavior = Callable[..., Any]
+Start = Callable[[Any], Awaitable["_Call"]]
 
 
 class _Malformed:
@@ -79,6 +83,16 @@ class _Call:
         log.warning("malformed request refused", extra={"method": self.method, "detail": malformed.reason})
         await self._abort(error)
 
+    async def refuse_id(self, problem: str) -> NoReturn:
+        log.warning("request id refused", extra={"method": self.method, "detail": problem})
+        await self._abort(invalid_argument("x-request-id", problem))
+
+    async def refuse_empty(self) -> NoReturn:
+        log.warning("empty request refused", extra={"method": self.method})
+        await self._abort(invalid_argument(
+            "request", "the call ended before its request message arrived (an empty or truncated body): "
+            "send one complete length-prefixed protobuf message"))
+
     async def fail(self, error: Exception) -> NoReturn:
         if isinstance(error, grpc.aio.AbortError):
             raise error  # the call already has its status
@@ -103,13 +117,26 @@ async def _checked(requests: AsyncIterator[Any], call: _Call) -> AsyncIterator[A
         yield request
 
 
-def _wrap_unary_request(inner: Behavior, start: Callable[[Any], _Call], streams: bool) -> Behavior:
-    """Unary request; `streams` says whether the response is a stream."""
+async def _one_request(requests: AsyncIterator[Any], call: _Call) -> Any:
+    """The single message of a unary call; a request stream that ends without one is refused."""
+    async for request in requests:
+        if isinstance(request, _Malformed):
+            await call.refuse(request)
+        return request
+    await call.refuse_empty()
+
+
+def _wrap_unary_request(inner: Behavior, start: Start, streams: bool) -> Behavior:
+    """Unary request, read from the request *stream*; `streams` says whether the response is a stream.
+
+    gRPC's own unary handling drops a call whose request stream ends without a complete message and
+    never sends it a status (the client waits for its deadline); reading the request as a stream here
+    lets such a call be refused at once.
+    """
     if streams and inspect.isasyncgenfunction(inner):
-        async def stream_out(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            call = start(context)
-            if isinstance(request, _Malformed):
-                await call.refuse(request)
+        async def stream_out(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            call = await start(context)
+            request = await _one_request(requests, call)
             try:
                 async for response in inner(request, context):
                     yield response
@@ -117,10 +144,9 @@ def _wrap_unary_request(inner: Behavior, start: Callable[[Any], _Call], streams:
                 await call.fail(error)
         return stream_out
 
-    async def single(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        call = start(context)
-        if isinstance(request, _Malformed):
-            await call.refuse(request)
+    async def single(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        call = await start(context)
+        request = await _one_request(requests, call)
         try:
             return await inner(request, context)  # a response, or None for a context.write() stream
         except Exception as error:  # noqa: BLE001 - mapped to a status
@@ -128,10 +154,10 @@ def _wrap_unary_request(inner: Behavior, start: Callable[[Any], _Call], streams:
     return single
 
 
-def _wrap_stream_request(inner: Behavior, start: Callable[[Any], _Call], streams: bool) -> Behavior:
+def _wrap_stream_request(inner: Behavior, start: Start, streams: bool) -> Behavior:
     if streams and inspect.isasyncgenfunction(inner):
         async def stream_out(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            call = start(context)
+            call = await start(context)
             try:
                 async for response in inner(_checked(requests, call), context):
                     yield response
@@ -140,7 +166,7 @@ def _wrap_stream_request(inner: Behavior, start: Callable[[Any], _Call], streams
         return stream_out
 
     async def single(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-        call = start(context)
+        call = await start(context)
         try:
             return await inner(_checked(requests, call), context)
         except Exception as error:  # noqa: BLE001 - mapped to a status
@@ -160,20 +186,24 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = details.method
-        request_id = new_request_id(details.invocation_metadata)
+        too_long = request_id_too_long(given_request_id(details.invocation_metadata))
+        request_id = new_request_id(None if too_long else details.invocation_metadata)
 
-        def start(context: grpc.aio.ServicerContext) -> _Call:
+        async def start(context: grpc.aio.ServicerContext) -> _Call:
             call = _Call(self.service, method, request_id, context)
             call.begin()
+            if too_long:
+                await call.refuse_id(too_long)
             return call
 
+        kind = "stream_stream" if handler.response_streaming else "stream_unary"
         if handler.request_streaming:
-            kind = "stream_stream" if handler.response_streaming else "stream_unary"
             wrapped = _wrap_stream_request(getattr(handler, kind), start, handler.response_streaming)
         else:
-            kind = "unary_stream" if handler.response_streaming else "unary_unary"
-            wrapped = _wrap_unary_request(getattr(handler, kind), start, handler.response_streaming)
-        return handler._replace(request_deserializer=_tolerant(handler.request_deserializer), **{kind: wrapped})
+            unary_kind = "unary_stream" if handler.response_streaming else "unary_unary"
+            wrapped = _wrap_unary_request(getattr(handler, unary_kind), start, handler.response_streaming)
+        return handler._replace(request_deserializer=_tolerant(handler.request_deserializer), request_streaming=True,
+                                unary_unary=None, unary_stream=None, **{kind: wrapped})
 
 
 def install(service: str, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> list[grpc.aio.ServerInterceptor]:

@@ -47,11 +47,40 @@ def configure(service: str, level: str = "info") -> None:
     root.setLevel(level.upper())
 
 
+# One limit at every edge (vLLM's too): ids are for logs and traces, and gRPC's header budget (8 KiB by
+# default) must not be spent on them; a longer one was refused by a backend at random.
+MAX_REQUEST_ID_CHARS = 128
+
+
+def request_id_too_long(value: str) -> str | None:
+    """What is wrong with a caller's request id that must be refused (None: usable or replaceable)."""
+    if len(value) > MAX_REQUEST_ID_CHARS:
+        return (f"at most {MAX_REQUEST_ID_CHARS} characters (got {len(value)}): send a shorter id, "
+                "or none to get a generated one")
+    return None
+
+
+def _usable(value: str) -> bool:
+    """Printable ASCII only: the characters a gRPC metadata value may hold (anything else failed at the
+    first backend the id was forwarded to)."""
+    return value.isascii() and value.isprintable()
+
+
 def new_request_id(metadata: Any = None, given: str = "") -> str:
-    """The request id: the caller's (field or `x-request-id` metadata) or a fresh one."""
+    """The request id: the caller's (field or `x-request-id` metadata) or a fresh one when there is none or
+    it holds characters other than printable ASCII. Check the length first (`request_id_too_long`)."""
     if given:
-        return given
+        return given if _usable(given) else uuid.uuid4().hex[:16]
     for key, value in metadata or ():
         if key == "x-request-id" and value:
-            return str(value)
+            value = str(value)
+            return value if _usable(value) else uuid.uuid4().hex[:16]
     return uuid.uuid4().hex[:16]
+
+
+def given_request_id(metadata: Any) -> str:
+    """The caller's `x-request-id` metadata as sent ("" when none)."""
+    for key, value in metadata or ():
+        if key == "x-request-id":
+            return str(value)
+    return ""

@@ -94,7 +94,22 @@ def server_tls(cert: str | None, key: str | None, client_ca: str | None = None) 
         raise ValueError("--tls-cert and --tls-key go together (the server's certificate chain and private key)")
     tls = ServerTLS(cert, key, client_ca or None)
     tls.grpc_credentials()  # fail at start-up, naming the flag, if a file is unreadable
+    check_key_pair(cert, key)
     return tls
+
+
+def check_key_pair(cert: str, key: str) -> None:
+    """ValueError naming both flags when `key` is not the private key of `cert` (or either is unusable).
+
+    gRPC only finds out when it binds the port, and then reports the port as in use."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as error:
+        if "KEY_VALUES_MISMATCH" in str(error):
+            raise ValueError(f"--tls-key: {key!r} does not match the certificate of --tls-cert {cert!r}: "
+                             "give the private key that belongs to that certificate") from None
+        raise ValueError(f"--tls-cert/--tls-key: {cert!r} and {key!r} are not a usable certificate and key "
+                         f"({error.reason or error})") from None
 
 
 def bind_port(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None) -> int:

@@ -31,6 +31,8 @@ def test_short_chaos_run_passes_and_reports_every_measure(tmp_path: pathlib.Path
     assert faults["kill -9 tokenizer"]["recovery_seconds"] is not None
     assert faults["kill -9 model0"]["seeded_request_answered_while_down"]  # the other replica served it
     assert faults["SIGTERM model0"]["exit_code"] == 0
+    drained = next(f for name, f in faults.items() if name.startswith("SIGTERM tokenizer"))
+    assert drained["exit_code"] == 0 and drained["in_flight"] > 0 and drained["in_flight_lost"] == 0, drained
     assert report["slots_after"]["all_free"]
     assert report["slot_reclaim"]["cancelled"]["slots_reclaimed"] > 0
     assert report["slot_reclaim"]["decode_steps_after_cancel_at_most"] <= 1

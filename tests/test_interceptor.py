@@ -156,3 +156,45 @@ def test_watch_streams_end_when_the_server_drains() -> None:
 
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     assert run(scenario) == [serving, not_serving]
+
+
+GET_PIECES = "/grok.tokenizer.v1.TokenizerService/GetPieces"
+
+
+@pytest.mark.parametrize("method", [ENCODE, GET_PIECES])
+def test_a_unary_request_stream_that_ends_without_a_message_is_invalid_argument(method: str) -> None:
+    """A client that half-closes a unary call without sending its message (curl with an empty body) used
+    to get no status at all: the call hung until the client's own deadline."""
+    async def scenario(channel: grpc.aio.Channel, _: Any) -> grpc.aio.AioRpcError:
+        call = channel.stream_stream(method)(iter(()), timeout=10)
+        return await failed(call.read())
+
+    error = run(scenario)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert "request" in (error.details() or "")
+
+
+def test_a_truncated_unary_request_gets_a_status_over_plain_http2(tmp_path: Any) -> None:
+    """curl --http2-prior-knowledge sends a gRPC frame whose length prefix promises more than the body."""
+    import subprocess
+
+    body = tmp_path / "truncated.bin"
+    body.write_bytes(b"\x00\x00\x00\x00\x64" + b"\x0a\x02hi")
+
+    async def main() -> str:
+        server = new_server("test")
+        tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(Servicer(), server)
+        port = bind(server, "127.0.0.1", 0)
+        await server.start()
+        try:
+            curl = await asyncio.create_subprocess_exec(
+                "curl", "-s", "-m", "10", "--http2-prior-knowledge", "-D", "-", "-H", "content-type: application/grpc",
+                "-H", "te: trailers", "--data-binary", f"@{body}", f"http://127.0.0.1:{port}{ENCODE}",
+                stdout=asyncio.subprocess.PIPE)
+            out, _ = await curl.communicate()
+            return out.decode(errors="replace")
+        finally:
+            await server.stop(0)
+
+    headers = asyncio.run(main()).lower()
+    assert "grpc-status: 3" in headers or "grpc-status: 13" in headers, headers

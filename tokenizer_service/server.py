@@ -54,6 +54,7 @@ class BuiltServer:
     server: grpc.aio.Server
     port: int
     health: HealthReporter
+    servicer: TokenizerServicer
 
 
 def build(config: TokenizerConfig) -> BuiltServer:
@@ -61,12 +62,13 @@ def build(config: TokenizerConfig) -> BuiltServer:
     tokenizer = Tokenizer(config.model_path)
     limit = config.max_message_bytes()
     server = new_server("tokenizer", options=[("grpc.max_receive_message_length", limit)])
-    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(tokenizer, config.limits), server)
+    servicer = TokenizerServicer(tokenizer, config.limits)
+    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind_port(server, config.host, config.port, config.tls)
     log.info("tokenizer loaded", extra={"model_path": tokenizer.path, "vocab_size": tokenizer.vocab_size,
                                         "model_sha256": tokenizer.sha256})
-    return BuiltServer(server, port, health)
+    return BuiltServer(server, port, health, servicer)
 
 
 async def build_server(config: TokenizerConfig) -> tuple[grpc.aio.Server, int]:
@@ -77,9 +79,11 @@ async def build_server(config: TokenizerConfig) -> tuple[grpc.aio.Server, int]:
 
 
 async def serve(config: TokenizerConfig) -> None:
-    """Serve until SIGTERM/SIGINT, then drain in-flight calls for up to grace_seconds."""
+    """Serve until SIGTERM/SIGINT, then drain for up to grace_seconds: no new Encode, every call in flight
+    (and every DecodeStream of a request already encoded here) to its end (servicer.Workload)."""
     built = build(config)
     await built.server.start()
     await built.health.set(True)
     log.info("serving", extra={"port": built.port, "host": config.host})
-    await serve_until_signal(built.server, built.health, config.grace_seconds)
+    await serve_until_signal(built.server, built.health, config.grace_seconds,
+                             before_stop=lambda: built.servicer.work.drain(config.grace_seconds))

@@ -8,17 +8,19 @@ to a worker thread so one 1 MiB text does not stall every other call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 import grpc
 
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from serving_common.errors import FieldViolation, ServiceError
-from tokenizer_service.tokenizer import PieceTable, Tokenizer, TokenizerInputError
+from serving_common.errors import FieldViolation, ServiceError, unavailable
+from tokenizer_service.tokenizer import PieceTable, StreamDecoder, Tokenizer, TokenizerInputError
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +66,53 @@ def piece_messages(table: PieceTable, model_sha256: str) -> list[tokenizer_pb2.G
         for start in range(0, table.vocab_size, PIECES_PER_MESSAGE)]
 
 
+# After the last Encode answered, how long a drain waits for the DecodeStream a gateway opens right after it.
+SETTLE_SECONDS = 1.0
+
+
+class Workload:
+    """Calls in flight, for a drain that finishes what was routed here and takes nothing new.
+
+    A request is routed to a tokenizer by its Encode; the gateway then opens the request's DecodeStream at
+    once and may call Decode while it generates. So a draining tokenizer refuses Encode (new requests go
+    elsewhere or get UNAVAILABLE) and serves every other call until none is in flight and no Encode was
+    answered for SETTLE_SECONDS (the gap before a just-encoded request's DecodeStream arrives).
+    """
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.draining = False
+        self.last_encode = -math.inf
+
+    @contextlib.contextmanager
+    def call(self, encodes: bool = False) -> Iterator[None]:
+        if encodes and self.draining:
+            raise unavailable("the tokenizer service is shutting down; retry (on another replica, or once it "
+                              "is back)", retry_after=1.0)
+        self.open += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+            if encodes:
+                self.last_encode = time.monotonic()
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new work, then wait (at most `timeout` seconds) until the work already routed here is done."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and (self.open or time.monotonic() - self.last_encode < SETTLE_SECONDS):
+            await asyncio.sleep(0.05)
+        log.info("drained", extra={"calls_in_flight": self.open})
+
+
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     """Serves one loaded SentencePiece model."""
 
     def __init__(self, tokenizer: Tokenizer, limits: Limits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.work = Workload()
         self._pieces: asyncio.Future[list[tokenizer_pb2.GetPiecesResponse]] | None = None
 
     # --- validation -------------------------------------------------------------------------
@@ -114,7 +157,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Encode(self, request: tokenizer_pb2.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> tokenizer_pb2.EncodeResponse:
         threaded = len(request.text) > _INLINE_LIMIT
-        return await self._unary("Encode", lambda: self._encode(request), threaded)
+        with self.work.call(encodes=True):
+            return await self._unary("Encode", lambda: self._encode(request), threaded)
 
     def _encode(self, request: tokenizer_pb2.EncodeRequest) -> tuple[tokenizer_pb2.EncodeResponse, int]:
         size = self._check_text(request.text, "text")
@@ -124,7 +168,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def EncodeBatch(self, request: tokenizer_pb2.EncodeBatchRequest,
                           context: grpc.aio.ServicerContext) -> tokenizer_pb2.EncodeBatchResponse:
         threaded = sum(len(item.text) for item in request.requests) > _INLINE_LIMIT
-        return await self._unary("EncodeBatch", lambda: self._encode_batch(request), threaded)
+        with self.work.call(encodes=True):
+            return await self._unary("EncodeBatch", lambda: self._encode_batch(request), threaded)
 
     def _encode_batch(self, request: tokenizer_pb2.EncodeBatchRequest) -> tuple[tokenizer_pb2.EncodeBatchResponse, int]:
         count = len(request.requests)
@@ -142,7 +187,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Decode(self, request: tokenizer_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> tokenizer_pb2.DecodeResponse:
         threaded = len(request.token_ids) > _INLINE_LIMIT
-        return await self._unary("Decode", lambda: self._decode(request), threaded)
+        with self.work.call():
+            return await self._unary("Decode", lambda: self._decode(request), threaded)
 
     def _decode(self, request: tokenizer_pb2.DecodeRequest) -> tuple[tokenizer_pb2.DecodeResponse, int]:
         ids = list(request.token_ids)
@@ -151,16 +197,19 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
     async def DecodeStream(self, request_iterator: AsyncIterator[tokenizer_pb2.DecodeStreamRequest],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[tokenizer_pb2.DecodeStreamResponse]:
+        with self.work.call():
+            async for response in self._decode_stream(request_iterator):
+                yield response
+
+    async def _decode_stream(self, request_iterator: AsyncIterator[tokenizer_pb2.DecodeStreamRequest]
+                             ) -> AsyncIterator[tokenizer_pb2.DecodeStreamResponse]:
         started = time.perf_counter()
         decoder = self.tokenizer.stream_decoder()
         tokens = 0
         try:
             async for request in request_iterator:
-                ids = list(request.token_ids)
-                self._check_id_count(len(ids), "token_ids")
-                texts = decoder.push_many(ids)
-                tokens += len(ids)
-                yield tokenizer_pb2.DecodeStreamResponse(text="".join(texts), token_texts=texts)
+                yield self._decode_step(decoder, request)
+                tokens += len(request.token_ids)
             if decoder.pending:
                 yield tokenizer_pb2.DecodeStreamResponse(text=decoder.flush())
         except Exception as err:
@@ -170,6 +219,23 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 raise
             raise mapped from err
         self._log_done("DecodeStream", grpc.StatusCode.OK, started, tokens=tokens)
+
+    def _decode_step(self, decoder: StreamDecoder,
+                     request: tokenizer_pb2.DecodeStreamRequest) -> tokenizer_pb2.DecodeStreamResponse:
+        """One DecodeStream message: prime with its prompt ids, then its tokens (and their alternatives)."""
+        ids = list(request.token_ids)
+        self._check_id_count(len(ids), "token_ids")
+        if request.prompt_ids:
+            self._check_id_count(len(request.prompt_ids), "prompt_ids")
+            decoder.prime(list(request.prompt_ids))
+        if not request.alternatives:
+            texts = decoder.push_many(ids)
+            return tokenizer_pb2.DecodeStreamResponse(text="".join(texts), token_texts=texts)
+        self._check_id_count(sum(len(a.token_ids) for a in request.alternatives), "alternatives")
+        texts, others = decoder.push_with_alternatives(ids, [list(a.token_ids) for a in request.alternatives])
+        return tokenizer_pb2.DecodeStreamResponse(
+            text="".join(texts), token_texts=texts,
+            alternative_texts=[tokenizer_pb2.AlternativeTexts(texts=t) for t in others])
 
     def _piece_messages(self) -> list[tokenizer_pb2.GetPiecesResponse]:
         return piece_messages(self.tokenizer.piece_table(), self.tokenizer.sha256)

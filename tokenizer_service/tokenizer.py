@@ -16,6 +16,9 @@ How sentencepiece 0.2.3 decodes (the rules `StreamDecoder` mirrors):
 Surfaces are taken from sentencepiece itself (decode of the id alone, and after a probe piece), so
 unknown-piece surfaces and normalizer settings come from the model rather than being re-derived.
 
+A completion is decoded after its prompt (`StreamDecoder.prime`), so its text is what the prompt's
+text lacks and its first piece keeps its space; `peek` gives an alternative's text in the same context.
+
 `StreamDecoder` needs only those facts (`Pieces`: byte values, surfaces, the leading-space rule), so
 it runs the same way over the `Tokenizer` (in the tokenizer service) and over a `PieceTable`, the
 same facts for every id as plain data, which the service sends to a gateway that detokenizes
@@ -309,7 +312,7 @@ class Tokenizer:
 class StreamDecoder:
     """Incremental detokenizer for one sequence: feed ids, get the text each one made final.
 
-    The state is tiny (up to three undecided bytes and two flags), never the whole id history, so a
+    The state is tiny (up to three undecided bytes and a few flags), never the whole id history, so a
     stream of any length costs O(1) memory. `pieces` is the Tokenizer or a PieceTable of it: the same
     facts, so the same text.
     """
@@ -320,11 +323,57 @@ class StreamDecoder:
         self._expect_space = True  # sentencepiece would still drop a leading "▁"
         self._dropped_space = False  # the previous non-byte piece had its "▁" dropped
         self._has_text = False
+        self._started = False  # an id was pushed (prime() must come first)
 
     @property
     def pending(self) -> bool:
         """True while bytes are held back waiting for the rest of a character."""
         return bool(self._run)
+
+    def prime(self, ids: Sequence[int]) -> None:
+        """Read `ids` (the prompt) as text already returned, before any generated id is pushed.
+
+        SentencePiece drops a leading space only at the very start of a text, so the first generated
+        piece keeps it after a prompt (" large", not "large"): then the prompt's text followed by the
+        deltas is the decode of prompt and completion together. Bytes of a character the prompt leaves
+        incomplete stay held back and come out with the completion's text.
+        """
+        if self._started:
+            raise TokenizerInputError("the prompt's ids must come before the first generated id", "prompt_ids")
+        self._tok.check_ids(ids)
+        for token_id in ids:
+            self.push(token_id)
+
+    def peek(self, token_id: int) -> str:
+        """The text `token_id` would add if it were pushed now (an alternative's text in context);
+        the decoder's state does not change."""
+        saved = (bytes(self._run), self._expect_space, self._dropped_space, self._has_text, self._started)
+        try:
+            return self.push(token_id)
+        finally:
+            run, self._expect_space, self._dropped_space, self._has_text, self._started = saved
+            self._run[:] = run
+
+    def push_with_alternatives(self, ids: Sequence[int],
+                               alternatives: Sequence[Sequence[int]]) -> tuple[list[str], list[list[str]]]:
+        """Per-id texts, and for each id the texts its `alternatives` would have added in its place.
+
+        `alternatives` has one (possibly empty) list per id, or is empty; every id is checked first."""
+        if alternatives and len(alternatives) != len(ids):
+            raise TokenizerInputError(f"alternatives has {len(alternatives)} entries for {len(ids)} token ids: "
+                                      "send one per token id, or none", "alternatives")
+        self._tok.check_ids(ids)
+        for index, others in enumerate(alternatives):
+            try:
+                self._tok.check_ids(others)
+            except TokenizerInputError as error:
+                raise TokenizerInputError(f"alternatives[{index}]: {error}", f"alternatives[{index}]") from None
+        texts: list[str] = []
+        others_texts: list[list[str]] = []
+        for index, token_id in enumerate(ids):
+            others_texts.append([self.peek(other) for other in alternatives[index]] if alternatives else [])
+            texts.append(self.push(token_id))
+        return texts, others_texts
 
     def push(self, token_id: int) -> str:
         """Add one id; return the text that became final (possibly "")."""
@@ -332,6 +381,7 @@ class StreamDecoder:
         if not 0 <= token_id < tok.vocab_size:
             raise TokenizerInputError(f"token id {token_id} is out of range: valid ids are 0..{tok.vocab_size - 1}",
                                       "token_ids")
+        self._started = True
         byte = tok.byte_value[token_id]
         if byte >= 0:
             self._run.append(byte)

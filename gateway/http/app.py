@@ -11,10 +11,12 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -30,7 +32,7 @@ from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, Sampl
 from gateway.pipeline import Pipeline
 from grok.gateway.v1 import gateway_pb2
 from serving_common.grpc_server import HealthReporter
-from serving_common.logs import new_request_id, request_id_var
+from serving_common.logs import new_request_id, request_id_too_long, request_id_var
 
 
 MAX_BODY_BYTES = 4 << 20  # as gRPC's default receive limit; prompts are capped far lower (--max-prompt-bytes)
@@ -53,13 +55,41 @@ def sse(data: Json | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-def validation_error(error: RequestValidationError) -> JSONResponse:
-    """Pydantic's complaint as OpenAI's 400 (FastAPI's default would be a 422 in its own shape)."""
+def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    """Pydantic's complaint as OpenAI's 400 (FastAPI's default would be a 422 in its own shape); a body that
+    is not JSON, or not sent as JSON, says so and what to do."""
     first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request body"}
+    if first.get("type") == "json_invalid":
+        return invalid_json(first, error.body).response()
+    content_type = request.headers.get("content-type", "")
+    if first.get("loc") == ("body",) and content_type and not is_json(content_type):
+        return ApiError(400, f"the body was sent as {content_type!r}: send it as JSON with the header "
+                             "'Content-Type: application/json'", param="body").response()
+    if first.get("loc") == ("body",):  # no body, or JSON that is not an object
+        return ApiError(400, f"the request body must be one JSON object: {first.get('msg')}", param="body").response()
     path = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(path) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return ApiError(400, message, param=param).response()
+
+
+def is_json(content_type: str) -> bool:
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def invalid_json(error: Any, body: object) -> ApiError:
+    """400 for a body that does not parse, with the line and column (FastAPI gives a character offset)."""
+    loc = error.get("loc", ())
+    position = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+    reason = (error.get("ctx") or {}).get("error", "JSON decode error")
+    where = ""
+    if position is not None and isinstance(body, str):
+        line = body.count("\n", 0, position) + 1
+        column = position - body.rfind("\n", 0, position)
+        where = f" at line {line}, column {column}"
+    return ApiError(400, f"the request body is not valid JSON: {reason}{where}; send one JSON object",
+                    param="body")
 
 
 def internal_error(request_id: str = "") -> ApiError:
@@ -67,9 +97,24 @@ def internal_error(request_id: str = "") -> ApiError:
     return ApiError(500, f"internal error{where}; see the gateway's logs", "server_error")
 
 
-def http_error(error: HTTPException) -> JSONResponse:
+def http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """Starlette's routing errors (and 413s raised mid-body) as OpenAI's error body; an unknown path or
+    method lists the routes this server has."""
     kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-    return ApiError(error.status_code, str(error.detail), kind).response()
+    message = str(error.detail)
+    if error.status_code in (404, 405):
+        routes = route_list(request)
+        asked = f"{request.method} {request.url.path}"
+        message = (f"{asked} is not a route of this server; it has {routes}" if error.status_code == 404 else
+                   f"{asked}: method not allowed; this server has {routes}")
+    return ApiError(error.status_code, message, kind).response()
+
+
+def route_list(request: Request) -> str:
+    """'GET /health, POST /v1/completions, ...': every route of the app, by method."""
+    routes = [(method, route.path) for route in request.app.routes if isinstance(route, APIRoute)
+              for method in sorted(route.methods or ())]
+    return ", ".join(f"{method} {path}" for method, path in routes)
 
 
 class RequireKey:
@@ -157,7 +202,10 @@ class Routes:
                       grpc_request: gateway_pb2.GenerateRequest) -> Response:
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
-        request_id = new_request_id(given=request.headers.get("x-request-id", ""))
+        given = request.headers.get("x-request-id", "")
+        if (problem := request_id_too_long(given)) is not None:
+            raise ApiError(400, f"x-request-id: {problem}", param="x-request-id")
+        request_id = new_request_id(given=given)  # a fresh one when not printable ASCII
         request_id_var.set(request_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ctx.timeout_seconds if self.ctx.timeout_seconds else None
@@ -224,8 +272,8 @@ def create_app(ctx: HttpContext) -> FastAPI:
     if ctx.keys.enabled:
         app.add_middleware(RequireKey, keys=ctx.keys)
     app.add_exception_handler(ApiError, lambda _request, error: error.response())  # type: ignore[arg-type]
-    app.add_exception_handler(RequestValidationError, lambda _r, e: validation_error(e))  # type: ignore[arg-type]
-    app.add_exception_handler(HTTPException, lambda _r, e: http_error(e))  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, http_error)  # type: ignore[arg-type]
     # A bug still answers OpenAI's error body (Starlette logs the traceback and keeps serving).
     app.add_exception_handler(Exception, lambda _r, _e: internal_error(request_id_var.get("")).response())
     return app

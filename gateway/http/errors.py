@@ -2,7 +2,7 @@
 
 Every failure answers `{"error": {"message", "type", "param", "code"}}`. Errors from the pipeline
 arrive as GatewayError with a gRPC status and a message that starts with the field it is about
-("max_tokens: ..."); the field is reported as `param` under its OpenAI name.
+("max_tokens: ..."); the field is reported as `param`, and named in the message, under its OpenAI name.
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ def from_status(code: grpc.StatusCode, message: str, endpoint: str = "completion
     match = FIELD.match(message)
     if match and status == 400:
         param = PARAM_NAMES.get(endpoint, {}).get(match.group(1), match.group(1))
+        # The message names the field as the caller sent it, as `param` does.
+        message = param + message[len(match.group(1)):]
     return ApiError(status, message, kind, param, error_code)
 
 

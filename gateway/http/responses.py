@@ -31,6 +31,15 @@ def logprob(value: float) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
 
 
+def by_text(tops: Sequence[gateway_pb2.TopToken]) -> dict[str, float]:
+    """OpenAI's {text: logprob} of a step's alternatives; of two that read alike, the more probable (the
+    first: they come most probable first)."""
+    out: dict[str, float] = {}
+    for top in tops:
+        out.setdefault(top.text, logprob(top.logprob))
+    return out
+
+
 def usage(lasts: Sequence[gateway_pb2.GenerateResponse]) -> Json:
     """OpenAI's usage of a request from its completions' last messages: the prompt once, every completion's
     tokens."""
@@ -64,10 +73,8 @@ class Shaper:
                             prompt: Sequence[gateway_pb2.PromptToken] = ()) -> Json:
         """OpenAI's completions logprobs; `prompt` (echo) leads, its first token with null logprobs."""
         entries = [(p.text, logprob(p.logprob) if p.HasField("logprob") else None,
-                    {top.text: logprob(top.logprob) for top in p.top_tokens} if p.HasField("logprob") else None)
-                   for p in prompt]
-        entries += [(t.text, logprob(t.logprob), {top.text: logprob(top.logprob) for top in t.top_tokens})
-                    for t in tokens]
+                    by_text(p.top_tokens) if p.HasField("logprob") else None) for p in prompt]
+        entries += [(t.text, logprob(t.logprob), by_text(t.top_tokens)) for t in tokens]
         offsets = []
         for text, _, _ in entries:
             offsets.append(self.text_offsets.get(index, 0))

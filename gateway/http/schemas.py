@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gateway.http.errors import bad_request
 
 
 class StreamOptions(BaseModel):
@@ -18,10 +20,51 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (or key) in parsed JSON holding a lone UTF-16 surrogate.
+
+    JSON may escape one ("\\ud800"); Python then holds a str that is not Unicode text, and it failed
+    with a 500 wherever it was first encoded (protobuf, the tokenizer). ASCII strings are skipped
+    with one C-speed check, so ordinary bodies cost a walk over their few fields.
+    """
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        name = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else str(key)
+        where = f"{path}.{name}" if path else name  # printable even when the key is the bad string
+        found = lone_surrogate_at(key, where) if isinstance(key, str) else None
+        found = found or lone_surrogate_at(item, where)
+        if found:
+            return found
+    return None
+
+
 class SamplingFields(BaseModel):
     """Fields both endpoints share (OpenAI's, then vLLM's extras) with their documented defaults."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text_only(cls, data: Any) -> Any:
+        """Refuse a lone surrogate anywhere in the body with a 400 naming its field (raised past pydantic,
+        which would report it at the body's root)."""
+        if (field := lone_surrogate_at(data)) is not None:
+            raise bad_request(field, "holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not Unicode "
+                                     "text: pair it with its other half or send the character itself")
+        return data
 
     model: str | None = None
     temperature: float | None = 1.0

@@ -17,6 +17,7 @@ import ssl
 import uvicorn
 from fastapi import FastAPI
 
+from gateway.http.slow_clients import BODY_SECONDS, HEADER_SECONDS, guarded
 from serving_common.tls import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 class HttpServer:
     """One uvicorn server on one socket; `start`, then `begin_shutdown` + `wait_stopped`."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, tls: ServerTLS | None, grace_seconds: float) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, tls: ServerTLS | None, grace_seconds: float,
+                 header_seconds: float = HEADER_SECONDS, body_seconds: float = BODY_SECONDS) -> None:
         self.socket = bind_socket(host, port)
         self.port: int = self.socket.getsockname()[1]
         self.tls = tls
@@ -48,7 +50,9 @@ class HttpServer:
             tls_options = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
             if tls.client_ca:
                 tls_options |= {"ssl_ca_certs": tls.client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        self.config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", http="h11",
+        # Slow clients: see slow_clients.py (headers and body each have a deadline).
+        self.config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                     http=guarded(header_seconds, body_seconds),
                                      timeout_graceful_shutdown=grace_seconds, **tls_options)  # type: ignore[arg-type]
         self.server = uvicorn.Server(self.config)
         self._main: asyncio.Task[None] | None = None

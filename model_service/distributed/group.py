@@ -7,7 +7,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -16,14 +16,12 @@ from model_service.distributed.config import DistributedConfig
 from model_service.distributed.follower import Watchdog, follow, ignore_sigterm
 from model_service.distributed.lockstep import JaxChannel, LockstepEngine
 from model_service.distributed.ops import Replica, codec_for
-
-if TYPE_CHECKING:
-    from model_service.server import ServerConfig
+from model_service.loading import ServerConfig, compile_engine, load_engine, resolve
 
 log = logging.getLogger(__name__)
 
 
-def fingerprint(config: "ServerConfig", model_cfg: ModelConfig, buckets: tuple[int, ...]) -> np.ndarray:
+def fingerprint(config: ServerConfig, model_cfg: ModelConfig, buckets: tuple[int, ...]) -> np.ndarray:
     """[8] int32 digest of everything that must be equal on every process for the programs to match."""
     dist = config.distributed
     settings: dict[str, Any] = {
@@ -35,7 +33,7 @@ def fingerprint(config: "ServerConfig", model_cfg: ModelConfig, buckets: tuple[i
     return np.frombuffer(digest, "<i4").copy()
 
 
-def verify_same_config(config: "ServerConfig", model_cfg: ModelConfig, buckets: tuple[int, ...]) -> None:
+def verify_same_config(config: ServerConfig, model_cfg: ModelConfig, buckets: tuple[int, ...]) -> None:
     """Raise ConfigError on every process unless all were started with the same model settings."""
     from jax.experimental import multihost_utils
 
@@ -47,11 +45,9 @@ def verify_same_config(config: "ServerConfig", model_cfg: ModelConfig, buckets: 
                           "GROK_MODEL_* values") from None
 
 
-def leader_engine(config: "ServerConfig", model_cfg: ModelConfig, buckets: tuple[int, ...],
+def leader_engine(config: ServerConfig, model_cfg: ModelConfig, buckets: tuple[int, ...],
                   on_broken: Callable[[str], None]) -> LockstepEngine:
-    """Process 0's engine: load this process's shards, then compile everywhere in lockstep."""
-    from model_service.server import compile_engine, load_engine
-
+    """Process 0's engine: load this process's shards, then compile everywhere in lockstep (once)."""
     dist = _dist(config)
     verify_same_config(config, model_cfg, buckets)
     engine = LockstepEngine(load_engine(config, model_cfg, buckets), JaxChannel(), dist.step_timeout,
@@ -60,10 +56,8 @@ def leader_engine(config: "ServerConfig", model_cfg: ModelConfig, buckets: tuple
     return engine
 
 
-def run_follower(config: "ServerConfig") -> int:
-    """A follower's whole life: load, compile and replay process 0's calls; its exit code."""
-    from model_service.server import load_engine, resolve
-
+def run_follower(config: ServerConfig) -> int:
+    """A follower's whole life: load, then replay process 0's calls (the first compiles); its exit code."""
     dist = _dist(config)
     ignore_sigterm()
     model_cfg, buckets = resolve(config)
@@ -75,7 +69,7 @@ def run_follower(config: "ServerConfig") -> int:
     return follow(Replica(engine), JaxChannel(), codec_for(engine), dist, watchdog)
 
 
-def _dist(config: "ServerConfig") -> DistributedConfig:
+def _dist(config: ServerConfig) -> DistributedConfig:
     if config.distributed is None:
         raise ValueError("not a multi-process configuration")
     return config.distributed

@@ -27,9 +27,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from model_service.controls import NO_CONTROLS, SamplingControls
 from model_service.distributed.ops import Call, Codec, Op, Replica, codec_for
-from model_service.scheduler import ErrorKind, SchedulerError
+from model_service.requests import ErrorKind, SchedulerError
+from model_service.sampling_settings import GREEDY, SamplingSettings
 
 log = logging.getLogger(__name__)
 
@@ -179,25 +179,17 @@ class LockstepEngine:
     def chunked(self, length: int) -> bool:
         return bool(self._engine.chunked(length))
 
-    def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0,
-                controls: SamplingControls = NO_CONTROLS, prompt_logprobs: int | None = None
-                ) -> tuple[PrefixRef, Any]:
-        ref, out = self._with_new_id(lambda i: Call(
-            Op.PREFILL, prefix=i, prompt=tuple(int(t) for t in tokens), seed=int(seed), temperature=float(temperature),
-            top_p=float(top_p), allowed=tuple(allowed), blocked=tuple(blocked), top_logprobs=int(top_logprobs),
-            controls=controls, prompt_logprobs=prompt_logprobs))
-        return ref, out
+    def prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, seed: int,
+                prompt_logprobs: int | None = None) -> tuple[PrefixRef, Any]:
+        return self._with_new_id(lambda i: Call(Op.PREFILL, prefix=i, prompt=tuple(int(t) for t in tokens),
+                                                seed=int(seed), sampling=sampling, prompt_logprobs=prompt_logprobs))
 
-    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
-                      allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0,
-                      controls: SamplingControls = NO_CONTROLS) -> PrefixRef:
+    def begin_prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, slot: int,
+                      seed: int) -> PrefixRef:
         """Every process starts the job and keeps it under one id, like a prefix; the scheduler's reference
         keeps it alive (a cancelled job is released when the scheduler drops it)."""
-        ref, _ = self._with_new_id(lambda i: Call(
-            Op.BEGIN_PREFILL, prefix=i, slot=int(slot), prompt=tuple(int(t) for t in tokens), seed=int(seed),
-            temperature=float(temperature), top_p=float(top_p), allowed=tuple(allowed), blocked=tuple(blocked),
-            top_logprobs=int(top_logprobs), controls=controls))
+        ref, _ = self._with_new_id(lambda i: Call(Op.BEGIN_PREFILL, prefix=i, slot=int(slot), seed=int(seed),
+                                                  prompt=tuple(int(t) for t in tokens), sampling=sampling))
         return ref
 
     def resample(self, prefix: PrefixRef, *, seed: int) -> tuple[PrefixRef, Any]:

@@ -12,6 +12,7 @@ issues it (lockstep.py).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from model_service.controls import MAX_LOGIT_BIAS, NO_CONTROLS, SamplingControls
+from model_service.sampling_settings import GREEDY, MAX_LOGIT_BIAS, SamplingSettings
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +31,11 @@ class Op(enum.IntEnum):
     SHUTDOWN = 1  # process 0 is stopping cleanly; followers leave their loop
     COMPILE_ALL = 2  # Engine.compile_all()
     INIT = 3  # Engine.init_decode_state()
-    PREFILL = 4  # Engine.prefill(prompt, seed=, temperature=, top_p=, allowed=, blocked=, top_logprobs=, controls=)
-    #              -> `prefix`
+    PREFILL = 4  # Engine.prefill(prompt, sampling, seed=, prompt_logprobs=) -> `prefix`
     INSERT = 5  # Engine.insert(prefix `prefix`, state, slot)
     GENERATE = 6  # Engine.generate(state)
     FREE = 7  # Engine.free_slot(state, slot)
-    BEGIN_PREFILL = 8  # Engine.begin_prefill(prompt, slot=, ...same as PREFILL) -> job kept under id `prefix`
+    BEGIN_PREFILL = 8  # Engine.begin_prefill(prompt, sampling, slot=, seed=) -> job kept under id `prefix`
     PREFILL_CHUNK = 9  # Engine.prefill_next_chunk(job `prefix`, state)
     RESAMPLE = 10  # Engine.resample(prefix `source`, seed=) -> a new prefix kept under id `prefix` (n > 1)
 
@@ -50,9 +50,9 @@ class Field(enum.IntEnum):
     PREFIX = 4
     LENGTH = 5  # prompt length
     SEED = 6  # uint32 bits
-    TEMPERATURE = 7  # float32 bits
-    TOP_P = 8  # float32 bits
-    TOP_LOGPROBS = 9
+    TEMPERATURE = 7  # float32 bits (sampling.temperature)
+    TOP_P = 8  # float32 bits (sampling.top_p)
+    TOP_LOGPROBS = 9  # sampling.top_logprobs
     SOURCE = 10  # RESAMPLE: the prefix it draws from
     PROMPT_LOGPROBS = 11  # PREFILL: -1 for none
 
@@ -71,12 +71,7 @@ class Call:
     prefix: int = 0
     prompt: tuple[int, ...] = ()
     seed: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
-    allowed: tuple[int, ...] = ()
-    blocked: tuple[int, ...] = ()
-    top_logprobs: int = 0
-    controls: SamplingControls = NO_CONTROLS
+    sampling: SamplingSettings = GREEDY  # the request's settings, as the engine takes them
     source: int = 0
     prompt_logprobs: int | None = None
 
@@ -95,9 +90,9 @@ def _bits_f32(bits: int) -> float:
 class Codec:
     """Calls as fixed-shape int32 arrays (a collective needs the same shapes on every process).
 
-    Every call is a header [HEADER_SIZE]; PREFILL and BEGIN_PREFILL add a payload: the prompt padded to `max_prompt`, the
-    allowed and blocked token sets as two bitmaps over the vocabulary, and the sampling controls [CONTROL_WORDS]
-    (floats as their float32 bits).
+    Every call is a header [HEADER_SIZE], which holds the settings' temperature, top_p and top_logprobs; PREFILL
+    and BEGIN_PREFILL add a payload: the prompt padded to `max_prompt`, the settings' allowed and blocked token sets
+    as two bitmaps over the vocabulary, and their controls [CONTROL_WORDS] (floats as their float32 bits).
     """
 
     def __init__(self, max_prompt: int, vocab_size: int) -> None:
@@ -121,8 +116,9 @@ class Codec:
         values = {Field.OP: int(call.op), Field.SEQ: call.seq, Field.RELEASE_BELOW: call.release_below,
                   Field.SLOT: call.slot, Field.PREFIX: call.prefix, Field.LENGTH: len(call.prompt),
                   Field.SEED: int(np.array(call.seed, np.uint32).view(np.int32)),
-                  Field.TEMPERATURE: _f32_bits(call.temperature), Field.TOP_P: _f32_bits(call.top_p),
-                  Field.TOP_LOGPROBS: call.top_logprobs, Field.SOURCE: call.source,
+                  Field.TEMPERATURE: _f32_bits(call.sampling.temperature),
+                  Field.TOP_P: _f32_bits(call.sampling.top_p),
+                  Field.TOP_LOGPROBS: call.sampling.top_logprobs, Field.SOURCE: call.source,
                   Field.PROMPT_LOGPROBS: -1 if call.prompt_logprobs is None else call.prompt_logprobs}
         for field, value in values.items():
             h[field] = value
@@ -131,13 +127,13 @@ class Codec:
     def payload(self, call: Call) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if len(call.prompt) > self.max_prompt:
             raise ValueError(f"prompt of {len(call.prompt)} tokens exceeds the largest prefill bucket {self.max_prompt}")
-        if len(call.controls.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias has {len(call.controls.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        c, n = call.sampling, len(call.sampling.logit_bias)
+        if n > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {n} entries; at most {MAX_LOGIT_BIAS}")
         tokens, bitmaps, words = self.empty_payload()
         tokens[:len(call.prompt)] = call.prompt
-        bitmaps[0] = self._bitmap(call.allowed)
-        bitmaps[1] = self._bitmap(call.blocked)
-        c, n = call.controls, len(call.controls.logit_bias)
+        bitmaps[0] = self._bitmap(c.allowed)
+        bitmaps[1] = self._bitmap(c.blocked)
         words[:6] = [c.top_k, _f32_bits(c.min_p), _f32_bits(c.repetition_penalty), _f32_bits(c.presence_penalty),
                      _f32_bits(c.frequency_penalty), n]
         for i, (token, bias) in enumerate(c.logit_bias):
@@ -146,18 +142,19 @@ class Codec:
 
     def decode(self, header: np.ndarray, payload: Sequence[np.ndarray] | None) -> Call:
         op = Op(int(header[Field.OP]))
-        fields: dict[str, Any] = dict(
-            op=op, seq=int(header[Field.SEQ]), release_below=int(header[Field.RELEASE_BELOW]),
-            slot=int(header[Field.SLOT]), prefix=int(header[Field.PREFIX]),
-            seed=int(np.array(header[Field.SEED], np.int32).view(np.uint32)),
-            temperature=_bits_f32(int(header[Field.TEMPERATURE])), top_p=_bits_f32(int(header[Field.TOP_P])),
-            top_logprobs=int(header[Field.TOP_LOGPROBS]), source=int(header[Field.SOURCE]),
-            prompt_logprobs=None if int(header[Field.PROMPT_LOGPROBS]) < 0 else int(header[Field.PROMPT_LOGPROBS]))
+        sampling = SamplingSettings(temperature=_bits_f32(int(header[Field.TEMPERATURE])),
+                                    top_p=_bits_f32(int(header[Field.TOP_P])),
+                                    top_logprobs=int(header[Field.TOP_LOGPROBS]))
+        prompt: tuple[int, ...] = ()
         if payload is not None:
             tokens, bitmaps, words = payload
-            fields.update(prompt=tuple(int(t) for t in tokens[:int(header[Field.LENGTH])]),
-                          allowed=self._ids(bitmaps[0]), blocked=self._ids(bitmaps[1]), controls=_controls(words))
-        return Call(**fields)
+            prompt = tuple(int(t) for t in tokens[:int(header[Field.LENGTH])])
+            sampling = _with_payload(sampling, self._ids(bitmaps[0]), self._ids(bitmaps[1]), words)
+        return Call(op=op, seq=int(header[Field.SEQ]), release_below=int(header[Field.RELEASE_BELOW]),
+                    slot=int(header[Field.SLOT]), prefix=int(header[Field.PREFIX]), prompt=prompt,
+                    seed=int(np.array(header[Field.SEED], np.int32).view(np.uint32)), sampling=sampling,
+                    source=int(header[Field.SOURCE]),
+                    prompt_logprobs=None if header[Field.PROMPT_LOGPROBS] < 0 else int(header[Field.PROMPT_LOGPROBS]))
 
     def _bitmap(self, ids: Sequence[int]) -> np.ndarray:
         mask = np.zeros((self.bitmap_words * 32,), bool)
@@ -169,11 +166,15 @@ class Codec:
         return tuple(int(i) for i in np.flatnonzero(bits[:self.vocab_size]))
 
 
-def _controls(words: np.ndarray) -> SamplingControls:
+def _with_payload(header: SamplingSettings, allowed: tuple[int, ...], blocked: tuple[int, ...],
+                  words: np.ndarray) -> SamplingSettings:
+    """The settings the header began, completed with the payload's token sets and control words."""
     n = int(words[5])
     bias = tuple((int(words[6 + i]), _bits_f32(int(words[6 + MAX_LOGIT_BIAS + i]))) for i in range(n))
-    return SamplingControls(int(words[0]), _bits_f32(int(words[1])), _bits_f32(int(words[2])),
-                            _bits_f32(int(words[3])), _bits_f32(int(words[4])), bias)
+    return dataclasses.replace(header, allowed=allowed, blocked=blocked, top_k=int(words[0]),
+                               min_p=_bits_f32(int(words[1])), repetition_penalty=_bits_f32(int(words[2])),
+                               presence_penalty=_bits_f32(int(words[3])), frequency_penalty=_bits_f32(int(words[4])),
+                               logit_bias=bias)
 
 
 def codec_for(engine: Any) -> Codec:
@@ -208,16 +209,11 @@ class Replica:
             self.state = e.init_decode_state()
             return self.state
         if call.op == Op.PREFILL:
-            prefix, out = e.prefill(list(call.prompt), seed=call.seed, temperature=call.temperature,
-                                    top_p=call.top_p, allowed=call.allowed, blocked=call.blocked,
-                                    top_logprobs=call.top_logprobs, controls=call.controls,
-                                    prompt_logprobs=call.prompt_logprobs)
+            prefix, out = e.prefill(call.prompt, call.sampling, seed=call.seed, prompt_logprobs=call.prompt_logprobs)
             self.prefixes[call.prefix] = prefix
             return out
         if call.op == Op.BEGIN_PREFILL:
-            self.prefixes[call.prefix] = e.begin_prefill(
-                list(call.prompt), slot=call.slot, seed=call.seed, temperature=call.temperature, top_p=call.top_p,
-                allowed=call.allowed, blocked=call.blocked, top_logprobs=call.top_logprobs, controls=call.controls)
+            self.prefixes[call.prefix] = e.begin_prefill(call.prompt, call.sampling, slot=call.slot, seed=call.seed)
             return None
         if call.op == Op.RESAMPLE:
             prefix, out = e.resample(self.prefixes[call.source], seed=call.seed)

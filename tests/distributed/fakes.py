@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model_service.controls import NO_CONTROLS, SamplingControls
-from model_service.scheduler import Emission, SchedulerError
+from model_service.requests import Emission, SchedulerError
+from model_service.sampling_settings import GREEDY, SamplingSettings
 from tests.engine.fake_engine import FakeEngine, FakeOutput
 
 
@@ -23,27 +23,26 @@ class RecordingEngine(FakeEngine):
         self._log("compile_all")
         return {"fake": 0.0}
 
-    def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0,
-                controls: SamplingControls = NO_CONTROLS, prompt_logprobs: int | None = None) -> tuple[int, FakeOutput]:
-        self._log("prefill_args", tuple(tokens), seed, temperature, top_p, tuple(sorted(set(allowed))),
-                  tuple(sorted(set(blocked))), top_logprobs)
-        if controls != NO_CONTROLS:
-            self._log("controls", controls)
+    def prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, seed: int,
+                prompt_logprobs: int | None = None) -> tuple[int, FakeOutput]:
+        self._log("prefill_args", tuple(tokens), seed, *_flat(sampling))
+        if not sampling.controls_off:
+            self._log("controls", sampling)
         if prompt_logprobs is not None:
             self._log("prompt_logprobs", prompt_logprobs)
-        return super().prefill(tokens, seed=seed, temperature=temperature, top_p=top_p, allowed=allowed,
-                               blocked=blocked, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
+        return super().prefill(tokens, sampling, seed=seed, prompt_logprobs=prompt_logprobs)
 
-    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
-                      allowed: Sequence[int] = (), blocked: Sequence[int] = (), top_logprobs: int = 0,
-                      controls: SamplingControls = NO_CONTROLS) -> list:
-        self._log("begin_prefill_args", tuple(tokens), slot, seed, temperature, top_p,
-                  tuple(sorted(set(allowed))), tuple(sorted(set(blocked))), top_logprobs)
-        if controls != NO_CONTROLS:
-            self._log("controls", controls)
-        return super().begin_prefill(tokens, slot=slot, seed=seed, temperature=temperature, top_p=top_p,
-                                     allowed=allowed, blocked=blocked, top_logprobs=top_logprobs)
+    def begin_prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, slot: int,
+                      seed: int) -> list:
+        self._log("begin_prefill_args", tuple(tokens), slot, seed, *_flat(sampling))
+        if not sampling.controls_off:
+            self._log("controls", sampling)
+        return super().begin_prefill(tokens, sampling, slot=slot, seed=seed)
+
+
+def _flat(s: SamplingSettings) -> tuple:
+    """The reference's settings as recorded: temperature, top_p, allowed and blocked sets, top_logprobs."""
+    return s.temperature, s.top_p, tuple(sorted(set(s.allowed))), tuple(sorted(set(s.blocked))), s.top_logprobs
 
 
 class Wire:

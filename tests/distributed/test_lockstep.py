@@ -17,7 +17,9 @@ from model_service.distributed.config import EXIT_GROUP_BROKEN, DistributedConfi
 from model_service.distributed.follower import Watchdog, follow
 from model_service.distributed.lockstep import GroupBroken, LockstepEngine, receive, send
 from model_service.distributed.ops import Call, Codec, Op, Replica, codec_for
-from model_service.scheduler import ErrorKind, GenerationRequest, Scheduler
+from model_service.requests import ErrorKind, GenerationRequest
+from model_service.sampling_settings import SamplingSettings
+from model_service.scheduler import Scheduler
 from tests.distributed.fakes import Collector, DeadPeer, FollowerEnd, LeaderEnd, RecordingEngine, SwitchableChannel, Wire
 
 STEP_TIMEOUT = 1.0
@@ -79,7 +81,8 @@ def req(prompt: tuple[int, ...], **kw: Any) -> GenerationRequest:
 def test_follower_replays_every_engine_call_with_the_same_arguments(group: Any) -> None:
     sched, leader_engine, follower, broken = group
     outs = [Collector() for _ in range(5)]
-    requests = [req((20, 21), max_tokens=4, seed=7, temperature=0.5, top_p=0.9, allowed=(22, 23, 24), blocked=(23,)),
+    sampling = SamplingSettings(temperature=0.5, top_p=0.9, allowed=(22, 23, 24), blocked=(23,))
+    requests = [req((20, 21), sampling=sampling, max_tokens=4, seed=7),
                 req((30,), max_tokens=1), req((40, 41, 42), max_tokens=6, ignore_eos=True),
                 req((50,), max_tokens=3), req((55,), max_tokens=2, seed=2**32 - 1)]
     for r, c in zip(requests, outs):
@@ -218,7 +221,7 @@ def test_bad_arguments_are_refused_on_process_0_and_keep_the_group_in_step(group
     sched, leader_engine, follower, broken = group
     engine = sched.engine
     with pytest.raises(ValueError, match="largest prefill bucket"):
-        engine.prefill(list(range(40)), seed=0, temperature=0.0, top_p=1.0)
+        engine.prefill(list(range(40)), seed=0)
     done = Collector()
     sched.submit(req((7,), max_tokens=2), done)
     assert done.done.wait(5) and done.tokens == [8, 9]
@@ -234,7 +237,7 @@ def test_engine_methods_outside_the_op_table_are_refused() -> None:
 
 def test_receive_reads_exactly_what_send_wrote() -> None:
     wire, codec = Wire(), Codec(8, 40)
-    call = Call(Op.PREFILL, seq=3, prompt=(1, 2, 3), seed=5, allowed=(39,))
+    call = Call(Op.PREFILL, seq=3, prompt=(1, 2, 3), seed=5, sampling=SamplingSettings(allowed=(39,)))
     send(LeaderEnd(wire), codec, call)
     got = receive(FollowerEnd(wire), codec)
     assert got == call
@@ -247,7 +250,7 @@ def test_a_prefilled_prefix_stays_on_every_process_until_process_0_drops_it() ->
     engine = lockstep(RecordingEngine(), LeaderEnd(wire), broken)
     engine.compile_all()
     state = engine.init_decode_state()
-    ref, _ = engine.prefill([20], seed=0, temperature=0.0, top_p=1.0)
+    ref, _ = engine.prefill([20], seed=0)
     time.sleep(4 * KEEPALIVE)  # keep-alives go out while the scheduler still holds the prefix
     state = engine.insert(ref, state, 0)
     del ref  # released: the next call tells the followers to drop it

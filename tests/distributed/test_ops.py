@@ -8,9 +8,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from model_service.controls import SamplingControls
 from model_service.distributed.ops import HEADER_SIZE, Call, Codec, Op, Replica
-from model_service.scheduler import EngineLike
+from model_service.engine_api import EngineLike
+from model_service.sampling_settings import SamplingSettings
 from tests.distributed.fakes import RecordingEngine
 
 CODEC = Codec(max_prompt=16, vocab_size=70)  # 70: the bitmaps' last word is partly used
@@ -23,21 +23,23 @@ def round_trip(call: Call) -> Call:
 
 def test_prefill_call_survives_encoding_with_float32_values_and_token_sets() -> None:
     call = Call(Op.PREFILL, seq=7, release_below=3, prefix=5, prompt=(1, 69, 0, 42), seed=2**32 - 1,
-                temperature=0.7, top_p=0.95, allowed=(69, 3, 3, 0), blocked=(64, 31, 32), top_logprobs=6)
+                sampling=SamplingSettings(temperature=0.7, top_p=0.95, allowed=(69, 3, 3, 0), blocked=(64, 31, 32),
+                                          top_logprobs=6))
     back = round_trip(call)
-    assert back.prompt == (1, 69, 0, 42) and back.seed == 2**32 - 1 and back.top_logprobs == 6
+    assert back.prompt == (1, 69, 0, 42) and back.seed == 2**32 - 1 and back.sampling.top_logprobs == 6
     assert (back.op, back.seq, back.release_below, back.prefix) == (Op.PREFILL, 7, 3, 5)
-    assert back.temperature == float(np.float32(0.7)) and back.top_p == float(np.float32(0.95))
-    assert back.allowed == (0, 3, 69) and back.blocked == (31, 32, 64)
+    assert back.sampling.temperature == float(np.float32(0.7)) and back.sampling.top_p == float(np.float32(0.95))
+    assert back.sampling.allowed == (0, 3, 69) and back.sampling.blocked == (31, 32, 64)
 
 
 def test_sampling_controls_survive_encoding_as_float32_values() -> None:
-    controls = SamplingControls(top_k=40, min_p=0.05, repetition_penalty=1.1, presence_penalty=-0.5,
+    controls = SamplingSettings(top_k=40, min_p=0.05, repetition_penalty=1.1, presence_penalty=-0.5,
                                 frequency_penalty=1.9, logit_bias=((69, -100.0), (0, 0.3), (12, 7.25)))
-    back = round_trip(Call(Op.BEGIN_PREFILL, prompt=(1, 2), controls=controls)).controls
+    back = round_trip(Call(Op.BEGIN_PREFILL, prompt=(1, 2), sampling=controls)).sampling
     f32 = lambda x: float(np.float32(x))  # noqa: E731
-    assert back == SamplingControls(40, f32(0.05), f32(1.1), -0.5, f32(1.9), ((69, -100.0), (0, f32(0.3)), (12, 7.25)))
-    assert round_trip(Call(Op.PREFILL, prompt=(1,))).controls == SamplingControls()
+    assert back == SamplingSettings(top_k=40, min_p=f32(0.05), repetition_penalty=f32(1.1), presence_penalty=-0.5,
+                                    frequency_penalty=f32(1.9), logit_bias=((69, -100.0), (0, f32(0.3)), (12, 7.25)))
+    assert round_trip(Call(Op.PREFILL, prompt=(1,))).sampling == SamplingSettings()
 
 
 def test_prompt_logprobs_survive_encoding_and_reach_the_engine() -> None:
@@ -52,9 +54,9 @@ def test_prompt_logprobs_survive_encoding_and_reach_the_engine() -> None:
 def test_replica_passes_the_controls_to_the_engine() -> None:
     engine = RecordingEngine(slots=2, buckets=(8,), vocab_size=70)
     replica = Replica(engine)
-    controls = SamplingControls(top_k=3, logit_bias=((5, 1.0),))
-    replica.run(Call(Op.PREFILL, prefix=1, prompt=(10,), controls=controls))
-    replica.run(Call(Op.BEGIN_PREFILL, prefix=2, slot=1, prompt=(10,), controls=controls))
+    controls = SamplingSettings(top_k=3, logit_bias=((5, 1.0),))
+    replica.run(Call(Op.PREFILL, prefix=1, prompt=(10,), sampling=controls))
+    replica.run(Call(Op.BEGIN_PREFILL, prefix=2, slot=1, prompt=(10,), sampling=controls))
     assert [c for c in engine.calls if c[0] == "controls"] == [("controls", controls)] * 2
 
 
@@ -72,8 +74,8 @@ def test_replica_resamples_a_kept_prefix_into_a_new_id() -> None:
 
 def test_every_array_has_the_same_shape_whatever_the_call() -> None:
     short = Call(Op.PREFILL, prompt=(5,))
-    full = Call(Op.PREFILL, prompt=tuple(range(16)), allowed=tuple(range(70)),
-                controls=SamplingControls(top_k=2, logit_bias=tuple((i, 1.0) for i in range(70))))
+    full = Call(Op.PREFILL, prompt=tuple(range(16)), sampling=SamplingSettings(
+        allowed=tuple(range(70)), top_k=2, logit_bias=tuple((i, 1.0) for i in range(70))))
     assert [a.shape for a in CODEC.payload(short)] == [a.shape for a in CODEC.payload(full)]
     assert [a.shape for a in CODEC.payload(short)] == [a.shape for a in CODEC.empty_payload()]
     for op in Op:
@@ -82,11 +84,11 @@ def test_every_array_has_the_same_shape_whatever_the_call() -> None:
 
 
 def test_begin_prefill_call_survives_encoding_with_its_slot() -> None:
-    call = Call(Op.BEGIN_PREFILL, seq=8, prefix=6, slot=3, prompt=tuple(range(16)), seed=5, temperature=0.5,
-                top_p=0.9, blocked=(7,), top_logprobs=2)
+    sampling = SamplingSettings(temperature=0.5, top_p=0.9, blocked=(7,), top_logprobs=2)
+    call = Call(Op.BEGIN_PREFILL, seq=8, prefix=6, slot=3, prompt=tuple(range(16)), seed=5, sampling=sampling)
     assert CODEC.has_payload(Op.BEGIN_PREFILL)
-    assert round_trip(call) == dataclasses.replace(call, temperature=float(np.float32(0.5)),
-                                                   top_p=float(np.float32(0.9)))
+    assert round_trip(call) == dataclasses.replace(call, sampling=dataclasses.replace(
+        sampling, temperature=float(np.float32(0.5)), top_p=float(np.float32(0.9))))
 
 
 @pytest.mark.parametrize("op", [Op.INSERT, Op.FREE, Op.GENERATE, Op.INIT, Op.NOOP, Op.SHUTDOWN, Op.COMPILE_ALL,
@@ -107,8 +109,8 @@ def test_replica_runs_each_op_as_one_engine_call_and_keeps_state_and_prefixes() 
     replica = Replica(engine)
     replica.run(Call(Op.COMPILE_ALL))
     state = replica.run(Call(Op.INIT))
-    out = replica.run(Call(Op.PREFILL, prefix=4, prompt=(10, 11), seed=9, temperature=0.5, top_p=0.9,
-                           allowed=(11, 12), blocked=(12,), top_logprobs=3))
+    out = replica.run(Call(Op.PREFILL, prefix=4, prompt=(10, 11), seed=9, sampling=SamplingSettings(
+        temperature=0.5, top_p=0.9, allowed=(11, 12), blocked=(12,), top_logprobs=3)))
     assert int(out.token[0]) == 12
     state = replica.run(Call(Op.INSERT, prefix=4, slot=1))
     state, out = replica.run(Call(Op.GENERATE))
@@ -136,7 +138,7 @@ def test_replica_runs_a_chunked_prefill_job_kept_under_its_id_until_released() -
     replica = Replica(engine)
     replica.run(Call(Op.INIT))
     assert replica.run(Call(Op.BEGIN_PREFILL, prefix=2, slot=1, prompt=tuple(range(10, 20)), seed=4,
-                            temperature=0.5, top_p=1.0, top_logprobs=1)) is None
+                            sampling=SamplingSettings(temperature=0.5, top_logprobs=1))) is None
     outs = [replica.run(Call(Op.PREFILL_CHUNK, prefix=2))[1] for _ in range(3)]  # 10 tokens: chunks of 4, 4, 2
     assert outs[:2] == [None, None] and int(outs[2].token[0]) == 20 and int(replica.state.last[1]) == 20
     assert engine.calls[1] == ("begin_prefill_args", tuple(range(10, 20)), 1, 4, 0.5, 1.0, (), (), 1)

@@ -6,7 +6,7 @@ import asyncio
 import json
 import threading
 from collections.abc import Coroutine, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import pytest
@@ -14,7 +14,11 @@ import pytest
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from model_service.config import MeshConfig
 from model_service.engine import Engine
-from model_service.server import ModelServer, ServerConfig, build_engine, resolve
+from model_service.engine_api import EngineLike
+from model_service.loading import ServerConfig, build_engine, resolve
+from model_service.sampling_settings import SamplingSettings
+from model_service.scheduler import Scheduler
+from model_service.server import ModelServer
 from tests.procs import GOLDEN
 
 GOLDEN_CONFIG = str(GOLDEN / "config.json")
@@ -25,6 +29,11 @@ BUCKETS = (32, 64)
 
 def golden_requests() -> list[dict[str, Any]]:
     return json.loads((GOLDEN / "pipeline_fp32.json").read_text())["requests"]
+
+
+def golden_sampling(q: dict[str, Any]) -> SamplingSettings:
+    """The reference request `q`'s sampling settings."""
+    return SamplingSettings(temperature=q["temperature"], top_p=q["nucleus_p"])
 
 
 def golden_message(case: dict[str, Any]) -> model_pb2.GenerateRequest:
@@ -45,6 +54,27 @@ def golden_engine() -> Engine:
     config = golden_server_config()
     cfg, buckets = resolve(config)
     return build_engine(config, cfg, buckets)
+
+
+class Runner(Protocol):
+    def __call__(self, engine: EngineLike, *, max_queue: int = 8, start: bool = True, **options: Any) -> Scheduler: ...
+
+
+@pytest.fixture
+def running() -> Iterator[Runner]:
+    """Schedulers over a given engine, started (unless start=False) and stopped after the test."""
+    made: list[Scheduler] = []
+
+    def make(engine: EngineLike, *, max_queue: int = 8, start: bool = True, **options: Any) -> Scheduler:
+        scheduler = Scheduler(engine, max_queue, **options)
+        made.append(scheduler)
+        if start:
+            scheduler.start()
+        return scheduler
+
+    yield make
+    for scheduler in made:
+        scheduler.stop()
 
 
 class LoopThread:

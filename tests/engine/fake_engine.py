@@ -2,7 +2,7 @@
 
 The token after `t` is always `t + 1` (mod vocab): a prompt ending in 40 yields 41, 42, 43, ...
 Every token's probability is 0.5 and its alternatives are (token, token + 1, ...) with probabilities
-0.5, 0.25, ... Token POISON comes out with `bad` set (as if its logits were NaN). Every call is
+0.5, 0.25, ... (only the first `kept` of them above 0). Token POISON comes out with `bad` set (as if its logits were NaN). Every call is
 recorded so tests can check the order of prefills and decode steps. Clearing `running` makes the next
 prefill or decode step hang until it is set again (a wedged device, for the watchdog).
 """
@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from model_service.sampling_settings import GREEDY, SamplingSettings
 
 POISON = 13
 K = 8
@@ -72,13 +74,22 @@ class FakeEngine:
     step_delay: float = 0.0
     fail_prefill_for: int = -1  # prompts starting with this id make prefill raise
     prefill_chunk: int = 0  # > 0: longer prompts are prefilled in chunks of this many tokens
+    kept: int = K  # alternatives with a probability above 0 (as if a nucleus had kept only these)
     calls: list[tuple] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     running: threading.Event = field(default_factory=_running)
 
-    def _out(self, tokens: np.ndarray) -> FakeOutput:
+    def _alternatives(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[n, K] ids and probabilities: (token, token + 1, ...) at 0.5, 0.25, ...; past `kept`, probability 0
+        and ids 0, 1, ... (what top-k over a filtered distribution gives: ties at 0 take the lowest ids)."""
         ids = (tokens[:, None] + np.arange(K)[None, :]) % self.vocab_size
-        probs = np.broadcast_to(0.5 ** np.arange(1, K + 1), ids.shape)
+        probs = np.broadcast_to(0.5 ** np.arange(1, K + 1), ids.shape).copy()
+        ids[:, self.kept:] = np.arange(K - self.kept)[None, :]
+        probs[:, self.kept:] = 0.0
+        return ids, probs
+
+    def _out(self, tokens: np.ndarray) -> FakeOutput:
+        ids, probs = self._alternatives(tokens)
         return FakeOutput(tokens, np.full(tokens.shape, 0.5), ids, probs, tokens == POISON)
 
     def _log(self, *entry: object) -> None:
@@ -92,9 +103,8 @@ class FakeEngine:
     def bucket_for(self, length: int) -> int:
         return min(b for b in self.buckets if b >= length)
 
-    def prefill(self, tokens: Sequence[int], *, seed: int, temperature: float, top_p: float,
-                allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8,
-                controls: object = None, prompt_logprobs: int | None = None) -> tuple[int, FakeOutput]:
+    def prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, seed: int,
+                prompt_logprobs: int | None = None) -> tuple[int, FakeOutput]:
         self._log("prefill", tuple(tokens))
         self.running.wait()
         if tokens[0] == self.fail_prefill_for:
@@ -103,9 +113,10 @@ class FakeEngine:
         out = self._out(np.array([first]))
         if prompt_logprobs is not None:
             rest = np.asarray(tokens[1:])
-            ids = (rest[:, None] + np.arange(K)[None, :]) % self.vocab_size
-            out = FakeOutput(out.token, out.prob, out.top_ids, out.top_probs, out.bad, FakePrompt(
-                np.log(np.full(rest.shape, 0.25)), ids, np.log(np.broadcast_to(0.5 ** np.arange(1, K + 1), ids.shape))))
+            ids, probs = self._alternatives(rest)
+            with np.errstate(divide="ignore"):  # log(0) = -inf, as a masked logit's log-softmax
+                out = FakeOutput(out.token, out.prob, out.top_ids, out.top_probs, out.bad, FakePrompt(
+                    np.log(np.full(rest.shape, 0.25)), ids, np.log(probs)))
         return first, out
 
     def resample(self, prefix: int, *, seed: int) -> tuple[int, FakeOutput]:
@@ -117,9 +128,8 @@ class FakeEngine:
     def chunked(self, length: int) -> bool:
         return 0 < self.prefill_chunk < length
 
-    def begin_prefill(self, tokens: Sequence[int], *, slot: int, seed: int, temperature: float, top_p: float,
-                      allowed: Sequence[int], blocked: Sequence[int], top_logprobs: int = 8,
-                      controls: object = None) -> list:
+    def begin_prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, slot: int,
+                      seed: int) -> list:
         self._log("begin_prefill", tuple(tokens), slot)
         return [list(tokens), slot, 0]
 

@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_service.controls import MAX_LOGIT_BIAS, NO_CONTROLS, SamplingControls, controls_problem
 from model_service.logits_processing import Controls, History, controls_row, empty_history, idle_controls, \
     kth_largest, prompt_mask, record_tokens
 from model_service.sampling import SamplingParams, seed_key, split_key
 from model_service.sampling import sample_tokens as _sample_tokens
+from model_service.sampling_settings import GREEDY, MAX_LOGIT_BIAS, SamplingSettings
+from model_service.validation import controls_problem
 
 sample_tokens = jax.jit(_sample_tokens)
 MASKED = -1e10
@@ -44,7 +45,7 @@ def np_top_p(row: np.ndarray, top_p: float) -> np.ndarray:
     return np.where(row >= threshold, row, MASKED)
 
 
-def np_distribution(logits: np.ndarray, c: SamplingControls, temperature: float, top_p: float,
+def np_distribution(logits: np.ndarray, c: SamplingSettings, temperature: float, top_p: float,
                     mask: np.ndarray, prompt: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The filtered distribution a slot draws from: controls.py's order of operations, in NumPy."""
     x = logits.astype(np.float32).copy()
@@ -74,27 +75,27 @@ def params(temps: list[float], tops: list[float], mask: np.ndarray) -> SamplingP
                           jnp.ones((b,), bool), jnp.full((b,), 8, jnp.int32))
 
 
-def stack_controls(cs: list[SamplingControls], vocab: int) -> Controls:
+def stack_controls(cs: list[SamplingSettings], vocab: int) -> Controls:
     rows = [controls_row(c, vocab) for c in cs]
     return Controls(*(jnp.asarray(np.concatenate(leaves)) for leaves in zip(*rows)))
 
 
 CASES = [
-    SamplingControls(logit_bias=((3, 5.0), (0, -100.0), (7, 2.5))),
-    SamplingControls(repetition_penalty=1.8),
-    SamplingControls(repetition_penalty=0.6, presence_penalty=0.7, frequency_penalty=-0.4),
-    SamplingControls(presence_penalty=-1.5, frequency_penalty=2.0),
-    SamplingControls(top_k=3),
-    SamplingControls(top_k=1),
-    SamplingControls(min_p=0.2),
-    SamplingControls(top_k=5, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5,
+    SamplingSettings(logit_bias=((3, 5.0), (0, -100.0), (7, 2.5))),
+    SamplingSettings(repetition_penalty=1.8),
+    SamplingSettings(repetition_penalty=0.6, presence_penalty=0.7, frequency_penalty=-0.4),
+    SamplingSettings(presence_penalty=-1.5, frequency_penalty=2.0),
+    SamplingSettings(top_k=3),
+    SamplingSettings(top_k=1),
+    SamplingSettings(min_p=0.2),
+    SamplingSettings(top_k=5, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5,
                      logit_bias=((1, 3.0), (6, -2.0))),
 ]
 
 
 @pytest.mark.parametrize("c", CASES, ids=range(len(CASES)))
 @pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.3, 0.8), (0.0, 1.0)])
-def test_each_control_gives_the_numpy_reference_distribution(c: SamplingControls, temperature: float,
+def test_each_control_gives_the_numpy_reference_distribution(c: SamplingSettings, temperature: float,
                                                              top_p: float) -> None:
     # V = 8 = the alternatives reported, so top_ids/top_probs are the whole filtered distribution.
     v, b = 8, 3
@@ -125,7 +126,7 @@ def test_top_k_and_min_p_on_a_large_vocabulary_match_numpy() -> None:
     logits = (rng.normal(size=(2, v)) * 3).astype(np.float32)
     logits[0, 100:120] = logits[0].max()  # ties at the top: all kept by top-k 5
     mask = np.ones((2, v), bool)
-    cs = [SamplingControls(top_k=5), SamplingControls(top_k=40, min_p=0.3)]
+    cs = [SamplingSettings(top_k=5), SamplingSettings(top_k=40, min_p=0.3)]
     res = sample_tokens(draw_keys([4, 5]), jnp.asarray(logits), params([0.9, 1.0], [1.0, 0.95], mask),
                         stack_controls(cs, v), empty_history(2, v))
     for i, (c, t, p) in enumerate(zip(cs, [0.9, 1.0], [1.0, 0.95])):
@@ -149,7 +150,7 @@ def test_drawn_tokens_stay_in_the_top_k() -> None:
     v = 64
     logits = np.random.default_rng(2).normal(size=(1, v)).astype(np.float32)
     allowed = set(np.argsort(logits[0])[-4:].tolist())
-    c = stack_controls([SamplingControls(top_k=4)], v)
+    c = stack_controls([SamplingSettings(top_k=4)], v)
     draws = {int(sample_tokens(draw_keys([s]), jnp.asarray(logits), params([2.0], [1.0], np.ones((1, v), bool)),
                                c, empty_history(1, v)).token[0]) for s in range(60)}
     assert draws <= allowed and len(draws) > 1
@@ -175,8 +176,8 @@ def test_a_slot_with_controls_does_not_depend_on_its_neighbours() -> None:
     rng = np.random.default_rng(6)
     logits = jnp.asarray((rng.normal(size=(b, v)) * 3).astype(np.float32))
     p = params([0.8, 0.0, 1.2, 0.5], [1.0, 0.9, 0.7, 1.0], np.ones((b, v), bool))
-    cs = stack_controls([CASES[-1], NO_CONTROLS, SamplingControls(top_k=10, presence_penalty=1.0),
-                         SamplingControls(min_p=0.1, logit_bias=((5, 50.0),))], v)
+    cs = stack_controls([CASES[-1], GREEDY, SamplingSettings(top_k=10, presence_penalty=1.0),
+                         SamplingSettings(min_p=0.1, logit_bias=((5, 50.0),))], v)
     history = History(jnp.asarray(rng.random((b, v)) < 0.3), jnp.asarray(rng.integers(0, 3, (b, v)), jnp.int32))
     keys = draw_keys([1, 2, 3, 4])
     together = sample_tokens(keys, logits, p, cs, history)
@@ -198,15 +199,15 @@ def test_history_counts_each_active_slots_token_and_the_prompt_mask_marks_prompt
 
 
 @pytest.mark.parametrize("c,field", [
-    (SamplingControls(top_k=-2), "top_k"), (SamplingControls(min_p=1.5), "min_p"),
-    (SamplingControls(min_p=float("nan")), "min_p"), (SamplingControls(repetition_penalty=0.0), "repetition_penalty"),
-    (SamplingControls(presence_penalty=2.5), "presence_penalty"),
-    (SamplingControls(frequency_penalty=-3.0), "frequency_penalty"),
-    (SamplingControls(logit_bias=((10, 1.0),)), "logit_bias"), (SamplingControls(logit_bias=((1, 101.0),)), "logit_bias"),
-    (SamplingControls(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias"),
-    (SamplingControls(logit_bias=tuple((i, 1.0) for i in range(MAX_LOGIT_BIAS + 1))), "logit_bias"),
+    (SamplingSettings(top_k=-2), "top_k"), (SamplingSettings(min_p=1.5), "min_p"),
+    (SamplingSettings(min_p=float("nan")), "min_p"), (SamplingSettings(repetition_penalty=0.0), "repetition_penalty"),
+    (SamplingSettings(presence_penalty=2.5), "presence_penalty"),
+    (SamplingSettings(frequency_penalty=-3.0), "frequency_penalty"),
+    (SamplingSettings(logit_bias=((10, 1.0),)), "logit_bias"), (SamplingSettings(logit_bias=((1, 101.0),)), "logit_bias"),
+    (SamplingSettings(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias"),
+    (SamplingSettings(logit_bias=tuple((i, 1.0) for i in range(MAX_LOGIT_BIAS + 1))), "logit_bias"),
 ])
-def test_out_of_range_controls_are_named(c: SamplingControls, field: str) -> None:
+def test_out_of_range_controls_are_named(c: SamplingSettings, field: str) -> None:
     assert controls_problem(c, 10 if field != "logit_bias" or len(c.logit_bias) < 5 else 1000).startswith(f"{field}:")
-    assert controls_problem(SamplingControls(top_k=-1, min_p=1.0, repetition_penalty=0.01, presence_penalty=-2.0,
+    assert controls_problem(SamplingSettings(top_k=-1, min_p=1.0, repetition_penalty=0.01, presence_penalty=-2.0,
                                              frequency_penalty=2.0, logit_bias=((9, -100.0),)), 10) == ""

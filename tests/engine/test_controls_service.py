@@ -1,8 +1,10 @@
-"""Issue 12's controls through the real golden engine and the model service's gRPC API: the first token of a
+"""The sampling controls through the real golden engine and the model service's gRPC API: the first token of a
 prefill against NumPy applied to the model's own logits, the token history the penalties read, stop_token_ids,
 logit_bias, and validation naming the field."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import grpc
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
-from model_service.controls import SamplingControls
+from model_service.sampling_settings import SamplingSettings
 from model_service.engine import Engine
 from tests.engine.conftest import collect
 from tests.engine.test_controls import np_distribution
@@ -27,12 +29,12 @@ def model_logits(engine: Engine, prompt: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("controls", [
-    SamplingControls(repetition_penalty=3.0),
-    SamplingControls(repetition_penalty=0.3, logit_bias=((7, 4.0), (40, -3.0))),
-    SamplingControls(top_k=5, min_p=0.2),
+    SamplingSettings(repetition_penalty=3.0),
+    SamplingSettings(repetition_penalty=0.3, logit_bias=((7, 4.0), (40, -3.0))),
+    SamplingSettings(top_k=5, min_p=0.2),
 ], ids=["repetition", "bias+repetition", "top_k+min_p"])
 def test_first_token_distribution_is_numpy_applied_to_the_models_logits(golden_engine: Engine,
-                                                                         controls: SamplingControls) -> None:
+                                                                         controls: SamplingSettings) -> None:
     v = golden_engine.vocab_size
     prompt_mask = np.zeros(v, bool)
     prompt_mask[PROMPT] = True
@@ -40,7 +42,7 @@ def test_first_token_distribution_is_numpy_applied_to_the_models_logits(golden_e
     mask[golden_engine.pad_id] = False
     want = np_distribution(model_logits(golden_engine, PROMPT), controls, 0.9, 1.0, mask, prompt_mask,
                            np.zeros(v, np.int32))
-    _, out = golden_engine.prefill(PROMPT, seed=3, temperature=0.9, top_p=1.0, top_logprobs=8, controls=controls)
+    _, out = golden_engine.prefill(PROMPT, dataclasses.replace(controls, temperature=0.9, top_logprobs=8), seed=3)
     order = np.argsort(-want, kind="stable")[:8]
     np.testing.assert_allclose(np.asarray(out.top_probs[0]), want[order], rtol=1e-4, atol=1e-6)
     assert want[int(out.token[0])] > 0
@@ -48,8 +50,7 @@ def test_first_token_distribution_is_numpy_applied_to_the_models_logits(golden_e
 
 def test_history_counts_every_generated_token_and_free_slot_clears_it(golden_engine: Engine) -> None:
     state = golden_engine.init_decode_state()
-    prefix, out = golden_engine.prefill(PROMPT, seed=1, temperature=1.0, top_p=1.0, top_logprobs=0,
-                                        controls=SamplingControls(frequency_penalty=0.5))
+    prefix, out = golden_engine.prefill(PROMPT, SamplingSettings(temperature=1.0, frequency_penalty=0.5), seed=1)
     state = golden_engine.insert(prefix, state, 2)
     generated = [int(out.token[0])]
     for _ in range(5):
@@ -69,11 +70,10 @@ def test_a_repeated_token_is_penalised_by_the_counts_of_earlier_steps(golden_eng
     """Greedy with a huge frequency penalty (and no presence of the prompt): a token generated once falls 2 logits
     per occurrence, so a greedy run whose plain version repeats a token must differ from it there."""
     plain, penalised = [], []
-    for controls, out in ((SamplingControls(), plain), (SamplingControls(frequency_penalty=2.0,
+    for controls, out in ((SamplingSettings(), plain), (SamplingSettings(frequency_penalty=2.0,
                                                                            presence_penalty=2.0), penalised)):
         state = golden_engine.init_decode_state()
-        prefix, first = golden_engine.prefill(PROMPT, seed=0, temperature=0.0, top_p=1.0, top_logprobs=0,
-                                              controls=controls)
+        prefix, first = golden_engine.prefill(PROMPT, controls, seed=0)
         state = golden_engine.insert(prefix, state, 0)
         out.append(int(first.token[0]))
         for _ in range(12):
@@ -123,8 +123,8 @@ def test_prompt_logprobs_are_numpy_log_softmax_of_the_full_forward_pass(golden_e
     prompt = PROMPT + [3, 250, 17, 40]
     logits = np.asarray(golden_engine.model.forward(golden_engine.params, jnp.asarray([prompt], jnp.int32)))[0]
     want = np_log_softmax(logits)  # [n, V]: row t scores token t + 1
-    _, plain = golden_engine.prefill(prompt, seed=4, temperature=0.8, top_p=1.0)
-    _, scored = golden_engine.prefill(prompt, seed=4, temperature=0.8, top_p=1.0, prompt_logprobs=3)
+    _, plain = golden_engine.prefill(prompt, SamplingSettings(temperature=0.8), seed=4)
+    _, scored = golden_engine.prefill(prompt, SamplingSettings(temperature=0.8), seed=4, prompt_logprobs=3)
     assert plain.prompt is None and int(scored.token[0]) == int(plain.token[0])  # the first token is unchanged
     got = scored.prompt
     assert got.logprob.shape == (len(prompt) - 1,)

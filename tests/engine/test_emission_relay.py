@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from model_service.scheduler import Emission, FinishReason, TokenOut
+from model_service.requests import Emission, FinishReason, TokenOut
 from model_service.servicer import EmissionRelay, EmissionSink
 
 

@@ -8,15 +8,14 @@ import pytest
 
 from model_service.config import MeshConfig
 from model_service.engine import Engine
-from model_service.server import build_engine, resolve
-from tests.engine.conftest import golden_requests, golden_server_config
+from model_service.loading import build_engine, resolve
+from tests.engine.conftest import golden_requests, golden_sampling, golden_server_config
 
 
 def run_alone(engine: Engine, case: dict[str, Any], slot: int) -> list[int]:
     q = case["request"]
     state = engine.init_decode_state()
-    prefix, out = engine.prefill(case["prompt_ids"], seed=q["rng_seed"], temperature=q["temperature"],
-                                 top_p=q["nucleus_p"])
+    prefix, out = engine.prefill(case["prompt_ids"], golden_sampling(q), seed=q["rng_seed"])
     tokens = [int(out.token[0])]
     state = engine.insert(prefix, state, slot)
     while len(tokens) < q["max_len"]:  # the reference's max_len counts generated tokens
@@ -37,8 +36,7 @@ def test_golden_requests_in_one_batch_reproduce_reference_ids(golden_engine: Eng
     outputs: list[list[int]] = []
     for slot, case in enumerate(cases):
         q = case["request"]
-        prefix, out = golden_engine.prefill(case["prompt_ids"], seed=q["rng_seed"], temperature=q["temperature"],
-                                            top_p=q["nucleus_p"])
+        prefix, out = golden_engine.prefill(case["prompt_ids"], golden_sampling(q), seed=q["rng_seed"])
         outputs.append([int(out.token[0])])
         state = golden_engine.insert(prefix, state, slot + 3)
     for _ in range(19):
@@ -51,7 +49,7 @@ def test_golden_requests_in_one_batch_reproduce_reference_ids(golden_engine: Eng
 
 def test_prompt_beyond_largest_bucket_is_refused(golden_engine: Engine) -> None:
     with pytest.raises(ValueError, match="largest prefill bucket"):
-        golden_engine.prefill([5] * (max(golden_engine.buckets) + 1), seed=0, temperature=0.0, top_p=1.0)
+        golden_engine.prefill([5] * (max(golden_engine.buckets) + 1), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +70,11 @@ def test_golden_requests_prefilled_in_chunks_reproduce_reference_ids(golden_engi
         state = chunked.init_decode_state()
         out = None
         if chunked.chunked(len(case["prompt_ids"])):
-            job = chunked.begin_prefill(case["prompt_ids"], slot=1, seed=q["rng_seed"], temperature=q["temperature"],
-                                        top_p=q["nucleus_p"])
+            job = chunked.begin_prefill(case["prompt_ids"], golden_sampling(q), slot=1, seed=q["rng_seed"])
             while out is None:
                 state, out = chunked.prefill_next_chunk(job, state)
         else:
-            prefix, out = chunked.prefill(case["prompt_ids"], seed=q["rng_seed"], temperature=q["temperature"],
-                                          top_p=q["nucleus_p"])
+            prefix, out = chunked.prefill(case["prompt_ids"], golden_sampling(q), seed=q["rng_seed"])
             state = chunked.insert(prefix, state, 1)
         tokens = [int(out.token[0])]
         while len(tokens) < q["max_len"]:

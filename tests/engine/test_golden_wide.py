@@ -14,8 +14,10 @@ import pytest
 from model_service import sampling
 from model_service.config import MeshConfig
 from model_service.engine import Engine
-from model_service.scheduler import Emission, GenerationRequest, Scheduler
-from model_service.server import ServerConfig, build_engine, resolve
+from model_service.requests import Emission, GenerationRequest
+from model_service.sampling_settings import SamplingSettings
+from model_service.loading import ServerConfig, build_engine, resolve
+from tests.engine.conftest import Runner
 from tests.procs import SHARED
 
 WIDE = SHARED / "golden_wide"
@@ -33,7 +35,7 @@ def wide_engine() -> Iterator[Engine]:
 
 def settings(case: dict[str, Any]) -> dict[str, Any]:
     q = case["request"]
-    return dict(seed=q["rng_seed"], temperature=q["temperature"], top_p=q["nucleus_p"])
+    return dict(sampling=SamplingSettings(temperature=q["temperature"], top_p=q["nucleus_p"]), seed=q["rng_seed"])
 
 
 def test_the_vocabulary_takes_the_large_vocabulary_nucleus_branch(wide_engine: Engine) -> None:
@@ -71,26 +73,23 @@ def test_seeded_wide_requests_batched_reproduce_the_reference(wide_engine: Engin
         [case["output_ids"] for case in CASES]
 
 
-def test_seeded_wide_requests_submitted_together_through_the_scheduler(wide_engine: Engine) -> None:
-    scheduler = Scheduler(wide_engine, max_queue=8)
-    scheduler.start()
-    try:
-        results: list[list[int]] = [[] for _ in CASES]
-        done = [threading.Event() for _ in CASES]
+def test_seeded_wide_requests_submitted_together_through_the_scheduler(wide_engine: Engine,
+                                                                       running: Runner) -> None:
+    scheduler = running(wide_engine)
+    results: list[list[int]] = [[] for _ in CASES]
+    done = [threading.Event() for _ in CASES]
 
-        def collector(i: int) -> Any:
-            def emit(emission: Emission) -> None:
-                results[i].extend(t.id for t in emission.tokens)
-                if emission.finish_reason is not None or emission.error is not None:
-                    done[i].set()
-            return emit
+    def collector(i: int) -> Any:
+        def emit(emission: Emission) -> None:
+            results[i].extend(t.id for t in emission.tokens)
+            if emission.finish_reason is not None or emission.error is not None:
+                done[i].set()
+        return emit
 
-        for i, case in enumerate(CASES):
-            q = case["request"]
-            scheduler.submit(GenerationRequest(request_id=f"wide{i}", prompt=tuple(case["prompt_ids"]),
-                                               max_tokens=q["max_len"], ignore_eos=True, **settings(case)),
-                             collector(i))
-        assert all(event.wait(120) for event in done)
-        assert results == [case["output_ids"] for case in CASES]
-    finally:
-        scheduler.stop()
+    for i, case in enumerate(CASES):
+        q = case["request"]
+        scheduler.submit(GenerationRequest(request_id=f"wide{i}", prompt=tuple(case["prompt_ids"]),
+                                           max_tokens=q["max_len"], ignore_eos=True, **settings(case)),
+                         collector(i))
+    assert all(event.wait(120) for event in done)
+    assert results == [case["output_ids"] for case in CASES]

@@ -1,11 +1,12 @@
 """Batch invariance while requests join and leave mid-stream: on an engine that decodes 4 slots in tiles of 2
 (so the number of tiles that run changes as requests come and go) and prefills prompts longer than 8 tokens in
 chunks (decode steps of other requests run between them), every request's tokens and probabilities are
-bit-identical to its solo run. Half of the requests use issue 12's controls (top_k, min_p, penalties,
+bit-identical to its solo run. Half of the requests use the sampling controls (top_k, min_p, penalties,
 logit_bias), so their per-slot history and settings are covered too."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -16,11 +17,13 @@ import pytest
 
 from model_service.checkpoint import load_params
 from model_service.config import MeshConfig, load_model_config
-from model_service.controls import NO_CONTROLS, SamplingControls
 from model_service.engine import Engine
 from model_service.model import GrokModel
-from model_service.scheduler import Emission, GenerationRequest, Scheduler
+from model_service.requests import Emission, GenerationRequest
+from model_service.sampling_settings import GREEDY, SamplingSettings
+from model_service.scheduler import Scheduler
 from model_service.sharding import make_mesh
+from tests.engine.conftest import Runner
 from tests.procs import GOLDEN
 
 
@@ -40,15 +43,20 @@ class Req:
     temperature: float
     top_p: float
     blocked: tuple[int, ...] = ()
-    controls: SamplingControls = NO_CONTROLS
+    controls: SamplingSettings = GREEDY  # its control fields
     out: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def sampling(self) -> SamplingSettings:
+        return dataclasses.replace(self.controls, temperature=self.temperature, top_p=self.top_p,
+                                   blocked=self.blocked)
 
 
 CONTROLS = [
-    NO_CONTROLS,
-    SamplingControls(top_k=20, repetition_penalty=1.3, frequency_penalty=0.4),
-    SamplingControls(min_p=0.05, presence_penalty=-0.5, logit_bias=((7, 3.0), (300, -20.0))),
-    SamplingControls(top_k=3, repetition_penalty=0.8),
+    GREEDY,
+    SamplingSettings(top_k=20, repetition_penalty=1.3, frequency_penalty=0.4),
+    SamplingSettings(min_p=0.05, presence_penalty=-0.5, logit_bias=((7, 3.0), (300, -20.0))),
+    SamplingSettings(top_k=3, repetition_penalty=0.8),
 ]
 
 
@@ -56,7 +64,7 @@ def requests(n: int) -> list[Req]:
     rng = random.Random(5)
     return [Req([rng.randrange(3, 512) for _ in range(rng.randrange(2, 30))], rng.randrange(3, 14), 100 + i,
                 [0.0, 0.8, 1.2][i % 3], [1.0, 0.9, 0.6][i % 3], tuple(rng.sample(range(3, 512), 40)) if i % 4 == 1 else (),
-                CONTROLS[(i // 2) % len(CONTROLS)] if i % 2 else NO_CONTROLS)
+                CONTROLS[(i // 2) % len(CONTROLS)] if i % 2 else GREEDY)
             for i in range(n)]
 
 
@@ -74,11 +82,9 @@ def run(engine: Engine, reqs: list[Req], joins: list[int]) -> None:
             i, r = waiting[0], reqs[waiting.pop(0)]
             slot = min(set(range(engine.slots)) - set(owner) - set(chunking))
             if engine.chunked(len(r.prompt)):
-                chunking[slot] = (i, engine.begin_prefill(r.prompt, slot=slot, seed=r.seed, temperature=r.temperature,
-                                                          top_p=r.top_p, blocked=r.blocked, controls=r.controls))
+                chunking[slot] = (i, engine.begin_prefill(r.prompt, r.sampling, slot=slot, seed=r.seed))
                 continue
-            prefix, out = engine.prefill(r.prompt, seed=r.seed, temperature=r.temperature, top_p=r.top_p,
-                                         blocked=r.blocked, controls=r.controls)
+            prefix, out = engine.prefill(r.prompt, r.sampling, seed=r.seed)
             r.out.append((int(out.token[0]), float(out.prob[0])))
             state = engine.insert(prefix, state, slot)
             owner[slot] = i
@@ -107,7 +113,8 @@ def test_requests_joining_and_leaving_mid_stream_equal_their_solo_runs(tiled_eng
     assert all(len(r.out) == r.length for r in mixed)
 
 
-def test_scheduler_streams_arriving_at_random_times_equal_their_solo_runs(tiled_engine: Engine) -> None:
+def test_scheduler_streams_arriving_at_random_times_equal_their_solo_runs(tiled_engine: Engine,
+                                                                          running: Runner) -> None:
     reqs = requests(10)
 
     def submit(s: Scheduler, r: Req, done: threading.Event, out: list[tuple[int, float]]) -> None:
@@ -115,33 +122,28 @@ def test_scheduler_streams_arriving_at_random_times_equal_their_solo_runs(tiled_
             out.extend((t.id, t.prob) for t in e.tokens)
             if e.finish_reason is not None or e.error is not None:
                 done.set()
-        s.submit(GenerationRequest("t", tuple(r.prompt), max_tokens=r.length, temperature=r.temperature,
-                                   top_p=r.top_p, seed=r.seed, ignore_eos=True, blocked=r.blocked,
-                                   controls=r.controls), emit)
+        s.submit(GenerationRequest("t", tuple(r.prompt), r.sampling, seed=r.seed, max_tokens=r.length,
+                                   ignore_eos=True), emit)
 
-    scheduler = Scheduler(tiled_engine, max_queue=16)
-    scheduler.start()
-    try:
-        solo = []
-        for r in reqs:
-            done, out = threading.Event(), []
-            submit(scheduler, r, done, out)
-            assert done.wait(60)
-            solo.append(out)
-        delays = random.Random(9).choices([0.0, 0.005, 0.02, 0.05, 0.1], k=len(reqs))
-        events = [threading.Event() for _ in reqs]
-        outs: list[list[tuple[int, float]]] = [[] for _ in reqs]
+    scheduler = running(tiled_engine, max_queue=16)
+    solo = []
+    for r in reqs:
+        done, out = threading.Event(), []
+        submit(scheduler, r, done, out)
+        assert done.wait(60)
+        solo.append(out)
+    delays = random.Random(9).choices([0.0, 0.005, 0.02, 0.05, 0.1], k=len(reqs))
+    events = [threading.Event() for _ in reqs]
+    outs: list[list[tuple[int, float]]] = [[] for _ in reqs]
 
-        def later(i: int) -> None:
-            time.sleep(delays[i])
-            submit(scheduler, reqs[i], events[i], outs[i])
+    def later(i: int) -> None:
+        time.sleep(delays[i])
+        submit(scheduler, reqs[i], events[i], outs[i])
 
-        threads = [threading.Thread(target=later, args=(i,)) for i in range(len(reqs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert all(e.wait(120) for e in events)
-        assert outs == solo
-    finally:
-        scheduler.stop()
+    threads = [threading.Thread(target=later, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(e.wait(120) for e in events)
+    assert outs == solo

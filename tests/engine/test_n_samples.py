@@ -12,9 +12,11 @@ import grpc
 import pytest
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
-from model_service.controls import SamplingControls
 from model_service.engine import Engine
-from model_service.scheduler import Emission, FinishReason, GenerationRequest, Scheduler, SchedulerError
+from model_service.requests import Emission, FinishReason, GenerationRequest, SchedulerError
+from model_service.sampling_settings import SamplingSettings
+from model_service.scheduler import Scheduler
+from tests.engine.conftest import Runner
 from tests.engine.fake_engine import FakeEngine
 from tests.engine.test_scheduler import Collector, req, wait_for
 
@@ -36,54 +38,42 @@ class SampleCollector(Collector):
         return [t.id for e in self.emissions if e.index == index for t in e.tokens]
 
 
-def test_samples_share_one_prefill_and_stream_by_index() -> None:
+def test_samples_share_one_prefill_and_stream_by_index(running: Runner) -> None:
     engine = FakeEngine(slots=4)
-    sched = Scheduler(engine, max_queue=4)
-    sched.start()
-    try:
-        out = SampleCollector(3)
-        sched.submit(req((40,), max_tokens=3, seed=0, n=3), out)
-        out.wait()
-        assert engine.count("prefill") == 1 and engine.count("resample") == 2 and engine.count("insert") == 3
-        assert [out.ids_of(i) for i in range(3)] == [[41, 42, 43], [42, 43, 44], [43, 44, 45]]
-        finishes = [(e.index, e.finish_reason, e.completion_tokens) for e in out.emissions if e.finish_reason]
-        assert sorted(finishes) == [(i, FinishReason.LENGTH, 3) for i in range(3)]
-        wait_for(lambda: sched.stats()["free"] == 4)
-    finally:
-        sched.stop()
+    sched = running(engine, max_queue=4)
+    out = SampleCollector(3)
+    sched.submit(req((40,), max_tokens=3, seed=0, n=3), out)
+    out.wait()
+    assert engine.count("prefill") == 1 and engine.count("resample") == 2 and engine.count("insert") == 3
+    assert [out.ids_of(i) for i in range(3)] == [[41, 42, 43], [42, 43, 44], [43, 44, 45]]
+    finishes = [(e.index, e.finish_reason, e.completion_tokens) for e in out.emissions if e.finish_reason]
+    assert sorted(finishes) == [(i, FinishReason.LENGTH, 3) for i in range(3)]
+    wait_for(lambda: sched.stats()["free"] == 4)
 
 
-def test_a_request_of_n_samples_waits_for_n_free_slots_in_queue_order() -> None:
+def test_a_request_of_n_samples_waits_for_n_free_slots_in_queue_order(running: Runner) -> None:
     engine = FakeEngine(slots=2, step_delay=0.01)
-    sched = Scheduler(engine, max_queue=4)
-    sched.start()
-    try:
-        first, pair, after = Collector(), SampleCollector(2), Collector()
-        sched.submit(req((10,), max_tokens=20), first)
-        wait_for(lambda: bool(first.emissions))
-        sched.submit(req((20,), max_tokens=2, n=2), pair)
-        sched.submit(req((30,), max_tokens=1), after)
-        first.wait()
-        pair.wait()
-        after.wait()
-        prefills = [c[1] for c in engine.calls if c[0] == "prefill"]
-        assert prefills == [(10,), (20,), (30,)]  # the single request behind the pair did not overtake it
-    finally:
-        sched.stop()
+    sched = running(engine, max_queue=4)
+    first, pair, after = Collector(), SampleCollector(2), Collector()
+    sched.submit(req((10,), max_tokens=20), first)
+    wait_for(lambda: bool(first.emissions))
+    sched.submit(req((20,), max_tokens=2, n=2), pair)
+    sched.submit(req((30,), max_tokens=1), after)
+    first.wait()
+    pair.wait()
+    after.wait()
+    prefills = [c[1] for c in engine.calls if c[0] == "prefill"]
+    assert prefills == [(10,), (20,), (30,)]  # the single request behind the pair did not overtake it
 
 
-def test_cancelling_a_request_frees_every_samples_slot() -> None:
+def test_cancelling_a_request_frees_every_samples_slot(running: Runner) -> None:
     engine = FakeEngine(slots=4, step_delay=0.01)
-    sched = Scheduler(engine, max_queue=4)
-    sched.start()
-    try:
-        out = SampleCollector(3)
-        handle = sched.submit(req((20,), max_tokens=25, n=3, seed=0, ignore_eos=True), out)
-        wait_for(lambda: sched.stats()["active"] == 3)
-        handle.cancel()
-        wait_for(lambda: sched.stats()["free"] == 4)
-    finally:
-        sched.stop()
+    sched = running(engine, max_queue=4)
+    out = SampleCollector(3)
+    handle = sched.submit(req((20,), max_tokens=25, n=3, seed=0, ignore_eos=True), out)
+    wait_for(lambda: sched.stats()["active"] == 3)
+    handle.cancel()
+    wait_for(lambda: sched.stats()["free"] == 4)
 
 
 def test_n_over_the_slots_is_invalid_naming_n() -> None:
@@ -94,26 +84,22 @@ def test_n_over_the_slots_is_invalid_naming_n() -> None:
         assert str(caught.value).startswith("n: must be in 1..4")
 
 
-def test_each_sample_equals_a_plain_request_with_seed_plus_index(golden_engine: Engine) -> None:
-    controls = SamplingControls(top_k=30, frequency_penalty=0.5)
-    scheduler = Scheduler(golden_engine, max_queue=8)
-    scheduler.start()
-    try:
-        def run(request: GenerationRequest, n: int) -> SampleCollector:
-            out = SampleCollector(n)
-            scheduler.submit(request, out)
-            return out.wait(120)
+def test_each_sample_equals_a_plain_request_with_seed_plus_index(golden_engine: Engine, running: Runner) -> None:
+    sampling = SamplingSettings(temperature=1.1, top_k=30, frequency_penalty=0.5)
+    scheduler = running(golden_engine)
 
-        prompt = (17, 40, 9, 311, 5)
-        together = run(GenerationRequest("n", prompt, max_tokens=6, temperature=1.1, seed=2**32 - 2, ignore_eos=True,
-                                         controls=controls, n=3), 3)
-        for i in range(3):
-            alone = run(GenerationRequest("1", prompt, max_tokens=6, temperature=1.1, seed=(2**32 - 2 + i) % 2**32,
-                                          ignore_eos=True, controls=controls), 1)
-            assert together.ids_of(i) == alone.ids_of(0)
-        assert len({tuple(together.ids_of(i)) for i in range(3)}) > 1  # the samples do differ
-    finally:
-        scheduler.stop()
+    def run(request: GenerationRequest, n: int) -> SampleCollector:
+        out = SampleCollector(n)
+        scheduler.submit(request, out)
+        return out.wait(120)
+
+    prompt = (17, 40, 9, 311, 5)
+    together = run(GenerationRequest("n", prompt, sampling, seed=2**32 - 2, max_tokens=6, ignore_eos=True, n=3), 3)
+    for i in range(3):
+        alone = run(GenerationRequest("1", prompt, sampling, seed=(2**32 - 2 + i) % 2**32, max_tokens=6,
+                                      ignore_eos=True), 1)
+        assert together.ids_of(i) == alone.ids_of(0)
+    assert len({tuple(together.ids_of(i)) for i in range(3)}) > 1  # the samples do differ
 
 
 def test_n_samples_over_grpc_carry_their_index_and_match_seeded_requests(

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
-from model_service.scheduler import (
-    Emission,
-    ErrorKind,
-    FinishReason,
-    GenerationRequest,
-    Scheduler,
-    SchedulerError,
-)
+from model_service.requests import Emission, ErrorKind, FinishReason, GenerationRequest, SchedulerError
+from model_service.sampling_settings import SamplingSettings
+from model_service.scheduler import Scheduler
+from tests.engine.conftest import Runner
 from tests.engine.fake_engine import POISON, FakeEngine
 
 
@@ -47,8 +44,13 @@ class Collector:
         return self.emissions[-1]
 
 
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingSettings)}
+
+
 def req(prompt: tuple[int, ...], **kw: object) -> GenerationRequest:
-    return GenerationRequest(request_id="t", prompt=prompt, **kw)  # type: ignore[arg-type]
+    """A request; keyword arguments naming a SamplingSettings field go into its sampling settings."""
+    sampling = SamplingSettings(**{k: kw.pop(k) for k in list(kw) if k in SAMPLING_FIELDS})  # type: ignore[arg-type]
+    return GenerationRequest(request_id="t", prompt=prompt, sampling=sampling, **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -57,11 +59,8 @@ def engine() -> FakeEngine:
 
 
 @pytest.fixture
-def sched(engine: FakeEngine) -> Iterator[Scheduler]:
-    s = Scheduler(engine, max_queue=8)
-    s.start()
-    yield s
-    s.stop()
+def sched(engine: FakeEngine, running: Runner) -> Scheduler:
+    return running(engine)
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -82,6 +81,21 @@ def test_tokens_follow_the_engine_and_stop_at_max_tokens(sched: Scheduler) -> No
     assert c.emissions[0].tokens[0].top == ((41, 0.5), (42, 0.25))
     assert c.emissions[0].timings is not None and c.last.timings is not None
     assert c.emissions[1].timings is None
+
+
+def test_alternatives_of_probability_zero_are_not_reported() -> None:
+    engine = FakeEngine(kept=2)  # as a nucleus that left two tokens: top-k pads with ids 0, 1, ... at 0
+    s = Scheduler(engine, max_queue=8)
+    s.start()
+    try:
+        c = Collector()
+        s.submit(req((5, 40, 9), max_tokens=2, top_logprobs=5, prompt_logprobs=4), c)
+        c.wait()
+    finally:
+        s.stop()
+    assert [t.top for e in c.emissions for t in e.tokens] == [((10, 0.5), (11, 0.25)), ((11, 0.5), (12, 0.25))]
+    scored = [t for e in c.emissions if e.prompt for t in e.prompt]
+    assert [t.top for t in scored] == [((40, 0.5), (41, 0.25)), ((9, 0.5), (10, 0.25))]
 
 
 def test_eos_stops_and_is_included_unless_ignore_eos(sched: Scheduler) -> None:
@@ -175,92 +189,97 @@ def test_a_simultaneous_burst_admits_free_slots_plus_the_queue(engine: FakeEngin
     assert err.value.kind is ErrorKind.RESOURCE_EXHAUSTED
 
 
-def test_new_request_joins_when_a_slot_frees_without_waiting_for_the_batch(engine: FakeEngine) -> None:
+def test_new_request_joins_when_a_slot_frees_without_waiting_for_the_batch(engine: FakeEngine, running: Runner) -> None:
     engine.slots = 2
-    s = Scheduler(engine, max_queue=8)
-    s.start()
-    try:
-        long_, short, late = Collector(), Collector(), Collector()
-        s.submit(req((40,), max_tokens=12), long_)
-        s.submit(req((20,), max_tokens=2), short)
-        s.submit(req((30,), max_tokens=2), late)
-        for c in (long_, short, late):
-            c.wait()
-        assert late.ids == [31, 32] and long_.ids == list(range(41, 53))
-        calls = engine.calls
-        late_prefill = calls.index(("prefill", (30,)))
-        steps_before_late = sum(1 for c in calls[:late_prefill] if c[0] == "generate")
-        assert steps_before_late < 11  # it joined while the long request was still running
-        assert ("free", 1) in calls[:late_prefill]  # in the slot the short request freed
-    finally:
-        s.stop()
+    s = running(engine)
+    long_, short, late = Collector(), Collector(), Collector()
+    s.submit(req((40,), max_tokens=12), long_)
+    s.submit(req((20,), max_tokens=2), short)
+    s.submit(req((30,), max_tokens=2), late)
+    for c in (long_, short, late):
+        c.wait()
+    assert late.ids == [31, 32] and long_.ids == list(range(41, 53))
+    calls = engine.calls
+    late_prefill = calls.index(("prefill", (30,)))
+    steps_before_late = sum(1 for c in calls[:late_prefill] if c[0] == "generate")
+    assert steps_before_late < 11  # it joined while the long request was still running
+    assert ("free", 1) in calls[:late_prefill]  # in the slot the short request freed
 
 
-def test_prefill_interleaves_with_decode(engine: FakeEngine) -> None:
+def test_prefill_interleaves_with_decode(engine: FakeEngine, running: Runner) -> None:
     engine.slots = 4
-    s = Scheduler(engine, max_queue=8, prefills_per_step=1)
+    s = running(engine, prefills_per_step=1)
     engine.step_delay = 0.01
-    s.start()
-    try:
-        first = Collector()
-        s.submit(req((30,), max_tokens=20), first)
-        assert first.first_token.wait(5)
-        others = [Collector() for _ in range(3)]
-        for i, c in enumerate(others):
-            s.submit(req((20 + 5 * i,), max_tokens=3), c)
-        for c in [first, *others]:
-            c.wait()
-        kinds = [c[0] for c in engine.calls if c[0] in ("prefill", "generate")]
-        after_first = kinds[kinds.index("generate"):]
-        # Never two prefills in a row while a request is decoding.
-        assert all(not (a == b == "prefill") for a, b in zip(after_first, after_first[1:]))
-    finally:
-        s.stop()
+    first = Collector()
+    s.submit(req((30,), max_tokens=20), first)
+    assert first.first_token.wait(5)
+    others = [Collector() for _ in range(3)]
+    for i, c in enumerate(others):
+        s.submit(req((20 + 5 * i,), max_tokens=3), c)
+    for c in [first, *others]:
+        c.wait()
+    kinds = [c[0] for c in engine.calls if c[0] in ("prefill", "generate")]
+    after_first = kinds[kinds.index("generate"):]
+    # Never two prefills in a row while a request is decoding.
+    assert all(not (a == b == "prefill") for a, b in zip(after_first, after_first[1:]))
 
 
-def test_cancel_frees_the_slot_within_one_step(engine: FakeEngine) -> None:
+def test_cancel_frees_the_slot_within_one_step(engine: FakeEngine, running: Runner) -> None:
     engine.slots = 1
     engine.step_delay = 0.005
-    s = Scheduler(engine, max_queue=8)
-    s.start()
-    try:
-        c = Collector()
-        steps_at_cancel: list[int] = []
-        handle = None
+    s = running(engine)
+    c = Collector()
+    steps_at_cancel: list[int] = []
+    handle = None
 
-        def emit(e: Emission) -> None:  # runs on the decode thread: cancel right after the 3rd token
-            c(e)
-            if len(c.ids) == 3 and not steps_at_cancel:
-                steps_at_cancel.append(engine.count("generate"))
-                assert handle is not None
-                handle.cancel()
+    def emit(e: Emission) -> None:  # runs on the decode thread: cancel right after the 3rd token
+        c(e)
+        if len(c.ids) == 3 and not steps_at_cancel:
+            steps_at_cancel.append(engine.count("generate"))
+            assert handle is not None
+            handle.cancel()
 
-        handle = s.submit(req((20,), max_tokens=25), emit)
-        c.wait()
-        assert c.last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
-        assert c.ids == [21, 22, 23]
-        assert engine.count("generate") == steps_at_cancel[0]  # freed before the next step
-        wait_for(lambda: s.stats()["free"] == 1)
-        later = Collector()
-        s.submit(req((40,), max_tokens=2), later)
-        assert later.wait().ids == [41, 42]
-    finally:
-        s.stop()
+    handle = s.submit(req((20,), max_tokens=25), emit)
+    c.wait()
+    assert c.last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
+    assert c.ids == [21, 22, 23]
+    assert engine.count("generate") == steps_at_cancel[0]  # freed before the next step
+    wait_for(lambda: s.stats()["free"] == 1)
+    later = Collector()
+    s.submit(req((40,), max_tokens=2), later)
+    assert later.wait().ids == [41, 42]
 
 
-def test_expired_deadline_fails_with_deadline_exceeded_and_frees_the_slot(engine: FakeEngine) -> None:
+def test_a_slot_freed_by_a_cancel_goes_to_one_waiting_request_only(engine: FakeEngine, running: Runner) -> None:
+    engine.slots = 1
+    s = running(engine)
+    first, second, third = Collector(), Collector(), Collector()
+    handle = None
+
+    def emit(e: Emission) -> None:  # on the decode thread: cancel at the 3rd token, before the next boundary
+        first(e)
+        if len(first.ids) == 3:
+            assert handle is not None
+            handle.cancel()
+
+    handle = s.submit(req((20,), max_tokens=25), emit)
+    s.submit(req((30,), max_tokens=4), second)
+    s.submit(req((40,), max_tokens=4), third)
+    assert first.wait().last.error is not None and first.last.error.kind is ErrorKind.CANCELLED
+    assert second.wait().ids == [31, 32, 33, 34] and third.wait().ids == [41, 42, 43, 44]
+    assert [c[1] for c in engine.calls if c[0] == "insert"] == [0, 0, 0]
+    wait_for(lambda: s.stats() == {"active": 0, "free": 1, "queued": 0})
+
+
+def test_expired_deadline_fails_with_deadline_exceeded_and_frees_the_slot(engine: FakeEngine, running: Runner) -> None:
     engine.step_delay = 0.01
-    s = Scheduler(engine, max_queue=8)
-    s.start()
-    try:
-        c = Collector()
-        s.submit(req((20,), max_tokens=25, deadline=time.monotonic() + 0.05), c)
-        c.wait()
-        assert c.last.error is not None and c.last.error.kind is ErrorKind.DEADLINE_EXCEEDED
-        assert 0 < len(c.ids) < 25
-        wait_for(lambda: s.stats() == {"active": 0, "free": engine.slots, "queued": 0})
-    finally:
-        s.stop()
+    s = running(engine)
+    c = Collector()
+    s.submit(req((20,), max_tokens=25, deadline=time.monotonic() + 0.05), c)
+    c.wait()
+    assert c.last.error is not None and c.last.error.kind is ErrorKind.DEADLINE_EXCEEDED
+    assert 0 < len(c.ids) < 25
+    wait_for(lambda: s.stats() == {"active": 0, "free": engine.slots, "queued": 0})
 
 
 def test_nan_logits_fail_only_that_request(sched: Scheduler) -> None:
@@ -284,20 +303,19 @@ def test_prefill_failure_fails_only_that_request(engine: FakeEngine, sched: Sche
     wait_for(lambda: sched.stats()["free"] == engine.slots)
 
 
-def test_draining_refuses_new_requests_and_stop_fails_the_rest(engine: FakeEngine) -> None:
+def test_draining_refuses_new_requests_and_stop_fails_the_rest(engine: FakeEngine, running: Runner) -> None:
     engine.slots = 1
     engine.step_delay = 0.01
-    s = Scheduler(engine, max_queue=8)
-    s.start()
-    running, queued = Collector(), Collector()
-    s.submit(req((14,), max_tokens=30), running)
+    s = running(engine)
+    busy, queued = Collector(), Collector()
+    s.submit(req((14,), max_tokens=30), busy)
     s.submit(req((20,), max_tokens=3), queued)
     s.close()
     with pytest.raises(SchedulerError) as err:
         s.submit(req((5,)), Collector())
     assert err.value.kind is ErrorKind.UNAVAILABLE
     s.stop()
-    for c in (running, queued):
+    for c in (busy, queued):
         assert c.wait().last.error is not None and c.last.error.kind is ErrorKind.UNAVAILABLE
 
 
@@ -310,81 +328,69 @@ def test_many_requests_all_complete_and_every_slot_returns(engine: FakeEngine, s
     wait_for(lambda: sched.stats() == {"active": 0, "free": engine.slots, "queued": 0})
 
 
-def test_prompts_waiting_while_nothing_decodes_are_all_prefilled_before_the_first_step(engine: FakeEngine) -> None:
+def test_prompts_waiting_while_nothing_decodes_are_all_prefilled_before_the_first_step(engine: FakeEngine,
+        running: Runner) -> None:
     engine.slots = 4
-    s = Scheduler(engine, max_queue=8)
+    s = running(engine, start=False)
     s._accepting = True  # queue them before the decode thread starts, as if they arrived together
     collectors = [Collector() for _ in range(4)]
     for i, c in enumerate(collectors):
         s.submit(req((10 * i + 5,), max_tokens=3), c)
     s.start()
-    try:
-        for c in collectors:
-            c.wait()
-        kinds = [c[0] for c in engine.calls if c[0] in ("prefill", "generate")]
-        assert kinds[:5] == ["prefill"] * 4 + ["generate"]
-    finally:
-        s.stop()
+    for c in collectors:
+        c.wait()
+    kinds = [c[0] for c in engine.calls if c[0] in ("prefill", "generate")]
+    assert kinds[:5] == ["prefill"] * 4 + ["generate"]
 
 
-def test_while_requests_decode_admission_per_step_stops_at_the_prompt_token_budget(engine: FakeEngine) -> None:
+def test_while_requests_decode_admission_per_step_stops_at_the_prompt_token_budget(engine: FakeEngine,
+        running: Runner) -> None:
     engine.slots = 4
     engine.step_delay = 0.01
-    s = Scheduler(engine, max_queue=8, prefill_token_budget=16)  # two prompts of bucket 8 per step
-    s.start()
-    try:
-        first = Collector()
-        s.submit(req((30,), max_tokens=30), first)
-        assert first.first_token.wait(5)
-        others = [Collector() for _ in range(3)]
-        for i, c in enumerate(others):
-            s.submit(req((20 + i, 3, 4), max_tokens=2), c)
-        for c in [first, *others]:
-            c.wait()
-        kinds = "".join("p" if c[0] == "prefill" else "g" for c in engine.calls if c[0] in ("prefill", "generate"))
-        after_first = kinds[kinds.index("g"):]
-        assert "ppp" not in after_first and "pp" in after_first  # at most two prefills between decode steps
-    finally:
-        s.stop()
+    s = running(engine, prefill_token_budget=16)  # two prompts of bucket 8 per step
+    first = Collector()
+    s.submit(req((30,), max_tokens=30), first)
+    assert first.first_token.wait(5)
+    others = [Collector() for _ in range(3)]
+    for i, c in enumerate(others):
+        s.submit(req((20 + i, 3, 4), max_tokens=2), c)
+    for c in [first, *others]:
+        c.wait()
+    kinds = "".join("p" if c[0] == "prefill" else "g" for c in engine.calls if c[0] in ("prefill", "generate"))
+    after_first = kinds[kinds.index("g"):]
+    assert "ppp" not in after_first and "pp" in after_first  # at most two prefills between decode steps
 
 
-def test_a_long_prompt_is_prefilled_one_chunk_per_decode_step_while_others_stream(engine: FakeEngine) -> None:
+def test_a_long_prompt_is_prefilled_one_chunk_per_decode_step_while_others_stream(engine: FakeEngine,
+        running: Runner) -> None:
     engine.slots = 2
     engine.prefill_chunk = 4
     engine.step_delay = 0.005
-    s = Scheduler(engine, max_queue=8)
-    s.start()
-    try:
-        running, long_ = Collector(), Collector()
-        s.submit(req((30,), max_tokens=20), running)
-        assert running.first_token.wait(5)
-        s.submit(req(tuple(range(3, 16)), max_tokens=3), long_)  # 13 tokens: chunks at 0, 4, 8, 12
-        assert long_.wait().ids == [16, 17, 18]
-        assert running.wait().ids == list(range(31, 51))
-        kinds = [c[0] for c in engine.calls if c[0] in ("chunk", "generate")]
-        first = kinds.index("chunk")
-        assert kinds[first:first + 7] == ["chunk", "generate"] * 3 + ["chunk"]  # a decode step between chunks
-        assert [c[2] for c in engine.calls if c[0] == "chunk"] == [0, 4, 8, 12]
-    finally:
-        s.stop()
+    s = running(engine)
+    running, long_ = Collector(), Collector()
+    s.submit(req((30,), max_tokens=20), running)
+    assert running.first_token.wait(5)
+    s.submit(req(tuple(range(3, 16)), max_tokens=3), long_)  # 13 tokens: chunks at 0, 4, 8, 12
+    assert long_.wait().ids == [16, 17, 18]
+    assert running.wait().ids == list(range(31, 51))
+    kinds = [c[0] for c in engine.calls if c[0] in ("chunk", "generate")]
+    first = kinds.index("chunk")
+    assert kinds[first:first + 7] == ["chunk", "generate"] * 3 + ["chunk"]  # a decode step between chunks
+    assert [c[2] for c in engine.calls if c[0] == "chunk"] == [0, 4, 8, 12]
 
 
-def test_cancelling_a_request_during_its_chunked_prefill_frees_its_slot(engine: FakeEngine) -> None:
+def test_cancelling_a_request_during_its_chunked_prefill_frees_its_slot(engine: FakeEngine, running: Runner) -> None:
     engine.slots = 1
     engine.prefill_chunk = 2
     engine.step_delay = 0.005
-    s = Scheduler(engine, max_queue=8)
-    s.start()
-    try:
-        c = Collector()
-        handle = s.submit(req(tuple(range(3, 16)), max_tokens=3), c)
-        wait_for(lambda: engine.count("chunk") >= 1)
-        handle.cancel()
-        assert c.wait().last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
-        assert c.ids == [] and engine.count("chunk") < 7  # stopped before its prompt was done
-        wait_for(lambda: s.stats() == {"active": 0, "free": 1, "queued": 0})
-        later = Collector()
-        s.submit(req((40,), max_tokens=2), later)
-        assert later.wait().ids == [41, 42]
-    finally:
-        s.stop()
+    s = running(engine)
+    c = Collector()
+    handle = s.submit(req(tuple(range(3, 16)), max_tokens=3), c)
+    wait_for(lambda: engine.count("chunk") >= 1)
+    handle.cancel()
+    assert c.wait().last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
+    assert c.ids == [] and engine.count("chunk") < 7  # stopped before its prompt was done
+    wait_for(lambda: s.stats() == {"active": 0, "free": 1, "queued": 0})
+    later = Collector()
+    s.submit(req((40,), max_tokens=2), later)
+    assert later.wait().ids == [41, 42]

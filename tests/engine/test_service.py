@@ -16,7 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
-from model_service.server import ModelServer, ServerConfig
+from model_service.loading import ServerConfig
+from model_service.server import ModelServer
 from tests.engine.conftest import (
     GOLDEN_CHECKPOINT,
     GOLDEN_CONFIG,

@@ -12,7 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
-from model_service.scheduler import Heartbeat, SchedulerError
+from model_service.loop_state import Heartbeat
+from model_service.requests import SchedulerError
 from model_service.server import ModelServer
 from model_service.watchdog import Watchdog
 from serving_common.errors import details_of

@@ -68,7 +68,19 @@ def decode(ids: list[int]) -> str:
     return b"".join(token_bytes(t) for t in ids).decode("utf-8", errors="replace")
 
 
+def peek(decoder: codecs.IncrementalDecoder, token: int) -> str:
+    """The text `token` would add now; the decoder's state is left as it was."""
+    state = decoder.getstate()
+    try:
+        return decoder.decode(token_bytes(token))
+    finally:
+        decoder.setstate(state)
+
+
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    def __init__(self, legacy: bool = False) -> None:
+        self.legacy = legacy  # as a tokenizer service older than DecodeStream's prompt_ids and alternatives
+
     async def Encode(self, request: tokenizer_pb2.EncodeRequest, context: Context) -> tokenizer_pb2.EncodeResponse:
         return tokenizer_pb2.EncodeResponse(token_ids=encode(request.text))
 
@@ -79,8 +91,17 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                            context: Context) -> AsyncIterator[tokenizer_pb2.DecodeStreamResponse]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         async for request in request_iterator:
-            texts = [decoder.decode(token_bytes(t)) for t in request.token_ids]
-            yield tokenizer_pb2.DecodeStreamResponse(text="".join(texts), token_texts=texts)
+            if self.legacy:
+                request = tokenizer_pb2.DecodeStreamRequest(token_ids=request.token_ids)
+            for token in request.prompt_ids:  # read as text already returned
+                decoder.decode(token_bytes(token))
+            texts, others = [], []
+            for index, token in enumerate(request.token_ids):
+                if request.alternatives:
+                    others.append(tokenizer_pb2.AlternativeTexts(texts=[
+                        peek(decoder, other) for other in request.alternatives[index].token_ids]))
+                texts.append(decoder.decode(token_bytes(token)))
+            yield tokenizer_pb2.DecodeStreamResponse(text="".join(texts), token_texts=texts, alternative_texts=others)
         yield tokenizer_pb2.DecodeStreamResponse(text=decoder.decode(b"", final=True))
 
     async def GetInfo(self, request: tokenizer_pb2.GetInfoRequest, context: Context) -> tokenizer_pb2.GetInfoResponse:
@@ -139,10 +160,10 @@ class FakeModel(model_pb2_grpc.ModelServiceServicer):
             slots=self.slots, prefill_buckets=[32, 64], dtype="float32", random_weights=True, platform="fake")
 
 
-async def serve(kind: str, port: int, slots: int, delay: float) -> None:
+async def serve(kind: str, port: int, slots: int, delay: float, legacy: bool) -> None:
     server = grpc.aio.server()
     if kind == "tokenizer":
-        tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(FakeTokenizer(), server)
+        tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(FakeTokenizer(legacy), server)
         name = "grok.tokenizer.v1.TokenizerService"
     else:
         model_pb2_grpc.add_ModelServiceServicer_to_server(FakeModel(slots, delay), server)
@@ -161,9 +182,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--legacy", action="store_true", help="tokenizer: ignore DecodeStream's newer fields")
     args = parser.parse_args()
     logs.configure(f"fake-{args.kind}", "info")
-    asyncio.run(serve(args.kind, args.port, args.slots, args.delay))
+    asyncio.run(serve(args.kind, args.port, args.slots, args.delay, args.legacy))
 
 
 if __name__ == "__main__":

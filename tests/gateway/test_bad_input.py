@@ -10,15 +10,12 @@ by every service and logged as one warning line, never an error with a traceback
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.attack_cases import MALFORMED, Facts, bad_input_cases
 from gateway.client import completion_request
 from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
@@ -59,132 +56,10 @@ def normal_request_works(service: str, s: Stubs) -> None:
         assert ids == GOLDEN_CASE["output_ids"]
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    service: str  # gateway | tokenizer | model
-    call: Callable[[Stubs], Any]
-    code: grpc.StatusCode
-    field: str  # the BadRequest field violation ("" when the status has none)
-    says: str = ""  # a fragment the message must contain besides the field
-
-
-def text_request(kind: type, **fields: Any) -> Any:
-    """A gateway GenerateRequest or CompleteRequest: the golden request with `fields` changed."""
-    request = kind.FromString(golden_text_request().SerializeToString())  # the two share every field
-    for key, value in fields.items():
-        target = request if key == "prompt" else request.sampling
-        if isinstance(value, list):
-            getattr(target, key).extend(value)
-        else:
-            setattr(target, key, value)
-    return request
-
-
-def gen(**fields: Any) -> Callable[[Stubs], Any]:
-    request = text_request(gateway_pb2.GenerateRequest, **fields)
-    return lambda s: list(s.gateway.Generate(request, timeout=60))
-
-
-def complete(**fields: Any) -> Callable[[Stubs], Any]:
-    request = text_request(gateway_pb2.CompleteRequest, **fields)
-    return lambda s: s.gateway.Complete(request, timeout=60)
-
-
-def model(**fields: Any) -> Callable[[Stubs], Any]:
-    request = golden_model_request()
-    for key, value in fields.items():
-        if isinstance(value, list):
-            del getattr(request, key)[:]
-            getattr(request, key).extend(value)
-        else:
-            setattr(request, key, value)
-    return lambda s: list(s.model.Generate(request, timeout=60))
-
-
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
-LONG_PROMPT = "one two three four five six seven eight nine ten " * 12  # over the 64-token bucket, < 4096 bytes
-
-CASES = [
-    # ---- gateway, Generate and Complete ----
-    Case("gw-empty-prompt", "gateway", gen(prompt=""), INVALID, "prompt", "non-empty"),
-    Case("gw-prompt-over-bytes", "gateway", complete(prompt="x" * 65537), INVALID, "prompt", "65536"),
-    Case("gw-max-tokens-0", "gateway", gen(max_tokens=0), INVALID, "max_tokens", ">= 1"),
-    Case("gw-max-tokens-negative", "gateway", complete(max_tokens=-5), INVALID, "max_tokens", ">= 1"),
-    Case("gw-max-tokens-over-context", "gateway", gen(max_tokens=CONTEXT), INVALID, "max_tokens", "context"),
-    Case("gw-temperature-negative", "gateway", gen(temperature=-0.5), INVALID, "temperature", ">= 0"),
-    Case("gw-temperature-nan", "gateway", complete(temperature=math.nan), INVALID, "temperature", "finite"),
-    Case("gw-temperature-inf", "gateway", gen(temperature=math.inf), INVALID, "temperature", "finite"),
-    Case("gw-top-p-0", "gateway", gen(top_p=0.0), INVALID, "top_p", "(0, 1]"),
-    Case("gw-top-p-over-1", "gateway", complete(top_p=1.5), INVALID, "top_p", "(0, 1]"),
-    Case("gw-top-p-nan", "gateway", gen(top_p=math.nan), INVALID, "top_p", "(0, 1]"),
-    Case("gw-top-p-negative", "gateway", gen(top_p=-0.1), INVALID, "top_p", "(0, 1]"),
-    Case("gw-top-logprobs-9", "gateway", gen(top_logprobs=9), INVALID, "top_logprobs", "0..8"),
-    Case("gw-top-logprobs-negative", "gateway", complete(top_logprobs=-1), INVALID, "top_logprobs", "0..8"),
-    Case("gw-too-many-stops", "gateway", gen(stop=["a"] * 9), INVALID, "stop", "limit of 8"),
-    Case("gw-empty-stop", "gateway", gen(stop=["ok", ""]), INVALID, "stop[1]", "non-empty"),
-    Case("gw-stop-too-long", "gateway", complete(stop=["s" * 257]), INVALID, "stop[0]", "256"),
-    Case("gw-allowed-out-of-vocab", "gateway", gen(allowed_token_ids=[VOCAB]), INVALID, "allowed_token_ids",
-         "vocabulary"),
-    Case("gw-blocked-negative", "gateway", complete(blocked_token_ids=[-1]), INVALID, "blocked_token_ids",
-         "vocabulary"),
-    Case("gw-only-pad-allowed", "gateway", gen(allowed_token_ids=[0]), INVALID,
-         "allowed_token_ids/blocked_token_ids", "no token is left"),
-    Case("gw-prompt-over-bucket", "gateway", gen(prompt=LONG_PROMPT), INVALID, "prompt", "longest prompt"),
-    Case("gw-prompt-over-tokenizer-limit", "gateway", complete(prompt="y" * 5000), INVALID, "text", "4096"),
-    # ---- tokenizer service, directly ----
-    Case("tok-encode-over-limit", "tokenizer",
-         lambda s: s.tokenizer.Encode(tokenizer_pb2.EncodeRequest(text="z" * 4097), timeout=10),
-         INVALID, "text", "--max-text-bytes"),
-    Case("tok-batch-too-large", "tokenizer",
-         lambda s: s.tokenizer.EncodeBatch(tokenizer_pb2.EncodeBatchRequest(
-             requests=[tokenizer_pb2.EncodeRequest(text="a")] * 5), timeout=10), INVALID, "requests", "--max-batch"),
-    Case("tok-batch-text-over-limit", "tokenizer",
-         lambda s: s.tokenizer.EncodeBatch(tokenizer_pb2.EncodeBatchRequest(requests=[
-             tokenizer_pb2.EncodeRequest(text="a"), tokenizer_pb2.EncodeRequest(text="b" * 4097)]), timeout=10),
-         INVALID, "requests[1].text", "4097"),
-    Case("tok-decode-id-over-vocab", "tokenizer",
-         lambda s: s.tokenizer.Decode(tokenizer_pb2.DecodeRequest(token_ids=[5, VOCAB]), timeout=10),
-         INVALID, "token_ids[1]", "out of range"),
-    Case("tok-decode-negative-id", "tokenizer",
-         lambda s: s.tokenizer.Decode(tokenizer_pb2.DecodeRequest(token_ids=[-3]), timeout=10),
-         INVALID, "token_ids[0]", "out of range"),
-    Case("tok-decode-too-many-ids", "tokenizer",
-         lambda s: s.tokenizer.Decode(tokenizer_pb2.DecodeRequest(token_ids=[5] * 257), timeout=10),
-         INVALID, "token_ids", "--max-tokens"),
-    Case("tok-stream-bad-id", "tokenizer",
-         lambda s: list(s.tokenizer.DecodeStream(iter([tokenizer_pb2.DecodeStreamRequest(token_ids=[5]),
-                                                       tokenizer_pb2.DecodeStreamRequest(token_ids=[10**6])]),
-                                                 timeout=10)), INVALID, "token_ids[0]", "out of range"),
-    Case("tok-stream-too-many-ids", "tokenizer",
-         lambda s: list(s.tokenizer.DecodeStream(iter([tokenizer_pb2.DecodeStreamRequest(token_ids=[5] * 257)]),
-                                                 timeout=10)), INVALID, "token_ids", "--max-tokens"),
-    # ---- model service, directly ----
-    Case("model-empty-prompt", "model", model(token_ids=[]), INVALID, "token_ids", "empty"),
-    Case("model-id-over-vocab", "model", model(token_ids=[5, VOCAB]), INVALID, "token_ids", f"[0, {VOCAB})"),
-    Case("model-negative-id", "model", model(token_ids=[-1]), INVALID, "token_ids", f"[0, {VOCAB})"),
-    Case("model-prompt-over-bucket", "model", model(token_ids=[5] * (BUCKET + 1)), INVALID, "token_ids",
-         "prefill bucket"),
-    Case("model-max-tokens-0", "model", model(max_tokens=0), INVALID, "max_tokens", ">= 1"),
-    Case("model-over-context", "model", model(token_ids=[5] * 60, max_tokens=69), INVALID, "max_tokens",
-         "context"),
-    Case("model-temperature-nan", "model", model(temperature=math.nan), INVALID, "temperature", "finite"),
-    Case("model-temperature-negative", "model", model(temperature=-2.0), INVALID, "temperature", ">= 0"),
-    Case("model-top-p-0", "model", model(top_p=0.0), INVALID, "top_p", "(0, 1]"),
-    Case("model-top-p-inf", "model", model(top_p=math.inf), INVALID, "top_p", "(0, 1]"),
-    Case("model-top-logprobs-9", "model", model(top_logprobs=9), INVALID, "top_logprobs", "0..8"),
-    Case("model-blocked-out-of-vocab", "model", model(blocked_token_ids=[600]), INVALID, "blocked_token_ids",
-         f"[0, {VOCAB})"),
-    Case("model-allowed-negative", "model", model(allowed_token_ids=[-7]), INVALID, "allowed_token_ids",
-         f"[0, {VOCAB})"),
-    Case("model-nothing-left", "model", model(blocked_token_ids=list(range(1, VOCAB))), INVALID,
-         "allowed_token_ids/blocked_token_ids", "no token is left"),
-    # ---- health ----
-    Case("health-unknown-service", "model",
-         lambda s: health_pb2_grpc.HealthStub(s.channels["model"]).Check(
-             health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10),
-         grpc.StatusCode.NOT_FOUND, "", "no.such.Service"),
-]
+# The table is shared with the attack command (benchmarks/attack_cases.py), here on the golden stack's facts.
+GOLDEN_FACTS = Facts(vocab=VOCAB, context=CONTEXT, bucket=BUCKET, prompt=GOLDEN_CASE["request"]["prompt"],
+                     prompt_ids=tuple(GOLDEN_CASE["prompt_ids"]))
+CASES = bad_input_cases(GOLDEN_FACTS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -193,7 +68,7 @@ def test_bad_input_gets_a_clear_status_and_the_service_serves_on(golden_stubs: S
         case.call(golden_stubs)
     error = caught.value
     message = error.details() or ""
-    assert error.code() == case.code, message
+    assert error.code().name == case.code, message
     assert case.says in message
     assert not any(word in message for word in INTERNALS), message
     if case.field:
@@ -204,18 +79,6 @@ def test_bad_input_gets_a_clear_status_and_the_service_serves_on(golden_stubs: S
 
 def test_the_table_has_at_least_40_cases_over_every_service() -> None:
     assert len(CASES) >= 40 and {c.service for c in CASES} == {"gateway", "tokenizer", "model"}
-
-
-MALFORMED = [  # (service, method, raw request bytes)
-    ("gateway", "/grok.gateway.v1.GatewayService/Complete", b"\x0a\x03\xff\xfe\xfd"),  # prompt not UTF-8
-    ("gateway", "/grok.gateway.v1.GatewayService/Generate", b"\x0a\x7fabc"),  # length past the end
-    ("gateway", "/grok.gateway.v1.GatewayService/GetInfo", b"\xff\xff\xff"),
-    ("tokenizer", "/grok.tokenizer.v1.TokenizerService/Encode", b"\x0a\x02\xc3\x28"),
-    ("tokenizer", "/grok.tokenizer.v1.TokenizerService/Decode", b"\x0a\x05\x01\x02"),
-    ("model", "/grok.model.v1.ModelService/Generate", b"\x0a\x09\x01"),
-    ("model", "/grok.model.v1.ModelService/GetInfo", b"\x07"),
-    ("model", "/grpc.health.v1.Health/Check", b"\x0a\x02\xff\xff"),
-]
 
 
 @pytest.mark.parametrize("service, method, raw", MALFORMED, ids=[f"{s}-{m.rsplit('/', 1)[1]}"

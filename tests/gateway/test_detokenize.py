@@ -10,11 +10,11 @@ import grpc
 import pytest
 
 from gateway.client import GatewayClient
-from gateway.detokenize import LocalDetokenizer, piece_table
+from gateway.detokenize import Decoded, LocalDetokenizer, piece_table
 from gateway.errors import GatewayError
 from grok.tokenizer.v1 import tokenizer_pb2
-from tests.gateway.conftest import fake_stack, start_gateway
-from tests.procs import GOLDEN
+from tests.gateway.conftest import fake_stack, start_fake, start_gateway
+from tests.procs import GOLDEN, GROK1_TOKENIZER
 from tokenizer_service.servicer import piece_messages
 from tokenizer_service.tokenizer import PieceTable, Tokenizer
 
@@ -86,15 +86,29 @@ def test_local_detokenizer_gives_decode_streams_texts_and_flushes_held_bytes(gol
     async def run() -> tuple[list[str], str]:
         texts: list[str] = []
         for start in range(0, len(ids), 3):  # model messages of up to 3 ids
-            text, token_texts = await local.push(ids[start:start + 3])
-            assert text == "".join(token_texts)
-            texts += token_texts
+            decoded = await local.push(ids[start:start + 3])
+            assert decoded.text == "".join(decoded.token_texts) and decoded.alternative_texts is None
+            texts += decoded.token_texts
         return texts, await local.finish()
 
     texts, tail = asyncio.run(run())
     assert texts == reference.push_many(ids)
     assert tail == reference.flush() == "\ufffd"
     assert "".join(texts) + tail == tok.decode(ids)
+
+
+def test_local_detokenizer_reads_the_prompt_first_and_gives_alternatives_in_context() -> None:
+    tok = Tokenizer(GROK1_TOKENIZER)
+    ids = tok.encode("The gateway limits the prompt")
+    local = LocalDetokenizer(tok.piece_table(), ids[:2])
+    large = tok.encode("large")[0]
+
+    async def run() -> tuple[Decoded, Decoded, str]:
+        return await local.push(ids[2:3], [[large]]), await local.push(ids[3:]), await local.finish()
+
+    first, rest, tail = asyncio.run(run())
+    assert first.token_texts == [" limits"] and first.alternative_texts == [[" large"]]
+    assert "The gateway" + first.text + rest.text + tail == tok.decode(ids)
 
 
 def test_local_detokenizer_rejects_an_unknown_id_as_invalid_argument(golden) -> None:
@@ -128,3 +142,23 @@ def test_local_gateway_before_a_tokenizer_without_get_pieces_is_internal_naming_
         assert not [r for r in stack.gateway.log_records() if r.get("level") == "error"]
     finally:
         stack.stop()
+
+
+def test_an_older_tokenizer_service_still_gets_alternatives_texts_from_single_piece_decodes(
+        tmp_path: pathlib.Path) -> None:
+    # A tokenizer service that predates DecodeStream's alternatives answers none: each alternative is then
+    # decoded alone (Decode), so alternatives keep a text rather than an empty one.
+    tokenizer = start_fake("tokenizer", tmp_path, "--legacy")
+    model = start_fake("model", tmp_path)
+    gateway = start_gateway(tokenizer.address, [model.address], tmp_path)
+    try:
+        for service in (tokenizer, model, gateway):
+            service.wait_serving(60)
+        with GatewayClient(gateway.address, timeout=30) as client:
+            reply = client.complete("xy|hello", max_tokens=1, top_logprobs=2)
+        assert reply.text == "hello"
+        assert [(t.id, t.text) for t in reply.tokens[0].top_tokens] == [(reply.tokens[0].id, "hello"),
+                                                                        (reply.tokens[0].id + 1, "wor")]
+    finally:
+        for service in (gateway, model, tokenizer):
+            service.terminate()

@@ -19,11 +19,11 @@ import pytest
 
 from gateway.client import GatewayClient
 from grok.gateway.v1 import gateway_pb2
-from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from serving_common.healthcheck import check
 from tests.gateway.conftest import Stack
 from tests.gateway.test_gateway import wait_for
 from tests.procs import GOLDEN, Service, grpcurl
+from tokenizer_service.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -143,21 +143,30 @@ def test_grpcurl_generate_against_the_real_stack(golden_stack: Stack) -> None:
     assert "".join(m.get("text", "") for m in messages) == case["output_text"]
 
 
-def test_token_texts_add_up_and_alternatives_are_pieces_decoded_alone(golden_stack: Stack) -> None:
+def test_token_texts_add_up_and_alternatives_read_in_context(golden_stack: Stack) -> None:
     case = GOLDEN_REQUESTS[0]  # its output has byte-fallback pieces that decode to replacement characters
     with GatewayClient(golden_stack.address, timeout=120) as client:
         messages = list(client.generate(case["request"]["prompt"], top_logprobs=3, **golden_options(case)))
-    with grpc.insecure_channel(golden_stack.tokenizer.address) as channel:
-        tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-        for message in messages:
-            assert message.text == "".join(t.text for t in message.tokens)
-            for token in message.tokens:
-                assert len(token.top_tokens) == 3
-                assert token.top_tokens[0].probability >= token.top_tokens[2].probability
-                for top in token.top_tokens:
-                    alone = tokenizer.Decode(tokenizer_pb2.DecodeRequest(token_ids=[top.id]), timeout=10).text
-                    assert top.text == alone
+    tok = Tokenizer(GOLDEN / "tokenizer.model")
+    before = list(case["prompt_ids"])
+    for message in messages:
+        assert message.text == "".join(t.text for t in message.tokens)
+        for token in message.tokens:
+            assert 1 <= len(token.top_tokens) <= 3 and all(top.probability > 0 for top in token.top_tokens)
+            probabilities = [top.probability for top in token.top_tokens]
+            assert probabilities == sorted(probabilities, reverse=True)
+            for top in token.top_tokens:  # what it would have added in the chosen token's place
+                if not held_back(tok, before) and not held_back(tok, before + [top.id]):
+                    assert tok.decode(before) + top.text == tok.decode(before + [top.id])
+            before.append(token.id)
     assert "".join(m.text for m in messages) == case["output_text"]
+
+
+def held_back(tok: Tokenizer, ids: list[int]) -> bool:
+    """Whether `ids` end inside a character (its bytes are held back until it completes)."""
+    decoder = tok.stream_decoder()
+    decoder.push_many(ids)
+    return decoder.pending
 
 
 def test_real_tokenizer_down_is_unavailable_then_recovers(golden_stack: Stack, tmp_path: pathlib.Path) -> None:

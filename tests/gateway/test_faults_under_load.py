@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from benchmarks.chaos_faults import good_answer, scrape, slots_free
+from benchmarks.chaos_faults import good_answer, scrape, sigterm_tokenizer_with_streams_in_flight, slots_free
 from benchmarks.chaos_load import EXPECTED, Seeded, Traffic, baseline, burst, wait_until
 from benchmarks.chaos_stack import LocalStack, StackConfig
 from gateway.client import generate_request
@@ -189,6 +189,18 @@ def test_sigterm_under_load_finishes_the_calls_in_flight_then_the_service_exits_
     # its DecodeStreams. (A stream on the other replica finishes anyway.)
     assert ended == ["OK", "OK"], ended
     only_expected(traffic)
+
+
+def test_sigterm_of_the_tokenizer_loses_no_stream_the_gateway_already_admitted(stack: LocalStack,
+                                                                              seeded: list[Seeded]) -> None:
+    """More streams than slots (the rest wait in the models' queues, already encoded) when the tokenizer gets
+    SIGTERM (remote detokenization, the default): every one of them finishes. The waiting ones used to open
+    their DecodeStream only at their first token, after the tokenizer had stopped listening: UNAVAILABLE."""
+    report = sigterm_tokenizer_with_streams_in_flight(stack, seeded, streams=8, tokens=120)
+    assert report["running_at_signal"] > report["decoding_at_signal"], report  # some waited in a queue
+    assert report["exit_code"] == 0
+    assert report["in_flight"] == 8, report
+    assert report["in_flight_lost"] == 0, report
 
 
 def test_sigterm_of_the_gateway_under_load_finishes_its_streams_and_exits_cleanly(stack: LocalStack,

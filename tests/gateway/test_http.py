@@ -134,15 +134,56 @@ def test_malformed_json_is_400(fast_stack: Stack) -> None:
     assert status == 400 and reply["error"]["type"] == "invalid_request_error"
 
 
+def test_malformed_json_names_line_and_column_not_an_offset_as_param(fast_stack: Stack) -> None:
+    status, reply = post(f"{fast_stack.http_url}/v1/completions", b'{"prompt": "a",\n "max_tokens": 2,,}')
+    error = reply["error"]
+    assert status == 400 and set(error) == {"message", "type", "param", "code"}
+    assert error["param"] in (None, "body") and error["type"] == "invalid_request_error"
+    assert "not valid JSON" in error["message"] and "line 2, column 18" in error["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
+def test_a_body_sent_without_the_json_content_type_says_to_send_it(fast_stack: Stack, content_type: str) -> None:
+    status, reply = post(f"{fast_stack.http_url}/v1/completions", {"prompt": "a|b", "max_tokens": 1},
+                         headers={"content-type": content_type})
+    assert status == 400 and reply["error"]["type"] == "invalid_request_error"
+    assert "Content-Type: application/json" in reply["error"]["message"]
+    assert content_type in reply["error"]["message"] and "valid dictionary" not in reply["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [b"", b"[1, 2]", b'"text"'], ids=["empty", "array", "string"])
+def test_a_body_that_is_not_a_json_object_says_so(fast_stack: Stack, body: bytes) -> None:
+    status, reply = post(f"{fast_stack.http_url}/v1/completions", body)
+    assert status == 400 and reply["error"]["param"] == "body"
+    assert reply["error"]["message"].startswith("the request body must be one JSON object")
+
+
+def test_logprobs_out_of_range_on_completions_names_logprobs_in_message_and_param(fast_stack: Stack) -> None:
+    status, reply = post(f"{fast_stack.http_url}/v1/completions", {"prompt": "a|b", "logprobs": 20})
+    assert status == 400 and reply["error"]["param"] == "logprobs"
+    assert reply["error"]["message"].startswith("logprobs: ") and "top_logprobs" not in reply["error"]["message"]
+
+
 def test_unknown_model_is_404_model_not_found(fast_stack: Stack) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         sdk(fast_stack.http_url).completions.create(model="gpt-4", prompt="a|b", max_tokens=1)
     assert caught.value.code == "model_not_found" and "grok-1" in caught.value.message
 
 
-def test_unknown_path_is_404_with_an_openai_error_body(fast_stack: Stack) -> None:
+def test_unknown_path_is_404_with_an_openai_error_body_listing_the_routes(fast_stack: Stack) -> None:
     status, reply = get(f"{fast_stack.http_url}/v1/embeddings")
     assert status == 404 and reply["error"]["type"] == "not_found_error"
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    message = reply["error"]["message"]
+    assert "/v1/embeddings" in message
+    for route in ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health"):
+        assert route in message
+
+
+def test_wrong_method_is_405_naming_the_method_to_use(fast_stack: Stack) -> None:
+    status, reply = get(f"{fast_stack.http_url}/v1/completions")
+    assert status == 405 and set(reply["error"]) == {"message", "type", "param", "code"}
+    assert "POST /v1/completions" in reply["error"]["message"]
 
 
 def test_models_lists_the_served_model_and_health_is_open(fast_stack: Stack) -> None:

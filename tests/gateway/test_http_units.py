@@ -107,6 +107,22 @@ def test_field_named_by_a_grpc_error_becomes_the_openai_param() -> None:
     assert from_status(grpc.StatusCode.UNAVAILABLE, "model: down").param is None
 
 
+def test_the_message_names_the_field_as_param_does() -> None:
+    assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: must be in 0..8").message == (
+        "logprobs: must be in 0..8")
+    assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "prompt: 300 tokens", "chat").message == "messages: 300 tokens"
+    assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "stop[2]: empty").message == "stop[2]: empty"
+
+
+def test_alternatives_with_the_same_text_keep_the_most_probable_in_completions_logprobs() -> None:
+    # Two ids can read alike (a byte piece and a piece of the same character): the dict keeps the first.
+    tops = [gateway_pb2.TopToken(id=7, text="A", logprob=-0.5), gateway_pb2.TopToken(id=300, text="A", logprob=-2.0),
+            gateway_pb2.TopToken(id=9, text=" b", logprob=-3.0)]
+    token = gateway_pb2.Token(id=7, text="A", logprob=-0.5, top_tokens=tops)
+    body = Shaper("completions", "r", "grok-1", top_logprobs=3).completion_logprobs([token])
+    assert body["top_logprobs"] == [{"A": -0.5, " b": -3.0}]
+
+
 def test_logprob_of_a_masked_token_is_finite_in_json() -> None:
     token = gateway_pb2.Token(id=1, text="a", logprob=-math.inf)
     body = Shaper("chat", "r", "grok-1", top_logprobs=0).chat_logprobs([token])

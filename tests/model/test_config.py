@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from model_service.config import ConfigError, MeshConfig, load_model_config, validate
+from model_service.config import ConfigError, MeshConfig, load_model_config, model_config_to_dict, validate
 from model_service.sharding import make_mesh
 from tests.procs import GOLDEN, ROOT
 
@@ -28,6 +28,23 @@ def test_golden_and_demo_json_files_load_and_validate() -> None:
     demo = load_model_config(str(ROOT / "configs" / "demo.json"))
     assert (demo.vocab_size, demo.model.emb_size, demo.model.num_layers, demo.sequence_len) == (1024, 128, 4, 256)
     validate(demo, MeshConfig(1, 2))
+
+
+def test_the_references_mesh_axis_names_are_read_only_as_data_and_model(tmp_path: pathlib.Path) -> None:
+    values = json.loads((GOLDEN / "config.json").read_text())
+    assert model_config_to_dict(load_model_config(str(GOLDEN / "config.json"))) == values  # the layout survives
+    assert not hasattr(load_model_config(str(GOLDEN / "config.json")).model, "data_axis")  # no field pretends
+    for key in ("data_axis", "model_axis"):
+        without = json.loads(json.dumps(values))
+        del without["model"][key]
+        path = tmp_path / f"no_{key}.json"
+        path.write_text(json.dumps(without))
+        assert load_model_config(str(path)) == load_model_config(str(GOLDEN / "config.json"))
+        renamed = json.loads(json.dumps(values))
+        renamed["model"][key] = "batch"
+        path.write_text(json.dumps(renamed))
+        with pytest.raises(ConfigError, match=f"model.{key}: this service names its mesh axes"):
+            load_model_config(str(path))
 
 
 def test_unknown_or_missing_fields_are_named(tmp_path: pathlib.Path) -> None:

@@ -61,6 +61,33 @@ def test_decode_stream_deltas_concatenate_to_decode(stub: Stub, grok_tokenizer: 
     assert "".join(r.text for r in replies) == grok_tokenizer.sp.decode(ids)
 
 
+def test_decode_stream_after_prompt_ids_reads_tokens_in_context(stub: Stub, grok_tokenizer: Tokenizer) -> None:
+    ids = grok_tokenizer.encode("The gateway limits the prompt")
+    prompt, completion = ids[:2], ids[2:]
+    other = grok_tokenizer.encode("large")[0]
+    requests = [pb.DecodeStreamRequest(prompt_ids=prompt, token_ids=completion[:1],
+                                       alternatives=[pb.AlternativeIds(token_ids=[other, completion[0]])]),
+                pb.DecodeStreamRequest(token_ids=completion[1:])]
+    replies = list(stub.DecodeStream(iter(requests), timeout=10))
+    assert replies[0].token_texts == [" limits"]
+    assert [list(a.texts) for a in replies[0].alternative_texts] == [[" large", " limits"]]
+    assert not replies[1].alternative_texts
+    assert "The gateway" + "".join(r.text for r in replies) == grok_tokenizer.decode(prompt + completion)
+
+
+def test_decode_stream_refuses_prompt_ids_after_tokens_and_mismatched_alternatives(stub: Stub) -> None:
+    late = iter([pb.DecodeStreamRequest(token_ids=[5]), pb.DecodeStreamRequest(prompt_ids=[6], token_ids=[7])])
+    call = stub.DecodeStream(late, timeout=10)
+    next(call)
+    with pytest.raises(grpc.RpcError) as caught:
+        next(call)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in caught.value.details()
+    uneven = pb.DecodeStreamRequest(token_ids=[5, 6], alternatives=[pb.AlternativeIds(token_ids=[7])])
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.DecodeStream(iter([uneven]), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one per token id" in caught.value.details()
+
+
 def test_empty_decode_stream_is_ok(stub: Stub) -> None:
     assert list(stub.DecodeStream(iter([]), timeout=10)) == []
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!grok/tokenizer/v1/tokenizer.proto\x12\x11grok.tokenizer.v1\"?\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08\x12\x0f\n\x07\x61\x64\x64_eos\x18\x03 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"H\n\x12\x45ncodeBatchRequest\x12\x32\n\x08requests\x18\x01 \x03(\x0b\x32 .grok.tokenizer.v1.EncodeRequest\"K\n\x13\x45ncodeBatchResponse\x12\x34\n\tresponses\x18\x01 \x03(\x0b\x32!.grok.tokenizer.v1.EncodeResponse\"\"\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"(\n\x13\x44\x65\x63odeStreamRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"9\n\x14\x44\x65\x63odeStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_texts\x18\x02 \x03(\t\"\x10\n\x0eGetInfoRequest\"\x8f\x01\n\x0fGetInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0e\n\x06\x62os_id\x18\x02 \x01(\x05\x12\x0e\n\x06\x65os_id\x18\x03 \x01(\x05\x12\x0e\n\x06pad_id\x18\x04 \x01(\x05\x12\x0e\n\x06unk_id\x18\x05 \x01(\x05\x12\x14\n\x0cmodel_sha256\x18\x06 \x01(\t\x12\x12\n\nmodel_path\x18\x07 \x01(\t\"\x12\n\x10GetPiecesRequest\"b\n\x05Piece\x12\x0f\n\x07is_byte\x18\x01 \x01(\x08\x12\x12\n\nbyte_value\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x17\n\nfirst_text\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_first_text\"\x9b\x01\n\x11GetPiecesResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x14\n\x0cmodel_sha256\x18\x02 \x01(\t\x12 \n\x18strip_all_leading_spaces\x18\x03 \x01(\x08\x12\x10\n\x08start_id\x18\x04 \x01(\x05\x12(\n\x06pieces\x18\x05 \x03(\x0b\x32\x18.grok.tokenizer.v1.Piece2\x9f\x04\n\x10TokenizerService\x12M\n\x06\x45ncode\x12 .grok.tokenizer.v1.EncodeRequest\x1a!.grok.tokenizer.v1.EncodeResponse\x12\\\n\x0b\x45ncodeBatch\x12%.grok.tokenizer.v1.EncodeBatchRequest\x1a&.grok.tokenizer.v1.EncodeBatchResponse\x12M\n\x06\x44\x65\x63ode\x12 .grok.tokenizer.v1.DecodeRequest\x1a!.grok.tokenizer.v1.DecodeResponse\x12\x63\n\x0c\x44\x65\x63odeStream\x12&.grok.tokenizer.v1.DecodeStreamRequest\x1a\'.grok.tokenizer.v1.DecodeStreamResponse(\x01\x30\x01\x12P\n\x07GetInfo\x12!.grok.tokenizer.v1.GetInfoRequest\x1a\".grok.tokenizer.v1.GetInfoResponse\x12X\n\tGetPieces\x12#.grok.tokenizer.v1.GetPiecesRequest\x1a$.grok.tokenizer.v1.GetPiecesResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!grok/tokenizer/v1/tokenizer.proto\x12\x11grok.tokenizer.v1\"?\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08\x12\x0f\n\x07\x61\x64\x64_eos\x18\x03 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"H\n\x12\x45ncodeBatchRequest\x12\x32\n\x08requests\x18\x01 \x03(\x0b\x32 .grok.tokenizer.v1.EncodeRequest\"K\n\x13\x45ncodeBatchResponse\x12\x34\n\tresponses\x18\x01 \x03(\x0b\x32!.grok.tokenizer.v1.EncodeResponse\"\"\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"u\n\x13\x44\x65\x63odeStreamRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x37\n\x0c\x61lternatives\x18\x03 \x03(\x0b\x32!.grok.tokenizer.v1.AlternativeIds\"#\n\x0e\x41lternativeIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"y\n\x14\x44\x65\x63odeStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_texts\x18\x02 \x03(\t\x12>\n\x11\x61lternative_texts\x18\x03 \x03(\x0b\x32#.grok.tokenizer.v1.AlternativeTexts\"!\n\x10\x41lternativeTexts\x12\r\n\x05texts\x18\x01 \x03(\t\"\x10\n\x0eGetInfoRequest\"\x8f\x01\n\x0fGetInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0e\n\x06\x62os_id\x18\x02 \x01(\x05\x12\x0e\n\x06\x65os_id\x18\x03 \x01(\x05\x12\x0e\n\x06pad_id\x18\x04 \x01(\x05\x12\x0e\n\x06unk_id\x18\x05 \x01(\x05\x12\x14\n\x0cmodel_sha256\x18\x06 \x01(\t\x12\x12\n\nmodel_path\x18\x07 \x01(\t\"\x12\n\x10GetPiecesRequest\"b\n\x05Piece\x12\x0f\n\x07is_byte\x18\x01 \x01(\x08\x12\x12\n\nbyte_value\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x17\n\nfirst_text\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_first_text\"\x9b\x01\n\x11GetPiecesResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x14\n\x0cmodel_sha256\x18\x02 \x01(\t\x12 \n\x18strip_all_leading_spaces\x18\x03 \x01(\x08\x12\x10\n\x08start_id\x18\x04 \x01(\x05\x12(\n\x06pieces\x18\x05 \x03(\x0b\x32\x18.grok.tokenizer.v1.Piece2\x9f\x04\n\x10TokenizerService\x12M\n\x06\x45ncode\x12 .grok.tokenizer.v1.EncodeRequest\x1a!.grok.tokenizer.v1.EncodeResponse\x12\\\n\x0b\x45ncodeBatch\x12%.grok.tokenizer.v1.EncodeBatchRequest\x1a&.grok.tokenizer.v1.EncodeBatchResponse\x12M\n\x06\x44\x65\x63ode\x12 .grok.tokenizer.v1.DecodeRequest\x1a!.grok.tokenizer.v1.DecodeResponse\x12\x63\n\x0c\x44\x65\x63odeStream\x12&.grok.tokenizer.v1.DecodeStreamRequest\x1a\'.grok.tokenizer.v1.DecodeStreamResponse(\x01\x30\x01\x12P\n\x07GetInfo\x12!.grok.tokenizer.v1.GetInfoRequest\x1a\".grok.tokenizer.v1.GetInfoResponse\x12X\n\tGetPieces\x12#.grok.tokenizer.v1.GetPiecesRequest\x1a$.grok.tokenizer.v1.GetPiecesResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,19 +44,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODERESPONSE']._serialized_start=345
   _globals['_DECODERESPONSE']._serialized_end=375
   _globals['_DECODESTREAMREQUEST']._serialized_start=377
-  _globals['_DECODESTREAMREQUEST']._serialized_end=417
-  _globals['_DECODESTREAMRESPONSE']._serialized_start=419
-  _globals['_DECODESTREAMRESPONSE']._serialized_end=476
-  _globals['_GETINFOREQUEST']._serialized_start=478
-  _globals['_GETINFOREQUEST']._serialized_end=494
-  _globals['_GETINFORESPONSE']._serialized_start=497
-  _globals['_GETINFORESPONSE']._serialized_end=640
-  _globals['_GETPIECESREQUEST']._serialized_start=642
-  _globals['_GETPIECESREQUEST']._serialized_end=660
-  _globals['_PIECE']._serialized_start=662
-  _globals['_PIECE']._serialized_end=760
-  _globals['_GETPIECESRESPONSE']._serialized_start=763
-  _globals['_GETPIECESRESPONSE']._serialized_end=918
-  _globals['_TOKENIZERSERVICE']._serialized_start=921
-  _globals['_TOKENIZERSERVICE']._serialized_end=1464
+  _globals['_DECODESTREAMREQUEST']._serialized_end=494
+  _globals['_ALTERNATIVEIDS']._serialized_start=496
+  _globals['_ALTERNATIVEIDS']._serialized_end=531
+  _globals['_DECODESTREAMRESPONSE']._serialized_start=533
+  _globals['_DECODESTREAMRESPONSE']._serialized_end=654
+  _globals['_ALTERNATIVETEXTS']._serialized_start=656
+  _globals['_ALTERNATIVETEXTS']._serialized_end=689
+  _globals['_GETINFOREQUEST']._serialized_start=691
+  _globals['_GETINFOREQUEST']._serialized_end=707
+  _globals['_GETINFORESPONSE']._serialized_start=710
+  _globals['_GETINFORESPONSE']._serialized_end=853
+  _globals['_GETPIECESREQUEST']._serialized_start=855
+  _globals['_GETPIECESREQUEST']._serialized_end=873
+  _globals['_PIECE']._serialized_start=875
+  _globals['_PIECE']._serialized_end=973
+  _globals['_GETPIECESRESPONSE']._serialized_start=976
+  _globals['_GETPIECESRESPONSE']._serialized_end=1131
+  _globals['_TOKENIZERSERVICE']._serialized_start=1134
+  _globals['_TOKENIZERSERVICE']._serialized_end=1677
 # @@protoc_insertion_point(module_scope)

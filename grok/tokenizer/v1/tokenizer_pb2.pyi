@@ -47,18 +47,36 @@ class DecodeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class DecodeStreamRequest(_message.Message):
+    __slots__ = ("token_ids", "prompt_ids", "alternatives")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    alternatives: _containers.RepeatedCompositeFieldContainer[AlternativeIds]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., alternatives: _Optional[_Iterable[_Union[AlternativeIds, _Mapping]]] = ...) -> None: ...
+
+class AlternativeIds(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeStreamResponse(_message.Message):
-    __slots__ = ("text", "token_texts")
+    __slots__ = ("text", "token_texts", "alternative_texts")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVE_TEXTS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_texts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, text: _Optional[str] = ..., token_texts: _Optional[_Iterable[str]] = ...) -> None: ...
+    alternative_texts: _containers.RepeatedCompositeFieldContainer[AlternativeTexts]
+    def __init__(self, text: _Optional[str] = ..., token_texts: _Optional[_Iterable[str]] = ..., alternative_texts: _Optional[_Iterable[_Union[AlternativeTexts, _Mapping]]] = ...) -> None: ...
+
+class AlternativeTexts(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

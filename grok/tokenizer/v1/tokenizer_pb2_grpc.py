@@ -105,7 +105,9 @@ class TokenizerServiceServicer:
         replacement character for an incomplete character. When the client
         half-closes, anything still held back is flushed in one final response
         (decoded exactly as Decode would), so the concatenation of all deltas
-        equals Decode of all token ids sent.
+        equals Decode of all token ids sent. A client decoding a completion sends
+        its prompt's ids as prompt_ids with the first message, so the tokens read
+        as they do after the prompt.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,81 @@
+"""Read timeouts for the HTTP port: uvicorn's h11 protocol with a deadline on each request's headers and
+on its body.
+
+uvicorn closes a connection that sends nothing for `timeout_keep_alive` seconds, but a client sending
+a byte at a time cancels that timer with each byte and is then held without limit (slowloris): 30 such
+clients held 30 connections and their tasks forever. Here, from the moment a connection is ready for a
+request, its headers must be complete within `header_seconds`; once they are, its body must be complete
+within `body_seconds` (h11 limits the headers' size, and the app the body's). A client that misses a
+deadline gets its connection closed: 408 first when no request had started, so an honest but slow client
+learns why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+
+HEADER_SECONDS = 10.0  # nginx's client_header_timeout is 60 s; our requests are small JSON bodies
+BODY_SECONDS = 60.0  # the whole body (at most 4 MiB), from the end of its headers
+_TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+class GuardedH11Protocol(H11Protocol):
+    """H11Protocol with header and body deadlines (`guarded(...)` makes a subclass with the values)."""
+
+    header_seconds = HEADER_SECONDS
+    body_seconds = BODY_SECONDS
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._phase: object = None
+        self._deadline: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._follow()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _follow(self) -> None:
+        """Arm the deadline of the phase the peer is in (headers, body) when it changed; none otherwise."""
+        phase = self.conn.their_state
+        if phase is self._phase:
+            return
+        self._phase = phase
+        self._disarm()
+        seconds = {h11.IDLE: self.header_seconds, h11.SEND_BODY: self.body_seconds}.get(phase)
+        if seconds is not None and not self.transport.is_closing():
+            self._deadline = self.loop.call_later(seconds, self._expired, phase)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self, phase: object) -> None:
+        self._deadline = None
+        if self.conn.their_state is not phase or self.transport.is_closing():
+            return
+        waiting = "headers" if phase is h11.IDLE else "body"
+        log.info("http client too slow, connection closed", extra={"waiting_for": waiting, "client": self.client})
+        if phase is h11.IDLE and (self.cycle is None or self.cycle.response_complete):  # no request open
+            self.transport.write(_TIMEOUT_408)
+        self.transport.close()
+
+
+def guarded(header_seconds: float, body_seconds: float) -> type[GuardedH11Protocol]:
+    """The protocol class for uvicorn.Config(http=...) with these deadlines."""
+    return type("GuardedH11", (GuardedH11Protocol,), {"header_seconds": header_seconds, "body_seconds": body_seconds})

@@ -1,0 +1,59 @@
+"""How to sample, per request: one value carried from the servicer through the scheduler to the device.
+
+`SamplingSettings` says how each token of a request is drawn, with vLLM's definitions and ranges: the
+reference's temperature / top_p / token mask, the number of alternatives reported per token, and the
+controls (top-k, min-p, penalties, logit_bias). Its defaults are "greedy, every control off"; a request
+whose controls are all off is sampled exactly as the reference samples (the device code skips every
+control per slot: see logits_processing.py). The seed is not part of it: the n samples of one request
+share these settings and differ in their seed. No JAX here: the servicer, the scheduler and the lockstep
+op table use this module; the engine turns a value into its per-slot device rows (engine.py).
+
+Order of operations on one slot's logits (vLLM's sampler order; the reference's part unchanged):
+  1. logit_bias added to the raw logits (vLLM applies it as a logits processor, before the sampler);
+  2. penalties on the biased logits: repetition (over prompt and generated tokens: positive logits
+     divided by it, the others multiplied), then frequency (minus penalty x count) and presence (minus
+     penalty if generated at least once), both over the generated tokens only;
+  3. the reference's steps: divide by the temperature, mask disallowed ids with -1e10;
+  4. top-k (keep logits >= the k-th largest), then the reference's nucleus filter, then min-p (keep
+     tokens whose probability is >= min_p x the largest probability);
+  5. the draw (or argmax at temperature 0); reported probabilities are the softmax of what is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit); the device keeps a fixed [slots, 300] table
+LOGIT_BIAS_LIMIT = 100.0  # |bias| bound, as OpenAI and vLLM document
+PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty| bound (OpenAI's and vLLM's)
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_LOGPROBS = 8  # alternatives per token the device computes (sampling.TOP_K)
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How one request's tokens are drawn. Field values are checked by validation.py."""
+
+    temperature: float = 0.0  # >= 0; 0 is greedy
+    top_p: float = 1.0  # in (0, 1]; 1 is off
+    allowed: tuple[int, ...] = ()  # token ids that may be sampled (empty: all)
+    blocked: tuple[int, ...] = ()  # token ids that are never sampled (the pad id never is)
+    top_logprobs: int = 0  # alternatives reported per token, 0..MAX_TOP_LOGPROBS
+    top_k: int = 0  # 0 or -1: off; else keep the k most likely tokens (ties at the k-th kept)
+    min_p: float = 0.0  # in [0, 1]; 0: off
+    repetition_penalty: float = 1.0  # > 0; 1: off
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids unique
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def controls_off(self) -> bool:
+        """No control beyond the reference's temperature / top_p / mask is used."""
+        return self.top_k in (0, -1) and self.min_p == 0.0 and not self.penalized and not self.logit_bias
+
+
+GREEDY = SamplingSettings()

@@ -1,0 +1,139 @@
+"""Request validation: the first thing wrong with a request, naming the field as the APIs spell it.
+
+`validate` runs in `Scheduler.submit`, before anything is queued, so a bad request costs no slot and gets
+INVALID_ARGUMENT with a message a person can act on. The limits come from the engine (`EngineLimits`:
+vocabulary, context, buckets, slots) and from sampling_settings.py. No JAX here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from model_service.requests import ErrorKind, GenerationRequest, SchedulerError
+from model_service.sampling_settings import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    PENALTY_LIMIT,
+    SamplingSettings,
+)
+
+
+class EngineLimits(Protocol):
+    """What validation needs to know of the engine (EngineLike has all of it)."""
+
+    slots: int
+    buckets: tuple[int, ...]
+    sequence_len: int
+    vocab_size: int
+    pad_id: int
+
+
+def validate(req: GenerationRequest, engine: EngineLimits) -> None:
+    """Raise INVALID_ARGUMENT for anything the engine could not serve as asked."""
+    problem = request_problem(req, engine)
+    if problem:
+        raise SchedulerError(ErrorKind.INVALID_ARGUMENT, problem)
+
+
+def request_problem(req: GenerationRequest, engine: EngineLimits) -> str:
+    """The first thing wrong with `req` (naming the field), or "" when it can be served."""
+    # In the order the fields were always checked: a request with several problems hears of the same one first.
+    return (prompt_problem(req, engine) or reference_problem(req.sampling) or outputs_problem(req, engine)
+            or token_sets_problem(req.sampling, engine) or controls_problem(req.sampling, engine.vocab_size)
+            or stop_token_ids_problem(req.stop_token_ids, engine.vocab_size))
+
+
+def prompt_problem(req: GenerationRequest, engine: EngineLimits) -> str:
+    """The prompt and the length limits."""
+    vocab, n = engine.vocab_size, len(req.prompt)
+    if n == 0:
+        return "token_ids: the prompt is empty"
+    if any(not 0 <= t < vocab for t in req.prompt):
+        return f"token_ids: every id must be in [0, {vocab})"
+    if n > max(engine.buckets):
+        return (f"token_ids: the prompt has {n} tokens; the longest accepted is {max(engine.buckets)} "
+                "(the largest prefill bucket): shorten it")
+    if n >= engine.sequence_len:
+        return f"token_ids: the prompt has {n} tokens and leaves no room in the {engine.sequence_len}-token context"
+    if req.max_tokens is not None and req.max_tokens < 1:
+        return "max_tokens: must be >= 1 (or unset for as many as fit the context)"
+    if req.max_tokens is not None and n + req.max_tokens > engine.sequence_len:
+        return (f"max_tokens: prompt ({n}) + max_tokens ({req.max_tokens}) exceeds the context of "
+                f"{engine.sequence_len} tokens")
+    return ""
+
+
+def outputs_problem(req: GenerationRequest, engine: EngineLimits) -> str:
+    """The seed and what the request asks back (prompt_logprobs, n samples)."""
+    if req.seed is not None and not 0 <= req.seed < 2**32:
+        return "seed: must be a uint32"
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        return f"prompt_logprobs: must be in 0..{MAX_TOP_LOGPROBS} (alternatives per prompt token)"
+    if not 1 <= req.n <= engine.slots:
+        return (f"n: must be in 1..{engine.slots} (each sample takes one of the {engine.slots} slots; got {req.n}): "
+                "ask for fewer samples")
+    return ""
+
+
+def reference_problem(s: SamplingSettings) -> str:
+    """The reference's settings: temperature, top_p, and the alternatives reported per token."""
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        return "temperature: must be finite and >= 0"
+    if not math.isfinite(s.top_p) or not 0 < s.top_p <= 1:
+        return "top_p: must be in (0, 1]"
+    if not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS:
+        return f"top_logprobs: must be in 0..{MAX_TOP_LOGPROBS}"
+    return ""
+
+
+def token_sets_problem(s: SamplingSettings, engine: EngineLimits) -> str:
+    """allowed/blocked ids: in the vocabulary, and some token left to sample."""
+    vocab = engine.vocab_size
+    for field, ids in (("allowed_token_ids", s.allowed), ("blocked_token_ids", s.blocked)):
+        if any(not 0 <= t < vocab for t in ids):
+            return f"{field}: every id must be in [0, {vocab})"
+    removed = set(s.blocked) | {engine.pad_id}
+    left = bool(set(s.allowed) - removed) if s.allowed else len(removed) < vocab
+    if not left:
+        return "allowed_token_ids/blocked_token_ids: no token is left to sample (the pad id is never sampled)"
+    return ""
+
+
+def controls_problem(c: SamplingSettings, vocab_size: int) -> str:
+    """The first thing wrong with the controls of `c` (top_k, min_p, penalties, logit_bias), or ""."""
+    if c.top_k < -1:
+        return f"top_k: must be -1 or 0 (off) or >= 1 (got {c.top_k})"
+    if not (math.isfinite(c.min_p) and 0.0 <= c.min_p <= 1.0):
+        return f"min_p: must be in [0, 1] (got {c.min_p}); 0 is off"
+    if not (math.isfinite(c.repetition_penalty) and c.repetition_penalty > 0):
+        return f"repetition_penalty: must be > 0 (got {c.repetition_penalty}); 1 is off"
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(c, name)
+        if not (math.isfinite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT):
+            return f"{name}: must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}] (got {value}); 0 is off"
+    return logit_bias_problem(c.logit_bias, vocab_size)
+
+
+def logit_bias_problem(bias: tuple[tuple[int, float], ...], vocab_size: int) -> str:
+    if len(bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias: {len(bias)} entries is over the limit of {MAX_LOGIT_BIAS}"
+    if len({token for token, _ in bias}) != len(bias):
+        return "logit_bias: a token id appears twice"
+    for token, value in bias:
+        if not 0 <= token < vocab_size:
+            return f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})"
+        if not (math.isfinite(value) and -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT):
+            return f"logit_bias: the bias of token {token} must be in [-100, 100] (got {value})"
+    return ""
+
+
+def stop_token_ids_problem(ids: tuple[int, ...], vocab_size: int) -> str:
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        return f"stop_token_ids: {len(ids)} ids is over the limit of {MAX_STOP_TOKEN_IDS}"
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+    return ""

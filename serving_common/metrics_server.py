@@ -1,0 +1,15 @@
+"""The Prometheus /metrics endpoint of a service, started so that a port in use stops the service
+with a message naming the flag and the port (prometheus_client alone raises a bare OSError from
+inside the event loop, which ended in a traceback)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+
+def serve_metrics(port: int, host: str, registry: CollectorRegistry) -> None:
+    """Serve `registry` on host:port (a daemon thread); OSError naming --metrics-port when it cannot bind."""
+    try:
+        start_http_server(port, addr=host, registry=registry)
+    except OSError as error:
+        raise OSError(f"--metrics-port: could not bind {host}:{port} ({error.strerror or error})") from None

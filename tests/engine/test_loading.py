@@ -1,0 +1,48 @@
+"""Loading builds the Engine without compiling it; each way of starting compiles every program exactly once."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from model_service.distributed import DistributedConfig, group
+from model_service.engine import Engine
+from model_service.loading import build_engine, load_engine, resolve
+from tests.distributed.fakes import RecordingEngine, SwitchableChannel
+from tests.engine.conftest import golden_server_config
+
+
+def compiled(caplog: pytest.LogCaptureFixture) -> int:
+    return sum(r.getMessage() == "compiled all programs" for r in caplog.records)
+
+
+def test_load_engine_does_not_compile_and_build_engine_compiles_once(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    compiles: list[Engine] = []
+    monkeypatch.setattr(Engine, "compile_all", lambda self: compiles.append(self) or {"fake": 0.0})
+    config = golden_server_config(slots=2, buckets=(32,))
+    cfg, buckets = resolve(config)
+    with caplog.at_level(logging.INFO, logger="model_service.loading"):
+        assert isinstance(load_engine(config, cfg, buckets), Engine)
+        assert compiles == [] and compiled(caplog) == 0
+        engine = build_engine(config, cfg, buckets)
+    assert compiles == [engine] and compiled(caplog) == 1
+
+
+def test_process_0_of_a_group_compiles_once_through_the_lockstep_op(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    loaded = RecordingEngine()
+    monkeypatch.setattr(group, "load_engine", lambda *args: loaded)
+    monkeypatch.setattr(group, "verify_same_config", lambda *args: None)  # needs jax.distributed
+    monkeypatch.setattr(group, "JaxChannel", SwitchableChannel)  # a broadcast to nobody
+    config = golden_server_config(distributed=DistributedConfig("127.0.0.1:1", 2, 0))
+    cfg, buckets = resolve(config)
+    broken: list[Any] = []
+    with caplog.at_level(logging.INFO, logger="model_service.loading"):
+        engine = group.leader_engine(config, cfg, buckets, broken.append)
+    try:
+        assert loaded.count("compile_all") == 1 and compiled(caplog) == 1 and broken == []
+    finally:
+        engine.close()
