@@ -2,7 +2,8 @@
 
 `wait_until` (threads, subprocesses) and `wait_until_async` (inside an event loop) return the
 predicate's first truthy value, so a wait can hand back what it found; on timeout they raise
-AssertionError with `message`, which is what a failing test should say. Prefer an event (a
+AssertionError with `message` (or what `message()` says then: logs, counters), which is what a failing
+test should say. Prefer an event (a
 threading.Event, a future, a log line the code under test writes) where the code offers one; poll only
 what has no event to wait on (another process's state, a port, a health status).
 """
@@ -15,10 +16,15 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+Message = str | Callable[[], str]
+
+
+def _timed_out(message: Message, timeout: float) -> AssertionError:
+    return AssertionError(f"{message() if callable(message) else message} (waited {timeout} s)")
 
 
 def wait_until(predicate: Callable[[], T], timeout: float = 5.0, interval: float = 0.01,
-               message: str = "the condition did not become true") -> T:
+               message: Message = "the condition did not become true") -> T:
     """`predicate()`'s first truthy value, checked every `interval` s for up to `timeout` s."""
     deadline = time.monotonic() + timeout
     while True:
@@ -26,12 +32,12 @@ def wait_until(predicate: Callable[[], T], timeout: float = 5.0, interval: float
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"{message} (waited {timeout} s)")
+            raise _timed_out(message, timeout)
         time.sleep(interval)
 
 
 async def wait_until_async(predicate: Callable[[], T | Awaitable[T]], timeout: float = 5.0, interval: float = 0.01,
-                           message: str = "the condition did not become true") -> T:
+                           message: Message = "the condition did not become true") -> T:
     """`wait_until` in an event loop: the loop keeps running between checks; `predicate` may be async."""
     deadline = time.monotonic() + timeout
     while True:
@@ -41,5 +47,5 @@ async def wait_until_async(predicate: Callable[[], T | Awaitable[T]], timeout: f
         if value:
             return value  # type: ignore[return-value]
         if time.monotonic() >= deadline:
-            raise AssertionError(f"{message} (waited {timeout} s)")
+            raise _timed_out(message, timeout)
         await asyncio.sleep(interval)
