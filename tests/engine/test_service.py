@@ -178,9 +178,8 @@ def test_queue_full_is_resource_exhausted_and_not_loaded_is_unavailable(fake_loo
             running = stub.Generate(request, timeout=30)
             next(running)  # it holds the only slot
             queued = stub.Generate(request, timeout=30)
-            deadline = time.monotonic() + 10
-            while server.scheduler.stats()["queued"] < 1 and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_until(lambda: server.scheduler.stats()["queued"] >= 1, 10, interval=0.005,
+                       message="the second request never queued")
             with pytest.raises(grpc.RpcError) as err:
                 collect(stub.Generate(request, timeout=5))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in (err.value.details() or "")
