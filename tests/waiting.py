@@ -1,26 +1,20 @@
 """The one way tests wait for something to become true: poll a predicate until it holds or time runs out.
 
-`wait_until` (threads, subprocesses) and `wait_until_async` (inside an event loop) return the
-predicate's first truthy value, so a wait can hand back what it found; on timeout they raise
-AssertionError with `message` (or what `message()` says then: logs, counters), which is what a failing
-test should say. Prefer an event (a
-threading.Event, a future, a log line the code under test writes) where the code offers one; poll only
-what has no event to wait on (another process's state, a port, a health status).
+`wait_until` returns the predicate's first truthy value, so a wait can hand back what it found; on
+timeout it raises AssertionError with `message` (or what `message()` says then: logs, counters),
+which is what a failing test should say. Prefer an event (a threading.Event, a future, a log line
+the code under test writes) where the code offers one; poll only what has no event to wait on
+(another process's state, a port, a health status).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
 Message = str | Callable[[], str]
-
-
-def _timed_out(message: Message, timeout: float) -> AssertionError:
-    return AssertionError(f"{message() if callable(message) else message} (waited {timeout} s)")
 
 
 def wait_until(predicate: Callable[[], T], timeout: float = 5.0, interval: float = 0.01,
@@ -32,20 +26,6 @@ def wait_until(predicate: Callable[[], T], timeout: float = 5.0, interval: float
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise _timed_out(message, timeout)
+            raise AssertionError(f"{message() if callable(message) else message} (waited {timeout} s)")
         time.sleep(interval)
 
-
-async def wait_until_async(predicate: Callable[[], T | Awaitable[T]], timeout: float = 5.0, interval: float = 0.01,
-                           message: Message = "the condition did not become true") -> T:
-    """`wait_until` in an event loop: the loop keeps running between checks; `predicate` may be async."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
-            value = await value
-        if value:
-            return value  # type: ignore[return-value]
-        if time.monotonic() >= deadline:
-            raise _timed_out(message, timeout)
-        await asyncio.sleep(interval)
