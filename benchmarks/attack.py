@@ -29,11 +29,12 @@ import grpc
 from benchmarks.attack_cases import UNARY_METHODS, Case, Facts, grpc_cases
 from benchmarks.attack_http import HttpError, finite_json, http_cases
 from benchmarks.attack_slow import slowloris
-from benchmarks.chaos_stack import Proc, free_port
+from benchmarks.chaos_stack import Proc
 from grok.gateway.v1 import gateway_pb2_grpc
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from serving_common.errors import details_of
+from serving_common.processes import free_port
 
 INTERNALS = ("Traceback", "<class", "Exception", "Error:", "127.0.0.1", "ipv4:", "/tmp/", "site-packages")
 TOKENIZER_LIMITS = ("--max-text-bytes", "4096", "--max-batch", "4", "--max-tokens", "256")

@@ -7,26 +7,16 @@ share one JAX compilation cache, so a restarted replica compiles nothing.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from serving_common.healthcheck import check
-from serving_common.processes import terminate
+from serving_common.processes import free_port, start_module, terminate, wait_serving
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int:
@@ -56,9 +46,7 @@ class Proc:
     def start(self) -> "Proc":
         self.starts += 1
         log = open(self.log_dir / f"{self.name}.{self.starts}.log", "wb")  # noqa: SIM115 - the child owns it
-        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], cwd=ROOT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log,
-                                     stderr=subprocess.STDOUT)
+        self.proc = start_module(self.module, self.args, stdout=log, cwd=ROOT)
         log.close()
         return self
 
@@ -75,14 +63,9 @@ class Proc:
 
     def wait_serving(self, timeout: float = 600.0) -> float:
         """Seconds until the service reported SERVING."""
-        began = time.monotonic()
-        while time.monotonic() - began < timeout:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited with {self.proc and self.proc.returncode}; see {self.log_dir}")
-            if self.serving():
-                return time.monotonic() - began
-            time.sleep(0.05)
-        raise TimeoutError(f"{self.name} not SERVING after {timeout:.0f} s; see {self.log_dir}")
+        assert self.proc is not None, "start() it first"
+        return wait_serving(self.proc, self.address, timeout, name=self.name, interval=0.05,
+                            log_tail=lambda: f"; see {self.log_dir}")
 
     def kill(self) -> None:
         if self.alive():

@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from serving_common.healthcheck import check
-from serving_common.processes import terminate
+from serving_common.processes import free_port, start_module, terminate, wait_serving
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
@@ -59,12 +54,6 @@ def preset(name: str, slots: int = 8, compile_cache: str | None = None) -> Stack
     raise ValueError(f"unknown stack preset {name!r}: golden or medium")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Process:
     """One `python -m MODULE` child with its output in a log file."""
 
@@ -75,21 +64,12 @@ class Process:
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{module}_{self.port}.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(self.port)],
-            cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.proc = start_module(module, [*args, "--host", "127.0.0.1", "--port", str(self.port)],
+                                 stdout=self._log, cwd=cwd, env=env)
 
     def wait_serving(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.module} exited with {self.proc.returncode}; log {self.log_path}:\n"
-                                   f"{self.log_path.read_text(errors='replace')[-3000:]}")
-            if check(self.address, timeout=1.0):
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.module} not SERVING after {timeout:.0f} s; log {self.log_path}")
+        wait_serving(self.proc, self.address, timeout, name=self.module, log_tail=lambda: (
+            f"; log {self.log_path}:\n{self.log_path.read_text(errors='replace')[-3000:]}"))
 
     def stop(self) -> int:
         code = terminate(self.proc, 30.0)

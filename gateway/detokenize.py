@@ -25,7 +25,7 @@ import grpc
 
 from gateway.errors import GatewayError
 from grok.tokenizer.v1 import tokenizer_pb2
-from serving_common.errors import FieldViolation
+from serving_common.errors import domain_status
 from tokenizer_service.tokenizer import PieceSurface, PieceTable, TokenizerInputError
 
 
@@ -57,8 +57,8 @@ class TextStream(Protocol):
 def invalid_id(error: TokenizerInputError) -> GatewayError:
     """What the remote path answers for an id the tokenizer does not know (the tokenizer service's
     INVALID_ARGUMENT, passed through): the same status and message in both modes."""
-    return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"tokenizer service: {error}",
-                        violations=(FieldViolation(error.field, str(error)),))
+    status = domain_status(error)
+    return GatewayError(status.code, f"tokenizer service: {status.message}", violations=status.violations)
 
 
 class LocalDetokenizer:

@@ -16,7 +16,7 @@ import logging
 
 import grpc
 
-from serving_common.errors import DETAILS_KEY, FieldViolation, ServiceError, details_of
+from serving_common.errors import DETAILS_KEY, RETRY_SECONDS, ServiceError, details_of
 from serving_common.logs import request_id_var
 
 log = logging.getLogger(__name__)
@@ -26,25 +26,20 @@ PASS_THROUGH = frozenset({
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
 })
-# How long a client should wait before retrying when a backend is down (RetryInfo of UNAVAILABLE).
-UNAVAILABLE_RETRY_SECONDS = 1.0
 
 
 class GatewayError(ServiceError):
     """An error that ends a request with `code` and an actionable `message` (see ServiceError)."""
 
 
-def invalid(field: str, problem: str) -> GatewayError:
-    """INVALID_ARGUMENT whose message starts with the field name, with a BadRequest field violation."""
-    return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}",
-                        violations=(FieldViolation(field, problem),))
+invalid = GatewayError.invalid  # INVALID_ARGUMENT naming the field, with a BadRequest field violation
 
 
 def down(service: str, detail: str = "") -> GatewayError:
     """UNAVAILABLE for a backend that cannot be reached (the public message names only the service)."""
     suffix = f" ({detail})" if detail else ""
     return GatewayError(grpc.StatusCode.UNAVAILABLE, f"the {service} service is unavailable{suffix}; retry later",
-                        retry_after=UNAVAILABLE_RETRY_SECONDS)
+                        retry_after=RETRY_SECONDS)
 
 
 TRANSPORT_CODES = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})

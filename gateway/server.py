@@ -18,8 +18,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.servicer import GatewayServicer
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from serving_common.grpc_server import HealthReporter, add_health_and_reflection, new_server, serve_until_signal
-from serving_common.tls import bind_port
+from serving_common.grpc_server import HealthReporter
+from serving_common.lifecycle import assemble, drain, serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,7 @@ class Gateway:
 
     async def close(self, grace: float | None = None) -> None:
         """Stop serving (finishing calls within `grace` seconds), then the watches and channels."""
-        await self.health.drain()
-        await self.begin_http_drain()
-        await self.server.stop(grace)
-        await self.release()
+        await drain(self.server, self.health, grace, self.begin_http_drain, self.release)
 
     async def begin_http_drain(self) -> None:
         """Stop accepting HTTP connections; requests in flight go on while gRPC drains too."""
@@ -73,11 +70,13 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
                                 prefetch_pieces=config.detokenize == "local")
     pool = ModelPool(config.models, config.backend_tls)
     metrics = GatewayMetrics()
-    server = new_server("gateway", interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else ())
     pipeline = Pipeline(tokenizer, pool, config.limits, metrics, local_detokenize=config.detokenize == "local")
-    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(pipeline, config), server)
-    health = add_health_and_reflection(server, [SERVICE_NAME])
-    port = bind_port(server, config.host, config.port, config.tls)
+    servicer = GatewayServicer(pipeline, config)
+    built = assemble("gateway", SERVICE_NAME,
+                     lambda server: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server),
+                     config.host, config.port, config.tls,
+                     interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else ())
+    server, health, port = built.server, built.health, built.port
     http = None
     if config.http.port:
         context = HttpContext(pipeline, health, keys, template, config.http.model_name, config.http.timeout_seconds)

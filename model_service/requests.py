@@ -3,7 +3,7 @@
 The servicer builds a `GenerationRequest` from the proto; validation.py checks it; the scheduler queues
 it and, after each step, hands the request an `Emission` through its `emit` callback. `RequestHandle` is
 the caller's side of a submitted request (cancel it from any thread). A failure is a `SchedulerError`
-whose `ErrorKind` the servicer maps to a status. No JAX here.
+of one `ErrorKind`, which serving_common.errors maps to a status. No JAX here.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from model_service.sampling_settings import GREEDY, SamplingSettings
+from serving_common.failures import DomainError, ErrorKind
 
 log = logging.getLogger(__name__)
 
@@ -27,22 +28,11 @@ class FinishReason(enum.Enum):
     STOP_TOKEN = "stop_token"  # one of the request's stop_token_ids (included in the tokens)
 
 
-class ErrorKind(enum.Enum):
-    """Failure classes; the servicer maps each to one gRPC status code."""
+class SchedulerError(DomainError):
+    """A request's failure; an INVALID_ARGUMENT's message starts with `field: ` (validation.py)."""
 
-    INVALID_ARGUMENT = "invalid_argument"
-    RESOURCE_EXHAUSTED = "resource_exhausted"
-    UNAVAILABLE = "unavailable"
-    DEADLINE_EXCEEDED = "deadline_exceeded"
-    CANCELLED = "cancelled"
-    INTERNAL = "internal"
-
-
-class SchedulerError(Exception):
     def __init__(self, kind: ErrorKind, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
+        super().__init__(kind, message)
 
 
 @dataclass(frozen=True)

@@ -31,14 +31,14 @@ from model_service.metrics import Metrics
 from model_service.scheduler import Scheduler
 from model_service.servicer import ModelServicer
 from model_service.watchdog import Watchdog
-from serving_common.grpc_server import (
-    HealthReporter, add_health_and_reflection, connection_age_options, new_server, serve_until_signal)
-from serving_common.tls import bind_port
+from serving_common.grpc_server import HealthReporter, connection_age_options
+from serving_common.lifecycle import assemble, drain, serve_until_signal
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
 BROKEN_LINGER_SECONDS = 2.0  # NOT_SERVING and the failed streams' statuses go out before a broken group exits
+BROKEN_STOP_SECONDS = 1.0  # then what is left of a broken group's calls gets this long
 
 
 def make_info(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...]) -> model_pb2.GetInfoResponse:
@@ -67,11 +67,13 @@ class ModelServer:
         self.model_cfg, self.buckets = resolve(config)
         self.metrics = Metrics()
         self.servicer = ModelServicer(make_info(config, self.model_cfg, self.buckets), self.metrics)
-        self.grpc = new_server("model", options=connection_age_options(
-            config.max_connection_age_seconds, config.max_connection_age_grace_seconds))
-        model_pb2_grpc.add_ModelServiceServicer_to_server(self.servicer, self.grpc)
-        self.health: HealthReporter = add_health_and_reflection(self.grpc, [SERVICE_NAME])
-        self.port = bind_port(self.grpc, config.host, config.port, config.tls)
+        built = assemble("model", SERVICE_NAME,
+                         lambda server: model_pb2_grpc.add_ModelServiceServicer_to_server(self.servicer, server),
+                         config.host, config.port, config.tls, options=connection_age_options(
+                             config.max_connection_age_seconds, config.max_connection_age_grace_seconds))
+        self.grpc = built.server
+        self.health: HealthReporter = built.health
+        self.port = built.port
         self.scheduler: Scheduler | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self.group_broken = asyncio.Event()
@@ -90,10 +92,11 @@ class ModelServer:
 
     async def fail_group(self) -> int:
         """The group is broken: NOT_SERVING, refuse new work, let in-flight streams get UNAVAILABLE, stop."""
-        await self.health.drain()
-        await self.drain()
-        await asyncio.sleep(BROKEN_LINGER_SECONDS)
-        await self.grpc.stop(1.0)
+        async def refuse_and_linger() -> None:
+            await self.drain()
+            await asyncio.sleep(BROKEN_LINGER_SECONDS)
+
+        await drain(self.grpc, self.health, BROKEN_LINGER_SECONDS + BROKEN_STOP_SECONDS, refuse_and_linger)
         log.error("exiting: restart every process of this replica's group", extra={"exit_code": EXIT_GROUP_BROKEN})
         return EXIT_GROUP_BROKEN
 
@@ -130,10 +133,7 @@ class ModelServer:
                 await asyncio.to_thread(close)
 
     async def stop(self, grace: float = 0.0) -> None:
-        await self.health.drain()
-        await self.drain()
-        await self.grpc.stop(grace)
-        await self.stop_scheduler()
+        await drain(self.grpc, self.health, grace, self.drain, self.stop_scheduler)
 
 
 def build_server(config: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None

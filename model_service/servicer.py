@@ -1,7 +1,7 @@
-"""grok.model.v1.ModelService: protobuf <-> scheduler requests, and scheduler errors -> gRPC status.
+"""grok.model.v1.ModelService: protobuf <-> scheduler requests.
 
-Errors are raised as ServiceError (with BadRequest / RetryInfo details); the shared interceptor in
-serving_common ends the call with them.
+Scheduler errors propagate as they are (SchedulerError, a DomainError): serving_common.errors.status_of
+gives their status and google.rpc details, and the shared interceptor ends the call with them.
 
 No JAX here. Generate submits a request to the Scheduler, whose decode thread hands back one
 Emission per request per step through the `emit` callback. An EmissionRelay carries them to the event
@@ -35,21 +35,10 @@ from model_service.requests import (
 )
 from model_service.sampling_settings import SamplingSettings
 from model_service.scheduler import Scheduler
-from serving_common.errors import ServiceError, invalid_argument, invalid_message, resource_exhausted, unavailable
+from serving_common.errors import STATUS, invalid_argument
 from serving_common.logs import new_request_id, request_id_too_long, request_id_var
 
 log = logging.getLogger(__name__)
-
-STATUS = {
-    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,
-    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
-}
-# RetryInfo of RESOURCE_EXHAUSTED / UNAVAILABLE: about when a slot or the service may be back.
-RETRY_SECONDS = 1.0
 
 FINISH = {
     FinishReason.LENGTH: model_pb2.FINISH_REASON_LENGTH,
@@ -57,17 +46,6 @@ FINISH = {
     FinishReason.CONTEXT_LENGTH: model_pb2.FINISH_REASON_CONTEXT_LENGTH,
     FinishReason.STOP_TOKEN: model_pb2.FINISH_REASON_STOP_TOKEN,
 }
-
-
-def to_service_error(error: SchedulerError) -> ServiceError:
-    """The status (and google.rpc details) a scheduler error ends the call with."""
-    if error.kind is ErrorKind.INVALID_ARGUMENT:
-        return invalid_message(error.message)
-    if error.kind is ErrorKind.RESOURCE_EXHAUSTED:
-        return resource_exhausted(error.message, RETRY_SECONDS)
-    if error.kind is ErrorKind.UNAVAILABLE:
-        return unavailable(error.message, RETRY_SECONDS)
-    return ServiceError(STATUS[error.kind], error.message)
 
 
 def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: float | None) -> GenerationRequest:
@@ -254,7 +232,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         except SchedulerError as e:
             code = STATUS[e.kind]
             if e.kind is not ErrorKind.CANCELLED:  # a cancelled call's status is the client's already
-                raise to_service_error(e) from None
+                raise  # serving_common.errors.status_of gives its status
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import shlex
 import shutil
@@ -31,7 +30,7 @@ from gateway.client import GatewayClient  # noqa: E402
 from gateway.client.__main__ import stream  # noqa: E402
 from serving_common.flags import EnvArgumentParser, port, positive_int  # noqa: E402
 from serving_common.healthcheck import check  # noqa: E402
-from serving_common.processes import terminate  # noqa: E402
+from serving_common.processes import start_module, terminate  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -107,9 +106,8 @@ class Child:
     def __init__(self, name: str, args: list[str], logs: LogGate) -> None:
         self.name = name
         self.address = ""
-        guard = [sys.executable, "-m", "serving_common.with_parent", str(os.getpid())]
-        self.proc = subprocess.Popen([*guard, sys.executable, "-u", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc = start_module(args[0], args[1:], stdout=subprocess.PIPE, cwd=ROOT, with_parent=True,
+                                 new_session=True, text=True)
         self.thread = threading.Thread(target=self._forward, args=(logs,), daemon=True)
         self.thread.start()
 
@@ -126,16 +124,16 @@ class Child:
 
 def start(args: argparse.Namespace, out: LogGate) -> list[Child]:
     host, level = args.host, ["--log-level", args.log_level]
-    tokenizer = Child("tokenizer", ["-m", "tokenizer_service", "--model", args.tokenizer, "--host", host,
+    tokenizer = Child("tokenizer", ["tokenizer_service", "--model", args.tokenizer, "--host", host,
                                     "--port", str(args.tokenizer_port), *level], out)
     tokenizer.address = f"{host}:{args.tokenizer_port}"
     cache = ["--compile-cache", args.compile_cache] if args.compile_cache else []
-    model = Child("model", ["-m", "model_service", "--config", args.config, "--checkpoint", args.checkpoint,
+    model = Child("model", ["model_service", "--config", args.config, "--checkpoint", args.checkpoint,
                             "--dtype", args.dtype, "--mesh", args.mesh, "--slots", str(args.slots), "--host", host,
                             "--port", str(args.model_port), "--metrics-port", str(args.model_metrics_port),
                             *cache, *level], out)
     model.address = f"{host}:{args.model_port}"
-    gateway = Child("gateway", ["-m", "gateway", "--tokenizer", tokenizer.address, "--model", model.address,
+    gateway = Child("gateway", ["gateway", "--tokenizer", tokenizer.address, "--model", model.address,
                                 "--host", host, "--port", str(args.gateway_port), "--http-port", str(args.http_port),
                                 "--metrics-port", str(args.metrics_port), *level], out)
     gateway.address = f"{host}:{args.gateway_port}"

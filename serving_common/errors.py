@@ -1,8 +1,9 @@
-"""Errors that end an RPC with a status, carried the standard way (`google.rpc.Status` details).
+"""The error registry: every error that ends an RPC becomes its status here, with `google.rpc` details.
 
-A service raises `ServiceError` (or builds one with `invalid_argument`, `resource_exhausted`,
-`unavailable`); the shared server interceptor (`serving_common.interceptor`) turns it into the call's
-status. Clients get a plain message a person can act on, plus machine-readable details in the
+A service raises a `DomainError` (serving_common.failures: the scheduler's and the tokenizer's errors
+are ones) or a `ServiceError` (built with `invalid_argument`, `resource_exhausted`, `unavailable`);
+`status_of` is the one match from either to a status, and the shared server interceptor
+(`serving_common.interceptor`) ends the call with what it returns. Clients get a plain message a person can act on, plus machine-readable details in the
 `grpc-status-details-bin` trailer: `BadRequest` field violations for INVALID_ARGUMENT and `RetryInfo`
 for RESOURCE_EXHAUSTED (and for UNAVAILABLE when a retry delay is known). `details_of` reads them
 back from a failed call, so the gateway can pass a backend's details on.
@@ -13,13 +14,26 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from serving_common.failures import DomainError, ErrorKind
+
 DETAILS_KEY = "grpc-status-details-bin"
+STATUS = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+# RetryInfo of RESOURCE_EXHAUSTED / UNAVAILABLE: about when a slot, the service or a backend may be back.
+RETRY_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,11 +71,14 @@ class ServiceError(Exception):
         """A grpc.Status for `context.abort_with_status` (the details ride in the trailing metadata)."""
         return rpc_status.to_status(self.status_proto())
 
+    @classmethod
+    def invalid(cls, field: str, description: str) -> Self:
+        """INVALID_ARGUMENT whose message starts with the field's name, with one BadRequest violation."""
+        return cls(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {description}",
+                   violations=(FieldViolation(field, description),))
 
-def invalid_argument(field: str, description: str) -> ServiceError:
-    """INVALID_ARGUMENT whose message starts with the field's name, with one BadRequest violation."""
-    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {description}",
-                        violations=(FieldViolation(field, description),))
+
+invalid_argument = ServiceError.invalid
 
 
 def invalid_message(message: str) -> ServiceError:
@@ -80,6 +97,29 @@ def resource_exhausted(message: str, retry_after: float) -> ServiceError:
 
 def unavailable(message: str, retry_after: float | None = None) -> ServiceError:
     return ServiceError(grpc.StatusCode.UNAVAILABLE, message, retry_after=retry_after)
+
+
+def status_of(error: BaseException) -> ServiceError | None:
+    """The status a raised error ends its call with; None for an unexpected error (INTERNAL, logged)."""
+    if isinstance(error, ServiceError):
+        return error
+    if isinstance(error, DomainError):
+        return domain_status(error)
+    return None
+
+
+def domain_status(error: DomainError) -> ServiceError:
+    """The one match from a domain failure to its status and google.rpc details."""
+    match error:
+        case DomainError(kind=ErrorKind.INVALID_ARGUMENT, field=None):
+            return invalid_message(error.message)
+        case DomainError(kind=ErrorKind.INVALID_ARGUMENT, field=str(field)):
+            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, error.message,
+                                violations=(FieldViolation(field, error.message),))
+        case DomainError(kind=ErrorKind.RESOURCE_EXHAUSTED | ErrorKind.UNAVAILABLE):
+            return ServiceError(STATUS[error.kind], error.message, retry_after=RETRY_SECONDS)
+        case _:
+            return ServiceError(STATUS[error.kind], error.message)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
-"""gRPC server plumbing shared by the services: health, reflection, connection age, graceful shutdown on SIGTERM."""
+"""gRPC server plumbing shared by the services: health, reflection, connection age, binding.
+
+serving_common.lifecycle puts them together and drains a server on SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -13,8 +13,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serving_common.interceptor import install
-
-log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -176,31 +174,3 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     if bound == 0:
         raise OSError(f"could not bind {host}:{port} (in use, or the address is not on this machine)")
     return bound
-
-
-async def serve_until_signal(
-    server: grpc.aio.Server,
-    health_reporter: HealthReporter,
-    grace_seconds: float,
-    before_stop: Callable[[], Awaitable[None]] | None = None,
-    after_stop: Callable[[], Awaitable[None]] | None = None,
-) -> None:
-    """Wait for SIGTERM/SIGINT, then drain: NOT_SERVING, stop accepting, finish in-flight calls.
-
-    `before_stop` runs after health flips (e.g. stop admitting work, wait for routed work) and counts
-    against the grace period; `after_stop` after the server stopped (e.g. stop a scheduler thread).
-    """
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("draining", extra={"grace_seconds": grace_seconds})
-    began = loop.time()
-    await health_reporter.drain()
-    if before_stop is not None:
-        await before_stop()
-    await server.stop(max(0.0, grace_seconds - (loop.time() - began)))  # the grace period is the whole drain
-    if after_stop is not None:
-        await after_stop()
-    log.info("stopped")

@@ -9,8 +9,9 @@ For each call it
   class and logs a traceback;
 - reads a unary request from the request stream, so that a call whose stream ends without a complete
   message (an empty or truncated body) is refused with INVALID_ARGUMENT; grpcio alone never answers it;
-- ends the call with the status of a raised `ServiceError`, details included (`google.rpc.Status`
-  with BadRequest / RetryInfo); anything else raised is INTERNAL, logged with its traceback and the
+- ends the call with the status `serving_common.errors.status_of` gives a raised `ServiceError` or
+  `DomainError`, details included (`google.rpc.Status` with BadRequest / RetryInfo); anything else
+  raised is INTERNAL, logged with its traceback and the
   request id, and the process keeps serving.
 
 Servicers therefore raise and never call `context.abort` themselves. `install(interceptors)` adds it
@@ -26,7 +27,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from serving_common.errors import DETAILS_KEY, ServiceError, invalid_argument
+from serving_common.errors import DETAILS_KEY, ServiceError, invalid_argument, status_of
 from serving_common.logs import given_request_id, new_request_id, request_id_too_long, request_id_var
 
 log = logging.getLogger(__name__)
@@ -96,9 +97,9 @@ class _Call:
     async def fail(self, error: Exception) -> NoReturn:
         if isinstance(error, grpc.aio.AbortError):
             raise error  # the call already has its status
-        if isinstance(error, ServiceError):
-            log.info("rpc failed", extra={"method": self.method, "code": error.code.name, "detail": error.message})
-            await self._abort(error)
+        if (status := status_of(error)) is not None:
+            log.info("rpc failed", extra={"method": self.method, "code": status.code.name, "detail": status.message})
+            await self._abort(status)
         log.error("unexpected error", exc_info=error, extra={"method": self.method})
         await self._abort(ServiceError(grpc.StatusCode.INTERNAL, f"internal error in the {self.service} service "
                                        f"(request id {self.request_id}); its logs have the details"))

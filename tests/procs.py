@@ -6,26 +6,17 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 
-from serving_common.healthcheck import check
-from serving_common.processes import terminate
+from serving_common.processes import free_port, start_module, terminate, wait_serving  # noqa: F401 - free_port: the tests import it from here
 from serving_common.tls import ChannelTLS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
 GOLDEN = SHARED / "golden"
 GROK1_TOKENIZER = SHARED / "grok1-tokenizer" / "tokenizer.model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Service:
@@ -39,19 +30,12 @@ class Service:
         log_dir = log_dir or pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
         self.log_path = log_dir / f"{module.replace('.', '_')}_{port}.log"
         self._log = open(self.log_path, "wb")
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=full_env,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = start_module(module, args, stdout=self._log, cwd=ROOT, env=env)
 
     def wait_serving(self, timeout: float = 300.0, service: str = "", tls: ChannelTLS | None = None) -> "Service":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.logs()[-4000:]}")
-            if check(self.address, service, timeout=1.0, tls=tls):
-                return self
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.module} not SERVING after {timeout}s:\n{self.logs()[-4000:]}")
+        wait_serving(self.proc, self.address, timeout, name=self.module, service=service, tls=tls,
+                     log_tail=lambda: f":\n{self.logs()[-4000:]}")
+        return self
 
     def logs(self) -> str:
         if not self._log.closed:

@@ -4,13 +4,13 @@ have no authentication, so every interface is something a deployment asks for (c
 from __future__ import annotations
 
 import pathlib
-import time
 
 import pytest
 
 from gateway.__main__ import parse_config as gateway_config
 from model_service.__main__ import parser as model_parser
 from tests.procs import GROK1_TOKENIZER, Service, free_port
+from tests.waiting import wait_until
 from tokenizer_service.__main__ import parse_args as tokenizer_config
 
 LOOPBACK_V4 = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
@@ -49,10 +49,9 @@ def test_started_without_host_the_gateway_and_tokenizer_listen_on_loopback_only(
                       gateway_port, log_dir=tmp_path)
     try:
         tokenizer.wait_serving(60)
-        deadline = time.monotonic() + 30
         ports = (tokenizer_port, gateway_port, metrics_port, http_port)
-        while not all(listening_addresses(p) for p in ports) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: all(listening_addresses(p) for p in ports), 30, interval=0.1,
+                   message=lambda: f"not every port is listening:\n{gateway.logs()[-2000:]}")
         for port in ports:
             assert listening_addresses(port) and listening_addresses(port) <= {LOOPBACK_V4, LOOPBACK_V6, LOOPBACK_MAPPED}, port
     finally:

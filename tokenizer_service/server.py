@@ -8,8 +8,9 @@ import logging
 import grpc
 
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from serving_common.grpc_server import HealthReporter, add_health_and_reflection, new_server, serve_until_signal
-from serving_common.tls import ServerTLS, bind_port
+from serving_common.grpc_server import HealthReporter
+from serving_common.lifecycle import assemble, serve_until_signal
+from serving_common.tls import ServerTLS
 from tokenizer_service.servicer import Limits, TokenizerServicer
 from tokenizer_service.tokenizer import Tokenizer
 
@@ -61,14 +62,13 @@ def build(config: TokenizerConfig) -> BuiltServer:
     """Load the model and assemble a bound server. Must be called with an event loop running."""
     tokenizer = Tokenizer(config.model_path)
     limit = config.max_message_bytes()
-    server = new_server("tokenizer", options=[("grpc.max_receive_message_length", limit)])
     servicer = TokenizerServicer(tokenizer, config.limits)
-    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server)
-    health = add_health_and_reflection(server, [SERVICE_NAME])
-    port = bind_port(server, config.host, config.port, config.tls)
+    built = assemble("tokenizer", SERVICE_NAME,
+                     lambda server: tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server),
+                     config.host, config.port, config.tls, options=[("grpc.max_receive_message_length", limit)])
     log.info("tokenizer loaded", extra={"model_path": tokenizer.path, "vocab_size": tokenizer.vocab_size,
                                         "model_sha256": tokenizer.sha256})
-    return BuiltServer(server, port, health, servicer)
+    return BuiltServer(built.server, built.port, built.health, servicer)
 
 
 async def build_server(config: TokenizerConfig) -> tuple[grpc.aio.Server, int]:

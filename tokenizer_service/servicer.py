@@ -1,7 +1,7 @@
-"""gRPC TokenizerService: protobuf <-> Tokenizer, input limits, and tokenizer errors -> ServiceError.
+"""gRPC TokenizerService: protobuf <-> Tokenizer, and input limits.
 
-The shared interceptor (serving_common.interceptor) gives every RPC its request id and turns the
-raised ServiceError into the call's status. Small inputs are handled on the event loop; large ones go
+The shared interceptor (serving_common.interceptor) gives every RPC its request id and ends it with
+the status serving_common.errors.status_of gives a raised TokenizerInputError (INVALID_ARGUMENT). Small inputs are handled on the event loop; large ones go
 to a worker thread so one 1 MiB text does not stall every other call.
 """
 
@@ -19,7 +19,7 @@ from typing import TypeVar
 import grpc
 
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from serving_common.errors import FieldViolation, ServiceError, unavailable
+from serving_common.errors import status_of, unavailable
 from tokenizer_service.tokenizer import PieceTable, StreamDecoder, Tokenizer, TokenizerInputError
 
 log = logging.getLogger(__name__)
@@ -42,16 +42,10 @@ class Limits:
     max_tokens: int = 1 << 20
 
 
-def _service_error(err: Exception) -> Exception:
-    """The one place that maps a tokenizer error to a status (anything else stays INTERNAL)."""
-    if isinstance(err, TokenizerInputError):
-        return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(err),
-                            violations=(FieldViolation(err.field, str(err)),))
-    return err
-
-
 def _code(err: Exception) -> grpc.StatusCode:
-    return err.code if isinstance(err, ServiceError) else grpc.StatusCode.INTERNAL
+    """The status the interceptor will end the call with (for the log line)."""
+    status = status_of(err)
+    return status.code if status is not None else grpc.StatusCode.INTERNAL
 
 
 def piece_messages(table: PieceTable, model_sha256: str) -> list[tokenizer_pb2.GetPiecesResponse]:
@@ -134,16 +128,13 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     # --- call plumbing ----------------------------------------------------------------------
 
     async def _unary(self, method: str, work: Callable[[], tuple[T, int]], threaded: bool) -> T:
-        """Run `work` (validate, compute; returns the result and its input size); errors become ServiceError."""
+        """Run `work` (validate, compute; returns the result and its input size); errors end the call (status_of)."""
         started = time.perf_counter()
         try:
             result, size = await asyncio.to_thread(work) if threaded else work()
         except Exception as err:
-            mapped = _service_error(err)
-            self._log_done(method, _code(mapped), started)
-            if mapped is err:
-                raise
-            raise mapped from err
+            self._log_done(method, _code(err), started)
+            raise
         self._log_done(method, grpc.StatusCode.OK, started, size=size)
         return result
 
@@ -213,11 +204,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             if decoder.pending:
                 yield tokenizer_pb2.DecodeStreamResponse(text=decoder.flush())
         except Exception as err:
-            mapped = _service_error(err)
-            self._log_done("DecodeStream", _code(mapped), started, tokens=tokens)
-            if mapped is err:
-                raise
-            raise mapped from err
+            self._log_done("DecodeStream", _code(err), started, tokens=tokens)
+            raise
         self._log_done("DecodeStream", grpc.StatusCode.OK, started, tokens=tokens)
 
     def _decode_step(self, decoder: StreamDecoder,

@@ -36,16 +36,17 @@ from typing import Protocol
 
 import sentencepiece
 
+from serving_common.failures import DomainError, ErrorKind
+
 REPLACEMENT = "\ufffd"
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-class TokenizerInputError(ValueError):
-    """The caller sent something the tokenizer cannot accept (maps to INVALID_ARGUMENT); `field` names it."""
+class TokenizerInputError(DomainError, ValueError):
+    """The caller sent something the tokenizer cannot accept (INVALID_ARGUMENT); `field` names it."""
 
     def __init__(self, message: str, field: str = "") -> None:
-        super().__init__(message)
-        self.field = field
+        super().__init__(ErrorKind.INVALID_ARGUMENT, message, field=field)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -162,12 +162,9 @@ def test_base_environment_is_the_compose_files(rendered: dict[str, Manifests]) -
 
 def test_rendered_environment_parses_with_each_services_own_flags(rendered: dict[str, Manifests],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    model_flags = {flag for action in model_parser()._actions for flag in action.option_strings}  # noqa: SLF001
     for manifests in rendered.values():
         for pod in manifests.all_pods():
             env = manifests.environment(pod)
-            if "--coordinator" not in model_flags:  # see the next test
-                env = {k: v for k, v in env.items() if k not in GROUP_VARIABLES}
             with monkeypatch.context() as m:
                 for key, value in env.items():
                     m.setenv(key, value)
@@ -192,13 +189,14 @@ def test_every_grok_variable_names_a_flag_of_its_service(rendered: dict[str, Man
         for pod in manifests.all_pods():
             prefix = f"GROK_{component(pod).upper()}_"
             variables = {k for k in manifests.environment(pod) if k.startswith(prefix)}
-            assert variables - flag_variables[component(pod)] - GROUP_VARIABLES == set(), (name, pod.name)
+            assert variables - flag_variables[component(pod)] == set(), (name, pod.name)
 
 
 def test_multi_process_variables_name_flags_of_the_model_service(rendered: dict[str, Manifests],
                                                                  flag_variables: dict[str, set[str]]) -> None:
     used = {k for m in rendered.values() for pod in m.all_pods() for k in m.environment(pod)}
-    assert GROUP_VARIABLES <= used
+    assert GROUP_VARIABLES <= used, "the group overlays no longer set the multi-process variables"
+    assert GROUP_VARIABLES - flag_variables["model"] == set(), "python -m model_service --help lacks these"
 
 
 def group(manifests: Manifests) -> tuple[dict, dict] | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,6 +21,7 @@ from model_service.requests import ErrorKind, GenerationRequest
 from model_service.sampling_settings import SamplingSettings
 from model_service.scheduler import Scheduler
 from tests.distributed.fakes import Collector, DeadPeer, FollowerEnd, LeaderEnd, RecordingEngine, SwitchableChannel, Wire
+from tests.waiting import wait_until
 
 STEP_TIMEOUT = 1.0
 KEEPALIVE = 0.2
@@ -29,13 +30,6 @@ KEEPALIVE = 0.2
 def lockstep(engine: RecordingEngine, channel: Any, broken: list[str]) -> LockstepEngine:
     return LockstepEngine(engine, channel, step_timeout=STEP_TIMEOUT, startup_timeout=5.0,
                           keepalive_seconds=KEEPALIVE, on_broken=broken.append)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def dist_config(**kw: Any) -> DistributedConfig:
@@ -91,7 +85,7 @@ def test_follower_replays_every_engine_call_with_the_same_arguments(group: Any) 
         assert c.done.wait(5)
     assert [c.tokens for c in outs] == [[22, 23, 24, 25], [31], [43, 44, 45, 46, 47, 48], [51, 52, 53], [56, 57]]
     sched.stop()
-    wait_for(lambda: len(follower.engine.calls) >= len(leader_engine.calls))
+    wait_until(lambda: len(follower.engine.calls) >= len(leader_engine.calls))
     assert follower.engine.calls == leader_engine.calls
     assert broken == [] and follower.expired == []
     assert ("prefill_args", (20, 21), 7, pytest.approx(0.5), pytest.approx(0.9), (22, 23, 24), (23,), 0) \
@@ -114,7 +108,7 @@ def test_a_chunked_prefill_runs_on_the_follower_too_and_a_cancelled_one_is_relea
         handle.cancel()
         assert long.done.wait(5) and long.tokens == [24, 25, 26]
         assert cancelled.done.wait(5) and cancelled.error is not None
-        wait_for(lambda: sched.stats()["free"] == 2)
+        wait_until(lambda: sched.stats()["free"] == 2)
     finally:
         sched.stop()
         engine.close()
@@ -131,14 +125,18 @@ def test_shutdown_ends_the_follower_loop_cleanly(group: Any) -> None:
     assert follower.code == 0
 
 
+def keepalives(wire: Wire) -> int:
+    """NOOP headers the leader has sent so far."""
+    headers = [message[0] for message in list(wire.sent) if len(message) == 1]
+    return sum(1 for header in headers if header.shape == (12,) and header[0] == Op.NOOP)
+
+
 def test_idle_leader_sends_keepalives_the_follower_receives() -> None:
     wire, broken = Wire(), []
     follower = FollowerThread(RecordingEngine(), wire)
     engine = lockstep(RecordingEngine(), LeaderEnd(wire), broken)
     engine.compile_all()
-    time.sleep(6 * KEEPALIVE)
-    noops = sum(1 for (header,) in wire.sent if header.shape == (12,) and header[0] == Op.NOOP)
-    assert noops >= 2
+    wait_until(lambda: keepalives(wire) >= 2, timeout=20 * KEEPALIVE + 1, message="no keep-alives went out")
     engine.close()
     follower.thread.join(5)
     assert follower.code == 0 and follower.expired == []
@@ -153,7 +151,7 @@ def test_dead_peer_fails_the_running_request_with_unavailable_and_breaks_the_gro
     sched.start()
     running, queued = Collector(), Collector()
     sched.submit(req((14,), max_tokens=25, ignore_eos=True), running)
-    wait_for(lambda: len(running.tokens) >= 2)
+    wait_until(lambda: len(running.tokens) >= 2)
     channel.fail = True
     assert running.done.wait(5)
     assert running.error is not None and running.error.kind is ErrorKind.UNAVAILABLE
@@ -173,7 +171,7 @@ def test_stalled_peer_fails_the_request_with_unavailable_within_the_step_timeout
     sched.start()
     running = Collector()
     sched.submit(req((14,), max_tokens=25, ignore_eos=True), running)
-    wait_for(lambda: len(running.tokens) >= 2)
+    wait_until(lambda: len(running.tokens) >= 2)
     channel.stall.set()
     stalled_at = time.monotonic()
     assert running.done.wait(STEP_TIMEOUT + 3)
@@ -189,7 +187,7 @@ def test_a_peer_lost_while_idle_is_noticed_by_the_keepalive() -> None:
     engine = lockstep(RecordingEngine(), channel, broken)
     engine.compile_all()
     channel.fail = True
-    wait_for(lambda: bool(broken), timeout=4 * KEEPALIVE + 1)
+    wait_until(lambda: bool(broken), timeout=4 * KEEPALIVE + 1)
     assert "NOOP" in broken[0]
 
 
@@ -214,7 +212,7 @@ def test_follower_watchdog_fires_when_process_0_goes_silent() -> None:
     expired: list[int] = []
     watchdog = Watchdog(on_expiry=expired.append)
     watchdog.arm(0.2, "the next call")
-    wait_for(lambda: expired == [EXIT_GROUP_BROKEN], timeout=2)
+    wait_until(lambda: expired == [EXIT_GROUP_BROKEN], timeout=2)
 
 
 def test_bad_arguments_are_refused_on_process_0_and_keep_the_group_in_step(group: Any) -> None:
@@ -251,7 +249,8 @@ def test_a_prefilled_prefix_stays_on_every_process_until_process_0_drops_it() ->
     engine.compile_all()
     state = engine.init_decode_state()
     ref, _ = engine.prefill([20], seed=0)
-    time.sleep(4 * KEEPALIVE)  # keep-alives go out while the scheduler still holds the prefix
+    sent = keepalives(wire)  # keep-alives go out while the scheduler still holds the prefix
+    wait_until(lambda: keepalives(wire) >= sent + 2, timeout=20 * KEEPALIVE + 1, message="no keep-alives went out")
     state = engine.insert(ref, state, 0)
     del ref  # released: the next call tells the followers to drop it
     engine.free_slot(state, 0)

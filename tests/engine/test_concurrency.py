@@ -15,6 +15,7 @@ import pytest
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from model_service.server import ModelServer
 from tests.engine.conftest import collect, golden_message, golden_requests
+from tests.waiting import wait_until
 
 
 def varied_requests(n: int) -> list[model_pb2.GenerateRequest]:
@@ -77,13 +78,11 @@ def test_golden_seeded_requests_over_grpc_return_reference_ids(golden_stub: mode
 
 
 def wait_all_free(server: ModelServer, timeout: float = 10.0) -> dict[str, int]:
-    assert server.scheduler is not None
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = server.scheduler.stats()
-        if stats == {"active": 0, "free": server.config.slots, "queued": 0} or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.01)
+    scheduler = server.scheduler
+    assert scheduler is not None
+    idle = {"active": 0, "free": server.config.slots, "queued": 0}
+    return wait_until(lambda: idle if scheduler.stats() == idle else {}, timeout,
+                      message=lambda: f"the scheduler never went idle: {scheduler.stats()}")
 
 
 def sample(server: ModelServer, name: str, **labels: str) -> float:
@@ -138,10 +137,8 @@ def test_an_expired_deadline_reaches_the_model_and_frees_the_slot_early(
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert got > 0  # it was decoding in a slot when the deadline passed
     # The scheduler itself knew the deadline (a mere cancel would count as "cancelled") and freed the slot.
-    deadline = time.monotonic() + 10
-    while sample(golden_service, "grok_model_slot_reclaim_seconds_count", reason="deadline") == reclaimed:
-        assert time.monotonic() < deadline, "the model never reclaimed the slot for the deadline"
-        time.sleep(0.01)
+    wait_until(lambda: sample(golden_service, "grok_model_slot_reclaim_seconds_count", reason="deadline") != reclaimed,
+               10, message="the model never reclaimed the slot for the deadline")
     assert sample(golden_service, "grok_model_generated_tokens_total") - generated < 125
     assert wait_all_free(golden_service)["free"] == golden_service.config.slots
 

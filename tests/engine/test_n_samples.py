@@ -18,7 +18,8 @@ from model_service.sampling_settings import SamplingSettings
 from model_service.scheduler import Scheduler
 from tests.engine.conftest import Runner
 from tests.engine.fake_engine import FakeEngine
-from tests.engine.test_scheduler import Collector, req, wait_for
+from tests.engine.test_scheduler import Collector, req
+from tests.waiting import wait_until
 
 
 class SampleCollector(Collector):
@@ -48,7 +49,7 @@ def test_samples_share_one_prefill_and_stream_by_index(running: Runner) -> None:
     assert [out.ids_of(i) for i in range(3)] == [[41, 42, 43], [42, 43, 44], [43, 44, 45]]
     finishes = [(e.index, e.finish_reason, e.completion_tokens) for e in out.emissions if e.finish_reason]
     assert sorted(finishes) == [(i, FinishReason.LENGTH, 3) for i in range(3)]
-    wait_for(lambda: sched.stats()["free"] == 4)
+    wait_until(lambda: sched.stats()["free"] == 4)
 
 
 def test_a_request_of_n_samples_waits_for_n_free_slots_in_queue_order(running: Runner) -> None:
@@ -56,7 +57,7 @@ def test_a_request_of_n_samples_waits_for_n_free_slots_in_queue_order(running: R
     sched = running(engine, max_queue=4)
     first, pair, after = Collector(), SampleCollector(2), Collector()
     sched.submit(req((10,), max_tokens=20), first)
-    wait_for(lambda: bool(first.emissions))
+    wait_until(lambda: bool(first.emissions))
     sched.submit(req((20,), max_tokens=2, n=2), pair)
     sched.submit(req((30,), max_tokens=1), after)
     first.wait()
@@ -71,9 +72,9 @@ def test_cancelling_a_request_frees_every_samples_slot(running: Runner) -> None:
     sched = running(engine, max_queue=4)
     out = SampleCollector(3)
     handle = sched.submit(req((20,), max_tokens=25, n=3, seed=0, ignore_eos=True), out)
-    wait_for(lambda: sched.stats()["active"] == 3)
+    wait_until(lambda: sched.stats()["active"] == 3)
     handle.cancel()
-    wait_for(lambda: sched.stats()["free"] == 4)
+    wait_until(lambda: sched.stats()["free"] == 4)
 
 
 def test_n_over_the_slots_is_invalid_naming_n() -> None:
@@ -139,4 +140,4 @@ def test_concurrent_n_requests_leave_no_slot_behind(golden_service: object,
         t.join()
     assert not errors
     scheduler = golden_service.scheduler  # type: ignore[attr-defined]
-    wait_for(lambda: scheduler.stats()["free"] == scheduler.engine.slots, timeout=30)
+    wait_until(lambda: scheduler.stats()["free"] == scheduler.engine.slots, timeout=30)

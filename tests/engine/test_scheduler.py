@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 
@@ -14,6 +13,7 @@ from model_service.sampling_settings import SamplingSettings
 from model_service.scheduler import Scheduler
 from tests.engine.conftest import Runner
 from tests.engine.fake_engine import POISON, FakeEngine
+from tests.waiting import wait_until
 
 
 class Collector:
@@ -61,13 +61,6 @@ def engine() -> FakeEngine:
 @pytest.fixture
 def sched(engine: FakeEngine, running: Runner) -> Scheduler:
     return running(engine)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.002)
 
 
 def test_tokens_follow_the_engine_and_stop_at_max_tokens(sched: Scheduler) -> None:
@@ -244,7 +237,7 @@ def test_cancel_frees_the_slot_within_one_step(engine: FakeEngine, running: Runn
     assert c.last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
     assert c.ids == [21, 22, 23]
     assert engine.count("generate") == steps_at_cancel[0]  # freed before the next step
-    wait_for(lambda: s.stats()["free"] == 1)
+    wait_until(lambda: s.stats()["free"] == 1)
     later = Collector()
     s.submit(req((40,), max_tokens=2), later)
     assert later.wait().ids == [41, 42]
@@ -268,7 +261,7 @@ def test_a_slot_freed_by_a_cancel_goes_to_one_waiting_request_only(engine: FakeE
     assert first.wait().last.error is not None and first.last.error.kind is ErrorKind.CANCELLED
     assert second.wait().ids == [31, 32, 33, 34] and third.wait().ids == [41, 42, 43, 44]
     assert [c[1] for c in engine.calls if c[0] == "insert"] == [0, 0, 0]
-    wait_for(lambda: s.stats() == {"active": 0, "free": 1, "queued": 0})
+    wait_until(lambda: s.stats() == {"active": 0, "free": 1, "queued": 0})
 
 
 def test_expired_deadline_fails_with_deadline_exceeded_and_frees_the_slot(engine: FakeEngine, running: Runner) -> None:
@@ -279,7 +272,7 @@ def test_expired_deadline_fails_with_deadline_exceeded_and_frees_the_slot(engine
     c.wait()
     assert c.last.error is not None and c.last.error.kind is ErrorKind.DEADLINE_EXCEEDED
     assert 0 < len(c.ids) < 25
-    wait_for(lambda: s.stats() == {"active": 0, "free": engine.slots, "queued": 0})
+    wait_until(lambda: s.stats() == {"active": 0, "free": engine.slots, "queued": 0})
 
 
 def test_nan_logits_fail_only_that_request(sched: Scheduler) -> None:
@@ -300,7 +293,7 @@ def test_prefill_failure_fails_only_that_request(engine: FakeEngine, sched: Sche
     sched.submit(req((20,), max_tokens=3), healthy)
     assert failing.wait().last.error is not None and failing.last.error.kind is ErrorKind.INTERNAL
     assert healthy.wait().ids == [21, 22, 23]
-    wait_for(lambda: sched.stats()["free"] == engine.slots)
+    wait_until(lambda: sched.stats()["free"] == engine.slots)
 
 
 def test_draining_refuses_new_requests_and_stop_fails_the_rest(engine: FakeEngine, running: Runner) -> None:
@@ -325,7 +318,7 @@ def test_many_requests_all_complete_and_every_slot_returns(engine: FakeEngine, s
         sched.submit(req((i + 20,), max_tokens=1 + i % 5), c)
     for i, c in enumerate(collectors):
         assert c.wait().ids == list(range(i + 21, i + 22 + i % 5))
-    wait_for(lambda: sched.stats() == {"active": 0, "free": engine.slots, "queued": 0})
+    wait_until(lambda: sched.stats() == {"active": 0, "free": engine.slots, "queued": 0})
 
 
 def test_prompts_waiting_while_nothing_decodes_are_all_prefilled_before_the_first_step(engine: FakeEngine,
@@ -386,11 +379,11 @@ def test_cancelling_a_request_during_its_chunked_prefill_frees_its_slot(engine: 
     s = running(engine)
     c = Collector()
     handle = s.submit(req(tuple(range(3, 16)), max_tokens=3), c)
-    wait_for(lambda: engine.count("chunk") >= 1)
+    wait_until(lambda: engine.count("chunk") >= 1)
     handle.cancel()
     assert c.wait().last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
     assert c.ids == [] and engine.count("chunk") < 7  # stopped before its prompt was done
-    wait_for(lambda: s.stats() == {"active": 0, "free": 1, "queued": 0})
+    wait_until(lambda: s.stats() == {"active": 0, "free": 1, "queued": 0})
     later = Collector()
     s.submit(req((40,), max_tokens=2), later)
     assert later.wait().ids == [41, 42]

@@ -28,6 +28,7 @@ from tests.engine.conftest import (
 )
 from tests.engine.fake_engine import FakeEngine
 from tests.procs import GOLDEN, ROOT, Service, free_port, grpcurl
+from tests.waiting import wait_until
 
 
 def health_status(address: str) -> int | None:
@@ -48,13 +49,14 @@ def service_and_startup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
                   env={"GROK_MODEL_MESH": "1,1", "GROK_MODEL_MAX_QUEUE": "16", "GROK_MODEL_COMPILE_CACHE": str(cache)})
     svc.metrics_port = metrics_port  # type: ignore[attr-defined]
     svc.compile_cache = cache  # type: ignore[attr-defined]
-    seen: list[int | None] = []
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and svc.proc.poll() is None:
+    seen: list[int | None] = []  # every health status the service reported while it loaded
+
+    def serving_or_gone() -> bool:
+        if svc.proc.poll() is not None:
+            return True  # the tests say what went wrong
         seen.append(health_status(svc.address))
-        if seen[-1] == health_pb2.HealthCheckResponse.SERVING:
-            break
-        time.sleep(0.1)
+        return seen[-1] == health_pb2.HealthCheckResponse.SERVING
+    wait_until(serving_or_gone, 300, interval=0.1, message=lambda: f"never SERVING:\n{svc.logs()[-2000:]}")
     yield svc, seen
     svc.kill()
 
@@ -116,9 +118,10 @@ def test_metrics_endpoint_counts_requests(service_and_startup: tuple[Service, li
         return urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics", timeout=5).read().decode()
 
     # The slot is released just after the last token is sent: give the decode thread a moment.
-    deadline = time.monotonic() + 5
-    while "grok_model_active_slots 0.0" not in (text := page()) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    def idle_page() -> str:
+        text = page()
+        return text if "grok_model_active_slots 0.0" in text else ""
+    text = wait_until(idle_page, 5, interval=0.02, message="a slot stayed active")
     assert 'grok_model_requests_finished_total{finish_reason="length"}' in text
     assert 'grok_model_requests_total{code="OK"}' in text
     assert 'grok_model_requests_total{code="INVALID_ARGUMENT"}' in text
@@ -175,9 +178,8 @@ def test_queue_full_is_resource_exhausted_and_not_loaded_is_unavailable(fake_loo
             running = stub.Generate(request, timeout=30)
             next(running)  # it holds the only slot
             queued = stub.Generate(request, timeout=30)
-            deadline = time.monotonic() + 10
-            while server.scheduler.stats()["queued"] < 1 and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_until(lambda: server.scheduler.stats()["queued"] >= 1, 10, interval=0.005,
+                       message="the second request never queued")
             with pytest.raises(grpc.RpcError) as err:
                 collect(stub.Generate(request, timeout=5))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in (err.value.details() or "")
@@ -197,10 +199,10 @@ def test_sigterm_while_compiling_exits_promptly(tmp_path: pathlib.Path) -> None:
     svc = Service("model_service", ["--config", GOLDEN_CONFIG, "--checkpoint", GOLDEN_CHECKPOINT, "--host",
                                     "127.0.0.1", "--port", str(port), "--mesh", "1,1"], port, log_dir=tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while not any(r.get("msg") == "weights ready" for r in svc.log_records()):
-            assert time.monotonic() < deadline and svc.proc.poll() is None, svc.logs()[-2000:]
-            time.sleep(0.05)
+        def weights_ready() -> bool:
+            assert svc.proc.poll() is None, svc.logs()[-2000:]
+            return any(r.get("msg") == "weights ready" for r in svc.log_records())
+        wait_until(weights_ready, 60, interval=0.05, message=lambda: svc.logs()[-2000:])
         assert health_status(svc.address) == health_pb2.HealthCheckResponse.NOT_SERVING
         began = time.monotonic()
         assert svc.terminate(timeout=10) == 0

@@ -20,6 +20,7 @@ from serving_common.errors import details_of
 from tests.engine.conftest import LoopThread, golden_server_config
 from tests.engine.fake_engine import FakeEngine
 from tests.engine.test_service import _started, health_status
+from tests.waiting import wait_until
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -88,10 +89,7 @@ def test_a_stalled_decode_loop_is_not_serving_fails_streams_unavailable_then_rec
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
             engine.running.set()  # the device comes back
-            deadline = time.monotonic() + 10
-            while health_status(address) != SERVING:
-                assert time.monotonic() < deadline, "never SERVING again"
-                time.sleep(0.05)
+            wait_until(lambda: health_status(address) == SERVING, 10, interval=0.05, message="never SERVING again")
             short = model_pb2.GenerateRequest(token_ids=[20], max_tokens=3, ignore_eos=True)
             assert [t for r in stub.Generate(short, timeout=10) for t in r.token_ids] == [21, 22, 23]
             assert server.scheduler is not None and server.scheduler.stats()["free"] == 2
@@ -114,10 +112,7 @@ def test_a_prefill_that_hangs_on_an_idle_model_is_a_stall_too(loop: LoopThread) 
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             assert health_status(address) == NOT_SERVING
             engine.running.set()
-            deadline = time.monotonic() + 10
-            while health_status(address) != SERVING:
-                assert time.monotonic() < deadline, "never SERVING again"
-                time.sleep(0.05)
+            wait_until(lambda: health_status(address) == SERVING, 10, interval=0.05, message="never SERVING again")
     finally:
         engine.running.set()
         loop.run(server.stop(0))

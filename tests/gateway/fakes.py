@@ -125,6 +125,7 @@ class FakeModel(model_pb2_grpc.ModelServiceServicer):
         if self.free == 0:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: retry later")
         self.free -= 1
+        log.info("request started", extra={"rid": request.request_id})
         outcome = "cancelled"
         try:
             async for reply in self._replies(request):

@@ -10,9 +10,8 @@ import json
 import pathlib
 import re
 import signal
-import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -21,8 +20,8 @@ from gateway.client import GatewayClient
 from grok.gateway.v1 import gateway_pb2
 from serving_common.healthcheck import check
 from tests.gateway.conftest import Stack
-from tests.gateway.test_gateway import wait_for
 from tests.procs import GOLDEN, Service, grpcurl
+from tests.waiting import wait_until
 from tokenizer_service.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -85,6 +84,16 @@ def frozen(service: Service) -> Iterator[None]:
 RECLAIMED = 'grok_model_slot_reclaim_seconds_count{{reason="{}"}}'
 
 
+def gateway_ended(gateway: Service, code: str, before: int) -> Callable[[], bool]:
+    """True once the gateway has logged more calls ending with `code` than `before`: the end (the
+    client's cancel, the deadline) has been passed on to the model."""
+    return lambda: ended(gateway, code) > before
+
+
+def ended(gateway: Service, code: str) -> int:
+    return sum(1 for r in gateway.log_records() if r.get("msg") == "rpc" and r.get("code") == code)
+
+
 def generated_so_far(stack: Stack, before: float) -> float:
     return model_metric(stack, "grok_model_generated_tokens_total") - before
 
@@ -95,14 +104,17 @@ def test_cancelling_a_stream_frees_the_model_slot(golden_stack: Stack) -> None:
     with GatewayClient(golden_stack.address, timeout=120) as client:
         stream = client.generate("In the beginning", max_tokens=120, ignore_eos=True)
         next(stream)
+        cancelled = ended(golden_stack.gateway, "CANCELLED")
         with frozen(golden_stack.models[0]):  # the cancel waits in the model's socket; no token is made
             stream.close()
-            time.sleep(0.3)
+            wait_until(gateway_ended(golden_stack.gateway, "CANCELLED", cancelled), 10,
+                       message="the gateway never ended the cancelled call")
         # The model frees the slot because of the cancel, long before its 120 tokens. (The freeze must
         # come within ~0.4 s of the first token; a test process starved for that long fails here.)
-        assert wait_for(lambda: model_metric(golden_stack, RECLAIMED.format("cancelled")) == reclaimed + 1, 10), \
-            f"no slot reclaimed for the cancel; {generated_so_far(golden_stack, generated):.0f} tokens were made"
-        assert wait_for(lambda: model_metric(golden_stack, "grok_model_active_slots") == 0), "a slot stayed busy"
+        wait_until(lambda: model_metric(golden_stack, RECLAIMED.format("cancelled")) == reclaimed + 1, 10,
+                   message=lambda: f"no slot reclaimed for the cancel; "
+                                   f"{generated_so_far(golden_stack, generated):.0f} tokens were made")
+        wait_until(lambda: model_metric(golden_stack, "grok_model_active_slots") == 0, message="a slot stayed busy")
         assert model_metric(golden_stack, "grok_model_generated_tokens_total") - generated < 120
         assert client.complete("In the beginning", max_tokens=4).usage.completion_tokens == 4
 
@@ -113,13 +125,15 @@ def test_deadline_reaches_the_model_through_the_gateway_and_frees_the_slot(golde
     with GatewayClient(golden_stack.address) as client:
         stream = client.generate("In the beginning", max_tokens=120, ignore_eos=True, timeout=1.0)
         next(stream)
-        with frozen(golden_stack.models[0]):
-            time.sleep(1.2)  # the deadline passes while the model cannot run
+        expired = ended(golden_stack.gateway, "DEADLINE_EXCEEDED")
+        with frozen(golden_stack.models[0]):  # the deadline passes while the model cannot run
+            wait_until(gateway_ended(golden_stack.gateway, "DEADLINE_EXCEEDED", expired), 10,
+                       message="the gateway never ended the call at its deadline")
         with pytest.raises(grpc.RpcError) as caught:
             list(stream)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     # Reclaimed for the deadline (the gateway passed it on), not as a plain cancellation.
-    assert wait_for(lambda: model_metric(golden_stack, RECLAIMED.format("deadline")) == reclaimed + 1, 10)
+    wait_until(lambda: model_metric(golden_stack, RECLAIMED.format("deadline")) == reclaimed + 1, 10)
     assert model_metric(golden_stack, "grok_model_generated_tokens_total") - generated < 120
 
 
@@ -177,8 +191,8 @@ def test_real_tokenizer_down_is_unavailable_then_recovers(golden_stack: Stack, t
         with pytest.raises(grpc.RpcError) as caught:
             client.complete(case["request"]["prompt"], **golden_options(case))
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert wait_for(lambda: not check(golden_stack.address))
+        wait_until(lambda: not check(golden_stack.address))
         golden_stack.tokenizer = Service("tokenizer_service", old.proc.args[3:], old.port, log_dir=tmp_path)
         golden_stack.tokenizer.wait_serving(60)
-        assert wait_for(lambda: check(golden_stack.address), timeout=10)
+        wait_until(lambda: check(golden_stack.address), timeout=10)
         assert client.complete(case["request"]["prompt"], **golden_options(case)).text == case["output_text"]

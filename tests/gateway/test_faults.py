@@ -16,8 +16,8 @@ import pytest
 
 from gateway.client import GatewayClient
 from tests.gateway.conftest import fake_stack, start_gateway
-from tests.gateway.test_gateway import wait_for
 from tests.procs import free_port
+from tests.waiting import wait_until
 
 
 def test_killing_the_tokenizer_mid_stream_is_unavailable_not_internal(tmp_path: pathlib.Path) -> None:
@@ -65,7 +65,7 @@ def test_no_model_replica_reachable_names_no_address(tmp_path: pathlib.Path) -> 
     gateway = start_gateway(stack.tokenizer.address, [dead], tmp_path)
     try:
         # Never SERVING (its only replica is down), so wait for it to listen.
-        assert wait_for(lambda: any(r.get("msg") == "serving" for r in gateway.log_records()), timeout=30)
+        wait_until(lambda: any(r.get("msg") == "serving" for r in gateway.log_records()), timeout=30)
         with GatewayClient(gateway.address, timeout=30) as client:
             with pytest.raises(grpc.RpcError) as caught:
                 client.complete("p|ab", max_tokens=1)

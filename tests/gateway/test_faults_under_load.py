@@ -15,17 +15,19 @@ import grpc
 import pytest
 
 from benchmarks.chaos_faults import good_answer, scrape, sigterm_tokenizer_with_streams_in_flight, slots_free
-from benchmarks.chaos_load import EXPECTED, Seeded, Traffic, baseline, burst, wait_until
+from benchmarks.chaos_load import EXPECTED, Seeded, Traffic, baseline, burst
 from benchmarks.chaos_stack import LocalStack, StackConfig
 from gateway.client import generate_request
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from serving_common.errors import details_of
 from tests.procs import GOLDEN
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 LONG = 100  # tokens: several hundred ms of decoding on the golden model
 CAPACITY = 2 * (2 + 4)  # replicas x (slots + queue)
+SETTLE_CALLS = 6  # OK completions to wait for: about two per "complete" worker, past the calls in flight at a kill
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +47,18 @@ def seeded(stack: LocalStack) -> list[Seeded]:
 
 def generated(stack: LocalStack, replica: int) -> float:
     return scrape(stack.metrics_port(stack.models[replica])).get("grok_model_generated_tokens_total", 0.0)
+
+
+def completed(traffic: Traffic, calls: int, timeout: float = 60.0) -> None:
+    """Wait until `calls` more "complete" calls ended with OK."""
+    before = traffic.outcomes.snapshot()[("complete", "OK")]
+    wait_until(lambda: traffic.outcomes.snapshot()[("complete", "OK")] >= before + calls, timeout, interval=0.05,
+               message=lambda: f"{calls} more calls did not complete: {traffic.outcomes.table()}")
+
+
+def flowing(traffic: Traffic) -> None:
+    """Wait until the traffic runs: a call completed, so the next ones are in flight."""
+    completed(traffic, 1)
 
 
 def only_expected(traffic: Traffic) -> None:
@@ -102,47 +116,48 @@ def test_killed_tokenizer_is_unavailable_and_not_serving_then_recovers_without_r
         stack: LocalStack, seeded: list[Seeded]) -> None:
     gateway_pid = stack.gateway.pid
     with Traffic(stack.gateway.address, seeded, {"complete": 3}, LONG) as traffic:
-        time.sleep(0.5)
+        flowing(traffic)
         stack.tokenizer.kill()
-        assert wait_until(lambda: not stack.gateway.serving(), 5) is not None
-        assert wait_until(lambda: traffic.outcomes.snapshot()[("complete", "UNAVAILABLE")] > 0, 10) is not None
+        wait_until(lambda: not stack.gateway.serving(), 5, interval=0.05)
+        wait_until(lambda: traffic.outcomes.snapshot()[("complete", "UNAVAILABLE")] > 0, 10, interval=0.05)
         stack.tokenizer.start().wait_serving(60)
-        assert wait_until(lambda: good_answer(stack.gateway.address, seeded), 30) is not None
-        assert wait_until(stack.gateway.serving, 10) is not None  # its health watch reconnected too
+        wait_until(lambda: good_answer(stack.gateway.address, seeded), 30, interval=0.05)
+        wait_until(stack.gateway.serving, 10, interval=0.05)  # its health watch reconnected too
     only_expected(traffic)
     assert stack.gateway.pid == gateway_pid and stack.gateway.alive()
 
 
 def test_one_of_two_replicas_killed_traffic_moves_to_the_other(stack: LocalStack, seeded: list[Seeded]) -> None:
     with Traffic(stack.gateway.address, seeded, {"complete": 3, "cancel": 1}, LONG) as traffic:
-        time.sleep(0.5)
+        flowing(traffic)
         stack.models[0].kill()
-        time.sleep(0.5)  # calls in flight on the killed replica end (UNAVAILABLE); later ones go to the other
+        # Calls in flight on the killed replica end (UNAVAILABLE) while these complete; later ones go to the other.
+        completed(traffic, SETTLE_CALLS)
         before, survivor = traffic.outcomes.snapshot(), generated(stack, 1)
-        time.sleep(2.0)
+        completed(traffic, SETTLE_CALLS)
         during = traffic.outcomes.snapshot() - before
         assert stack.gateway.serving()
         assert during[("complete", "OK")] > 0 and during[("complete", "UNAVAILABLE")] == 0, during
         assert generated(stack, 1) > survivor
         stack.models[0].start().wait_serving(600)
         back = generated(stack, 0)
-        assert wait_until(lambda: generated(stack, 0) > back, 30) is not None  # it gets traffic again
+        wait_until(lambda: generated(stack, 0) > back, 30, interval=0.05)  # it gets traffic again
     only_expected(traffic)
 
 
 def test_every_replica_killed_is_unavailable_and_not_serving_then_recovers(stack: LocalStack,
                                                                           seeded: list[Seeded]) -> None:
     with Traffic(stack.gateway.address, seeded, {"complete": 3}, LONG) as traffic:
-        time.sleep(0.5)
+        flowing(traffic)
         for model in stack.models:
             model.kill()
-        assert wait_until(lambda: not stack.gateway.serving(), 5) is not None
-        assert wait_until(lambda: traffic.outcomes.snapshot()[("complete", "UNAVAILABLE")] > 0, 10) is not None
+        wait_until(lambda: not stack.gateway.serving(), 5, interval=0.05)
+        wait_until(lambda: traffic.outcomes.snapshot()[("complete", "UNAVAILABLE")] > 0, 10, interval=0.05)
         for model in stack.models:
             model.start()
         for model in stack.models:
             model.wait_serving(600)
-        assert wait_until(lambda: good_answer(stack.gateway.address, seeded), 30) is not None
+        wait_until(lambda: good_answer(stack.gateway.address, seeded), 30, interval=0.05)
     only_expected(traffic)
 
 
@@ -184,7 +199,7 @@ def test_sigterm_under_load_finishes_the_calls_in_flight_then_the_service_exits_
         for t in threads:
             t.join(60)
         proc.start().wait_serving(600)
-        assert wait_until(lambda: good_answer(stack.gateway.address, seeded), 30) is not None
+        wait_until(lambda: good_answer(stack.gateway.address, seeded), 30, interval=0.05)
     # A stream in flight on the stopped service finished: the model drains its slots, the tokenizer
     # its DecodeStreams. (A stream on the other replica finishes anyway.)
     assert ended == ["OK", "OK"], ended

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 import urllib.request
-from collections.abc import Callable
 
 import grpc
 import pytest
@@ -15,31 +13,19 @@ from gateway.client import AsyncGatewayClient, GatewayClient, completion_request
 from grok.gateway.v1 import gateway_pb2
 from tests.gateway.conftest import Stack
 from tests.gateway.fakes import PIECES
+from tests.waiting import wait_until
 
 
 def outcomes(stack: Stack, index: int = 0) -> list[str]:
     return [r["outcome"] for r in stack.models[index].log_records() if r.get("msg") == "request done"]
 
 
-def outcome_of(stack: Stack, request_id: str, index: int = 0, timeout: float = 5.0) -> str | None:
+def outcome_of(stack: Stack, request_id: str, index: int = 0, timeout: float = 5.0) -> str:
     """How the fake model says the request `request_id` ended ("finished"/"cancelled"), once logged."""
-    found: list[str] = []
-
-    def logged() -> bool:
-        found[:] = [r["outcome"] for r in stack.models[index].log_records()
-                    if r.get("msg") == "request done" and r.get("rid") == request_id]
-        return bool(found)
-    wait_for(logged, timeout)
-    return found[0] if found else None
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
+    def logged() -> list[str]:
+        return [r["outcome"] for r in stack.models[index].log_records()
+                if r.get("msg") == "request done" and r.get("rid") == request_id]
+    return wait_until(logged, timeout, interval=0.02, message=f"the model never logged {request_id!r} done")[0]
 
 
 def test_stream_carries_per_token_text_and_ends_with_usage_and_finish_reason(client: GatewayClient) -> None:

@@ -10,7 +10,6 @@ import json
 import pathlib
 import signal
 import socket
-import time
 import urllib.request
 
 import openai
@@ -20,8 +19,9 @@ from gateway.http.chat import ChatTemplate
 from gateway.http.schemas import ChatMessage
 from tests.gateway.conftest import Stack, start_gateway
 from tests.gateway.http_client import curl, get, post, sdk, sse_events
-from tests.gateway.test_gateway import outcome_of, wait_for
+from tests.gateway.test_gateway import outcome_of
 from tests.procs import free_port
+from tests.waiting import wait_until
 
 
 def test_sdk_completion_returns_text_finish_reason_usage_and_logprobs(fast_stack: Stack) -> None:
@@ -243,7 +243,9 @@ def test_client_disconnect_cancels_the_model_call(slow_stack: Stack, stream: boo
     if stream:
         read_until(sock, b"data: ")
     else:
-        time.sleep(0.3)  # the model is generating; nothing is sent before the end
+        # The model is generating; nothing is sent before the end.
+        wait_until(lambda: any(r.get("msg") == "request started" and r.get("rid") == request_id
+                               for r in slow_stack.models[0].log_records()), 10, message="the model never got the call")
     sock.close()
     assert outcome_of(slow_stack, request_id) == "cancelled"  # long before its 100 tokens (5 s)
 
@@ -253,7 +255,7 @@ def test_backend_down_is_503_and_health_says_not_serving(tmp_path: pathlib.Path)
     gateway = start_gateway(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"], tmp_path, http_port=http_port)
     try:
         url = f"http://127.0.0.1:{http_port}"
-        assert wait_for(lambda: _reachable(url), timeout=30), gateway.logs()[-2000:]
+        wait_until(lambda: _reachable(url), timeout=30, message=lambda: gateway.logs()[-2000:])
         assert get(f"{url}/health") == (503, {"status": "NOT_SERVING"})
         with pytest.raises(openai.InternalServerError) as caught:
             sdk(url).completions.create(model="grok-1", prompt="a|b", max_tokens=1)

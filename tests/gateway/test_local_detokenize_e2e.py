@@ -4,7 +4,6 @@ model services must answer exactly as the default (remote DecodeStream) gateway 
 from __future__ import annotations
 
 import pathlib
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -14,9 +13,9 @@ from gateway.client import GatewayClient
 from grok.gateway.v1 import gateway_pb2
 from serving_common.healthcheck import check
 from tests.gateway.conftest import Stack, start_gateway
-from tests.gateway.test_e2e import GOLDEN_REQUESTS, frozen, golden_options
-from tests.gateway.test_gateway import wait_for
+from tests.gateway.test_e2e import GOLDEN_REQUESTS, ended, frozen, gateway_ended, golden_options
 from tests.procs import Service
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -75,8 +74,10 @@ def test_local_deadline_is_deadline_exceeded(golden_stack: Stack, local_gateway:
     with GatewayClient(local_gateway.address) as client:
         stream = client.generate("In the beginning", max_tokens=120, ignore_eos=True, timeout=1.0)
         next(stream)
-        with frozen(golden_stack.models[0]):
-            time.sleep(1.2)
+        expired = ended(local_gateway, "DEADLINE_EXCEEDED")
+        with frozen(golden_stack.models[0]):  # the deadline passes while the model cannot run
+            wait_until(gateway_ended(local_gateway, "DEADLINE_EXCEEDED", expired), 10,
+                       message="the gateway never ended the call at its deadline")
         with pytest.raises(grpc.RpcError) as caught:
             list(stream)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -92,7 +93,7 @@ def test_local_stream_survives_the_tokenizer_dying_and_the_table_is_prefetched_a
         old = golden_stack.tokenizer
         with frozen(golden_stack.models[0]):  # most of the 110 tokens are generated after the kill
             old.kill()
-            assert wait_for(lambda: not check(local_gateway.address), timeout=10)
+            wait_until(lambda: not check(local_gateway.address), timeout=10)
         # Ids become text in the gateway: the request in flight needs no tokenizer to finish.
         rest = list(stream)
         assert first.text + "".join(m.text for m in rest) == expected
@@ -102,10 +103,10 @@ def test_local_stream_survives_the_tokenizer_dying_and_the_table_is_prefetched_a
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         golden_stack.tokenizer = Service("tokenizer_service", old.proc.args[3:], old.port, log_dir=tmp_path)
         golden_stack.tokenizer.wait_serving(60)
-        assert wait_for(lambda: check(local_gateway.address), timeout=10)
+        wait_until(lambda: check(local_gateway.address), timeout=10)
         # The restarted service may serve another model: the gateway asks it for its table again as soon
         # as it is up, before any request needs it.
-        assert wait_for(lambda: any(r.get("method") == "GetPieces" for r in golden_stack.tokenizer.log_records()))
+        wait_until(lambda: any(r.get("method") == "GetPieces" for r in golden_stack.tokenizer.log_records()))
         assert client.complete(prompt, **options).text == expected
     assert not [r for r in local_gateway.log_records() if r.get("level") == "error"]
 

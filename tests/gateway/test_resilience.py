@@ -15,8 +15,9 @@ from grok.gateway.v1 import gateway_pb2
 from serving_common.healthcheck import check
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from tests.gateway.conftest import Stack, fake_stack, start_fake, start_gateway
-from tests.gateway.test_gateway import outcome_of, outcomes, wait_for
+from tests.gateway.test_gateway import outcome_of, outcomes
 from tests.procs import Service, free_port, grpcurl
+from tests.waiting import wait_until
 
 
 def test_cancelling_mid_stream_frees_the_model_slot(slow_stack: Stack) -> None:
@@ -51,7 +52,7 @@ def test_killed_replica_is_skipped_while_another_serves(tmp_path: pathlib.Path) 
             def both_used() -> bool:  # requests are spread once both replicas are connected and SERVING
                 assert client.complete("p|ab", max_tokens=2, ignore_eos=True).text == "abab"
                 return bool(outcomes(stack, 0) and outcomes(stack, 1))
-            assert wait_for(both_used, timeout=10)
+            wait_until(both_used, timeout=10)
             stack.models[0].kill()
             for i in range(6):
                 reply = client.complete("p|ab", max_tokens=2, ignore_eos=True, request_id=f"after-kill-{i}")
@@ -62,7 +63,7 @@ def test_killed_replica_is_skipped_while_another_serves(tmp_path: pathlib.Path) 
             with pytest.raises(grpc.RpcError) as caught:
                 client.complete("p|ab", max_tokens=2)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert wait_for(lambda: not check(stack.address))
+            wait_until(lambda: not check(stack.address))
     finally:
         stack.stop()
 
@@ -77,9 +78,9 @@ def test_tokenizer_down_is_unavailable_then_recovers(tmp_path: pathlib.Path) -> 
                 client.complete("p|ab", max_tokens=1)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "tokenizer service" in caught.value.details()
-            assert wait_for(lambda: not check(stack.address))
+            wait_until(lambda: not check(stack.address))
             stack.tokenizer = start_fake("tokenizer", tmp_path, port=stack.tokenizer.port).wait_serving(30)
-            assert wait_for(lambda: check(stack.address), timeout=10)
+            wait_until(lambda: check(stack.address), timeout=10)
             assert client.complete("p|ab", max_tokens=1).text == "ab"
     finally:
         stack.stop()
@@ -111,7 +112,7 @@ def test_health_reports_not_serving_while_draining(tmp_path: pathlib.Path) -> No
             seen: list[bool] = []
             reader = threading.Thread(target=lambda: seen.append(len(list(stream)) > 0))
             reader.start()
-            assert wait_for(lambda: not check(stack.address), timeout=3)
+            wait_until(lambda: not check(stack.address), timeout=3)
             reader.join(10)
             assert seen == [True]
     finally:
@@ -148,7 +149,7 @@ def test_busy_replica_is_skipped_and_all_busy_is_resource_exhausted(tmp_path: pa
 def test_without_dependencies_gateway_is_not_serving_and_requests_are_unavailable(tmp_path: pathlib.Path) -> None:
     gateway = start_gateway(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"], tmp_path)
     try:
-        assert wait_for(lambda: any(r.get("msg") == "serving" for r in gateway.log_records()))
+        wait_until(lambda: any(r.get("msg") == "serving" for r in gateway.log_records()))
         assert not check(gateway.address)
         with GatewayClient(gateway.address, timeout=10) as client:
             with pytest.raises(grpc.RpcError) as caught:
@@ -176,6 +177,6 @@ def test_one_ipv4_target_with_several_addresses_is_balanced_round_robin(tmp_path
             def both_used() -> bool:  # round_robin uses an address once its connection is up
                 assert client.complete("p|ab", max_tokens=1).text == "ab"
                 return bool(outcomes(stack, 0) and outcomes(stack, 1))
-            assert wait_for(both_used, timeout=10)
+            wait_until(both_used, timeout=10)
     finally:
         stack.stop()

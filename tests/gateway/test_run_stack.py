@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
 from serving_common.healthcheck import check
 from tests.procs import GOLDEN, ROOT, free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,10 @@ def test_run_stack_serves_streams_a_sample_and_stops_all_three_on_ctrl_c(jax_cac
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
     try:
-        deadline = time.monotonic() + 600
-        while not any("Ctrl-C stops all three" in line for line in list(lines)):
+        def ready() -> bool:
             assert proc.poll() is None, "".join(lines)[-4000:]
-            assert time.monotonic() < deadline, "".join(lines)[-4000:]
-            time.sleep(0.2)
+            return any("Ctrl-C stops all three" in line for line in list(lines))
+        wait_until(ready, 600, interval=0.2, message=lambda: "".join(lines)[-4000:])
         output = "".join(lines)
         assert "[finish: length; tokens: 8 prompt + 6 completion" in output
         assert "grpcurl -plaintext -d" in output and f"127.0.0.1:{ports[0]}" in output
@@ -81,11 +80,10 @@ class Launcher:
         return "".join(list(self.lines))
 
     def wait_serving(self) -> list[int]:
-        deadline = time.monotonic() + 600
-        while "Ctrl-C stops all three" not in self.output():
+        def ready() -> bool:
             assert self.proc.poll() is None, self.output()[-4000:]
-            assert time.monotonic() < deadline, self.output()[-4000:]
-            time.sleep(0.2)
+            return "Ctrl-C stops all three" in self.output()
+        wait_until(ready, 600, interval=0.2, message=lambda: self.output()[-4000:])
         return [int(pid) for pid in re.findall(r"\(pid (\d+)\)", self.output())]
 
     def cleanup(self, pids: list[int]) -> None:
@@ -113,10 +111,8 @@ def test_closing_the_terminal_sighup_stops_all_three_services(jax_cache: str) ->
         assert len(pids) == 3
         os.killpg(launcher.proc.pid, signal.SIGHUP)  # what the terminal sends its process group
         launcher.proc.wait(60)
-        deadline = time.monotonic() + 30
-        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(alive(pid) for pid in pids), launcher.output()[-3000:]
+        wait_until(lambda: not any(alive(pid) for pid in pids), 30, interval=0.2,
+                   message=lambda: f"services outlived the launcher:\n{launcher.output()[-3000:]}")
         assert not any(check(f"127.0.0.1:{p}", timeout=0.5) for p in launcher.ports)
     finally:
         launcher.cleanup(pids)
@@ -129,10 +125,8 @@ def test_services_exit_when_their_launcher_is_killed(jax_cache: str) -> None:
         pids = launcher.wait_serving()
         launcher.proc.kill()  # SIGKILL: the launcher cannot stop anything itself
         launcher.proc.wait(10)
-        deadline = time.monotonic() + 30
-        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(alive(pid) for pid in pids)
+        wait_until(lambda: not any(alive(pid) for pid in pids), 30, interval=0.2,
+                   message="services outlived their killed launcher")
         assert not any(check(f"127.0.0.1:{p}", timeout=0.5) for p in launcher.ports)
     finally:
         launcher.cleanup(pids)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pathlib
 import queue
 import signal
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -14,16 +13,13 @@ import pytest
 from grok.tokenizer.v1 import tokenizer_pb2 as pb
 from grok.tokenizer.v1 import tokenizer_pb2_grpc
 from tests.procs import GROK1_TOKENIZER, Service, free_port
+from tests.waiting import wait_until
 from tokenizer_service.tokenizer import Tokenizer
 
 
 def wait_for_log(service: Service, message: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(r.get("msg") == message for r in service.log_records()):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no {message!r} log line:\n{service.logs()[-2000:]}")
+    wait_until(lambda: any(r.get("msg") == message for r in service.log_records()), timeout, interval=0.05,
+               message=lambda: f"no {message!r} log line:\n{service.logs()[-2000:]}")
 
 
 def requests_from(source: queue.Queue[pb.DecodeStreamRequest | None]) -> Iterator[pb.DecodeStreamRequest]:
