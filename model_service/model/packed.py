@@ -30,8 +30,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from model_service import kernels
 from model_service.sharding import DATA, MODEL
 
-if TYPE_CHECKING:  # layers.py imports this module for its products
-    from model_service.model.layers import ExpertStack, QuantizedWeight
+if TYPE_CHECKING:
+    from model_service.model.weights import ExpertStack, QuantizedWeight
 
 Array = jax.Array
 LANES = kernels.LANES
