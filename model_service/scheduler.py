@@ -14,6 +14,7 @@ JAX, so a fake engine can drive it in tests.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import secrets
 import threading
@@ -27,12 +28,15 @@ from model_service.requests import (
     Emission,
     EmitFn,
     ErrorKind,
+    FinishReason,
     GenerationRequest,
     RequestHandle,
     SchedulerError,
     TokenOut,
     cancelled_error,
 )
+from model_service.sampling_settings import SamplingSettings
+from model_service.structured import ConstraintError, GrammarCompiler, base_mask
 from model_service.validation import validate
 
 log = logging.getLogger(__name__)
@@ -47,8 +51,10 @@ class Scheduler:
     """
 
     def __init__(self, engine: EngineLike, max_queue: int, metrics: SchedulerMetrics | None = None,
-                 prefills_per_step: int | None = None, prefill_token_budget: int = 128) -> None:
+                 prefills_per_step: int | None = None, prefill_token_budget: int = 128,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.engine = engine
+        self.grammars = grammars  # structured output (None: constrained requests are refused)
         self.max_queue = max_queue
         self.metrics = metrics or SchedulerMetrics()
         self.policy = Policy(engine.slots, prefills_per_step, prefill_token_budget)
@@ -91,6 +97,7 @@ class Scheduler:
         """Validate and queue a request; raises SchedulerError (invalid, queue full, unavailable)."""
         self.validate(request)
         handle = RequestHandle(request, emit, self._withdraw)
+        handle.grammar = self._compile(request)
         with self._cond:
             if not self._accepting:
                 raise SchedulerError(ErrorKind.UNAVAILABLE, "the model service is not accepting requests "
@@ -107,6 +114,42 @@ class Scheduler:
     def validate(self, request: GenerationRequest) -> None:
         """Raise INVALID_ARGUMENT for anything the engine could not serve as asked."""
         validate(request, self.engine)
+
+    def _compile(self, request: GenerationRequest) -> Any:
+        """The request's constraint compiled (structured.Compiled), None without one; INVALID_ARGUMENT naming
+        the field when it is invalid, too big, or leaves no token to start with."""
+        c = request.constraint
+        if c is None:
+            return None
+        if self.grammars is None or not hasattr(self.engine, "set_slot_mask"):
+            raise SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{c.field}: this model service was started without "
+                                 "structured output (model_service --tokenizer, the model's SentencePiece file)")
+        try:
+            compiled = self.grammars.compile(c)
+        except ConstraintError as e:
+            raise SchedulerError(ErrorKind.INVALID_ARGUMENT, str(e)) from None
+        if not (compiled.first_mask & self._base_mask(request.sampling)).any():
+            raise SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{c.field}: no token can start the output within "
+                                 "allowed_token_ids/blocked_token_ids")
+        return compiled
+
+    def _base_mask(self, s: SamplingSettings) -> Any:
+        return base_mask(self.engine.vocab_size, self.engine.pad_id, s.allowed, s.blocked)
+
+    def _first_sampling(self, handle: RequestHandle) -> SamplingSettings:
+        """The settings of a request's first draw: a constrained one may only start as its grammar allows."""
+        s = handle.request.sampling
+        if handle.grammar is None:
+            return s
+        allowed = handle.grammar.first_mask & self._base_mask(s)
+        return dataclasses.replace(s, allowed=tuple(int(i) for i in allowed.nonzero()[0]))
+
+    def _guide(self, handle: RequestHandle, act: Running) -> Running:
+        """Give a constrained sample its own grammar position and its request's own mask."""
+        if handle.grammar is not None:
+            act.guide = handle.grammar.guide()
+            act.base_mask = self._base_mask(handle.request.sampling)
+        return act
 
     def heartbeat(self) -> Heartbeat:
         with self._cond:
@@ -242,7 +285,8 @@ class Scheduler:
         seed = req.seed if req.seed is not None else secrets.randbits(32)
         admitted = time.monotonic()
         try:
-            prefix, out = self.engine.prefill(req.prompt, req.sampling, seed=seed, prompt_logprobs=req.prompt_logprobs)
+            prefix, out = self.engine.prefill(req.prompt, self._first_sampling(handle), seed=seed,
+                                              prompt_logprobs=req.prompt_logprobs)
             samples = [(prefix, out)]
             for i in range(1, req.n):
                 samples.append(self.engine.resample(prefix, seed=(seed + i) % 2**32))
@@ -255,7 +299,7 @@ class Scheduler:
         self._beat = time.monotonic()
         self.metrics.observe_prefill(prefill_seconds)
         for index, (slot, (sample, first)) in enumerate(zip(slots, samples)):
-            act = Running(handle, (seed + index) % 2**32, admitted, index)
+            act = self._guide(handle, Running(handle, (seed + index) % 2**32, admitted, index))
             act.prefill_seconds = prefill_seconds
             scored = prompt_out(req, out) if index == 0 else None
             if handle.done.is_set() or self._deliver(act, first, 0, scored):
@@ -270,12 +314,12 @@ class Scheduler:
         req = handle.request
         seed = req.seed if req.seed is not None else secrets.randbits(32)
         try:
-            job = self.engine.begin_prefill(req.prompt, req.sampling, slot=slot, seed=seed)
+            job = self.engine.begin_prefill(req.prompt, self._first_sampling(handle), slot=slot, seed=seed)
         except Exception as e:
             self._prefill_failed(handle, e)
             self._return_slot(slot)
             return
-        self._prefilling[slot] = Prefilling(Running(handle, seed, time.monotonic()), job)
+        self._prefilling[slot] = Prefilling(self._guide(handle, Running(handle, seed, time.monotonic())), job)
 
     def _prefill_failed(self, handle: RequestHandle, error: Exception) -> None:
         rid = handle.request.request_id
@@ -311,8 +355,18 @@ class Scheduler:
                 self.metrics.set_active(len(self._active))
 
     def _step(self) -> None:
-        """Dispatch a decode step, then deliver the previous one's tokens while the engine computes."""
+        """Dispatch a decode step, then deliver the previous one's tokens while the engine computes.
+
+        With a constrained request decoding, the step in flight is delivered first: the next step's masks
+        depend on its tokens, so host work does not overlap the device for such a batch."""
         try:
+            if any(act.guide is not None for act in self._active.values()):
+                self._finish_in_flight()
+                for slot, act in self._active.items():
+                    if act.guide is not None:
+                        self._state = self.engine.set_slot_mask(self._state, slot, act.guide.mask() & act.base_mask)
+                if not self._active:
+                    return
             self._state, pending = self.engine.generate(self._state)
         except Exception as e:
             self._step_failed(e)
@@ -364,6 +418,16 @@ class Scheduler:
         act.generated += 1
         self.metrics.add_tokens(1)
         reason = finish_reason(req, act.generated, token.id, self.engine.eos_id, self.engine.sequence_len)
+        if act.guide is not None:
+            try:
+                act.guide.advance(token.id)
+            except RuntimeError:  # the device drew a token its mask forbade: a bug, never the request's fault
+                log.exception("grammar rejected a drawn token", extra={"request_id": req.request_id})
+                act.handle.emit(Emission((), act.generated, len(req.prompt), error=SchedulerError(
+                    ErrorKind.INTERNAL, f"structured output failed (request {req.request_id})")))
+                return True
+            if act.guide.finished and reason is None:
+                reason = FinishReason.EOS  # the grammar is complete: nothing but EOS could follow
         first_or_last = act.generated == 1 or reason is not None
         act.handle.emit(Emission((token,), act.generated, len(req.prompt), finish_reason=reason,
                                  timings=act.timings() if first_or_last else None, index=act.index, prompt=prompt))

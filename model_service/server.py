@@ -30,6 +30,7 @@ from model_service.loading import ServerConfig, build_engine, resolve
 from model_service.metrics import Metrics
 from model_service.scheduler import Scheduler
 from model_service.servicer import ModelServicer
+from model_service.structured import GrammarCompiler, Vocabulary
 from model_service.watchdog import Watchdog
 from serving_common.grpc_server import (
     HealthReporter, add_health_and_reflection, connection_age_options, new_server, serve_until_signal)
@@ -107,7 +108,8 @@ class ModelServer:
 
     async def load(self) -> None:
         engine = await asyncio.to_thread(self._engine_factory)
-        self.scheduler = Scheduler(engine, self.config.max_queue, self.metrics)
+        grammars = await asyncio.to_thread(self._grammars, engine)
+        self.scheduler = Scheduler(engine, self.config.max_queue, self.metrics, grammars=grammars)
         await asyncio.to_thread(self.scheduler.start)  # its first engine call may be a collective
         self.servicer.attach(self.scheduler)
         if self.config.watchdog_seconds > 0:
@@ -115,6 +117,13 @@ class ModelServer:
             self._watchdog = asyncio.create_task(watchdog.run())
         await self.health.set(True)
         log.info("serving", extra={"port": self.port})
+
+    def _grammars(self, engine: EngineLike) -> GrammarCompiler | None:
+        """The structured-output compiler over --tokenizer's vocabulary (None without one, or on an engine that
+        cannot set a slot's mask: constrained requests are then refused with INVALID_ARGUMENT)."""
+        if self.config.tokenizer is None or not hasattr(engine, "set_slot_mask"):
+            return None
+        return GrammarCompiler(Vocabulary(self.config.tokenizer), engine.vocab_size)
 
     async def drain(self) -> None:
         if self.scheduler is not None:
