@@ -6,14 +6,17 @@ refuses an invalid one (INVALID_ARGUMENT naming `constraint.<kind>`, a 400 here)
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from typing import Any
 
-from gateway.http.errors import bad_request
+from gateway.http.errors import ApiError, bad_request
 from gateway.http.schemas import SamplingFields
 from grok.gateway.v1 import gateway_pb2
 
 KINDS = ("json", "regex", "choice", "grammar")
+REFUSED = re.compile(r"(?:^|: )constraint\.[a-z_]+: ")  # how the model service names a constraint it refuses
 
 
 def constraint_fields(request: SamplingFields, out: gateway_pb2.SamplingParams) -> None:
@@ -85,3 +88,17 @@ def _kind(param: str, kind: str, value: Any) -> tuple[str, Any]:
     if not isinstance(value, str):
         raise bad_request(param, "must be a string")
     return kind, value
+
+
+def name_constraint_param(error: ApiError, request: SamplingFields) -> ApiError:
+    """A 400 about the constraint (refused by the model service) names the field the caller sent it in."""
+    if error.status != 400 or error.param is not None or not REFUSED.search(error.message):
+        return error
+    if (request.response_format or {}).get("type", "text") != "text":
+        param = "response_format"
+    elif isinstance(request.structured_outputs, dict):
+        param = next((f"structured_outputs.{k}" for k in KINDS if request.structured_outputs.get(k) is not None),
+                     "structured_outputs")
+    else:
+        param = next((f"guided_{k}" for k in KINDS if getattr(request, f"guided_{k}") is not None), None)
+    return dataclasses.replace(error, param=param)

@@ -163,9 +163,10 @@ def test_vllm_structured_outputs_streamed_and_not(stack: Stack) -> None:
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"choice": "yes"}}, "structured_outputs.choice"),
-    ({"structured_outputs": {"regex": "[0-9"}}, "constraint.regex"),
+    ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
+    ({"guided_regex": "[0-9"}, "guided_regex"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "constraint.json_schema"),
+     "response_format"),
 ])
 def test_bad_constraint_over_http_is_400_naming_the_field(stack: Stack, body: dict, param: str) -> None:
     status, reply = post(f"{stack.http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **body})
