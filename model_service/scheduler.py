@@ -14,7 +14,6 @@ JAX, so a fake engine can drive it in tests.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import secrets
 import threading
@@ -22,6 +21,7 @@ import time
 from typing import Any
 
 from model_service.engine_api import EngineLike, StepOutputLike
+from model_service.guided import Guidance
 from model_service.loop_state import Heartbeat, InFlight, Prefilling, Running, SchedulerMetrics
 from model_service.plan import Occupant, Policy, StepPlan, View, Waiting, finish_reason, prompt_out, schedule, token_out
 from model_service.requests import (
@@ -35,8 +35,7 @@ from model_service.requests import (
     TokenOut,
     cancelled_error,
 )
-from model_service.sampling_settings import SamplingSettings
-from model_service.structured import ConstraintError, GrammarCompiler, base_mask
+from model_service.structured import GrammarCompiler
 from model_service.validation import validate
 
 log = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ class Scheduler:
                  prefills_per_step: int | None = None, prefill_token_budget: int = 128,
                  grammars: GrammarCompiler | None = None) -> None:
         self.engine = engine
-        self.grammars = grammars  # structured output (None: constrained requests are refused)
+        self.guidance = Guidance(engine, grammars)  # structured output (constraints)
         self.max_queue = max_queue
         self.metrics = metrics or SchedulerMetrics()
         self.policy = Policy(engine.slots, prefills_per_step, prefill_token_budget)
@@ -97,7 +96,7 @@ class Scheduler:
         """Validate and queue a request; raises SchedulerError (invalid, queue full, unavailable)."""
         self.validate(request)
         handle = RequestHandle(request, emit, self._withdraw)
-        handle.grammar = self._compile(request)
+        handle.grammar = self.guidance.compile(request)
         with self._cond:
             if not self._accepting:
                 raise SchedulerError(ErrorKind.UNAVAILABLE, "the model service is not accepting requests "
@@ -114,42 +113,6 @@ class Scheduler:
     def validate(self, request: GenerationRequest) -> None:
         """Raise INVALID_ARGUMENT for anything the engine could not serve as asked."""
         validate(request, self.engine)
-
-    def _compile(self, request: GenerationRequest) -> Any:
-        """The request's constraint compiled (structured.Compiled), None without one; INVALID_ARGUMENT naming
-        the field when it is invalid, too big, or leaves no token to start with."""
-        c = request.constraint
-        if c is None:
-            return None
-        if self.grammars is None or not hasattr(self.engine, "set_slot_mask"):
-            raise SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{c.field}: this model service was started without "
-                                 "structured output (model_service --tokenizer, the model's SentencePiece file)")
-        try:
-            compiled = self.grammars.compile(c)
-        except ConstraintError as e:
-            raise SchedulerError(ErrorKind.INVALID_ARGUMENT, str(e)) from None
-        if not (compiled.first_mask & self._base_mask(request.sampling)).any():
-            raise SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{c.field}: no token can start the output within "
-                                 "allowed_token_ids/blocked_token_ids")
-        return compiled
-
-    def _base_mask(self, s: SamplingSettings) -> Any:
-        return base_mask(self.engine.vocab_size, self.engine.pad_id, s.allowed, s.blocked)
-
-    def _first_sampling(self, handle: RequestHandle) -> SamplingSettings:
-        """The settings of a request's first draw: a constrained one may only start as its grammar allows."""
-        s = handle.request.sampling
-        if handle.grammar is None:
-            return s
-        allowed = handle.grammar.first_mask & self._base_mask(s)
-        return dataclasses.replace(s, allowed=tuple(int(i) for i in allowed.nonzero()[0]))
-
-    def _guide(self, handle: RequestHandle, act: Running) -> Running:
-        """Give a constrained sample its own grammar position and its request's own mask."""
-        if handle.grammar is not None:
-            act.guide = handle.grammar.guide()
-            act.base_mask = self._base_mask(handle.request.sampling)
-        return act
 
     def heartbeat(self) -> Heartbeat:
         with self._cond:
@@ -285,7 +248,7 @@ class Scheduler:
         seed = req.seed if req.seed is not None else secrets.randbits(32)
         admitted = time.monotonic()
         try:
-            prefix, out = self.engine.prefill(req.prompt, self._first_sampling(handle), seed=seed,
+            prefix, out = self.engine.prefill(req.prompt, self.guidance.first_sampling(handle), seed=seed,
                                               prompt_logprobs=req.prompt_logprobs)
             samples = [(prefix, out)]
             for i in range(1, req.n):
@@ -299,7 +262,7 @@ class Scheduler:
         self._beat = time.monotonic()
         self.metrics.observe_prefill(prefill_seconds)
         for index, (slot, (sample, first)) in enumerate(zip(slots, samples)):
-            act = self._guide(handle, Running(handle, (seed + index) % 2**32, admitted, index))
+            act = self.guidance.attach(handle, Running(handle, (seed + index) % 2**32, admitted, index))
             act.prefill_seconds = prefill_seconds
             scored = prompt_out(req, out) if index == 0 else None
             if handle.done.is_set() or self._deliver(act, first, 0, scored):
@@ -314,12 +277,12 @@ class Scheduler:
         req = handle.request
         seed = req.seed if req.seed is not None else secrets.randbits(32)
         try:
-            job = self.engine.begin_prefill(req.prompt, self._first_sampling(handle), slot=slot, seed=seed)
+            job = self.engine.begin_prefill(req.prompt, self.guidance.first_sampling(handle), slot=slot, seed=seed)
         except Exception as e:
             self._prefill_failed(handle, e)
             self._return_slot(slot)
             return
-        self._prefilling[slot] = Prefilling(self._guide(handle, Running(handle, seed, time.monotonic())), job)
+        self._prefilling[slot] = Prefilling(self.guidance.attach(handle, Running(handle, seed, time.monotonic())), job)
 
     def _prefill_failed(self, handle: RequestHandle, error: Exception) -> None:
         rid = handle.request.request_id
@@ -362,9 +325,7 @@ class Scheduler:
         try:
             if any(act.guide is not None for act in self._active.values()):
                 self._finish_in_flight()
-                for slot, act in self._active.items():
-                    if act.guide is not None:
-                        self._state = self.engine.set_slot_mask(self._state, slot, act.guide.mask() & act.base_mask)
+                self._set_masks()
                 if not self._active:
                     return
             self._state, pending = self.engine.generate(self._state)
@@ -374,6 +335,23 @@ class Scheduler:
         previous, self._in_flight = self._in_flight, InFlight(pending, dict(self._active), time.monotonic())
         if previous is not None:
             self._deliver_step(previous)
+
+    def _set_masks(self) -> None:
+        """Each constrained slot's mask for the next step, from its grammar after the tokens delivered so far."""
+        for slot, act in list(self._active.items()):
+            if act.guide is None:
+                continue
+            req = act.handle.request
+            try:
+                mask = Guidance.next_mask(act)
+            except RuntimeError:  # the grammar hit a per-step limit of the library
+                log.exception("structured output failed", extra={"request_id": req.request_id})
+                act.handle.emit(Emission((), act.generated, len(req.prompt), error=SchedulerError(
+                    ErrorKind.INVALID_ARGUMENT, f"{req.constraint.field}: too complex to follow at token "
+                    f"{act.generated}; simplify the constraint")))
+                self._release(slot)
+                continue
+            self._state = self.engine.set_slot_mask(self._state, slot, mask)
 
     def _finish_in_flight(self) -> None:
         previous, self._in_flight = self._in_flight, None

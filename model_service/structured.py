@@ -142,6 +142,8 @@ class Guide:
     def mask(self) -> np.ndarray:
         """[V] bool: the ids the grammar allows next (ids past the tokenizer's vocabulary never)."""
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        if self._matcher.is_error():
+            raise RuntimeError(self._matcher.get_error())
         allowed = np.unpackbits(bits, bitorder="little").astype(bool)
         out = np.zeros((self.vocab_size,), dtype=bool)
         n = min(self.vocab_size, allowed.size)
@@ -152,13 +154,15 @@ class Guide:
 class GrammarCompiler:
     """Constraints to compiled grammars over one vocabulary, with a bounded LRU cache (thread-safe)."""
 
-    def __init__(self, vocabulary: Vocabulary, model_vocab_size: int, cache_size: int = CACHE_SIZE) -> None:
+    def __init__(self, vocabulary: Vocabulary, model_vocab_size: int, cache_size: int = CACHE_SIZE,
+                 limits: dict[str, int] | None = None) -> None:
         if vocabulary.size > model_vocab_size:
             raise ValueError(f"the tokenizer has {vocabulary.size} pieces, more than the model's vocabulary "
                              f"of {model_vocab_size}")
         self.vocabulary = vocabulary
         self.vocab_size = model_vocab_size
         self.cache_size = cache_size
+        self.limits = LIMITS if limits is None else limits
         self._cache: collections.OrderedDict[Constraint, Compiled] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -178,7 +182,7 @@ class GrammarCompiler:
 
     def _compile(self, c: Constraint) -> Compiled:
         grammar = grammar_text(c)
-        limits = llguidance.LLParserLimits(**LIMITS)
+        limits = llguidance.LLParserLimits(**self.limits)
         matcher = llguidance.LLMatcher(self.vocabulary.lltokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
             raise ConstraintError(f"{c.field}: {_first_line(matcher.get_error())}")
