@@ -27,7 +27,8 @@ class Guidance:
     def __init__(self, engine: EngineLike, grammars: GrammarCompiler | None) -> None:
         self.engine = engine
         # Structured output needs a compiler (the tokenizer's pieces) and an engine that can set a slot's mask.
-        self.grammars = grammars if hasattr(engine, "set_slot_mask") else None
+        self.grammars = grammars
+        self.masking = hasattr(engine, "set_slot_mask")
 
     def compile(self, request: GenerationRequest) -> Compiled | None:
         """The request's constraint compiled, None without one; INVALID_ARGUMENT naming the field when it is
@@ -38,6 +39,9 @@ class Guidance:
         if self.grammars is None:
             raise SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{c.field}: this model service was started without "
                                  "structured output (model_service --tokenizer, the model's SentencePiece file)")
+        if not self.masking:
+            raise SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{c.field}: structured output is not served by a "
+                                 "multi-process model replica yet; send it to a single-process one")
         try:
             compiled = self.grammars.compile(c)
         except ConstraintError as e:

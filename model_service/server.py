@@ -119,9 +119,9 @@ class ModelServer:
         log.info("serving", extra={"port": self.port})
 
     def _grammars(self, engine: EngineLike) -> GrammarCompiler | None:
-        """The structured-output compiler over --tokenizer's vocabulary (None without one, or on an engine that
-        cannot set a slot's mask: constrained requests are then refused with INVALID_ARGUMENT)."""
-        if self.config.tokenizer is None or not hasattr(engine, "set_slot_mask"):
+        """The structured-output compiler over --tokenizer's vocabulary (None without one: constrained requests
+        are then refused with INVALID_ARGUMENT)."""
+        if self.config.tokenizer is None:
             return None
         return GrammarCompiler(Vocabulary(self.config.tokenizer), engine.vocab_size)
 
