@@ -85,10 +85,11 @@ def test_lark_and_gbnf_grammars_constrain_the_answer(client: GatewayClient) -> N
     assert re.fullmatch("step [0-9]{1,2}", client.complete(PROMPT, max_tokens=10, grammar=gbnf).text)
 
 
-def test_same_seed_same_constrained_output(client: GatewayClient) -> None:
-    runs = [client.complete(PROMPT, max_tokens=60, temperature=1.0, seed=7, json_schema=json.dumps(SCHEMA)).text
-            for _ in range(2)]
-    assert runs[0] == runs[1]
+def test_same_seed_same_constrained_output_streamed_or_not(client: GatewayClient) -> None:
+    options = dict(max_tokens=60, temperature=1.0, seed=7, json_schema=json.dumps(SCHEMA))
+    runs = [client.complete(PROMPT, **options).text for _ in range(2)]
+    streamed = "".join(m.text for m in client.generate(PROMPT, **options))
+    assert runs[0] == runs[1] == streamed
 
 
 def test_constrained_requests_beside_plain_ones_leave_theirs_unchanged(client: GatewayClient) -> None:
