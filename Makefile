@@ -48,7 +48,7 @@ proto-baseline: setup  ## accept the current protos as the API baseline `make li
 test: setup lint  ## set up, lint the protos, run every test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: setup  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer -> bench-results/quick
+bench: setup $(AIPERF_VENV)/.installed  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer, three-client cross-check -> bench-results/quick
 	$(PY) -m benchmarks.suite --quick --out bench-results/quick
 
 bench-docs: setup  ## re-measure everything docs/benchmarks.md reports (about an hour) and regenerate its tables
@@ -64,7 +64,7 @@ $(AIPERF_VENV)/.installed:
 bench-http: setup $(AIPERF_VENV)/.installed  ## AIPerf against /v1/completions of the tiny golden stack
 	AIPERF_VENV=$(AIPERF_VENV) bash bench/aiperf_golden.sh
 
-bench-engine: setup  ## issue 10's decode points through the model service over gRPC, medium config (JSON)
+bench-engine: setup  ## the decode-speed points of docs/performance.md through the model service over gRPC, medium config (JSON)
 	$(PY) -m benchmarks.engine --runs 3
 
 clean:  ## remove build outputs (not the venv)

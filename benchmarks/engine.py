@@ -20,6 +20,11 @@ interpreter:
 
     .venv/bin/python -m benchmarks.engine --runs 3 --repo before=/tmp/grok-before --repo after=. \\
         --out docs/bench/engine.json
+
+--arm LABEL=FLAGS adds this checkout with other model-service flags (e.g. `--arm xla='--products xla'
+--arm native='--products native'`), and --llamacpp DIR runs llama.cpp on the same shapes (the CPU anchor in
+../shared/bench/llamacpp: Q8_0 weights, 2 threads) after each round of the 1-stream and 8-stream points,
+and reports ours / llama.cpp per arm and mode. Every measurement records the box (benchmarks.box).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import os
 import pathlib
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -41,6 +47,7 @@ import grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
+from benchmarks import box
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from serving_common.healthcheck import check
 from serving_common.processes import terminate
@@ -114,17 +121,21 @@ def measure(address: str, streams: int, args: argparse.Namespace, vocab: int, mo
             barrier.wait()
             results[i] = stream(stub, prompts[i], args.tokens, 7 * run + i, mode)
 
+        watch = box.CpuWatch()
+        watch.start()
         threads = [threading.Thread(target=run_one, args=(i,)) for i in range(streams)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+    shared = watch.stop()
+    box.warn_if_busy(shared, f"{streams} streams, run {run}")
     decoded = sum(r["tokens"] - 1 for r in results)
     span = max(r["end"] for r in results) - min(r["first"] for r in results)
     ttft = sorted(r["first"] - r["start"] for r in results)
     return {"decode_tokens_per_s": round(decoded / span, 2), "ttft_p50_s": round(statistics.median(ttft), 4),
             "ttft_max_s": round(ttft[-1], 4), "tokens": int(sum(r["tokens"] for r in results)),
-            "load_avg_1m": round(os.getloadavg()[0], 2)}
+            "load_avg_1m": round(os.getloadavg()[0], 2), "box": shared.as_dict() if shared else None}
 
 
 def supports(repo: pathlib.Path, flags: list[str]) -> bool:
@@ -135,30 +146,34 @@ def supports(repo: pathlib.Path, flags: list[str]) -> bool:
     return flags[0] in help_text
 
 
-def bench_point(name: str, repos: dict[str, pathlib.Path], args: argparse.Namespace, vocab: int,
+def bench_point(name: str, arms: dict[str, tuple[pathlib.Path, list[str]]], args: argparse.Namespace, vocab: int,
                 cache_dir: pathlib.Path) -> dict[str, Any]:
-    """Every checkout's service is started (an idle one costs no CPU), then the runs alternate between them,
-    so a change in the machine's load hits all of them alike."""
+    """Every arm's service is started (an idle one costs no CPU), then the runs alternate between them (and
+    llama.cpp's matching mode, with --llamacpp), so a change in the machine's load hits all of them alike."""
     slots, streams, extra = POINTS[name]
     modes = ("sampled", "greedy", "json") if args.constraint_json else ("sampled", "greedy")
     service_flags = extra + (["--tokenizer", str(args.tokenizer)] if args.constraint_json else [])
     out: dict[str, Any] = {"slots": slots, "streams": streams, "flags": extra}
     services: dict[str, ModelService] = {}
+    anchor_mode = ANCHOR_MODES.get(name) if args.llamacpp else None
+    anchor: list[dict[str, Any]] = []
     try:
-        for label, repo in repos.items():
-            if not supports(repo, extra):
-                out[label] = {"skipped": f"{repo} has no {extra[0]} flag"}
+        for label, (repo, flags) in arms.items():
+            if not supports(repo, extra + flags):
+                out[label] = {"skipped": f"{repo} has no {(extra + flags)[0]} flag"}
                 continue
             cache = cache_dir / label
             cache.mkdir(exist_ok=True)
             services[label] = ModelService(repo, args.config, slots, args.prompt_len, str(cache),
-                                           cache_dir / f"{label}_{name}.log", service_flags)
+                                           cache_dir / f"{label}_{name}.log", service_flags + flags)
         runs: dict[tuple[str, str], list[dict]] = {(label, mode): [] for label in services
                                                    for mode in modes}
         for r in range(args.runs):
             for mode in modes:
                 for label, service in services.items():
                     runs[label, mode].append(measure(service.address, streams, args, vocab, mode, r))
+            if anchor_mode:
+                anchor.append(llamacpp_run(args.llamacpp, anchor_mode))
     finally:
         for service in services.values():
             service.close()
@@ -176,7 +191,43 @@ def bench_point(name: str, repos: dict[str, pathlib.Path], args: argparse.Namesp
         out[label] = result
         print(json.dumps({name: {label: {m: result[m]["median_decode_tokens_per_s"] for m in modes}}}),
               file=sys.stderr, flush=True)
+    if anchor:
+        out["llamacpp"] = beside_llamacpp(anchor, {label: out[label] for label in services})
+        print(json.dumps({name: {"llamacpp": out["llamacpp"]["ratios"]}}), file=sys.stderr, flush=True)
     return out
+
+
+# Our point -> llama.cpp's bench.py mode with the same shapes (../shared/bench/llamacpp: S sequences, 32-token
+# prompts, 128 tokens, 2 threads).
+ANCHOR_MODES = {"slots1_stream1": "ll1", "slots8_streams8": "ll8"}
+
+
+def llamacpp_run(directory: pathlib.Path, mode: str) -> dict[str, Any]:
+    """One llama.cpp measurement (a warm-up repetition, then one) of `mode`, as ../shared/bench/llamacpp runs it."""
+    python, model = directory / "venv" / "bin" / "python", directory / "grok-medium-pad32.gguf"
+    if not python.exists() or not model.exists():
+        raise FileNotFoundError(f"no llama.cpp build in {directory}: run `bash {SHARED}/bench/llamacpp/run.sh "
+                                f"{directory}` once (~7 min)")
+    watch = box.CpuWatch()
+    watch.start()
+    run = subprocess.run([str(python), str(SHARED / "bench" / "llamacpp" / "bench.py"), str(model), "2", mode, "1"],
+                         capture_output=True, text=True, timeout=1800, env={**os.environ, "NO_EXTRA": "1"})
+    shared = watch.stop()
+    lines = [line for line in run.stdout.splitlines() if line.startswith("MEDIAN ")]
+    if run.returncode != 0 or not lines:
+        raise RuntimeError(f"llama.cpp {mode} failed ({run.returncode}): {run.stderr[-2000:]}")
+    return {**json.loads(lines[-1][len("MEDIAN "):]), "box": shared.as_dict() if shared else None}
+
+
+def beside_llamacpp(anchor: list[dict[str, Any]], ours: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's medians and, per arm and mode, ours / llama.cpp for decode tok/s and first-token time."""
+    decode = statistics.median(a["step_tok_s"] for a in anchor)  # llama_decode + batch fill + argmax
+    prompt_s = statistics.median(a["prompt_ms"] for a in anchor) / 1e3
+    ratios = {f"{label}_{mode}": {
+        "decode_tokens_per_s_over_llamacpp": round(r[mode]["median_decode_tokens_per_s"] / decode, 3),
+        "ttft_p50_over_llamacpp_prompt": round(r[mode]["median_ttft_p50_s"] / prompt_s, 3)}
+        for label, r in ours.items() for mode in ("sampled", "greedy")}
+    return {"decode_tokens_per_s": decode, "prompt_s": prompt_s, "runs": anchor, "ratios": ratios}
 
 
 def main() -> int:
@@ -188,22 +239,31 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--repo", action="append", default=[], metavar="LABEL=DIR",
                    help="checkout to benchmark (repeatable; default: this one, labelled 'current')")
+    p.add_argument("--arm", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="this checkout with extra model-service flags, e.g. native='--products native' (repeatable)")
+    p.add_argument("--llamacpp", type=pathlib.Path, default=None, metavar="DIR",
+                   help="also run llama.cpp on the same shapes beside ours, alternating (DIR as "
+                        "../shared/bench/llamacpp/run.sh DIR builds it)")
     p.add_argument("--out", type=pathlib.Path, default=None, help="also write the JSON report here")
     p.add_argument("--constraint-json", action="store_true",
                    help="also measure a JSON-schema-constrained mode (`json`; structured output)")
     p.add_argument("--tokenizer", type=pathlib.Path, default=GROK1_TOKENIZER,
                    help="SentencePiece file given to the service with --constraint-json (default: Grok-1's)")
     args = p.parse_args()
-    repos = {label: pathlib.Path(d).resolve() for label, d in (r.split("=", 1) for r in args.repo)} or {"current": ROOT}
+    arms: dict[str, tuple[pathlib.Path, list[str]]] = {
+        label: (pathlib.Path(d).resolve(), []) for label, d in (r.split("=", 1) for r in args.repo)}
+    arms.update({label: (ROOT, shlex.split(flags)) for label, flags in (a.split("=", 1) for a in args.arm)})
+    arms = arms or {"current": (ROOT, [])}
     vocab = json.loads(args.config.read_text())["vocab_size"]
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
         "settings": {"config": str(args.config), "tokens": args.tokens, "prompt_len": args.prompt_len,
-                     "runs": args.runs, "sampled": {"temperature": 0.7, "top_p": 0.9}, "repos": {k: str(v) for k, v in repos.items()}},
+                     "runs": args.runs, "sampled": {"temperature": 0.7, "top_p": 0.9},
+                     "arms": {k: [str(repo), *flags] for k, (repo, flags) in arms.items()}},
         "points": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.points.split(","):
-            report["points"][name] = bench_point(name, repos, args, vocab, pathlib.Path(tmp))
+            report["points"][name] = bench_point(name, arms, args, vocab, pathlib.Path(tmp))
     report["machine"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(report, indent=1)
     if args.out:

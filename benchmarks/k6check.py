@@ -53,11 +53,14 @@ def run_k6(address: str, requests: Sequence[BenchRequest], concurrency: int, wor
     m = data["metrics"]
     seconds = (m["grok_ended_at"]["values"]["max"] - m["grok_sent_at"]["values"]["min"]) / 1e3
     e2e, ttft = m["grok_e2e_ms"]["values"], m.get("grok_ttft_ms", {}).get("values", {})
+    tpot = m.get("grok_tpot_ms", {}).get("values", {})
     count = int(e2e["count"])
     return {"completed": count, "failed": m.get("grok_failed", {}).get("values", {}).get("count", 0),
             "duration": seconds, "request_throughput": count / seconds, "mean_e2el_ms": e2e["avg"],
             "median_e2el_ms": e2e["med"], "p99_e2el_ms": e2e["p(99)"], "median_ttft_ms": ttft.get("med", 0.0),
-            "output_tokens": m["grok_output_tokens"]["values"]["count"]}
+            "mean_ttft_ms": ttft.get("avg", 0.0), "mean_tpot_ms": tpot.get("avg", 0.0),
+            "output_tokens": m["grok_output_tokens"]["values"]["count"],
+            "output_throughput": m["grok_output_tokens"]["values"]["count"] / seconds}
 
 
 def ours(address: str, requests: Sequence[BenchRequest], concurrency: int) -> dict[str, float]:

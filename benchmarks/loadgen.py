@@ -108,6 +108,8 @@ class GatewaySender:
                 if reply.tokens:
                     result.chunk_times.append(time.perf_counter())
                     result.chunk_tokens.append(len(reply.tokens))
+                if reply.text and not result.first_text:
+                    result.first_text = time.perf_counter()
                 texts.append(reply.text)
                 if reply.HasField("usage"):
                     result.server_prompt_tokens = reply.usage.prompt_tokens

@@ -46,6 +46,7 @@ class RequestResult:
     error: str = ""  # "" on success, else "CODE: message"
     text: str = ""
     server_prompt_tokens: int = -1  # what the server counted (usage), -1 if it did not say
+    first_text: float = 0.0  # arrival of the first chunk with non-empty text (0: none, or not recorded)
 
     @property
     def success(self) -> bool:

@@ -128,6 +128,22 @@ def k6_table(r: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def crosscheck_table(r: Mapping[str, Any]) -> list[str]:
+    """Each client's medians beside ours over gRPC, with the ratios the agreement is judged on."""
+    med, agree = r["median"], r["agreement"]
+    lines = ["Client | output tok/s | TPOT ms | TTFT ms | HTTP first event ms | tok/s / ours | TPOT / ours | "
+             "within tolerance", "---|---|---|---|---|---|---|---"]
+    for tool, m in med.items():
+        a = agree.get(tool, {})
+        ratios = [a.get(k, {}).get("ratio") for k in ("output_throughput", "mean_tpot_ms")]
+        ok = "" if tool == "ours-grpc" else ("yes" if all(a.get(k, {}).get("agree") for k in
+                                                             ("output_throughput", "mean_tpot_ms")) else "NO")
+        lines.append(f"{tool} | {_f(m['output_throughput'], 1)} | {_f(m['mean_tpot_ms'], 2)} | "
+                     f"{_f(m['mean_ttft_ms'], 1)} | {_f(m['mean_first_event_ms'], 1) if 'mean_first_event_ms' in m else ''}"
+                     f" | {_f(ratios[0], 3) if ratios[0] else ''} | {_f(ratios[1], 3) if ratios[1] else ''} | {ok}")
+    return lines
+
+
 def provenance_line(r: Mapping[str, Any]) -> str:
     git, machine = r.get("git", {}), r.get("machine", r.get("machine_at_start", {}))
     dirty = " (dirty)" if git.get("dirty") else ""
@@ -160,6 +176,10 @@ def render(out_dir: pathlib.Path) -> str:
                   *reference_table(roofs), ""]
     if (t := load("tokenizer")):
         parts += ["### Tokenizer service (Grok-1 tokenizer)", "", provenance_line(t), "", *tokenizer_table(t), ""]
+    if (c := load("crosscheck-golden")):
+        parts += [f"### Three clients, one stack (golden, concurrency {c['concurrency']}, {c['num_prompts']} "
+                  f"requests, medians of {c['rounds']} interleaved rounds)", "", provenance_line(c), "",
+                  *crosscheck_table(c), ""]
     if (k := load("k6check-golden")):
         parts += [f"### k6 cross-check (golden, concurrency {k['concurrency']}, {k['num_prompts']} requests, "
                   f"medians of {len(k['runs'])} interleaved runs)", "", provenance_line(k), "", *k6_table(k), ""]

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks import metrics, plots, results
+from benchmarks import box, metrics, plots, results
 from benchmarks.loadgen import GatewaySender, LoadPoint, Sender, run_point, warm_up
 from benchmarks.metrics import RequestResult, Slo
 from benchmarks.stack import RunningStack, preset, start_stack
@@ -101,9 +101,14 @@ async def sweep(config: ServeConfig, send: Sender, workloads: dict[WorkloadSpec,
     for index in range(config.runs):
         for workload, requests in workloads.items():
             for point in config.points:
+                watch = box.CpuWatch(services=config.stack is None)
+                watch.start()
                 served, duration = await run_point(send, requests, point, config.seed)
+                shared = watch.stop()
                 computed = metrics.compute(served, duration, config.percentiles, config.slo)
                 record = run_record(config, workload, point, index, computed, served, context)
+                record["box"] = shared.as_dict() if shared is not None else None
+                box.warn_if_busy(shared, f"{point_key(workload, point)} run {index}")
                 key = point_key(workload, point)
                 name = f"{workload.name}__{point.label}__run{index}.json"
                 results.write_json(out_dir / "runs" / name, record)
@@ -130,8 +135,11 @@ def summarize(config: ServeConfig, runs: dict[str, list[dict[str, Any]]], pooled
             "runs": len(records), **metrics.aggregate(records),
             "itl_quantiles_ms": metrics.itl_quantiles(pooled[key]),
             "prompt_len_mismatches": sum(r["prompt_len_mismatches"] for r in records),
+            "box": [r.get("box") for r in records],
         })
-    return {"benchmark": "serve", "label": config.label, "backend": "grok-gateway-grpc",
+    shared = [b for p in points for b in p["box"] if b is not None and not b["quiet"]]
+    return {"benchmark": "serve", "label": config.label,
+            "shared_machine_runs": len(shared), "backend": "grok-gateway-grpc",
             "model_id": context["model_id"], "tokenizer_id": context["tokenizer_id"], "date": context["date"],
             "git": context["git"], "machine_at_start": context["machine"], "machine_at_end": results.machine_info(),
             "config": _config_dict(config), "points": points}

@@ -105,6 +105,7 @@ class RunningStack:
     tokenizer: Process
     model: Process
     gateway: Process
+    http_port: int = 0  # the gateway's OpenAI-compatible API (0: off)
 
     @property
     def address(self) -> str:
@@ -136,17 +137,20 @@ GATEWAY_ENV = {"GROK_GATEWAY_HTTP_PORT": "0"}
 
 
 def start_stack(spec: StackSpec, log_dir: pathlib.Path, timeout: float = 1800.0,
-                source: pathlib.Path | None = None) -> RunningStack:
+                source: pathlib.Path | None = None, http: bool = False) -> RunningStack:
     """Start tokenizer, model and gateway; return once all three report SERVING. `source`: run the three
-    services from another checkout's source tree (e.g. a baseline), with the same preset and compile cache."""
+    services from another checkout's source tree (e.g. a baseline), with the same preset and compile cache.
+    `http`: the gateway also serves its OpenAI-compatible API, on a free port (`RunningStack.http_port`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env: dict[str, str] = {} if source is None else {"PYTHONPATH": str(source)}
     cwd = source or ROOT
     tokenizer = Process("tokenizer_service", ["--model", spec.tokenizer], log_dir, env=env or None, cwd=cwd)
     model = Process("model_service", spec.model_args(), log_dir, env={**model_env(), **env}, cwd=cwd)
-    gateway = Process("gateway", ["--tokenizer", tokenizer.address, "--model", model.address], log_dir,
-                      env={**env, **GATEWAY_ENV}, cwd=cwd)
-    stack = RunningStack(spec, tokenizer, model, gateway)
+    http_port = free_port() if http else 0
+    gateway = Process("gateway", ["--tokenizer", tokenizer.address, "--model", model.address,
+                                  *(["--http-port", str(http_port)] if http else [])], log_dir,
+                      env={**env, **({} if http else GATEWAY_ENV)}, cwd=cwd)
+    stack = RunningStack(spec, tokenizer, model, gateway, http_port)
     try:
         for proc in (tokenizer, model, gateway):
             proc.wait_serving(timeout)

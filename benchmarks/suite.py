@@ -5,7 +5,7 @@
 
 Runs, in order: the serving sweep through the gateway (golden, then medium), the layer split
 (golden, medium), the decode-step roofline (golden, medium), the tokenizer service (Grok-1
-tokenizer) and the k6 cross-check (golden). Each writes its JSON into --out (summaries only: the
+tokenizer) and the three-client cross-check (golden: ours over gRPC and HTTP, k6, AIPerf). Each writes its JSON into --out (summaries only: the
 per-run files of the sweeps stay in the temporary work folder the suite prints), the sweeps their
 PNG plots; `--update-doc` regenerates the
 tables between the RESULTS markers of the given markdown file. The JSON records the git revision.
@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks import k6check, layers, report, results, roofline, serve, tokenizer
+from benchmarks import crosscheck, layers, report, results, roofline, serve, tokenizer
 from benchmarks.loadgen import LoadPoint
 from benchmarks.metrics import Slo
 from benchmarks.stack import SHARED, use_model_xla_flags
@@ -64,8 +64,8 @@ def steps(quick: bool, out: pathlib.Path, work: pathlib.Path) -> list[tuple[str,
         todo.append((f"roofline-{name}", lambda c=config: roofline.run(c, [1, 8], 5 if quick else 10)))
     todo.append(("tokenizer", lambda: tokenizer.run(str(SHARED / "grok1-tokenizer" / "tokenizer.model"), 8, 256,
                                                     32 if quick else 64, 128 if quick else 256, 2 if quick else 3)))
-    if not quick:
-        todo.append(("k6check-golden", lambda: k6check.run("golden", 4, 48, 32, 32, 3, 0.10)))
+    todo.append(("crosscheck-golden", lambda: crosscheck.run("golden", 4, 32 if quick else 64, 32, 32,
+                                                             2 if quick else 3, 0.10)))
     return todo
 
 

@@ -183,8 +183,12 @@ def sample(args: argparse.Namespace, address: str, out: TextIO) -> int:
     body = json.dumps({"prompt": args.prompt, "sampling": {"max_tokens": args.max_tokens}})
     http_body = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens, "stream": True})
     python, grpcurl = tool("python", pathlib.Path(sys.executable)), tool("grpcurl", ROOT / ".venv" / "bin" / "grpcurl")
+    chat_body = json.dumps({"messages": [{"role": "user", "content": "What does the gateway do?"}],
+                            "temperature": 0, "max_tokens": 64})
     curl = (f"  curl -sN http://{args.host}:{args.http_port}/v1/completions -H 'content-type: application/json' "
-            f"-d {shlex.quote(http_body)}\n") if args.http_port else ""
+            f"-d {shlex.quote(http_body)}\n"
+            f"  curl -s http://{args.host}:{args.http_port}/v1/chat/completions -H 'content-type: application/json' "
+            f"-d {shlex.quote(chat_body)}\n") if args.http_port else ""
     out.write("\nrun_stack: try it yourself:\n"
               f"  {python} -m gateway.client {shlex.quote(args.prompt)} --max-tokens 32 --address {address}\n"
               f"  {grpcurl} -plaintext -d {shlex.quote(body)} {address} grok.gateway.v1.GatewayService/Generate\n"

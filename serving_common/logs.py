@@ -13,6 +13,10 @@ from typing import Any
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 _RESERVED = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+# Libraries whose INFO records are about their own internals: jax logs at INFO, on every machine without a
+# TPU, that it could not load libtpu while picking a backend. Their warnings (a GPU found but no CUDA-enabled
+# jaxlib, say) still show; --log-level debug shows everything.
+QUIET_LIBRARIES = ("jax", "jaxlib")
 
 
 class JsonFormatter(logging.Formatter):
@@ -45,6 +49,8 @@ def configure(service: str, level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(root.level if root.level <= logging.DEBUG else max(root.level, logging.WARNING))
 
 
 # One limit at every edge (vLLM's too): ids are for logs and traces, and gRPC's header budget (8 KiB by

@@ -1,7 +1,11 @@
 """`python -m tokenizer_service.train_demo --out PATH`: train the project's demo SentencePiece model.
 
 The demo ("embedded default") stack needs a tokenizer that can be rebuilt from this repository
-alone. This trains one from the original English prose in `demo_corpus/`: 1024 pieces, BPE with
+alone. This trains one from the original English text in `demo_corpus/`: prose paragraphs (`*.txt`,
+one per line) and question/answer dialogues (`*.jsonl`, one conversation per line) rendered through
+the gateway's default chat template exactly as `/v1/chat/completions` renders a request, followed by
+the assistant's answer. Both the tokenizer and the demo model learn from these documents, so the
+demo model sees the chat format it is served with. 1024 pieces, BPE with
 byte fallback (so any text round-trips), ids 0..3 = [PAD] [BOS] [EOS] [UNK] like the Grok-1
 tokenizer, identity normalization, a dummy "▁" prefix and whitespace kept as is. One training
 thread and no sampling make the output byte-for-byte reproducible.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import pathlib
 import sys
@@ -33,6 +38,31 @@ def corpus_lines(corpus_dir: pathlib.Path) -> Iterator[str]:
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 yield line
+
+
+def dialogue_documents(corpus_dir: pathlib.Path) -> Iterator[str]:
+    """Each conversation of every *.jsonl file (file-name order), as the text the served demo model sees:
+    the gateway's chat template renders all messages but the last (with the generation prompt), and the
+    last, the assistant's answer, follows after one space, as the model continues "Assistant:"."""
+    # Imported here: only training needs the gateway's template, the tokenizer service never does.
+    from gateway.http.chat import ChatTemplate
+    from gateway.http.schemas import ChatMessage
+
+    template = ChatTemplate.load()
+    for path in sorted(corpus_dir.glob("*.jsonl")):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            *asked, answer = [ChatMessage(**message) for message in json.loads(line)["messages"]]
+            if answer.role != "assistant" or not asked or not isinstance(answer.content, str):
+                raise ValueError(f"{path}:{number}: a dialogue ends with the assistant's text answer")
+            yield template.render(asked, add_generation_prompt=True) + " " + answer.content.strip()
+
+
+def corpus_documents(corpus_dir: pathlib.Path) -> Iterator[str]:
+    """The training documents: prose paragraphs, then rendered dialogues (each ends with EOS in training)."""
+    yield from corpus_lines(corpus_dir)
+    yield from dialogue_documents(corpus_dir)
 
 
 def trainer_options() -> dict[str, object]:
@@ -62,7 +92,7 @@ def train(corpus_dir: pathlib.Path = CORPUS_DIR) -> bytes:
     """Train and return the serialized model."""
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=corpus_lines(corpus_dir), model_writer=model, **trainer_options()
+        sentence_iterator=corpus_documents(corpus_dir), model_writer=model, **trainer_options()
     )
     return model.getvalue()
 
@@ -79,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=pathlib.Path, help="where to write the .model file")
     parser.add_argument("--corpus", type=pathlib.Path, default=CORPUS_DIR,
-                        help="folder of *.txt training text (default: the shipped demo corpus)")
+                        help="folder of *.txt and *.jsonl training text (default: the shipped demo corpus)")
     args = parser.parse_args(argv)
     data = train(args.corpus)
     write_atomically(data, args.out)

@@ -9,6 +9,8 @@ import exec from 'k6/execution';
 const prompts = JSON.parse(open(__ENV.BENCH_PROMPTS));
 const e2e = new Trend('grok_e2e_ms', true);
 const ttft = new Trend('grok_ttft_ms', true);
+// (end - first token) / (tokens - 1) per request: AIPerf's inter-token latency and vLLM's TPOT.
+const tpot = new Trend('grok_tpot_ms', true);
 const outputTokens = new Counter('grok_output_tokens');
 const failed = new Counter('grok_failed');
 // Send and end times (ms since the epoch): the tool's duration is first send to last end, as ours.
@@ -52,6 +54,9 @@ export default function () {
     e2e.add(end - start);
     if (first > 0) {
       ttft.add(first - start);
+    }
+    if (first > 0 && tokens > 1) {
+      tpot.add((end - first) / (tokens - 1));
     }
     outputTokens.add(tokens);
   });

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import sentencepiece
 
-from tokenizer_service.train_demo import corpus_lines
+from tokenizer_service.train_demo import corpus_documents
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def sentence_starts(sp: sentencepiece.SentencePieceProcessor, stream: np.ndarray
 
 def load_corpus(corpus_dir: pathlib.Path, tokenizer_model: bytes, holdout_every: int) -> Corpus:
     sp = sentencepiece.SentencePieceProcessor(model_proto=tokenizer_model)
-    train, heldout = split_paragraphs(list(corpus_lines(corpus_dir)), holdout_every)
+    train, heldout = split_paragraphs(list(corpus_documents(corpus_dir)), holdout_every)
     stream = encode_stream(sp, train)
     return Corpus(stream, encode_stream(sp, heldout), sentence_starts(sp, stream), tuple(train), tuple(heldout))
 

@@ -27,7 +27,7 @@ class TrainConfig:
     """Everything that decides the trained weights besides the model config and the corpus."""
 
     seed: int = 0
-    steps: int = 300
+    steps: int = 400
     batch_size: int = 8
     seq_len: int = 256
     learning_rate: float = 5e-3

@@ -28,12 +28,15 @@ from model_service.train.loop import LogEntry, TrainConfig, train
 from tokenizer_service import train_demo
 
 SAMPLE_PROMPTS = ("The gateway", "A request travels like this.", "The answer to life the universe and everything is")
+# Chat samples: these conversations rendered by the gateway's chat template, as /v1/chat/completions sends them.
+SAMPLE_CHATS = ((("user", "Hello!"),), (("user", "What does the gateway do?"),),
+                (("system", "You are a helpful assistant."), ("user", "What does the gateway do?")))
 PACKAGES = ("jax", "jaxlib", "optax", "numpy", "sentencepiece", "dm-haiku")
 
 
 def corpus_sha256(corpus_dir: pathlib.Path) -> str:
     digest = hashlib.sha256()
-    for path in sorted(corpus_dir.glob("*.txt")):
+    for path in sorted([*corpus_dir.glob("*.txt"), *corpus_dir.glob("*.jsonl")]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
@@ -64,11 +67,21 @@ def _evaluate(model_cfg: ModelConfig, params: Any, corpus: data.Corpus, checkpoi
     return losses
 
 
+def sample_prompts() -> list[str]:
+    """The plain sample prompts, then the chat samples as the gateway's default template renders them."""
+    from gateway.http.chat import ChatTemplate
+    from gateway.http.schemas import ChatMessage
+
+    template = ChatTemplate.load()
+    chats = [template.render([ChatMessage(role=role, content=text) for role, text in chat]) for chat in SAMPLE_CHATS]
+    return [*SAMPLE_PROMPTS, *chats]
+
+
 def _samples(model_cfg: ModelConfig, checkpoint: pathlib.Path, tokenizer: bytes) -> dict[str, str]:
     sp = sentencepiece.SentencePieceProcessor(model_proto=tokenizer)
     model, params = export.load_served(model_cfg, checkpoint)
-    return {prompt: sp.decode(export.greedy(model, params, sp.encode(prompt), 32, model_cfg.eos_token, 128))
-            for prompt in SAMPLE_PROMPTS}
+    return {prompt: sp.decode(export.greedy(model, params, sp.encode(prompt), 48, model_cfg.eos_token, 128))
+            for prompt in sample_prompts()}
 
 
 def _install(staging: pathlib.Path, out: pathlib.Path) -> None:

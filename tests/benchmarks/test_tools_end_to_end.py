@@ -47,6 +47,7 @@ def test_serve_writes_one_vllm_layout_file_per_run_and_point(serve_run: tuple[pa
         assert key in run, key
     assert len(run["git"]["commit"]) == 40 and run["machine"]["cpus"] >= 1
     assert run["config"]["runs"] == 2
+    assert {"load_avg_1m", "own_cpu_cores", "others_cpu_cores", "quiet"} <= set(run["box"])  # the box, per run
 
 
 def test_every_request_got_exactly_its_lengths_through_the_gateway(serve_run: tuple[pathlib.Path, dict]) -> None:
@@ -108,14 +109,17 @@ def test_layers_measures_the_same_workload_in_process_on_the_model_service_and_t
                                               "total")} <= set(costs)
 
 
-def test_k6_runs_the_same_workload_against_the_gateway_and_counts_the_same_requests(tmp_path: pathlib.Path) -> None:
-    out = tmp_path / "k6.json"
-    run = run_tool(["benchmarks.k6check", "--stack", "golden", "--concurrency", "2", "--num-prompts", "4",
-                    "--input-len", "8", "--output-len", "6", "--runs", "1", "--out", str(out)])
-    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: the tools disagreed (timing), still a result
+def test_crosscheck_runs_the_same_workload_with_every_client_against_one_stack(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "crosscheck.json"
+    run = run_tool(["benchmarks.crosscheck", "--stack", "golden", "--concurrency", "2", "--num-prompts", "4",
+                    "--input-len", "8", "--output-len", "6", "--rounds", "1", "--no-aiperf", "--out", str(out)])
+    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: the clients disagreed (timing), still a result
     report = json.loads(out.read_text())
-    ours, k6 = report["runs"][0]["ours"], report["runs"][0]["k6"]
-    assert ours["completed"] == k6["completed"] == 4
-    assert ours["failed"] == k6["failed"] == 0
-    assert ours["total_output_tokens"] == k6["output_tokens"] == 24
-    assert set(report["agreement"]) == {"request_throughput", "mean_e2el_ms", "median_e2el_ms", "all_agree"}
+    assert set(report["runs"]) == {"ours-grpc", "ours-http", "k6"}
+    for tool, (result,) in report["runs"].items():
+        assert result["completed"] == 4 and result["failed"] == 0, tool
+        assert result["total_output_tokens"] == 24, tool  # ignore_eos: exact, counted by each client
+        assert result["box"]["seconds"] > 0 and "others_cpu_cores" in result["box"]
+    http = report["runs"]["ours-http"][0]
+    assert 0 < http["mean_first_event_ms"] <= http["mean_ttft_ms"]  # a token's first text comes with or after it
+    assert {"ours-http", "k6", "all_agree"} == set(report["agreement"])

@@ -1,7 +1,7 @@
 """The training script reproduces the committed run: the same seed gives the same loss curve.
 
 CI reruns the first PREFIX_STEPS steps of the committed schedule (the whole run takes minutes, too long for
-every CI run); `make demo-check` reruns all of it and compares the final losses (README, "The demo model").
+every CI run); `make demo-check` reruns all of it and compares the final losses (docs/demo.md).
 """
 
 from __future__ import annotations

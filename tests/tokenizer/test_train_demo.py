@@ -49,3 +49,31 @@ def test_stream_decoder_matches_decode_on_the_demo_model(demo_model: pathlib.Pat
     ids = tok.encode("The tokenizer streams 😀 and 中文 without broken characters.")
     decoder = tok.stream_decoder()
     assert "".join(decoder.push_many(ids)) + decoder.flush() == tok.sp.decode(ids)
+
+
+def test_dialogues_are_rendered_by_the_gateways_chat_template() -> None:
+    dialogues = list(train_demo.dialogue_documents(train_demo.CORPUS_DIR))
+    assert len(dialogues) >= 50
+    assert dialogues[0] == ("User: What does the gateway do?\n\nAssistant: The gateway is the only part that clients "
+                            "see. It validates input, applies limits, forwards deadlines, and maps errors to status "
+                            "codes that a client can act on.")
+    assert any(d.startswith("System: ") for d in dialogues)
+    assert list(train_demo.corpus_documents(train_demo.CORPUS_DIR))[-len(dialogues):] == dialogues
+
+
+def test_a_served_chat_prompt_encodes_as_the_start_of_its_training_text(
+        demo_sp: sentencepiece.SentencePieceProcessor) -> None:
+    # The gateway sends the rendered prompt, ending in "Assistant:", alone: the model must have seen exactly
+    # those ids at the start of the dialogue it learned, so the answer is what it learned to continue.
+    for dialogue in train_demo.dialogue_documents(train_demo.CORPUS_DIR):
+        prompt = dialogue[:dialogue.rindex("Assistant:") + len("Assistant:")]
+        prompt_ids = demo_sp.encode(prompt)
+        assert demo_sp.encode(dialogue)[:len(prompt_ids)] == prompt_ids, prompt
+
+
+def test_chat_markers_are_whole_pieces(demo_sp: sentencepiece.SentencePieceProcessor) -> None:
+    pieces = [demo_sp.id_to_piece(i) for i in demo_sp.encode("System: Be brief.\n\nUser: Hello!\n\nAssistant:")]
+    assert pieces[:2] == ["\u2581System", ":"]
+    assert pieces[-3:] == ["!\n\n", "Assistant", ":"]
+    assert "User" in pieces and ".\n\n" in pieces
+    assert not any(demo_sp.is_byte(demo_sp.piece_to_id(p)) for p in pieces)  # no byte fallback for the format

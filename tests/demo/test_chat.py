@@ -1,0 +1,81 @@
+"""The demo model chats: /v1/chat/completions through the whole stack, called with the `openai` package.
+
+The demo model was trained on dialogues rendered by the gateway's own chat template (demo_corpus/*.jsonl), so a
+question about its subject, with or without a system message, gets an answer made of the corpus's sentences,
+and a greeting gets a short greeting back. Greedy (temperature 0), so the answers are what `make run` shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from openai import OpenAI
+
+from tests.demo.conftest import corpus_prose, sentences
+from tests.gateway.conftest import Stack
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def openai_client(demo_stack: Stack) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{demo_stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def chat(client: OpenAI, *messages: tuple[str, str]) -> tuple[str, str]:
+    reply = client.chat.completions.create(model="grok-1", temperature=0, max_tokens=MAX_TOKENS,
+                                           messages=[{"role": role, "content": text} for role, text in messages])
+    return reply.choices[0].message.content or "", reply.choices[0].finish_reason
+
+
+def assert_corpus_answer(answer: str, finish: str) -> None:
+    prose = corpus_prose()
+    assert finish == "stop", answer  # the model ended its answer (EOS), not the token limit
+    assert len(sentences(answer)) >= 1 and len(answer.split()) >= 8, answer
+    for sentence in sentences(answer):
+        assert sentence in prose, sentence
+
+
+def test_question_about_the_gateway_gets_an_answer_of_corpus_sentences(openai_client: OpenAI) -> None:
+    answer, finish = chat(openai_client, ("user", "What does the gateway do?"))
+    assert_corpus_answer(answer, finish)
+    assert "gateway" in answer
+
+
+def test_question_with_a_system_message_gets_an_answer_of_corpus_sentences(openai_client: OpenAI) -> None:
+    answer, finish = chat(openai_client, ("system", "You are a helpful assistant."),
+                          ("user", "What does the gateway do?"))
+    assert_corpus_answer(answer, finish)
+    assert "gateway" in answer
+
+
+@pytest.mark.parametrize("question, subject", [("What is a slot?", "slot"),
+                                               ("How does sampling work?", "temperature"),
+                                               ("What is the key and value memory?", "key and value memory")])
+def test_questions_about_other_subjects_get_corpus_answers_about_them(openai_client: OpenAI, question: str,
+                                                                     subject: str) -> None:
+    answer, finish = chat(openai_client, ("user", question))
+    assert_corpus_answer(answer, finish)
+    assert subject in answer
+
+
+@pytest.mark.parametrize("system", [None, "You are a helpful assistant."])
+def test_hello_gets_a_short_greeting_back(openai_client: OpenAI, system: str | None) -> None:
+    messages = ([("system", system)] if system else []) + [("user", "Hello!")]
+    answer, finish = chat(openai_client, *messages)
+    assert finish == "stop"
+    # The answer's text continues the prompt ("Assistant:"), so it may start with the space the model wrote.
+    assert answer.lstrip().startswith(("Hello", "Hi")), answer
+    assert 1 <= len(answer.split()) <= 20, answer
+
+
+def test_a_streamed_chat_answer_is_the_same_answer(openai_client: OpenAI) -> None:
+    answer, _ = chat(openai_client, ("user", "What does the gateway do?"))
+    stream = openai_client.chat.completions.create(
+        model="grok-1", temperature=0, max_tokens=MAX_TOKENS, stream=True,
+        messages=[{"role": "user", "content": "What does the gateway do?"}])
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == answer
