@@ -18,7 +18,7 @@ from grok.gateway.v1 import gateway_pb2
 from tests.demo.conftest import DEMO, DEMO_CONFIG
 from tests.gateway.conftest import Stack
 from tests.gateway.http_client import post, sdk
-from tests.procs import Service, free_port
+from tests.procs import Service, free_port, grpcurl
 
 pytestmark = pytest.mark.slow
 
@@ -112,6 +112,16 @@ def test_constrained_requests_beside_plain_ones_leave_theirs_unchanged(client: G
     assert results["plain"] == alone
     assert results["json"] == constrained_alone  # batch-invariant: the same with neighbours as alone
     assert re.fullmatch(REGEX, results["regex"])
+
+
+def test_grpcurl_choice_and_bad_regex(stack: Stack) -> None:
+    body = {"prompt": PROMPT, "sampling": {"max_tokens": 10, "choice": {"choices": CHOICES}}}
+    out = grpcurl("-plaintext", "-d", json.dumps(body), stack.address, "grok.gateway.v1.GatewayService/Complete")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["choices"][0]["text"] in CHOICES
+    bad = {"prompt": PROMPT, "sampling": {"max_tokens": 4, "regex": "[0-9"}}
+    out = grpcurl("-plaintext", "-d", json.dumps(bad), stack.address, "grok.gateway.v1.GatewayService/Complete")
+    assert out.returncode == 64 + 3 and "constraint.regex: " in out.stderr  # INVALID_ARGUMENT
 
 
 @pytest.mark.parametrize(("options", "field"), [
