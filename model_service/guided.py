@@ -28,7 +28,7 @@ class Guidance:
         self.engine = engine
         # Structured output needs a compiler (the tokenizer's pieces) and an engine that can set a slot's mask.
         self.grammars = grammars
-        self.masking = hasattr(engine, "set_slot_mask")
+        self.masking = hasattr(engine, "set_slot_mask")  # engine_api.MaskingEngine
 
     def compile(self, request: GenerationRequest) -> Compiled | None:
         """The request's constraint compiled, None without one; INVALID_ARGUMENT naming the field when it is
@@ -60,7 +60,7 @@ class Guidance:
         if handle.grammar is None:
             return s
         allowed = handle.grammar.first_mask & self.base_mask(s)
-        return dataclasses.replace(s, allowed=tuple(int(i) for i in allowed.nonzero()[0]))
+        return dataclasses.replace(s, allowed=tuple(allowed.nonzero()[0].tolist()))
 
     def attach(self, handle: RequestHandle, act: Running) -> Running:
         """Give a constrained sample its own grammar position and its request's own mask."""
