@@ -65,3 +65,30 @@ def test_a_constrained_request_is_the_same_alone_and_in_a_batch(golden_engine: E
     assert beside == alone
     text = grammars.vocabulary.lltokenizer.decode_str([t for t in alone if t != golden_engine.eos_id])
     assert re.fullmatch(REGEX, text), text
+
+
+def test_n_constrained_samples_each_follow_the_grammar_and_equal_their_seeds(
+        golden_engine: Engine, grammars: GrammarCompiler, running: Runner) -> None:
+    scheduler = running(golden_engine, grammars=grammars)
+    request = GenerationRequest("n", (5, 6, 7, 8), SamplingSettings(temperature=1.0), seed=20, max_tokens=24, n=2,
+                                constraint=Constraint(ConstraintKind.REGEX, REGEX))
+    samples: dict[int, list[int]] = {0: [], 1: []}
+    finished = threading.Event()
+    ended: set[int] = set()
+
+    def emit(e: Emission) -> None:
+        samples[e.index].extend(t.id for t in e.tokens)
+        if e.finish_reason is not None:
+            ended.add(e.index)
+        if len(ended) == 2 or e.error is not None:
+            finished.set()
+
+    scheduler.submit(request, emit)
+    assert finished.wait(120)
+    second, done = collect(scheduler, GenerationRequest("s", request.prompt, request.sampling, seed=21, max_tokens=24,
+                                                        constraint=request.constraint))
+    assert done.wait(120)
+    assert samples[1] == second
+    for ids in samples.values():
+        text = grammars.vocabulary.lltokenizer.decode_str([t for t in ids if t != golden_engine.eos_id])
+        assert re.fullmatch(REGEX, text), text
