@@ -13,6 +13,7 @@ from model_service.constraint import Constraint, ConstraintKind
 from model_service.engine import Engine
 from model_service.requests import Emission, GenerationRequest
 from model_service.sampling_settings import SamplingSettings
+from model_service.scheduler import Scheduler
 from model_service.structured import GrammarCompiler, Vocabulary
 from tests.engine.conftest import Runner
 from tests.procs import GOLDEN
@@ -38,7 +39,7 @@ def test_set_slot_mask_decides_the_next_draw(golden_engine: Engine) -> None:
     golden_engine.free_slot(state, 2)
 
 
-def collect(scheduler, request: GenerationRequest) -> tuple[list[int], threading.Event]:
+def collect(scheduler: Scheduler, request: GenerationRequest) -> tuple[list[int], threading.Event]:
     ids: list[int] = []
     done = threading.Event()
 
