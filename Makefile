@@ -15,7 +15,7 @@ help:  ## list the targets
 
 setup: $(VENV)/.installed node_modules/.installed  ## create .venv with the pinned packages, install buf
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard model_service/kernels/native/*)  # pip install -e also builds the kernels
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'

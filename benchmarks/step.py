@@ -3,6 +3,7 @@
     python -m benchmarks.step --config PATH_OR_PRESET --batch N --dtype float32 [--mesh 1,1] [--prompt-len 32]
         [--active M]   # only the first M of the N slots hold a request (the others are free slots)
         [--tile T]     # decode rows per tile (default: the engine's choice for this platform and batch)
+        [--products auto|native|xla]  # as the model service's flag
         [--sampled]    # time the engine's whole step instead: decode + sampling (temperature 0.7, top_p 0.9)
         [--controls]   # with --sampled: every request also uses issue 12's controls (top_k, min_p, the three
                        # penalties, 16 logit_bias entries)
@@ -27,7 +28,7 @@ import numpy as np
 from model_service.checkpoint import random_params
 from model_service.config import MeshConfig, load_model_config, validate
 from model_service.engine import Engine, choose_row_tile
-from model_service.model import GrokModel
+from model_service.model import GrokModel, Products, choose_products
 from model_service.sampling_settings import SamplingSettings
 from model_service.sharding import make_mesh
 from benchmarks.stack import use_model_xla_flags
@@ -45,8 +46,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     validate(cfg, mesh_cfg)
     mesh = make_mesh(mesh_cfg)
     dtype = jnp.dtype(args.dtype)
-    params, load_s = _timed(lambda: random_params(cfg, mesh, dtype, args.seed))
-    model = GrokModel(cfg, mesh, dtype)
+    model = GrokModel(cfg, mesh, dtype, choose_products(args.products, mesh, dtype))
+    pack = model.products is Products.NATIVE
+    params, load_s = _timed(lambda: random_params(cfg, mesh, dtype, args.seed, pack=pack))
     rng = np.random.default_rng(args.seed)
     tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, args.prompt_len)), jnp.int32)
     length = jnp.int32(args.prompt_len)
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     decode_ms = statistics.median(decode_times) * 1e3
     return {
         "config": args.config, "batch": args.batch, "active": active_slots, "tile": tile,
-        "dtype": args.dtype, "mesh": args.mesh,
+        "products": model.products.value, "dtype": args.dtype, "mesh": args.mesh,
         "devices": mesh_cfg.size, "platform": jax.devices()[0].platform, "prompt_len": args.prompt_len,
         "params_init_s": round(load_s, 3),
         "prefill_compile_s": round(prefill_compile, 3), "prefill_ms": round(statistics.median(prefill_times) * 1e3, 3),
@@ -113,7 +115,7 @@ def _engine_step(args: argparse.Namespace, cfg: Any, mesh: Any, model: GrokModel
         times.append(time.perf_counter() - start)
     step_ms = statistics.median(times) * 1e3
     return {"config": args.config, "batch": args.batch, "active": active_slots, "tile": engine.row_tile,
-            "dtype": args.dtype, "mesh": args.mesh, "devices": mesh.size, "platform": jax.devices()[0].platform,
+            "products": model.products.value, "dtype": args.dtype, "mesh": args.mesh, "devices": mesh.size, "platform": jax.devices()[0].platform,
             "prompt_len": args.prompt_len, "sampled": True, "controls": bool(args.controls), "step_compile_s": round(compile_s, 3),
             "step_ms": round(step_ms, 3), "tokens_per_s": round(active_slots / step_ms * 1e3, 2), "runs": args.runs}
 
@@ -127,6 +129,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sampled", action="store_true", help="time the engine step: decode + sampling")
     p.add_argument("--controls", action="store_true", help="with --sampled: top_k, min_p, penalties, logit_bias on")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--products", choices=["auto", "native", "xla"], default="auto",
+                   help="as the model service's --products (native: the int8 CPU kernel)")
     p.add_argument("--mesh", default="1,1", help="DATA,MODEL")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--runs", type=int, default=10)

@@ -67,6 +67,10 @@ def parser() -> EnvArgumentParser:
                        help="decode rows computed together (default: 8 on CPU, all slots elsewhere); --slots must be "
                             "a multiple. A request's tokens depend on this and never on other requests: smaller tiles "
                             "cost less when few requests run, larger ones less when many do")
+    p.add_env_argument("--products", choices=("auto", "native", "xla"), default="auto",
+                       help="how token rows meet the weights: native (the int8 CPU kernel built with the package: "
+                            "float32 on CPU only), xla (XLA's own products) or auto (native where it can run, "
+                            "else xla; GPUs/TPUs always use XLA's)")
     p.add_env_argument("--prefill-chunk", type=int, default=64,
                        help="prompts longer than this are prefilled this many tokens at a time, with a decode step "
                             "for the running requests between chunks (0: whole prompts at once)")
@@ -176,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
         port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, row_tile=args.row_tile,
+        products=args.products,
         prefill_chunk=max(0, args.prefill_chunk),
         buckets=args.buckets,
         max_queue=args.max_queue, metrics_port=args.metrics_port,

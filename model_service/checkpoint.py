@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from model_service.config import ModelConfig
 from model_service.file_arrays import FileArray
-from model_service.model.params import Params, TensorSpec, random_leaf, set_leaf, tensor_specs, to_checkpoint, \
+from model_service.model.params import Params, TensorSpec, pack_for_native, random_leaf, set_leaf, tensor_specs, to_checkpoint, \
     to_internal
 from model_service.sharding import fit_spec, path_to_str, spec_for_path
 from model_service.tensor_file import (  # noqa: F401 - CheckpointError and read_tensor are this module's API too
@@ -202,8 +202,15 @@ def place_leaf(spec: TensorSpec, internal: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(put, internal)
 
 
-def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progress: Progress | None = None) -> Params:
-    """Read `<ckpt_dir>/ckpt-0` into sharded device arrays, one tensor at a time."""
+def _for_products(spec: TensorSpec, internal: Any, mesh: Mesh, pack: bool) -> Any:
+    """With native products, a matrix is packed on the host before it reaches the devices (never held twice)."""
+    return pack_for_native(spec.module, internal, mesh) if pack else internal
+
+
+def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progress: Progress | None = None,
+                pack: bool = False) -> Params:
+    """Read `<ckpt_dir>/ckpt-0` into sharded device arrays, one tensor at a time (`pack`: the expert matrices
+    packed for native products, as GrokModel.pack_params would)."""
     specs = tensor_specs(cfg)
     ckpt = pathlib.Path(ckpt_dir) / "ckpt-0"
     _check_layout(ckpt, specs)
@@ -211,7 +218,7 @@ def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progres
     for i, spec in enumerate(specs):
         leaf = read_tensor(ckpt / f"tensor{i:05d}_000", lazy=True, max_bytes=tensor_max_bytes(spec), root=ckpt)
         _check_leaf(spec, leaf, i)
-        set_leaf(params, spec, place_leaf(spec, to_internal(spec, leaf, dtype), mesh))
+        set_leaf(params, spec, place_leaf(spec, _for_products(spec, to_internal(spec, leaf, dtype), mesh, pack), mesh))
         if progress:
             progress(i + 1, len(specs))
     return params
@@ -223,9 +230,9 @@ def random_leaves(cfg: ModelConfig, seed: int) -> Any:
     return (random_leaf(spec, cfg, rng) for spec in tensor_specs(cfg))
 
 
-def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int) -> Params:
+def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int, pack: bool = False) -> Params:
     """Random int8-quantized weights, laid out and sharded exactly like a loaded checkpoint."""
     params: Params = {}
     for spec, leaf in zip(tensor_specs(cfg), random_leaves(cfg, seed)):
-        set_leaf(params, spec, place_leaf(spec, to_internal(spec, leaf, dtype), mesh))
+        set_leaf(params, spec, place_leaf(spec, _for_products(spec, to_internal(spec, leaf, dtype), mesh, pack), mesh))
     return params

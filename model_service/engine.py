@@ -164,7 +164,7 @@ class Engine:
     def __init__(self, model: Any, params: Any, cfg: ModelConfig, mesh: Mesh, slots: int,
                  buckets: Sequence[int], row_tile: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.model = model
-        self.params = params
+        self.params = model.pack_params(params)  # native products: matrices packed (no-op if loaded so)
         self.mesh = mesh
         self.slots = slots
         self.row_tile = choose_row_tile(row_tile, slots, mesh)
@@ -179,7 +179,7 @@ class Engine:
             memory=model.memory_shardings(slots), tokens=replicated, keys=replicated,
             sampling=SamplingParams(*([replicated] * len(SamplingParams._fields))),
             controls=Controls(*([replicated] * len(Controls._fields))), history=History(replicated, replicated))
-        self.params_shardings = model.params_shardings(params)
+        self.params_shardings = model.params_shardings(self.params)
         self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
         self._prefill = jax.jit(self._prefill_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self.state_shardings)

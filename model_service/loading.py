@@ -33,6 +33,7 @@ class ServerConfig:
     mesh: MeshConfig = MeshConfig()
     slots: int = 8
     row_tile: int | None = None  # decode rows per tile; None: the engine's choice for the platform
+    products: str = "auto"  # auto | native | xla: how token rows meet the weights (model.choose_products)
     prefill_chunk: int = 64  # longer prompts are prefilled this many tokens per decode step; 0: at once
     buckets: tuple[int, ...] | None = None  # None: powers of two from 32 up to the context
     max_queue: int = 64
@@ -93,7 +94,7 @@ def load_engine(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...]
 
     from model_service import checkpoint
     from model_service.engine import Engine
-    from model_service.model import GrokModel
+    from model_service.model import GrokModel, Products, choose_products
     from model_service.sharding import default_between_hosts, make_mesh
 
     between = None
@@ -102,16 +103,18 @@ def load_engine(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...]
     mesh = make_mesh(config.mesh, between_hosts=between)
     read_before = _bytes_read()
     dtype = jnp.dtype(config.dtype)
+    model = GrokModel(cfg, mesh, dtype, choose_products(config.products, mesh, dtype))
+    pack = model.products is Products.NATIVE  # matrices packed for the kernel as they load
+    log.info("products", extra={"requested": config.products, "using": model.products.value})
     start = time.monotonic()
     if config.checkpoint:
-        params = checkpoint.load_params(config.checkpoint, cfg, mesh, dtype, progress=_progress)
+        params = checkpoint.load_params(config.checkpoint, cfg, mesh, dtype, progress=_progress, pack=pack)
     else:
         log.warning("serving RANDOM weights (--random-init): outputs are noise")
-        params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed)
+        params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed, pack=pack)
     log.info("weights ready", extra={"seconds": round(time.monotonic() - start, 2), "process_id": jax.process_index(),
                                      "bytes_read": _bytes_read() - read_before})
-    return Engine(GrokModel(cfg, mesh, dtype), params, cfg, mesh, config.slots, buckets, config.row_tile,
-                  config.prefill_chunk)
+    return Engine(model, params, cfg, mesh, config.slots, buckets, config.row_tile, config.prefill_chunk)
 
 
 def _bytes_read() -> int:

@@ -32,6 +32,14 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"moe/(linear|linear_v)/w/experts/[0-9]+/scales$", P(None, MODEL)),  # [1, F]
     (r"moe/linear_1/w/experts/[0-9]+/weight$", P(MODEL, None)),  # [F, D] (row-parallel, not transposed)
     (r"moe/linear_1/w/experts/[0-9]+/scales$", P(None, None)),  # [8, D]
+    # The same matrices packed for the native kernel (packed.PackedWeight): [S*NB, K, 16] / [blocks, S*NB*16].
+    (r"(multi_head_attention/(query|key|value)/w|moe/(linear|linear_v)/w/experts/[0-9]+)/packed$",
+     P(MODEL, None, None)),  # columns (N) split
+    (r"(multi_head_attention/(query|key|value)/w|moe/(linear|linear_v)/w/experts/[0-9]+)/packed_scales$",
+     P(None, MODEL)),
+    (r"(multi_head_attention/linear/w|moe/linear_1/w/experts/[0-9]+)/packed$", P(None, MODEL, None)),  # rows (K)
+    (r"(multi_head_attention/linear/w|moe/linear_1/w/experts/[0-9]+)/packed_scales$", P(MODEL, None)),
+    (r"in_out_embed/embeddings/packed$", P(None, MODEL, None)),  # [V/16, D, 16]: features split, as unpacked
     (r"router/w$", P(None, None)),
     (r"rms_norm(_[0-9]+)?/scale$", P(None)),
     (r"in_out_embed/embeddings$", P(None, MODEL)),  # [V, D]

@@ -8,6 +8,7 @@ for parity checks and the sharding pytrees the engine jits with.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import haiku as hk
@@ -18,26 +19,51 @@ from jax.sharding import Mesh
 from model_service import kv_memory
 from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Memory
+import numpy as np
+
 from model_service.model.layers import Products, QuantizedWeight
-from model_service.model.params import Params
+from model_service.model.packed import native_ok
+from model_service.model.params import Params, pack_for_native, packable
 from model_service.model.transformer import Step, forward, prompt_logprobs
 from model_service.sharding import DATA, MODEL, params_shardings
 
-__all__ = ["GrokModel", "KVMemory", "Memory", "Params", "Products", "QuantizedWeight"]
+__all__ = ["GrokModel", "KVMemory", "Memory", "Params", "Products", "QuantizedWeight", "choose_products"]
 
 Array = jax.Array
+PRODUCT_CHOICES = ("auto", "native", "xla")
+log = logging.getLogger(__name__)
 
 
 def default_products(mesh: Mesh) -> Products:
-    """Fused multiply-reduce products on CPU (faster there at decode sizes); dot_general elsewhere, where the
-    vendor matrix kernels are the fast path."""
+    """XLA's products: fused multiply-reduce on CPU (faster there at decode sizes); dot_general elsewhere, where
+    the vendor matrix kernels are the fast path."""
     return Products.FUSED_REDUCE if mesh.devices.flat[0].platform == "cpu" else Products.DOT
+
+
+def choose_products(choice: str, mesh: Mesh, dtype: Any) -> Products:
+    """--products: "xla" (XLA's forms), "native" (the native CPU kernel; an error where it cannot run) or "auto"
+    (native on CPU in float32 where the kernel loaded and the replica is one process; XLA's forms elsewhere:
+    GPUs/TPUs keep their dots)."""
+    if choice not in PRODUCT_CHOICES:
+        raise ValueError(f"products must be one of {', '.join(PRODUCT_CHOICES)}, got {choice!r}")
+    if choice == "xla":
+        return default_products(mesh)
+    cpu = mesh.devices.flat[0].platform == "cpu"
+    # A replica spanning processes keeps XLA's forms under auto: packing reads each whole matrix in every
+    # process, where XLA's layouts let each process read only the shards its devices hold.
+    if cpu and native_ok(dtype) and (choice == "native" or jax.process_count() == 1):
+        return Products.NATIVE
+    if choice == "native":
+        raise ValueError("--products native needs the CPU platform, --dtype float32 and the native kernels built "
+                         "(pip install -e . compiles them; the log says why they did not load): use --products xla")
+    return default_products(mesh)
 
 
 class GrokModel:
     """The network bound to a config, a mesh and a compute dtype (float32 or bfloat16).
 
-    `products` picks how token rows meet weights (layers.Products; default by platform).
+    `products` picks how token rows meet weights (layers.Products; default: choose_products("auto")). With
+    Products.NATIVE the expert matrices must be packed (pack_params, or checkpoint.load_params(products=...)).
     """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, products: Products | None = None) -> None:
@@ -47,9 +73,23 @@ class GrokModel:
         self.cfg = cfg
         self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
-        self.products = products or default_products(mesh)
+        self.products = products or choose_products("auto", mesh, self.dtype)
         self._net = hk.without_apply_rng(hk.transform(functools.partial(forward, cfg, mesh, self.dtype)))
         self._scorer = hk.without_apply_rng(hk.transform(functools.partial(prompt_logprobs, cfg, mesh, self.dtype)))
+
+    def pack_params(self, params: Params) -> Params:
+        """With native products: the same tree with its packable leaves (params.packable) packed for the kernel,
+        each a packed copy placed like a loaded one; packed trees come back as they are. Otherwise `params`."""
+        if self.products is not Products.NATIVE:
+            return params
+        out: Params = {}
+        for module, leaves in params.items():
+            out[module] = dict(leaves)
+            for name, leaf in leaves.items():
+                if packable(module, leaf):
+                    host = {module: {name: pack_for_native(module, jax.tree.map(np.asarray, leaf), self.mesh)}}
+                    out[module][name] = jax.device_put(host, params_shardings(host, self.mesh))[module][name]
+        return out
 
     def init_memory(self, batch: int) -> Memory:
         """Empty KV memory: `batch` slots of sequence_len positions, all at position 0."""

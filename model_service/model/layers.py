@@ -11,6 +11,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from model_service.model.packed import PackedWeight, packed_product
+
 Array = jax.Array
 
 RMS_EPS = 1e-5
@@ -80,13 +82,18 @@ class Products(enum.Enum):
       decode sizes. More rows (long prompts) use dot_general, which blocks for caches.
     DOT: one dot_general per product (dequantised first), where vendor matrix kernels are the fast path.
 
-    Neither promises that a row's bits are independent of the other rows: XLA picks kernels, and their summation
-    orders, by shape and even by a row's position in the batch. Batch invariance therefore comes from shapes
-    that never vary: decode runs fixed tiles of rows and prefill one prompt at a time (GrokModel).
+    NATIVE (CPU, float32): the expert matrices are packed at load (packed.PackedWeight) and multiplied by the
+      native kernel (model_service.kernels), whose rows are independent of each other by construction; every
+      other product is taken as in FUSED_REDUCE.
+
+    Neither XLA form promises that a row's bits are independent of the other rows: XLA picks kernels, and their
+    summation orders, by shape and even by a row's position in the batch. Batch invariance therefore comes from
+    shapes that never vary: decode runs fixed tiles of rows and prefill one prompt at a time (GrokModel).
     """
 
     FUSED_REDUCE = "fused_reduce"
     DOT = "dot"
+    NATIVE = "native"
 
 
 FUSED_MAX_ROWS = 64
@@ -128,18 +135,23 @@ def _blocked_dot_rows(x: Array, q: QuantizedWeight) -> Array:
     return jnp.sum(partial * q.scales[:, None, :], axis=0)
 
 
-def product(x: Array, w: "QuantizedWeight | Array", products: Products) -> Array:
+def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Products) -> Array:
     """x [..., K] times a weight (int8 QuantizedWeight, or a float array stored [N, K]) -> [..., N] in x's dtype.
 
     float32 int8 products apply the scales after the reduction (per column, or per row block and then summed
     over blocks); DOT and bfloat16 dequantise first, so bfloat16 rounds as the reference does. In FUSED_REDUCE
     the form is chosen per shape by what measured fastest on XLA-CPU: one row always takes a fused reduction
     (the unembedding a matrix-vector dot); several rows take it only for the wide expert matrices, where
-    converting the int8 weight dominates, and dots elsewhere.
+    converting the int8 weight dominates, and dots elsewhere. A PackedWeight always takes the native kernel
+    (float32 rows; the result is cast back to x's dtype).
     """
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
+    if isinstance(w, PackedWeight):
+        return packed_product(rows.astype(jnp.float32), w).astype(x.dtype).reshape(*lead, -1)
+    if products is Products.NATIVE:
+        products = Products.FUSED_REDUCE
     fused = products is Products.FUSED_REDUCE and x.dtype == jnp.float32 and m <= FUSED_MAX_ROWS
     if not fused:
         if isinstance(w, QuantizedWeight):

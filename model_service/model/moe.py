@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product
+from model_service.model.packed import PackedWeight
 
 Array = jax.Array
 
@@ -27,9 +28,10 @@ class Routing(NamedTuple):
     experts: Array  # [M, k] int32
 
 
-def route(x: Array, router_w: Array, k: int, products: Products) -> Routing:
+def route(x: Array, router_w: "Array | PackedWeight", k: int, products: Products) -> Routing:
     """Softmax over experts in float32, then the top-k probabilities and their experts. x [M, D], router_w [D, E]."""
-    logits = product(x.astype(jnp.float32), router_w.astype(jnp.float32).T, products)  # [M, E]
+    w = router_w if isinstance(router_w, PackedWeight) else router_w.astype(jnp.float32).T
+    logits = product(x.astype(jnp.float32), w, products)  # [M, E]
     gates, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
     return Routing(gates, experts.astype(jnp.int32))
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from model_service.config import ModelConfig
 from model_service.model.layers import ExpertStack, QuantizedWeight
+from model_service.model.packed import PackedWeight, pack_experts, pack_float, pack_quantized
 
 Params = dict[str, dict[str, Any]]
 
@@ -100,6 +101,32 @@ def to_internal(spec: TensorSpec, leaf: Any, dtype: Any) -> Any:
     if spec.module == EMBED:
         return leaf.astype(jnp.dtype(dtype))
     return np.asarray(leaf, np.float32)
+
+
+def packable(module: str, leaf: Any) -> bool:
+    """Whether native products read this leaf packed: every int8 matrix, the router and a float32 embedding
+    table (not yet packed); norms and a bfloat16 table never."""
+    if isinstance(leaf, ExpertStack):
+        return isinstance(leaf.experts[0], QuantizedWeight)
+    if isinstance(leaf, QuantizedWeight):
+        return True
+    if isinstance(leaf, PackedWeight) or np.dtype(leaf.dtype) != np.float32:
+        return False
+    return module.endswith("/router") or module == EMBED
+
+
+def pack_for_native(module: str, leaf: Any, mesh: Any) -> Any:
+    """An in-memory host leaf -> its form for native products (packed.py); leaves that are not `packable`
+    come back unchanged."""
+    if not packable(module, leaf):
+        return leaf
+    if isinstance(leaf, ExpertStack):
+        return pack_experts(leaf, mesh)
+    if isinstance(leaf, QuantizedWeight):
+        return pack_quantized(leaf, mesh)
+    if module == EMBED:
+        return pack_float(np.asarray(leaf).T, mesh, table=True)
+    return pack_float(np.asarray(leaf), mesh)
 
 
 def to_checkpoint(spec: TensorSpec, leaf: Any) -> Any:

@@ -19,6 +19,7 @@ from model_service.config import ModelConfig
 from model_service.kv_memory import KVMemory
 from model_service.model.layers import Products, QuantizedWeight, apply_rope, attention, product, rms_norm
 from model_service.model.moe import MoELayer, ParamHolder, route
+from model_service.model.packed import PackedWeight
 from model_service.sharding import DATA, MODEL, constrain
 
 Array = jax.Array
@@ -43,7 +44,7 @@ def _norm(name: str, x: Array) -> Array:
 
 def _linear(name: str, x: Array, out: int, products: Products) -> Array:
     w = ParamHolder(name).get("w", (x.shape[-1], out))
-    return product(x, w if isinstance(w, QuantizedWeight) else w.T, products)  # plain [K, N] only in haiku init
+    return product(x, w if isinstance(w, (QuantizedWeight, PackedWeight)) else w.T, products)  # plain [K, N]: init
 
 
 def _write(cache: Array, new: Array, start: Array | int, index: Array) -> Array:
@@ -131,7 +132,7 @@ class Transformer(hk.Module):
 class LanguageModelParams(NamedTuple):
     """The `language_model` scope: tied embedding table and final norm scale."""
 
-    embeddings: Array  # [V, D]
+    embeddings: Array | PackedWeight  # [V, D] (packed for native products in float32)
     norm_scale: Array  # [D]
 
 
@@ -144,14 +145,16 @@ def language_model_params(cfg: ModelConfig) -> LanguageModelParams:
 
 def embed(cfg: ModelConfig, lm: LanguageModelParams, tokens: Array, dtype: jnp.dtype) -> Array:
     """tokens [B, T] -> [B, T, D] in `dtype`, times embedding_multiplier_scale."""
-    x = jnp.take(lm.embeddings, tokens, axis=0).astype(dtype)
+    table = lm.embeddings
+    x = (table.rows_of(tokens) if isinstance(table, PackedWeight) else jnp.take(table, tokens, axis=0)).astype(dtype)
     return x * jnp.asarray(cfg.embedding_multiplier_scale, dtype)
 
 
 def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array, products: Products) -> Array:
     """Final norm, then the tied unembedding: h [..., D] -> float32 logits [..., V]."""
     h = rms_norm(h, lm.norm_scale)
-    out = product(h.astype(jnp.float32), lm.embeddings.astype(jnp.float32), products)
+    table = lm.embeddings if isinstance(lm.embeddings, PackedWeight) else lm.embeddings.astype(jnp.float32)
+    out = product(h.astype(jnp.float32), table, products)
     if h.dtype != jnp.float32:  # the reference's product and multiplier round to the compute dtype
         return (out.astype(h.dtype) * jnp.asarray(cfg.output_multiplier_scale, h.dtype)).astype(jnp.float32)
     return out * jnp.float32(cfg.output_multiplier_scale)

@@ -7,6 +7,7 @@ bfloat16 parity follows golden/README.md: XLA must not skip explicit roundings; 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,7 +18,7 @@ import pytest
 
 from model_service.checkpoint import load_params, random_params
 from model_service.config import MeshConfig, ModelConfig, load_model_config
-from model_service.model import GrokModel
+from model_service.model import GrokModel, Products, choose_products
 from model_service.sharding import make_mesh
 from tests.procs import GOLDEN
 
@@ -48,6 +49,12 @@ def golden_npz() -> dict[str, dict[str, np.ndarray]]:
 _CACHE: dict[tuple[str, str], Loaded] = {}
 
 
+def products_under_test(mesh: Any, dtype: Any) -> Products:
+    """The products the model tests run with: GROK_MODEL_PRODUCTS (auto | native | xla, as the service's
+    --products), default auto (the native kernel on CPU in float32 where it built)."""
+    return choose_products(os.environ.get("GROK_MODEL_PRODUCTS", "auto"), mesh, jnp.dtype(dtype))
+
+
 @pytest.fixture(scope="session")
 def golden_model(golden_cfg: ModelConfig) -> Callable[[str, str], Loaded]:
     """golden_model("1,8", "float32") -> Loaded, built once per combination for the whole session."""
@@ -55,8 +62,9 @@ def golden_model(golden_cfg: ModelConfig) -> Callable[[str, str], Loaded]:
         key = (mesh, dtype)
         if key not in _CACHE:
             m = make_mesh(MeshConfig.parse(mesh))
-            model = GrokModel(golden_cfg, m, jnp.dtype(dtype))
-            params = load_params(str(GOLDEN / "checkpoint"), golden_cfg, m, jnp.dtype(dtype))
+            model = GrokModel(golden_cfg, m, jnp.dtype(dtype), products_under_test(m, dtype))
+            params = load_params(str(GOLDEN / "checkpoint"), golden_cfg, m, jnp.dtype(dtype),
+                                 pack=model.products is Products.NATIVE)
             _CACHE[key] = Loaded(golden_cfg, model, params, jax.jit(model.prefill), jax.jit(model.decode),
                                  jax.jit(model.insert), jax.jit(model.forward))
         return _CACHE[key]
@@ -72,7 +80,7 @@ def tiny_config(golden: ModelConfig) -> ModelConfig:
 def tiny(golden_cfg: ModelConfig) -> Loaded:
     cfg = tiny_config(golden_cfg)
     mesh = make_mesh(MeshConfig())
-    model = GrokModel(cfg, mesh, jnp.float32)
-    params = random_params(cfg, mesh, jnp.float32, seed=11)
+    model = GrokModel(cfg, mesh, jnp.float32, products_under_test(mesh, jnp.float32))
+    params = random_params(cfg, mesh, jnp.float32, seed=11, pack=model.products is Products.NATIVE)
     return Loaded(cfg, model, params, jax.jit(model.prefill), jax.jit(model.decode), jax.jit(model.insert),
                   jax.jit(model.forward))

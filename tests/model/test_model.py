@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product
+from model_service.model.packed import PackedWeight
 from model_service.model.moe import (
     ExpertWeights,
     Routing,
@@ -81,8 +84,12 @@ def test_pad_tokens_in_a_prompt_are_masked_as_keys(tiny) -> None:
     prompt[3] = tiny.cfg.pad_token
     base, _ = _prefix(tiny, prompt)
     params = jax.tree.map(lambda x: x, tiny.params)
-    table = params["language_model/in_out_embed"]["embeddings"]
-    params["language_model/in_out_embed"] = {"embeddings": table.at[tiny.cfg.pad_token].set(5.0)}
+    table, pad = params["language_model/in_out_embed"]["embeddings"], tiny.cfg.pad_token
+    if isinstance(table, PackedWeight):  # native products: the table is packed [V/16, D, 16]
+        table = dataclasses.replace(table, packed=table.packed.at[pad // 16, :, pad % 16].set(5.0))
+    else:
+        table = table.at[pad].set(5.0)
+    params["language_model/in_out_embed"] = {"embeddings": table}
     toks = np.zeros((1, 16), np.int32)
     toks[0, :8] = prompt
     changed, _ = tiny.prefill(params, jnp.asarray(toks), jnp.int32(8))

@@ -7,6 +7,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from model_service.config import MeshConfig
+from model_service.model.packed import PackedWeight
 from model_service.sharding import fit_spec, make_mesh, spec_for_path
 
 
@@ -26,12 +27,20 @@ def test_axes_that_do_not_divide_a_dimension_fall_back_to_replication() -> None:
 
 def test_loaded_weights_and_memory_are_sharded_over_the_mesh(golden_model) -> None:
     loaded = golden_model("1,8", "float32")
-    w = loaded.params["transformer/decoder_layer_0/moe/linear"]["w"].experts[2].weight  # [F, D]
-    assert w.dtype == jnp.int8 and w.sharding.spec == P("model", None)
-    assert w.addressable_shards[0].data.shape == (688 // 8, 128)
+    expert = loaded.params["transformer/decoder_layer_0/moe/linear"]["w"].experts[2]
     shardings = loaded.model.params_shardings(loaded.params)
-    assert shardings["transformer/decoder_layer_1/moe/linear_1"]["w"].experts[0].weight.spec == P("model", None)
-    assert shardings["transformer/decoder_layer_1/multi_head_attention/query"]["w"].weight.spec == P("model", None)
+    w_1 = shardings["transformer/decoder_layer_1/moe/linear_1"]["w"].experts[0]
+    query = shardings["transformer/decoder_layer_1/multi_head_attention/query"]["w"]
+    if isinstance(expert, PackedWeight):  # native products: each model shard's 86 columns padded to 6 blocks
+        assert expert.packed.dtype == jnp.int8 and expert.packed.sharding.spec == P("model", None, None)
+        assert expert.packed.addressable_shards[0].data.shape == (6, 128, 16)
+        assert w_1.packed.spec == P(None, "model", None) and w_1.packed_scales.spec == P("model", None)
+        assert query.packed.spec == P("model", None, None)
+    else:
+        assert expert.weight.dtype == jnp.int8 and expert.weight.sharding.spec == P("model", None)  # [F, D]
+        assert expert.weight.addressable_shards[0].data.shape == (688 // 8, 128)
+        assert w_1.weight.spec == P("model", None)
+        assert query.weight.spec == P("model", None)
     mem = loaded.model.memory_shardings(4)
     assert mem.layers[0].k.spec == P("data", "model", None, None) and mem.positions.spec == P("data")
 

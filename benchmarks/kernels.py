@@ -1,0 +1,100 @@
+"""Native kernel vs XLA's products at the medium config's shapes, interleaved in one process; print JSON.
+
+    python -m benchmarks.kernels [--runs 50] [--rows 1,8]
+
+Points: one whole expert (gelu(x W) * (x V) U, W/V 512x2736 column-parallel int8, U 2736x512 row-parallel
+with 8 block scales) and the float32 unembedding (131072x512), at each row count. Each point alternates
+the two forms call by call and reports the median milliseconds of each and their ratio (native / xla).
+Run it on a quiet machine: it measures wall time. `load` records the 1-minute load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model_service import kernels
+from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product
+from model_service.model.moe import ExpertWeights, _expert_rows
+from model_service.model.packed import LANES, PackedWeight, pack_float, pack_quantized
+
+EMB, FFN, VOCAB = 512, 2736, 131072
+
+
+def _expert(rng: np.random.Generator) -> tuple[ExpertWeights, ExpertWeights]:
+    """One expert as XLA's layout (one-expert stacks) and packed."""
+    def q(k: int, n: int, blocks: int) -> QuantizedWeight:
+        w = rng.integers(-127, 128, (k, n), dtype=np.int8)
+        s = rng.uniform(0.5, 1.5, (blocks, n)).astype(np.float32) / 127 / np.sqrt(k)
+        return QuantizedWeight(w.T.copy() if blocks == 1 else w, s)
+    mats = [q(EMB, FFN, 1), q(EMB, FFN, 1), q(FFN, EMB, 8)]
+    xla = ExpertWeights(*(ExpertStack((jax.tree.map(jnp.asarray, m),)) for m in mats))
+    packed = ExpertWeights(*(ExpertStack((jax.tree.map(jnp.asarray, pack_quantized(m, None)),)) for m in mats))
+    return xla, packed
+
+
+def _unembedding(rng: np.random.Generator) -> tuple[jax.Array, PackedWeight]:
+    """The float32 table [V, D] as XLA's product reads it ([N, K]) and packed as the model packs it."""
+    table = rng.standard_normal((VOCAB, EMB), dtype=np.float32) * 0.02
+    return jnp.asarray(table), jax.tree.map(jnp.asarray, pack_float(table.T, None, table=True))
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], runs: int) -> dict[str, float]:
+    for fn in fns.values():
+        jax.block_until_ready(fn())  # compile + warm
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if not kernels.available():
+        raise SystemExit("native kernels are not available (pip install -e . builds them)")
+    rng = np.random.default_rng(0)
+    xla_w, packed_w = _expert(rng)
+    table, packed_table = _unembedding(rng)
+    load_before = os.getloadavg()[0]
+    points = []
+    for m in args.rows:
+        x = jnp.asarray(rng.standard_normal((m, EMB), dtype=np.float32))
+        expert_xla = jax.jit(lambda x, w: _expert_rows(x, w, 0, Products.FUSED_REDUCE))
+        expert_native = jax.jit(lambda x, w: _expert_rows(x, w, 0, Products.NATIVE))
+        unembed_xla = jax.jit(lambda x, t: product(x, t, Products.FUSED_REDUCE))
+        unembed_native = jax.jit(lambda x, t: product(x, t, Products.NATIVE))
+        for shape, fns in (("expert", {"xla": lambda: expert_xla(x, xla_w), "native": lambda: expert_native(x, packed_w)}),
+                           ("unembedding", {"xla": lambda: unembed_xla(x, table),
+                                            "native": lambda: unembed_native(x, packed_table)})):
+            ms = _interleaved(fns, args.runs)
+            points.append({"shape": shape, "rows": m, "xla_ms": ms["xla"], "native_ms": ms["native"],
+                           "ratio": round(ms["native"] / ms["xla"], 3)})
+    return {"isa": kernels.supported_isas()[-1], "lanes": LANES, "runs": args.runs, "cpus": os.cpu_count(),
+            "load": [round(load_before, 2), round(os.getloadavg()[0], 2)], "points": points}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=50, help="calls of each form per point (median reported)")
+    p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8], help="e.g. 1,8")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(json.dumps(run(parser().parse_args(argv))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

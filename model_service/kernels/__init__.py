@@ -1,0 +1,77 @@
+"""Native CPU kernels called from JAX through XLA's FFI: float32 rows times packed int8 (or float32) weights.
+
+The C++ lives in native/ and is built by `pip install` as the optional extension `_native`. Weights are
+packed [N/16, K, 16] (16 output columns per contiguous stream); each output element is one chain of fused
+multiply-adds over k in order, then its scales, so a row's result never depends on the other rows, the
+thread count or the instruction set (batch invariance by construction). The AVX-512, AVX2 and scalar paths
+are compiled separately and chosen at run time; GROK_KERNEL_ISA=scalar|avx2|avx512 forces one and
+GROK_KERNEL_ISA=off disables the kernels (the model then uses XLA's products).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+ISA_ENV = "GROK_KERNEL_ISA"
+ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+LANES = 16  # columns per packed block
+
+
+@functools.cache
+def _load() -> tuple[str, ...]:
+    """Import the extension and register its FFI targets once; () when unavailable (logged once)."""
+    choice = os.environ.get(ISA_ENV, "auto")
+    if choice == "off":
+        log.info("native kernels disabled (%s=off): products use XLA", ISA_ENV)
+        return ()
+    try:
+        from model_service.kernels import _native  # type: ignore[attr-defined]
+    except ImportError as e:
+        log.warning("native kernels not available (%s): products use XLA; rebuild with `pip install -e .`", e)
+        return ()
+    for name, capsule in _native.handlers().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    return tuple(_native.supported_isas())
+
+
+def available() -> bool:
+    """True when the extension loaded (and is not disabled by GROK_KERNEL_ISA=off)."""
+    return bool(_load())
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The instruction-set paths this CPU can run ('scalar', 'avx2', 'avx512'), slowest first."""
+    return _load()
+
+
+def default_isa() -> str:
+    """GROK_KERNEL_ISA when it names a path this CPU supports, else 'auto' (the fastest)."""
+    choice = os.environ.get(ISA_ENV, "auto")
+    if choice in ISAS and (choice == "auto" or choice in supported_isas()):
+        return choice
+    if choice != "off":
+        log.warning("%s=%s is not a path this CPU supports %s: using the fastest", ISA_ENV, choice, supported_isas())
+    return "auto"
+
+
+def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa: str | None = None,
+           threads: int = 0) -> jax.Array:
+    """x float32 [M, K] times a packed weight w [NB, K, 16] (int8 with scales [B, NB*16], or float32 without)
+    -> float32 [M, n_out], n_out <= NB*16. One device; `threads` 0 uses XLA's intra-op pool."""
+    if not available():
+        raise RuntimeError("native kernels are not available (see the log)")
+    isa = isa or default_isa()
+    out = jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32)
+    attrs = {"isa": np.int64(ISAS[isa]), "threads": np.int64(threads)}
+    # Under vmap each batch element is its own call: a batched call would have to be one product anyway.
+    if scales is None:
+        return jax.ffi.ffi_call("grok_f32_matmul", out, vmap_method="sequential")(x, w, **attrs)
+    return jax.ffi.ffi_call("grok_int8_matmul", out, vmap_method="sequential")(x, w, scales, **attrs)

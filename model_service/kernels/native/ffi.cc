@@ -1,0 +1,174 @@
+// XLA FFI handlers for the packed products and the Python module that hands them to jax.ffi.
+//
+// grok_int8_matmul(x f32 [M, K], w s8 [NB, K, 16], scales f32 [B, NB*16]) -> f32 [M, N]
+// grok_f32_matmul (x f32 [M, K], w f32 [NB, K, 16])                      -> f32 [M, N]
+// Attributes: isa (0 best available, 1 scalar, 2 AVX2, 3 AVX-512), threads (0: XLA's intra-op pool size).
+// Work is split over column blocks only, so each output element is computed by one thread in one fixed
+// order whatever the thread count.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "matmul.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace grok {
+namespace {
+
+enum Isa : int64_t { kBest = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
+
+bool Supported(int64_t isa) {
+  switch (isa) {
+    case kScalar: return true;
+    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx512: return __builtin_cpu_supports("avx512f");
+    default: return false;
+  }
+}
+
+int64_t Best() { return Supported(kAvx512) ? kAvx512 : Supported(kAvx2) ? kAvx2 : kScalar; }
+
+using Kernel = void (*)(const MatmulArgs&, int64_t, int64_t);
+
+Kernel KernelFor(int64_t isa) {
+  switch (isa) {
+    case kAvx512: return MatmulAvx512;
+    case kAvx2: return MatmulAvx2;
+    default: return MatmulScalar;
+  }
+}
+
+constexpr int64_t kChunkBlocks = 2 * kGroup;  // column blocks per unit of work handed to a thread
+
+// Shared by the caller and the pool tasks; a task that starts after all chunks are claimed returns at once,
+// so the caller only ever waits for chunks some running thread is computing.
+struct Work {
+  MatmulArgs args;
+  Kernel kernel;
+  int64_t chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Drain() {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      const int64_t begin = c * kChunkBlocks;
+      kernel(args, begin, std::min(begin + kChunkBlocks, args.nb));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+void Execute(const MatmulArgs& args, Kernel kernel, int64_t threads, ffi::ThreadPool& pool) {
+  auto work = std::make_shared<Work>();
+  work->args = args;
+  work->kernel = kernel;
+  work->chunks = (args.nb + kChunkBlocks - 1) / kChunkBlocks;
+  const int64_t available = std::max<int64_t>(1, pool.num_threads());
+  const int64_t want = std::min(threads > 0 ? threads : available, work->chunks);
+  for (int64_t t = 1; t < want; ++t) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+}
+
+ffi::Error Check(int64_t isa, int64_t m, int64_t k, int64_t wk, int64_t n_out, int64_t nb, int64_t blocks) {
+  if (isa < kBest || isa > kAvx512 || (isa != kBest && !Supported(isa)))
+    return ffi::Error::InvalidArgument("grok matmul: instruction set " + std::to_string(isa) +
+                                       " is not available on this CPU");
+  if (k != wk) return ffi::Error::InvalidArgument("grok matmul: x has K=" + std::to_string(k) +
+                                                  " but the weight has K=" + std::to_string(wk));
+  if (n_out > nb * kLanes || m < 0)
+    return ffi::Error::InvalidArgument("grok matmul: output has more columns than the packed weight");
+  if (blocks < 1 || k % blocks)
+    return ffi::Error::InvalidArgument("grok matmul: K=" + std::to_string(k) + " is not a multiple of the " +
+                                       std::to_string(blocks) + " scale blocks");
+  return ffi::Error::Success();
+}
+
+ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, const float* scales,
+               int64_t blocks, bool int8, ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads,
+               ffi::ThreadPool& pool) {
+  const auto xd = x.dimensions();
+  const int64_t m = xd[0], k = xd[1], n_out = out->dimensions()[1];
+  if (ffi::Error e = Check(isa, m, k, wk, n_out, nb, blocks); e.failure()) return e;
+  if (m == 0 || n_out == 0) return ffi::Error::Success();
+  MatmulArgs args{x.typed_data(), w, scales, out->typed_data(), m, k, nb, n_out, blocks, int8};
+  Execute(args, KernelFor(isa == kBest ? Best() : isa), threads, pool);
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scales,
+                      ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads, ffi::ThreadPool pool) {
+  const auto wd = w.dimensions(), sd = scales.dimensions();
+  if (wd.size() != 3 || wd[2] != kLanes || sd.size() != 2 || sd[1] != wd[0] * kLanes)
+    return ffi::Error::InvalidArgument("grok_int8_matmul: want w [NB, K, 16] and scales [B, NB*16]");
+  return Run(x, w.typed_data(), wd[0], wd[1], scales.typed_data(), sd[0], true, out, isa, threads, pool);
+}
+
+ffi::Error F32Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out,
+                     int64_t isa, int64_t threads, ffi::ThreadPool pool) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 3 || wd[2] != kLanes)
+    return ffi::Error::InvalidArgument("grok_f32_matmul: want w [NB, K, 16]");
+  return Run(x, w.typed_data(), wd[0], wd[1], nullptr, 1, false, out, isa, threads, pool);
+}
+
+}  // namespace
+}  // namespace grok
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokInt8Matmul, grok::Int8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("threads")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokF32Matmul, grok::F32Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("threads")
+                                  .Ctx<ffi::ThreadPool>());
+
+namespace {
+
+PyObject* Handlers(PyObject*, PyObject*) {
+  return Py_BuildValue("{s:N,s:N}", "grok_int8_matmul",
+                       PyCapsule_New(reinterpret_cast<void*>(GrokInt8Matmul), nullptr, nullptr),
+                       "grok_f32_matmul", PyCapsule_New(reinterpret_cast<void*>(GrokF32Matmul), nullptr, nullptr));
+}
+
+PyObject* SupportedIsas(PyObject*, PyObject*) {
+  PyObject* out = PyList_New(0);
+  const char* names[] = {"", "scalar", "avx2", "avx512"};
+  for (int64_t isa = grok::kScalar; isa <= grok::kAvx512; ++isa)
+    if (grok::Supported(isa)) {
+      PyObject* name = PyUnicode_FromString(names[isa]);
+      PyList_Append(out, name);
+      Py_DECREF(name);
+    }
+  return out;
+}
+
+PyMethodDef kMethods[] = {
+    {"handlers", Handlers, METH_NOARGS, "FFI handler capsules by target name."},
+    {"supported_isas", SupportedIsas, METH_NOARGS, "Instruction-set paths this CPU can run, slowest first."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native", "grok-serve CPU kernels (XLA FFI).", -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__native() { return PyModule_Create(&kModule); }

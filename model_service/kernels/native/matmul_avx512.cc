@@ -1,0 +1,51 @@
+// AVX-512 path: one 16-float register per packed column block. Compiled for avx512f only inside this
+// file (never -march=native); chosen at run time when the CPU reports avx512f.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC target("avx512f,avx2,fma")
+#endif
+#include <immintrin.h>
+
+#include "matmul_body.h"
+
+namespace grok {
+namespace {
+
+struct Avx512 {
+  using Reg = __m512;
+  static constexpr int kWidth = 16;
+  static constexpr int kPerBlock = 1;
+  static Reg Zero() { return _mm512_setzero_ps(); }
+  static Reg Broadcast(float v) { return _mm512_set1_ps(v); }
+  static Reg Load(const float* p) { return _mm512_loadu_ps(p); }
+  static Reg LoadWeight(const MatmulArgs& a, int64_t i) {
+    if (a.int8) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(a.w) + i));
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+    }
+    return _mm512_loadu_ps(static_cast<const float*>(a.w) + i);
+  }
+  static Reg Fma(Reg x, Reg w, Reg acc) { return _mm512_fmadd_ps(x, w, acc); }
+  static Reg Mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+  static Reg Add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  static void Store(float* p, Reg v, int64_t valid) {
+    if (valid >= kWidth) {
+      _mm512_storeu_ps(p, v);
+    } else if (valid > 0) {
+      _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << valid) - 1u), v);
+    }
+  }
+};
+
+}  // namespace
+
+void MatmulAvx512(const MatmulArgs& a, int64_t block_begin, int64_t block_end) {
+  body::Run<Avx512>(a, block_begin, block_end);
+}
+
+}  // namespace grok
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif

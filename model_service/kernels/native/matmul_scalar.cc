@@ -1,0 +1,40 @@
+// Portable path: the same per-column operation order as the vector paths (fused multiply-adds over k
+// within a scale block, then one multiply by the block scale and one add per block), so it is bitwise
+// identical to them.
+#include <cmath>
+
+#include "matmul.h"
+
+namespace grok {
+
+namespace {
+
+inline float Weight(const MatmulArgs& a, int64_t j, int64_t k, int64_t lane) {
+  const int64_t i = (j * a.k + k) * kLanes + lane;
+  return a.int8 ? static_cast<float>(static_cast<const int8_t*>(a.w)[i]) : static_cast<const float*>(a.w)[i];
+}
+
+}  // namespace
+
+void MatmulScalar(const MatmulArgs& a, int64_t block_begin, int64_t block_end) {
+  const int64_t kb = a.k / a.blocks;
+  for (int64_t j = block_begin; j < block_end; ++j) {
+    for (int64_t lane = 0; lane < kLanes; ++lane) {
+      const int64_t col = j * kLanes + lane;
+      if (col >= a.n_out) break;
+      for (int64_t r = 0; r < a.m; ++r) {
+        const float* x = a.x + r * a.k;
+        float out = 0.0f;
+        for (int64_t b = 0; b < a.blocks; ++b) {
+          float acc = 0.0f;
+          for (int64_t k = b * kb; k < (b + 1) * kb; ++k) acc = std::fmaf(x[k], Weight(a, j, k, lane), acc);
+          if (a.scales != nullptr) acc = acc * a.scales[b * a.nb * kLanes + col];
+          out = b == 0 ? acc : out + acc;
+        }
+        a.out[r * a.n_out + col] = out;
+      }
+    }
+  }
+}
+
+}  // namespace grok

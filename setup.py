@@ -1,0 +1,59 @@
+"""Builds the optional CPU kernels (model_service/kernels/native) as a setuptools extension.
+
+Project metadata lives in pyproject.toml; this file only declares the extension. The XLA FFI headers come
+from jaxlib (a build requirement). The extension is optional: if it cannot be compiled the package still
+installs and the model uses XLA's products (model_service.kernels logs why once).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+NATIVE = "model_service/kernels/native"
+
+
+def _ffi_include() -> list[str]:
+    try:
+        import jax.ffi
+
+        return [jax.ffi.include_dir()]
+    except Exception as e:  # noqa: BLE001 - any failure only disables the optional extension
+        print(f"grok-serve: XLA FFI headers not found ({e}); skipping the native kernels", file=sys.stderr)
+        return []
+
+
+class OptionalBuildExt(build_ext):
+    """Build the kernels when possible; a failed build leaves the pure-XLA path (never a failed install)."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as e:  # noqa: BLE001
+            print(f"grok-serve: native kernels not built ({e}); the model will use XLA's products", file=sys.stderr)
+
+    def build_extension(self, ext: Extension) -> None:
+        if not ext.include_dirs:
+            print("grok-serve: native kernels not built (no FFI headers)", file=sys.stderr)
+            return
+        try:
+            super().build_extension(ext)
+        except Exception as e:  # noqa: BLE001
+            print(f"grok-serve: native kernels not built ({e}); the model will use XLA's products", file=sys.stderr)
+
+
+# Each instruction set's file selects its own target with `#pragma GCC target`; the flags here are baseline
+# x86-64 (never -march=native). -ffp-contract=off keeps every path's per-element operation order identical.
+native = Extension(
+    "model_service.kernels._native",
+    sources=[f"{NATIVE}/ffi.cc", f"{NATIVE}/matmul_scalar.cc", f"{NATIVE}/matmul_avx2.cc", f"{NATIVE}/matmul_avx512.cc"],
+    depends=[f"{NATIVE}/matmul.h", f"{NATIVE}/matmul_body.h"],
+    include_dirs=_ffi_include(),
+    language="c++",
+    extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden"],
+    optional=True,
+)
+
+setup(ext_modules=[native], cmdclass={"build_ext": OptionalBuildExt})
