@@ -10,6 +10,7 @@ device (Engine.set_slot_mask) to the guide's mask AND the request's allowed/bloc
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,8 @@ from model_service.loop_state import Running
 from model_service.requests import ErrorKind, GenerationRequest, RequestHandle, SchedulerError
 from model_service.sampling_settings import SamplingSettings
 from model_service.structured import Compiled, ConstraintError, GrammarCompiler, base_mask
+
+log = logging.getLogger(__name__)
 
 
 class Guidance:
@@ -69,7 +72,31 @@ class Guidance:
             act.base_mask = self.base_mask(handle.request.sampling)
         return act
 
+    def set_masks(self, state: Any, active: dict[int, Running]) -> tuple[Any, dict[int, SchedulerError]]:
+        """Set each constrained slot's mask for the next step (its grammar after the tokens delivered so far).
+        Returns the new state and, per slot whose grammar failed (a per-step limit of the library), its error."""
+        failed: dict[int, SchedulerError] = {}
+        for slot, act in active.items():
+            if act.guide is None:
+                continue
+            try:
+                mask = act.guide.mask() & act.base_mask
+            except RuntimeError:
+                req = act.handle.request
+                log.exception("structured output failed", extra={"request_id": req.request_id})
+                failed[slot] = SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{req.constraint.field}: too complex to "
+                                              f"follow at token {act.generated}; simplify the constraint")
+                continue
+            state = self.engine.set_slot_mask(state, slot, mask)  # type: ignore[attr-defined]
+        return state, failed
+
     @staticmethod
-    def next_mask(act: Running) -> Any:
-        """[V] bool: the ids the sample may draw next (RuntimeError when its grammar failed)."""
-        return act.guide.mask() & act.base_mask
+    def advance(act: Running, token: int) -> tuple[bool, SchedulerError | None]:
+        """Move a constrained sample's grammar past its drawn token: (complete, error)."""
+        try:
+            act.guide.advance(token)
+        except RuntimeError:  # the device drew a token its mask forbade: a bug, never the request's fault
+            rid = act.handle.request.request_id
+            log.exception("grammar rejected a drawn token", extra={"request_id": rid})
+            return True, SchedulerError(ErrorKind.INTERNAL, f"structured output failed (request {rid})")
+        return bool(act.guide.finished), None

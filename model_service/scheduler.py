@@ -337,21 +337,12 @@ class Scheduler:
             self._deliver_step(previous)
 
     def _set_masks(self) -> None:
-        """Each constrained slot's mask for the next step, from its grammar after the tokens delivered so far."""
-        for slot, act in list(self._active.items()):
-            if act.guide is None:
-                continue
-            req = act.handle.request
-            try:
-                mask = Guidance.next_mask(act)
-            except RuntimeError:  # the grammar hit a per-step limit of the library
-                log.exception("structured output failed", extra={"request_id": req.request_id})
-                act.handle.emit(Emission((), act.generated, len(req.prompt), error=SchedulerError(
-                    ErrorKind.INVALID_ARGUMENT, f"{req.constraint.field}: too complex to follow at token "
-                    f"{act.generated}; simplify the constraint")))
-                self._release(slot)
-                continue
-            self._state = self.engine.set_slot_mask(self._state, slot, mask)
+        """Each constrained slot's mask for the next step; a request whose grammar failed ends with its error."""
+        self._state, failed = self.guidance.set_masks(self._state, self._active)
+        for slot, error in failed.items():
+            act = self._active[slot]
+            act.handle.emit(Emission((), act.generated, len(act.handle.request.prompt), error=error))
+            self._release(slot)
 
     def _finish_in_flight(self) -> None:
         previous, self._in_flight = self._in_flight, None
@@ -397,14 +388,11 @@ class Scheduler:
         self.metrics.add_tokens(1)
         reason = finish_reason(req, act.generated, token.id, self.engine.eos_id, self.engine.sequence_len)
         if act.guide is not None:
-            try:
-                act.guide.advance(token.id)
-            except RuntimeError:  # the device drew a token its mask forbade: a bug, never the request's fault
-                log.exception("grammar rejected a drawn token", extra={"request_id": req.request_id})
-                act.handle.emit(Emission((), act.generated, len(req.prompt), error=SchedulerError(
-                    ErrorKind.INTERNAL, f"structured output failed (request {req.request_id})")))
+            complete, error = self.guidance.advance(act, token.id)
+            if error is not None:
+                act.handle.emit(Emission((), act.generated, len(req.prompt), error=error))
                 return True
-            if act.guide.finished and reason is None:
+            if complete and reason is None:
                 reason = FinishReason.EOS  # the grammar is complete: nothing but EOS could follow
         first_or_last = act.generated == 1 or reason is not None
         act.handle.emit(Emission((token,), act.generated, len(req.prompt), finish_reason=reason,

@@ -15,7 +15,7 @@ import pytest
 from model_service.constraint import Constraint, ConstraintKind
 from model_service.requests import ErrorKind, FinishReason, SchedulerError
 from model_service.sampling_settings import GREEDY, SamplingSettings
-from model_service.structured import GrammarCompiler, Vocabulary
+from model_service.structured import GrammarCompiler, Guide, Vocabulary
 from tests.engine.conftest import Runner
 from tests.engine.fake_engine import FakeEngine, FakeOutput, FakePending, FakeState
 from tests.engine.test_scheduler import Collector, req
@@ -118,3 +118,26 @@ def test_a_constraint_no_allowed_token_can_start_is_refused(running: Runner, voc
         sched.submit(req((5,), blocked=tuple(digits), constraint=Constraint(ConstraintKind.REGEX, "[0-9]+")),
                      Collector())
     assert engine.count("prefill") == 0
+
+
+def test_a_grammar_failing_mid_stream_ends_only_its_request(running: Runner, vocabulary: Vocabulary,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = MaskingFake(step_delay=0.01)
+    grammars = GrammarCompiler(vocabulary, engine.vocab_size)
+    constraint = Constraint(ConstraintKind.REGEX, "[a-z]+")
+    grammars.compile(constraint)  # cached with its first mask before the library "fails"
+
+    def fail(self: Guide) -> np.ndarray:
+        raise RuntimeError("step fuel exhausted")
+
+    monkeypatch.setattr(Guide, "mask", fail)
+    sched = running(engine, grammars=grammars)
+    plain, constrained = Collector(), Collector()
+    sched.submit(req((40,), max_tokens=12, ignore_eos=True), plain)
+    sched.submit(req((5,), max_tokens=12, constraint=constraint), constrained)
+    constrained.wait()
+    plain.wait()
+    error = constrained.last.error
+    assert error is not None and error.kind is ErrorKind.INVALID_ARGUMENT
+    assert error.message.startswith("constraint.regex: too complex")
+    assert plain.ids == list(range(41, 53)) and plain.last.finish_reason is FinishReason.LENGTH
