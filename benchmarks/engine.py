@@ -11,7 +11,9 @@ temperature 0.7 top_p 0.9, greedy = temperature 0):
     slots16_stream1   one stream on a 16-slot service (idle slots should cost next to nothing)
     slots16_stream1_tile1  the same with --row-tile 1 (skipped for checkouts without that flag)
 
-each sampled and greedy, repeated --runs times (medians reported, every run kept with the machine's load).
+each sampled and greedy (and with --constraint-json a third mode, `json`: sampled as above and constrained
+to JSON_SCHEMA, a JSON object with a 64-item array of strings, so the constrained rate comes beside the
+plain one), repeated --runs times (medians reported, every run kept with the machine's load).
 --repo runs the same points against other checkouts too (e.g. the code before a change, in a worktree of
 its own): their services run side by side and the measurements alternate between them, all with this
 interpreter:
@@ -52,6 +54,10 @@ from serving_common.processes import terminate
 from tests.procs import SHARED, free_port
 
 MEDIUM = SHARED / "bench" / "medium.json"
+GROK1_TOKENIZER = SHARED / "grok1-tokenizer" / "tokenizer.model"
+# The --constraint-json mode's schema: long enough that a 128-token request stays inside it.
+JSON_SCHEMA = json.dumps({"type": "object", "required": ["items"], "properties": {"items": {
+    "type": "array", "minItems": 64, "items": {"type": "string", "maxLength": 16}}}})
 # name: (slots, streams, extra service flags)
 POINTS: dict[str, tuple[int, int, list[str]]] = {
     "slots1_stream1": (1, 1, []), "slots8_streams8": (8, 8, []), "slots16_stream1": (16, 1, []),
@@ -86,11 +92,13 @@ class ModelService:
         self._log.close()
 
 
-def stream(stub: Any, prompt: list[int], tokens: int, seed: int, sampled: bool) -> dict[str, float]:
+def stream(stub: Any, prompt: list[int], tokens: int, seed: int, mode: str) -> dict[str, float]:
     request = model_pb2.GenerateRequest(token_ids=prompt, max_tokens=tokens, seed=seed, ignore_eos=True,
-                                        temperature=0.7 if sampled else 0.0)
-    if sampled:
+                                        temperature=0.0 if mode == "greedy" else 0.7)
+    if mode != "greedy":
         request.top_p = 0.9
+    if mode == "json":
+        request.json_schema = JSON_SCHEMA
     begin = time.monotonic()
     stamps, count = [], 0
     for response in stub.Generate(request, timeout=3600):
@@ -99,7 +107,7 @@ def stream(stub: Any, prompt: list[int], tokens: int, seed: int, sampled: bool) 
     return {"start": begin, "first": stamps[0], "end": stamps[-1], "tokens": count}
 
 
-def measure(address: str, streams: int, args: argparse.Namespace, vocab: int, sampled: bool, run: int) -> dict:
+def measure(address: str, streams: int, args: argparse.Namespace, vocab: int, mode: str, run: int) -> dict:
     """`streams` simultaneous requests (started together by a barrier); their decode rate and first tokens."""
     rng = random.Random(1000 * run + streams)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(streams)]
@@ -107,11 +115,11 @@ def measure(address: str, streams: int, args: argparse.Namespace, vocab: int, sa
     barrier = threading.Barrier(streams)
     with grpc.insecure_channel(address) as channel:
         stub = model_pb2_grpc.ModelServiceStub(channel)
-        stream(stub, prompts[0], 2, 0, sampled)  # connect and warm up outside the measurement
+        stream(stub, prompts[0], 2, 0, mode)  # connect (and compile the constraint) outside the measurement
 
         def run_one(i: int) -> None:
             barrier.wait()
-            results[i] = stream(stub, prompts[i], args.tokens, 7 * run + i, sampled)
+            results[i] = stream(stub, prompts[i], args.tokens, 7 * run + i, mode)
 
         watch = box.CpuWatch()
         watch.start()
@@ -143,6 +151,8 @@ def bench_point(name: str, arms: dict[str, tuple[pathlib.Path, list[str]]], args
     """Every arm's service is started (an idle one costs no CPU), then the runs alternate between them (and
     llama.cpp's matching mode, with --llamacpp), so a change in the machine's load hits all of them alike."""
     slots, streams, extra = POINTS[name]
+    modes = ("sampled", "greedy", "json") if args.constraint_json else ("sampled", "greedy")
+    service_flags = extra + (["--tokenizer", str(args.tokenizer)] if args.constraint_json else [])
     out: dict[str, Any] = {"slots": slots, "streams": streams, "flags": extra}
     services: dict[str, ModelService] = {}
     anchor_mode = ANCHOR_MODES.get(name) if args.llamacpp else None
@@ -155,13 +165,13 @@ def bench_point(name: str, arms: dict[str, tuple[pathlib.Path, list[str]]], args
             cache = cache_dir / label
             cache.mkdir(exist_ok=True)
             services[label] = ModelService(repo, args.config, slots, args.prompt_len, str(cache),
-                                           cache_dir / f"{label}_{name}.log", extra + flags)
+                                           cache_dir / f"{label}_{name}.log", service_flags + flags)
         runs: dict[tuple[str, str], list[dict]] = {(label, mode): [] for label in services
-                                                   for mode in ("sampled", "greedy")}
+                                                   for mode in modes}
         for r in range(args.runs):
-            for mode in ("sampled", "greedy"):
+            for mode in modes:
                 for label, service in services.items():
-                    runs[label, mode].append(measure(service.address, streams, args, vocab, mode == "sampled", r))
+                    runs[label, mode].append(measure(service.address, streams, args, vocab, mode, r))
             if anchor_mode:
                 anchor.append(llamacpp_run(args.llamacpp, anchor_mode))
     finally:
@@ -169,14 +179,17 @@ def bench_point(name: str, arms: dict[str, tuple[pathlib.Path, list[str]]], args
             service.close()
     for label, service in services.items():
         result: dict[str, Any] = {"start_seconds": round(service.start_seconds, 1)}
-        for mode in ("sampled", "greedy"):
+        for mode in modes:
             rs = runs[label, mode]
             result[mode] = {"median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in rs),
                             "median_ttft_p50_s": statistics.median(x["ttft_p50_s"] for x in rs), "runs": rs}
         result["sampled_over_greedy"] = round(result["sampled"]["median_decode_tokens_per_s"]
                                               / result["greedy"]["median_decode_tokens_per_s"], 3)
+        if "json" in modes:
+            result["json_over_sampled"] = round(result["json"]["median_decode_tokens_per_s"]
+                                                / result["sampled"]["median_decode_tokens_per_s"], 3)
         out[label] = result
-        print(json.dumps({name: {label: {m: result[m]["median_decode_tokens_per_s"] for m in ("sampled", "greedy")}}}),
+        print(json.dumps({name: {label: {m: result[m]["median_decode_tokens_per_s"] for m in modes}}}),
               file=sys.stderr, flush=True)
     if anchor:
         out["llamacpp"] = beside_llamacpp(anchor, {label: out[label] for label in services})
@@ -232,6 +245,10 @@ def main() -> int:
                    help="also run llama.cpp on the same shapes beside ours, alternating (DIR as "
                         "../shared/bench/llamacpp/run.sh DIR builds it)")
     p.add_argument("--out", type=pathlib.Path, default=None, help="also write the JSON report here")
+    p.add_argument("--constraint-json", action="store_true",
+                   help="also measure a JSON-schema-constrained mode (`json`; structured output)")
+    p.add_argument("--tokenizer", type=pathlib.Path, default=GROK1_TOKENIZER,
+                   help="SentencePiece file given to the service with --constraint-json (default: Grok-1's)")
     args = p.parse_args()
     arms: dict[str, tuple[pathlib.Path, list[str]]] = {
         label: (pathlib.Path(d).resolve(), []) for label, d in (r.split("=", 1) for r in args.repo)}

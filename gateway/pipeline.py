@@ -88,6 +88,11 @@ def model_request(request: TextRequest, planned: Plan, request_id: str) -> model
     for name in ("top_p", "seed", "repetition_penalty", "prompt_logprobs"):
         if s.HasField(name):
             setattr(out, name, getattr(s, name))
+    which = s.WhichOneof("constraint")  # structured output: the model service compiles and checks it
+    if which == "choice":
+        out.choice.choices.extend(s.choice.choices)
+    elif which is not None:
+        setattr(out, which, getattr(s, which))
     return out
 
 

@@ -54,6 +54,9 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--random-init", action="store_true", default=False,
                        help="serve random weights when no --checkpoint is given (outputs are noise)")
     p.add_env_argument("--random-seed", type=int, default=0, help="seed of --random-init weights")
+    p.add_env_argument("--tokenizer", default=None,
+                       help="the model's SentencePiece file: enables structured output (JSON schema, regex, choice, "
+                            "grammar constraints); without it constrained requests get INVALID_ARGUMENT")
     p.add_env_argument("--host", default="127.0.0.1",
                        help="address to bind, gRPC and metrics (0.0.0.0: every interface; no authentication)")
     p.add_env_argument("--port", type=port, default=50053, help="gRPC port (0 picks a free one)")
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed, tls=tls,
         max_connection_age_seconds=args.max_connection_age_seconds,
         max_connection_age_grace_seconds=args.max_connection_age_grace_seconds, distributed=dist,
-        watchdog_seconds=args.watchdog_seconds)
+        watchdog_seconds=args.watchdog_seconds, tokenizer=args.tokenizer)
     try:
         if dist is not None and not dist.is_leader:
             from model_service.distributed.group import run_follower

@@ -187,6 +187,7 @@ class Engine:
                                  in_shardings=(self.params_shardings, self.state_shardings),
                                  out_shardings=(self.state_shardings, None))
         self._free = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=self.state_shardings)
+        self._set_mask = jax.jit(self._set_mask_impl, donate_argnums=(0,), out_shardings=self.state_shardings)
         self._resample = jax.jit(self._resample_impl)
         # Compiled on first use per bucket (prompt logprobs are rare; compile_all stays as fast as before).
         self._score = jax.jit(model.prompt_logprobs, static_argnums=(2,))
@@ -282,6 +283,10 @@ class Engine:
                            jax.tree.map(lambda all_, o: all_.at[slot].set(o[0]), state.controls, idle),
                            jax.tree.map(lambda all_: all_.at[slot].set(jnp.zeros_like(all_[0])), state.history))
 
+    def _set_mask_impl(self, state: DecodeState, slot: jax.Array, row: jax.Array) -> DecodeState:
+        # row [V] bool: the slot's next-step mask (structured output), replacing the one its request began with
+        return state._replace(sampling=state.sampling._replace(mask=state.sampling.mask.at[slot].set(row)))
+
     # ---- host API ---------------------------------------------------------------------------
     def bucket_for(self, length: int) -> int:
         i = bisect.bisect_left(self.buckets, length)
@@ -365,6 +370,10 @@ class Engine:
 
     def free_slot(self, state: DecodeState, slot: int) -> DecodeState:
         return self._free(state, np.int32(slot))
+
+    def set_slot_mask(self, state: DecodeState, slot: int, mask: np.ndarray) -> DecodeState:
+        """Replace the allowed-token mask ([V] bool) of active `slot` for the next decode steps."""
+        return self._set_mask(state, np.int32(slot), np.asarray(mask, dtype=bool))
 
     def compile_all(self) -> dict[str, float]:
         """Compile (by running) every bucket's prefill, insert and resample, the decode step and free_slot.

@@ -47,6 +47,7 @@ class ServerConfig:
     max_connection_age_grace_seconds: float | None = None  # None: calls in flight are never cut
     tls: ServerTLS | None = None  # TLS, and mutual TLS when it names a client CA
     distributed: DistributedConfig | None = None  # set: this is process 0 (or a follower) of a multi-process replica
+    tokenizer: str | None = None  # the model's SentencePiece file: enables structured output (constraints)
 
 
 def default_buckets(sequence_len: int) -> tuple[int, ...]:

@@ -51,6 +51,8 @@ class Running:
         self.prefill_seconds = 0.0
         self.step_seconds = 0.0
         self.steps = 0
+        self.guide: Any = None  # structured output: this sample's grammar position (structured.Guide)
+        self.base_mask: Any = None  # [V] bool, the request's allowed/blocked/pad mask that a guide's mask is ANDed with
 
     def timings(self) -> Timings:
         mean = self.step_seconds / self.steps if self.steps else 0.0

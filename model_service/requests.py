@@ -14,7 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from model_service.constraint import Constraint
 from model_service.sampling_settings import GREEDY, SamplingSettings
 from serving_common.failures import DomainError, ErrorKind
 
@@ -51,6 +53,7 @@ class GenerationRequest:
     # vLLM derives them, so sample i equals a request with that seed (n = 1 is exactly a plain request).
     n: int = 1
     prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives each (0..8)
+    constraint: Constraint | None = None  # structured output: what the text must match (structured.py)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class RequestHandle:
         self.cancelled_at: float | None = None
         self.cancel_step = 0  # the scheduler's step count when cancel() was called
         self._open = request.n  # samples not finished yet
+        self.grammar: Any = None  # the constraint compiled by the scheduler at submit (structured.Compiled)
 
     def cancel(self) -> None:
         """Leave the waiting queue at once, or free the slot at the next step boundary (no-op once done)."""

@@ -21,18 +21,21 @@ import time
 from typing import Any
 
 from model_service.engine_api import EngineLike, StepOutputLike
+from model_service.guided import Guidance
 from model_service.loop_state import Heartbeat, InFlight, Prefilling, Running, SchedulerMetrics
 from model_service.plan import Occupant, Policy, StepPlan, View, Waiting, finish_reason, prompt_out, schedule, token_out
 from model_service.requests import (
     Emission,
     EmitFn,
     ErrorKind,
+    FinishReason,
     GenerationRequest,
     RequestHandle,
     SchedulerError,
     TokenOut,
     cancelled_error,
 )
+from model_service.structured import GrammarCompiler
 from model_service.validation import validate
 
 log = logging.getLogger(__name__)
@@ -47,8 +50,10 @@ class Scheduler:
     """
 
     def __init__(self, engine: EngineLike, max_queue: int, metrics: SchedulerMetrics | None = None,
-                 prefills_per_step: int | None = None, prefill_token_budget: int = 128) -> None:
+                 prefills_per_step: int | None = None, prefill_token_budget: int = 128,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.engine = engine
+        self.guidance = Guidance(engine, grammars)  # structured output (constraints)
         self.max_queue = max_queue
         self.metrics = metrics or SchedulerMetrics()
         self.policy = Policy(engine.slots, prefills_per_step, prefill_token_budget)
@@ -91,6 +96,7 @@ class Scheduler:
         """Validate and queue a request; raises SchedulerError (invalid, queue full, unavailable)."""
         self.validate(request)
         handle = RequestHandle(request, emit, self._withdraw)
+        handle.grammar = self.guidance.compile(request)
         with self._cond:
             if not self._accepting:
                 raise SchedulerError(ErrorKind.UNAVAILABLE, "the model service is not accepting requests "
@@ -242,7 +248,8 @@ class Scheduler:
         seed = req.seed if req.seed is not None else secrets.randbits(32)
         admitted = time.monotonic()
         try:
-            prefix, out = self.engine.prefill(req.prompt, req.sampling, seed=seed, prompt_logprobs=req.prompt_logprobs)
+            prefix, out = self.engine.prefill(req.prompt, self.guidance.first_sampling(handle), seed=seed,
+                                              prompt_logprobs=req.prompt_logprobs)
             samples = [(prefix, out)]
             for i in range(1, req.n):
                 samples.append(self.engine.resample(prefix, seed=(seed + i) % 2**32))
@@ -255,7 +262,7 @@ class Scheduler:
         self._beat = time.monotonic()
         self.metrics.observe_prefill(prefill_seconds)
         for index, (slot, (sample, first)) in enumerate(zip(slots, samples)):
-            act = Running(handle, (seed + index) % 2**32, admitted, index)
+            act = self.guidance.attach(handle, Running(handle, (seed + index) % 2**32, admitted, index))
             act.prefill_seconds = prefill_seconds
             scored = prompt_out(req, out) if index == 0 else None
             if handle.done.is_set() or self._deliver(act, first, 0, scored):
@@ -270,12 +277,12 @@ class Scheduler:
         req = handle.request
         seed = req.seed if req.seed is not None else secrets.randbits(32)
         try:
-            job = self.engine.begin_prefill(req.prompt, req.sampling, slot=slot, seed=seed)
+            job = self.engine.begin_prefill(req.prompt, self.guidance.first_sampling(handle), slot=slot, seed=seed)
         except Exception as e:
             self._prefill_failed(handle, e)
             self._return_slot(slot)
             return
-        self._prefilling[slot] = Prefilling(Running(handle, seed, time.monotonic()), job)
+        self._prefilling[slot] = Prefilling(self.guidance.attach(handle, Running(handle, seed, time.monotonic())), job)
 
     def _prefill_failed(self, handle: RequestHandle, error: Exception) -> None:
         rid = handle.request.request_id
@@ -311,8 +318,16 @@ class Scheduler:
                 self.metrics.set_active(len(self._active))
 
     def _step(self) -> None:
-        """Dispatch a decode step, then deliver the previous one's tokens while the engine computes."""
+        """Dispatch a decode step, then deliver the previous one's tokens while the engine computes.
+
+        With a constrained request decoding, the step in flight is delivered first: the next step's masks
+        depend on its tokens, so host work does not overlap the device for such a batch."""
         try:
+            if any(act.guide is not None for act in self._active.values()):
+                self._finish_in_flight()
+                self._set_masks()
+                if not self._active:
+                    return
             self._state, pending = self.engine.generate(self._state)
         except Exception as e:
             self._step_failed(e)
@@ -320,6 +335,14 @@ class Scheduler:
         previous, self._in_flight = self._in_flight, InFlight(pending, dict(self._active), time.monotonic())
         if previous is not None:
             self._deliver_step(previous)
+
+    def _set_masks(self) -> None:
+        """Each constrained slot's mask for the next step; a request whose grammar failed ends with its error."""
+        self._state, failed = self.guidance.set_masks(self._state, self._active)
+        for slot, error in failed.items():
+            act = self._active[slot]
+            act.handle.emit(Emission((), act.generated, len(act.handle.request.prompt), error=error))
+            self._release(slot)
 
     def _finish_in_flight(self) -> None:
         previous, self._in_flight = self._in_flight, None
@@ -364,6 +387,13 @@ class Scheduler:
         act.generated += 1
         self.metrics.add_tokens(1)
         reason = finish_reason(req, act.generated, token.id, self.engine.eos_id, self.engine.sequence_len)
+        if act.guide is not None:
+            complete, error = self.guidance.advance(act, token.id)
+            if error is not None:
+                act.handle.emit(Emission((), act.generated, len(req.prompt), error=error))
+                return True
+            if complete and reason is None:
+                reason = FinishReason.EOS  # the grammar is complete: nothing but EOS could follow
         first_or_last = act.generated == 1 or reason is not None
         act.handle.emit(Emission((token,), act.generated, len(req.prompt), finish_reason=reason,
                                  timings=act.timings() if first_or_last else None, index=act.index, prompt=prompt))

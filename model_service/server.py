@@ -30,6 +30,7 @@ from model_service.loading import ServerConfig, build_engine, resolve
 from model_service.metrics import Metrics
 from model_service.scheduler import Scheduler
 from model_service.servicer import ModelServicer
+from model_service.structured import GrammarCompiler, Vocabulary
 from model_service.watchdog import Watchdog
 from serving_common.grpc_server import HealthReporter, connection_age_options
 from serving_common.lifecycle import assemble, drain, serve_until_signal
@@ -110,7 +111,8 @@ class ModelServer:
 
     async def load(self) -> None:
         engine = await asyncio.to_thread(self._engine_factory)
-        self.scheduler = Scheduler(engine, self.config.max_queue, self.metrics)
+        grammars = await asyncio.to_thread(self._grammars, engine)
+        self.scheduler = Scheduler(engine, self.config.max_queue, self.metrics, grammars=grammars)
         await asyncio.to_thread(self.scheduler.start)  # its first engine call may be a collective
         self.servicer.attach(self.scheduler)
         if self.config.watchdog_seconds > 0:
@@ -118,6 +120,13 @@ class ModelServer:
             self._watchdog = asyncio.create_task(watchdog.run())
         await self.health.set(True)
         log.info("serving", extra={"port": self.port})
+
+    def _grammars(self, engine: EngineLike) -> GrammarCompiler | None:
+        """The structured-output compiler over --tokenizer's vocabulary (None without one: constrained requests
+        are then refused with INVALID_ARGUMENT)."""
+        if self.config.tokenizer is None:
+            return None
+        return GrammarCompiler(Vocabulary(self.config.tokenizer), engine.vocab_size)
 
     async def drain(self) -> None:
         if self.scheduler is not None:

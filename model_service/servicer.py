@@ -33,6 +33,7 @@ from model_service.requests import (
     Timings,
     TokenOut,
 )
+from model_service.constraint import Constraint, ConstraintKind
 from model_service.sampling_settings import SamplingSettings
 from model_service.scheduler import Scheduler
 from serving_common.errors import STATUS, invalid_argument
@@ -61,7 +62,19 @@ def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: 
         stop_token_ids=tuple(msg.stop_token_ids),
         n=msg.n or 1,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        constraint=to_constraint(msg),
     )
+
+
+def to_constraint(msg: model_pb2.GenerateRequest) -> Constraint | None:
+    """The request's structured-output constraint (the `constraint` oneof), None when unset."""
+    which = msg.WhichOneof("constraint")
+    if which is None:
+        return None
+    kind = ConstraintKind(which)
+    if kind is ConstraintKind.CHOICE:
+        return Constraint(kind, choices=tuple(msg.choice.choices))
+    return Constraint(kind, getattr(msg, which))
 
 
 def to_sampling(msg: model_pb2.GenerateRequest) -> SamplingSettings:

@@ -29,6 +29,7 @@ from gateway.http.flow import ClientGone, guarded, tracked
 from gateway.http.mapping import completion_prompt, generate_request, top_logprobs
 from gateway.http.responses import Json, Shaper
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.http.structured import name_constraint_param
 from gateway.pipeline import Pipeline
 from grok.gateway.v1 import gateway_pb2
 from serving_common.grpc_server import HealthReporter
@@ -221,7 +222,7 @@ class Routes:
                 return JSONResponse(shaper.whole(messages), headers=headers)
         except GatewayError as error:
             await source.aclose()
-            return from_gateway(error, endpoint).response()
+            return name_constraint_param(from_gateway(error, endpoint), body).response()
         except ClientGone:
             return Response(status_code=499)
         except StopAsyncIteration:  # the pipeline always ends with a message; a bug if not

@@ -13,6 +13,7 @@ from typing import Any
 
 from gateway.http.errors import ApiError, bad_request
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.http.structured import constraint_fields
 from grok.gateway.v1 import gateway_pb2
 
 UINT32_MAX = 2**32 - 1
@@ -79,9 +80,6 @@ def unsupported_features(request: SamplingFields) -> None:
     if isinstance(request, ChatCompletionRequest):
         if request.tools:
             raise _not_yet("tools", "[...]", "no tools")
-        kind = (request.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise _not_yet("response_format", kind, '{"type": "text"}')
 
 
 def completion_prompt(request: CompletionRequest) -> str:
@@ -145,4 +143,5 @@ def generate_request(request: SamplingFields, prompt: str) -> gateway_pb2.Genera
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     out.stop.extend(stops)
     sampling_controls(request, out)
+    constraint_fields(request, out)
     return gateway_pb2.GenerateRequest(prompt=prompt, sampling=out)

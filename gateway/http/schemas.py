@@ -89,6 +89,13 @@ class SamplingFields(BaseModel):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # Structured output (gateway/http/structured.py): OpenAI's, vLLM's, and vLLM's older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -127,7 +134,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     # vLLM's chat extras.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
