@@ -55,21 +55,35 @@ def _is_service(pid: int) -> bool:
     return any(arg.decode(errors="replace") in SERVICE_MODULES for arg in argv)
 
 
-def own_cpu_seconds(root: int, extra: Iterable[int] = (), services: bool = False) -> float:
-    """CPU seconds of `root`, its descendants, the given pids and (with `services`) every running process
-    of the stack's services, found by their command lines."""
+def _process_stats() -> dict[int, tuple[int, float]]:
     stats = {}
     for entry in PROC.iterdir():
         if entry.name.isdigit():
             stat = _stat(int(entry.name))
             if stat is not None:
                 stats[int(entry.name)] = stat
-    ours = {root, *extra} | ({pid for pid in stats if _is_service(pid)} if services else set())
-    changed = True
-    while changed:  # descendants of any of ours (a service's children, k6, AIPerf's workers)
-        grown = ours | {pid for pid, (ppid, _) in stats.items() if ppid in ours}
-        changed, ours = grown != ours, grown
-    return sum(stats[pid][1] for pid in ours if pid in stats)
+    return stats
+
+
+def _with_descendants(roots: set[int], stats: dict[int, tuple[int, float]]) -> set[int]:
+    tree, changed = set(roots), True
+    while changed:  # a service's children, k6, AIPerf's workers
+        grown = tree | {pid for pid, (ppid, _) in stats.items() if ppid in tree}
+        changed, tree = grown != tree, grown
+    return tree
+
+
+def own_cpu_seconds(root: int, extra: Iterable[int] = (), services: bool = False,
+                    stack: Iterable[int] = ()) -> tuple[float, float]:
+    """CPU seconds of (all ours, the stack's part of it). Ours: `root`, the given pids, the `stack` pids and
+    (with `services`) every running process of the stack's services, found by their command lines, each
+    with its descendants; the stack's part: the `stack` pids and their descendants."""
+    stats = _process_stats()
+    stack_tree = _with_descendants(set(stack), stats)
+    found = {pid for pid in stats if _is_service(pid)} if services else set()
+    ours = _with_descendants({root, *extra, *found}, stats) | stack_tree
+    return (sum(stats[pid][1] for pid in ours if pid in stats),
+            sum(stats[pid][1] for pid in stack_tree if pid in stats))
 
 
 @dataclass
@@ -78,6 +92,7 @@ class BoxReport:
     load_avg_1m: float
     own_cpu_cores: float
     others_cpu_cores: float
+    stack_cpu_cores: float | None = None  # the part of own_cpu_cores the stack's processes used, if known
 
     @property
     def quiet(self) -> bool:
@@ -86,7 +101,10 @@ class BoxReport:
     def as_dict(self) -> dict[str, object]:
         return {"seconds": round(self.seconds, 3), "load_avg_1m": round(self.load_avg_1m, 2),
                 "own_cpu_cores": round(self.own_cpu_cores, 3), "others_cpu_cores": round(self.others_cpu_cores, 3),
-                "others_limit_cores": OTHERS_LIMIT, "quiet": self.quiet}
+                "others_limit_cores": OTHERS_LIMIT, "quiet": self.quiet,
+                **({} if self.stack_cpu_cores is None else {
+                    "stack_cpu_cores": round(self.stack_cpu_cores, 3),
+                    "client_cpu_cores": round(self.own_cpu_cores - self.stack_cpu_cores, 3)})}
 
 
 class CpuWatch:
@@ -100,24 +118,30 @@ class CpuWatch:
     the parent is ours; short-lived processes of others that ended within the run are missed (their CPU
     time is then attributed to nobody, and `others` is a lower bound)."""
 
-    def __init__(self, extra_pids: Iterable[int] = (), services: bool = False) -> None:
+    def __init__(self, extra_pids: Iterable[int] = (), services: bool = False, stack_pids: Iterable[int] = ()) -> None:
         self.extra = tuple(extra_pids)
         self.services = services
-        self._start: tuple[float, float, float] | None = None
+        self.stack = tuple(stack_pids)
+        self._start: tuple[float, float, tuple[float, float]] | None = None
+
+    def _own(self) -> tuple[float, float]:
+        return own_cpu_seconds(os.getpid(), self.extra, self.services, self.stack)
 
     def start(self) -> None:
         busy = busy_seconds()
-        self._start = None if busy is None else (time.monotonic(), busy, own_cpu_seconds(os.getpid(), self.extra, self.services))
+        self._start = None if busy is None else (time.monotonic(), busy, self._own())
 
     def stop(self) -> BoxReport | None:
         busy = busy_seconds()
         if self._start is None or busy is None:
             return None
-        t0, busy0, own0 = self._start
+        t0, busy0, (own0, stack0) = self._start
         seconds = max(time.monotonic() - t0, 1e-9)
-        own = max(own_cpu_seconds(os.getpid(), self.extra, self.services) - own0, 0.0)
+        own_now, stack_now = self._own()
+        own = max(own_now - own0, 0.0)
         others = max(busy - busy0 - own, 0.0)
-        return BoxReport(seconds, os.getloadavg()[0], own / seconds, others / seconds)
+        stack = max(stack_now - stack0, 0.0) / seconds if self.stack else None
+        return BoxReport(seconds, os.getloadavg()[0], own / seconds, others / seconds, stack)
 
 
 def warn_if_busy(report: BoxReport | None, what: str) -> None:

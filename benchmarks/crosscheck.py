@@ -14,7 +14,8 @@ prompts, fixed lengths, ignore_eos, greedy) with, in turn and interleaved round 
 Compared with `ours-grpc` (medians over rounds): output token throughput and the inter-token latency in
 AIPerf's sense, (E2E - TTFT) / (tokens - 1) per request (vLLM's TPOT), within --tolerance; TTFT is
 reported with where the HTTP first token goes (first event vs first non-empty text). Each run records the
-box's load (benchmarks.box).
+box's load and the CPU the stack and the client used (benchmarks.box): on 2 cores a client's own CPU is
+taken from the stack, so a heavier client measures a slower stack.
 """
 
 from __future__ import annotations
@@ -149,11 +150,14 @@ def run(stack_name: str, concurrency: int, num_prompts: int, input_len: int, out
         todo = tools(stack, requests, concurrency, work, with_aiperf)
         for index in range(rounds):
             for tool, measure in todo.items():
-                watch = box.CpuWatch()
+                watch = box.CpuWatch(stack_pids=stack.pids)
                 watch.start()
                 result = measure(index)
                 shared = watch.stop()
                 result["box"] = shared.as_dict() if shared is not None else None
+                if shared is not None and shared.stack_cpu_cores is not None:  # what each client costs the box
+                    result["stack_cpu_cores"] = shared.stack_cpu_cores
+                    result["client_cpu_cores"] = shared.own_cpu_cores - shared.stack_cpu_cores
                 box.warn_if_busy(shared, f"crosscheck {tool} round {index}")
                 runs.setdefault(tool, []).append(result)
                 print(f"crosscheck {tool} round {index}: {result['output_throughput']:.1f} tok/s, TPOT "

@@ -91,6 +91,10 @@ class RunningStack:
     def address(self) -> str:
         return self.gateway.address
 
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.proc.pid for p in (self.tokenizer, self.model, self.gateway))
+
     def close(self) -> None:
         for proc in (self.gateway, self.model, self.tokenizer):
             proc.stop()
