@@ -83,8 +83,6 @@ def run_aiperf(port: int, requests: Sequence[BenchRequest], concurrency: int, to
     cmd = [str(AIPERF_VENV / "bin" / "aiperf"), "profile", "--model", "grok-1", "--url", f"http://127.0.0.1:{port}",
            "--endpoint-type", "completions", "--streaming", "--tokenizer", str(tokenizer), "--use-server-token-count",
            "--concurrency", str(concurrency), "--request-count", str(len(requests)),
-           # Its smallest footprint: on a 2-core box every core AIPerf uses is taken from the stack.
-           "--workers-max", "1", "--record-processors", "1",
            "--input-file", str(dataset), "--custom-dataset-type", "single_turn",
            "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0", "--random-seed", "7",
            "--ui-type", "none", "--artifact-dir", str(out)]
