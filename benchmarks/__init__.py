@@ -3,7 +3,7 @@
 `python -m benchmarks` drives the public gateway with many concurrent gRPC streams and reports
 vLLM's serving metrics; the modules beside it measure what each layer costs (`layers`), the decode
 step against the machine's memory bandwidth (`roofline`, `step`), the tokenizer service
-(`tokenizer`), and cross-check the load generator with k6 (`k6check`). `suite` runs what
+(`tokenizer`), and cross-check the load generator with k6 and AIPerf on one stack (`crosscheck`; `stackcheck` compares the benchmark's stack with the launcher's). `suite` runs what
 docs/benchmarks.md reports. Each is its own command (`python -m benchmarks.<module>`); the
 reliability experiments (`chaos`) live here too, as a separate command.
 """

@@ -8,7 +8,7 @@
 Writes RESULT_DIR/runs/*.json (one per run, `vllm bench serve`'s layout plus config, git revision
 and machine), RESULT_DIR/summary.json (median and min..max over runs per point) and PNG plots, and
 prints the summary as JSON. Other tools of the package: benchmarks.layers (engine in-process vs
-model service vs gateway), benchmarks.roofline, benchmarks.tokenizer, benchmarks.k6check,
+model service vs gateway), benchmarks.roofline, benchmarks.tokenizer, benchmarks.crosscheck, benchmarks.stackcheck,
 benchmarks.suite (everything docs/benchmarks.md reports). Every flag also reads GROK_BENCH_<FLAG>.
 """
 

@@ -18,8 +18,8 @@ import numpy as np
 from model_service.engine_api import EngineLike
 from model_service.loop_state import Running
 from model_service.requests import ErrorKind, GenerationRequest, RequestHandle, SchedulerError
-from model_service.sampling_settings import SamplingSettings
-from model_service.structured import Compiled, ConstraintError, GrammarCompiler, base_mask
+from model_service.sampling_settings import SamplingSettings, build_mask
+from model_service.structured import Compiled, ConstraintError, GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Guidance:
         return compiled
 
     def base_mask(self, s: SamplingSettings) -> np.ndarray:
-        return base_mask(self.engine.vocab_size, self.engine.pad_id, s.allowed, s.blocked)
+        return build_mask(self.engine.vocab_size, self.engine.pad_id, s.allowed, s.blocked)
 
     def first_sampling(self, handle: RequestHandle) -> SamplingSettings:
         """The settings of a request's first draw: a constrained one may only start as its grammar allows."""

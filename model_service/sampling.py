@@ -20,7 +20,6 @@ is drawn with `draw`; before each later token the slot's `rest` is split again t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -35,6 +34,7 @@ from model_service.logits_processing import (
     min_p_filter,
     top_k_filter,
 )
+from model_service.sampling_settings import build_mask  # noqa: F401 - the engine builds masks with it
 
 TOP_K = 8  # alternatives computed per token (the proto allows asking for 0..8 of them)
 SORT_MAX_VOCAB = 8192  # up to this vocabulary size the nucleus threshold uses the reference's sort
@@ -61,18 +61,6 @@ class SampleResult(NamedTuple):
     top_probs: jax.Array  # [B, TOP_K] float32
     bad: jax.Array  # [B] bool, the slot's logits were not finite (its request must fail)
 
-
-def build_mask(vocab_size: int, pad_id: int, allowed: Sequence[int], blocked: Sequence[int]) -> np.ndarray:
-    """The [V] bool mask of sampleable ids: `allowed` (all if empty) minus `blocked` minus the pad id."""
-    if allowed:
-        mask = np.zeros((vocab_size,), dtype=bool)
-        mask[np.asarray(allowed, dtype=np.int64)] = True
-    else:
-        mask = np.ones((vocab_size,), dtype=bool)
-    if blocked:
-        mask[np.asarray(blocked, dtype=np.int64)] = False
-    mask[pad_id] = False
-    return mask
 
 
 def seed_key(seed: jax.Array) -> jax.Array:

@@ -21,7 +21,10 @@ Order of operations on one slot's logits (vLLM's sampler order; the reference's 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit); the device keeps a fixed [slots, 300] table
 LOGIT_BIAS_LIMIT = 100.0  # |bias| bound, as OpenAI and vLLM document
@@ -57,3 +60,16 @@ class SamplingSettings:
 
 
 GREEDY = SamplingSettings()
+
+
+def build_mask(vocab_size: int, pad_id: int, allowed: Sequence[int], blocked: Sequence[int]) -> np.ndarray:
+    """The [V] bool mask of sampleable ids: `allowed` (all if empty) minus `blocked` minus the pad id."""
+    if allowed:
+        mask = np.zeros((vocab_size,), dtype=bool)
+        mask[np.asarray(allowed, dtype=np.int64)] = True
+    else:
+        mask = np.ones((vocab_size,), dtype=bool)
+    if blocked:
+        mask[np.asarray(blocked, dtype=np.int64)] = False
+    mask[pad_id] = False
+    return mask

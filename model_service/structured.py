@@ -8,7 +8,7 @@ constraint); its work is bounded by llguidance's fuel limits and by the size of 
 invalid or too-large constraint raises `ConstraintError` naming the request field before a slot is taken.
 Each sample of a request gets its own `Guide` (a copy of the compiled matcher): the scheduler advances it
 with every drawn token and asks it for the next step's allowed-token mask ([V] bool, host side); the
-slot's device mask becomes that mask AND the request's own allowed/blocked/pad mask (`base_mask`). No JAX here.
+slot's device mask becomes that mask AND the request's own allowed/blocked/pad mask (`sampling_settings.build_mask`). No JAX here.
 """
 
 from __future__ import annotations
@@ -192,17 +192,6 @@ class GrammarCompiler:
         return compiled
 
 
-def base_mask(vocab_size: int, pad_id: int, allowed: Sequence[int], blocked: Sequence[int]) -> np.ndarray:
-    """[V] bool: what the request's allowed/blocked ids permit (sampling.build_mask's rule, numpy only)."""
-    if allowed:
-        mask = np.zeros((vocab_size,), dtype=bool)
-        mask[np.asarray(allowed, dtype=np.int64)] = True
-    else:
-        mask = np.ones((vocab_size,), dtype=bool)
-    if blocked:
-        mask[np.asarray(blocked, dtype=np.int64)] = False
-    mask[pad_id] = False
-    return mask
 
 
 def _first_line(message: str) -> str:

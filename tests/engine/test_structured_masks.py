@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from model_service.constraint import Constraint, ConstraintKind
+from model_service.sampling_settings import build_mask
 from model_service.structured import (
     MAX_CONSTRAINT_CHARS,
     ConstraintError,
     GrammarCompiler,
     Guide,
     Vocabulary,
-    base_mask,
 )
 from tests.procs import ROOT
 
@@ -144,5 +144,5 @@ def test_a_grammar_over_the_size_limit_is_refused(vocabulary: Vocabulary) -> Non
 def test_ids_past_the_tokenizer_and_the_requests_own_mask(compiler: GrammarCompiler, vocabulary: Vocabulary) -> None:
     compiled = compiler.compile(Constraint(ConstraintKind.REGEX, "[a-z]+"))
     assert not compiled.first_mask[vocabulary.size:].any()
-    base = base_mask(MODEL_VOCAB, 0, (), tuple(np.flatnonzero(compiled.first_mask)[:3].tolist()))
+    base = build_mask(MODEL_VOCAB, 0, (), tuple(np.flatnonzero(compiled.first_mask)[:3].tolist()))
     assert (compiled.first_mask & base).sum() == compiled.first_mask.sum() - 3
