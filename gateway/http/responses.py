@@ -61,8 +61,6 @@ class Shaper:
     created: int = field(default_factory=lambda: int(time.time()))
     # Characters of each completion's text already sent (completions' text_offset), by completion index.
     text_offsets: dict[int, int] = field(default_factory=dict)
-    # Chat choices whose content has begun: the answer's leading spaces are dropped until then.
-    answering: set[int] = field(default_factory=set)
 
     @property
     def id(self) -> str:
@@ -108,24 +106,12 @@ class Shaper:
             return self.chat_logprobs(tokens)
         return self.completion_logprobs(tokens, index, prompt if self.echo else ())
 
-    def content(self, text: str, index: int) -> str:
-        """A chat answer's text: the transcript ends with "Assistant:", so its first token carries the space
-        that separates it from the prompt ("▁Hello" reads " Hello" in context); an answer starts after it, as
-        OpenAI's do. Completions keep every character (their text is what the prompt's text lacks)."""
-        if index in self.answering:
-            return text
-        text = text.lstrip(" ")
-        if text:
-            self.answering.add(index)
-        return text
-
     def chunk(self, text: str, tokens: Sequence[gateway_pb2.Token], finish: str | None,
               include_usage: bool, index: int = 0, prompt: Sequence[gateway_pb2.PromptToken] = ()) -> Json:
         """One streamed chunk of completion `index` carrying `text` (and its tokens' logprobs; the scored prompt
         on its first chunk), or its finish."""
         logprobs = self._logprobs(tokens, index, prompt) if tokens or (prompt and self.echo) else None
         if self.endpoint == "chat":
-            text = self.content(text, index)
             delta = {"content": text} if text or not finish else {}
             choice: Json = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             out = self._envelope("chat.completion.chunk")
@@ -178,7 +164,7 @@ class Shaper:
             finish = FINISH.get(mine[-1].finish_reason)
             lasts.append(mine[-1])
             if self.endpoint == "chat":
-                choices.append({"index": index, "message": {"role": "assistant", "content": self.content(text, index)},
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
                                 "logprobs": self._logprobs(tokens, index), "finish_reason": finish})
             else:
                 choices.append({"index": index, "text": text, "logprobs": self._logprobs(tokens, index, scored),

@@ -163,17 +163,3 @@ def test_bad_security_flags_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         parse_config(["--tokenizer", "t:1", "--model", "m:2", *argv])
     assert caught.value.code == 2
-
-
-def test_a_chat_answer_does_not_start_with_the_space_its_first_token_carries_but_a_completion_keeps_it() -> None:
-    # The transcript ends with "Assistant:", so the answer's first piece is "▁Hello": " Hello" in context.
-    first = gateway_pb2.GenerateResponse(text=" Hello", tokens=[gateway_pb2.Token(id=5, text=" Hello")])
-    rest = gateway_pb2.GenerateResponse(text=" there", tokens=[gateway_pb2.Token(id=6, text=" there")],
-                                        finish_reason=gateway_pb2.FINISH_REASON_LENGTH)
-    chat = Shaper("chat", "r", "grok-1", top_logprobs=None)
-    deltas = [c["choices"][0]["delta"].get("content") for m in (first, rest) for c in chat.chunks(m, False)]
-    assert deltas == ["Hello", " there", None]
-    whole = Shaper("chat", "r", "grok-1", top_logprobs=None).whole([first, rest])
-    assert whole["choices"][0]["message"]["content"] == "Hello there"
-    completion = Shaper("completions", "r", "grok-1", top_logprobs=None).whole([first, rest])
-    assert completion["choices"][0]["text"] == " Hello there"  # what the prompt's text lacks, space included
