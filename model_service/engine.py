@@ -1,11 +1,19 @@
 """The Engine: jitted prefill / insert / generate / free_slot over the network (JetStream's split).
 
 The engine never sees a request. Its whole decode-time state is one immutable pytree, `DecodeState`
-(the batched KV memory plus, per slot, the last token, the PRNG key and the sampling settings),
+(the paged KV memory plus, per slot, the last token, the PRNG key and the sampling settings),
 passed in and returned by every call with its buffers donated and its shardings fixed as a matching
 pytree. A prefill runs one prompt, padded to a bucket, into a batch-1 `Prefix` that already holds
-the first sampled token; `insert` copies it into a slot. Every bucket's prefill, the insert, the
-decode step and free_slot are compiled by `compile_all()` before the service reports SERVING.
+the first sampled token; `insert` copies it into a slot's KV blocks. Every bucket's prefill, the
+insert, the decode step per context bucket and free_slot are compiled by `compile_all()` before the
+service reports SERVING.
+
+Which pool blocks each slot holds is decided on the host (kv_blocks.KVBlocks, owned here): a slot gets
+blocks for its prompt when it is filled, one more whenever a decode step crosses a block boundary, and
+gives them back when freed; long prompts prefilled in chunks take cached blocks for a prefix an earlier
+prompt computed (prefix caching). Each step reads keys only up to the context bucket covering the
+longest active sequence (model.GrokModel.context_buckets), so its cost follows the work, not the
+configured context. The scheduler asks `blocks_short()` before a step and preempts when it is positive.
 
 The decode step computes the slots in tiles of `row_tile` rows and stops after the last tile that
 holds an active slot, deciding on the device: idle slots past the busy ones cost nothing, one program
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -30,6 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model_service.config import ModelConfig
+from model_service.kv_blocks import KVBlocks, KVUsage, OutOfBlocks
 from model_service.logits_processing import (
     Controls,
     History,
@@ -49,6 +59,7 @@ from model_service.sampling import (
     split_key,
     split_keys,
 )
+from model_service.requests import ErrorKind, SchedulerError
 from model_service.sampling_settings import GREEDY, SamplingSettings
 from model_service.sharding import DATA
 
@@ -80,6 +91,16 @@ class Prefix(NamedTuple):
     controls: Controls  # batch 1
     history: History  # [1, V], the first token already counted
     logits: jax.Array  # [1, V] float32, the prompt's last logits: `resample` draws more first tokens from them
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What `prefill` / `resample` return for `insert`: the device prefix and, on the host, the prompt length
+    and which prefill it came from (the samples of one prefill share the prompt's full KV blocks)."""
+
+    prefix: Prefix
+    length: int
+    origin: int
 
 
 @dataclass
@@ -162,7 +183,8 @@ class Engine:
     """Prefill, insert, generate and free_slot for `slots` concurrent sequences of one GrokModel."""
 
     def __init__(self, model: Any, params: Any, cfg: ModelConfig, mesh: Mesh, slots: int,
-                 buckets: Sequence[int], row_tile: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 buckets: Sequence[int], row_tile: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 kv_blocks: int | None = None, prefix_caching: bool = True) -> None:
         self.model = model
         self.params = model.pack_params(params)  # native products: matrices packed (no-op if loaded so)
         self.mesh = mesh
@@ -174,35 +196,56 @@ class Engine:
         self.eos_id = cfg.eos_token
         self.pad_id = cfg.pad_token
         self.prefill_chunk = prefill_chunk  # 0: never chunk
+        self.block_size = model.block_size
+        if prefill_chunk % self.block_size:
+            raise ValueError(f"the prefill chunk ({prefill_chunk}) must be a multiple of the KV block size "
+                             f"({self.block_size})")
+        self.num_blocks = kv_blocks if kv_blocks is not None else slots * model.blocks_per_sequence
+        if self.num_blocks < model.blocks_per_sequence:
+            raise ValueError(f"the KV pool ({self.num_blocks} blocks of {self.block_size}) must hold at least one "
+                             f"full context ({cfg.sequence_len} tokens = {model.blocks_per_sequence} blocks)")
+        self.prefix_caching = prefix_caching
+        self._reset_host()
         replicated = NamedSharding(mesh, PartitionSpec())
+        self._replicated = replicated
         self.state_shardings = DecodeState(
-            memory=model.memory_shardings(slots), tokens=replicated, keys=replicated,
+            memory=model.memory_shardings(slots, self.num_blocks), tokens=replicated, keys=replicated,
             sampling=SamplingParams(*([replicated] * len(SamplingParams._fields))),
             controls=Controls(*([replicated] * len(Controls._fields))), history=History(replicated, replicated))
         self.params_shardings = model.params_shardings(self.params)
         self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
         self._prefill = jax.jit(self._prefill_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self.state_shardings)
-        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
-                                 in_shardings=(self.params_shardings, self.state_shardings),
-                                 out_shardings=(self.state_shardings, None))
+        self._generate = {c: jax.jit(functools.partial(self._generate_impl, context=c), donate_argnums=(1,),
+                                     in_shardings=(self.params_shardings, self.state_shardings, replicated),
+                                     out_shardings=(self.state_shardings, None))
+                          for c in model.context_buckets}
         self._free = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=self.state_shardings)
         self._set_mask = jax.jit(self._set_mask_impl, donate_argnums=(0,), out_shardings=self.state_shardings)
         self._resample = jax.jit(self._resample_impl)
         # Compiled on first use per bucket (prompt logprobs are rare; compile_all stays as fast as before).
         self._score = jax.jit(model.prompt_logprobs, static_argnums=(2,))
-        self._extend = jax.jit(self._extend_impl, donate_argnums=(1,),
-                               in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 4,
-                               out_shardings=self.state_shardings)
-        self._extend_last = jax.jit(self._extend_last_impl, donate_argnums=(1,),
-                                    in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 8,
-                                    out_shardings=(self.state_shardings, None))
+        self._extend = {c: jax.jit(functools.partial(self._extend_impl, context=c), donate_argnums=(1,),
+                                   in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 5,
+                                   out_shardings=self.state_shardings) for c in model.context_buckets}
+        self._extend_last = {c: jax.jit(functools.partial(self._extend_last_impl, context=c), donate_argnums=(1,),
+                                        in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 9,
+                                        out_shardings=(self.state_shardings, None)) for c in model.context_buckets}
+
+    def _reset_host(self) -> None:
+        """The host's view of the slots: every block free, nothing cached, no slot live."""
+        self.kv = KVBlocks(self.num_blocks, self.block_size, self.slots, self.model.table_len, self.prefill_chunk,
+                           self.prefix_caching)
+        self._positions = [0] * self.slots  # each slot's next position, as the device has it
+        self._live = [False] * self.slots  # decoding (the device's sampling.active)
+        self._origin = [-1] * self.slots  # the prefill each inserted slot came from
+        self._prefills = 0
 
     # ---- pure functions (jitted above) ------------------------------------------------------
     def _init_impl(self) -> DecodeState:
         b = self.slots
         return DecodeState(
-            memory=self.model.init_memory(b), tokens=jnp.full((b,), self.pad_id, jnp.int32),
+            memory=self.model.init_memory(b, self.num_blocks), tokens=jnp.full((b,), self.pad_id, jnp.int32),
             keys=jnp.zeros((b, 2), jnp.uint32),
             sampling=SamplingParams(jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.float32),
                                     jnp.ones((b, self.vocab_size), bool), jnp.zeros((b,), bool),
@@ -228,22 +271,24 @@ class Engine:
         history = record_tokens(history, result.token, jnp.ones((1,), bool))
         return prefix._replace(token=result.token[0], key=rest, history=history), result
 
-    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeState:
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot: jax.Array, table: jax.Array) -> DecodeState:
         return DecodeState(
-            memory=self.model.insert(state.memory, prefix.memory, slot),
+            memory=self.model.insert(state.memory, prefix.memory, slot, table),
             tokens=state.tokens.at[slot].set(prefix.token),
             keys=state.keys.at[slot].set(prefix.key),
             sampling=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.sampling, prefix.sampling),
             controls=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.controls, prefix.controls),
             history=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.history, prefix.history))
 
-    def _generate_impl(self, params: Any, state: DecodeState) -> tuple[DecodeState, SampleResult]:
+    def _generate_impl(self, params: Any, state: DecodeState, tables: jax.Array, *,
+                       context: int) -> tuple[DecodeState, SampleResult]:
         active = state.sampling.active  # [B]
         tile = self.row_tile
         # Tiles up to the last one holding an active slot; the ones after it are skipped on the device.
         last = jnp.max(jnp.where(active, jnp.arange(self.slots, dtype=jnp.int32), -1))
         tiles = None if tile == self.slots else (last + tile) // tile
-        logits, memory = self.model.decode(params, state.tokens, state.memory, active, tile, tiles)  # [B, V]
+        logits, memory = self.model.decode(params, state.tokens, state.memory, tables, active, tile, tiles,
+                                           context)  # [B, V]
         rest, draw = split_keys(state.keys)
         result = sample_tokens(draw, logits, state.sampling, state.controls, state.history)
         # A free slot keeps its token and key (a later insert overwrites them).
@@ -252,16 +297,16 @@ class Engine:
         history = record_tokens(state.history, result.token, active)
         return DecodeState(memory, tokens, keys, state.sampling, state.controls, history), result
 
-    def _extend_impl(self, params: Any, state: DecodeState, tokens: jax.Array, slot: jax.Array, start: jax.Array,
-                     last: jax.Array) -> DecodeState:
+    def _extend_impl(self, params: Any, state: DecodeState, tokens: jax.Array, table: jax.Array, slot: jax.Array,
+                     start: jax.Array, last: jax.Array, *, context: int) -> DecodeState:
         # tokens [1, C]; the slot stays inactive (decode steps skip it) until its last chunk
-        _, memory = self.model.extend(params, tokens, state.memory, slot, start, last)
+        _, memory = self.model.extend(params, tokens, state.memory, table, slot, start, last, context)
         return state._replace(memory=memory)
 
-    def _extend_last_impl(self, params: Any, state: DecodeState, tokens: jax.Array, slot: jax.Array,
-                          start: jax.Array, last: jax.Array, seed: jax.Array, one: SamplingParams,
-                          controls: Controls, prompt: jax.Array) -> tuple[DecodeState, SampleResult]:
-        logits, memory = self.model.extend(params, tokens, state.memory, slot, start, last)  # [1, V]
+    def _extend_last_impl(self, params: Any, state: DecodeState, tokens: jax.Array, table: jax.Array,
+                          slot: jax.Array, start: jax.Array, last: jax.Array, seed: jax.Array, one: SamplingParams,
+                          controls: Controls, prompt: jax.Array, *, context: int) -> tuple[DecodeState, SampleResult]:
+        logits, memory = self.model.extend(params, tokens, state.memory, table, slot, start, last, context)  # [1, V]
         rest, draw = split_key(seed_key(seed))
         history = History(prompt, jnp.zeros(prompt.shape, jnp.int32))
         result = sample_tokens(draw[None], logits, one, controls, history)
@@ -295,10 +340,12 @@ class Engine:
         return self.buckets[i]
 
     def init_decode_state(self) -> DecodeState:
+        """A fresh state: every slot free, every block free, the prefix cache empty."""
+        self._reset_host()
         return self._init()
 
     def prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, seed: int,
-                prompt_logprobs: int | None = None) -> tuple[Prefix, StepOutput]:
+                prompt_logprobs: int | None = None) -> tuple[Prefilled, StepOutput]:
         """Run one prompt; returns the prefix to insert and its first token (host arrays, batch 1), drawn as
         `sampling` says (its `top_logprobs` alternatives are computed for every token of the request; 0 skips
         them). `prompt_logprobs` (not None) also scores the prompt's tokens (StepOutput.prompt) in a second,
@@ -312,14 +359,15 @@ class Engine:
         if prompt_logprobs is not None:
             chosen, top, ids = jax.device_get(self._score(self.params, padded, TOP_K))
             out = dataclasses.replace(out, prompt=PromptLogprobs(chosen[:n - 1], ids[:n - 1], top[:n - 1]))
-        return prefix, out
+        self._prefills += 1
+        return Prefilled(prefix, n, self._prefills), out
 
-    def resample(self, prefix: Prefix, *, seed: int) -> tuple[Prefix, StepOutput]:
+    def resample(self, prefilled: Prefilled, *, seed: int) -> tuple[Prefilled, StepOutput]:
         """Another sample of a prefilled prompt (n > 1 shares one prefill): the prefix with its first token drawn
-        with `seed`'s key, bit-identical to `prefill(..., seed=seed)` of the same prompt and settings. The KV
-        memory is shared, not copied (insert copies it into the slot)."""
-        prefix, result = self._resample(prefix, np.uint32(seed))
-        return prefix, StepOutput.from_device(result)
+        with `seed`'s key, bit-identical to `prefill(..., seed=seed)` of the same prompt and settings. Its
+        samples share the prompt's full KV blocks once inserted; each gets its own last, partial block."""
+        prefix, result = self._resample(prefilled.prefix, np.uint32(seed))
+        return dataclasses.replace(prefilled, prefix=prefix), StepOutput.from_device(result)
 
     def device_rows(self, s: SamplingSettings) -> tuple[SamplingParams, Controls]:
         """One request's settings as the device's per-slot rows (host arrays, batch 1): what the jitted prefill
@@ -329,8 +377,15 @@ class Engine:
                                   mask[None], np.ones((1,), bool), np.asarray([s.top_logprobs], np.int32))
         return sampling, controls_row(s, self.vocab_size)
 
-    def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
-        return self._insert(prefix, state, np.int32(slot))
+    def insert(self, prefilled: Prefilled, state: DecodeState, slot: int) -> DecodeState:
+        """Fill free `slot` with a prefilled prompt: blocks for it (the full ones shared with a slot holding a
+        sample of the same prefill), its KV copied in, the slot decoding."""
+        n, origin = prefilled.length, prefilled.origin
+        sibling = next((s for s in range(self.slots) if s != slot and self._origin[s] == origin), None)
+        self._claim(lambda: self.kv.assign(slot, n, sibling, n if sibling is not None else 0))
+        state = self._insert(prefilled.prefix, state, np.int32(slot), self.kv.table()[slot])
+        self._positions[slot], self._live[slot], self._origin[slot] = n, True, origin
+        return state
 
     def chunked(self, length: int) -> bool:
         """Whether a prompt of `length` tokens is prefilled in chunks (begin_prefill) rather than at once."""
@@ -341,42 +396,92 @@ class Engine:
                       seed: int) -> ChunkedPrefill:
         """Start prefilling a long prompt into free `slot`, one chunk per `prefill_next_chunk` call.
 
-        The chunks depend only on the prompt, so its results never depend on what runs between them. Pad
-        tokens inside a prompt are masked as keys only within one prefill call, so such prompts are not
-        chunked (`chunked` is for prompts of real tokens)."""
+        The slot gets blocks for the whole prompt; leading blocks an earlier prompt computed (prefix caching)
+        are taken as they are and prefilling starts after them. Chunks start at multiples of the chunk size
+        and depend only on the prompt, so a block's bits never depend on what runs between them or on whether
+        it came from the cache. Pad tokens inside a prompt are masked as keys only within one prefill call, so
+        such prompts are not chunked (`chunked` is for prompts of real tokens)."""
         c, n = self.prefill_chunk, len(tokens)
         padded = np.full((-(-n // c) * c,), self.pad_id, np.int32)
         padded[:n] = tokens
-        return ChunkedPrefill(padded, n, slot, seed, sampling)
+        start = self._claim(lambda: self.kv.assign_prompt(slot, padded[:n].tolist()))
+        self._live[slot], self._origin[slot] = False, -1
+        return ChunkedPrefill(padded, n, slot, seed, sampling, next_start=start)
 
     def prefill_next_chunk(self, job: ChunkedPrefill, state: DecodeState) -> tuple[DecodeState, StepOutput | None]:
         """Run the job's next chunk; after the last one the slot is active and its first token returned."""
         c, start = self.prefill_chunk, job.next_start
         chunk = job.tokens[None, start:start + c]
         job.next_start += c
+        context = self.model.context_for(start + c)
+        table = self.kv.table()[job.slot]
         if job.next_start < job.length:
-            return self._extend(self.params, state, chunk, np.int32(job.slot), np.int32(start), np.int32(c - 1)), None
-        state, result = self._extend_last(self.params, state, chunk, np.int32(job.slot), np.int32(start),
-                                          np.int32(job.length - 1 - start), np.uint32(job.seed),
-                                          *self.device_rows(job.sampling),
-                                          prompt_mask(job.tokens[:job.length], self.vocab_size))
+            state = self._extend[context](self.params, state, chunk, table, np.int32(job.slot), np.int32(start),
+                                          np.int32(c - 1))
+            self.kv.register(job.slot, job.tokens[:job.length].tolist(), job.next_start)
+            return state, None
+        state, result = self._extend_last[context](self.params, state, chunk, table, np.int32(job.slot),
+                                                   np.int32(start), np.int32(job.length - 1 - start),
+                                                   np.uint32(job.seed), *self.device_rows(job.sampling),
+                                                   prompt_mask(job.tokens[:job.length], self.vocab_size))
+        self.kv.register(job.slot, job.tokens[:job.length].tolist(), job.length)
+        self._positions[job.slot], self._live[job.slot] = job.length, True
         return state, StepOutput.from_device(result)
+
+    def blocks_short(self) -> int:
+        """Blocks the next decode step needs beyond what is free or evictable (positive: preempt first)."""
+        need = sum(max(0, self.kv.blocks_for(self._next_len(s)) - len(self.kv.blocks_of(s)))
+                   for s in range(self.slots) if self._live[s])
+        return max(0, need - self.kv.available())
+
+    def blocks_needed(self, prompt_len: int, samples: int = 1) -> int:
+        """Blocks admitting a prompt takes at most (each sample, room for its first decoded token)."""
+        return samples * self.kv.blocks_for(min(prompt_len + 1, self.sequence_len))
+
+    def free_blocks(self) -> int:
+        """Blocks a new sequence can take now (free ones and cached ones nobody holds)."""
+        return self.kv.available()
+
+    def kv_usage(self) -> KVUsage:
+        return self.kv.usage()
 
     def generate(self, state: DecodeState) -> tuple[DecodeState, PendingStep]:
         """Dispatch one decode step for the active slots; returns at once with the new state and the step's
-        tokens on their way to the host (`PendingStep.get()`)."""
-        state, result = self._generate(self.params, state)
+        tokens on their way to the host (`PendingStep.get()`). Each active slot gets a block first if its
+        next token starts one (blocks_short() must be 0; else OutOfBlocks, RESOURCE_EXHAUSTED)."""
+        live = [s for s in range(self.slots) if self._live[s]]
+        for slot in live:
+            self._claim(lambda slot=slot: self.kv.grow(slot, self._next_len(slot)))
+        context = self.model.context_for(max((self._next_len(s) for s in live), default=1))
+        state, result = self._generate[context](self.params, state, self.kv.table())
+        for slot in live:
+            self._positions[slot] = self._next_len(slot)
         return state, PendingStep(result)
 
     def free_slot(self, state: DecodeState, slot: int) -> DecodeState:
+        """End the slot's sequence: its blocks go back (cached ones stay reusable), the slot stops decoding."""
+        self.kv.release(slot)
+        self._positions[slot], self._live[slot], self._origin[slot] = 0, False, -1
         return self._free(state, np.int32(slot))
 
     def set_slot_mask(self, state: DecodeState, slot: int, mask: np.ndarray) -> DecodeState:
         """Replace the allowed-token mask ([V] bool) of active `slot` for the next decode steps."""
         return self._set_mask(state, np.int32(slot), np.asarray(mask, dtype=bool))
 
+    def _next_len(self, slot: int) -> int:
+        """Positions the slot holds after its next decode step (its token is written at its position)."""
+        return min(self._positions[slot] + 1, self.sequence_len)
+
+    @staticmethod
+    def _claim(allocate: Any) -> Any:
+        try:
+            return allocate()
+        except OutOfBlocks as e:
+            raise SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, f"KV memory is full: {e}; retry later") from e
+
     def compile_all(self) -> dict[str, float]:
-        """Compile (by running) every bucket's prefill, insert and resample, the decode step and free_slot.
+        """Compile (by running) every bucket's prefill, insert and resample, the decode step and the prefill chunks
+        for every context bucket, and free_slot. Leaves every block free (init_decode_state starts afresh).
 
         Returns seconds per program; with a warm persistent compilation cache these are loads.
         """
@@ -394,18 +499,35 @@ class Engine:
             start = time.monotonic()
             self.resample(prefix, seed=1)  # n > 1 draws its other first tokens with it
             timings[f"resample_{bucket}"] = time.monotonic() - start
-        if self.chunked(self.buckets[-1]):
+        for context in self.model.context_buckets:  # steps and prefill chunks read keys up to each of these
             start = time.monotonic()
-            job = self.begin_prefill([self.eos_id] * self.buckets[-1], COMPILE_SETTINGS, slot=0, seed=0)
-            while job.next_start < job.length:
-                state, _ = self.prefill_next_chunk(job, state)
-            timings["prefill_chunks"] = time.monotonic() - start
-        start = time.monotonic()
-        state, pending = self.generate(state)
-        pending.get()
-        timings["generate"] = time.monotonic() - start
+            state, pending = self._run_generate(state, context)
+            pending.get()
+            timings[f"generate_{context}"] = time.monotonic() - start
+            if self.prefill_chunk and self.prefill_chunk <= context:
+                start = time.monotonic()
+                state = self._compile_extend(state, context)
+                timings[f"prefill_chunk_{context}"] = time.monotonic() - start
         start = time.monotonic()
         jax.block_until_ready(self.free_slot(state, 0))
         timings["free_slot"] = time.monotonic() - start
         log.info("compiled", extra={k: round(v, 3) for k, v in timings.items()})
+        self._reset_host()
         return timings
+
+    def _run_generate(self, state: DecodeState, context: int) -> tuple[DecodeState, PendingStep]:
+        """A decode step reading keys up to `context` (compile_all: every bucket, whatever the slots hold)."""
+        state, result = self._generate[context](self.params, state, self.kv.table())
+        return state, PendingStep(result)
+
+    def _compile_extend(self, state: DecodeState, context: int) -> DecodeState:
+        """Run a first and a last prefill chunk into slot 1's table (or 0's) reading keys up to `context`."""
+        c, slot = self.prefill_chunk, min(1, self.slots - 1)
+        tokens = np.full((1, c), self.eos_id, np.int32)
+        table = self.kv.table()[slot]
+        state = self._extend[context](self.params, state, tokens, table, np.int32(slot), np.int32(0), np.int32(c - 1))
+        state, result = self._extend_last[context](self.params, state, tokens, table, np.int32(slot), np.int32(0),
+                                                   np.int32(c - 1), np.uint32(0), *self.device_rows(COMPILE_SETTINGS),
+                                                   prompt_mask(tokens[0], self.vocab_size))
+        jax.block_until_ready(result)
+        return self._free(state, np.int32(slot))

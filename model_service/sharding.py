@@ -45,8 +45,10 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"in_out_embed/embeddings$", P(None, MODEL)),  # [V, D]
 )
 
-# KV memory [B, Hkv, S, D] and per-slot positions [B].
+# A dense prefill's KV [N, Hkv, T, D]; the paged pool [blocks + 1, Hkv, block_size, D] (every data shard reads
+# any slot's blocks); per-slot positions [B].
 KV_SPEC = P(DATA, MODEL, None, None)
+POOL_SPEC = P(None, MODEL, None, None)
 POSITIONS_SPEC = P(DATA)
 
 

@@ -14,13 +14,12 @@ from typing import Any
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from model_service import kv_memory
 from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Memory
-import numpy as np
-
 from model_service.model.layers import Products, QuantizedWeight
 from model_service.model.packed import native_ok
 from model_service.model.params import Params, pack_for_native, packable
@@ -31,6 +30,18 @@ __all__ = ["GrokModel", "KVMemory", "Memory", "Params", "Products", "QuantizedWe
 
 Array = jax.Array
 PRODUCT_CHOICES = ("auto", "native", "xla")
+BLOCK_SIZE = 16  # positions per KV block
+KEY_CHUNK = 128  # positions per attention chunk (a multiple of the block size)
+
+
+def context_buckets(sequence_len: int, chunk: int) -> tuple[int, ...]:
+    """The lengths a step may read keys up to: chunk * 2, * 4, ... and the first that covers the context."""
+    top = -(-sequence_len // chunk) * chunk
+    out, length = [], min(2 * chunk, top)
+    while length < top:
+        out.append(length)
+        length *= 2
+    return tuple(out) + (top,)
 log = logging.getLogger(__name__)
 
 
@@ -66,14 +77,22 @@ class GrokModel:
     Products.NATIVE the expert matrices must be packed (pack_params, or checkpoint.load_params(products=...)).
     """
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, products: Products | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, products: Products | None = None,
+                 block_size: int = BLOCK_SIZE, key_chunk: int = KEY_CHUNK) -> None:
         validate(cfg, MeshConfig(data=mesh.shape[DATA], model=mesh.shape[MODEL]))
+        if block_size < 1 or block_size & (block_size - 1) or key_chunk % block_size:
+            raise ValueError(f"the KV block size must be a power of two dividing {key_chunk}, got {block_size}")
         if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             raise ValueError(f"compute dtype must be float32 or bfloat16, got {dtype}")
         self.cfg = cfg
         self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
         self.products = products or choose_products("auto", mesh, self.dtype)
+        self.block_size = block_size
+        # Keys are attended in chunks of key_chunk positions; a step reads the blocks up to one of these lengths.
+        self.key_chunk = min(key_chunk, -(-cfg.sequence_len // block_size) * block_size)
+        self.context_buckets = context_buckets(cfg.sequence_len, self.key_chunk)
+        self.table_len = self.context_buckets[-1] // block_size  # block-table entries per slot
         self._net = hk.without_apply_rng(hk.transform(functools.partial(forward, cfg, mesh, self.dtype)))
         self._scorer = hk.without_apply_rng(hk.transform(functools.partial(prompt_logprobs, cfg, mesh, self.dtype)))
 
@@ -91,11 +110,31 @@ class GrokModel:
                     out[module][name] = jax.device_put(host, params_shardings(host, self.mesh))[module][name]
         return out
 
-    def init_memory(self, batch: int) -> Memory:
-        """Empty KV memory: `batch` slots of sequence_len positions, all at position 0."""
+    def init_memory(self, slots: int, num_blocks: int | None = None) -> Memory:
+        """Empty paged memory: a pool of `num_blocks` blocks (default: a full context for every slot, as
+        `dense_tables` lays them out) and `slots` positions at 0."""
         t = self.cfg.model
-        return kv_memory.init_memory(batch, self.cfg.sequence_len, t.num_layers, t.num_kv_heads, t.key_size,
+        blocks = num_blocks if num_blocks is not None else slots * self.blocks_per_sequence
+        return kv_memory.init_memory(slots, blocks, self.block_size, t.num_layers, t.num_kv_heads, t.key_size,
                                      self.dtype)
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        """Blocks that hold a full context."""
+        return -(-self.cfg.sequence_len // self.block_size)
+
+    def dense_tables(self, slots: int) -> np.ndarray:
+        """[slots, table_len] int32: slot i owns blocks i * blocks_per_sequence onward (a pool from init_memory's
+        default), entries past a full context point at the scratch block. For tests and tools without a
+        block manager."""
+        per = self.blocks_per_sequence
+        tables = np.full((slots, self.table_len), slots * per, np.int32)
+        tables[:, :per] = np.arange(slots * per, dtype=np.int32).reshape(slots, per)
+        return tables
+
+    def context_for(self, length: int) -> int:
+        """The smallest context bucket holding `length` positions."""
+        return next(c for c in self.context_buckets if c >= length)
 
     def prefill(self, params: Params, tokens: Array, length: Array) -> tuple[Array, Memory]:
         """tokens [N, T] int32, each row padded after its `length` [N] -> (logits [N, V] float32 at each row's
@@ -121,16 +160,19 @@ class GrokModel:
         logits, caches = self._net.apply(params, tokens, step, length - 1)
         return logits, Memory(caches, length)
 
-    def decode(self, params: Params, tokens: Array, memory: Memory, active: Array | None = None,
-               tile: int | None = None, tiles_to_run: Array | None = None) -> tuple[Array, Memory]:
+    def decode(self, params: Params, tokens: Array, memory: Memory, tables: Array | None = None,
+               active: Array | None = None, tile: int | None = None, tiles_to_run: Array | None = None,
+               context: int | None = None) -> tuple[Array, Memory]:
         """tokens [R] int32 for the first R slots of `memory` (R <= its slots) -> (logits [R, V] float32, memory
         with those R slots advanced by one; the other slots untouched).
 
-        The rows run in tiles of `tile` (default R) rows, one after another, each through the same computation:
-        a row's bits depend only on the tile size, never on how many tiles run or what the other rows hold
-        (batch invariance by construction), while one tile streams each weight once for all its rows.
-        `active` [R] bool marks the slots whose outputs are used; inactive slots never make an expert run
-        (their logits are then meaningless), and active slots' results are the same either way.
+        `tables` [R or more, table_len] are the slots' block tables (default: dense_tables); keys are read up
+        to `context` positions (static, a context bucket; default the whole table), which must cover every
+        active slot's position. The rows run in tiles of `tile` (default R) rows, one after another, each
+        through the same computation: a row's bits depend only on the tile size, never on how many tiles run,
+        the context read, or what the other rows hold (batch invariance by construction), while one tile
+        streams each weight once for all its rows. `active` [R] bool marks the slots whose outputs are used;
+        inactive slots write nothing and never make an expert run (their logits are then meaningless).
         `tiles_to_run` [] int32 (traced) runs only the first tiles (the rest of the rows get zero logits and
         keep their memory): idle tiles then cost nothing, with one compiled program for any number of requests.
         """
@@ -138,10 +180,13 @@ class GrokModel:
         tile = tile or r
         if r > memory.positions.shape[0] or r % tile:
             raise ValueError(f"decode of {r} rows in tiles of {tile} over a memory of {memory.positions.shape[0]} slots")
+        if tables is None:
+            tables = self.dense_tables(memory.positions.shape[0])
+        tables = jnp.asarray(tables)[:, :(context or self.context_buckets[-1]) // self.block_size]
         if active is None:
             active = jnp.ones((r,), bool)
         if r == tile and tiles_to_run is None:
-            return self._decode_tile(params, tokens, memory, active, 0)
+            return self._decode_tile(params, tokens, memory, tables[:r], active, 0)
         logits = jnp.zeros((r, self.cfg.vocab_size), jnp.float32)
         # Tiles are unrolled (each with static row offsets) rather than looped: XLA-CPU runs a while loop's body
         # without intra-op parallelism, which made a looped tile ~2.5x slower than the same tile unrolled.
@@ -149,7 +194,7 @@ class GrokModel:
             rows = slice(t * tile, (t + 1) * tile)
 
             def run(carry: tuple[Array, Memory], rows: slice = rows) -> tuple[Array, Memory]:
-                out, mem = self._decode_tile(params, tokens[rows], carry[1], active[rows], rows.start)
+                out, mem = self._decode_tile(params, tokens[rows], carry[1], tables[rows], active[rows], rows.start)
                 return carry[0].at[rows].set(out), mem
 
             if tiles_to_run is None or t == 0:
@@ -158,26 +203,35 @@ class GrokModel:
                 logits, memory = jax.lax.cond(t < tiles_to_run, run, lambda carry: carry, (logits, memory))
         return logits, memory
 
-    def extend(self, params: Params, tokens: Array, memory: Memory, slot: Array, start: Array,
-               last: Array) -> tuple[Array, Memory]:
-        """A prefill chunk: tokens [1, C] at positions start .. start + C - 1 of `slot`, attending to what the
-        slot's memory holds before `start` (the prompt's earlier chunks). Returns logits [1, V] at chunk row
-        `last` and the memory with the chunk written and the slot's position at start + last + 1."""
-        c, s = tokens.shape[1], memory.layers[0].k.shape[2]
+    def extend(self, params: Params, tokens: Array, memory: Memory, table: Array, slot: Array, start: Array,
+               last: Array, context: int | None = None) -> tuple[Array, Memory]:
+        """A prefill chunk: tokens [1, C] (C a multiple of the block size) at positions start .. start + C - 1 of
+        `slot` (start a multiple of C), written into the blocks its `table` [table_len] lists there, attending
+        to what those blocks hold before `start` (the prompt's earlier chunks, or a cached prefix) up to
+        `context` positions (static, covering start + C). Returns logits [1, V] at chunk row `last` and the
+        memory with the slot's position at start + last + 1."""
+        c, bs = tokens.shape[1], self.block_size
+        context = context or self.context_buckets[-1]
         positions = (start + jnp.arange(c, dtype=jnp.int32))[None, :]  # [1, C]
-        mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= positions[0][:, None])[None]  # [1, C, S], causal
-        step = Step(positions, mask, memory.layers, jnp.reshape(start, (1,)), None, self.products, slot)
+        mask = (jnp.arange(context, dtype=jnp.int32)[None, :] <= positions[0][:, None])[None]  # [1, C, L], causal
+        blocks = jax.lax.dynamic_slice_in_dim(table, start // bs, c // bs)
+        step = Step(positions, mask, memory.layers, blocks, None, self.products, slot, None,
+                    table[None, :context // bs], self.key_chunk)
         logits, caches = self._net.apply(params, tokens, step, jnp.reshape(last, (1,)))
         return logits, Memory(caches, memory.positions.at[slot].set(start + last + 1))
 
-    def _decode_tile(self, params: Params, tokens: Array, memory: Memory, active: Array,
+    def _decode_tile(self, params: Params, tokens: Array, memory: Memory, tables: Array, active: Array,
                      start: Array | int) -> tuple[Array, Memory]:
-        """One tile: tokens/active [T] for memory slots start .. start + T - 1."""
-        t, s = tokens.shape[0], memory.layers[0].k.shape[2]
+        """One tile: tokens/active [T] and tables [T, L / block] for memory slots start .. start + T - 1."""
+        t, s, bs = tokens.shape[0], self.cfg.sequence_len, self.block_size
+        scratch = memory.layers[0].k.shape[0] - 1
         positions = jax.lax.dynamic_slice_in_dim(memory.positions, start, t)
-        write = jnp.minimum(positions, s - 1)  # a finished slot never writes out of bounds
-        mask = (jnp.arange(s, dtype=jnp.int32)[None, :] <= write[:, None])[:, None, :]  # [T, 1, S]
-        step = Step(write[:, None], mask, memory.layers, write, active, self.products, start)
+        write = jnp.minimum(positions, s - 1)  # a finished slot never writes past the context
+        index = jnp.minimum(write // bs, tables.shape[1] - 1)[:, None]
+        blocks = jnp.where(active, jnp.take_along_axis(tables, index, axis=1)[:, 0], scratch)  # idle rows: scratch
+        mask = (jnp.arange(tables.shape[1] * bs, dtype=jnp.int32)[None, :] <= write[:, None])[:, None, :]  # [T, 1, L]
+        step = Step(write[:, None], mask, memory.layers, blocks, active, self.products, start, write % bs, tables,
+                    self.key_chunk)
         logits, caches = self._net.apply(params, tokens[:, None], step, jnp.zeros_like(write))
         advanced = jax.lax.dynamic_update_slice_in_dim(memory.positions, jnp.minimum(positions + 1, s), start, axis=0)
         return logits, Memory(caches, advanced)
@@ -199,13 +253,18 @@ class GrokModel:
         logits, _ = self._net.apply(params, tokens, Step(positions, mask, None, None, products=self.products), None)
         return logits
 
-    def insert(self, memory: Memory, prefix: Memory, slot: Array, row: Array | int = 0) -> Memory:
-        """Copy row `row` of a prefill result into `slot` (resets that slot's position to the prompt length)."""
-        return kv_memory.insert(memory, prefix, slot, row)
+    def insert(self, memory: Memory, prefix: Memory, slot: Array, table: Array | None = None,
+               row: Array | int = 0) -> Memory:
+        """Copy row `row` of a prefill result into the blocks `table` [table_len] lists for `slot` (default: the
+        slot's dense_tables row); the slot's position becomes the prompt length."""
+        if table is None:
+            table = jnp.asarray(self.dense_tables(memory.positions.shape[0]))[slot]
+        return kv_memory.insert(memory, prefix, slot, table, row)
 
-    def memory_shardings(self, batch: int) -> Memory:
+    def memory_shardings(self, slots: int, num_blocks: int | None = None) -> Memory:
         t = self.cfg.model
-        return kv_memory.memory_shardings(self.mesh, batch, self.cfg.sequence_len, t.num_layers, t.num_kv_heads,
+        blocks = num_blocks if num_blocks is not None else slots * self.blocks_per_sequence
+        return kv_memory.memory_shardings(self.mesh, slots, blocks, self.block_size, t.num_layers, t.num_kv_heads,
                                           t.key_size)
 
     def params_shardings(self, params: Params) -> Any:

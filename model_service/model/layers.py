@@ -170,3 +170,35 @@ def attention(q: Array, k: Array, v: Array, mask: Array, multiplier: float) -> A
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhgts,bhsd->bthgd", weights, v)
     return out.reshape(b, t, hq * d)
+
+
+def chunked_attention(q: Array, k: Array, v: Array, mask: Array, multiplier: float, chunk: int) -> Array:
+    """`attention` over keys in fixed chunks of `chunk` positions, summed chunk after chunk in order.
+
+    q [B, T, Hq, D]; k, v [B, Hkv, L, D] with L a multiple of `chunk`; mask [B, T, L]. A row's bits do not
+    depend on L: every product has the chunk's shape whatever the number of chunks (the chunk index is a
+    batch dimension), the maximum is exact in any order, and a chunk of masked keys adds exactly zero to the
+    running sums (exp(-1e30 - max) == 0), so reading more blocks than a sequence holds changes nothing.
+    """
+    b, t, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2] // chunk
+    g = hq // hkv
+    qg = jnp.broadcast_to(q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, 1, g * t, d),
+                          (b, hkv, n, g * t, d))
+    kc, vc = (a.reshape(b, hkv, n, chunk, d) for a in (k, v))
+    logits = jnp.einsum("bhcqd,bhcsd->bhcqs", qg, kc).astype(jnp.float32) * multiplier  # q = (g, t)
+    logits = ATTN_LOGIT_CAP * jnp.tanh(logits / ATTN_LOGIT_CAP)
+    keep = mask.reshape(b, 1, t, n, chunk).transpose(0, 1, 3, 2, 4)  # [B, 1, n, T, chunk]
+    logits = jnp.where(keep[:, :, :, None], logits.reshape(b, hkv, n, g, t, chunk), MASK_VALUE)
+    top = jnp.max(logits, axis=(2, 5), keepdims=True)
+    p = jnp.exp(logits - top)  # [B, Hkv, n, G, T, chunk]
+    sums = jnp.sum(p, axis=-1)  # [B, Hkv, n, G, T]
+    total = sums[:, :, 0]
+    for c in range(1, n):  # in chunk order: trailing masked chunks add +0.0
+        total = total + sums[:, :, c]
+    weights = (p / total[:, :, None, :, :, None]).astype(v.dtype).reshape(b, hkv, n, g * t, chunk)
+    parts = jnp.einsum("bhcqs,bhcsd->bhcqd", weights, vc)  # [B, Hkv, n, G*T, D]
+    out = parts[:, :, 0]
+    for c in range(1, n):
+        out = out + parts[:, :, c]
+    return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq * d)

@@ -16,8 +16,16 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from model_service.config import ModelConfig
-from model_service.kv_memory import KVMemory
-from model_service.model.layers import Products, QuantizedWeight, apply_rope, attention, product, rms_norm
+from model_service.kv_memory import KVMemory, gather, write_blocks, write_tokens
+from model_service.model.layers import (
+    Products,
+    QuantizedWeight,
+    apply_rope,
+    attention,
+    chunked_attention,
+    product,
+    rms_norm,
+)
 from model_service.model.moe import MoELayer, ParamHolder, route
 from model_service.model.packed import PackedWeight
 from model_service.sharding import DATA, MODEL, constrain
@@ -30,12 +38,15 @@ class Step(NamedTuple):
     memory's slots row_start .. row_start + B - 1 (the memory may hold more)."""
 
     positions: Array  # [B, T] int32 rotary positions
-    mask: Array  # [B, T, S] bool, which keys each query sees
-    memory: tuple[KVMemory, ...] | None  # decode: caches to write into; None: keys are this call's tokens
-    write_index: Array | None  # decode: [B] position each row writes (T == 1); a prefill chunk: [1] its start
+    mask: Array  # [B, T, S] bool, which keys each query sees (S: this call's tokens, or the gathered blocks)
+    memory: tuple[KVMemory, ...] | None  # paged pools to write into and read from; None: keys are this call's tokens
+    write_to: Array | None  # paged: decode [B] the block each row's token goes to; a prefill chunk [C / block] blocks
     active: Array | None = None  # decode: [B] bool, False rows (free slots) never make an expert run
     products: Products = Products.DOT  # static: how token rows meet weights (layers.Products)
     row_start: Array | int = 0  # decode: memory slot of the first row
+    write_at: Array | None = None  # decode: [B] offset of each row's token in its block (None: whole blocks)
+    tables: Array | None = None  # paged: [B, S / block] the blocks each row reads, in position order
+    key_chunk: int = 0  # static, paged: keys are attended in chunks of this many positions (chunked_attention)
 
 
 def _norm(name: str, x: Array) -> Array:
@@ -47,16 +58,12 @@ def _linear(name: str, x: Array, out: int, products: Products) -> Array:
     return product(x, w if isinstance(w, (QuantizedWeight, PackedWeight)) else w.T, products)  # plain [K, N]: init
 
 
-def _write(cache: Array, new: Array, start: Array | int, index: Array) -> Array:
-    """cache [slots, H, S, D] <- new [B, H, T, D]: row b into slot start + b from its own position index[b]
-    (T == 1), or one row of T tokens (a prefill chunk) into slot start from position index[0].
-
-    One scatter that XLA updates in place (a vmapped dynamic_update_slice made it copy every cache)."""
-    if new.shape[2] > 1:
-        return jax.lax.dynamic_update_slice(cache, new, (start, 0, index[0], 0))
-    rows = start + jnp.arange(new.shape[0])
-    return cache.at[rows, :, index, :].set(new[:, :, 0, :], indices_are_sorted=True, unique_indices=True,
-                                          mode="promise_in_bounds")
+def _write(pool: Array, new: Array, step: Step) -> Array:
+    """This call's keys or values new [B, Hkv, T, D] into their blocks: one token per row (decode), or one row's
+    chunk of whole blocks (a prefill chunk)."""
+    if step.write_at is None:
+        return write_blocks(pool, new[0], step.write_to)
+    return write_tokens(pool, new[:, :, 0, :], step.write_to, step.write_at)
 
 
 class MultiHeadAttention(hk.Module):
@@ -74,19 +81,20 @@ class MultiHeadAttention(hk.Module):
                                                                                        t.key_size)
             q, k = apply_rope(q, step.positions), apply_rope(k, step.positions)
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Hkv, T, D]
+        full = None
         if cache is not None:
             with jax.named_scope("kv_write"):
-                k = _write(cache.k, k.astype(cache.k.dtype), step.row_start, step.write_index)
-                v = _write(cache.v, v.astype(cache.v.dtype), step.row_start, step.write_index)
-            full = KVMemory(k, v)
-            if k.shape[0] != b:  # the step computes b of the slots
-                k, v = (jax.lax.dynamic_slice_in_dim(a, step.row_start, b, axis=0) for a in (k, v))
+                full = KVMemory(*(_write(pool, new, step) for pool, new in ((cache.k, k), (cache.v, v))))
+            k, v = gather(full.k, step.tables), gather(full.v, step.tables)  # [B, Hkv, S, D]
         q = constrain(q, self.mesh, P(DATA, None, MODEL, None))
         k, v = (constrain(a, self.mesh, P(DATA, MODEL, None, None)) for a in (k, v))
-        if cache is None:
-            full = KVMemory(k, v)
         with jax.named_scope("scores_softmax_values"):
-            out = attention(q, k.astype(q.dtype), v.astype(q.dtype), step.mask, t.attn_output_multiplier)
+            if full is None:
+                full = KVMemory(k, v)
+                out = attention(q, k, v, step.mask, t.attn_output_multiplier)
+            else:
+                out = chunked_attention(q, k.astype(q.dtype), v.astype(q.dtype), step.mask, t.attn_output_multiplier,
+                                        step.key_chunk)
         with jax.named_scope("output_projection"):
             return _linear("linear", out, x.shape[-1], step.products), full
 

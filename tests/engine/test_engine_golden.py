@@ -9,6 +9,7 @@ import pytest
 from model_service.config import MeshConfig
 from model_service.engine import Engine
 from model_service.loading import build_engine, resolve
+from model_service.model import GrokModel
 from tests.engine.conftest import golden_requests, golden_sampling, golden_server_config
 
 
@@ -61,8 +62,9 @@ def sharded_engine() -> Engine:
 
 
 def test_golden_requests_prefilled_in_chunks_reproduce_reference_ids(golden_engine: Engine) -> None:
-    chunked = Engine(golden_engine.model, golden_engine.params, golden_engine.model.cfg, golden_engine.mesh, 2,
-                     golden_engine.buckets, prefill_chunk=8)
+    m = golden_engine.model
+    model = GrokModel(m.cfg, m.mesh, m.dtype, m.products, block_size=8)
+    chunked = Engine(model, golden_engine.params, m.cfg, golden_engine.mesh, 2, golden_engine.buckets, prefill_chunk=8)
     cases = golden_requests()
     assert any(chunked.chunked(len(c["prompt_ids"])) for c in cases)
     for case in cases:

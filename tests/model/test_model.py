@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model_service.kv_memory import gather
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product
 from model_service.model.packed import PackedWeight
 from model_service.model.moe import (
@@ -30,6 +31,13 @@ def _prefix(tiny, prompt: np.ndarray, bucket: int = 16):
     toks = np.zeros((1, bucket), np.int32)
     toks[0, : len(prompt)] = prompt
     return tiny.prefill(tiny.params, jnp.asarray(toks), jnp.int32(len(prompt)))
+
+
+def _slot_kv(tiny, memory, layer: int, slot: int, which: str = "k") -> np.ndarray:
+    """[Hkv, S, D]: the positions `slot` holds in layer `layer`'s pool (dense tables)."""
+    table = tiny.model.dense_tables(memory.positions.shape[0])[slot:slot + 1]
+    pool = getattr(memory.layers[layer], which)
+    return np.asarray(gather(pool, jnp.asarray(table)))[0, :, :tiny.cfg.sequence_len]
 
 
 def test_decode_continues_a_prefill_exactly_like_a_full_forward_pass(tiny) -> None:
@@ -60,13 +68,13 @@ def test_a_slot_at_the_end_of_memory_clamps_and_leaves_other_slots_untouched(tin
     s = tiny.cfg.sequence_len
     _, prefix = _prefix(tiny, _prompt(s), bucket=s)
     memory = tiny.insert(tiny.model.init_memory(2), prefix, jnp.int32(0))
-    other_k = np.asarray(memory.layers[0].k[1]).copy()  # [H, S, D]
+    other_k = _slot_kv(tiny, memory, 0, 1)  # [H, S, D]
     for _ in range(3):
         logits, memory = tiny.decode(tiny.params, jnp.asarray([4, 5], jnp.int32), memory)
         assert np.isfinite(np.asarray(logits)).all()
     assert list(np.asarray(memory.positions)) == [s, 3]
-    assert not np.array_equal(np.asarray(memory.layers[0].k[1]), other_k)  # slot 1 wrote its own rows 0..2
-    np.testing.assert_array_equal(np.asarray(memory.layers[0].k[1, :, 3:]), other_k[:, 3:])
+    assert not np.array_equal(_slot_kv(tiny, memory, 0, 1), other_k)  # slot 1 wrote its own rows 0..2
+    np.testing.assert_array_equal(_slot_kv(tiny, memory, 0, 1)[:, 3:], other_k[:, 3:])
 
 
 def test_insert_resets_the_slot_position_and_copies_the_prefix(tiny) -> None:
@@ -76,7 +84,7 @@ def test_insert_resets_the_slot_position_and_copies_the_prefix(tiny) -> None:
     _, memory = tiny.decode(tiny.params, jnp.asarray([4, 5], jnp.int32), memory)
     memory = tiny.insert(memory, short_prefix, jnp.int32(1))
     assert list(np.asarray(memory.positions)) == [1, 3]
-    np.testing.assert_array_equal(np.asarray(memory.layers[1].v[1, :, :16]), np.asarray(short_prefix.layers[1].v[0]))
+    np.testing.assert_array_equal(_slot_kv(tiny, memory, 1, 1, "v")[:, :16], np.asarray(short_prefix.layers[1].v[0]))
 
 
 def test_pad_tokens_in_a_prompt_are_masked_as_keys(tiny) -> None:
@@ -173,10 +181,13 @@ def test_decode_with_free_slots_leaves_active_slots_bit_identical(tiny) -> None:
     tokens = jnp.asarray([5, 9, 11, 13], jnp.int32)
     all_logits, all_memory = tiny.decode(tiny.params, tokens, memory)
     active = jnp.asarray([True, False, True, False])
-    some_logits, some_memory = tiny.decode(tiny.params, tokens, memory, active)
+    some_logits, some_memory = tiny.decode(tiny.params, tokens, memory, None, active)
     np.testing.assert_array_equal(np.asarray(some_logits)[[0, 2]], np.asarray(all_logits)[[0, 2]])
-    for a, b in zip(all_memory.layers, some_memory.layers):
-        np.testing.assert_array_equal(np.asarray(a.k)[[0, 2]], np.asarray(b.k)[[0, 2]])
+    for layer in range(len(memory.layers)):
+        for slot in (0, 2):
+            np.testing.assert_array_equal(_slot_kv(tiny, all_memory, layer, slot), _slot_kv(tiny, some_memory, layer, slot))
+        # a free slot writes nothing
+        np.testing.assert_array_equal(_slot_kv(tiny, some_memory, layer, 1), _slot_kv(tiny, memory, layer, 1))
     np.testing.assert_array_equal(np.asarray(some_memory.positions), np.asarray(all_memory.positions))
 
 
@@ -216,17 +227,19 @@ def test_a_decode_row_is_bit_identical_whatever_number_of_tiles_runs(golden_mode
     _, prefix = jax.jit(model.prefill)(loaded.params, jnp.asarray(toks), jnp.asarray([len(p) for p in prompts]))
     memory = model.init_memory(slots)
     for slot in range(slots):
-        memory = jax.jit(model.insert)(memory, prefix, jnp.int32(slot), jnp.int32(slot))
+        memory = jax.jit(model.insert)(memory, prefix, jnp.int32(slot), row=jnp.int32(slot))
     tokens = jnp.asarray(rng.integers(3, loaded.cfg.vocab_size, slots), jnp.int32)
-    decode = jax.jit(model.decode, static_argnums=4)
+    decode = jax.jit(model.decode, static_argnums=5)
     active = jnp.asarray([True, True, False, True, True, False, True, True])
-    results = {r: decode(loaded.params, tokens[:r], memory, active[:r], tile) for r in (2, 4, 6, 8)}
+    results = {r: decode(loaded.params, tokens[:r], memory, None, active[:r], tile) for r in (2, 4, 6, 8)}
+    view = lambda mem, slot: _slot_kv(loaded, mem, 1, slot)  # noqa: E731
     for r, (logits, mem) in results.items():
         for row in np.flatnonzero(np.asarray(active[:r])):
             np.testing.assert_array_equal(np.asarray(logits)[row], np.asarray(results[8][0])[row], err_msg=f"{r}/{row}")
-            np.testing.assert_array_equal(np.asarray(mem.layers[1].k)[row], np.asarray(results[8][1].layers[1].k)[row])
+            np.testing.assert_array_equal(view(mem, row), view(results[8][1], row))
         # slots beyond the computed rows are left as they were
-        np.testing.assert_array_equal(np.asarray(mem.layers[1].k)[r:], np.asarray(memory.layers[1].k)[r:])
+        for slot in range(r, slots):
+            np.testing.assert_array_equal(view(mem, slot), view(memory, slot))
         assert list(np.asarray(mem.positions)) == [len(p) + (i < r) for i, p in enumerate(prompts)]
 
 
@@ -245,17 +258,22 @@ def test_a_prefilled_prompt_is_bit_identical_alone_or_with_others(golden_model) 
 
 
 def test_a_prompt_prefilled_in_chunks_matches_a_prefill_at_once(tiny) -> None:
+    from model_service.model import GrokModel
+
     prompt = _prompt(14)
     logits, prefix = _prefix(tiny, prompt)
-    memory = tiny.model.init_memory(2)
-    extend = jax.jit(tiny.model.extend)
+    m = tiny.model
+    model = GrokModel(m.cfg, m.mesh, m.dtype, m.products, block_size=4)  # chunks of 4 = one block each
+    memory = model.init_memory(2)
+    table = jnp.asarray(model.dense_tables(2)[1])
+    extend = jax.jit(model.extend)
     chunk = np.zeros((1, 16), np.int32)
     chunk[0, :14] = prompt
     for start in (0, 4, 8, 12):
         last = min(3, 13 - start)
-        out, memory = extend(tiny.params, jnp.asarray(chunk[:, start:start + 4]), memory, jnp.int32(1),
+        out, memory = extend(tiny.params, jnp.asarray(chunk[:, start:start + 4]), memory, table, jnp.int32(1),
                              jnp.int32(start), jnp.int32(last))
     np.testing.assert_allclose(np.asarray(out), np.asarray(logits), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(memory.layers[1].k[1, :, :14]), np.asarray(prefix.layers[1].k[0, :, :14]),
-                               atol=1e-5)
+    held = np.asarray(gather(memory.layers[1].k, table[None]))[0]
+    np.testing.assert_allclose(held[:, :14], np.asarray(prefix.layers[1].k[0, :, :14]), atol=1e-5)
     assert list(np.asarray(memory.positions)) == [0, 14]

@@ -42,7 +42,8 @@ def test_loaded_weights_and_memory_are_sharded_over_the_mesh(golden_model) -> No
         assert w_1.weight.spec == P("model", None)
         assert query.weight.spec == P("model", None)
     mem = loaded.model.memory_shardings(4)
-    assert mem.layers[0].k.spec == P("data", "model", None, None) and mem.positions.spec == P("data")
+    # the block pool: kv heads on model, blocks readable by every data shard
+    assert mem.layers[0].k.spec == P(None, "model", None, None) and mem.positions.spec == P("data")
 
 
 def test_meshes_1x1_1x8_2x4_agree_on_prefill_and_decode(golden_model, golden_npz) -> None:
