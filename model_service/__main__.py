@@ -28,6 +28,24 @@ def bucket_list(raw: str) -> tuple[int, ...]:
     return values
 
 
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def byte_size(raw: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    text = raw.strip().lower()
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):].strip()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a size: use bytes or a unit, e.g. 2GiB, 512MiB") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{raw!r}: the size must be positive")
+    return int(value)
+
+
 def mesh(raw: str) -> MeshConfig:
     try:
         return MeshConfig.parse(raw)
@@ -62,7 +80,20 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--port", type=port, default=50053, help="gRPC port (0 picks a free one)")
     p.add_env_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     p.add_env_argument("--mesh", type=mesh, default="1,1", help="device mesh DATA,MODEL (e.g. 1,8)")
-    p.add_env_argument("--slots", type=positive_int, default=8, help="batch slots decoded together")
+    p.add_env_argument("--slots", type=positive_int, default=8,
+                       help="the most sequences decoded at once (each sample of a request takes one)")
+    p.add_env_argument("--kv-tokens", type=positive_int, default=None,
+                       help="KV memory pool size in tokens, shared by all sequences in blocks (default: --slots full "
+                            "contexts); more sequences than fit at full length may run, preempted when it fills")
+    p.add_env_argument("--kv-memory", type=byte_size, default=None,
+                       help="KV memory pool size in bytes instead of tokens, e.g. 4GiB (keys and values of every "
+                            "layer, in the compute dtype)")
+    p.add_env_argument("--block-size", type=positive_int, default=16,
+                       help="tokens per KV memory block (a power of two up to 128; --prefill-chunk must be a "
+                            "multiple)")
+    p.add_env_argument("--prefix-caching", choices=("on", "off"), default="on",
+                       help="reuse the KV blocks of prompt prefixes computed before (shared system prompts, "
+                            "few-shot headers, multi-turn chats); outputs are the same either way")
     p.add_env_argument("--row-tile", type=positive_int, default=None,
                        help="decode rows computed together (default: 8 on CPU, all slots elsewhere); --slots must be "
                             "a multiple. A request's tokens depend on this and never on other requests: smaller tiles "
@@ -180,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
         port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, row_tile=args.row_tile,
-        products=args.products,
+        products=args.products, kv_tokens=args.kv_tokens, kv_memory=args.kv_memory, block_size=args.block_size,
+        prefix_caching=args.prefix_caching == "on",
         prefill_chunk=max(0, args.prefill_chunk),
         buckets=args.buckets,
         max_queue=args.max_queue, metrics_port=args.metrics_port,

@@ -5,15 +5,15 @@ The engine never sees a request. Its whole decode-time state is one immutable py
 passed in and returned by every call with its buffers donated and its shardings fixed as a matching
 pytree. A prefill runs one prompt, padded to a bucket, into a batch-1 `Prefix` that already holds
 the first sampled token; `insert` copies it into a slot's KV blocks. Every bucket's prefill, the
-insert, the decode step per context bucket and free_slot are compiled by `compile_all()` before the
+insert, the prefill chunks, the decode step and free_slot are compiled by `compile_all()` before the
 service reports SERVING.
 
 Which pool blocks each slot holds is decided on the host (kv_blocks.KVBlocks, owned here): a slot gets
 blocks for its prompt when it is filled, one more whenever a decode step crosses a block boundary, and
 gives them back when freed; long prompts prefilled in chunks take cached blocks for a prefix an earlier
-prompt computed (prefix caching). Each step reads keys only up to the context bucket covering the
-longest active sequence (model.GrokModel.context_buckets), so its cost follows the work, not the
-configured context. The scheduler asks `blocks_short()` before a step and preempts when it is positive.
+prompt computed (prefix caching). Each step reads keys only from the blocks its sequences fill
+(layers.paged_attention), so its cost follows the work, not the configured context. The scheduler
+asks `blocks_short()` before a step and preempts when it is positive.
 
 The decode step computes the slots in tiles of `row_tile` rows and stops after the last tile that
 holds an active slot, deciding on the device: idle slots past the busy ones cost nothing, one program
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -216,21 +215,20 @@ class Engine:
         self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
         self._prefill = jax.jit(self._prefill_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self.state_shardings)
-        self._generate = {c: jax.jit(functools.partial(self._generate_impl, context=c), donate_argnums=(1,),
-                                     in_shardings=(self.params_shardings, self.state_shardings, replicated),
-                                     out_shardings=(self.state_shardings, None))
-                          for c in model.context_buckets}
+        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
+                                 in_shardings=(self.params_shardings, self.state_shardings, replicated),
+                                 out_shardings=(self.state_shardings, None))
         self._free = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=self.state_shardings)
         self._set_mask = jax.jit(self._set_mask_impl, donate_argnums=(0,), out_shardings=self.state_shardings)
         self._resample = jax.jit(self._resample_impl)
         # Compiled on first use per bucket (prompt logprobs are rare; compile_all stays as fast as before).
         self._score = jax.jit(model.prompt_logprobs, static_argnums=(2,))
-        self._extend = {c: jax.jit(functools.partial(self._extend_impl, context=c), donate_argnums=(1,),
-                                   in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 5,
-                                   out_shardings=self.state_shardings) for c in model.context_buckets}
-        self._extend_last = {c: jax.jit(functools.partial(self._extend_last_impl, context=c), donate_argnums=(1,),
-                                        in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 9,
-                                        out_shardings=(self.state_shardings, None)) for c in model.context_buckets}
+        self._extend = jax.jit(self._extend_impl, donate_argnums=(1,),
+                               in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 5,
+                               out_shardings=self.state_shardings)
+        self._extend_last = jax.jit(self._extend_last_impl, donate_argnums=(1,),
+                                    in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 9,
+                                    out_shardings=(self.state_shardings, None))
 
     def _reset_host(self) -> None:
         """The host's view of the slots: every block free, nothing cached, no slot live."""
@@ -280,15 +278,13 @@ class Engine:
             controls=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.controls, prefix.controls),
             history=jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.history, prefix.history))
 
-    def _generate_impl(self, params: Any, state: DecodeState, tables: jax.Array, *,
-                       context: int) -> tuple[DecodeState, SampleResult]:
+    def _generate_impl(self, params: Any, state: DecodeState, tables: jax.Array) -> tuple[DecodeState, SampleResult]:
         active = state.sampling.active  # [B]
         tile = self.row_tile
         # Tiles up to the last one holding an active slot; the ones after it are skipped on the device.
         last = jnp.max(jnp.where(active, jnp.arange(self.slots, dtype=jnp.int32), -1))
         tiles = None if tile == self.slots else (last + tile) // tile
-        logits, memory = self.model.decode(params, state.tokens, state.memory, tables, active, tile, tiles,
-                                           context)  # [B, V]
+        logits, memory = self.model.decode(params, state.tokens, state.memory, tables, active, tile, tiles)  # [B, V]
         rest, draw = split_keys(state.keys)
         result = sample_tokens(draw, logits, state.sampling, state.controls, state.history)
         # A free slot keeps its token and key (a later insert overwrites them).
@@ -298,15 +294,15 @@ class Engine:
         return DecodeState(memory, tokens, keys, state.sampling, state.controls, history), result
 
     def _extend_impl(self, params: Any, state: DecodeState, tokens: jax.Array, table: jax.Array, slot: jax.Array,
-                     start: jax.Array, last: jax.Array, *, context: int) -> DecodeState:
+                     start: jax.Array, last: jax.Array) -> DecodeState:
         # tokens [1, C]; the slot stays inactive (decode steps skip it) until its last chunk
-        _, memory = self.model.extend(params, tokens, state.memory, table, slot, start, last, context)
+        _, memory = self.model.extend(params, tokens, state.memory, table, slot, start, last)
         return state._replace(memory=memory)
 
     def _extend_last_impl(self, params: Any, state: DecodeState, tokens: jax.Array, table: jax.Array,
                           slot: jax.Array, start: jax.Array, last: jax.Array, seed: jax.Array, one: SamplingParams,
-                          controls: Controls, prompt: jax.Array, *, context: int) -> tuple[DecodeState, SampleResult]:
-        logits, memory = self.model.extend(params, tokens, state.memory, table, slot, start, last, context)  # [1, V]
+                          controls: Controls, prompt: jax.Array) -> tuple[DecodeState, SampleResult]:
+        logits, memory = self.model.extend(params, tokens, state.memory, table, slot, start, last)  # [1, V]
         rest, draw = split_key(seed_key(seed))
         history = History(prompt, jnp.zeros(prompt.shape, jnp.int32))
         result = sample_tokens(draw[None], logits, one, controls, history)
@@ -413,14 +409,13 @@ class Engine:
         c, start = self.prefill_chunk, job.next_start
         chunk = job.tokens[None, start:start + c]
         job.next_start += c
-        context = self.model.context_for(start + c)
         table = self.kv.table()[job.slot]
         if job.next_start < job.length:
-            state = self._extend[context](self.params, state, chunk, table, np.int32(job.slot), np.int32(start),
+            state = self._extend(self.params, state, chunk, table, np.int32(job.slot), np.int32(start),
                                           np.int32(c - 1))
             self.kv.register(job.slot, job.tokens[:job.length].tolist(), job.next_start)
             return state, None
-        state, result = self._extend_last[context](self.params, state, chunk, table, np.int32(job.slot),
+        state, result = self._extend_last(self.params, state, chunk, table, np.int32(job.slot),
                                                    np.int32(start), np.int32(job.length - 1 - start),
                                                    np.uint32(job.seed), *self.device_rows(job.sampling),
                                                    prompt_mask(job.tokens[:job.length], self.vocab_size))
@@ -452,8 +447,7 @@ class Engine:
         live = [s for s in range(self.slots) if self._live[s]]
         for slot in live:
             self._claim(lambda slot=slot: self.kv.grow(slot, self._next_len(slot)))
-        context = self.model.context_for(max((self._next_len(s) for s in live), default=1))
-        state, result = self._generate[context](self.params, state, self.kv.table())
+        state, result = self._generate(self.params, state, self.kv.table())
         for slot in live:
             self._positions[slot] = self._next_len(slot)
         return state, PendingStep(result)
@@ -480,8 +474,8 @@ class Engine:
             raise SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, f"KV memory is full: {e}; retry later") from e
 
     def compile_all(self) -> dict[str, float]:
-        """Compile (by running) every bucket's prefill, insert and resample, the decode step and the prefill chunks
-        for every context bucket, and free_slot. Leaves every block free (init_decode_state starts afresh).
+        """Compile (by running) every bucket's prefill, insert and resample, the prefill chunks, the decode step and
+        free_slot. Leaves every block free (init_decode_state starts afresh).
 
         Returns seconds per program; with a warm persistent compilation cache these are loads.
         """
@@ -499,15 +493,14 @@ class Engine:
             start = time.monotonic()
             self.resample(prefix, seed=1)  # n > 1 draws its other first tokens with it
             timings[f"resample_{bucket}"] = time.monotonic() - start
-        for context in self.model.context_buckets:  # steps and prefill chunks read keys up to each of these
+        if self.prefill_chunk:
             start = time.monotonic()
-            state, pending = self._run_generate(state, context)
-            pending.get()
-            timings[f"generate_{context}"] = time.monotonic() - start
-            if self.prefill_chunk and self.prefill_chunk <= context:
-                start = time.monotonic()
-                state = self._compile_extend(state, context)
-                timings[f"prefill_chunk_{context}"] = time.monotonic() - start
+            state = self._compile_extend(state)
+            timings["prefill_chunks"] = time.monotonic() - start
+        start = time.monotonic()
+        state, pending = self.generate(state)
+        pending.get()
+        timings["generate"] = time.monotonic() - start
         start = time.monotonic()
         jax.block_until_ready(self.free_slot(state, 0))
         timings["free_slot"] = time.monotonic() - start
@@ -515,18 +508,13 @@ class Engine:
         self._reset_host()
         return timings
 
-    def _run_generate(self, state: DecodeState, context: int) -> tuple[DecodeState, PendingStep]:
-        """A decode step reading keys up to `context` (compile_all: every bucket, whatever the slots hold)."""
-        state, result = self._generate[context](self.params, state, self.kv.table())
-        return state, PendingStep(result)
-
-    def _compile_extend(self, state: DecodeState, context: int) -> DecodeState:
-        """Run a first and a last prefill chunk into slot 1's table (or 0's) reading keys up to `context`."""
+    def _compile_extend(self, state: DecodeState) -> DecodeState:
+        """Run a first and a last prefill chunk into an empty table (its writes land in the scratch block)."""
         c, slot = self.prefill_chunk, min(1, self.slots - 1)
         tokens = np.full((1, c), self.eos_id, np.int32)
         table = self.kv.table()[slot]
-        state = self._extend[context](self.params, state, tokens, table, np.int32(slot), np.int32(0), np.int32(c - 1))
-        state, result = self._extend_last[context](self.params, state, tokens, table, np.int32(slot), np.int32(0),
+        state = self._extend(self.params, state, tokens, table, np.int32(slot), np.int32(0), np.int32(c - 1))
+        state, result = self._extend_last(self.params, state, tokens, table, np.int32(slot), np.int32(0),
                                                    np.int32(c - 1), np.uint32(0), *self.device_rows(COMPILE_SETTINGS),
                                                    prompt_mask(tokens[0], self.vocab_size))
         jax.block_until_ready(result)

@@ -88,7 +88,7 @@ class KVBlocks:
         return tuple(self._tables[slot])
 
     def usage(self) -> KVUsage:
-        used = sum(1 for r in self._refs if r > 0)
+        used = self.num_blocks - len(self._free) - len(self._evictable)
         return KVUsage(self.num_blocks, used, len(self._evictable), len(self._free), self.queries, self.hits)
 
     def table(self) -> np.ndarray:

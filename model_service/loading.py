@@ -31,7 +31,11 @@ class ServerConfig:
     port: int = 50053
     dtype: str = "float32"
     mesh: MeshConfig = MeshConfig()
-    slots: int = 8
+    slots: int = 8  # the most sequences decoded at once
+    kv_tokens: int | None = None  # KV pool size in tokens (None: slots full contexts)
+    kv_memory: int | None = None  # or in bytes
+    block_size: int = 16  # tokens per KV block
+    prefix_caching: bool = True
     row_tile: int | None = None  # decode rows per tile; None: the engine's choice for the platform
     products: str = "auto"  # auto | native | xla: how token rows meet the weights (model.choose_products)
     prefill_chunk: int = 64  # longer prompts are prefilled this many tokens per decode step; 0: at once
@@ -67,6 +71,11 @@ def resolve(config: ServerConfig) -> tuple[ModelConfig, tuple[int, ...]]:
                          "to serve random weights deliberately")
     model_cfg = load_model_config(config.config)
     validate(model_cfg, config.mesh)
+    if config.kv_tokens is not None and config.kv_memory is not None:
+        raise ValueError("give the KV pool size once: --kv-tokens or --kv-memory, not both")
+    if config.prefill_chunk % config.block_size:
+        raise ValueError(f"--prefill-chunk ({config.prefill_chunk}) must be a multiple of --block-size "
+                         f"({config.block_size})")
     if config.row_tile and config.slots % min(config.row_tile, config.slots):
         raise ValueError(f"--slots ({config.slots}) must be a multiple of --row-tile ({config.row_tile})")
     buckets = config.buckets or default_buckets(model_cfg.sequence_len)
@@ -103,7 +112,7 @@ def load_engine(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...]
     mesh = make_mesh(config.mesh, between_hosts=between)
     read_before = _bytes_read()
     dtype = jnp.dtype(config.dtype)
-    model = GrokModel(cfg, mesh, dtype, choose_products(config.products, mesh, dtype))
+    model = GrokModel(cfg, mesh, dtype, choose_products(config.products, mesh, dtype), block_size=config.block_size)
     pack = model.products is Products.NATIVE  # matrices packed for the kernel as they load
     log.info("products", extra={"requested": config.products, "using": model.products.value})
     start = time.monotonic()
@@ -114,7 +123,22 @@ def load_engine(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...]
         params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed, pack=pack)
     log.info("weights ready", extra={"seconds": round(time.monotonic() - start, 2), "process_id": jax.process_index(),
                                      "bytes_read": _bytes_read() - read_before})
-    return Engine(model, params, cfg, mesh, config.slots, buckets, config.row_tile, config.prefill_chunk)
+    blocks = kv_blocks(config, cfg, dtype.itemsize)
+    log.info("kv memory", extra={"blocks": blocks, "block_size": config.block_size,
+                                 "tokens": None if blocks is None else blocks * config.block_size})
+    return Engine(model, params, cfg, mesh, config.slots, buckets, config.row_tile, config.prefill_chunk,
+                  kv_blocks=blocks, prefix_caching=config.prefix_caching)
+
+
+def kv_blocks(config: ServerConfig, cfg: ModelConfig, itemsize: int) -> int | None:
+    """The pool's blocks from --kv-tokens or --kv-memory (None: the engine's default, every slot a full context)."""
+    if config.kv_tokens is not None:
+        return -(-config.kv_tokens // config.block_size)
+    if config.kv_memory is not None:
+        t = cfg.model
+        per_token = t.num_layers * 2 * t.num_kv_heads * t.key_size * itemsize  # keys and values, every layer
+        return config.kv_memory // (per_token * config.block_size)
+    return None
 
 
 def _bytes_read() -> int:

@@ -24,6 +24,12 @@ class SchedulerMetrics:
     def observe_step(self, seconds: float) -> None: ...
     def add_tokens(self, n: int) -> None: ...
     def finished(self, reason: FinishReason) -> None: ...
+    def observe_kv(self, usage: Any) -> None:
+        """The KV pool's occupancy and prefix-cache counters (kv_blocks.KVUsage), after a step."""
+
+    def preempted(self) -> None:
+        """A running request was preempted (KV pool full); it is recomputed when readmitted."""
+
     def observe_reclaim(self, reason: str, seconds: float, steps: int | None) -> None:
         """A cancelled or expired request's slot was freed `seconds` after the cancel/deadline, after
         `steps` more decode steps (None when not counted)."""
@@ -51,6 +57,7 @@ class Running:
         self.prefill_seconds = 0.0
         self.step_seconds = 0.0
         self.steps = 0
+        self.skip = 0  # tokens already delivered before a preemption: recomputed, not emitted again
         self.guide: Any = None  # structured output: this sample's grammar position (structured.Guide)
         self.base_mask: Any = None  # [V] bool, the request's allowed/blocked/pad mask that a guide's mask is ANDed with
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from model_service.kv_blocks import KVUsage
 from model_service.loop_state import SchedulerMetrics
 from model_service.requests import FinishReason
 from serving_common.metrics_server import serve_metrics
@@ -38,6 +39,17 @@ class Metrics(SchedulerMetrics):
         self.steps_after_cancel = Histogram("grok_model_steps_after_cancel", "Decode steps run for a request "
                                             "after it was cancelled, before its slot was freed",
                                             buckets=(0, 1, 2, 4, 8, 16, 64), registry=r)
+        self.kv_blocks = Gauge("grok_model_kv_blocks", "KV pool blocks by state: used (held by running sequences), "
+                               "cached (kept for prefix reuse, evictable) or free", ["state"], registry=r)
+        self.kv_usage = Gauge("grok_model_kv_cache_usage_perc", "Fraction of KV pool blocks held by running "
+                              "sequences (vLLM's kv_cache_usage_perc)", registry=r)
+        self.preemptions = Counter("grok_model_num_preemptions", "Running requests preempted because the KV pool "
+                                   "ran out of blocks (recomputed later)", registry=r)
+        self.prefix_queries = Counter("grok_model_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache", registry=r)
+        self.prefix_hits = Counter("grok_model_prefix_cache_hits", "Prompt tokens served from the prefix cache",
+                                   registry=r)
+        self._prefix_seen = (0, 0)
 
     def set_active(self, n: int) -> None:
         self.active_slots.set(n)
@@ -61,6 +73,20 @@ class Metrics(SchedulerMetrics):
         self.reclaim_seconds.labels(reason=reason).observe(max(seconds, 0.0))
         if steps is not None:
             self.steps_after_cancel.observe(steps)
+
+    def observe_kv(self, usage: KVUsage | None) -> None:
+        if usage is None:
+            return
+        for state, n in (("used", usage.used), ("cached", usage.cached), ("free", usage.free)):
+            self.kv_blocks.labels(state=state).set(n)
+        self.kv_usage.set(usage.used / usage.total if usage.total else 0.0)
+        queries, hits = self._prefix_seen
+        self.prefix_queries.inc(max(0, usage.queries - queries))
+        self.prefix_hits.inc(max(0, usage.hits - hits))
+        self._prefix_seen = (usage.queries, usage.hits)
+
+    def preempted(self) -> None:
+        self.preemptions.inc()
 
     def rpc_done(self, code_name: str) -> None:
         self.status_codes.labels(code=code_name).inc()

@@ -9,7 +9,8 @@ Policy, between two decode steps:
   - requests that were cancelled or passed their deadline end first: a decoding slot is freed (the
     engine clears it), a slot still being prefilled in chunks is returned, a waiting request leaves the queue;
   - waiting requests are admitted in queue order into the lowest free slots (so busy slots stay in the
-    fewest decode tiles); a request of n samples waits for n free slots and nothing overtakes it;
+    fewest decode tiles); a request of n samples waits for n free slots, and every request for the KV
+    blocks its prompt takes; nothing overtakes the head of the queue;
   - with nothing decoding, as many as fit are admitted; while requests decode, at most `prefills_per_step`
     (default: all slots) and only until the admitted prompts' token cost reaches `prefill_token_budget`
     (at least one), so running streams are never starved;
@@ -37,6 +38,7 @@ class Waiting:
     cost: int  # prompt tokens it counts against the per-step budget (its bucket, or one chunk)
     chunked: bool  # prefilled chunk by chunk straight into its slot
     ended: bool = False  # cancelled or past its deadline
+    blocks: int = 0  # KV blocks its prompt takes
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class View:
     free: frozenset[int]
     decoding: tuple[Occupant, ...]
     prefilling: tuple[Occupant, ...]  # in the order their chunked prefills began
+    free_blocks: int | None = None  # KV blocks free or evictable (None: not limited)
 
 
 @dataclass(frozen=True)
@@ -96,20 +99,24 @@ def schedule(view: View, policy: Policy) -> StepPlan:
     end_waiting = tuple(w for w in view.waiting if w.ended)
     free = set(view.free) | {o.slot for o in end_decoding + end_prefilling}
     decoding = len(view.decoding) > len(end_decoding)
-    admit = _admit([w for w in view.waiting if not w.ended], free, decoding, policy)
+    admit = _admit([w for w in view.waiting if not w.ended], free, decoding, policy, view.free_blocks)
     chunk = tuple(o.slot for o in view.prefilling if not o.ended) + tuple(a.slots[0] for a in admit if a.chunked)
     return StepPlan(end_decoding, end_prefilling, end_waiting, admit, chunk)
 
 
-def _admit(queue: list[Waiting], free: set[int], decoding: bool, policy: Policy) -> tuple[Admit, ...]:
+def _admit(queue: list[Waiting], free: set[int], decoding: bool, policy: Policy,
+           blocks: int | None) -> tuple[Admit, ...]:
     limit = policy.prefills_per_step or policy.slots
     admitted: list[Admit] = []
     tokens = 0
     for w in queue:
         if decoding and (len(admitted) >= limit or (admitted and tokens >= policy.prefill_token_budget)):
             break
-        if len(free) < w.samples:  # the head waits for enough slots; the queue stays in order
+        # The head waits for enough slots and KV blocks; the queue stays in order.
+        if len(free) < w.samples or (blocks is not None and w.blocks > blocks):
             break
+        if blocks is not None:
+            blocks -= w.blocks
         slots = tuple(sorted(free)[:w.samples])
         free.difference_update(slots)
         admitted.append(Admit(w.ref, slots, w.chunked))

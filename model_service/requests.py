@@ -110,6 +110,10 @@ class RequestHandle:
         self.cancel_step = 0  # the scheduler's step count when cancel() was called
         self._open = request.n  # samples not finished yet
         self.grammar: Any = None  # the constraint compiled by the scheduler at submit (structured.Compiled)
+        # Kept across a preemption, so the recomputed request draws the same tokens and delivers none twice:
+        self.seed: int | None = None  # the seed its first admission drew with
+        self.delivered: dict[int, list[int]] = {}  # sample index -> token ids delivered so far
+        self.finished_samples: set[int] = set()
 
     def cancel(self) -> None:
         """Leave the waiting queue at once, or free the slot at the next step boundary (no-op once done)."""

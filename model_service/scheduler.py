@@ -7,7 +7,10 @@ engine; then it dispatches one `Engine.generate` step for all slots and, while t
 hands each request its token from the previous step through the request's `emit` callback (JetStream's
 overlap of host work with the next step), freeing a slot as soon as its request is done (EOS,
 max_tokens, full context) or failed. A step already in flight for a slot whose request ended is
-discarded. The scheduler knows only the engine's interface (engine_api.EngineLike); it never touches
+discarded. Requests are admitted only when the KV pool has blocks for their prompts; when a step would
+need more blocks than are left, the youngest running request is preempted (its blocks freed, itself put
+back at the head of the queue) and later recomputed with the seed it first drew with: by batch
+invariance it draws the same tokens again, and the ones already delivered are not delivered twice. The scheduler knows only the engine's interface (engine_api.EngineLike); it never touches
 JAX, so a fake engine can drive it in tests.
 """
 
@@ -113,6 +116,11 @@ class Scheduler:
     def validate(self, request: GenerationRequest) -> None:
         """Raise INVALID_ARGUMENT for anything the engine could not serve as asked."""
         validate(request, self.engine)
+        need, pool = self.engine.blocks_needed(len(request.prompt), request.n), self.engine.num_blocks
+        if need > pool:
+            raise SchedulerError(ErrorKind.INVALID_ARGUMENT, f"n: {request.n} samples of a {len(request.prompt)}-token "
+                                 f"prompt take {need} KV blocks and the pool has {pool}: ask for fewer samples or "
+                                 "a shorter prompt")
 
     def heartbeat(self) -> Heartbeat:
         with self._cond:
@@ -184,7 +192,7 @@ class Scheduler:
                         tuple(Occupant(s, id(a.handle), a.handle.abandoned(now) is not None)
                               for s, a in self._active.items()),
                         tuple(Occupant(s, id(p.run.handle), p.run.handle.abandoned(now) is not None)
-                              for s, p in self._prefilling.items()))
+                              for s, p in self._prefilling.items()), self.engine.free_blocks())
             plan = schedule(view, self.policy)
             gone = plan.admitted | {w.ref for w in plan.end_waiting}
             self._queue = collections.deque(h for h in self._queue if id(h) not in gone)
@@ -202,7 +210,8 @@ class Scheduler:
         one_pass = req.n > 1 or req.prompt_logprobs is not None
         chunked = not one_pass and self.engine.chunked(len(req.prompt)) and self.engine.pad_id not in req.prompt
         cost = self.engine.prefill_chunk if chunked else self.engine.bucket_for(len(req.prompt))
-        return Waiting(id(handle), req.n, cost, chunked, handle.abandoned(now) is not None)
+        return Waiting(id(handle), req.n, cost, chunked, handle.abandoned(now) is not None,
+                       self.engine.blocks_needed(len(req.prompt), req.n))
 
     # ---- decode thread: carrying out the plan -----------------------------------------------
     def _carry_out(self, planned: tuple[StepPlan, dict[int, RequestHandle], float]) -> None:
@@ -245,7 +254,7 @@ class Scheduler:
     def _prefill(self, handle: RequestHandle, slots: list[int]) -> None:
         """One prefill for the request; each of its samples draws its own first token from it into its slot."""
         req = handle.request
-        seed = req.seed if req.seed is not None else secrets.randbits(32)
+        seed = self._seed(handle)
         admitted = time.monotonic()
         try:
             prefix, out = self.engine.prefill(req.prompt, self.guidance.first_sampling(handle), seed=seed,
@@ -262,9 +271,13 @@ class Scheduler:
         self._beat = time.monotonic()
         self.metrics.observe_prefill(prefill_seconds)
         for index, (slot, (sample, first)) in enumerate(zip(slots, samples)):
+            if index in handle.finished_samples:  # finished before a preemption
+                self._return_slot(slot)
+                continue
             act = self.guidance.attach(handle, Running(handle, (seed + index) % 2**32, admitted, index))
             act.prefill_seconds = prefill_seconds
-            scored = prompt_out(req, out) if index == 0 else None
+            act.skip = len(handle.delivered.get(index, ()))
+            scored = prompt_out(req, out) if index == 0 and not act.skip else None
             if handle.done.is_set() or self._deliver(act, first, 0, scored):
                 self._return_slot(slot)
                 continue
@@ -275,14 +288,24 @@ class Scheduler:
 
     def _begin_chunked(self, handle: RequestHandle, slot: int) -> None:
         req = handle.request
-        seed = req.seed if req.seed is not None else secrets.randbits(32)
+        seed = self._seed(handle)
         try:
             job = self.engine.begin_prefill(req.prompt, self.guidance.first_sampling(handle), slot=slot, seed=seed)
         except Exception as e:
             self._prefill_failed(handle, e)
             self._return_slot(slot)
             return
-        self._prefilling[slot] = Prefilling(self.guidance.attach(handle, Running(handle, seed, time.monotonic())), job)
+        run = self.guidance.attach(handle, Running(handle, seed, time.monotonic()))
+        run.skip = len(handle.delivered.get(0, ()))
+        self._prefilling[slot] = Prefilling(run, job)
+
+    @staticmethod
+    def _seed(handle: RequestHandle) -> int:
+        """The request's seed; one drawn at random is kept, so a preempted request draws the same tokens again."""
+        if handle.seed is None:
+            req = handle.request
+            handle.seed = req.seed if req.seed is not None else secrets.randbits(32)
+        return handle.seed
 
     def _prefill_failed(self, handle: RequestHandle, error: Exception) -> None:
         rid = handle.request.request_id
@@ -326,15 +349,39 @@ class Scheduler:
             if any(act.guide is not None for act in self._active.values()):
                 self._finish_in_flight()
                 self._set_masks()
-                if not self._active:
-                    return
+            self._make_room()
+            if not self._active:
+                self._finish_in_flight()
+                return
             self._state, pending = self.engine.generate(self._state)
+            self.metrics.observe_kv(self.engine.kv_usage())
         except Exception as e:
             self._step_failed(e)
             return
         previous, self._in_flight = self._in_flight, InFlight(pending, dict(self._active), time.monotonic())
         if previous is not None:
             self._deliver_step(previous)
+
+    def _make_room(self) -> None:
+        """Preempt the youngest running requests until the next step's new KV blocks fit; a request that cannot
+        fit even alone (its samples at this length) ends with RESOURCE_EXHAUSTED."""
+        while self._active and self.engine.blocks_short() > 0:
+            youngest = max(self._active.values(), key=lambda a: (a.admitted_at, a.index)).handle
+            slots = [slot for slot, act in self._active.items() if act.handle is youngest]
+            alone = len(slots) == len(self._active)
+            for slot in slots:
+                self._release(slot)
+            if alone:
+                act_error = SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, "the KV memory cannot hold this request's "
+                                           f"{youngest.request.n} samples at this length; ask for fewer samples or "
+                                           "tokens, or start the service with more --kv-tokens")
+                youngest.fail(act_error, sum(len(t) for t in youngest.delivered.values()))
+                continue
+            log.info("preempted", extra={"request_id": youngest.request.request_id})
+            self.metrics.preempted()
+            with self._cond:
+                self._queue.appendleft(youngest)
+                self.metrics.set_queued(len(self._queue))
 
     def _set_masks(self) -> None:
         """Each constrained slot's mask for the next step; a request whose grammar failed ends with its error."""
@@ -371,7 +418,12 @@ class Scheduler:
     def _step_failed(self, error: Exception) -> None:
         log.exception("decode step failed")
         self._in_flight = None
-        self._fail_active(_engine_error(error, "decode step failed; retry"))
+        failure = _engine_error(error, "decode step failed; retry")
+        self._fail_active(failure)
+        for slot, job in list(self._prefilling.items()):  # a fresh state holds none of their chunks
+            job.run.handle.emit(Emission((), 0, len(job.run.handle.request.prompt), error=failure))
+            del self._prefilling[slot]
+            self._return_slot(slot)
         self._state = self.engine.init_decode_state()
 
     def _deliver(self, act: Running, out: StepOutputLike, row: int, prompt: tuple[TokenOut, ...] | None = None) -> bool:
@@ -385,6 +437,9 @@ class Scheduler:
             return True
         token = token_out(out, row, req.sampling.top_logprobs)
         act.generated += 1
+        if act.generated <= act.skip:  # recomputing after a preemption: delivered before
+            return self._replayed(act, token.id)
+        act.handle.delivered.setdefault(act.index, []).append(token.id)
         self.metrics.add_tokens(1)
         reason = finish_reason(req, act.generated, token.id, self.engine.eos_id, self.engine.sequence_len)
         if act.guide is not None:
@@ -399,7 +454,23 @@ class Scheduler:
                                  timings=act.timings() if first_or_last else None, index=act.index, prompt=prompt))
         if reason is not None:
             self.metrics.finished(reason)
+            act.handle.finished_samples.add(act.index)
         return reason is not None
+
+    def _replayed(self, act: Running, token: int) -> bool:
+        """A token recomputed after a preemption: the grammar moves on, nothing is delivered. It must be the one
+        delivered before (batch invariance); if not, the request fails rather than contradict itself."""
+        expected = act.handle.delivered[act.index][act.generated - 1]
+        if token != expected:
+            req = act.handle.request
+            log.error("recomputed token differs", extra={"request_id": req.request_id, "expected": expected,
+                                                          "got": token})
+            act.handle.emit(Emission((), act.skip, len(req.prompt), error=SchedulerError(
+                ErrorKind.INTERNAL, f"request {req.request_id} could not be resumed after a preemption; retry")))
+            return True
+        if act.guide is not None:
+            self.guidance.advance(act, token)
+        return False
 
     def _release(self, slot: int, free: bool = True) -> None:
         self._state = self.engine.free_slot(self._state, slot)

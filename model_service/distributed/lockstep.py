@@ -179,6 +179,19 @@ class LockstepEngine:
     def chunked(self, length: int) -> bool:
         return bool(self._engine.chunked(length))
 
+    # Reads of the host's block tables, which every process keeps identical by running the same calls.
+    def blocks_needed(self, prompt_len: int, samples: int = 1) -> int:
+        return int(self._engine.blocks_needed(prompt_len, samples))
+
+    def free_blocks(self) -> int:
+        return int(self._engine.free_blocks())
+
+    def blocks_short(self) -> int:
+        return int(self._engine.blocks_short())
+
+    def kv_usage(self) -> Any:
+        return self._engine.kv_usage()
+
     def prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, seed: int,
                 prompt_logprobs: int | None = None) -> tuple[PrefixRef, Any]:
         return self._with_new_id(lambda i: Call(Op.PREFILL, prefix=i, prompt=tuple(int(t) for t in tokens),

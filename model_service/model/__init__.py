@@ -31,18 +31,8 @@ __all__ = ["GrokModel", "KVMemory", "Memory", "Params", "Products", "QuantizedWe
 Array = jax.Array
 PRODUCT_CHOICES = ("auto", "native", "xla")
 BLOCK_SIZE = 16  # positions per KV block
-KEY_CHUNK = 128  # positions per attention chunk (a multiple of the block size)
+KEY_CHUNK = 128  # key positions per attention chunk (a multiple of the block size)
 
-
-def context_buckets(sequence_len: int, chunk: int) -> tuple[int, ...]:
-    """The lengths a step may read keys up to: chunk * 2, * 4, ... and the first that covers the context."""
-    top = -(-sequence_len // chunk) * chunk
-    out, length = [], min(2 * chunk, top)
-    while length < top:
-        out.append(length)
-        length *= 2
-    return tuple(out) + (top,)
-log = logging.getLogger(__name__)
 
 
 def default_products(mesh: Mesh) -> Products:
@@ -89,10 +79,9 @@ class GrokModel:
         self.dtype = jnp.dtype(dtype)
         self.products = products or choose_products("auto", mesh, self.dtype)
         self.block_size = block_size
-        # Keys are attended in chunks of key_chunk positions; a step reads the blocks up to one of these lengths.
+        # Keys are read in chunks of key_chunk positions, only as many as the longest sequence in a step holds.
         self.key_chunk = min(key_chunk, -(-cfg.sequence_len // block_size) * block_size)
-        self.context_buckets = context_buckets(cfg.sequence_len, self.key_chunk)
-        self.table_len = self.context_buckets[-1] // block_size  # block-table entries per slot
+        self.table_len = -(-cfg.sequence_len // self.key_chunk) * self.key_chunk // block_size  # entries per slot
         self._net = hk.without_apply_rng(hk.transform(functools.partial(forward, cfg, mesh, self.dtype)))
         self._scorer = hk.without_apply_rng(hk.transform(functools.partial(prompt_logprobs, cfg, mesh, self.dtype)))
 
@@ -132,10 +121,6 @@ class GrokModel:
         tables[:, :per] = np.arange(slots * per, dtype=np.int32).reshape(slots, per)
         return tables
 
-    def context_for(self, length: int) -> int:
-        """The smallest context bucket holding `length` positions."""
-        return next(c for c in self.context_buckets if c >= length)
-
     def prefill(self, params: Params, tokens: Array, length: Array) -> tuple[Array, Memory]:
         """tokens [N, T] int32, each row padded after its `length` [N] -> (logits [N, V] float32 at each row's
         length-1, a prefix Memory of N rows).
@@ -161,17 +146,16 @@ class GrokModel:
         return logits, Memory(caches, length)
 
     def decode(self, params: Params, tokens: Array, memory: Memory, tables: Array | None = None,
-               active: Array | None = None, tile: int | None = None, tiles_to_run: Array | None = None,
-               context: int | None = None) -> tuple[Array, Memory]:
+               active: Array | None = None, tile: int | None = None,
+               tiles_to_run: Array | None = None) -> tuple[Array, Memory]:
         """tokens [R] int32 for the first R slots of `memory` (R <= its slots) -> (logits [R, V] float32, memory
         with those R slots advanced by one; the other slots untouched).
 
-        `tables` [R or more, table_len] are the slots' block tables (default: dense_tables); keys are read up
-        to `context` positions (static, a context bucket; default the whole table), which must cover every
-        active slot's position. The rows run in tiles of `tile` (default R) rows, one after another, each
-        through the same computation: a row's bits depend only on the tile size, never on how many tiles run,
-        the context read, or what the other rows hold (batch invariance by construction), while one tile
-        streams each weight once for all its rows. `active` [R] bool marks the slots whose outputs are used;
+        `tables` [R or more, table_len] are the slots' block tables (default: dense_tables); a tile reads keys
+        only from the chunks its longest sequence fills (layers.paged_attention). The rows run in tiles of
+        `tile` (default R) rows, one after another, each through the same computation: a row's bits depend
+        only on the tile size, never on how many tiles or key chunks run or what the other rows hold (batch
+        invariance by construction), while one tile streams each weight once for all its rows. `active` [R] bool marks the slots whose outputs are used;
         inactive slots write nothing and never make an expert run (their logits are then meaningless).
         `tiles_to_run` [] int32 (traced) runs only the first tiles (the rest of the rows get zero logits and
         keep their memory): idle tiles then cost nothing, with one compiled program for any number of requests.
@@ -182,7 +166,7 @@ class GrokModel:
             raise ValueError(f"decode of {r} rows in tiles of {tile} over a memory of {memory.positions.shape[0]} slots")
         if tables is None:
             tables = self.dense_tables(memory.positions.shape[0])
-        tables = jnp.asarray(tables)[:, :(context or self.context_buckets[-1]) // self.block_size]
+        tables = jnp.asarray(tables)
         if active is None:
             active = jnp.ones((r,), bool)
         if r == tile and tiles_to_run is None:
@@ -204,34 +188,30 @@ class GrokModel:
         return logits, memory
 
     def extend(self, params: Params, tokens: Array, memory: Memory, table: Array, slot: Array, start: Array,
-               last: Array, context: int | None = None) -> tuple[Array, Memory]:
+               last: Array) -> tuple[Array, Memory]:
         """A prefill chunk: tokens [1, C] (C a multiple of the block size) at positions start .. start + C - 1 of
         `slot` (start a multiple of C), written into the blocks its `table` [table_len] lists there, attending
-        to what those blocks hold before `start` (the prompt's earlier chunks, or a cached prefix) up to
-        `context` positions (static, covering start + C). Returns logits [1, V] at chunk row `last` and the
-        memory with the slot's position at start + last + 1."""
+        to what those blocks hold before `start` (the prompt's earlier chunks, or a cached prefix). Returns
+        logits [1, V] at chunk row `last` and the memory with the slot's position at start + last + 1."""
         c, bs = tokens.shape[1], self.block_size
-        context = context or self.context_buckets[-1]
-        positions = (start + jnp.arange(c, dtype=jnp.int32))[None, :]  # [1, C]
-        mask = (jnp.arange(context, dtype=jnp.int32)[None, :] <= positions[0][:, None])[None]  # [1, C, L], causal
+        positions = (start + jnp.arange(c, dtype=jnp.int32))[None, :]  # [1, C]; causal: each sees keys up to itself
         blocks = jax.lax.dynamic_slice_in_dim(table, start // bs, c // bs)
-        step = Step(positions, mask, memory.layers, blocks, None, self.products, slot, None,
-                    table[None, :context // bs], self.key_chunk)
+        step = Step(positions, None, memory.layers, blocks, None, self.products, slot, None, table[None], positions,
+                    self.key_chunk)
         logits, caches = self._net.apply(params, tokens, step, jnp.reshape(last, (1,)))
         return logits, Memory(caches, memory.positions.at[slot].set(start + last + 1))
 
     def _decode_tile(self, params: Params, tokens: Array, memory: Memory, tables: Array, active: Array,
                      start: Array | int) -> tuple[Array, Memory]:
-        """One tile: tokens/active [T] and tables [T, L / block] for memory slots start .. start + T - 1."""
+        """One tile: tokens/active [T] and tables [T, table_len] for memory slots start .. start + T - 1."""
         t, s, bs = tokens.shape[0], self.cfg.sequence_len, self.block_size
         scratch = memory.layers[0].k.shape[0] - 1
         positions = jax.lax.dynamic_slice_in_dim(memory.positions, start, t)
         write = jnp.minimum(positions, s - 1)  # a finished slot never writes past the context
         index = jnp.minimum(write // bs, tables.shape[1] - 1)[:, None]
         blocks = jnp.where(active, jnp.take_along_axis(tables, index, axis=1)[:, 0], scratch)  # idle rows: scratch
-        mask = (jnp.arange(tables.shape[1] * bs, dtype=jnp.int32)[None, :] <= write[:, None])[:, None, :]  # [T, 1, L]
-        step = Step(write[:, None], mask, memory.layers, blocks, active, self.products, start, write % bs, tables,
-                    self.key_chunk)
+        step = Step(write[:, None], None, memory.layers, blocks, active, self.products, start, write % bs, tables,
+                    write[:, None], self.key_chunk)
         logits, caches = self._net.apply(params, tokens[:, None], step, jnp.zeros_like(write))
         advanced = jax.lax.dynamic_update_slice_in_dim(memory.positions, jnp.minimum(positions + 1, s), start, axis=0)
         return logits, Memory(caches, advanced)

@@ -172,33 +172,50 @@ def attention(q: Array, k: Array, v: Array, mask: Array, multiplier: float) -> A
     return out.reshape(b, t, hq * d)
 
 
-def chunked_attention(q: Array, k: Array, v: Array, mask: Array, multiplier: float, chunk: int) -> Array:
-    """`attention` over keys in fixed chunks of `chunk` positions, summed chunk after chunk in order.
+def paged_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, limit: Array, multiplier: float,
+                    chunk: int) -> Array:
+    """`attention` over keys held in a block pool, one fixed-size chunk of positions at a time.
 
-    q [B, T, Hq, D]; k, v [B, Hkv, L, D] with L a multiple of `chunk`; mask [B, T, L]. A row's bits do not
-    depend on L: every product has the chunk's shape whatever the number of chunks (the chunk index is a
-    batch dimension), the maximum is exact in any order, and a chunk of masked keys adds exactly zero to the
-    running sums (exp(-1e30 - max) == 0), so reading more blocks than a sequence holds changes nothing.
+    q [B, T, Hq, D]; pool_k, pool_v [blocks, Hkv, block_size, D]; tables [B, n] each row's blocks in position
+    order (n * block_size a multiple of `chunk`); limit [B, T] int32: query t of row b sees key positions
+    0..limit[b, t]. -> [B, T, Hq*D].
+
+    Split-K in two loops over the chunks that hold a visible key (as many as the row with the furthest limit
+    needs, decided on the device): the first keeps a running maximum and sum of the scores (online softmax),
+    the second adds up the value rows weighted as `attention` weights them (normalised, then cast to the
+    values' dtype). A row's bits never depend on how many chunks run: each chunk goes through one fixed
+    computation whatever the trip count, and a chunk with no visible key adds exactly nothing (its scores are
+    -1e30: the maximum stays, the sums gain +0.0).
     """
     b, t, hq, d = q.shape
-    hkv, n = k.shape[1], k.shape[2] // chunk
-    g = hq // hkv
-    qg = jnp.broadcast_to(q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, 1, g * t, d),
-                          (b, hkv, n, g * t, d))
-    kc, vc = (a.reshape(b, hkv, n, chunk, d) for a in (k, v))
-    logits = jnp.einsum("bhcqd,bhcsd->bhcqs", qg, kc).astype(jnp.float32) * multiplier  # q = (g, t)
-    logits = ATTN_LOGIT_CAP * jnp.tanh(logits / ATTN_LOGIT_CAP)
-    keep = mask.reshape(b, 1, t, n, chunk).transpose(0, 1, 3, 2, 4)  # [B, 1, n, T, chunk]
-    logits = jnp.where(keep[:, :, :, None], logits.reshape(b, hkv, n, g, t, chunk), MASK_VALUE)
-    top = jnp.max(logits, axis=(2, 5), keepdims=True)
-    p = jnp.exp(logits - top)  # [B, Hkv, n, G, T, chunk]
-    sums = jnp.sum(p, axis=-1)  # [B, Hkv, n, G, T]
-    total = sums[:, :, 0]
-    for c in range(1, n):  # in chunk order: trailing masked chunks add +0.0
-        total = total + sums[:, :, c]
-    weights = (p / total[:, :, None, :, :, None]).astype(v.dtype).reshape(b, hkv, n, g * t, chunk)
-    parts = jnp.einsum("bhcqs,bhcsd->bhcqd", weights, vc)  # [B, Hkv, n, G*T, D]
-    out = parts[:, :, 0]
-    for c in range(1, n):
-        out = out + parts[:, :, c]
+    _, hkv, bs, _ = pool_k.shape
+    g, per = hq // hkv, chunk // bs
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # query rows (g, t)
+
+    def read(pool: Array, c: Array) -> Array:  # chunk c of every row: [B, Hkv, chunk, D]
+        ids = jax.lax.dynamic_slice_in_dim(tables, c * per, per, axis=1)  # [B, per]
+        return pool[ids].swapaxes(1, 2).reshape(b, hkv, chunk, d).astype(q.dtype)
+
+    def scores(c: Array) -> Array:  # [B, Hkv, G*T, chunk] float32, capped, invisible keys at -1e30
+        logits = jnp.einsum("bhqd,bhsd->bhqs", qg, read(pool_k, c)).astype(jnp.float32) * multiplier
+        logits = ATTN_LOGIT_CAP * jnp.tanh(logits / ATTN_LOGIT_CAP)
+        seen = (c * chunk + jnp.arange(chunk, dtype=jnp.int32))[None, None, :] <= limit[:, :, None]  # [B, T, C]
+        seen = jnp.broadcast_to(seen[:, None, None], (b, hkv, g, t, chunk)).reshape(b, hkv, g * t, chunk)
+        return jnp.where(seen, logits, MASK_VALUE)
+
+    def softmax_stats(c: Array, carry: tuple[Array, Array]) -> tuple[Array, Array]:
+        top, total = carry  # [B, Hkv, G*T]
+        logits = scores(c)
+        new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
+        return new_top, total * jnp.exp(top - new_top) + jnp.sum(jnp.exp(logits - new_top[..., None]), axis=-1)
+
+    def values(c: Array, acc: Array) -> Array:
+        weights = (jnp.exp(scores(c) - top[..., None]) / total[..., None]).astype(pool_v.dtype)
+        return acc + jnp.einsum("bhqs,bhsd->bhqd", weights, read(pool_v, c), preferred_element_type=jnp.float32)
+
+    chunks = jnp.max(limit) // chunk + 1  # traced: the loops are not unrolled, and stop after the last key
+    rows = (b, hkv, g * t)
+    top, total = jax.lax.fori_loop(0, chunks, softmax_stats, (jnp.full(rows, MASK_VALUE, jnp.float32),
+                                                              jnp.zeros(rows, jnp.float32)))
+    out = jax.lax.fori_loop(0, chunks, values, jnp.zeros(rows + (d,), jnp.float32)).astype(q.dtype)
     return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq * d)

@@ -16,13 +16,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from model_service.config import ModelConfig
-from model_service.kv_memory import KVMemory, gather, write_blocks, write_tokens
+from model_service.kv_memory import KVMemory, write_blocks, write_tokens
 from model_service.model.layers import (
     Products,
     QuantizedWeight,
     apply_rope,
     attention,
-    chunked_attention,
+    paged_attention,
     product,
     rms_norm,
 )
@@ -38,15 +38,16 @@ class Step(NamedTuple):
     memory's slots row_start .. row_start + B - 1 (the memory may hold more)."""
 
     positions: Array  # [B, T] int32 rotary positions
-    mask: Array  # [B, T, S] bool, which keys each query sees (S: this call's tokens, or the gathered blocks)
+    mask: Array | None  # dense: [B, T, S] bool, which of this call's tokens each query sees (paged: see limit)
     memory: tuple[KVMemory, ...] | None  # paged pools to write into and read from; None: keys are this call's tokens
     write_to: Array | None  # paged: decode [B] the block each row's token goes to; a prefill chunk [C / block] blocks
     active: Array | None = None  # decode: [B] bool, False rows (free slots) never make an expert run
     products: Products = Products.DOT  # static: how token rows meet weights (layers.Products)
     row_start: Array | int = 0  # decode: memory slot of the first row
     write_at: Array | None = None  # decode: [B] offset of each row's token in its block (None: whole blocks)
-    tables: Array | None = None  # paged: [B, S / block] the blocks each row reads, in position order
-    key_chunk: int = 0  # static, paged: keys are attended in chunks of this many positions (chunked_attention)
+    tables: Array | None = None  # paged: [B, table_len] the blocks each row reads, in position order
+    limit: Array | None = None  # paged: [B, T] int32, query t of row b sees key positions 0..limit[b, t]
+    key_chunk: int = 0  # static, paged: keys are attended in chunks of this many positions (paged_attention)
 
 
 def _norm(name: str, x: Array) -> Array:
@@ -81,20 +82,18 @@ class MultiHeadAttention(hk.Module):
                                                                                        t.key_size)
             q, k = apply_rope(q, step.positions), apply_rope(k, step.positions)
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Hkv, T, D]
-        full = None
-        if cache is not None:
+        q = constrain(q, self.mesh, P(DATA, None, MODEL, None))
+        if cache is not None:  # paged: this call's keys go into their blocks, then every key is read from there
             with jax.named_scope("kv_write"):
                 full = KVMemory(*(_write(pool, new, step) for pool, new in ((cache.k, k), (cache.v, v))))
-            k, v = gather(full.k, step.tables), gather(full.v, step.tables)  # [B, Hkv, S, D]
-        q = constrain(q, self.mesh, P(DATA, None, MODEL, None))
-        k, v = (constrain(a, self.mesh, P(DATA, MODEL, None, None)) for a in (k, v))
-        with jax.named_scope("scores_softmax_values"):
-            if full is None:
-                full = KVMemory(k, v)
+            with jax.named_scope("scores_softmax_values"):
+                out = paged_attention(q, full.k, full.v, step.tables, step.limit, t.attn_output_multiplier,
+                                      step.key_chunk)
+        else:
+            k, v = (constrain(a, self.mesh, P(DATA, MODEL, None, None)) for a in (k, v))
+            full = KVMemory(k, v)
+            with jax.named_scope("scores_softmax_values"):
                 out = attention(q, k, v, step.mask, t.attn_output_multiplier)
-            else:
-                out = chunked_attention(q, k.astype(q.dtype), v.astype(q.dtype), step.mask, t.attn_output_multiplier,
-                                        step.key_chunk)
         with jax.named_scope("output_projection"):
             return _linear("linear", out, x.shape[-1], step.products), full
 

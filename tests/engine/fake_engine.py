@@ -75,6 +75,7 @@ class FakeEngine:
     fail_prefill_for: int = -1  # prompts starting with this id make prefill raise
     prefill_chunk: int = 0  # > 0: longer prompts are prefilled in chunks of this many tokens
     kept: int = K  # alternatives with a probability above 0 (as if a nucleus had kept only these)
+    num_blocks: int = 1 << 20  # KV memory is never short here (the real engine's paging is tested with it)
     calls: list[tuple] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     running: threading.Event = field(default_factory=_running)
@@ -165,6 +166,18 @@ class FakeEngine:
         last = state.last.copy()
         last[slot] = 0
         return FakeState(last)
+
+    def blocks_needed(self, prompt_len: int, samples: int = 1) -> int:
+        return samples
+
+    def free_blocks(self) -> int:
+        return self.num_blocks
+
+    def blocks_short(self) -> int:
+        return 0
+
+    def kv_usage(self) -> None:
+        return None
 
     def count(self, kind: str) -> int:
         with self.lock:

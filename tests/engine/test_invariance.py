@@ -32,7 +32,7 @@ def tiled_engine() -> Engine:
     cfg = load_model_config(str(GOLDEN / "config.json"))
     mesh = make_mesh(MeshConfig(1, 1))
     params = load_params(str(GOLDEN / "checkpoint"), cfg, mesh, jnp.float32)
-    # 8-token blocks and 16-token key chunks: steps read keys up to 32, 64 or 128 positions as sequences grow
+    # 8-token blocks and 16-token key chunks: steps read more chunks of keys as sequences grow
     model = GrokModel(cfg, mesh, jnp.float32, block_size=8, key_chunk=16)
     return Engine(model, params, cfg, mesh, 4, (32,), row_tile=2, prefill_chunk=8)
 

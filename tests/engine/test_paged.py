@@ -1,0 +1,187 @@
+"""Paged KV memory through the scheduler on the golden checkpoints: the prefix cache gives the bits recomputing
+gives, a preempted request ends exactly as it would have alone, admission waits for blocks, a long neighbour
+moving every step to a longer context changes no other request, and every block comes back."""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from model_service.engine import Engine
+from model_service.loading import build_engine, resolve
+from model_service.loop_state import SchedulerMetrics
+from model_service.requests import Emission, GenerationRequest
+from model_service.sampling_settings import SamplingSettings
+from model_service.scheduler import Scheduler
+from tests.engine.conftest import Runner, golden_requests, golden_server_config
+from tests.engine.test_golden_wide import CASES as WIDE_CASES, WIDE
+from tests.waiting import wait_until
+
+
+def paged_engine(**overrides: Any) -> Engine:
+    """The golden engine with 8-token blocks and 8-token prefill chunks, so the golden prompts (8-29 tokens)
+    are prefilled on the chunk grid and share cached blocks."""
+    config = golden_server_config(slots=4, block_size=8, prefill_chunk=8, **overrides)
+    cfg, buckets = resolve(config)
+    return build_engine(config, cfg, buckets)
+
+
+@pytest.fixture(scope="module")
+def cached() -> Engine:
+    return paged_engine()
+
+
+@pytest.fixture(scope="module")
+def uncached() -> Engine:
+    return paged_engine(prefix_caching=False)
+
+
+@dataclass
+class Result:
+    tokens: list[tuple[int, float]] = field(default_factory=list)
+    finish: Any = None
+    error: Any = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Counting(SchedulerMetrics):
+    def __init__(self) -> None:
+        self.preemptions = 0
+        self.usage: Any = None
+
+    def preempted(self) -> None:
+        self.preemptions += 1
+
+    def observe_kv(self, usage: Any) -> None:
+        self.usage = usage
+
+
+def submit(scheduler: Scheduler, prompt: list[int], seed: int, max_tokens: int, temperature: float = 0.8,
+           top_p: float = 0.95) -> Result:
+    result = Result()
+
+    def emit(e: Emission) -> None:
+        result.tokens.extend((t.id, t.prob) for t in e.tokens)
+        if e.error is not None or e.finish_reason is not None:
+            result.error, result.finish = e.error, e.finish_reason
+            result.done.set()
+
+    scheduler.submit(GenerationRequest("t", tuple(prompt), SamplingSettings(temperature=temperature, top_p=top_p),
+                                       seed=seed, max_tokens=max_tokens, ignore_eos=True), emit)
+    return result
+
+
+def one_by_one(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int = 12) -> list[list[tuple[int, float]]]:
+    out = []
+    for i, prompt in enumerate(prompts):
+        r = submit(scheduler, prompt, seed=40 + i, max_tokens=max_tokens)
+        assert r.done.wait(120) and r.error is None, r.error
+        out.append(r.tokens)
+    return out
+
+
+def shared_prefix_prompts(base: list[int], vocab: int, rng: random.Random) -> list[list[int]]:
+    """The prompt, the prompt with three different continuations (a system prompt, a few-shot header, a chat's
+    earlier turns), and the prompt again."""
+    tails = [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+    return [base] + [base + tail for tail in tails] + [base]
+
+
+def test_golden_prompts_with_the_cache_on_and_off_give_identical_seeded_outputs(cached: Engine, uncached: Engine,
+                                                                                running: Runner) -> None:
+    rng = random.Random(3)
+    prompts = [p for case in golden_requests() for p in shared_prefix_prompts(case["prompt_ids"], 512, rng)]
+    on, off = running(cached), running(uncached)
+    with_cache = one_by_one(on, prompts)
+    assert with_cache == one_by_one(off, prompts)
+    usage = cached.kv_usage()
+    assert usage.hits > 0.4 * usage.queries  # most of each prompt after its first run came from the cache
+    assert uncached.kv_usage().hits == 0 and usage.used == 0
+
+
+def test_golden_requests_reproduce_the_reference_when_their_prompt_is_cached(cached: Engine, running: Runner) -> None:
+    scheduler = running(cached)
+    for case in golden_requests():
+        q = case["request"]
+        for _ in range(2):  # computed, then served from the cache
+            r = submit(scheduler, case["prompt_ids"], q["rng_seed"], q["max_len"], q["temperature"], q["nucleus_p"])
+            assert r.done.wait(120) and r.error is None
+            assert [t for t, _ in r.tokens] == case["output_ids"]
+
+
+def test_golden_wide_prompts_with_the_cache_on_and_off_give_identical_seeded_outputs(running: Runner) -> None:
+    def wide(caching: bool) -> Engine:
+        config = golden_server_config(config=str(WIDE / "config.json"), checkpoint=str(WIDE / "checkpoint"),
+                                      slots=2, buckets=(64,), block_size=4, prefill_chunk=4, prefix_caching=caching)
+        cfg, buckets = resolve(config)
+        return build_engine(config, cfg, buckets)
+
+    rng = random.Random(4)
+    prompts = [p for case in WIDE_CASES for p in shared_prefix_prompts(case["prompt_ids"], 131072, rng)][:10]
+    on, off = wide(True), wide(False)
+    assert one_by_one(running(on), prompts, 8) == one_by_one(running(off), prompts, 8)
+    assert on.kv_usage().hits > 0
+
+
+def test_preempted_requests_end_exactly_as_they_would_alone(running: Runner) -> None:
+    """A pool of one full context (128 tokens) for four requests that grow to 80 tokens each: admission waits for
+    blocks, running requests are preempted and recomputed, and every request's tokens equal its solo run."""
+    engine = paged_engine(kv_tokens=128)
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(12, 30))] for _ in range(4)]
+    metrics = Counting()
+    scheduler = running(engine, metrics=metrics)
+    solo = one_by_one(scheduler, prompts, max_tokens=56)
+    together = [submit(scheduler, p, seed=40 + i, max_tokens=56) for i, p in enumerate(prompts)]
+    for r in together:
+        assert r.done.wait(300) and r.error is None, r.error
+    assert metrics.preemptions > 0
+    assert [r.tokens for r in together] == solo
+    assert engine.kv_usage().used == 0
+
+
+def test_a_cancelled_request_gives_its_blocks_back(cached: Engine, running: Runner) -> None:
+    scheduler = running(cached)
+    started = threading.Event()
+    handle = scheduler.submit(GenerationRequest("t", tuple(range(5, 45)), SamplingSettings(), max_tokens=80,
+                                                ignore_eos=True), lambda e: started.set())
+    assert started.wait(60)
+    assert cached.kv_usage().used > 0
+    handle.cancel()
+    wait_until(lambda: cached.kv_usage().used == 0 and scheduler.stats()["active"] == 0, timeout=60)
+
+
+def test_samples_of_one_prompt_share_its_full_blocks(cached: Engine) -> None:
+    state = cached.init_decode_state()
+    prompt = list(range(10, 30))  # 20 tokens: 2 full blocks of 8 and a partial one
+    prefix, _ = cached.prefill(prompt, seed=1)
+    for slot in range(3):
+        sample, _ = cached.resample(prefix, seed=slot)
+        state = cached.insert(sample, state, slot)
+    assert cached.kv_usage().used == 2 + 3  # the full blocks once, a partial block per sample
+    tables = [cached.kv.blocks_of(s) for s in range(3)]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2] and len({t[2] for t in tables}) == 3
+    for slot in range(3):
+        state = cached.free_slot(state, slot)
+    assert cached.kv_usage().used == 0
+
+
+def test_a_long_neighbour_moving_to_longer_contexts_changes_no_other_request(running: Runner) -> None:
+    """16-token key chunks: a step reads as many chunks as its longest sequence fills (1 to 8)."""
+    from model_service.model import GrokModel
+
+    base = paged_engine()
+    model = GrokModel(base.model.cfg, base.mesh, base.model.dtype, base.model.products, block_size=8, key_chunk=16)
+    engine = Engine(model, base.params, base.model.cfg, base.mesh, 4, base.buckets, prefill_chunk=8)
+    scheduler = running(engine)
+    short, long_ = list(range(40, 50)), [random.Random(8).randrange(3, 512) for _ in range(60)]
+    alone = one_by_one(scheduler, [short], max_tokens=40)[0]
+    a = submit(scheduler, short, seed=40, max_tokens=40)
+    b = submit(scheduler, long_, seed=41, max_tokens=60)
+    for r in (a, b):
+        assert r.done.wait(120) and r.error is None
+    assert a.tokens == alone
