@@ -26,10 +26,10 @@ node_modules/.installed: package.json package-lock.json
 	touch $@
 
 demo: setup  ## retrain the committed demo model into demo/ (tokenizer, int8 checkpoint, training.json; minutes)
-	$(PY) -m model_service.train --out $(DEMO)
+	$(PY) -m demo_build --out $(DEMO)
 
 demo-check: setup  ## retrain into build/demo-check and fail unless its losses match demo/training.json
-	$(PY) -m model_service.train --out build/demo-check --compare-with $(DEMO)/training.json
+	$(PY) -m demo_build --out build/demo-check --compare-with $(DEMO)/training.json
 
 run: setup  ## set up, then serve the embedded default (the committed demo/: tokenizer + model + gateway), stream a sample
 	$(PY) scripts/run_stack.py

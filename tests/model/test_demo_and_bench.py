@@ -19,7 +19,7 @@ from tests.procs import ROOT
 
 def test_demo_checkpoint_command_writes_random_weights_whose_outputs_vary(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "ckpt"
-    run = subprocess.run([sys.executable, "-m", "model_service.demo_checkpoint", "--config", "configs/demo.json",
+    run = subprocess.run([sys.executable, "-m", "demo_build.random_checkpoint", "--config", "configs/demo.json",
                           "--out", str(out), "--seed", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "RANDOM" in (out / "RANDOM_WEIGHTS.txt").read_text()
@@ -33,6 +33,6 @@ def test_demo_checkpoint_command_writes_random_weights_whose_outputs_vary(tmp_pa
 
 
 def test_demo_checkpoint_command_rejects_a_bad_config(tmp_path: pathlib.Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "model_service.demo_checkpoint", "--config", "nope",
+    run = subprocess.run([sys.executable, "-m", "demo_build.random_checkpoint", "--config", "nope",
                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "neither a preset" in run.stderr
