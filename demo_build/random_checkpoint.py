@@ -17,7 +17,7 @@ from model_service.checkpoint import random_leaves, write_checkpoint
 from model_service.config import ConfigError, load_model_config, model_config_to_dict, validate, MeshConfig
 
 
-def write_demo_checkpoint(config: str, out: pathlib.Path, seed: int) -> int:
+def write_random_checkpoint(config: str, out: pathlib.Path, seed: int) -> int:
     """Write the checkpoint; returns the number of tensors written."""
     cfg = load_model_config(config)
     validate(cfg, MeshConfig())
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        n = write_demo_checkpoint(args.config, args.out, args.seed)
+        n = write_random_checkpoint(args.config, args.out, args.seed)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
