@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 AIPERF_VENV ?= .venv-aiperf
 
-.PHONY: setup run demo demo-check protos proto-baseline lint test bench bench-docs bench-http bench-engine clean help
+.PHONY: setup run demo demo-check protos proto-baseline lint test bench bench-docs bench-engine clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
@@ -26,10 +26,10 @@ node_modules/.installed: package.json package-lock.json
 	touch $@
 
 demo: setup  ## retrain the committed demo model into demo/ (tokenizer, int8 checkpoint, training.json; minutes)
-	$(PY) -m model_service.train --out $(DEMO)
+	$(PY) -m demo_build --out $(DEMO)
 
 demo-check: setup  ## retrain into build/demo-check and fail unless its losses match demo/training.json
-	$(PY) -m model_service.train --out build/demo-check --compare-with $(DEMO)/training.json
+	$(PY) -m demo_build --out build/demo-check --compare-with $(DEMO)/training.json
 
 run: setup  ## set up, then serve the embedded default (the committed demo/: tokenizer + model + gateway), stream a sample
 	$(PY) scripts/run_stack.py
@@ -48,21 +48,18 @@ proto-baseline: setup  ## accept the current protos as the API baseline `make li
 test: setup lint  ## set up, lint the protos, run every test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: setup $(AIPERF_VENV)/.installed  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer, three-client cross-check -> bench-results/quick
-	$(PY) -m benchmarks.suite --quick --out bench-results/quick
+bench: setup $(AIPERF_VENV)/.installed  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer, three-client cross-check -> benchmarks/measured/local/quick
+	$(PY) -m benchmarks.suite --quick --out benchmarks/measured/local/quick
 
 bench-docs: setup  ## re-measure everything docs/benchmarks.md reports (about an hour) and regenerate its tables
-	$(PY) -m benchmarks.suite --out docs/benchmarks --update-doc docs/benchmarks.md
+	$(PY) -m benchmarks.suite --out benchmarks/measured --update-doc docs/benchmarks.md
 
-# AIPerf gets its own virtualenv: its dependencies are not pinned with ours (sentencepiece is for
-# scripts/hf_tokenizer.py, which builds its Hugging Face tokenizer offline).
+# AIPerf (run by benchmarks.crosscheck) gets its own virtualenv: its dependencies are not pinned with ours
+# (sentencepiece is for scripts/hf_tokenizer.py, which builds its Hugging Face tokenizer offline).
 $(AIPERF_VENV)/.installed:
 	$(PYTHON) -m venv $(AIPERF_VENV)
 	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0 sentencepiece==0.2.3
 	touch $@
-
-bench-http: setup $(AIPERF_VENV)/.installed  ## AIPerf against /v1/completions of the tiny golden stack
-	AIPERF_VENV=$(AIPERF_VENV) bash bench/aiperf_golden.sh
 
 bench-engine: setup  ## the decode-speed points of docs/performance.md through the model service over gRPC, medium config (JSON)
 	$(PY) -m benchmarks.engine --runs 3

@@ -80,7 +80,7 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--percentiles", type=floats, default=[50, 90, 99], help="latency percentiles")
     p.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
                      help="SLOs for goodput, e.g. ttft:500 tpot:100 (names: ttft, tpot, e2el)")
-    p.add_env_argument("--result-dir", default="bench-results", help="where runs, summary and plots go")
+    p.add_env_argument("--result-dir", default="benchmarks/measured/local", help="where runs, summary and plots go")
     p.add_env_argument("--label", default="serve", help="names the summary and the plot files")
     p.add_env_argument("--no-plots", action="store_true", default=False, help="skip the PNG plots")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),

@@ -19,7 +19,7 @@ its own): their services run side by side and the measurements alternate between
 interpreter:
 
     .venv/bin/python -m benchmarks.engine --runs 3 --repo before=/tmp/grok-before --repo after=. \\
-        --out docs/bench/engine.json
+        --out benchmarks/measured/engine.json
 
 --arm LABEL=FLAGS adds this checkout with other model-service flags (e.g. `--arm xla='--products xla'
 --arm native='--products native'`), and --llamacpp DIR runs llama.cpp on the same shapes (the CPU anchor in

@@ -1,11 +1,12 @@
 """Markdown tables of the suite's JSON files, written between the RESULTS markers of docs/benchmarks.md.
 
-    python -m benchmarks.report docs/benchmarks docs/benchmarks.md   # regenerate the tables only
+    python -m benchmarks.report benchmarks/measured docs/benchmarks.md   # regenerate the tables only
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 from collections.abc import Mapping, Sequence
@@ -152,7 +153,8 @@ def provenance_line(r: Mapping[str, Any]) -> str:
             f"{machine.get('load_avg', '?')}._")
 
 
-def render(out_dir: pathlib.Path) -> str:
+def render(out_dir: pathlib.Path, plots: str) -> str:
+    """The RESULTS section for the JSON files in `out_dir`; `plots` is the PNGs' folder as the page links it."""
     def load(name: str) -> dict[str, Any] | None:
         path = out_dir / f"{name}.json"
         return json.loads(path.read_text()) if path.exists() else None
@@ -162,8 +164,8 @@ def render(out_dir: pathlib.Path) -> str:
         s = load(f"serve-{stack}")
         if s:
             parts += [f"### Serving through the gateway: {stack}", "", provenance_line(s), "", *serve_table(s), "",
-                      f"![throughput]({out_dir.name}/{stack}-throughput.png)",
-                      f"![latency]({out_dir.name}/{stack}-latency.png)", f"![ITL]({out_dir.name}/{stack}-itl.png)", ""]
+                      f"![throughput]({plots}/{stack}-throughput.png)",
+                      f"![latency]({plots}/{stack}-latency.png)", f"![ITL]({plots}/{stack}-itl.png)", ""]
     for stack in ("golden", "medium"):
         r = load(f"layers-{stack}")
         if r:
@@ -192,7 +194,8 @@ def update_doc(doc: pathlib.Path, out_dir: pathlib.Path) -> None:
         raise ValueError(f"{doc} has no RESULTS markers ({BEGIN} ... {END})")
     head, rest = text.split(BEGIN, 1)
     tail = rest.split(END, 1)[1]
-    doc.write_text(head + render(out_dir) + tail)
+    plots = pathlib.PurePath(os.path.relpath(out_dir.resolve(), doc.resolve().parent)).as_posix()
+    doc.write_text(head + render(out_dir, plots) + tail)
 
 
 def headline(name: str, r: Mapping[str, Any]) -> Any:

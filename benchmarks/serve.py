@@ -43,7 +43,7 @@ class ServeConfig:
     slo: Slo = Slo()
     temperature: float = 0.0
     top_p: float = 1.0
-    result_dir: str = "bench-results"
+    result_dir: str = "benchmarks/measured/local"
     label: str = "serve"
     plots: bool = True
     compile_cache: str | None = None

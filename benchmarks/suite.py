@@ -1,7 +1,7 @@
 """Everything docs/benchmarks.md reports, in one command; `--quick` is `make bench`.
 
-    python -m benchmarks.suite --out docs/benchmarks --update-doc docs/benchmarks.md   # the docs (~1 h)
-    python -m benchmarks.suite --quick --out bench-results/quick                        # make bench (minutes)
+    python -m benchmarks.suite --out benchmarks/measured --update-doc docs/benchmarks.md   # the docs (~1 h)
+    python -m benchmarks.suite --quick --out benchmarks/measured/local/quick               # make bench (minutes)
 
 Runs, in order: the serving sweep through the gateway (golden, then medium), the layer split
 (golden, medium), the decode-step roofline (golden, medium), the tokenizer service (Grok-1
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = EnvArgumentParser(env_prefix="GROK_BENCH", prog="python -m benchmarks.suite",
                           description=__doc__.split("\n\n")[0])
     p.add_env_argument("--quick", action="store_true", default=False, help="the short version (make bench)")
-    p.add_env_argument("--out", default="bench-results/suite", help="directory for the JSON and PNG files")
+    p.add_env_argument("--out", default="benchmarks/measured/local/suite", help="directory for the JSON and PNG files")
     p.add_env_argument("--only", default="", help="comma-separated step name prefixes, e.g. serve-medium,roofline")
     p.add_env_argument("--update-doc", default=None, help="markdown file whose RESULTS section is regenerated")
     args = p.parse_args(argv)

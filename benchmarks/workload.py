@@ -1,6 +1,6 @@
 """Benchmark workloads: prompts cut from real text to exact token counts, and request arrival times.
 
-Prompts come from the corpus that ships with the project (tokenizer_service/demo_corpus: English
+Prompts come from the corpus that ships with the project (demo_build/corpus: English
 prose about serving). Token counts are those of the SentencePiece model the stack serves (for the
 medium config the real Grok-1 tokenizer), encoded without BOS as the gateway encodes prompts, so a
 prompt of `input_len` tokens reaches the model as exactly `input_len` ids. Every request sets
@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import sentencepiece as spm
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CORPUS_DIR = ROOT / "tokenizer_service" / "demo_corpus"
+from demo_build.train_tokenizer import CORPUS_DIR
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from gateway.errors import GatewayError, down, from_finished_call, from_upstream
 from serving_common.tls import ChannelTLS, secure_channel
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizer_service.tokenizer import PieceTable
+from serving_common.detokenizer import PieceTable
 
 log = logging.getLogger(__name__)
 

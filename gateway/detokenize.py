@@ -7,8 +7,8 @@ an alternative's text is what it would have added in the chosen token's place (d
 
 - remote (the default, the documented architecture): a DecodeStream call to the tokenizer service per
   request, one message each way per model message (`gateway.clients.Detokenizer`);
-- local (`--detokenize local`): the tokenizer service's own incremental detokenizer
-  (`tokenizer_service.tokenizer.StreamDecoder`) run in the gateway over the vocabulary's piece table,
+- local (`--detokenize local`): the incremental detokenizer the tokenizer service runs
+  (`serving_common.detokenizer.StreamDecoder`), run in the gateway over the vocabulary's piece table,
   fetched once from the tokenizer service (GetPieces) and fetched again whenever that service comes
   back after being down (it may serve another model then). The gateway never reads the tokenizer
   file. Same code over the same facts gives the same text; what goes away is two gRPC messages per
@@ -25,8 +25,8 @@ import grpc
 
 from gateway.errors import GatewayError
 from grok.tokenizer.v1 import tokenizer_pb2
+from serving_common.detokenizer import PieceSurface, PieceTable, TokenizerInputError
 from serving_common.errors import domain_status
-from tokenizer_service.tokenizer import PieceSurface, PieceTable, TokenizerInputError
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from gateway.stops import Release, StopMatcher
 from gateway.validation import Plan, TextRequest, check_request, plan
 from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
-from tokenizer_service.tokenizer import PieceTable
+from serving_common.detokenizer import PieceTable
 
 log = logging.getLogger(__name__)
 

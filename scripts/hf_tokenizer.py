@@ -7,8 +7,8 @@ the SentencePiece model's own settings (normalizer, dummy prefix, byte fallback,
 piece scores), and then checks that it encodes a sample of texts exactly as SentencePiece does: a
 benchmark whose token counts were off would be worse than none.
 
-Run it with a Python that has transformers, tokenizers and sentencepiece (the AIPerf virtualenv of
-`make bench-http`): `python scripts/hf_tokenizer.py --model tokenizer.model --out DIR`.
+Run it with a Python that has transformers, tokenizers and sentencepiece (`.venv-aiperf/`, the AIPerf
+virtualenv of `python -m benchmarks.crosscheck`): `python scripts/hf_tokenizer.py --model tokenizer.model --out DIR`.
 """
 
 from __future__ import annotations

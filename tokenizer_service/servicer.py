@@ -19,8 +19,9 @@ from typing import TypeVar
 import grpc
 
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from serving_common.detokenizer import PieceTable, StreamDecoder, TokenizerInputError
 from serving_common.errors import status_of, unavailable
-from tokenizer_service.tokenizer import PieceTable, StreamDecoder, Tokenizer, TokenizerInputError
+from tokenizer_service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -75,18 +75,22 @@ def test_layer_ratios_compare_every_arm_with_in_process_and_check_the_targets_at
     assert not missed["throughput_met"] and not missed["ttft_met"]
 
 
-def test_report_renders_the_tables_between_the_markers_and_keeps_the_rest(tmp_path: pathlib.Path) -> None:
-    out = tmp_path / "results"
-    out.mkdir()
+def serve_summary() -> dict:
+    """A serve-golden.json with one point whose every statistic is the same."""
     point = {"key": "fixed-in32-out32/c1", "median": {}, "min": {}, "max": {}}
     for stat in ("median", "min", "max"):
         point[stat] = {"request_throughput": 2.0, "output_throughput": 64.0, "median_ttft_ms": 10.0,
                        "p99_ttft_ms": 20.0, "median_tpot_ms": 3.0, "p99_tpot_ms": 4.0, "median_itl_ms": 3.0,
                        "p99_itl_ms": 5.0, "median_e2el_ms": 100.0, "request_goodput": 1.5, "failed": 0.0}
-    summary = {"config": {"runs": 3, "slo": {"ttft_ms": 100, "tpot_ms": 20, "e2el_ms": None}}, "points": [point],
-               "git": {"commit": "a" * 40, "dirty": False}, "machine_at_start": {"cpus": 2, "load_avg": [1, 1, 1]},
-               "date": "20261130-120000"}
-    (out / "serve-golden.json").write_text(json.dumps(summary))
+    return {"config": {"runs": 3, "slo": {"ttft_ms": 100, "tpot_ms": 20, "e2el_ms": None}}, "points": [point],
+            "git": {"commit": "a" * 40, "dirty": False}, "machine_at_start": {"cpus": 2, "load_avg": [1, 1, 1]},
+            "date": "20261130-120000"}
+
+
+def test_report_renders_the_tables_between_the_markers_and_keeps_the_rest(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "serve-golden.json").write_text(json.dumps(serve_summary()))
     doc = tmp_path / "doc.md"
     doc.write_text(f"intro\n\n{report.BEGIN}\nold table\n{report.END}\n\noutro\n")
     report.update_doc(doc, out)
@@ -94,6 +98,21 @@ def test_report_renders_the_tables_between_the_markers_and_keeps_the_rest(tmp_pa
     assert text.startswith("intro") and text.rstrip().endswith("outro") and "old table" not in text
     assert "fixed-in32-out32/c1 | 2.00 | 64.0 (64.0–64.0) | 10.0 / 20.0 |" in text
     assert "TTFT ≤ 100 ms, TPOT ≤ 20 ms" in text and "`aaaaaaaaaaaa`" in text
+
+
+def test_report_links_the_plots_relative_to_the_document(tmp_path: pathlib.Path) -> None:
+    # The results live in benchmarks/measured/, the page in docs/: a link must climb out of docs/.
+    out = tmp_path / "benchmarks" / "measured"
+    out.mkdir(parents=True)
+    (out / "serve-golden.json").write_text(json.dumps(serve_summary()))
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.parent.mkdir()
+    doc.write_text(f"{report.BEGIN}\n{report.END}\n")
+    report.update_doc(doc, out)
+    links = [line for line in doc.read_text().splitlines() if line.startswith("![")]
+    assert links == ["![throughput](../benchmarks/measured/golden-throughput.png)",
+                     "![latency](../benchmarks/measured/golden-latency.png)",
+                     "![ITL](../benchmarks/measured/golden-itl.png)"]
 
 
 def test_report_refuses_a_document_without_markers(tmp_path: pathlib.Path) -> None:

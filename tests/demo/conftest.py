@@ -11,10 +11,10 @@ import pytest
 
 from gateway.client import GatewayClient
 from model_service.config import ModelConfig, load_model_config
-from model_service.train.data import split_paragraphs
+from demo_build.data import split_paragraphs
 from tests.gateway.conftest import Stack
 from tests.procs import ROOT, Service, free_port
-from tokenizer_service.train_demo import CORPUS_DIR, corpus_documents
+from demo_build.train_tokenizer import CORPUS_DIR, corpus_documents
 
 DEMO = ROOT / "demo"
 DEMO_CONFIG = ROOT / "configs" / "demo.json"

@@ -12,11 +12,11 @@ import pytest
 from model_service.checkpoint import read_tensor
 from model_service.config import ModelConfig, model_config_to_dict
 from model_service.model.params import tensor_specs
-from model_service.train import data, export
-from model_service.train.record import corpus_sha256
+from demo_build import data, export
+from demo_build.record import corpus_sha256
 from tests.demo.conftest import DEMO
-from tokenizer_service import train_demo
-from tokenizer_service.train_demo import CORPUS_DIR
+from demo_build import train_tokenizer
+from demo_build.train_tokenizer import CORPUS_DIR
 
 MAX_CHECKPOINT_BYTES = 4 * 1024 * 1024
 # Stated margin: int8 quantisation may cost at most this much held-out (and training) loss, in nats per token.
@@ -39,7 +39,7 @@ def served_losses(demo_cfg: ModelConfig, record: dict, corpus: data.Corpus) -> d
 
 
 def test_committed_tokenizer_is_the_one_trained_from_the_shipped_corpus() -> None:
-    assert (DEMO / "tokenizer.model").read_bytes() == train_demo.train()
+    assert (DEMO / "tokenizer.model").read_bytes() == train_tokenizer.train()
 
 
 def test_record_names_the_committed_corpus_tokenizer_and_config(record: dict, demo_cfg: ModelConfig) -> None:

@@ -1,6 +1,6 @@
 """The demo model chats: /v1/chat/completions through the whole stack, called with the `openai` package.
 
-The demo model was trained on dialogues rendered by the gateway's own chat template (demo_corpus/*.jsonl), so a
+The demo model was trained on dialogues rendered by the gateway's own chat template (demo_build/corpus/*.jsonl), so a
 question about its subject, with or without a system message, gets an answer made of the corpus's sentences,
 and a greeting gets a short greeting back. Greedy (temperature 0), so the answers are what `make run` shows.
 """

@@ -16,8 +16,8 @@ from model_service.config import MeshConfig, ModelConfig, load_model_config
 from model_service.model import GrokModel
 from model_service.model.params import FINAL_NORM, tensor_specs
 from model_service.sharding import make_mesh
-from model_service.train import export, network
-from model_service.train.loop import TrainConfig, make_step, optimizer
+from demo_build import export, network
+from demo_build.loop import TrainConfig, make_step, optimizer
 from tests.procs import ROOT
 
 

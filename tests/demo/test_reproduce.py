@@ -23,7 +23,7 @@ LOSS_TOLERANCE = 0.01
 
 def test_training_script_reproduces_the_committed_loss_curve_from_its_seed(record: dict) -> None:
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # as `make demo` runs: one default device
-    run = subprocess.run([sys.executable, "-m", "model_service.train", "--stop-after", str(PREFIX_STEPS)],
+    run = subprocess.run([sys.executable, "-m", "demo_build", "--stop-after", str(PREFIX_STEPS)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     log = json.loads(run.stdout.strip().splitlines()[-1])["log"]
@@ -35,6 +35,6 @@ def test_training_script_reproduces_the_committed_loss_curve_from_its_seed(recor
 
 
 def test_training_command_refuses_to_run_without_an_output_folder() -> None:
-    run = subprocess.run([sys.executable, "-m", "model_service.train"], cwd=ROOT, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "demo_build"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2 and "--out is required" in run.stderr

@@ -13,7 +13,7 @@ from grok.gateway.v1 import gateway_pb2
 from tests.demo.conftest import DEMO, paragraph_starting
 from tests.gateway.conftest import Stack
 from tests.procs import ROOT
-from tokenizer_service.train_demo import CORPUS_DIR
+from demo_build.train_tokenizer import CORPUS_DIR
 
 pytestmark = pytest.mark.slow
 

@@ -104,12 +104,13 @@ def test_default_profile_serves_the_committed_demo_model_copied_into_the_image(d
     assert model["GROK_MODEL_CONFIG"] == "/app/configs/demo.json"
     assert model["GROK_MODEL_CHECKPOINT"] == "/app/demo/checkpoint"
     assert default["services"]["tokenizer"]["environment"]["GROK_TOKENIZER_MODEL"] == "/app/demo/tokenizer.model"
-    # The image trains and generates nothing: demo/ enters the build context and the runtime copies the context.
-    assert "demo" in build_context_entries()
+    # The image trains and generates nothing: demo/ enters the build context and the runtime copies the context;
+    # the tools that built it (demo_build/, optax) stay out.
+    assert "demo" in build_context_entries() and "demo_build" not in build_context_entries()
     assert (ROOT / "demo" / "tokenizer.model").is_file() and (ROOT / "demo" / "checkpoint" / "ckpt-0").is_dir()
     runtime = stage(dockerfile_instructions(), "runtime")
     assert ("WORKDIR", "/app") in runtime and ("COPY", ". .") in runtime
-    assert not any(kw == "RUN" and "model_service.train" in rest for kw, rest in dockerfile_instructions())
+    assert not any(kw == "RUN" and "demo_build" in rest for kw, rest in dockerfile_instructions())
 
 
 def test_grok1_mounts_weights_read_only_and_reserves_gpus(grok1: dict) -> None:

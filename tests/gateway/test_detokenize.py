@@ -13,10 +13,11 @@ from gateway.client import GatewayClient
 from gateway.detokenize import Decoded, LocalDetokenizer, piece_table
 from gateway.errors import GatewayError
 from grok.tokenizer.v1 import tokenizer_pb2
+from serving_common.detokenizer import PieceTable
 from tests.gateway.conftest import fake_stack, start_fake, start_gateway
 from tests.procs import GOLDEN, GROK1_TOKENIZER
 from tokenizer_service.servicer import piece_messages
-from tokenizer_service.tokenizer import PieceTable, Tokenizer
+from tokenizer_service.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

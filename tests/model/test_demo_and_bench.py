@@ -1,4 +1,5 @@
-"""The demo checkpoint command, run as a real process (the step benchmark is tested in tests/benchmarks)."""
+"""The random-checkpoint command (demo_build.random_checkpoint), run as a real process (the step benchmark is
+tested in tests/benchmarks)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from model_service.sharding import make_mesh
 from tests.procs import ROOT
 
 
-def test_demo_checkpoint_command_writes_random_weights_whose_outputs_vary(tmp_path: pathlib.Path) -> None:
+def test_random_checkpoint_command_writes_random_weights_whose_outputs_vary(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "ckpt"
-    run = subprocess.run([sys.executable, "-m", "model_service.demo_checkpoint", "--config", "configs/demo.json",
+    run = subprocess.run([sys.executable, "-m", "demo_build.random_checkpoint", "--config", "configs/demo.json",
                           "--out", str(out), "--seed", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "RANDOM" in (out / "RANDOM_WEIGHTS.txt").read_text()
@@ -32,7 +33,7 @@ def test_demo_checkpoint_command_writes_random_weights_whose_outputs_vary(tmp_pa
     assert len(set(logits.argmax(-1).tolist())) > 16  # greedy choices differ from position to position
 
 
-def test_demo_checkpoint_command_rejects_a_bad_config(tmp_path: pathlib.Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "model_service.demo_checkpoint", "--config", "nope",
+def test_random_checkpoint_command_rejects_a_bad_config(tmp_path: pathlib.Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "demo_build.random_checkpoint", "--config", "nope",
                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "neither a preset" in run.stderr

@@ -30,7 +30,7 @@ def grok_tokenizer() -> Tokenizer:
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """The demo tokenizer, trained through its command line."""
     out = tmp_path_factory.mktemp("demo") / "tokenizer.model"
-    subprocess.run([sys.executable, "-m", "tokenizer_service.train_demo", "--out", str(out)], cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "demo_build.train_tokenizer", "--out", str(out)], cwd=ROOT,
                    check=True, capture_output=True, timeout=120)
     return out
 

@@ -7,7 +7,8 @@ import pathlib
 
 import pytest
 
-from tokenizer_service.tokenizer import REPLACEMENT, Tokenizer, TokenizerInputError, decode_byte_run
+from serving_common.detokenizer import REPLACEMENT, TokenizerInputError, decode_byte_run
+from tokenizer_service.tokenizer import Tokenizer
 
 
 def byte_ids(tok: Tokenizer, data: bytes) -> list[int]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenizer_service.tokenizer import REPLACEMENT, Tokenizer
+from serving_common.detokenizer import REPLACEMENT
+from tokenizer_service.tokenizer import Tokenizer
 
 PROPERTY_SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -13,9 +13,10 @@ import pytest
 
 from gateway.detokenize import piece_table
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from serving_common.detokenizer import PieceSurface, PieceTable, TokenizerInputError
 from tests.procs import GOLDEN
 from tokenizer_service.servicer import PIECES_PER_MESSAGE, piece_messages
-from tokenizer_service.tokenizer import PieceSurface, PieceTable, Tokenizer, TokenizerInputError
+from tokenizer_service.tokenizer import Tokenizer
 
 
 def id_sequences(tok: Tokenizer, count: int, seed: int) -> list[list[int]]:

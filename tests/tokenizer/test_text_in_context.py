@@ -14,9 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from serving_common.detokenizer import PieceTable, StreamDecoder, TokenizerInputError
 from tests.procs import GROK1_TOKENIZER, ROOT
 from tests.tokenizer.test_detokenizer_properties import id_segments, special_ids
-from tokenizer_service.tokenizer import PieceTable, StreamDecoder, Tokenizer, TokenizerInputError
+from tokenizer_service.tokenizer import Tokenizer
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 MODELS = {"demo": ROOT / "demo" / "tokenizer.model", "grok1": GROK1_TOKENIZER}

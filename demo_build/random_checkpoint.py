@@ -1,10 +1,10 @@
 """Write a random-weight checkpoint of any config in the released format (for tests and benchmarks).
 
-    python -m model_service.demo_checkpoint --config configs/demo.json --out /tmp/random-demo [--seed 0]
+    python -m demo_build.random_checkpoint --config configs/demo.json --out /tmp/random-demo [--seed 0]
 
 Weights are int8-quantized like the real checkpoint and scaled so outputs vary (logit std ~2);
 DIR/RANDOM_WEIGHTS.txt records that they are random. The embedded default the stack serves is not this: it
-is the trained demo model committed in demo/ (`python -m model_service.train`).
+is the trained demo model committed in demo/ (`python -m demo_build`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from model_service.checkpoint import random_leaves, write_checkpoint
 from model_service.config import ConfigError, load_model_config, model_config_to_dict, validate, MeshConfig
 
 
-def write_demo_checkpoint(config: str, out: pathlib.Path, seed: int) -> int:
+def write_random_checkpoint(config: str, out: pathlib.Path, seed: int) -> int:
     """Write the checkpoint; returns the number of tensors written."""
     cfg = load_model_config(config)
     validate(cfg, MeshConfig())
@@ -30,7 +30,7 @@ def write_demo_checkpoint(config: str, out: pathlib.Path, seed: int) -> int:
     write_checkpoint(out, cfg, random_leaves(cfg, seed), progress)
     (out / "RANDOM_WEIGHTS.txt").write_text(
         "These weights are RANDOM (numpy PCG64 seed {seed}), not a trained model: generated text is meaningless.\n"
-        "Written by `python -m model_service.demo_checkpoint --config {config} --out {out} --seed {seed}`.\n"
+        "Written by `python -m demo_build.random_checkpoint --config {config} --out {out} --seed {seed}`.\n"
         "Config: {cfg}\n".format(seed=seed, config=config, out=out, cfg=model_config_to_dict(cfg)))
     return count
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        n = write_demo_checkpoint(args.config, args.out, args.seed)
+        n = write_random_checkpoint(args.config, args.out, args.seed)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

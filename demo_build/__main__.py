@@ -1,4 +1,4 @@
-"""`python -m model_service.train --out demo`: train the embedded demo model from the demo corpus.
+"""`python -m demo_build --out demo`: train the embedded demo model from the demo corpus.
 
 Writes into OUT: tokenizer.model (the demo SentencePiece model, trained on the same corpus), checkpoint/ (the
 trained network, int8 where the released model is int8, in the released ckpt-0/tensorNNNNN_000 format) and
@@ -24,9 +24,9 @@ DEFAULT_CONFIG = "configs/demo.json"
 
 
 def parser() -> EnvArgumentParser:
-    from model_service.train.loop import TrainConfig
+    from demo_build.loop import TrainConfig
 
-    p = EnvArgumentParser(env_prefix="GROK_TRAIN", prog="python -m model_service.train",
+    p = EnvArgumentParser(env_prefix="GROK_TRAIN", prog="python -m demo_build",
                           description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                           epilog=__doc__.split("\n", 2)[2])
     p.add_env_argument("--out", type=pathlib.Path, default=None, help="folder to write (required unless --stop-after)")
@@ -54,9 +54,9 @@ def compare(recorded: dict, produced: dict, tolerance: float) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from model_service.config import ConfigError, load_model_config
-    from model_service.train import record
-    from model_service.train.loop import TrainConfig
-    from tokenizer_service.train_demo import CORPUS_DIR
+    from demo_build import record
+    from demo_build.loop import TrainConfig
+    from demo_build.train_tokenizer import CORPUS_DIR
 
     train_cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     corpus = args.corpus or CORPUS_DIR

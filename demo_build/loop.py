@@ -18,8 +18,8 @@ import optax
 
 from model_service.config import ModelConfig
 from model_service.model.params import Params
-from model_service.train import network
-from model_service.train.data import training_batches
+from demo_build import network
+from demo_build.data import training_batches
 
 
 @dataclass(frozen=True)

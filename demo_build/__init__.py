@@ -4,5 +4,5 @@ network.py  float parameters in the reference's tree and a differentiable forwar
 data.py     the corpus as token streams (training / held-out) and reproducible batches of windows
 export.py   int8 quantisation in the released layout, the checkpoint writer, held-out loss through serving code
 loop.py     the optax training loop
-__main__.py `python -m model_service.train`: tokenizer + model + record, written into one folder (demo/)
+__main__.py `python -m demo_build`: tokenizer + model + record, written into one folder (demo/)
 """

@@ -23,9 +23,8 @@ import numpy as np
 import sentencepiece
 
 from model_service.config import ModelConfig, model_config_to_dict
-from model_service.train import data, export, network
-from model_service.train.loop import LogEntry, TrainConfig, train
-from tokenizer_service import train_demo
+from demo_build import data, export, network, train_tokenizer
+from demo_build.loop import LogEntry, TrainConfig, train
 
 SAMPLE_PROMPTS = ("The gateway", "A request travels like this.", "The answer to life the universe and everything is")
 # Chat samples: these conversations rendered by the gateway's chat template, as /v1/chat/completions sends them.
@@ -48,7 +47,7 @@ def float_loss(model_cfg: ModelConfig, params: Any, tokens: np.ndarray, weights:
 
 def train_prefix(model_cfg: ModelConfig, train_cfg: TrainConfig, corpus_dir: pathlib.Path,
                  steps: int) -> tuple[LogEntry, ...]:
-    corpus = data.load_corpus(corpus_dir, train_demo.train(corpus_dir), train_cfg.holdout_every)
+    corpus = data.load_corpus(corpus_dir, train_tokenizer.train(corpus_dir), train_cfg.holdout_every)
     return train(model_cfg, train_cfg, corpus.train, corpus.train_starts, stop_after=steps).log
 
 
@@ -96,7 +95,7 @@ def _install(staging: pathlib.Path, out: pathlib.Path) -> None:
 
 def build(model_cfg: ModelConfig, train_cfg: TrainConfig, corpus_dir: pathlib.Path, out: pathlib.Path,
           config_name: str) -> dict[str, Any]:
-    tokenizer = train_demo.train(corpus_dir)
+    tokenizer = train_tokenizer.train(corpus_dir)
     corpus = data.load_corpus(corpus_dir, tokenizer, train_cfg.holdout_every)
     result = train(model_cfg, train_cfg, corpus.train, corpus.train_starts, report=_report)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +105,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, corpus_dir: pathlib.Pa
         export.write_trained_checkpoint(staging / "checkpoint", model_cfg, result.params)
         losses = _evaluate(model_cfg, result.params, corpus, staging / "checkpoint", train_cfg.seq_len)
         produced = {
-            "command": "python -m model_service.train --out " + str(out),
+            "command": "python -m demo_build --out " + str(out),
             "model_config": {"file": config_name, **model_config_to_dict(model_cfg)},
             "train_config": train_cfg.__dict__,
             "corpus": {"sha256": corpus_sha256(corpus_dir), "paragraphs": len(corpus.train_paragraphs)

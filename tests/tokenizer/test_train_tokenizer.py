@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import sentencepiece
 
-from tokenizer_service import train_demo
+from demo_build import train_tokenizer
 from tokenizer_service.tokenizer import Tokenizer
 
 
@@ -34,14 +34,14 @@ def test_demo_model_falls_back_to_bytes_and_round_trips(demo_sp: sentencepiece.S
 
 
 def test_training_is_deterministic(demo_model: pathlib.Path) -> None:
-    assert train_demo.train() == demo_model.read_bytes()
+    assert train_tokenizer.train() == demo_model.read_bytes()
 
 
 def test_corpus_is_30_to_80_kb_of_text_lines() -> None:
-    files = sorted(train_demo.CORPUS_DIR.glob("*.txt"))
+    files = sorted(train_tokenizer.CORPUS_DIR.glob("*.txt"))
     size = sum(f.stat().st_size for f in files)
     assert 30_000 <= size <= 80_000
-    assert len(list(train_demo.corpus_lines(train_demo.CORPUS_DIR))) > 100
+    assert len(list(train_tokenizer.corpus_lines(train_tokenizer.CORPUS_DIR))) > 100
 
 
 def test_stream_decoder_matches_decode_on_the_demo_model(demo_model: pathlib.Path) -> None:
@@ -52,20 +52,20 @@ def test_stream_decoder_matches_decode_on_the_demo_model(demo_model: pathlib.Pat
 
 
 def test_dialogues_are_rendered_by_the_gateways_chat_template() -> None:
-    dialogues = list(train_demo.dialogue_documents(train_demo.CORPUS_DIR))
+    dialogues = list(train_tokenizer.dialogue_documents(train_tokenizer.CORPUS_DIR))
     assert len(dialogues) >= 50
     assert dialogues[0] == ("User: What does the gateway do?\n\nAssistant: The gateway is the only part that clients "
                             "see. It validates input, applies limits, forwards deadlines, and maps errors to status "
                             "codes that a client can act on.")
     assert any(d.startswith("System: ") for d in dialogues)
-    assert list(train_demo.corpus_documents(train_demo.CORPUS_DIR))[-len(dialogues):] == dialogues
+    assert list(train_tokenizer.corpus_documents(train_tokenizer.CORPUS_DIR))[-len(dialogues):] == dialogues
 
 
 def test_a_served_chat_prompt_encodes_as_the_start_of_its_training_text(
         demo_sp: sentencepiece.SentencePieceProcessor) -> None:
     # The gateway sends the rendered prompt, ending in "Assistant:", alone: the model must have seen exactly
     # those ids at the start of the dialogue it learned, so the answer is what it learned to continue.
-    for dialogue in train_demo.dialogue_documents(train_demo.CORPUS_DIR):
+    for dialogue in train_tokenizer.dialogue_documents(train_tokenizer.CORPUS_DIR):
         prompt = dialogue[:dialogue.rindex("Assistant:") + len("Assistant:")]
         prompt_ids = demo_sp.encode(prompt)
         assert demo_sp.encode(dialogue)[:len(prompt_ids)] == prompt_ids, prompt

@@ -1,7 +1,7 @@
-"""`python -m tokenizer_service.train_demo --out PATH`: train the project's demo SentencePiece model.
+"""`python -m demo_build.train_tokenizer --out PATH`: train the project's demo SentencePiece model.
 
 The demo ("embedded default") stack needs a tokenizer that can be rebuilt from this repository
-alone. This trains one from the original English text in `demo_corpus/`: prose paragraphs (`*.txt`,
+alone. This trains one from the original English text in `corpus/`: prose paragraphs (`*.txt`,
 one per line) and question/answer dialogues (`*.jsonl`, one conversation per line) rendered through
 the gateway's default chat template exactly as `/v1/chat/completions` renders a request, followed by
 the assistant's answer. Both the tokenizer and the demo model learn from these documents, so the
@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 
 import sentencepiece
 
-CORPUS_DIR = pathlib.Path(__file__).resolve().parent / "demo_corpus"
+CORPUS_DIR = pathlib.Path(__file__).resolve().parent / "corpus"
 VOCAB_SIZE = 1024
 SPECIAL_PIECES = {"pad": (0, "[PAD]"), "bos": (1, "[BOS]"), "eos": (2, "[EOS]"), "unk": (3, "[UNK]")}
 
@@ -105,7 +105,7 @@ def write_atomically(data: bytes, out: pathlib.Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tokenizer_service.train_demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m demo_build.train_tokenizer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=pathlib.Path, help="where to write the .model file")
     parser.add_argument("--corpus", type=pathlib.Path, default=CORPUS_DIR,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import sentencepiece
 
-from tokenizer_service.train_demo import corpus_documents
+from demo_build.train_tokenizer import corpus_documents
 
 
 @dataclass(frozen=True)
