@@ -65,11 +65,11 @@ def otlp_endpoint(raw: str) -> str | None:
 def configure(service: str, endpoint: str | None) -> TracerProvider | None:
     """Install the SDK with an OTLP exporter to `endpoint` for `service`; with no endpoint, nothing.
 
-    Called once from a service's __main__, before the server starts. The batch processor's settings (OTEL_BSP_SCHEDULE_DELAY and
-    the rest) and the exporter's (OTEL_EXPORTER_OTLP_TIMEOUT, OTEL_EXPORTER_OTLP_CERTIFICATE...) are
-    OpenTelemetry's own environment variables.
+    Called once from a service's __main__, before the server starts. The batch processor's settings
+    (OTEL_BSP_SCHEDULE_DELAY and the rest), the exporter's (OTEL_EXPORTER_OTLP_TIMEOUT,
+    OTEL_EXPORTER_OTLP_CERTIFICATE...) and the sampler (OTEL_TRACES_SAMPLER) are OpenTelemetry's own
+    environment variables.
     """
-    global _provider
     if not endpoint:
         return None
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -85,7 +85,7 @@ def configure(service: str, endpoint: str | None) -> TracerProvider | None:
 
 
 def install(provider: TracerProvider) -> None:
-    """Make `provider` the process's tracer provider (configure's, or a test's with its own exporter)."""
+    """Make `provider` the process's tracer provider: spans are recorded from now on."""
     global _provider
     trace.set_tracer_provider(provider)
     _provider = provider
@@ -167,8 +167,3 @@ def end_call(span: trace.Span, code: grpc.StatusCode = grpc.StatusCode.OK, messa
             span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {message}" if message else code.name))
     span.end()
 
-
-def trace_id(span: trace.Span) -> str | None:
-    """The span's trace id as the W3C header and trace UIs write it (None: no valid context)."""
-    context = span.get_span_context()
-    return format(context.trace_id, "032x") if context.is_valid else None
