@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 from opentelemetry import trace
 
@@ -52,19 +52,9 @@ class RequestTrace:
         context = trace.set_span_in_context(parent if parent is not None else self.span)
         return tracing.tracer().start_span(name, context=context)
 
-    @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[trace.Span]:
+    def stage(self, name: str) -> contextlib.AbstractContextManager[trace.Span]:
         """A child span around a block; an exception leaving the block is recorded on it."""
-        span = self.start(name)
-        try:
-            yield span
-        except Exception as error:
-            if self.on:
-                span.record_exception(error)
-                span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
-            raise
-        finally:
-            span.end()
+        return _Stage(self.start(name)) if self.on else _OFF
 
     def metadata(self, metadata: Metadata, span: trace.Span) -> Metadata:
         """`metadata` for a call whose server spans are to be children of `span`."""
@@ -106,3 +96,22 @@ class RequestTrace:
         self.span.set_attributes({"gen_ai.usage.input_tokens": prompt_tokens,
                                   "gen_ai.usage.output_tokens": sum(completion_tokens),
                                   "gen_ai.response.finish_reasons": reasons})
+
+
+class _Stage(contextlib.AbstractContextManager[trace.Span]):
+    """A recording child span around a block, ended when the block is left."""
+
+    def __init__(self, span: trace.Span) -> None:
+        self.span = span
+
+    def __enter__(self) -> trace.Span:
+        return self.span
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _tb: object) -> None:
+        if isinstance(error, Exception):
+            self.span.record_exception(error)
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
+        self.span.end()
+
+
+_OFF = contextlib.nullcontext(trace.INVALID_SPAN)  # tracing off: a block with no span (reusable)
