@@ -49,6 +49,7 @@ class Span:
     attributes: dict[str, object]
     start_ns: int
     end_ns: int
+    error: str  # the status message of a span that ended in error ("" otherwise)
 
 
 def _value(any_value: object) -> object:
@@ -71,7 +72,8 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
             for scope_spans in resource_spans.scope_spans:
                 received += [Span(str(resource.get("service.name")), s.name, s.trace_id.hex(), s.span_id.hex(),
                                   s.parent_span_id.hex(), {a.key: _value(a.value) for a in s.attributes},
-                                  s.start_time_unix_nano, s.end_time_unix_nano)
+                                  s.start_time_unix_nano, s.end_time_unix_nano,
+                                  s.status.message if s.status.code == s.status.STATUS_CODE_ERROR else "")
                              for s in scope_spans.spans]
         with self._lock:
             self._spans += received
@@ -187,6 +189,24 @@ def test_a_grpc_request_is_one_trace_across_gateway_tokenizer_and_model(traced: 
     assert root.attributes["gen_ai.usage.output_tokens"] == reply.usage.completion_tokens == 4
     reasons = root.attributes["gen_ai.response.finish_reasons"]
     assert [v.string_value for v in reasons.values] == ["length"]  # type: ignore[union-attr]
+
+
+def test_a_refused_request_shows_its_status_and_the_failing_stage(traced: TracedStack) -> None:
+    with grpc.insecure_channel(traced.stack.address) as channel, pytest.raises(grpc.RpcError) as refused:
+        gateway_pb2_grpc.GatewayServiceStub(channel).Complete(
+            completion_request("In the beginning", max_tokens=4, temperature=-1.0),
+            metadata=(("x-request-id", "traced-refused"),), timeout=120)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    def call() -> Span | None:
+        return next((s for s in traced.collector.spans() if s.attributes.get("grok.request_id") == "traced-refused"
+                     and s.name == "grok.gateway.v1.GatewayService/Complete"), None)
+    span = wait_until(call, 30, message="the refused call's span never arrived")
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert span.error.startswith("INVALID_ARGUMENT: temperature")
+    [validate] = [s for s in traced.collector.trace(span.trace_id) if s.name == "validate"]
+    assert validate.parent_id == span.span_id and "temperature" in validate.error
+    assert {s.service for s in traced.collector.trace(span.trace_id)} == {"gateway"}  # nothing reached a backend
 
 
 def test_a_grpc_clients_traceparent_metadata_is_the_parent_of_the_gateway_span(traced: TracedStack) -> None:
