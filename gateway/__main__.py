@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from gateway.auth import load_keys
 from gateway.config import DETOKENIZE_MODES, GatewayConfig, HttpConfig, Limits
 from gateway.server import serve
-from serving_common import logs
+from serving_common import logs, tracing
 from serving_common.flags import EnvArgumentParser, port, positive_int
 from serving_common.tls import ChannelTLS, server_tls
 
@@ -91,6 +91,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                                  "token; see docs/benchmarks.md)")
     add_http_flags(parser)
     add_security_flags(parser)
+    tracing.add_flag(parser)
     args = parser.parse_args(argv)
     models = split_models(str(args.model))
     limits = Limits(max_prompt_bytes=args.max_prompt_bytes, max_stop=args.max_stop,
@@ -104,7 +105,8 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                              metrics_port=args.metrics_port, grace_seconds=args.grace_seconds,
                              log_level=args.log_level, limits=limits, http=http, detokenize=args.detokenize,
                              api_keys=load_keys(args.api_key, args.api_key_file),
-                             tls=server_tls(args.tls_cert, args.tls_key), backend_tls=backend_tls(args))
+                             tls=server_tls(args.tls_cert, args.tls_key), backend_tls=backend_tls(args),
+                             otlp_endpoint=args.otlp_endpoint)
     except ValueError as error:
         parser.error(str(error))
         raise
@@ -113,11 +115,14 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     logs.configure("gateway", config.log_level)
+    tracing.configure("gateway", config.otlp_endpoint)
     try:
         asyncio.run(serve(config))
     except OSError as error:  # a port in use or not on this machine: one line, no traceback
         logging.getLogger("gateway").error("startup failed", extra={"error": str(error)})
         return 2
+    finally:
+        tracing.shutdown()  # the last requests' spans
     return 0
 
 

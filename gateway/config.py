@@ -55,6 +55,7 @@ class GatewayConfig:
     # Where generated ids become text: "remote" (the tokenizer service's DecodeStream, per request) or
     # "local" (the same detokenizer in the gateway, over the piece table fetched from that service).
     detokenize: str = "remote"
+    otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (serving_common.tracing); None: off
 
     def __post_init__(self) -> None:
         if not self.tokenizer:

@@ -4,7 +4,8 @@
 Errors are raised as GatewayError (the shared interceptor turns them into statuses); whatever way the request
 ends, the model call and the detokenizer stream are cancelled, which frees the model's slot. Ids become
 text through the tokenizer service's DecodeStream, or in-process over its piece table with
-`--detokenize local` (gateway.detokenize: the same detokenizer, the same text).
+`--detokenize local` (gateway.detokenize: the same detokenizer, the same text). Each stage is a span
+of the request's trace (gateway.request_trace), and the calls carry its context to the services.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
+
 from gateway.clients import Metadata, ModelPool, TokenizerClient
 from gateway.config import Limits
 from gateway.detokenize import LocalDetokenizer, TextStream, texts_in_context
 from gateway.errors import down
 from gateway.metrics import GatewayMetrics
+from gateway.request_trace import RequestTrace
 from gateway.stops import Release, StopMatcher
 from gateway.validation import Plan, TextRequest, check_request, plan
 from grok.gateway.v1 import gateway_pb2
@@ -122,9 +126,12 @@ class Pipeline:
                      method: str) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         loop = asyncio.get_running_loop()
         progress = Progress(arrival=loop.time())
-        check_request(request, self.limits)
+        spans = RequestTrace(trace.get_current_span(), request_id, method)  # the call's or the HTTP request's
+        with spans.stage("validate"):
+            check_request(request, self.limits)
         metadata: Metadata = (("x-request-id", request_id),)
-        prompt_ids = await self.tokenizer.encode(request.prompt, deadline, metadata)
+        with spans.stage("encode") as encode:
+            prompt_ids = await self.tokenizer.encode(request.prompt, deadline, spans.metadata(metadata, encode))
         progress.tokenize_seconds = loop.time() - progress.arrival
         planned = plan(request, prompt_ids, await self.pool.info(deadline), self.limits)
         progress.prompt_tokens = len(planned.prompt_ids)
@@ -135,27 +142,35 @@ class Pipeline:
         # while the request waits in a model's queue; opened at the first token, it could find the
         # tokenizer already stopped.
         # Each reads the prompt first: its tokens' texts are texts in context.
+        spans.detokenize = spans.start("detokenize")
+        detokenize = spans.metadata(metadata, spans.detokenize)
         completions = [Completion(index, LocalDetokenizer(table, planned.prompt_ids) if table is not None
-                                  else self.tokenizer.detokenizer(deadline, metadata, planned.prompt_ids),
+                                  else self.tokenizer.detokenizer(deadline, detokenize, planned.prompt_ids),
                                   StopMatcher(request.sampling.stop),
                                   echo=request.prompt if request.sampling.echo else "")
                        for index in range(planned.n)]
+        spans.model = spans.start("model")
         try:
-            model_stream = await self.pool.generate(model_request(request, planned, request_id), deadline, metadata)
+            model_stream = await self.pool.generate(model_request(request, planned, request_id), deadline,
+                                                    spans.metadata(metadata, spans.model))
         except BaseException:
             for completion in completions:
                 completion.detokenizer.cancel()
+            spans.close(progress.prompt_tokens, [], [])
             raise
+        spans.model_started(model_stream.replica.address)
         try:
             async for reply in model_stream.responses():
+                spans.observe(reply)
                 if not 0 <= reply.index < len(completions) or completions[reply.index].done:
                     continue  # a completion a stop sequence ended: the model's further tokens for it are dropped
                 completion = completions[reply.index]
                 if reply.prompt_logprobs:  # each completion's first message carries the scored prompt
-                    scored = await self._scored_prompt(reply, planned.prompt_ids, table, deadline, metadata)
+                    scored = await self._scored_prompt(reply, planned.prompt_ids, table, deadline, detokenize)
                     for c in completions:
                         c.scored = list(scored)
-                async for message in self._advance(completion, reply, request, progress, method, deadline, metadata):
+                async for message in self._advance(completion, reply, request, progress, method, deadline,
+                                                   detokenize):
                     yield message
                 if all(c.done for c in completions):
                     break
@@ -169,6 +184,8 @@ class Pipeline:
             model_stream.close()
             for completion in completions:
                 completion.detokenizer.cancel()
+            spans.close(progress.prompt_tokens, [c.completion_tokens for c in completions],
+                        [c.finish for c in completions])
 
     async def _advance(self, completion: Completion, reply: model_pb2.GenerateResponse, request: TextRequest,
                        progress: Progress, method: str, deadline: float | None,

@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from gateway.clients import remaining
 from gateway.config import GatewayConfig
@@ -107,6 +108,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                    method: str) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Stream the pipeline's messages; end with the mapped status; count the request in metrics."""
         request_id = request_id_var.get()  # set by the shared interceptor
+        span = trace.get_current_span()  # the call's, opened by the shared interceptor (tracing on)
+        if span.is_recording():
+            span.set_attribute("gen_ai.request.model", self.config.http.model_name)
         loop = asyncio.get_running_loop()
         start = loop.time()
         code, finish = "OK", "NONE"

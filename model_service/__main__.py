@@ -13,7 +13,7 @@ import sys
 
 from model_service.config import ConfigError, MeshConfig
 from model_service.distributed import DistributedConfig
-from serving_common import logs
+from serving_common import logs, tracing
 from serving_common.flags import EnvArgumentParser, port, positive_int
 from serving_common.tls import add_server_flags, server_tls_from
 
@@ -123,6 +123,7 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level")
     add_server_flags(p)
+    tracing.add_flag(p)
     p.add_env_argument("--coordinator", default=None,
                        help="HOST:PORT of process 0's coordination service; process 0 binds exactly this address, "
                             "the others connect to it")
@@ -226,10 +227,13 @@ def main(argv: list[str] | None = None) -> int:
 
             code = run_follower(config)
         else:
+            tracing.configure("model", args.otlp_endpoint)  # only process 0 serves calls
             code = asyncio.run(serve(config))
     except (ConfigError, ValueError, OSError) as e:  # OSError: a port in use or not on this machine
         print(f"model_service: {e}", file=sys.stderr)
         code = 2
+    finally:
+        tracing.shutdown()  # the last requests' spans
     if dist is not None and code != 0:
         from model_service.distributed.follower import exit_now
 

@@ -21,8 +21,10 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
+from model_service.generate_trace import GenerateTrace
 from model_service.metrics import Metrics
 from model_service.requests import (
     Emission,
@@ -239,8 +241,10 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             raise invalid_argument("request_id", problem)
         rid = new_request_id(given=request.request_id) if request.request_id else request_id_var.get()
         code = grpc.StatusCode.OK
+        spans = GenerateTrace(trace.get_current_span())  # under the call's span (the shared interceptor's)
         try:
             async for response in self._stream(request, context, rid):
+                spans.observe(response)
                 yield response
         except SchedulerError as e:
             code = STATUS[e.kind]
@@ -253,6 +257,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             code = grpc.StatusCode.INTERNAL  # the interceptor logs it and answers INTERNAL
             raise
         finally:
+            spans.close(len(request.token_ids))
             self.metrics.rpc_done(code.name)
             log.info("generate finished", extra={"request_id": rid, "code": code.name,
                                                  "prompt_tokens": len(request.token_ids)})

@@ -12,7 +12,9 @@ For each call it
 - ends the call with the status `serving_common.errors.status_of` gives a raised `ServiceError` or
   `DomainError`, details included (`google.rpc.Status` with BadRequest / RetryInfo); anything else
   raised is INTERNAL, logged with its traceback and the
-  request id, and the process keeps serving.
+  request id, and the process keeps serving;
+- opens the call's span (serving_common.tracing) under the trace context of the caller's `traceparent`
+  metadata, current for the whole call and ended with its status (health and reflection calls have none).
 
 Servicers therefore raise and never call `context.abort` themselves. `install(interceptors)` adds it
 to the interceptors of a server created elsewhere.
@@ -26,13 +28,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, NoReturn
 
 import grpc
+from opentelemetry import trace
 
+from serving_common import tracing
 from serving_common.errors import DETAILS_KEY, ServiceError, invalid_argument, status_of
 from serving_common.logs import given_request_id, new_request_id, request_id_too_long, request_id_var
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_KEY = "x-request-id"
+# Health checks and reflection: infrastructure, polled all the time; a span each would bury the requests.
+UNTRACED = ("/grpc.health.", "/grpc.reflection.")
+Metadata = tracing.Metadata
 Behavior = Callable[..., Any]
 Start = Callable[[Any], Awaitable["_Call"]]
 
@@ -74,10 +81,22 @@ class _Call:
         self.method = method
         self.request_id = request_id
         self.context = context
+        self.span: trace.Span = trace.INVALID_SPAN
+        self.code: grpc.StatusCode | None = None  # set when the call ends with an error status
 
-    def begin(self) -> None:
+    def begin(self, metadata: Metadata | None) -> None:
         request_id_var.set(self.request_id)
         self.context.set_trailing_metadata(((REQUEST_ID_KEY, self.request_id),))
+        if not self.method.startswith(UNTRACED):
+            self.span = tracing.start_call(self.method, metadata, self.request_id)
+
+    def end(self, message: str = "") -> None:
+        """The call is over: end its span with its status (once)."""
+        if self.span is trace.INVALID_SPAN:
+            return
+        code = self.code or (grpc.StatusCode.CANCELLED if self.context.cancelled() else grpc.StatusCode.OK)
+        tracing.end_call(self.span, code, message)
+        self.span = trace.INVALID_SPAN
 
     async def refuse(self, malformed: _Malformed) -> NoReturn:
         error = malformed.error()
@@ -105,6 +124,8 @@ class _Call:
                                        f"(request id {self.request_id}); its logs have the details"))
 
     async def _abort(self, error: ServiceError) -> NoReturn:
+        self.code = error.code
+        self.end(error.message)
         trailers = ((DETAILS_KEY, error.status_proto().SerializeToString()), (REQUEST_ID_KEY, self.request_id))
         await self.context.abort(error.code, error.message, trailing_metadata=trailers)
         raise AssertionError("abort returned")  # pragma: no cover - abort always raises
@@ -137,21 +158,27 @@ def _wrap_unary_request(inner: Behavior, start: Start, streams: bool) -> Behavio
     if streams and inspect.isasyncgenfunction(inner):
         async def stream_out(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call = await start(context)
-            request = await _one_request(requests, call)
             try:
-                async for response in inner(request, context):
-                    yield response
-            except Exception as error:  # noqa: BLE001 - mapped to a status
-                await call.fail(error)
+                request = await _one_request(requests, call)
+                try:
+                    async for response in inner(request, context):
+                        yield response
+                except Exception as error:  # noqa: BLE001 - mapped to a status
+                    await call.fail(error)
+            finally:
+                call.end()
         return stream_out
 
     async def single(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
         call = await start(context)
-        request = await _one_request(requests, call)
         try:
-            return await inner(request, context)  # a response, or None for a context.write() stream
-        except Exception as error:  # noqa: BLE001 - mapped to a status
-            await call.fail(error)
+            request = await _one_request(requests, call)
+            try:
+                return await inner(request, context)  # a response, or None for a context.write() stream
+            except Exception as error:  # noqa: BLE001 - mapped to a status
+                await call.fail(error)
+        finally:
+            call.end()
     return single
 
 
@@ -164,6 +191,8 @@ def _wrap_stream_request(inner: Behavior, start: Start, streams: bool) -> Behavi
                     yield response
             except Exception as error:  # noqa: BLE001 - mapped to a status
                 await call.fail(error)
+            finally:
+                call.end()
         return stream_out
 
     async def single(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
@@ -172,6 +201,8 @@ def _wrap_stream_request(inner: Behavior, start: Start, streams: bool) -> Behavi
             return await inner(_checked(requests, call), context)
         except Exception as error:  # noqa: BLE001 - mapped to a status
             await call.fail(error)
+        finally:
+            call.end()
     return single
 
 
@@ -192,7 +223,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
         async def start(context: grpc.aio.ServicerContext) -> _Call:
             call = _Call(self.service, method, request_id, context)
-            call.begin()
+            call.begin(details.invocation_metadata)
             if too_long:
                 await call.refuse_id(too_long)
             return call

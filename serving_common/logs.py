@@ -1,4 +1,5 @@
-"""Structured logging: one JSON object per line on stderr, tagged with the current request id."""
+"""Structured logging: one JSON object per line on stderr, tagged with the current request id and, when a
+traced call is running, its trace id."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 import time
 import uuid
 from typing import Any
+
+from opentelemetry import trace
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -34,6 +37,10 @@ class JsonFormatter(logging.Formatter):
             "request_id": getattr(record, "request_id", None) or request_id_var.get(),
             "msg": record.getMessage(),
         }
+        # The trace beside the request id: a slow request's log lines lead to its spans (serving_common.tracing).
+        span = trace.get_current_span().get_span_context()
+        if span.is_valid:
+            entry["trace_id"] = format(span.trace_id, "032x")
         for key, value in vars(record).items():
             if key not in _RESERVED and key != "request_id" and not key.startswith("_"):
                 entry[key] = value

@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from serving_common import logs
+from serving_common import logs, tracing
 from serving_common.flags import EnvArgumentParser, port, positive_int
 from serving_common.tls import add_server_flags, server_tls_from
 from tokenizer_service.server import DEFAULT_PORT, TokenizerConfig, serve
@@ -44,21 +44,26 @@ def parse_args(argv: Sequence[str] | None = None) -> TokenizerConfig:
     parser.add_env_argument("--max-tokens", type=positive_int, default=1 << 20,
                             help="most ids per Decode call or DecodeStream message")
     add_server_flags(parser)
+    tracing.add_flag(parser)
     args = parser.parse_args(argv)
     tls = server_tls_from(parser, args)
     return TokenizerConfig(tls=tls, model_path=args.model, host=args.host, port=args.port,
                            grace_seconds=args.grace_seconds, max_text_bytes=args.max_text_bytes,
-                           max_batch=args.max_batch, max_tokens=args.max_tokens, log_level=args.log_level)
+                           max_batch=args.max_batch, max_tokens=args.max_tokens, log_level=args.log_level,
+                           otlp_endpoint=args.otlp_endpoint)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     logs.configure("tokenizer", config.log_level)
+    tracing.configure("tokenizer", config.otlp_endpoint)
     try:
         asyncio.run(serve(config))
     except (OSError, ValueError) as err:
         logging.getLogger("tokenizer_service").error("startup failed", extra={"error": str(err)})
         return 2
+    finally:
+        tracing.shutdown()  # the last calls' spans
     return 0
 
 

@@ -33,6 +33,7 @@ class TokenizerConfig:
     max_tokens: int = 1 << 20
     log_level: str = "info"
     tls: ServerTLS | None = None  # TLS, and mutual TLS when it names a client CA
+    otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (serving_common.tracing); None: off
 
     @property
     def limits(self) -> Limits:

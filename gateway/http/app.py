@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from fastapi.telemetry import TelemetryConfig
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -25,7 +26,7 @@ from gateway.auth import ApiKeys
 from gateway.errors import GatewayError
 from gateway.http.chat import ChatTemplate
 from gateway.http.errors import ApiError, from_gateway
-from gateway.http.flow import ClientGone, guarded, tracked
+from gateway.http.flow import ClientGone, guarded, request_span, tracked
 from gateway.http.mapping import completion_prompt, generate_request, top_logprobs
 from gateway.http.responses import Json, Shaper
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -211,7 +212,8 @@ class Routes:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ctx.timeout_seconds if self.ctx.timeout_seconds else None
         method = "http_chat_completions" if endpoint == "chat" else "http_completions"
-        source = guarded(request, tracked(self.ctx.pipeline, grpc_request, deadline, request_id, method))
+        span = request_span(request_id, self.ctx.model_name)
+        source = guarded(request, tracked(self.ctx.pipeline, grpc_request, deadline, request_id, method, span))
         shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body),
                         echo=grpc_request.sampling.echo, prompt_logprobs=body.prompt_logprobs is not None)
         headers = {"x-request-id": request_id}
@@ -259,10 +261,18 @@ class Routes:
         yield sse("[DONE]")
 
 
+# FastAPI's native OpenTelemetry spans, on when --otlp-endpoint installed a tracer provider: one server span
+# per request (under the client's traceparent) that the pipeline's spans hang from. No spans for its
+# internal steps (the pipeline's `validate` covers the request's checks) nor for health probes; no
+# exporters of its own from environment variables: --otlp-endpoint is the one switch.
+TELEMETRY: TelemetryConfig = {"operation_spans": False, "auto_configure": False,
+                              "exclude": lambda scope: scope.get("path") == "/health"}
+
+
 def create_app(ctx: HttpContext) -> FastAPI:
     """The OpenAI-compatible app; every route but /health needs the API key when keys are set."""
     app = FastAPI(title="grok-serve", description="OpenAI-compatible API of the grok-serve gateway",
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, telemetry=TELEMETRY)
     routes = Routes(ctx)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])

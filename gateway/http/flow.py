@@ -2,7 +2,8 @@
 
 `tracked` is the HTTP twin of GatewayServicer._run: it counts the request in the same metrics (method
 label `http_completions` / `http_chat_completions`), logs one line per request and turns an
-unexpected exception into INTERNAL with the request id. `guarded` stops the pipeline as soon as the
+unexpected exception into INTERNAL with the request id, and records the outcome on the request's span
+(`request_span`). `guarded` stops the pipeline as soon as the
 HTTP client goes away, which cancels the model call and frees its slot, also while the client waits
 for a non-streaming response.
 """
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import grpc
+from opentelemetry import trace
 from starlette.requests import Request
 
 from gateway.errors import GatewayError
@@ -31,9 +33,21 @@ class ClientGone(Exception):
     """The HTTP client disconnected before the response was complete."""
 
 
+def request_span(request_id: str, model: str) -> trace.Span:
+    """The HTTP request's span: FastAPI's own (a server span under the client's `traceparent`, current for
+    the whole request and ended with the response), named after the request here. With tracing off,
+    a non-recording one."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes({"grok.request_id": request_id, "gen_ai.request.model": model})
+    return span
+
+
 async def tracked(pipeline: Pipeline, request: gateway_pb2.GenerateRequest, deadline: float | None,
-                  request_id: str, method: str) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-    """The pipeline's messages; errors raised as GatewayError; metrics and a log line whatever happens."""
+                  request_id: str, method: str,
+                  span: trace.Span = trace.INVALID_SPAN) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """The pipeline's messages; errors raised as GatewayError; metrics, a log line and the outcome on the
+    request's `span` whatever happens."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     code, finish = "OK", "NONE"
@@ -61,6 +75,10 @@ async def tracked(pipeline: Pipeline, request: gateway_pb2.GenerateRequest, dead
         pipeline.metrics.finished(method, code, finish, seconds)
         log.info("http", extra={"method": method, "code": code, "finish_reason": finish,
                                 "ms": round(seconds * 1000, 3)})
+        if span.is_recording():  # a stream that fails after its 200 still shows as failed
+            span.set_attribute("grok.code", code)
+            if code != "OK":
+                span.set_status(trace.Status(trace.StatusCode.ERROR, code))
 
 
 async def _disconnected(request: Request) -> None:

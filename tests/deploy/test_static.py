@@ -224,3 +224,41 @@ def test_multiprocess_profile_settings_parse_with_the_model_service_flags(
                 m.setenv(key, str(value))
             args = parser().parse_args([])
         assert (args.coordinator, int(args.num_processes), int(args.process_id)) == ("model-leader:8476", 2, process_id)
+
+
+@pytest.fixture(scope="module")
+def tracing() -> dict:
+    return resolved_config(COMPOSE_FILE, env={"COMPOSE_PROFILES": "tracing", "GROK_OTLP_ENDPOINT": "http://jaeger:4317"})
+
+
+def test_tracing_profile_is_off_by_default_and_passes_compose_config(default: dict) -> None:
+    assert "jaeger" not in default["services"]
+    for name in SERVICES:
+        assert default["services"][name]["environment"][f"GROK_{name.upper()}_OTLP_ENDPOINT"] == ""  # no traces
+    done = run_compose((COMPOSE_FILE,), "--profile", "tracing", "config", "-q")
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr
+
+
+def test_tracing_profile_runs_jaeger_with_its_ui_and_otlp_port_on_the_publish_address(tracing: dict) -> None:
+    jaeger = tracing["services"]["jaeger"]
+    assert jaeger["image"].startswith("jaegertracing/jaeger:2.")  # v2: OTLP built in, one image
+    assert jaeger["environment"]["JAEGER_LISTEN_HOST"] == "0.0.0.0"
+    assert {(p["host_ip"], p["published"], p["target"]) for p in jaeger["ports"]} == {
+        ("127.0.0.1", "16686", 16686), ("127.0.0.1", "4317", 4317)}
+
+
+def test_every_service_sends_traces_to_the_endpoint_given_and_parses_it_with_its_flag(
+        tracing: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.__main__ import parse_config
+    from model_service.__main__ import parser
+    from tokenizer_service.__main__ import parse_args
+
+    parse = {"tokenizer": lambda: parse_args([]).otlp_endpoint, "gateway": lambda: parse_config([]).otlp_endpoint,
+             "model": lambda: parser().parse_args([]).otlp_endpoint}
+    for name in SERVICES:
+        env = tracing["services"][name]["environment"]
+        assert env[f"GROK_{name.upper()}_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, str(value))
+            assert parse[name]() == "http://jaeger:4317"
