@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.sampled:
         return {**_engine_step(args, cfg, mesh, model, params, active_slots), "prefill_ms":
                 round(statistics.median(prefill_times) * 1e3, 3), "prefill_compile_s": round(prefill_compile, 3)}
-    decode = jax.jit(lambda *a: model.decode(*a, tile=tile, tiles_to_run=tiles), donate_argnums=2,
+    decode = jax.jit(lambda p, t, m, a: model.decode(p, t, m, None, a, tile=tile, tiles_to_run=tiles), donate_argnums=2,
                      out_shardings=(None, mem_sh))
     decode_c, decode_compile = _timed(lambda: decode.lower(params, step_tokens, memory, active).compile())
     (_, memory), _ = _timed(lambda: decode_c(params, step_tokens, memory, active))
