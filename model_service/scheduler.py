@@ -220,8 +220,9 @@ class Scheduler:
             run = self._active[o.slot]
             self._end(run.handle, now, run.generated)
             self._release(o.slot, free=False)
-        for o in plan.end_prefilling:  # never activated: the next prefill into the slot overwrites what it wrote
+        for o in plan.end_prefilling:  # never activated; its KV blocks go back now
             self._end(self._prefilling.pop(o.slot).run.handle, now)
+            self._state = self.engine.free_slot(self._state, o.slot)
         for w in plan.end_waiting:
             self._end(handles[w.ref], now, reclaimed=False)
         for admit in plan.admit:
