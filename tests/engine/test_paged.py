@@ -36,8 +36,20 @@ def cached() -> Engine:
 
 
 @pytest.fixture(scope="module")
-def uncached() -> Engine:
-    return paged_engine(prefix_caching=False)
+def small(cached: Engine) -> Engine:
+    """The golden weights with 16-token key chunks (a step reads 1 to 8 chunks as its longest sequence needs) and
+    a pool of 256 tokens: two full contexts."""
+    from model_service.model import GrokModel
+
+    m = cached.model
+    model = GrokModel(m.cfg, m.mesh, m.dtype, m.products, block_size=8, key_chunk=16)
+    return Engine(model, cached.params, m.cfg, cached.mesh, 4, cached.buckets, prefill_chunk=8, kv_blocks=32)
+
+
+def caching_off(engine: Engine) -> Engine:
+    """The same engine (same programs) with prefix caching off from its next init_decode_state."""
+    engine.prefix_caching = False
+    return engine
 
 
 @dataclass
@@ -91,16 +103,22 @@ def shared_prefix_prompts(base: list[int], vocab: int, rng: random.Random) -> li
     return [base] + [base + tail for tail in tails] + [base]
 
 
-def test_golden_prompts_with_the_cache_on_and_off_give_identical_seeded_outputs(cached: Engine, uncached: Engine,
+def test_golden_prompts_with_the_cache_on_and_off_give_identical_seeded_outputs(cached: Engine,
                                                                                 running: Runner) -> None:
+    engine = cached
     rng = random.Random(3)
     prompts = [p for case in golden_requests() for p in shared_prefix_prompts(case["prompt_ids"], 512, rng)]
-    on, off = running(cached), running(uncached)
+    on = running(engine)
     with_cache = one_by_one(on, prompts)
-    assert with_cache == one_by_one(off, prompts)
-    usage = cached.kv_usage()
+    usage = engine.kv_usage()
     assert usage.hits > 0.4 * usage.queries  # most of each prompt after its first run came from the cache
-    assert uncached.kv_usage().hits == 0 and usage.used == 0
+    assert usage.used == 0
+    on.stop()
+    try:
+        assert one_by_one(running(caching_off(engine)), prompts) == with_cache
+        assert engine.kv_usage().hits == 0
+    finally:
+        engine.prefix_caching = True  # from the next init_decode_state (the next scheduler's start)
 
 
 def test_golden_requests_reproduce_the_reference_when_their_prompt_is_cached(cached: Engine, running: Runner) -> None:
@@ -114,29 +132,29 @@ def test_golden_requests_reproduce_the_reference_when_their_prompt_is_cached(cac
 
 
 def test_golden_wide_prompts_with_the_cache_on_and_off_give_identical_seeded_outputs(running: Runner) -> None:
-    def wide(caching: bool) -> Engine:
-        config = golden_server_config(config=str(WIDE / "config.json"), checkpoint=str(WIDE / "checkpoint"),
-                                      slots=2, buckets=(64,), block_size=4, prefill_chunk=4, prefix_caching=caching)
-        cfg, buckets = resolve(config)
-        return build_engine(config, cfg, buckets)
-
+    config = golden_server_config(config=str(WIDE / "config.json"), checkpoint=str(WIDE / "checkpoint"),
+                                  slots=2, buckets=(64,), block_size=4, prefill_chunk=4)
+    cfg, buckets = resolve(config)
+    engine = build_engine(config, cfg, buckets)
     rng = random.Random(4)
     prompts = [p for case in WIDE_CASES for p in shared_prefix_prompts(case["prompt_ids"], 131072, rng)][:10]
-    on, off = wide(True), wide(False)
-    assert one_by_one(running(on), prompts, 8) == one_by_one(running(off), prompts, 8)
-    assert on.kv_usage().hits > 0
+    on = running(engine)
+    with_cache = one_by_one(on, prompts, 8)
+    assert engine.kv_usage().hits > 0
+    on.stop()
+    assert one_by_one(running(caching_off(engine)), prompts, 8) == with_cache
 
 
-def test_preempted_requests_end_exactly_as_they_would_alone(running: Runner) -> None:
-    """A pool of one full context (128 tokens) for four requests that grow to 80 tokens each: admission waits for
-    blocks, running requests are preempted and recomputed, and every request's tokens equal its solo run."""
-    engine = paged_engine(kv_tokens=128)
+def test_preempted_requests_end_exactly_as_they_would_alone(small: Engine, running: Runner) -> None:
+    """A pool of 256 tokens for four requests that grow to 85-110 tokens each: admission waits for blocks,
+    running requests are preempted and recomputed, and every request's tokens equal its solo run."""
+    engine = small
     rng = random.Random(6)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(12, 30))] for _ in range(4)]
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(20, 45))] for _ in range(4)]
     metrics = Counting()
     scheduler = running(engine, metrics=metrics)
-    solo = one_by_one(scheduler, prompts, max_tokens=56)
-    together = [submit(scheduler, p, seed=40 + i, max_tokens=56) for i, p in enumerate(prompts)]
+    solo = one_by_one(scheduler, prompts, max_tokens=65)
+    together = [submit(scheduler, p, seed=40 + i, max_tokens=65) for i, p in enumerate(prompts)]
     for r in together:
         assert r.done.wait(300) and r.error is None, r.error
     assert metrics.preemptions > 0
@@ -170,14 +188,9 @@ def test_samples_of_one_prompt_share_its_full_blocks(cached: Engine) -> None:
     assert cached.kv_usage().used == 0
 
 
-def test_a_long_neighbour_moving_to_longer_contexts_changes_no_other_request(running: Runner) -> None:
+def test_a_long_neighbour_moving_to_longer_contexts_changes_no_other_request(small: Engine, running: Runner) -> None:
     """16-token key chunks: a step reads as many chunks as its longest sequence fills (1 to 8)."""
-    from model_service.model import GrokModel
-
-    base = paged_engine()
-    model = GrokModel(base.model.cfg, base.mesh, base.model.dtype, base.model.products, block_size=8, key_chunk=16)
-    engine = Engine(model, base.params, base.model.cfg, base.mesh, 4, base.buckets, prefill_chunk=8)
-    scheduler = running(engine)
+    scheduler = running(small)
     short, long_ = list(range(40, 50)), [random.Random(8).randrange(3, 512) for _ in range(60)]
     alone = one_by_one(scheduler, [short], max_tokens=40)[0]
     a = submit(scheduler, short, seed=40, max_tokens=40)
