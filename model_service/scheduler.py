@@ -223,6 +223,7 @@ class Scheduler:
         for o in plan.end_prefilling:  # never activated; its KV blocks go back now
             self._end(self._prefilling.pop(o.slot).run.handle, now)
             self._state = self.engine.free_slot(self._state, o.slot)
+            self._observe_kv()
         for w in plan.end_waiting:
             self._end(handles[w.ref], now, reclaimed=False)
         for admit in plan.admit:
@@ -355,7 +356,7 @@ class Scheduler:
                 self._finish_in_flight()
                 return
             self._state, pending = self.engine.generate(self._state)
-            self.metrics.observe_kv(self.engine.kv_usage())
+            self._observe_kv()
         except Exception as e:
             self._step_failed(e)
             return
@@ -473,8 +474,12 @@ class Scheduler:
             self.guidance.advance(act, token)
         return False
 
+    def _observe_kv(self) -> None:
+        self.metrics.observe_kv(self.engine.kv_usage())
+
     def _release(self, slot: int, free: bool = True) -> None:
         self._state = self.engine.free_slot(self._state, slot)
+        self._observe_kv()
         with self._cond:
             self._active.pop(slot, None)
             self.metrics.set_active(len(self._active))

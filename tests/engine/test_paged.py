@@ -198,3 +198,12 @@ def test_a_long_neighbour_moving_to_longer_contexts_changes_no_other_request(sma
     for r in (a, b):
         assert r.done.wait(120) and r.error is None
     assert a.tokens == alone
+
+
+def test_the_kv_metrics_follow_requests_that_end(cached: Engine, running: Runner) -> None:
+    metrics = Counting()
+    scheduler = running(cached, metrics=metrics)
+    r = submit(scheduler, list(range(20, 50)), seed=1, max_tokens=5)
+    assert r.done.wait(60) and r.error is None
+    wait_until(lambda: metrics.usage is not None and metrics.usage.used == 0, timeout=10,
+               message=lambda: f"the last KV usage reported: {metrics.usage}")
