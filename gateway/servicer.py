@@ -27,6 +27,14 @@ log = logging.getLogger(__name__)
 
 # grpc.aio reports "no deadline" as a remaining time of centuries.
 NO_DEADLINE_SECONDS = 1e8
+# gRPC cancels a call at its deadline by its own timer: the handler, cancelled then, may still read a hair of time
+# remaining (measured: 1,002 ms into a 1 s call, logged as CANCELLED).
+DEADLINE_SLACK_SECONDS = 0.05
+
+
+def cancellation_code(left: float | None) -> str:
+    """How a call whose handler was cancelled ended, from its time remaining then: its deadline, or the client."""
+    return "DEADLINE_EXCEEDED" if left is not None and left <= DEADLINE_SLACK_SECONDS else "CANCELLED"
 
 
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
@@ -124,8 +132,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             code = error.code.name
             raise
         except asyncio.CancelledError:
-            left = context.time_remaining()
-            code = "DEADLINE_EXCEEDED" if left is not None and left <= 0 else "CANCELLED"
+            code = cancellation_code(context.time_remaining())
             raise
         except Exception:
             code = "INTERNAL"  # the interceptor logs it with its traceback

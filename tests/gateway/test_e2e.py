@@ -10,6 +10,7 @@ import json
 import pathlib
 import re
 import signal
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 
@@ -122,18 +123,25 @@ def test_cancelling_a_stream_frees_the_model_slot(golden_stack: Stack) -> None:
 def test_deadline_reaches_the_model_through_the_gateway_and_frees_the_slot(golden_stack: Stack) -> None:
     reclaimed = model_metric(golden_stack, RECLAIMED.format("deadline"))
     generated = model_metric(golden_stack, "grok_model_generated_tokens_total")
+    expired = ended(golden_stack.gateway, "DEADLINE_EXCEEDED")  # before the call: on a slow box its first
+    started = time.monotonic()  # token may come just before its deadline
     with GatewayClient(golden_stack.address) as client:
         stream = client.generate("In the beginning", max_tokens=120, ignore_eos=True, timeout=1.0)
         next(stream)
-        expired = ended(golden_stack.gateway, "DEADLINE_EXCEEDED")
-        with frozen(golden_stack.models[0]):  # the deadline passes while the model cannot run
+        with frozen(golden_stack.models[0]):  # the deadline passes while the model cannot run (or has passed)
             wait_until(gateway_ended(golden_stack.gateway, "DEADLINE_EXCEEDED", expired), 10,
-                       message="the gateway never ended the call at its deadline")
+                       message=lambda: "the gateway never ended the call at its deadline; its last calls: "
+                       + str([r for r in golden_stack.gateway.log_records() if r.get("msg") == "rpc"][-2:]))
+            # The model's copy of the deadline lies a transit time (and two processes' clocks) later than the
+            # gateway's: keep it stopped until that has surely passed too, so it wakes past its deadline.
+            wait_until(lambda: time.monotonic() > started + 1.3, 5)
         with pytest.raises(grpc.RpcError) as caught:
             list(stream)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     # Reclaimed for the deadline (the gateway passed it on), not as a plain cancellation.
-    wait_until(lambda: model_metric(golden_stack, RECLAIMED.format("deadline")) == reclaimed + 1, 10)
+    wait_until(lambda: model_metric(golden_stack, RECLAIMED.format("deadline")) == reclaimed + 1, 10,
+               message=lambda: f"reclaimed for the deadline {model_metric(golden_stack, RECLAIMED.format('deadline'))}"
+               f" (before: {reclaimed}), as cancelled {model_metric(golden_stack, RECLAIMED.format('cancelled'))}")
     assert model_metric(golden_stack, "grok_model_generated_tokens_total") - generated < 120
 
 
