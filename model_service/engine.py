@@ -29,8 +29,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +37,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model_service.config import ModelConfig
-from model_service.kv_blocks import KVBlocks, KVUsage, OutOfBlocks
+from model_service.engine_state import (
+    ChunkedPrefill,
+    DecodeState,
+    PendingStep,
+    Prefilled,
+    Prefix,
+    PromptLogprobs,
+    StepOutput,
+)
+from model_service.kv_blocks import KVBlocks, KVUsage
 from model_service.logits_processing import (
     Controls,
     History,
@@ -58,7 +66,6 @@ from model_service.sampling import (
     split_key,
     split_keys,
 )
-from model_service.requests import ErrorKind, SchedulerError
 from model_service.sampling_settings import GREEDY, SamplingSettings
 from model_service.sharding import DATA
 
@@ -67,93 +74,6 @@ log = logging.getLogger(__name__)
 CPU_ROW_TILE = 8  # rows per decode tile on CPU: one tile streams the weights once for up to 8 requests
 PREFILL_CHUNK = 64  # prompts longer than this are prefilled this many tokens at a time, between decode steps
 COMPILE_SETTINGS = SamplingSettings(temperature=1.0, top_logprobs=TOP_K)  # compile_all's (values are traced)
-
-
-class DecodeState(NamedTuple):
-    """Everything the decode step reads and writes, for all slots."""
-
-    memory: Any  # the model's Memory pytree, batch = slots
-    tokens: jax.Array  # [B] int32, each slot's last sampled token (the next step's input)
-    keys: jax.Array  # [B, 2] uint32, each slot's PRNG key (split before every draw)
-    sampling: SamplingParams  # [B] / [B, V]
-    controls: Controls  # [B] / [B, MAX_LOGIT_BIAS]: the sampling controls (logits_processing.py)
-    history: History  # [B, V]: prompt tokens and generated-token counts, for the penalties
-
-
-class Prefix(NamedTuple):
-    """One prefilled prompt, ready to be inserted into a slot."""
-
-    memory: Any  # Memory, batch 1
-    token: jax.Array  # [] int32, the first sampled token
-    key: jax.Array  # [2] uint32, the key to split for the next draw
-    sampling: SamplingParams  # [1] / [1, V]
-    controls: Controls  # batch 1
-    history: History  # [1, V], the first token already counted
-    logits: jax.Array  # [1, V] float32, the prompt's last logits: `resample` draws more first tokens from them
-
-
-@dataclass(frozen=True)
-class Prefilled:
-    """What `prefill` / `resample` return for `insert`: the device prefix and, on the host, the prompt length
-    and which prefill it came from (the samples of one prefill share the prompt's full KV blocks)."""
-
-    prefix: Prefix
-    length: int
-    origin: int
-
-
-@dataclass
-class ChunkedPrefill:
-    """A prompt being prefilled chunk by chunk straight into its slot (Engine.begin_prefill)."""
-
-    tokens: np.ndarray  # [n_chunks * C] int32, the prompt padded to whole chunks
-    length: int
-    slot: int
-    seed: int
-    sampling: SamplingSettings
-    next_start: int = 0
-
-
-@dataclass(frozen=True)
-class PromptLogprobs:
-    """Host arrays scoring a prompt's tokens 1..n-1 (each after the tokens before it) under the raw logits."""
-
-    logprob: np.ndarray  # [n-1] float32, of the prompt's own next token
-    top_ids: np.ndarray  # [n-1, TOP_K] int32, most likely first
-    top_logprobs: np.ndarray  # [n-1, TOP_K] float32
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """Host copy of a SampleResult: what the scheduler reads after each prefill or decode step."""
-
-    token: np.ndarray  # [B] int32
-    prob: np.ndarray  # [B] float32
-    top_ids: np.ndarray  # [B, TOP_K] int32
-    top_probs: np.ndarray  # [B, TOP_K] float32
-    bad: np.ndarray  # [B] bool
-    prompt: PromptLogprobs | None = None  # a prefill's prompt logprobs, when asked for
-
-    @classmethod
-    def from_device(cls, result: SampleResult) -> "StepOutput":
-        host = jax.device_get(result)
-        return cls(host.token, host.prob, host.top_ids, host.top_probs, host.bad)
-
-
-class PendingStep:
-    """A decode step's result on its way to the host; `get()` waits for it (once) and returns a StepOutput."""
-
-    def __init__(self, result: SampleResult) -> None:
-        for leaf in jax.tree.leaves(result):
-            leaf.copy_to_host_async()
-        self._result: SampleResult | None = result
-        self._output: StepOutput | None = None
-
-    def get(self) -> StepOutput:
-        if self._output is None:
-            assert self._result is not None
-            self._output, self._result = StepOutput.from_device(self._result), None
-        return self._output
 
 
 def choose_buckets(buckets: Sequence[int], sequence_len: int) -> tuple[int, ...]:
@@ -378,7 +298,7 @@ class Engine:
         sample of the same prefill), its KV copied in, the slot decoding."""
         n, origin = prefilled.length, prefilled.origin
         sibling = next((s for s in range(self.slots) if s != slot and self._origin[s] == origin), None)
-        self._claim(lambda: self.kv.assign(slot, n, sibling, n if sibling is not None else 0))
+        self.kv.assign(slot, n, sibling, n if sibling is not None else 0)
         state = self._insert(prefilled.prefix, state, np.int32(slot), self.kv.table()[slot])
         self._positions[slot], self._live[slot], self._origin[slot] = n, True, origin
         return state
@@ -400,7 +320,7 @@ class Engine:
         c, n = self.prefill_chunk, len(tokens)
         padded = np.full((-(-n // c) * c,), self.pad_id, np.int32)
         padded[:n] = tokens
-        start = self._claim(lambda: self.kv.assign_prompt(slot, padded[:n].tolist()))
+        start = self.kv.assign_prompt(slot, padded[:n].tolist())
         self._live[slot], self._origin[slot] = False, -1
         return ChunkedPrefill(padded, n, slot, seed, sampling, next_start=start)
 
@@ -443,10 +363,10 @@ class Engine:
     def generate(self, state: DecodeState) -> tuple[DecodeState, PendingStep]:
         """Dispatch one decode step for the active slots; returns at once with the new state and the step's
         tokens on their way to the host (`PendingStep.get()`). Each active slot gets a block first if its
-        next token starts one (blocks_short() must be 0; else OutOfBlocks, RESOURCE_EXHAUSTED)."""
+        next token starts one (blocks_short() must be 0; else kv_blocks.OutOfBlocks, RESOURCE_EXHAUSTED)."""
         live = [s for s in range(self.slots) if self._live[s]]
         for slot in live:
-            self._claim(lambda slot=slot: self.kv.grow(slot, self._next_len(slot)))
+            self.kv.grow(slot, self._next_len(slot))
         state, result = self._generate(self.params, state, self.kv.table())
         for slot in live:
             self._positions[slot] = self._next_len(slot)
@@ -465,13 +385,6 @@ class Engine:
     def _next_len(self, slot: int) -> int:
         """Positions the slot holds after its next decode step (its token is written at its position)."""
         return min(self._positions[slot] + 1, self.sequence_len)
-
-    @staticmethod
-    def _claim(allocate: Any) -> Any:
-        try:
-            return allocate()
-        except OutOfBlocks as e:
-            raise SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, f"KV memory is full: {e}; retry later") from e
 
     def compile_all(self) -> dict[str, float]:
         """Compile (by running) every bucket's prefill, insert and resample, the prefill chunks, the decode step and

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -95,6 +96,13 @@ def deadline_error() -> SchedulerError:
     return SchedulerError(ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
 
 
+def kv_full_error(samples: int) -> SchedulerError:
+    """A request whose samples alone outgrew the KV pool (nothing else left to preempt)."""
+    return SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, f"the KV memory cannot hold this request's {samples} "
+                          "samples at this length; ask for fewer samples or tokens, or start the service with more "
+                          "--kv-tokens")
+
+
 class RequestHandle:
     """The caller's side of a submitted request: cancel it from any thread."""
 
@@ -114,6 +122,12 @@ class RequestHandle:
         self.seed: int | None = None  # the seed its first admission drew with
         self.delivered: dict[int, list[int]] = {}  # sample index -> token ids delivered so far
         self.finished_samples: set[int] = set()
+
+    def draw_seed(self) -> int:
+        """The request's seed; one drawn at random is kept, so a preempted request draws the same tokens again."""
+        if self.seed is None:
+            self.seed = self.request.seed if self.request.seed is not None else secrets.randbits(32)
+        return self.seed
 
     def cancel(self) -> None:
         """Leave the waiting queue at once, or free the slot at the next step boundary (no-op once done)."""
@@ -160,3 +174,9 @@ class RequestHandle:
             self._emit(emission)
         except Exception:  # a broken consumer must not take the decode thread down
             log.exception("emit failed", extra={"request_id": self.request.request_id})
+
+
+def engine_failure(error: Exception, message: str) -> SchedulerError:
+    """An engine may raise a SchedulerError to choose the status (e.g. UNAVAILABLE when it can no longer run);
+    anything else is INTERNAL with `message`."""
+    return error if isinstance(error, SchedulerError) else SchedulerError(ErrorKind.INTERNAL, message)

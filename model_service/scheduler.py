@@ -18,25 +18,25 @@ from __future__ import annotations
 
 import collections
 import logging
-import secrets
 import threading
 import time
 from typing import Any
 
-from model_service.engine_api import EngineLike, StepOutputLike
+from model_service.delivery import Delivery
+from model_service.engine_api import EngineLike
 from model_service.guided import Guidance
 from model_service.loop_state import Heartbeat, InFlight, Prefilling, Running, SchedulerMetrics
-from model_service.plan import Occupant, Policy, StepPlan, View, Waiting, finish_reason, prompt_out, schedule, token_out
+from model_service.plan import Occupant, Policy, StepPlan, View, Waiting, prompt_out, schedule
 from model_service.requests import (
     Emission,
     EmitFn,
     ErrorKind,
-    FinishReason,
     GenerationRequest,
     RequestHandle,
     SchedulerError,
-    TokenOut,
     cancelled_error,
+    engine_failure,
+    kv_full_error,
 )
 from model_service.structured import GrammarCompiler
 from model_service.validation import validate
@@ -59,6 +59,7 @@ class Scheduler:
         self.guidance = Guidance(engine, grammars)  # structured output (constraints)
         self.max_queue = max_queue
         self.metrics = metrics or SchedulerMetrics()
+        self.delivery = Delivery(engine, self.metrics, self.guidance)  # a step's tokens to their requests
         self.policy = Policy(engine.slots, prefills_per_step, prefill_token_budget)
         self._cond = threading.Condition()
         self._queue: collections.deque[RequestHandle] = collections.deque()
@@ -116,11 +117,6 @@ class Scheduler:
     def validate(self, request: GenerationRequest) -> None:
         """Raise INVALID_ARGUMENT for anything the engine could not serve as asked."""
         validate(request, self.engine)
-        need, pool = self.engine.blocks_needed(len(request.prompt), request.n), self.engine.num_blocks
-        if need > pool:
-            raise SchedulerError(ErrorKind.INVALID_ARGUMENT, f"n: {request.n} samples of a {len(request.prompt)}-token "
-                                 f"prompt take {need} KV blocks and the pool has {pool}: ask for fewer samples or "
-                                 "a shorter prompt")
 
     def heartbeat(self) -> Heartbeat:
         with self._cond:
@@ -256,7 +252,7 @@ class Scheduler:
     def _prefill(self, handle: RequestHandle, slots: list[int]) -> None:
         """One prefill for the request; each of its samples draws its own first token from it into its slot."""
         req = handle.request
-        seed = self._seed(handle)
+        seed = handle.draw_seed()
         admitted = time.monotonic()
         try:
             prefix, out = self.engine.prefill(req.prompt, self.guidance.first_sampling(handle), seed=seed,
@@ -280,7 +276,7 @@ class Scheduler:
             act.prefill_seconds = prefill_seconds
             act.skip = len(handle.delivered.get(index, ()))
             scored = prompt_out(req, out) if index == 0 and not act.skip else None
-            if handle.done.is_set() or self._deliver(act, first, 0, scored):
+            if handle.done.is_set() or self.delivery.deliver(act, first, 0, scored):
                 self._return_slot(slot)
                 continue
             self._state = self.engine.insert(sample, self._state, slot)
@@ -290,7 +286,7 @@ class Scheduler:
 
     def _begin_chunked(self, handle: RequestHandle, slot: int) -> None:
         req = handle.request
-        seed = self._seed(handle)
+        seed = handle.draw_seed()
         try:
             job = self.engine.begin_prefill(req.prompt, self.guidance.first_sampling(handle), slot=slot, seed=seed)
         except Exception as e:
@@ -301,18 +297,12 @@ class Scheduler:
         run.skip = len(handle.delivered.get(0, ()))
         self._prefilling[slot] = Prefilling(run, job)
 
-    @staticmethod
-    def _seed(handle: RequestHandle) -> int:
-        """The request's seed; one drawn at random is kept, so a preempted request draws the same tokens again."""
-        if handle.seed is None:
-            req = handle.request
-            handle.seed = req.seed if req.seed is not None else secrets.randbits(32)
-        return handle.seed
+
 
     def _prefill_failed(self, handle: RequestHandle, error: Exception) -> None:
         rid = handle.request.request_id
         log.exception("prefill failed", extra={"request_id": rid})
-        failure = _engine_error(error, f"prefill failed (request {rid})")
+        failure = engine_failure(error, f"prefill failed (request {rid})")
         handle.emit(Emission((), 0, len(handle.request.prompt), error=failure))
 
     def _advance_prefills(self, slots: tuple[int, ...]) -> None:
@@ -335,7 +325,7 @@ class Scheduler:
             run = job.run
             run.prefill_seconds = time.monotonic() - run.admitted_at
             self.metrics.observe_prefill(run.prefill_seconds)
-            if self._deliver(run, out, 0):
+            if self.delivery.deliver(run, out, 0):
                 self._release(slot)
                 continue
             with self._cond:
@@ -373,12 +363,9 @@ class Scheduler:
             alone = len(slots) == len(self._active)
             for slot in slots:
                 self._release(slot)
-            if alone:
-                act_error = SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, "the KV memory cannot hold this request's "
-                                           f"{youngest.request.n} samples at this length; ask for fewer samples or "
-                                           "tokens, or start the service with more --kv-tokens")
-                youngest.fail(act_error, sum(len(t) for t in youngest.delivered.values()))
-                continue
+            if alone:  # nothing else to preempt
+                youngest.fail(kv_full_error(youngest.request.n), sum(len(t) for t in youngest.delivered.values()))
+                return
             log.info("preempted", extra={"request_id": youngest.request.request_id})
             self.metrics.preempted()
             with self._cond:
@@ -414,65 +401,14 @@ class Scheduler:
                 continue
             act.steps += 1
             act.step_seconds += seconds
-            if self._deliver(act, out, slot):
+            if self.delivery.deliver(act, out, slot):
                 self._release(slot)
 
     def _step_failed(self, error: Exception) -> None:
         log.exception("decode step failed")
         self._in_flight = None
-        failure = _engine_error(error, "decode step failed; retry")
-        self._fail_active(failure)
-        for slot, job in list(self._prefilling.items()):  # a fresh state holds none of their chunks
-            job.run.handle.emit(Emission((), 0, len(job.run.handle.request.prompt), error=failure))
-            del self._prefilling[slot]
-            self._return_slot(slot)
+        self._fail_running(engine_failure(error, "decode step failed; retry"))  # a fresh state holds none of them
         self._state = self.engine.init_decode_state()
-
-    def _deliver(self, act: Running, out: StepOutputLike, row: int, prompt: tuple[TokenOut, ...] | None = None) -> bool:
-        """Hand the request its token at `row` of `out` (and its scored prompt, on the first); True when the
-        request is finished."""
-        req = act.handle.request
-        if bool(out.bad[row]):
-            log.error("non-finite logits", extra={"request_id": req.request_id})
-            act.handle.emit(Emission((), act.generated, len(req.prompt), error=SchedulerError(
-                ErrorKind.INTERNAL, f"the model produced non-finite logits (request {req.request_id})")))
-            return True
-        token = token_out(out, row, req.sampling.top_logprobs)
-        act.generated += 1
-        if act.generated <= act.skip:  # recomputing after a preemption: delivered before
-            return self._replayed(act, token.id)
-        act.handle.delivered.setdefault(act.index, []).append(token.id)
-        self.metrics.add_tokens(1)
-        reason = finish_reason(req, act.generated, token.id, self.engine.eos_id, self.engine.sequence_len)
-        if act.guide is not None:
-            complete, error = self.guidance.advance(act, token.id)
-            if error is not None:
-                act.handle.emit(Emission((), act.generated, len(req.prompt), error=error))
-                return True
-            if complete and reason is None:
-                reason = FinishReason.EOS  # the grammar is complete: nothing but EOS could follow
-        first_or_last = act.generated == 1 or reason is not None
-        act.handle.emit(Emission((token,), act.generated, len(req.prompt), finish_reason=reason,
-                                 timings=act.timings() if first_or_last else None, index=act.index, prompt=prompt))
-        if reason is not None:
-            self.metrics.finished(reason)
-            act.handle.finished_samples.add(act.index)
-        return reason is not None
-
-    def _replayed(self, act: Running, token: int) -> bool:
-        """A token recomputed after a preemption: the grammar moves on, nothing is delivered. It must be the one
-        delivered before (batch invariance); if not, the request fails rather than contradict itself."""
-        expected = act.handle.delivered[act.index][act.generated - 1]
-        if token != expected:
-            req = act.handle.request
-            log.error("recomputed token differs", extra={"request_id": req.request_id, "expected": expected,
-                                                          "got": token})
-            act.handle.emit(Emission((), act.skip, len(req.prompt), error=SchedulerError(
-                ErrorKind.INTERNAL, f"request {req.request_id} could not be resumed after a preemption; retry")))
-            return True
-        if act.guide is not None:
-            self.guidance.advance(act, token)
-        return False
 
     def _observe_kv(self) -> None:
         self.metrics.observe_kv(self.engine.kv_usage())
@@ -490,20 +426,21 @@ class Scheduler:
         with self._cond:
             self._free.add(slot)
 
-    def _fail_active(self, error: SchedulerError) -> None:
+    def _fail_running(self, error: SchedulerError) -> None:
+        """End every request holding a slot (decoding, or being prefilled in chunks) with `error`."""
         for slot, act in list(self._active.items()):
             act.handle.emit(Emission((), act.generated, len(act.handle.request.prompt), error=error))
             with self._cond:
                 self._active.pop(slot, None)
                 self._free.add(slot)
         self.metrics.set_active(0)
-
-    def _fail_all(self, error: SchedulerError) -> None:
-        self._fail_active(error)
         for slot, job in list(self._prefilling.items()):
             job.run.handle.emit(Emission((), 0, len(job.run.handle.request.prompt), error=error))
             del self._prefilling[slot]
             self._return_slot(slot)
+
+    def _fail_all(self, error: SchedulerError) -> None:
+        self._fail_running(error)
         with self._cond:
             queued, self._queue = list(self._queue) + self._admitting, collections.deque()
             self._admitting = []
@@ -511,8 +448,3 @@ class Scheduler:
         for handle in queued:
             handle.emit(Emission((), 0, len(handle.request.prompt), error=error))
 
-
-def _engine_error(error: Exception, message: str) -> SchedulerError:
-    """An engine may raise a SchedulerError to choose the status (e.g. UNAVAILABLE when it can no longer run);
-    anything else is INTERNAL."""
-    return error if isinstance(error, SchedulerError) else SchedulerError(ErrorKind.INTERNAL, message)

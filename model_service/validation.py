@@ -2,7 +2,7 @@
 
 `validate` runs in `Scheduler.submit`, before anything is queued, so a bad request costs no slot and gets
 INVALID_ARGUMENT with a message a person can act on. The limits come from the engine (`EngineLimits`:
-vocabulary, context, buckets, slots) and from sampling_settings.py. No JAX here.
+vocabulary, context, buckets, slots, KV pool) and from sampling_settings.py. No JAX here.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ class EngineLimits(Protocol):
     sequence_len: int
     vocab_size: int
     pad_id: int
+    num_blocks: int
+
+    def blocks_needed(self, prompt_len: int, samples: int = 1) -> int: ...
 
 
 def validate(req: GenerationRequest, engine: EngineLimits) -> None:
@@ -75,6 +78,10 @@ def outputs_problem(req: GenerationRequest, engine: EngineLimits) -> str:
     if not 1 <= req.n <= engine.slots:
         return (f"n: must be in 1..{engine.slots} (each sample takes one of the {engine.slots} slots; got {req.n}): "
                 "ask for fewer samples")
+    need = engine.blocks_needed(len(req.prompt), req.n)
+    if need > engine.num_blocks:
+        return (f"n: {req.n} samples of a {len(req.prompt)}-token prompt take {need} KV blocks and the pool has "
+                f"{engine.num_blocks}: ask for fewer samples or a shorter prompt")
     return ""
 
 

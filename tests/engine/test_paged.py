@@ -207,3 +207,13 @@ def test_the_kv_metrics_follow_requests_that_end(cached: Engine, running: Runner
     assert r.done.wait(60) and r.error is None
     wait_until(lambda: metrics.usage is not None and metrics.usage.used == 0, timeout=10,
                message=lambda: f"the last KV usage reported: {metrics.usage}")
+
+
+def test_a_request_that_could_never_fit_the_pool_is_refused_naming_n(small: Engine, running: Runner) -> None:
+    from model_service.requests import ErrorKind, SchedulerError
+
+    scheduler = running(small)
+    with pytest.raises(SchedulerError) as caught:  # 4 samples x 9 blocks of 8 > a pool of 32 blocks
+        scheduler.submit(GenerationRequest("t", tuple(range(3, 67)), SamplingSettings(), n=4, max_tokens=4),
+                         lambda e: None)
+    assert caught.value.kind is ErrorKind.INVALID_ARGUMENT and str(caught.value).startswith("n: ")
