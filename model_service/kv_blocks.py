@@ -27,9 +27,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from model_service.requests import ErrorKind, SchedulerError
 
-class OutOfBlocks(RuntimeError):
-    """No free or evictable block is left (the scheduler preempts before this can happen)."""
+
+class OutOfBlocks(SchedulerError):
+    """No free or evictable block is left (the scheduler preempts before this can happen): RESOURCE_EXHAUSTED."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(ErrorKind.RESOURCE_EXHAUSTED, f"KV memory is full: {detail}; retry later")
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class KVBlocks:
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._tables: list[list[int]] = [[] for _ in range(slots)]
+        self._array: np.ndarray | None = None  # `table()`, until a table changes
         self.queries = 0
         self.hits = 0
 
@@ -92,11 +98,15 @@ class KVBlocks:
         return KVUsage(self.num_blocks, used, len(self._evictable), len(self._free), self.queries, self.hits)
 
     def table(self) -> np.ndarray:
-        """[slots, table_len] int32: every slot's blocks, the scratch block past them."""
-        out = np.full((len(self._tables), self.table_len), self.scratch, np.int32)
-        for slot, blocks in enumerate(self._tables):
-            out[slot, :len(blocks)] = blocks
-        return out
+        """[slots, table_len] int32: every slot's blocks, the scratch block past them (built again only after a
+        table changed: the decode loop asks every step). Read-only."""
+        if self._array is None:
+            out = np.full((len(self._tables), self.table_len), self.scratch, np.int32)
+            for slot, blocks in enumerate(self._tables):
+                out[slot, :len(blocks)] = blocks
+            out.flags.writeable = False
+            self._array = out
+        return self._array
 
     def reusable(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of a prompt the cache would serve (a multiple of the chunk, < len(tokens))."""
@@ -119,6 +129,7 @@ class KVBlocks:
         for block in shared:
             self._take(block)
         self._tables[slot] = list(shared) + [self._allocate() for _ in range(max(0, need))]
+        self._array = None
 
     def assign_prompt(self, slot: int, prompt: Sequence[int]) -> int:
         """Blocks for a prompt prefilled on the chunk grid, taking cached blocks for its leading tokens.
@@ -135,6 +146,7 @@ class KVBlocks:
         for block in cached:
             self._take(block)
         self._tables[slot] = cached + [self._allocate() for _ in range(need)]
+        self._array = None
         return reuse
 
     def grow(self, slot: int, tokens: int) -> None:
@@ -142,7 +154,9 @@ class KVBlocks:
         need = self.blocks_for(tokens) - len(self._tables[slot])
         if need > self.available():
             raise OutOfBlocks(f"{need} KV blocks needed to grow slot {slot}, {self.available()} available")
-        self._tables[slot].extend(self._allocate() for _ in range(max(0, need)))
+        if need > 0:
+            self._tables[slot].extend(self._allocate() for _ in range(need))
+            self._array = None
 
     def release(self, slot: int) -> None:
         """The slot's sequence ended: each of its blocks loses a holder; cached ones stay for reuse."""
@@ -153,7 +167,9 @@ class KVBlocks:
                     self._evictable[block] = None  # most recently used last
                 else:
                     self._free[block] = None
-        self._tables[slot] = []
+        if self._tables[slot]:
+            self._tables[slot] = []
+            self._array = None
 
     def register(self, slot: int, prompt: Sequence[int], computed: int) -> None:
         """The slot's first `computed` positions hold `prompt`'s tokens, computed on the chunk grid: key its full
