@@ -108,14 +108,17 @@ def build(args: argparse.Namespace) -> tuple[Engine, Any]:
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
     engine, state = build(args)
-    step = engine._generate.lower(engine.params, state).compile()
+    for slot in range(args.active or args.batch):  # blocks for every position the profiled steps write
+        engine.kv.grow(slot, args.prompt_len + args.runs + 4)
+    tables = engine.kv.table()
+    step = engine._generate.lower(engine.params, state, tables).compile()
     names = instructions(step.as_text())
     for _ in range(3):
-        state = jax.block_until_ready(step(engine.params, state)[0])
+        state = jax.block_until_ready(step(engine.params, state, tables)[0])
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(args.runs):
-                state = jax.block_until_ready(step(engine.params, state)[0])
+                state = jax.block_until_ready(step(engine.params, state, tables)[0])
         trace = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))
     events = trace["traceEvents"]
     thunks = [(n, t) for n, t in self_times(events) if n.removesuffix(".clone") in names]
