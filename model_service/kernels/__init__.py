@@ -63,15 +63,19 @@ def default_isa() -> str:
 
 
 def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa: str | None = None,
-           threads: int = 0) -> jax.Array:
+           threads: int = 0, rows: jax.Array | None = None) -> jax.Array:
     """x float32 [M, K] times a packed weight w [NB, K, 16] (int8 with scales [B, NB*16], or float32 without)
-    -> float32 [M, n_out], n_out <= NB*16. One device; `threads` 0 uses XLA's intra-op pool."""
+    -> float32 [M, n_out], n_out <= NB*16. One device; `threads` 0 uses XLA's intra-op pool.
+
+    `rows` bool [M] (default: all) names the rows to compute; the others come out zero and cost nothing. A
+    computed row's bits are the same whichever other rows are computed."""
     if not available():
         raise RuntimeError("native kernels are not available (see the log)")
     isa = isa or default_isa()
     out = jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32)
     attrs = {"isa": np.int64(ISAS[isa]), "threads": np.int64(threads)}
+    rows = jnp.ones((x.shape[0],), jnp.bool_) if rows is None else rows.astype(jnp.bool_)
     # Under vmap each batch element is its own call: a batched call would have to be one product anyway.
     if scales is None:
-        return jax.ffi.ffi_call("grok_f32_matmul", out, vmap_method="sequential")(x, w, **attrs)
-    return jax.ffi.ffi_call("grok_int8_matmul", out, vmap_method="sequential")(x, w, scales, **attrs)
+        return jax.ffi.ffi_call("grok_f32_matmul", out, vmap_method="sequential")(x, w, rows, **attrs)
+    return jax.ffi.ffi_call("grok_int8_matmul", out, vmap_method="sequential")(x, w, scales, rows, **attrs)

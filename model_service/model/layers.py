@@ -94,7 +94,8 @@ def _blocked_dot_rows(x: Array, q: QuantizedWeight) -> Array:
     return jnp.sum(partial * q.scales[:, None, :], axis=0)
 
 
-def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Products) -> Array:
+def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Products,
+            used: Array | None = None) -> Array:
     """x [..., K] times a weight (int8 QuantizedWeight, or a float array stored [N, K]) -> [..., N] in x's dtype.
 
     float32 int8 products apply the scales after the reduction (per column, or per row block and then summed
@@ -102,32 +103,34 @@ def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Pro
     the form is chosen per shape by what measured fastest on XLA-CPU: one row always takes a fused reduction
     (the unembedding a matrix-vector dot); several rows take it only for the wide expert matrices, where
     converting the int8 weight dominates, and dots elsewhere. A PackedWeight always takes the native kernel
-    (float32 rows; the result is cast back to x's dtype).
+    (float32 rows; the result is cast back to x's dtype) and computes only the rows marked `used` (bool over x's leading
+    dims, default all): the others come out zero. XLA's forms ignore `used`.
     """
     lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
-    m = rows.shape[0]
+    flat = x.reshape(-1, k)
+    m = flat.shape[0]
     if isinstance(w, PackedWeight):
-        return packed_product(rows.astype(jnp.float32), w).astype(x.dtype).reshape(*lead, -1)
+        mask = None if used is None else used.reshape(m)
+        return packed_product(flat.astype(jnp.float32), w, rows=mask).astype(x.dtype).reshape(*lead, -1)
     if products is Products.NATIVE:
         products = Products.FUSED_REDUCE
     fused = products is Products.FUSED_REDUCE and x.dtype == jnp.float32 and m <= FUSED_MAX_ROWS
     if not fused:
         if isinstance(w, QuantizedWeight):
-            out = _dot_rows(rows, dequantize(w, x.dtype), w.transposed)
+            out = _dot_rows(flat, dequantize(w, x.dtype), w.transposed)
         else:
-            out = _dot_rows(rows, w)
+            out = _dot_rows(flat, w)
     elif not isinstance(w, QuantizedWeight):
         big = w.size >= 1 << 22  # the unembedding
-        out = _dot_rows(rows, w) if big else _reduce_rows(rows, w.astype(x.dtype))
+        out = _dot_rows(flat, w) if big else _reduce_rows(flat, w.astype(x.dtype))
     elif w.transposed:
         wide = w.weight.shape[-2] > 2 * k  # the experts' gelu / linear branches
         if m == 1 or wide:
-            out = _reduce_rows(rows, w.weight.astype(x.dtype)) * w.scales[0]
+            out = _reduce_rows(flat, w.weight.astype(x.dtype)) * w.scales[0]
         else:
-            out = _dot_rows(rows, w.weight.astype(x.dtype)) * w.scales[0]
+            out = _dot_rows(flat, w.weight.astype(x.dtype)) * w.scales[0]
     else:
-        out = _blocked_row(rows, w) if m == 1 else _blocked_dot_rows(rows, w)
+        out = _blocked_row(flat, w) if m == 1 else _blocked_dot_rows(flat, w)
     return out.reshape(*lead, -1)
 
 

@@ -10,7 +10,6 @@ A row adds its experts' outputs in expert order.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import haiku as hk
@@ -63,22 +62,24 @@ def _plan_tiles(sorted_experts: Array, num_experts: int, tile: int, n_tiles: int
     return _Tiles(expert, first_row, group_start[expert] + counts[expert], tile_end[-1])
 
 
-def _expert_rows(x: Array, w: ExpertWeights, e: int, products: Products) -> Array:
-    """gelu(x W) * (x V) U for one (static) expert e. x [R, D] -> [R, D]."""
+def _expert_rows(x: Array, w: ExpertWeights, e: int, products: Products, used: Array | None = None) -> Array:
+    """gelu(x W) * (x V) U for one (static) expert e. x [R, D] -> [R, D]. Rows not `used` [R] (bool) are not
+    computed by native products (zero out); XLA's forms compute every row."""
     def pick(q: ExpertStack | QuantizedWeight | Array) -> Any:
         if isinstance(q, ExpertStack):
             return q.experts[e]
         if isinstance(q, QuantizedWeight):
             return QuantizedWeight(q.weight[e], q.scales[e])
         return jnp.swapaxes(q[e], 0, 1)  # plain [E, K, N] (haiku shape checks) -> [N, K]
-    h = jax.nn.gelu(product(x, pick(w.linear), products)) * product(x, pick(w.linear_v), products)
-    return product(h, pick(w.linear_1), products)
+    h = jax.nn.gelu(product(x, pick(w.linear), products, used)) * product(x, pick(w.linear_v), products, used)
+    return product(h, pick(w.linear_1), products, used)
 
 
-def _expert_rows_dynamic(x: Array, w: ExpertWeights, e: Array, products: Products) -> Array:
+def _expert_rows_dynamic(x: Array, w: ExpertWeights, e: Array, products: Products, used: Array) -> Array:
     """The same for a traced expert index: a switch over static experts keeps weights unsliced."""
-    branches = [functools.partial(_expert_rows, w=w, e=i, products=products) for i in range(w.linear.shape[0])]
-    return jax.lax.switch(e, branches, x)
+    def branch(i: int) -> Any:
+        return lambda xs, us: _expert_rows(xs, w, i, products, us)
+    return jax.lax.switch(e, [branch(i) for i in range(w.linear.shape[0])], x, used)
 
 
 def grouped_experts(x: Array, routing: Routing, w: ExpertWeights, tile: int,
@@ -101,7 +102,7 @@ def grouped_experts(x: Array, routing: Routing, w: ExpertWeights, tile: int,
         r = jnp.minimum(r, n_pairs - 1)
         tok = pair_token[r]
         gate = jnp.where(valid, pair_gate[r], 0.0).astype(x.dtype)
-        y = _expert_rows_dynamic(x[tok], w, plan.expert[i], products)  # [tile, D]
+        y = _expert_rows_dynamic(x[tok], w, plan.expert[i], products, valid)  # [tile, D]
         return out.at[tok].add(jnp.where(valid[:, None], y * gate[:, None], 0.0))
 
     return jax.lax.fori_loop(0, plan.used, body, jnp.zeros_like(x))
@@ -127,7 +128,7 @@ def experts_by_cond(x: Array, routing: Routing, w: ExpertWeights, active: Array 
 
         def run(operands: tuple[Array, Array], e: int = e, gate: Array = gate, picked: Array = picked) -> Array:
             rows, acc = operands
-            y = _expert_rows(rows, w, e, products) * gate[:, None]
+            y = _expert_rows(rows, w, e, products, picked) * gate[:, None]
             return acc + jnp.where(picked[:, None], y, 0.0)
 
         out = jax.lax.cond(jnp.any(picked), run, lambda operands: operands[1], (x, out))

@@ -54,9 +54,11 @@ def _norm(name: str, x: Array) -> Array:
     return rms_norm(x, ParamHolder(name).get("scale", (x.shape[-1],)))
 
 
-def _linear(name: str, x: Array, out: int, products: Products) -> Array:
+def _linear(name: str, x: Array, out: int, step: Step) -> Array:
+    """x [B, T, K] -> [B, T, out]; in decode the rows of free slots are not computed (native products)."""
     w = ParamHolder(name).get("w", (x.shape[-1], out))
-    return product(x, w if isinstance(w, (QuantizedWeight, PackedWeight)) else w.T, products)  # plain [K, N]: init
+    used = None if step.active is None else jnp.broadcast_to(step.active[:, None], x.shape[:2])
+    return product(x, w if isinstance(w, (QuantizedWeight, PackedWeight)) else w.T, step.products, used)  # plain: init
 
 
 def _write(pool: Array, new: Array, step: Step) -> Array:
@@ -76,9 +78,9 @@ class MultiHeadAttention(hk.Module):
     def __call__(self, x: Array, step: Step, cache: KVMemory | None) -> tuple[Array, KVMemory]:
         t, (b, n, _) = self.t, x.shape
         with jax.named_scope("qkv_projections"):
-            q = _linear("query", x, t.num_q_heads * t.key_size, step.products).reshape(b, n, t.num_q_heads, t.key_size)
-            k = _linear("key", x, t.num_kv_heads * t.key_size, step.products).reshape(b, n, t.num_kv_heads, t.key_size)
-            v = _linear("value", x, t.num_kv_heads * t.key_size, step.products).reshape(b, n, t.num_kv_heads,
+            q = _linear("query", x, t.num_q_heads * t.key_size, step).reshape(b, n, t.num_q_heads, t.key_size)
+            k = _linear("key", x, t.num_kv_heads * t.key_size, step).reshape(b, n, t.num_kv_heads, t.key_size)
+            v = _linear("value", x, t.num_kv_heads * t.key_size, step).reshape(b, n, t.num_kv_heads,
                                                                                        t.key_size)
             q, k = apply_rope(q, step.positions), apply_rope(k, step.positions)
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Hkv, T, D]
@@ -95,7 +97,7 @@ class MultiHeadAttention(hk.Module):
             with jax.named_scope("scores_softmax_values"):
                 out = attention(q, k, v, step.mask, t.attn_output_multiplier)
         with jax.named_scope("output_projection"):
-            return _linear("linear", out, x.shape[-1], step.products), full
+            return _linear("linear", out, x.shape[-1], step), full
 
 
 class DecoderLayer(hk.Module):
@@ -157,11 +159,13 @@ def embed(cfg: ModelConfig, lm: LanguageModelParams, tokens: Array, dtype: jnp.d
     return x * jnp.asarray(cfg.embedding_multiplier_scale, dtype)
 
 
-def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array, products: Products) -> Array:
-    """Final norm, then the tied unembedding: h [..., D] -> float32 logits [..., V]."""
+def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array, products: Products,
+            used: Array | None = None) -> Array:
+    """Final norm, then the tied unembedding: h [..., D] -> float32 logits [..., V]. Rows not `used` (bool over
+    h's leading dims: a decode step's free slots) need no logits; native products skip them (zeros)."""
     h = rms_norm(h, lm.norm_scale)
     table = lm.embeddings if isinstance(lm.embeddings, PackedWeight) else lm.embeddings.astype(jnp.float32)
-    out = product(h.astype(jnp.float32), table, products)
+    out = product(h.astype(jnp.float32), table, products, used)
     if h.dtype != jnp.float32:  # the reference's product and multiplier round to the compute dtype
         return (out.astype(h.dtype) * jnp.asarray(cfg.output_multiplier_scale, h.dtype)).astype(jnp.float32)
     return out * jnp.float32(cfg.output_multiplier_scale)
@@ -173,10 +177,12 @@ def forward(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step:
     lm = language_model_params(cfg)
     x = constrain(embed(cfg, lm, tokens, dtype), mesh, P(DATA, None, MODEL))
     h, caches = Transformer(cfg, mesh)(x, step)
+    used = None
     if last_index is not None:
         h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]  # [B, D]
+        used = step.active
     with jax.named_scope("unembed"):
-        return unembed(cfg, lm, h, step.products), caches
+        return unembed(cfg, lm, h, step.products, used), caches
 
 
 def prompt_logprobs(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: Step, k: int,

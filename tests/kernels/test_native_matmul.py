@@ -107,3 +107,31 @@ def test_product_of_a_packed_weight_matches_the_xla_product(blocks: int) -> None
     xla = np.asarray(jax.jit(lambda a, w: product(a, w, Products.FUSED_REDUCE))(x, jax.tree.map(jnp.asarray, q)))
     ref, bound = _reference(x, q)
     assert np.all(np.abs(native - ref) <= bound) and np.all(np.abs(xla - ref) <= 2 * bound)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("blocks", [1, 8])
+def test_only_the_marked_rows_are_computed_and_their_bits_do_not_change(isa: str, blocks: int) -> None:
+    rng = np.random.default_rng(13)
+    k, n = 8 * 19, 100
+    q = _weight(rng, k, n, blocks)
+    p = pack_quantized(q, None)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    full = _native(x, q, isa)
+    fn = jax.jit(lambda a, m: kernels.matmul(a, p.packed, p.packed_scales, p.n, isa, rows=m))
+    for used in (np.zeros(9, bool), np.eye(9, dtype=bool)[4], rng.random(9) < 0.5, np.ones(9, bool)):
+        out = np.asarray(fn(x, used))
+        np.testing.assert_array_equal(out[used], full[used], err_msg=str(used))
+        assert np.all(out[~used] == 0), used
+
+
+def test_float32_weights_honour_the_row_mask() -> None:
+    rng = np.random.default_rng(14)
+    k, n = 40, 50
+    packed = rng.standard_normal((4, k, 16)).astype(np.float32)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    used = np.array([False, True, False, True, True])
+    full = np.asarray(jax.jit(lambda a: kernels.matmul(a, packed, None, n))(x))
+    out = np.asarray(jax.jit(lambda a, m: kernels.matmul(a, packed, None, n, rows=m))(x, used))
+    np.testing.assert_array_equal(out[used], full[used])
+    assert np.all(out[~used] == 0)

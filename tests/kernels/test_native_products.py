@@ -48,6 +48,10 @@ def test_sharded_column_parallel_products_are_bit_identical_to_one_device(mesh_s
     assert w.split == COLUMNS and w.shards == mesh.shape["model"]
     got = np.asarray(jax.jit(product, static_argnums=2)(x, w, Products.NATIVE))
     np.testing.assert_array_equal(got, one)
+    used = jnp.arange(rows) % 2 == 0
+    masked = np.asarray(jax.jit(product, static_argnums=2)(x, w, Products.NATIVE, used))
+    np.testing.assert_array_equal(masked[np.asarray(used)], one[np.asarray(used)])
+    assert np.all(masked[~np.asarray(used)] == 0)
 
 
 @pytest.mark.parametrize("mesh_shape", ["1,8", "2,4"])
@@ -67,6 +71,11 @@ def test_sharded_row_parallel_products_sum_whole_scale_blocks_per_shard(mesh_sha
     alone = np.concatenate([np.asarray(jax.jit(product, static_argnums=2)(jnp.asarray(x[i:i + 1]), w, Products.NATIVE))
                             for i in range(4)])
     np.testing.assert_array_equal(got, alone)
+    # So does the row mask: unmarked rows are zero, marked ones keep their bits.
+    used = jnp.asarray([True, False, False, True])
+    masked = np.asarray(jax.jit(product, static_argnums=2)(jnp.asarray(x), w, Products.NATIVE, used))
+    np.testing.assert_array_equal(masked[[0, 3]], got[[0, 3]])
+    assert np.all(masked[[1, 2]] == 0)
 
 
 def test_auto_picks_native_on_cpu_in_float32_and_xla_otherwise() -> None:

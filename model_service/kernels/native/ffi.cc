@@ -1,10 +1,11 @@
 // XLA FFI handlers for the packed products and the Python module that hands them to jax.ffi.
 //
-// grok_int8_matmul(x f32 [M, K], w s8 [NB, K, 16], scales f32 [B, NB*16]) -> f32 [M, N]
-// grok_f32_matmul (x f32 [M, K], w f32 [NB, K, 16])                      -> f32 [M, N]
+// grok_int8_matmul(x f32 [M, K], w s8 [NB, K, 16], scales f32 [B, NB*16], rows pred [M]) -> f32 [M, N]
+// grok_f32_matmul (x f32 [M, K], w f32 [NB, K, 16], rows pred [M])                      -> f32 [M, N]
 // Attributes: isa (0 best available, 1 scalar, 2 AVX2, 3 AVX-512), threads (0: XLA's intra-op pool size).
-// Work is split over column blocks only, so each output element is computed by one thread in one fixed
-// order whatever the thread count.
+// Only the rows whose `rows` entry is true are computed (the others are zero): a decode step's free slots
+// and the rows that did not pick an expert cost nothing. Work is split over column blocks only, so each
+// output element is computed by one thread in one fixed order whatever the thread count or the other rows.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -14,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "matmul.h"
 #include "xla/ffi/api/ffi.h"
@@ -93,31 +95,47 @@ ffi::Error Check(int64_t isa, int64_t m, int64_t k, int64_t wk, int64_t n_out, i
 }
 
 ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, const float* scales,
-               int64_t blocks, bool int8, ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads,
-               ffi::ThreadPool& pool) {
+               int64_t blocks, bool int8, ffi::Buffer<ffi::PRED> rows, ffi::ResultBuffer<ffi::F32> out,
+               int64_t isa, int64_t threads, ffi::ThreadPool& pool) {
   const auto xd = x.dimensions();
   const int64_t m = xd[0], k = xd[1], n_out = out->dimensions()[1];
   if (ffi::Error e = Check(isa, m, k, wk, n_out, nb, blocks); e.failure()) return e;
+  if (rows.element_count() != m)
+    return ffi::Error::InvalidArgument("grok matmul: the row mask has " + std::to_string(rows.element_count()) +
+                                       " entries for " + std::to_string(m) + " rows");
   if (m == 0 || n_out == 0) return ffi::Error::Success();
-  MatmulArgs args{x.typed_data(), w, scales, out->typed_data(), m, k, nb, n_out, blocks, int8};
+  std::vector<int64_t> ids;
+  ids.reserve(m);
+  const bool* on = rows.typed_data();
+  for (int64_t r = 0; r < m; ++r) {
+    if (on[r]) {
+      ids.push_back(r);
+    } else {
+      std::fill(out->typed_data() + r * n_out, out->typed_data() + (r + 1) * n_out, 0.0f);
+    }
+  }
+  if (ids.empty()) return ffi::Error::Success();
+  const int64_t count = static_cast<int64_t>(ids.size());
+  MatmulArgs args{x.typed_data(), w, scales, out->typed_data(), ids.data(), count, k, nb, n_out, blocks, int8};
   Execute(args, KernelFor(isa == kBest ? Best() : isa), threads, pool);
   return ffi::Error::Success();
 }
 
 ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scales,
-                      ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads, ffi::ThreadPool pool) {
+                      ffi::Buffer<ffi::PRED> rows, ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads,
+                      ffi::ThreadPool pool) {
   const auto wd = w.dimensions(), sd = scales.dimensions();
   if (wd.size() != 3 || wd[2] != kLanes || sd.size() != 2 || sd[1] != wd[0] * kLanes)
     return ffi::Error::InvalidArgument("grok_int8_matmul: want w [NB, K, 16] and scales [B, NB*16]");
-  return Run(x, w.typed_data(), wd[0], wd[1], scales.typed_data(), sd[0], true, out, isa, threads, pool);
+  return Run(x, w.typed_data(), wd[0], wd[1], scales.typed_data(), sd[0], true, rows, out, isa, threads, pool);
 }
 
-ffi::Error F32Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out,
-                     int64_t isa, int64_t threads, ffi::ThreadPool pool) {
+ffi::Error F32Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::PRED> rows,
+                     ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads, ffi::ThreadPool pool) {
   const auto wd = w.dimensions();
   if (wd.size() != 3 || wd[2] != kLanes)
     return ffi::Error::InvalidArgument("grok_f32_matmul: want w [NB, K, 16]");
-  return Run(x, w.typed_data(), wd[0], wd[1], nullptr, 1, false, out, isa, threads, pool);
+  return Run(x, w.typed_data(), wd[0], wd[1], nullptr, 1, false, rows, out, isa, threads, pool);
 }
 
 }  // namespace
@@ -128,6 +146,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokInt8Matmul, grok::Int8Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("threads")
@@ -137,6 +156,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokF32Matmul, grok::F32Matmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("threads")

@@ -9,12 +9,14 @@ namespace grok {
 constexpr int64_t kLanes = 16;  // columns per packed block: weights are stored [N/16, K, 16]
 constexpr int64_t kGroup = 4;   // column blocks one call of a tile function computes together
 
-// One product: out[m, n] = sum_b scale[b, n] * sum_{k in block b} x[m, k] * w[n / 16, k, n % 16].
+// One product: out[r, n] = sum_b scale[b, n] * sum_{k in block b} x[r, k] * w[n / 16, k, n % 16] for the m
+// rows r = rows[0..m) of x and out (the other rows of out are left to the caller).
 struct MatmulArgs {
-  const float* x;        // [m, k]
+  const float* x;        // [rows of x, k]
   const void* w;         // int8 or float32 [nb, k, 16]
   const float* scales;   // [blocks, nb * 16], or nullptr (no scales, blocks == 1)
-  float* out;            // [m, n_out], n_out <= nb * 16
+  float* out;            // [rows of x, n_out], n_out <= nb * 16
+  const int64_t* rows;   // [m] the rows to compute, ascending
   int64_t m, k, nb, n_out, blocks;
   bool int8;             // weight element type: int8 (true) or float32
 };

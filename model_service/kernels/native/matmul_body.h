@@ -1,7 +1,7 @@
 // The vector kernel, written once over a small vector interface `V` (AVX-512: one register per 16-column
 // block; AVX2: two). Included by one translation unit per instruction set, each compiled for its target.
 //
-// Rows are taken R (<= 4) at a time and column blocks G (<= 4) at a time, so one weight load feeds R fused
+// The listed rows (a.rows) are taken R (<= 4) at a time and column blocks G (<= 4) at a time, so one weight load feeds R fused
 // multiply-adds and G x R independent accumulator chains hide the FMA latency. Neither R nor G changes the
 // per-column operation order: acc = fma(x[k], w[k], acc) for k in order within a scale block, then
 // acc * scale, then out + acc over blocks.
@@ -27,7 +27,7 @@ inline void Tile(const MatmulArgs& a, int64_t row, int64_t block) {
         for (int h = 0; h < V::kPerBlock; ++h) w[g][h] = V::LoadWeight(a, offset + h * V::kWidth);
       }
       for (int r = 0; r < R; ++r) {
-        const Reg xr = V::Broadcast(a.x[(row + r) * a.k + k]);
+        const Reg xr = V::Broadcast(a.x[a.rows[row + r] * a.k + k]);
         for (int g = 0; g < G; ++g)
           for (int h = 0; h < V::kPerBlock; ++h) acc[r][g][h] = V::Fma(xr, w[g][h], acc[r][g][h]);
       }
@@ -47,7 +47,7 @@ inline void Tile(const MatmulArgs& a, int64_t row, int64_t block) {
     for (int g = 0; g < G; ++g)
       for (int h = 0; h < V::kPerBlock; ++h) {
         const int64_t col = (block + g) * kLanes + h * V::kWidth;
-        V::Store(a.out + (row + r) * a.n_out + col, out[r][g][h], a.n_out - col);
+        V::Store(a.out + a.rows[row + r] * a.n_out + col, out[r][g][h], a.n_out - col);
       }
 }
 

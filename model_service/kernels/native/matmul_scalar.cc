@@ -22,7 +22,8 @@ void MatmulScalar(const MatmulArgs& a, int64_t block_begin, int64_t block_end) {
     for (int64_t lane = 0; lane < kLanes; ++lane) {
       const int64_t col = j * kLanes + lane;
       if (col >= a.n_out) break;
-      for (int64_t r = 0; r < a.m; ++r) {
+      for (int64_t i = 0; i < a.m; ++i) {
+        const int64_t r = a.rows[i];
         const float* x = a.x + r * a.k;
         float out = 0.0f;
         for (int64_t b = 0; b < a.blocks; ++b) {
