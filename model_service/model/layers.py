@@ -222,3 +222,16 @@ def paged_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, limit
                                                               jnp.zeros(rows, jnp.float32)))
     out = jax.lax.fori_loop(0, chunks, values, jnp.zeros(rows + (d,), jnp.float32)).astype(q.dtype)
     return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq * d)
+
+
+def paged_attention_rows(q: Array, pool_k: Array, pool_v: Array, tables: Array, limit: Array, multiplier: float,
+                         chunk: int, active: Array) -> Array:
+    """`paged_attention` of a decode step one row at a time; a row not `active` [B] (a free slot) computes
+    nothing and gets zeros. Every row runs the same one-row program over its own chunks, so its bits depend on
+    nothing but its own query and keys, and a free slot in a tile costs nothing."""
+    def row(args: tuple[Array, Array, Array, Array]) -> Array:
+        qr, table, lim, on = args
+        return jax.lax.cond(on, lambda: paged_attention(qr[None], pool_k, pool_v, table[None], lim[None],
+                                                        multiplier, chunk)[0],
+                            lambda: jnp.zeros(qr.shape[:-2] + (qr.shape[-2] * qr.shape[-1],), q.dtype))
+    return jax.lax.map(row, (q, tables, limit, active))

@@ -23,6 +23,7 @@ from model_service.model.layers import (
     apply_rope,
     attention,
     paged_attention,
+    paged_attention_rows,
     product,
     rms_norm,
 )
@@ -89,8 +90,12 @@ class MultiHeadAttention(hk.Module):
             with jax.named_scope("kv_write"):
                 full = KVMemory(*(_write(pool, new, step) for pool, new in ((cache.k, k), (cache.v, v))))
             with jax.named_scope("scores_softmax_values"):
-                out = paged_attention(q, full.k, full.v, step.tables, step.limit, t.attn_output_multiplier,
-                                      step.key_chunk)
+                if step.active is None:  # a prefill chunk: one row
+                    out = paged_attention(q, full.k, full.v, step.tables, step.limit, t.attn_output_multiplier,
+                                          step.key_chunk)
+                else:
+                    out = paged_attention_rows(q, full.k, full.v, step.tables, step.limit,
+                                               t.attn_output_multiplier, step.key_chunk, step.active)
         else:
             k, v = (constrain(a, self.mesh, P(DATA, MODEL, None, None)) for a in (k, v))
             full = KVMemory(k, v)
