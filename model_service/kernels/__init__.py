@@ -89,6 +89,9 @@ def nucleus_threshold(logits: jax.Array, probs: jax.Array, top_p: jax.Array) -> 
     """
     if not available():
         raise RuntimeError("native kernels are not available (see the log)")
+    if logits.ndim < 1 or probs.shape != logits.shape:
+        raise ValueError(f"nucleus_threshold: want logits and probs of one shape [..., V], got {logits.shape} "
+                         f"and {probs.shape}")
     rows = logits.shape[:-1]
     out = jax.ShapeDtypeStruct(rows, jnp.float32)
     top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), rows)
