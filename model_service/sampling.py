@@ -255,7 +255,8 @@ def _sample_one(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p
         return SampleResult(jnp.int32(0), jnp.float32(0), jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.float32),
                             jnp.bool_(False))
 
-    return jax.lax.cond(active, functools.partial(_sample_active, native=native), idle, key, logits, temperature, top_p, mask, num_top, extra)
+    return jax.lax.cond(active, functools.partial(_sample_active, native=native), idle, key, logits, temperature,
+                        top_p, mask, num_top, extra)
 
 
 def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, controls: Controls | None = None,

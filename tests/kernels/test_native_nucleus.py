@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 
 from model_service import kernels
-from model_service.sampling import SamplingParams, _search_threshold_probs, sample_tokens, seed_key, split_key, top_p_filter
+from model_service.sampling import (
+    SamplingParams,
+    _search_threshold_probs,
+    sample_tokens,
+    seed_key,
+    split_key,
+    top_p_filter,
+)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels not built")
 TOP_PS = (0.1, 0.5, 0.9, 0.95, 0.999)
