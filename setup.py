@@ -48,7 +48,8 @@ class OptionalBuildExt(build_ext):
 # x86-64 (never -march=native). -ffp-contract=off keeps every path's per-element operation order identical.
 native = Extension(
     "model_service.kernels._native",
-    sources=[f"{NATIVE}/ffi.cc", f"{NATIVE}/matmul_scalar.cc", f"{NATIVE}/matmul_avx2.cc", f"{NATIVE}/matmul_avx512.cc"],
+    sources=[f"{NATIVE}/ffi.cc", f"{NATIVE}/matmul_scalar.cc", f"{NATIVE}/matmul_avx2.cc", f"{NATIVE}/matmul_avx512.cc",
+             f"{NATIVE}/nucleus.cc"],
     depends=[f"{NATIVE}/matmul.h", f"{NATIVE}/matmul_body.h"],
     include_dirs=_ffi_include(),
     language="c++",

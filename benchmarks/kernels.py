@@ -1,10 +1,12 @@
 """Native kernel vs XLA's products at the medium config's shapes, interleaved in one process; print JSON.
 
-    python -m benchmarks.kernels [--runs 50] [--rows 1,8]
+    python -m benchmarks.kernels [--runs 50] [--rows 1,8] [--nucleus]
 
 Points: one whole expert (gelu(x W) * (x V) U, W/V 512x2736 column-parallel int8, U 2736x512 row-parallel
 with 8 block scales) and the float32 unembedding (131072x512), at each row count. Each point alternates
 the two forms call by call and reports the median milliseconds of each and their ratio (native / xla).
+--nucleus measures the sampler's nucleus threshold instead: one row of the medium vocabulary at top_p 0.9, flat
+(normal(0, 0.5)) and peaked (normal(0, 5)) logits, the native call against sampling.py's XLA search.
 Run it on a quiet machine: it measures wall time. `load` records the 1-minute load average before and after.
 """
 
@@ -26,6 +28,7 @@ from model_service import kernels
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product
 from model_service.model.moe import ExpertWeights, _expert_rows
 from model_service.model.packed import LANES, PackedWeight, pack_float, pack_quantized
+from model_service.sampling import _search_threshold_probs
 
 EMB, FFN, VOCAB = 512, 2736, 131072
 
@@ -60,10 +63,29 @@ def _interleaved(fns: dict[str, Callable[[], Any]], runs: int) -> dict[str, floa
     return {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()}
 
 
+def _nucleus_points(rng: np.random.Generator, runs: int) -> list[dict[str, Any]]:
+    """One row's threshold per call, as the sampler takes it (one call per slot inside lax.map)."""
+    native, xla = jax.jit(kernels.nucleus_threshold), jax.jit(_search_threshold_probs)
+    points = []
+    for name, scale in (("flat", 0.5), ("peaked", 5.0)):
+        logits = jnp.asarray(rng.normal(0, scale, VOCAB), jnp.float32)
+        probs, top_p = jax.nn.softmax(logits), jnp.float32(0.9)
+        fns = {"xla": lambda: xla(logits, probs, top_p), "native": lambda: native(logits, probs, top_p)}
+        ms = _interleaved(fns, runs)
+        points.append({"shape": f"nucleus_{name}", "rows": 1, "xla_ms": ms["xla"], "native_ms": ms["native"],
+                       "ratio": round(ms["native"] / ms["xla"], 3)})
+    return points
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if not kernels.available():
         raise SystemExit("native kernels are not available (pip install -e . builds them)")
     rng = np.random.default_rng(0)
+    if args.nucleus:
+        load_before = os.getloadavg()[0]
+        points = _nucleus_points(rng, args.runs)
+        load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+        return {"runs": args.runs, "cpus": os.cpu_count(), "load": load, "points": points}
     xla_w, packed_w = _expert(rng)
     table, packed_table = _unembedding(rng)
     load_before = os.getloadavg()[0]
@@ -88,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=50, help="calls of each form per point (median reported)")
     p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8], help="e.g. 1,8")
+    p.add_argument("--nucleus", action="store_true", help="measure the nucleus threshold instead of the products")
     return p
 
 

@@ -20,12 +20,14 @@ is drawn with `draw`; before each later token the slot's `rest` is split again t
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model_service import kernels
 from model_service.logits_processing import (
     Controls,
     History,
@@ -79,15 +81,18 @@ def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.vmap(split_key)(keys)
 
 
-def top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+def top_p_filter(logits: jax.Array, top_p: jax.Array, native: bool = False) -> jax.Array:
     """Nucleus filter of one row: logits [1, V], top_p [1, 1] -> logits [1, V].
 
     The reference's rule: sort ascending, softmax, and the first index whose cumulative probability
     reaches 1 - top_p names the threshold logit; every logit below it becomes -1e10. Large
-    vocabularies find the same threshold by a search instead of a full sort (see `_search_threshold`).
+    vocabularies find the same threshold by a search instead of a full sort (see `_search_threshold`),
+    or with `native` by one call of the native kernel (`kernels.nucleus_threshold`).
     """
     if logits.shape[-1] <= SORT_MAX_VOCAB:
         threshold = _sort_threshold(logits, top_p)
+    elif native:
+        threshold = kernels.nucleus_threshold(logits, jax.nn.softmax(logits), top_p[:, 0])[:, None]
     else:
         threshold = _search_threshold(logits[0], top_p[0, 0]).reshape(1, 1)
     return jnp.where(logits >= threshold, logits, MASKED_LOGIT)
@@ -120,7 +125,10 @@ def _search_threshold_probs(logits: jax.Array, probs: jax.Array, top_p: jax.Arra
         lo, hi = bounds
         mid = lo + (hi - lo) // 2
         enough = jnp.sum(jnp.where(keys <= mid, probs, 0.0)) >= target
-        return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+        # Once lo == hi the search is done; probing on would step past the maximum when the row's float32 mass
+        # never reaches the target (top_p under ~6e-8 makes it 1), masking every logit. Then the top one stays.
+        searching = lo < hi
+        return jnp.where(searching & ~enough, mid + 1, lo), jnp.where(searching & enough, mid, hi)
 
     lo, _ = jax.lax.fori_loop(0, 32, probe, (jnp.min(keys), jnp.max(keys)))
     bits = jnp.where(lo >= sign, lo ^ sign, ~lo)
@@ -147,16 +155,16 @@ def categorical(key: jax.Array, row: jax.Array) -> jax.Array:
 
 
 def _sample_active(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array, mask: jax.Array,
-                   num_top: jax.Array, extra: SlotControls | None = None) -> SampleResult:
+                   num_top: jax.Array, extra: SlotControls | None = None, native: bool = False) -> SampleResult:
     """A slot that uses no control runs the reference's steps alone (one condition for all of them: the off path
     carries no per-control branches or buffers); otherwise each control is applied under its own condition."""
     if extra is None:
-        return _sample_filtered(key, logits, temperature, top_p, mask, num_top)
+        return _sample_filtered(key, logits, temperature, top_p, mask, num_top, native=native)
     c, v = extra.controls, logits.shape[-1]
     used = (jnp.any(c.bias_ids < v) | (c.repetition != 1) | (c.presence != 0) | (c.frequency != 0)
             | ((c.top_k > 0) & (c.top_k < v)) | (c.min_p > 0))
-    return jax.lax.cond(used, lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, extra),
-                        lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top))
+    return jax.lax.cond(used, lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, extra, native),
+                        lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, native=native))
 
 
 def _sample_filtered(
@@ -167,6 +175,7 @@ def _sample_filtered(
     mask: jax.Array,  # [V] bool
     num_top: jax.Array,  # [] int32
     extra: SlotControls | None = None,
+    native: bool = False,  # large vocabularies: the nucleus threshold from the native kernel, not XLA's search
 ) -> SampleResult:
     raw = logits
     if extra is not None:  # bias and penalties act on the raw logits (sampling_settings.py: order of operations)
@@ -191,6 +200,8 @@ def _sample_filtered(
         p = top_p.astype(r.dtype)
         if r.shape[-1] <= SORT_MAX_VOCAB:
             threshold = _sort_threshold(r[None], p.reshape(1, 1))[0, 0]
+        elif native:  # the same threshold (see kernels.nucleus_threshold) from one call instead of 32 masked sums
+            threshold = kernels.nucleus_threshold(r, e / jnp.sum(e), p)
         else:
             threshold = _search_threshold_probs(r, e / jnp.sum(e), p)
         kept = r >= threshold
@@ -238,29 +249,33 @@ class SlotControls(NamedTuple):
 
 def _sample_one(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
                 mask: jax.Array, active: jax.Array, num_top: jax.Array,
-                extra: SlotControls | None = None) -> SampleResult:
+                extra: SlotControls | None = None, native: bool = False) -> SampleResult:
     def idle(*_: object) -> SampleResult:
         k = min(TOP_K, logits.shape[-1])
         return SampleResult(jnp.int32(0), jnp.float32(0), jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.float32),
                             jnp.bool_(False))
 
-    return jax.lax.cond(active, _sample_active, idle, key, logits, temperature, top_p, mask, num_top, extra)
+    return jax.lax.cond(active, functools.partial(_sample_active, native=native), idle, key, logits, temperature,
+                        top_p, mask, num_top, extra)
 
 
 def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, controls: Controls | None = None,
-                  history: History | None = None) -> SampleResult:
+                  history: History | None = None, native: bool = False) -> SampleResult:
     """Draw one token per slot. keys [B, 2] (draw keys), logits [B, V] float32.
 
     Slots are processed one after another (lax.map, not vmap) so that the per-slot branches are
     real: a free slot computes nothing, a greedy one skips the nucleus filter and the random draw
     (top_p = 1 skips the filter too; both shortcuts are exact), and a slot's result
     is computed exactly as if it were alone. `controls` and `history` (both or neither) add the controls of
-    sampling_settings.py; without them the reference's sampler alone is compiled.
+    sampling_settings.py; without them the reference's sampler alone is compiled. `native` (a static choice,
+    for one device with the native kernels built) finds large vocabularies' nucleus thresholds with
+    `kernels.nucleus_threshold` instead of XLA's search: the same threshold except where a float32 sum lands
+    within rounding of 1 - top_p.
     """
     xs = (keys, logits.astype(jnp.float32), params.temperature, params.top_p, params.mask, params.active,
           params.num_top)
     if controls is None:
-        return jax.lax.map(lambda args: _sample_one(*args), xs)
+        return jax.lax.map(lambda args: _sample_one(*args, native=native), xs)
     assert history is not None
-    return jax.lax.map(lambda args: _sample_one(*args[:-1], extra=args[-1]),
+    return jax.lax.map(lambda args: _sample_one(*args[:-1], extra=args[-1], native=native),
                        xs + (SlotControls(controls, history.prompt, history.counts),))

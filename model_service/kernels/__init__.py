@@ -1,4 +1,5 @@
-"""Native CPU kernels called from JAX through XLA's FFI: float32 rows times packed int8 (or float32) weights.
+"""Native CPU kernels called from JAX through XLA's FFI: float32 rows times packed int8 (or float32) weights, and
+the sampler's nucleus threshold (`nucleus_threshold`).
 
 The C++ lives in native/ and is built by `pip install` as the optional extension `_native`. Weights are
 packed [N/16, K, 16] (16 output columns per contiguous stream); each output element is one chain of fused
@@ -79,3 +80,24 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa
     if scales is None:
         return jax.ffi.ffi_call("grok_f32_matmul", out, vmap_method="sequential")(x, w, rows, **attrs)
     return jax.ffi.ffi_call("grok_int8_matmul", out, vmap_method="sequential")(x, w, scales, rows, **attrs)
+
+
+def nucleus_threshold(logits: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Per row, the smallest logit v with sum(probs[logits <= v]) >= 1 - top_p: the nucleus filter's threshold.
+
+    logits and probs float32 [..., V] (probs = the rows' softmax), top_p float32 broadcastable to [...] ->
+    float32 [...]. One native call finds each row's threshold by a radix select over the order-preserving
+    uint32 image of the logits with float64 sums (sampling.py's XLA search takes 32 masked sums instead); the
+    two agree except where a float32 sum lands within rounding of 1 - top_p. A row's result depends only on
+    that row. Under vmap the batch axis is one more leading row axis ("broadcast_all"): still one call.
+    """
+    if not available():
+        raise RuntimeError("native kernels are not available (see the log)")
+    if logits.ndim < 1 or probs.shape != logits.shape:
+        raise ValueError(f"nucleus_threshold: want logits and probs of one shape [..., V], got {logits.shape} "
+                         f"and {probs.shape}")
+    rows = logits.shape[:-1]
+    out = jax.ShapeDtypeStruct(rows, jnp.float32)
+    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), rows)
+    return jax.ffi.ffi_call("grok_nucleus_threshold", out, vmap_method="broadcast_all")(
+        logits.astype(jnp.float32), probs.astype(jnp.float32), top_p)

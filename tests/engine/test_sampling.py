@@ -120,6 +120,20 @@ def test_threshold_search_matches_the_reference_sort_rule() -> None:
     assert np.array_equal(np.asarray(search), np.asarray(sort)[:, 0, 0])
 
 
+def test_a_nucleus_too_small_to_reach_keeps_the_top_token_on_large_vocabularies() -> None:
+    # top_p below float32's half-ulp of 1 makes the target 1 - top_p exactly 1, which a row whose float32
+    # probabilities sum to a hair under 1 never reaches. The search must then keep the top logit: it used to
+    # step one past it and mask every logit (token 0, probability NaN).
+    v, b = 16384, 8
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(b, v)), jnp.float32)
+    assert np.any(np.asarray(jnp.sum(jax.nn.softmax(logits, axis=-1), axis=-1)) < 1)  # some row falls short
+    p = SamplingParams(jnp.ones((b,)), jnp.full((b,), 1e-9, jnp.float32), jnp.ones((b, v), bool), jnp.ones((b,), bool),
+                       jnp.zeros((b,), jnp.int32))
+    res = sample_tokens(keys(list(range(b))), logits, p)
+    assert list(np.asarray(res.token)) == list(np.asarray(jnp.argmax(logits, axis=-1)))
+    assert np.all(np.asarray(res.prob) == 1)
+
+
 def test_free_slots_are_not_sampled() -> None:
     p = params([1.0, 1.0], [1.0, 1.0])._replace(active=jnp.asarray([True, False]))
     res = sample_tokens(keys([1, 2]), jnp.asarray(np.stack([LOGITS, LOGITS])), p)

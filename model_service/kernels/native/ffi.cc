@@ -162,12 +162,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokF32Matmul, grok::F32Matmul,
                                   .Attr<int64_t>("threads")
                                   .Ctx<ffi::ThreadPool>());
 
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokNucleusThreshold);  // nucleus.cc
+
 namespace {
 
 PyObject* Handlers(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:N,s:N}", "grok_int8_matmul",
+  return Py_BuildValue("{s:N,s:N,s:N}", "grok_int8_matmul",
                        PyCapsule_New(reinterpret_cast<void*>(GrokInt8Matmul), nullptr, nullptr),
-                       "grok_f32_matmul", PyCapsule_New(reinterpret_cast<void*>(GrokF32Matmul), nullptr, nullptr));
+                       "grok_f32_matmul", PyCapsule_New(reinterpret_cast<void*>(GrokF32Matmul), nullptr, nullptr),
+                       "grok_nucleus_threshold",
+                       PyCapsule_New(reinterpret_cast<void*>(GrokNucleusThreshold), nullptr, nullptr));
 }
 
 PyObject* SupportedIsas(PyObject*, PyObject*) {
