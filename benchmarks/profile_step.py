@@ -40,13 +40,13 @@ from benchmarks.stack import use_model_xla_flags
 # First match wins: (category, regex over an HLO instruction's op_name metadata, or "<opcode> <shape>" when it
 # has none). Patterns cover this code's named scopes and the unscoped names of the code before them.
 CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("attention: q/k/v and output projections", r"qkv_projections|output_projection"),
+    ("attention: kv write, scores, softmax, values", r"multi_head_attention"),
     ("sampling: nucleus threshold", r"/nucleus/|while/body/.*while/body|_search|/sort"),
     ("sampling: gumbel noise + draw", r"/draw/|gumbel|_uniform|threefry|random_bits|categorical"),
     ("unembedding (logits)", r"unembed|d,vd->|^dot f32\[\d+,131072\]"),
     ("moe experts", r"/moe/"),
     ("router", r"/router"),
-    ("attention: q/k/v and output projections", r"qkv_projections|output_projection"),
-    ("attention: kv write, scores, softmax, values", r"multi_head_attention"),
     ("KV memory copies", r"^copy f32\[\d+,\d+,\d+,\d+\]"),
     ("norms, residuals, embedding", r"transformer|rms_norm|embed"),
     ("sampling: softmax, top-k, keys, rest", r"/probabilities/|while/body|sample|split|cond"),

@@ -124,6 +124,7 @@ class Engine:
             raise ValueError(f"the KV pool ({self.num_blocks} blocks of {self.block_size}) must hold at least one "
                              f"full context ({cfg.sequence_len} tokens = {model.blocks_per_sequence} blocks)")
         self.prefix_caching = prefix_caching
+        self.native_sampling = bool(getattr(model, "native_sampling", False))
         self._reset_host()
         replicated = NamedSharding(mesh, PartitionSpec())
         self._replicated = replicated
@@ -177,7 +178,7 @@ class Engine:
         logits, memory = self.model.prefill(params, tokens, length[None])  # [1, V]
         rest, draw = split_key(seed_key(seed))
         history = History(prompt, jnp.zeros(prompt.shape, jnp.int32))
-        result = sample_tokens(draw[None], logits, sampling, controls, history)
+        result = sample_tokens(draw[None], logits, sampling, controls, history, self.native_sampling)
         history = record_tokens(history, result.token, jnp.ones((1,), bool))
         return Prefix(memory, result.token[0], rest, sampling, controls, history, logits), result
 
@@ -185,7 +186,8 @@ class Engine:
         # The same prompt's first token drawn with another seed's key: exactly what a prefill with `seed` draws.
         rest, draw = split_key(seed_key(seed))
         history = History(prefix.history.prompt, jnp.zeros_like(prefix.history.counts))
-        result = sample_tokens(draw[None], prefix.logits, prefix.sampling, prefix.controls, history)
+        result = sample_tokens(draw[None], prefix.logits, prefix.sampling, prefix.controls, history,
+                               self.native_sampling)
         history = record_tokens(history, result.token, jnp.ones((1,), bool))
         return prefix._replace(token=result.token[0], key=rest, history=history), result
 
@@ -206,7 +208,7 @@ class Engine:
         tiles = None if tile == self.slots else (last + tile) // tile
         logits, memory = self.model.decode(params, state.tokens, state.memory, tables, active, tile, tiles)  # [B, V]
         rest, draw = split_keys(state.keys)
-        result = sample_tokens(draw, logits, state.sampling, state.controls, state.history)
+        result = sample_tokens(draw, logits, state.sampling, state.controls, state.history, self.native_sampling)
         # A free slot keeps its token and key (a later insert overwrites them).
         tokens = jnp.where(active, result.token, state.tokens)
         keys = jnp.where(active[:, None], rest, state.keys)
@@ -225,7 +227,7 @@ class Engine:
         logits, memory = self.model.extend(params, tokens, state.memory, table, slot, start, last)  # [1, V]
         rest, draw = split_key(seed_key(seed))
         history = History(prompt, jnp.zeros(prompt.shape, jnp.int32))
-        result = sample_tokens(draw[None], logits, one, controls, history)
+        result = sample_tokens(draw[None], logits, one, controls, history, self.native_sampling)
         history = record_tokens(history, result.token, jnp.ones((1,), bool))
         put = lambda all_, o: all_.at[slot].set(o[0])  # noqa: E731
         return DecodeState(memory, state.tokens.at[slot].set(result.token[0]), state.keys.at[slot].set(rest),

@@ -147,11 +147,40 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, ids, jnp.int32(x.shape[0])))
 
 
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The Threefry-2x32 hash (20 rounds) jax.random uses, written out so XLA fuses it into one pass: jax lowers
+    it on CPU as a 5-step loop that materialises its uint32 state each step (~3x slower over a vocabulary).
+    Integer arithmetic only, so the bits are the same however it is compiled."""
+    ks = (k1, k2, k1 ^ k2 ^ jnp.uint32(0x1BD11BDA))
+    x1, x2 = x1 + ks[0], x2 + ks[1]
+    for i in range(5):
+        for r in _THREEFRY_ROTATIONS[i % 2]:
+            x1 = x1 + x2
+            x2 = x1 ^ ((x2 << jnp.uint32(r)) | (x2 >> jnp.uint32(32 - r)))
+        x1, x2 = x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+    return x1, x2
+
+
+def gumbel_noise(key: jax.Array, n: int) -> jax.Array:
+    """`jax.random.gumbel(key, (1, n), float32)[0]` (the default "low" mode), bit-identical: the partitionable
+    threefry bits of counters 0..n-1 (b1 ^ b2), their top 23 bits as a uniform in [tiny, 1), then -log(-log u)
+    with XLA's own log. jax's function itself where jax draws its bits another way."""
+    if not jax.config.jax_threefry_partitionable:
+        return jax.random.gumbel(key, (1, n), jnp.float32)[0]
+    b1, b2 = _threefry2x32(key[0], key[1], jnp.zeros((n,), jnp.uint32), jnp.arange(n, dtype=jnp.uint32))
+    one = jax.lax.bitcast_convert_type(((b1 ^ b2) >> jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32)
+    tiny = jnp.float32(np.finfo(np.float32).tiny)
+    uniform = jnp.maximum(tiny, (one - jnp.float32(1)) * (jnp.float32(1) - tiny) + tiny)
+    return -jnp.log(-jnp.log(uniform))
+
+
 def categorical(key: jax.Array, row: jax.Array) -> jax.Array:
-    """`jax.random.categorical(key, row)[0]` for one row [1, V], bit-identical: the same gumbel noise (same
-    key, shape, dtype and default mode) plus the logits, then `first_argmax` instead of jnp.argmax."""
-    noise = jax.random.gumbel(key, row.shape, row.dtype)
-    return first_argmax((noise + row)[0])
+    """`jax.random.categorical(key, row)[0]` for one float32 row [1, V], bit-identical: the same gumbel noise
+    (`gumbel_noise`) plus the logits, then `first_argmax` instead of jnp.argmax."""
+    return first_argmax(gumbel_noise(key, row.shape[-1]) + row[0])
 
 
 def _sample_active(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array, mask: jax.Array,

@@ -78,6 +78,9 @@ class GrokModel:
         self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
         self.products = products or choose_products("auto", mesh, self.dtype)
+        # The sampler's nucleus threshold comes from the native kernel too where products are native on one
+        # device (sampling.sample_tokens(native=True)); under a mesh the logits are sharded, XLA's search runs.
+        self.native_sampling = self.products is Products.NATIVE and mesh.size == 1
         self.block_size = block_size
         # Keys are read in chunks of key_chunk positions, only as many as the longest sequence in a step holds.
         self.key_chunk = min(key_chunk, -(-cfg.sequence_len // block_size) * block_size)

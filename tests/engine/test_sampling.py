@@ -11,6 +11,7 @@ from model_service.sampling import (
     SamplingParams,
     build_mask,
     categorical,
+    gumbel_noise,
     first_argmax,
     seed_key,
     split_key,
@@ -149,6 +150,16 @@ def test_categorical_draw_is_bit_identical_to_jax_random_categorical() -> None:
             row[0, : row.shape[1] // 2] = -1e10  # masked half, as the nucleus filter leaves it
         key = jax.random.PRNGKey(i)
         assert int(ours(key, jnp.asarray(row))) == int(reference(key, jnp.asarray(row)))
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000, 131072])
+def test_gumbel_noise_is_bit_identical_to_jax_random_gumbel(n: int) -> None:
+    ours = jax.jit(gumbel_noise, static_argnums=1)
+    reference = jax.jit(lambda k: jax.random.gumbel(k, (1, n), jnp.float32)[0])
+    for seed in (0, 1, 12345, 2**32 - 1):
+        key = jax.random.split(jax.random.PRNGKey(seed))[1]  # a draw key, as the sampler's schedule makes them
+        np.testing.assert_array_equal(np.asarray(ours(key, n)).view(np.uint32),
+                                      np.asarray(reference(key)).view(np.uint32))
 
 
 @pytest.mark.parametrize("values", [[1.0, 3.0, 3.0, 2.0], [1.0, np.nan, 3.0, np.nan], [-np.inf, -np.inf],
