@@ -195,12 +195,13 @@ def paged_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, limit
     g, per = hq // hkv, chunk // bs
     qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # query rows (g, t)
 
-    def read(pool: Array, c: Array) -> Array:  # chunk c of every row: [B, Hkv, chunk, D]
+    def read(pool: Array, c: Array) -> Array:  # chunk c of every row, as stored: [B, per, Hkv, bs, D]
         ids = jax.lax.dynamic_slice_in_dim(tables, c * per, per, axis=1)  # [B, per]
-        return pool[ids].swapaxes(1, 2).reshape(b, hkv, chunk, d).astype(q.dtype)
+        return pool[ids].astype(q.dtype)
 
     def scores(c: Array) -> Array:  # [B, Hkv, G*T, chunk] float32, capped, invisible keys at -1e30
-        logits = jnp.einsum("bhqd,bhsd->bhqs", qg, read(pool_k, c)).astype(jnp.float32) * multiplier
+        logits = jnp.einsum("bhqd,bphsd->bhqps", qg, read(pool_k, c)).reshape(b, hkv, g * t, chunk)
+        logits = logits.astype(jnp.float32) * multiplier
         logits = ATTN_LOGIT_CAP * jnp.tanh(logits / ATTN_LOGIT_CAP)
         seen = (c * chunk + jnp.arange(chunk, dtype=jnp.int32))[None, None, :] <= limit[:, :, None]  # [B, T, C]
         seen = jnp.broadcast_to(seen[:, None, None], (b, hkv, g, t, chunk)).reshape(b, hkv, g * t, chunk)
@@ -214,7 +215,8 @@ def paged_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, limit
 
     def values(c: Array, acc: Array) -> Array:
         weights = (jnp.exp(scores(c) - top[..., None]) / total[..., None]).astype(pool_v.dtype)
-        return acc + jnp.einsum("bhqs,bhsd->bhqd", weights, read(pool_v, c), preferred_element_type=jnp.float32)
+        return acc + jnp.einsum("bhqps,bphsd->bhqd", weights.reshape(b, hkv, g * t, per, bs), read(pool_v, c),
+                                preferred_element_type=jnp.float32)
 
     chunks = jnp.max(limit) // chunk + 1  # traced: the loops are not unrolled, and stop after the last key
     rows = (b, hkv, g * t)
