@@ -20,7 +20,6 @@ is drawn with `draw`; before each later token the slot's `rest` is split again t
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -276,35 +275,38 @@ class SlotControls(NamedTuple):
     counts: jax.Array  # [V] int32
 
 
-def _sample_one(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                mask: jax.Array, active: jax.Array, num_top: jax.Array,
-                extra: SlotControls | None = None, native: bool = False) -> SampleResult:
-    def idle(*_: object) -> SampleResult:
-        k = min(TOP_K, logits.shape[-1])
-        return SampleResult(jnp.int32(0), jnp.float32(0), jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.float32),
-                            jnp.bool_(False))
-
-    return jax.lax.cond(active, functools.partial(_sample_active, native=native), idle, key, logits, temperature,
-                        top_p, mask, num_top, extra)
+def _idle_result(v: int) -> SampleResult:
+    k = min(TOP_K, v)
+    return SampleResult(jnp.int32(0), jnp.float32(0), jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.float32),
+                        jnp.bool_(False))
 
 
 def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, controls: Controls | None = None,
                   history: History | None = None, native: bool = False) -> SampleResult:
     """Draw one token per slot. keys [B, 2] (draw keys), logits [B, V] float32.
 
-    Slots are processed one after another (lax.map, not vmap) so that the per-slot branches are
-    real: a free slot computes nothing, a greedy one skips the nucleus filter and the random draw
-    (top_p = 1 skips the filter too; both shortcuts are exact), and a slot's result
+    Slots are processed one after another (a loop over slots, not vmap) so that the per-slot branches are
+    real: a free slot computes nothing (not even the copy of its row), a greedy one skips the nucleus filter
+    and the random draw (top_p = 1 skips the filter too; both shortcuts are exact), and a slot's result
     is computed exactly as if it were alone. `controls` and `history` (both or neither) add the controls of
     sampling_settings.py; without them the reference's sampler alone is compiled. `native` (a static choice,
     for one device with the native kernels built) finds large vocabularies' nucleus thresholds with
     `kernels.nucleus_threshold` instead of XLA's search: the same threshold except where a float32 sum lands
     within rounding of 1 - top_p.
     """
-    xs = (keys, logits.astype(jnp.float32), params.temperature, params.top_p, params.mask, params.active,
-          params.num_top)
-    if controls is None:
-        return jax.lax.map(lambda args: _sample_one(*args, native=native), xs)
-    assert history is not None
-    return jax.lax.map(lambda args: _sample_one(*args[:-1], extra=args[-1], native=native),
-                       xs + (SlotControls(controls, history.prompt, history.counts),))
+    assert (controls is None) == (history is None)
+    b, v = logits.shape
+    logits = logits.astype(jnp.float32)
+
+    def one(i: jax.Array) -> SampleResult:  # slot i's rows are read only here, inside its active branch
+        extra = None if controls is None else SlotControls(jax.tree.map(lambda a: a[i], controls),
+                                                           history.prompt[i], history.counts[i])
+        return _sample_active(keys[i], logits[i], params.temperature[i], params.top_p[i], params.mask[i],
+                              params.num_top[i], extra, native)
+
+    def body(i: jax.Array, out: SampleResult) -> SampleResult:
+        res = jax.lax.cond(params.active[i], one, lambda _: _idle_result(v), i)
+        return jax.tree.map(lambda all_, r: all_.at[i].set(r), out, res)
+
+    zeros = jax.tree.map(lambda r: jnp.zeros((b,) + r.shape, r.dtype), _idle_result(v))
+    return jax.lax.fori_loop(0, b, body, zeros)
