@@ -54,6 +54,7 @@ from model_service.logits_processing import (
     empty_history,
     idle_controls,
     prompt_mask,
+    record_penalized_tokens,
     record_tokens,
 )
 from model_service.sampling import (
@@ -212,7 +213,7 @@ class Engine:
         # A free slot keeps its token and key (a later insert overwrites them).
         tokens = jnp.where(active, result.token, state.tokens)
         keys = jnp.where(active[:, None], rest, state.keys)
-        history = record_tokens(state.history, result.token, active)
+        history = record_penalized_tokens(state.history, result.token, active, state.controls)
         return DecodeState(memory, tokens, keys, state.sampling, state.controls, history), result
 
     def _extend_impl(self, params: Any, state: DecodeState, tokens: jax.Array, table: jax.Array, slot: jax.Array,

@@ -33,6 +33,7 @@ from model_service.logits_processing import (
     add_bias,
     apply_penalties,
     min_p_filter,
+    penalized,
     top_k_filter,
 )
 from model_service.sampling_settings import build_mask  # noqa: F401 - the engine builds masks with it
@@ -189,7 +190,7 @@ def _sample_active(key: jax.Array, logits: jax.Array, temperature: jax.Array, to
     if extra is None:
         return _sample_filtered(key, logits, temperature, top_p, mask, num_top, native=native)
     c, v = extra.controls, logits.shape[-1]
-    used = (jnp.any(c.bias_ids < v) | (c.repetition != 1) | (c.presence != 0) | (c.frequency != 0)
+    used = (jnp.any(c.bias_ids < v) | penalized(c)
             | ((c.top_k > 0) & (c.top_k < v)) | (c.min_p > 0))
     return jax.lax.cond(used, lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, extra, native),
                         lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, native=native))
@@ -261,9 +262,8 @@ def _biased_and_penalized(logits: jax.Array, extra: SlotControls) -> jax.Array:
     with jax.named_scope("logit_bias"):
         logits = jax.lax.cond(jnp.any(c.bias_ids < logits.shape[-1]), lambda x: add_bias(x, c.bias_ids, c.bias),
                               lambda x: x, logits)
-    penalized = (c.repetition != 1) | (c.presence != 0) | (c.frequency != 0)
     with jax.named_scope("penalties"):
-        return jax.lax.cond(penalized, lambda x: apply_penalties(x, extra.prompt, extra.counts, c.repetition,
+        return jax.lax.cond(penalized(c), lambda x: apply_penalties(x, extra.prompt, extra.counts, c.repetition,
                                                                  c.presence, c.frequency), lambda x: x, logits)
 
 
