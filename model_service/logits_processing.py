@@ -86,9 +86,9 @@ def penalized(controls: Controls) -> jax.Array:
 
 
 def record_penalized_tokens(history: History, tokens: jax.Array, active: jax.Array, controls: Controls) -> History:
-    """`record_tokens` for the active slots that use a penalty, and nothing at all when none does: the update
-    rewrites the whole [B, V] count table on XLA-CPU (~0.1 ms per slot per step), and counts no penalty reads
-    are never read (a slot's controls are set when its request is inserted, with its counts zeroed)."""
+    """`record_tokens` for the active slots that use a penalty, and no scatter at all when none does: counts no
+    penalty reads are never read (a slot's controls are set when its request is inserted, with its counts
+    zeroed)."""
     counted = active & penalized(controls)
     return jax.lax.cond(jnp.any(counted), lambda h: record_tokens(h, tokens, counted), lambda h: h, history)
 
