@@ -154,12 +154,13 @@ class GrokModel:
         """tokens [R] int32 for the first R slots of `memory` (R <= its slots) -> (logits [R, V] float32, memory
         with those R slots advanced by one; the other slots untouched).
 
-        `tables` [R or more, table_len] are the slots' block tables (default: dense_tables); a tile reads keys
-        only from the chunks its longest sequence fills (layers.paged_attention). The rows run in tiles of
+        `tables` [R or more, table_len] are the slots' block tables (default: dense_tables); each active row reads
+        keys only from the chunks its own sequence fills (layers.paged_attention_rows). The rows run in tiles of
         `tile` (default R) rows, one after another, each through the same computation: a row's bits depend
         only on the tile size, never on how many tiles or key chunks run or what the other rows hold (batch
         invariance by construction), while one tile streams each weight once for all its rows. `active` [R] bool marks the slots whose outputs are used;
-        inactive slots write nothing and never make an expert run (their logits are then meaningless).
+        inactive slots write nothing, never make an expert run, and with native products are not computed at
+        all (their logits are then zero; with XLA's products, meaningless).
         `tiles_to_run` [] int32 (traced) runs only the first tiles (the rest of the rows get zero logits and
         keep their memory): idle tiles then cost nothing, with one compiled program for any number of requests.
         """
