@@ -23,11 +23,12 @@ def start_fake(kind: str, log_dir: pathlib.Path, *args: str, port: int | None = 
 
 
 def start_gateway(tokenizer: str, models: Sequence[str], log_dir: pathlib.Path, *args: str,
-                  http_port: int = 0) -> Service:
+                  http_port: int = 0, env: dict[str, str] | None = None) -> Service:
     """The gateway process; its HTTP API only when `http_port` is given (the default 8000 may be taken)."""
     port = free_port()
     return Service("gateway", ["--tokenizer", tokenizer, "--model", ",".join(models), "--host", "127.0.0.1",
-                               "--port", str(port), "--http-port", str(http_port), *args], port, log_dir=log_dir)
+                               "--port", str(port), "--http-port", str(http_port), *args], port, log_dir=log_dir,
+                   env=env)
 
 
 @dataclass

@@ -111,7 +111,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory, jax_cache: str) -> Iterator
     model = Service("model_service", [*model_args(port, free_port(), jax_cache), *otlp], port, env=EXPORT_NOW,
                     log_dir=log_dir)
     http_port = free_port()
-    gateway = start_gateway(tokenizer.address, [model.address], log_dir, *otlp, http_port=http_port)
+    gateway = start_gateway(tokenizer.address, [model.address], log_dir, *otlp, http_port=http_port, env=EXPORT_NOW)
     stack = Stack(tokenizer, [model], gateway, http_port)
     try:
         for service in (tokenizer, model, gateway):
