@@ -8,17 +8,25 @@ PYTEST_ARGS ?=
 
 AIPERF_VENV ?= .venv-aiperf
 
-.PHONY: setup run demo demo-check protos proto-baseline lint test bench bench-docs bench-engine clean help
+.PHONY: setup run demo demo-check protos proto-baseline lint test compose-check bench bench-docs bench-engine clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
 
-setup: $(VENV)/.installed node_modules/.installed  ## create .venv with the pinned packages, install buf
+setup: $(VENV)/.installed node_modules/.installed  ## create .venv with the pinned packages and the test tools, install buf
 
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard model_service/kernels/native/*)  # pip install -e also builds the kernels
+# What `make run` needs: the serving packages and the clients the README calls (pip install -e also builds the
+# kernels). pip shows each package as it goes: the first install takes minutes.
+$(VENV)/.serving: pyproject.toml setup.py $(wildcard model_service/kernels/native/*)
+	@echo "make: installing the serving packages into $(VENV) (once; a few minutes on a fresh machine)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install --progress-bar off --upgrade pip
+	$(PY) -m pip install --progress-bar off -e '.[client]'
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.serving
+	@echo "make: installing the test tools into $(VENV)"
+	$(PY) -m pip install --progress-bar off -e '.[test]'
 	touch $@
 
 node_modules/.installed: package.json package-lock.json
@@ -31,8 +39,8 @@ demo: setup  ## retrain the committed demo model into demo/ (tokenizer, int8 che
 demo-check: setup  ## retrain into build/demo-check and fail unless its losses match demo/training.json
 	$(PY) -m demo_build --out build/demo-check --compare-with $(DEMO)/training.json
 
-run: setup  ## set up, then serve the embedded default (the committed demo/: tokenizer + model + gateway), stream a sample
-	$(PY) scripts/run_stack.py
+run: $(VENV)/.serving  ## install what serving needs, serve the embedded demo model, stream a sample (options: ARGS="--http-port 8080 ...")
+	$(PY) scripts/run_stack.py $(ARGS)
 
 protos: $(VENV)/.installed  ## regenerate the Python stubs from protos/
 	$(PY) scripts/gen_protos.py
@@ -47,6 +55,9 @@ proto-baseline: setup  ## accept the current protos as the API baseline `make li
 
 test: setup lint  ## set up, lint the protos, run every test
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+compose-check: setup  ## docker compose for real: build the image, up --wait, gRPC + HTTP, --scale model=2, multiprocess, down (installs podman when no engine runs)
+	$(PY) scripts/compose_check.py
 
 bench: setup $(AIPERF_VENV)/.installed  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer, three-client cross-check -> benchmarks/measured/local/quick
 	$(PY) -m benchmarks.suite --quick --out benchmarks/measured/local/quick

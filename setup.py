@@ -49,8 +49,9 @@ class OptionalBuildExt(build_ext):
 native = Extension(
     "model_service.kernels._native",
     sources=[f"{NATIVE}/ffi.cc", f"{NATIVE}/matmul_scalar.cc", f"{NATIVE}/matmul_avx2.cc", f"{NATIVE}/matmul_avx512.cc",
-             f"{NATIVE}/nucleus.cc"],
-    depends=[f"{NATIVE}/matmul.h", f"{NATIVE}/matmul_body.h"],
+             f"{NATIVE}/nucleus.cc", f"{NATIVE}/attention.cc", f"{NATIVE}/attention_scalar.cc",
+             f"{NATIVE}/attention_avx2.cc", f"{NATIVE}/attention_avx512.cc"],
+    depends=[f"{NATIVE}/matmul.h", f"{NATIVE}/matmul_body.h", f"{NATIVE}/attention.h", f"{NATIVE}/attention_body.h"],
     include_dirs=_ffi_include(),
     language="c++",
     extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden"],

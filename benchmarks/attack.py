@@ -1,7 +1,10 @@
 """`python -m benchmarks.attack`: attack a fresh local stack with the table of bad and extreme inputs.
 
-Starts tokenizer, one model replica and the gateway (gRPC and HTTP) on 127.0.0.1 (the committed demo
-model by default), runs every case of benchmarks/attack_cases.py and attack_http.py, and prints a table
+Starts tokenizer, one model replica (with the tokenizer's vocabulary, for structured output), the gateway
+(gRPC and HTTP) and a second gateway that requires API keys, on 127.0.0.1 (the committed demo model by
+default), runs every case of benchmarks/attack_cases.py, attack_http.py and the classes of attack_structured.py
+(structured-output abuse), attack_pressure.py (KV pressure), attack_wire.py (tracing headers, HTTP streaming
+faults) and attack_tenants.py (cache_salt, API keys), and prints a table
 of each case's expected and actual status, then a JSON report. A case passes when its call ends with the
 expected status; an error must also name the expected field and leak no internals (exception classes,
 addresses, paths), and a success marked `finite` must hold no NaN or infinity. At the end every service
@@ -28,7 +31,11 @@ import grpc
 
 from benchmarks.attack_cases import UNARY_METHODS, Case, Facts, grpc_cases
 from benchmarks.attack_http import HttpError, finite_json, http_cases
+from benchmarks.attack_pressure import pressure_cases
 from benchmarks.attack_slow import slowloris
+from benchmarks.attack_structured import structured_cases
+from benchmarks.attack_tenants import KEYS, tenant_cases
+from benchmarks.attack_wire import streaming_cases, tracing_cases
 from benchmarks.chaos_stack import Proc
 from grok.gateway.v1 import gateway_pb2_grpc
 from grok.model.v1 import model_pb2, model_pb2_grpc
@@ -50,6 +57,8 @@ class Targets:
     model: model_pb2_grpc.ModelServiceStub
     channels: dict[str, grpc.Channel]
     http: str
+    keyed_gateway: gateway_pb2_grpc.GatewayServiceStub  # the gateway started with --api-key (attack_tenants.KEYS)
+    keyed_http: str
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -66,18 +75,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def start(args: argparse.Namespace, log_dir: pathlib.Path) -> tuple[list[Proc], int]:
-    """tokenizer, model, gateway (HTTP on); SERVING when returned. The gateway's HTTP port is returned too."""
+def start(args: argparse.Namespace, log_dir: pathlib.Path) -> tuple[list[Proc], dict[str, int]]:
+    """tokenizer, model, gateway (HTTP on), keyed gateway; SERVING when returned, with each gateway's HTTP port."""
     tokenizer_port, model_port, gateway_port, http_port = free_port(), free_port(), free_port(), free_port()
+    keyed_port, keyed_http_port = free_port(), free_port()
     tokenizer = Proc("tokenizer", "tokenizer_service", ["--model", args.tokenizer, "--port", str(tokenizer_port),
                                                         *TOKENIZER_LIMITS], tokenizer_port, log_dir)
     model = Proc("model", "model_service", [
         "--config", args.config, "--checkpoint", args.checkpoint, "--dtype", args.dtype, "--port", str(model_port),
-        "--slots", "2", "--buckets", "64", "--compile-cache", args.compile_cache], model_port, log_dir)
+        "--slots", "2", "--compile-cache", args.compile_cache, "--tokenizer", args.tokenizer],
+        model_port, log_dir)
     gateway = Proc("gateway", "gateway", ["--tokenizer", tokenizer.address, "--model", model.address,
                                           "--port", str(gateway_port), "--http-port", str(http_port)],
                    gateway_port, log_dir)
-    procs = [tokenizer, model, gateway]
+    keyed = Proc("keyed-gateway", "gateway", ["--tokenizer", tokenizer.address, "--model", model.address,
+                                              "--port", str(keyed_port), "--http-port", str(keyed_http_port),
+                                              "--api-key", ",".join(KEYS)], keyed_port, log_dir)
+    procs = [tokenizer, model, gateway, keyed]
     for proc in procs:
         proc.start()
     try:
@@ -86,7 +100,7 @@ def start(args: argparse.Namespace, log_dir: pathlib.Path) -> tuple[list[Proc], 
     except Exception:
         stop(procs)
         raise
-    return procs, http_port
+    return procs, {"gateway": http_port, "keyed-gateway": keyed_http_port}
 
 
 def stop(procs: Sequence[Proc]) -> dict[str, int | None]:
@@ -96,8 +110,11 @@ def stop(procs: Sequence[Proc]) -> dict[str, int | None]:
 def facts_of(targets: Targets) -> Facts:
     info = targets.model.GetInfo(model_pb2.GetInfoRequest(), timeout=30)
     ids = targets.tokenizer.Encode(tokenizer_pb2.EncodeRequest(text=PROMPT), timeout=30).token_ids
-    return Facts(vocab=info.config.vocab_size, context=info.config.sequence_len, bucket=max(info.prefill_buckets),
-                 prompt=PROMPT, prompt_ids=tuple(ids))
+    pieces = [p for chunk in targets.tokenizer.GetPieces(tokenizer_pb2.GetPiecesRequest(), timeout=30)
+              for p in chunk.pieces]
+    return Facts(vocab=info.config.vocab_size, context=info.config.sequence_len, bucket=info.config.sequence_len - 1,
+                 prompt=PROMPT, prompt_ids=tuple(ids), slots=info.slots,
+                 pieces=tuple(bytes([p.byte_value]) if p.is_byte else p.text.encode() for p in pieces))
 
 
 def finite_messages(result: Any) -> bool:
@@ -183,9 +200,15 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def cases_of(facts: Facts) -> list[Case]:
+    """Every case of the table: the original bad-input and protocol tables, then issue 33's classes."""
+    return (grpc_cases(facts) + http_cases(facts) + structured_cases(facts) + pressure_cases(facts)
+            + tracing_cases(facts) + streaming_cases(facts) + tenant_cases(facts))
+
+
 def attack(targets: Targets, procs: Sequence[Proc], http_port: int, quick: bool) -> dict[str, Any]:
     facts = facts_of(targets)
-    cases = grpc_cases(facts) + http_cases(facts)
+    cases = cases_of(facts)
     results = [run_case(case, targets) for case in cases]
     if not quick:
         ports = {p.name: p.port for p in procs}
@@ -207,15 +230,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="attack-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
-    procs, http_port = start(args, log_dir)
+    procs, http_ports = start(args, log_dir)
     address = {p.name: p.address for p in procs}
     channels = {name: grpc.insecure_channel(a) for name, a in address.items()}
     try:
         targets = Targets(gateway_pb2_grpc.GatewayServiceStub(channels["gateway"]),
                           tokenizer_pb2_grpc.TokenizerServiceStub(channels["tokenizer"]),
                           model_pb2_grpc.ModelServiceStub(channels["model"]), channels,
-                          f"http://127.0.0.1:{http_port}")
-        report = attack(targets, procs, http_port, args.quick)
+                          f"http://127.0.0.1:{http_ports['gateway']}",
+                          gateway_pb2_grpc.GatewayServiceStub(channels["keyed-gateway"]),
+                          f"http://127.0.0.1:{http_ports['keyed-gateway']}")
+        report = attack(targets, procs, http_ports["gateway"], args.quick)
     finally:
         for channel in channels.values():
             channel.close()

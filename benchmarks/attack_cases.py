@@ -1,6 +1,6 @@
 """The attack table over the three gRPC services: each case is one call and the status it must end with.
 
-`Facts` holds what a case needs to know of the stack under attack (vocabulary, context, prefill bucket,
+`Facts` holds what a case needs to know of the stack under attack (vocabulary, context, longest prompt,
 the limits it was started with). `bad_input_cases` is the bad-input table that
 tests/gateway/test_bad_input.py runs too (each case names the field its message must name);
 `grpc_cases` adds the rest: the range of every sampling control at the gateway and the model, the
@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.client import completion_request
+from gateway.config import Limits
 from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
 from grok.tokenizer.v1 import tokenizer_pb2
@@ -27,6 +28,7 @@ F32_MAX = 3.4028234663852886e38
 TINY = 1e-38
 SUBNORMAL = 1e-45
 INVALID = "INVALID_ARGUMENT"
+GATEWAY_LIMITS = Limits()
 
 
 class Targets(Protocol):
@@ -44,19 +46,21 @@ class Facts:
 
     vocab: int
     context: int
-    bucket: int  # the largest prefill bucket
+    bucket: int  # the longest prompt the model accepts (context - 1)
     prompt: str  # a prompt that works
     prompt_ids: tuple[int, ...]  # its token ids (model-direct cases)
     max_tokens: int = 8  # per successful case: short, so the table runs fast
-    max_prompt_bytes: int = 65536
-    max_stop: int = 8
-    max_stop_chars: int = 256
-    max_top_logprobs: int = 8
+    max_prompt_bytes: int = GATEWAY_LIMITS.max_prompt_bytes  # the gateway's defaults (it is started without flags)
+    max_stop: int = GATEWAY_LIMITS.max_stop
+    max_stop_chars: int = GATEWAY_LIMITS.max_stop_chars
+    max_top_logprobs: int = GATEWAY_LIMITS.max_top_logprobs
     text_limit: int = 4096  # the tokenizer's --max-text-bytes
     batch_limit: int = 4  # --max-batch
     ids_limit: int = 256  # --max-tokens
     seed: int = 7
     temperature: float = 0.8
+    pieces: tuple[bytes, ...] = ()  # each id's bytes (tokenizer GetPieces), for constraints built on the vocabulary
+    slots: int = 2
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,7 @@ def bad_input_cases(f: Facts) -> list[Case]:
         Case("model-id-over-vocab", "model", model(f, token_ids=[5, v]), INVALID, "token_ids", f"[0, {v})"),
         Case("model-negative-id", "model", model(f, token_ids=[-1]), INVALID, "token_ids", f"[0, {v})"),
         Case("model-prompt-over-bucket", "model", model(f, token_ids=[5] * (f.bucket + 1)), INVALID, "token_ids",
-             "prefill bucket"),
+             "longest accepted"),
         Case("model-max-tokens-0", "model", model(f, max_tokens=0), INVALID, "max_tokens", ">= 1"),
         Case("model-over-context", "model", model(f, token_ids=[5] * (f.bucket - 4), max_tokens=f.context - f.bucket + 5),
              INVALID, "max_tokens", "context"),

@@ -44,7 +44,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--short", action="store_true", help="CI version: 25 s of traffic, shorter outages")
     p.add_argument("--slots", type=int, default=2, help="slots per model replica")
     p.add_argument("--max-queue", type=int, default=4, help="waiting queue per model replica")
-    p.add_argument("--buckets", default="64", help="prefill buckets of the model replicas")
     p.add_argument("--compile-cache", default=".jax_cache", help="JAX compilation cache shared by the replicas")
     p.add_argument("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=0, help="seed of the traffic's random choices")
@@ -139,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.short:
         args.duration = min(args.duration, 25.0)
     config = StackConfig(config=_path(args.config), checkpoint=_path(args.checkpoint), tokenizer=_path(args.tokenizer),
-                         slots=args.slots, max_queue=args.max_queue, buckets=args.buckets,
+                         slots=args.slots, max_queue=args.max_queue,
                          compile_cache=args.compile_cache, grace_seconds=5.0)
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="chaos-"))
     log_dir.mkdir(parents=True, exist_ok=True)

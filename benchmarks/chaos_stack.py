@@ -92,7 +92,6 @@ class StackConfig:
     replicas: int = 2
     slots: int = 2
     max_queue: int = 4
-    buckets: str = "64"
     compile_cache: str = ".jax_cache"
     grace_seconds: float = 5.0
     watchdog_seconds: float = 30.0
@@ -115,7 +114,7 @@ class LocalStack:
             self.models.append(Proc(f"model{i}", "model_service", [
                 "--config", config.config, "--checkpoint", config.checkpoint, "--host", "127.0.0.1",
                 "--port", str(port), "--metrics-port", str(metrics), "--slots", str(config.slots),
-                "--max-queue", str(config.max_queue), "--buckets", config.buckets,
+                "--max-queue", str(config.max_queue),
                 "--compile-cache", config.compile_cache, "--watchdog-seconds", str(config.watchdog_seconds),
                 *grace], port, log_dir))
         gateway_port = free_port()

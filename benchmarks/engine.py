@@ -9,7 +9,6 @@ temperature 0.7 top_p 0.9, greedy = temperature 0):
     slots8_streams8   8 simultaneous streams on an 8-slot service: aggregate decode tokens/s, and the
                       time to first token of those 8 simultaneous prompts (p50, max)
     slots16_stream1   one stream on a 16-slot service (idle slots should cost next to nothing)
-    slots16_stream1_tile1  the same with --row-tile 1 (skipped for checkouts without that flag)
 
 each sampled and greedy (and with --constraint-json a third mode, `json`: sampled as above and constrained
 to JSON_SCHEMA, a JSON object with a 64-item array of strings, so the constrained rate comes beside the
@@ -23,8 +22,19 @@ interpreter:
 
 --arm LABEL=FLAGS adds this checkout with other model-service flags (e.g. `--arm xla='--products xla'
 --arm native='--products native'`), and --llamacpp DIR runs llama.cpp on the same shapes (the CPU anchor in
-../shared/bench/llamacpp: Q8_0 weights, 2 threads) after each round of the 1-stream and 8-stream points,
-and reports ours / llama.cpp per arm and mode. Every measurement records the box (benchmarks.box).
+../shared/bench/llamacpp: Q8_0 weights, 2 threads; the GGUF that run.sh DIR CONFIG wrote for --config) after
+each round of the 1-stream and 8-stream points, and reports ours / llama.cpp per arm and mode. Every
+measurement records the box (benchmarks.box), and every service its memory: resident at SERVING and its
+peak (VmHWM) at SERVING and at the end, with the seconds it took to reach SERVING.
+
+--grok1-width is the Grok-1-width point: ../shared/bench/grok1-width-1layer.json (every dimension of Grok-1,
+one layer, ~8 GB of int8 experts), the 1-stream and 8-stream points, greedy (llama.cpp's mode), e.g.
+
+    .venv/bin/python -m benchmarks.engine --grok1-width --runs 1 --repo before=WORKTREE --repo after=. \
+        --llamacpp /work/llamacpp --out benchmarks/measured/engine-grok1-width.json
+
+(each service is started alone, each round: one takes ~7-13 GB; run it alone on the box). --checkpoint DIR serves a checkpoint on disk instead of
+random weights (`python -m demo_build.random_checkpoint --config CONFIG --out DIR` writes one).
 """
 
 from __future__ import annotations
@@ -54,27 +64,27 @@ from serving_common.processes import terminate
 from tests.procs import SHARED, free_port
 
 MEDIUM = SHARED / "bench" / "medium.json"
+GROK1_WIDTH = SHARED / "bench" / "grok1-width-1layer.json"
 GROK1_TOKENIZER = SHARED / "grok1-tokenizer" / "tokenizer.model"
 # The --constraint-json mode's schema: long enough that a 128-token request stays inside it.
 JSON_SCHEMA = json.dumps({"type": "object", "required": ["items"], "properties": {"items": {
     "type": "array", "minItems": 64, "items": {"type": "string", "maxLength": 16}}}})
 # name: (slots, streams, extra service flags)
 POINTS: dict[str, tuple[int, int, list[str]]] = {
-    "slots1_stream1": (1, 1, []), "slots8_streams8": (8, 8, []), "slots16_stream1": (16, 1, []),
-    "slots16_stream1_tile1": (16, 1, ["--row-tile", "1"])}
+    "slots1_stream1": (1, 1, []), "slots8_streams8": (8, 8, []), "slots16_stream1": (16, 1, [])}
 
 
 class ModelService:
     """`python -m model_service` from checkout `repo`, on a free port, with a shared compile cache."""
 
     def __init__(self, repo: pathlib.Path, config: pathlib.Path, slots: int, prompt_len: int, cache: str,
-                 log: pathlib.Path, extra: list[str]) -> None:
+                 log: pathlib.Path, extra: list[str], checkpoint: pathlib.Path | None = None) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._log = open(log, "wb")
-        bucket = 1 << max(5, (prompt_len - 1).bit_length())
-        args = ["--config", str(config), "--random-init", "--host", "127.0.0.1", "--port", str(self.port),
-                "--slots", str(slots), "--mesh", "1,1", "--buckets", str(bucket), "--compile-cache", cache,
+        weights = ["--checkpoint", str(checkpoint)] if checkpoint else ["--random-init"]
+        args = ["--config", str(config), *weights, "--host", "127.0.0.1", "--port", str(self.port),
+                "--slots", str(slots), "--mesh", "1,1", "--compile-cache", cache,
                 "--max-queue", "64", *extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": os.environ.get("BENCH_XLA_FLAGS", ""),
                "PYTHONPATH": str(repo)}
@@ -86,6 +96,17 @@ class ModelService:
                 raise RuntimeError(f"model service from {repo} did not start: see {log}")
             time.sleep(0.2)
         self.start_seconds = time.monotonic() - begin
+        self.memory_at_serving = self.memory()
+
+    def memory(self) -> dict[str, float]:
+        """The service's resident memory now and its peak so far (VmRSS, VmHWM), in GB."""
+        fields = {}
+        with open(f"/proc/{self.proc.pid}/status") as status:
+            for line in status:
+                name, _, value = line.partition(":")
+                if name in ("VmRSS", "VmHWM"):
+                    fields[name] = round(int(value.split()[0]) / 1e6, 3)  # kB -> GB
+        return {"rss_gb": fields.get("VmRSS", 0.0), "peak_rss_gb": fields.get("VmHWM", 0.0)}
 
     def close(self) -> None:
         terminate(self.proc, 30.0)
@@ -149,52 +170,83 @@ def supports(repo: pathlib.Path, flags: list[str]) -> bool:
 def bench_point(name: str, arms: dict[str, tuple[pathlib.Path, list[str]]], args: argparse.Namespace, vocab: int,
                 cache_dir: pathlib.Path) -> dict[str, Any]:
     """Every arm's service is started (an idle one costs no CPU), then the runs alternate between them (and
-    llama.cpp's matching mode, with --llamacpp), so a change in the machine's load hits all of them alike."""
+    llama.cpp's matching mode, with --llamacpp), so a change in the machine's load hits all of them alike.
+    With --one-service each round starts each arm's service alone, measures it and stops it (for configs
+    whose services do not fit in memory together); every start is then measured too."""
     slots, streams, extra = POINTS[name]
-    modes = ("sampled", "greedy", "json") if args.constraint_json else ("sampled", "greedy")
+    modes = tuple(args.modes) + (("json",) if args.constraint_json else ())
     service_flags = extra + (["--tokenizer", str(args.tokenizer)] if args.constraint_json else [])
     out: dict[str, Any] = {"slots": slots, "streams": streams, "flags": extra}
-    services: dict[str, ModelService] = {}
+    runnable = {}
+    for label, (repo, flags) in arms.items():
+        if supports(repo, extra + flags):
+            runnable[label] = (repo, flags)
+        else:
+            out[label] = {"skipped": f"{repo} has no {(extra + flags)[0]} flag"}
     anchor_mode = ANCHOR_MODES.get(name) if args.llamacpp else None
     anchor: list[dict[str, Any]] = []
-    try:
-        for label, (repo, flags) in arms.items():
-            if not supports(repo, extra + flags):
-                out[label] = {"skipped": f"{repo} has no {(extra + flags)[0]} flag"}
-                continue
-            cache = cache_dir / label
-            cache.mkdir(exist_ok=True)
-            services[label] = ModelService(repo, args.config, slots, args.prompt_len, str(cache),
-                                           cache_dir / f"{label}_{name}.log", service_flags + flags)
-        runs: dict[tuple[str, str], list[dict]] = {(label, mode): [] for label in services
-                                                   for mode in modes}
-        for r in range(args.runs):
-            for mode in modes:
-                for label, service in services.items():
-                    runs[label, mode].append(measure(service.address, streams, args, vocab, mode, r))
-            if anchor_mode:
-                anchor.append(llamacpp_run(args.llamacpp, anchor_mode))
-    finally:
-        for service in services.values():
-            service.close()
-    for label, service in services.items():
-        result: dict[str, Any] = {"start_seconds": round(service.start_seconds, 1)}
+    runs: dict[tuple[str, str], list[dict]] = {(label, mode): [] for label in runnable for mode in modes}
+    starts: dict[str, list[dict[str, Any]]] = {label: [] for label in runnable}
+
+    def start(label: str) -> ModelService:
+        repo, flags = runnable[label]
+        (cache_dir / label).mkdir(exist_ok=True)
+        return ModelService(repo, args.config, slots, args.prompt_len, str(cache_dir / label),
+                            cache_dir / f"{label}_{name}.log", service_flags + flags, args.checkpoint)
+
+    def measured(label: str, service: ModelService, r: int) -> None:
         for mode in modes:
-            rs = runs[label, mode]
-            result[mode] = {"median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in rs),
-                            "median_ttft_p50_s": statistics.median(x["ttft_p50_s"] for x in rs), "runs": rs}
-        result["sampled_over_greedy"] = round(result["sampled"]["median_decode_tokens_per_s"]
-                                              / result["greedy"]["median_decode_tokens_per_s"], 3)
-        if "json" in modes:
-            result["json_over_sampled"] = round(result["json"]["median_decode_tokens_per_s"]
-                                                / result["sampled"]["median_decode_tokens_per_s"], 3)
-        out[label] = result
-        print(json.dumps({name: {label: {m: result[m]["median_decode_tokens_per_s"] for m in modes}}}),
+            runs[label, mode].append(measure(service.address, streams, args, vocab, mode, r))
+
+    def stopped(label: str, service: ModelService) -> None:
+        starts[label].append({"start_seconds": round(service.start_seconds, 1),
+                              "memory_at_serving": service.memory_at_serving, "memory_at_end": service.memory()})
+        service.close()
+
+    services: dict[str, ModelService] = {}
+    try:
+        if not args.one_service:
+            services = {label: start(label) for label in runnable}
+        for r in range(args.runs):
+            for label in runnable:
+                if args.one_service:
+                    services = {label: start(label)}
+                measured(label, services[label], r)
+                if args.one_service:
+                    stopped(label, services.pop(label))
+            if anchor_mode:
+                anchor.append(llamacpp_run(args.llamacpp, anchor_mode, args.config))
+    finally:
+        for label, service in services.items():
+            stopped(label, service)
+    for label in runnable:
+        out[label] = _summary(runs, label, modes, starts[label])
+        print(json.dumps({name: {label: {m: out[label][m]["median_decode_tokens_per_s"] for m in modes}}}),
               file=sys.stderr, flush=True)
     if anchor:
-        out["llamacpp"] = beside_llamacpp(anchor, {label: out[label] for label in services})
+        out["llamacpp"] = beside_llamacpp(anchor, {label: out[label] for label in runnable}, args.modes)
         print(json.dumps({name: {"llamacpp": out["llamacpp"]["ratios"]}}), file=sys.stderr, flush=True)
     return out
+
+
+def _summary(runs: dict[tuple[str, str], list[dict]], label: str, modes: tuple[str, ...],
+             starts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm's medians per mode, with its starts (seconds to SERVING and memory of each service)."""
+    result: dict[str, Any] = {"start_seconds": statistics.median(s["start_seconds"] for s in starts),
+                              "peak_rss_gb": max(s["memory_at_end"]["peak_rss_gb"] for s in starts),
+                              "rss_at_serving_gb": statistics.median(s["memory_at_serving"]["rss_gb"] for s in starts),
+                              "starts": starts}
+    for mode in modes:
+        rs = runs[label, mode]
+        result[mode] = {"median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in rs),
+                        "median_ttft_p50_s": statistics.median(x["ttft_p50_s"] for x in rs), "runs": rs}
+    if "sampled" in modes and "greedy" in modes:
+        result["sampled_over_greedy"] = round(result["sampled"]["median_decode_tokens_per_s"]
+                                              / result["greedy"]["median_decode_tokens_per_s"], 3)
+    if "json" in modes:
+        result["json_over_sampled"] = round(result["json"]["median_decode_tokens_per_s"]
+                                            / result["sampled"]["median_decode_tokens_per_s"], 3)
+    return result
 
 
 # Our point -> llama.cpp's bench.py mode with the same shapes (../shared/bench/llamacpp: S sequences, 32-token
@@ -202,12 +254,20 @@ def bench_point(name: str, arms: dict[str, tuple[pathlib.Path, list[str]]], args
 ANCHOR_MODES = {"slots1_stream1": "ll1", "slots8_streams8": "ll8"}
 
 
-def llamacpp_run(directory: pathlib.Path, mode: str) -> dict[str, Any]:
+def llamacpp_gguf(directory: pathlib.Path, config: pathlib.Path) -> pathlib.Path:
+    """The GGUF ../shared/bench/llamacpp/run.sh DIR [CONFIG] writes for `config` (medium: the pad32 one)."""
+    if config.resolve() == MEDIUM.resolve():
+        return directory / "grok-medium-pad32.gguf"
+    return directory / f"{config.stem}.gguf"
+
+
+def llamacpp_run(directory: pathlib.Path, mode: str, config: pathlib.Path = MEDIUM) -> dict[str, Any]:
     """One llama.cpp measurement (a warm-up repetition, then one) of `mode`, as ../shared/bench/llamacpp runs it."""
-    python, model = directory / "venv" / "bin" / "python", directory / "grok-medium-pad32.gguf"
+    python, model = directory / "venv" / "bin" / "python", llamacpp_gguf(directory, config)
     if not python.exists() or not model.exists():
-        raise FileNotFoundError(f"no llama.cpp build in {directory}: run `bash {SHARED}/bench/llamacpp/run.sh "
-                                f"{directory}` once (~7 min)")
+        extra = "" if config.resolve() == MEDIUM.resolve() else f" {config}"
+        raise FileNotFoundError(f"no llama.cpp build or GGUF in {directory}: run `bash {SHARED}/bench/llamacpp/run.sh "
+                                f"{directory}{extra}` once (~7 min)")
     watch = box.CpuWatch()
     watch.start()
     run = subprocess.run([str(python), str(SHARED / "bench" / "llamacpp" / "bench.py"), str(model), "2", mode, "1"],
@@ -219,21 +279,30 @@ def llamacpp_run(directory: pathlib.Path, mode: str) -> dict[str, Any]:
     return {**json.loads(lines[-1][len("MEDIAN "):]), "box": shared.as_dict() if shared else None}
 
 
-def beside_llamacpp(anchor: list[dict[str, Any]], ours: dict[str, Any]) -> dict[str, Any]:
+def beside_llamacpp(anchor: list[dict[str, Any]], ours: dict[str, Any],
+                    modes: tuple[str, ...] = ("sampled", "greedy")) -> dict[str, Any]:
     """llama.cpp's medians and, per arm and mode, ours / llama.cpp for decode tok/s and first-token time."""
     decode = statistics.median(a["step_tok_s"] for a in anchor)  # llama_decode + batch fill + argmax
     prompt_s = statistics.median(a["prompt_ms"] for a in anchor) / 1e3
     ratios = {f"{label}_{mode}": {
         "decode_tokens_per_s_over_llamacpp": round(r[mode]["median_decode_tokens_per_s"] / decode, 3),
         "ttft_p50_over_llamacpp_prompt": round(r[mode]["median_ttft_p50_s"] / prompt_s, 3)}
-        for label, r in ours.items() for mode in ("sampled", "greedy")}
+        for label, r in ours.items() for mode in modes}
     return {"decode_tokens_per_s": decode, "prompt_s": prompt_s, "runs": anchor, "ratios": ratios}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=pathlib.Path, default=MEDIUM, help="model config JSON (default: medium)")
-    p.add_argument("--points", default=",".join(POINTS), help=f"comma-separated subset of {list(POINTS)}")
+    p.add_argument("--config", type=pathlib.Path, default=None, help="model config JSON (default: medium)")
+    p.add_argument("--points", default=None, help=f"comma-separated subset of {list(POINTS)} (default: all)")
+    p.add_argument("--modes", type=lambda v: tuple(v.split(",")), default=None,
+                   help="comma-separated of sampled,greedy (default: both)")
+    p.add_argument("--grok1-width", action="store_true",
+                   help="the Grok-1-width point: its config, slots1_stream1,slots8_streams8, greedy (unless given)")
+    p.add_argument("--one-service", action="store_true",
+                   help="start one arm's service at a time, each round (default with --grok1-width)")
+    p.add_argument("--checkpoint", type=pathlib.Path, default=None,
+                   help="serve this checkpoint directory (ckpt-0/ inside) instead of random weights")
     p.add_argument("--runs", type=int, default=3, help="measurements per point and mode (medians reported)")
     p.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
@@ -250,6 +319,11 @@ def main() -> int:
     p.add_argument("--tokenizer", type=pathlib.Path, default=GROK1_TOKENIZER,
                    help="SentencePiece file given to the service with --constraint-json (default: Grok-1's)")
     args = p.parse_args()
+    wide = args.grok1_width
+    args.config = args.config or (GROK1_WIDTH if wide else MEDIUM)
+    args.points = args.points or ("slots1_stream1,slots8_streams8" if wide else ",".join(POINTS))
+    args.modes = args.modes or (("greedy",) if wide else ("sampled", "greedy"))
+    args.one_service = args.one_service or wide
     arms: dict[str, tuple[pathlib.Path, list[str]]] = {
         label: (pathlib.Path(d).resolve(), []) for label, d in (r.split("=", 1) for r in args.repo)}
     arms.update({label: (ROOT, shlex.split(flags)) for label, flags in (a.split("=", 1) for a in args.arm)})
@@ -258,7 +332,8 @@ def main() -> int:
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
         "settings": {"config": str(args.config), "tokens": args.tokens, "prompt_len": args.prompt_len,
-                     "runs": args.runs, "sampled": {"temperature": 0.7, "top_p": 0.9},
+                     "runs": args.runs, "modes": list(args.modes), "sampled": {"temperature": 0.7, "top_p": 0.9},
+                     "checkpoint": str(args.checkpoint) if args.checkpoint else None,
                      "arms": {k: [str(repo), *flags] for k, (repo, flags) in arms.items()}},
         "points": {}}
     with tempfile.TemporaryDirectory() as tmp:

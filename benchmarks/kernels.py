@@ -1,12 +1,18 @@
 """Native kernel vs XLA's products at the medium config's shapes, interleaved in one process; print JSON.
 
     python -m benchmarks.kernels [--runs 50] [--rows 1,8] [--nucleus]
+    python -m benchmarks.kernels --grok [--runs 3] [--rows 1,2,8,32,64,256] [--threads 1 --cpu-time]
 
 Points: one whole expert (gelu(x W) * (x V) U, W/V 512x2736 column-parallel int8, U 2736x512 row-parallel
 with 8 block scales) and the float32 unembedding (131072x512), at each row count. Each point alternates
 the two forms call by call and reports the median milliseconds of each and their ratio (native / xla).
 --nucleus measures the sampler's nucleus threshold instead: one row of the medium vocabulary at top_p 0.9, flat
 (normal(0, 0.5)) and peaked (normal(0, 5)) logits, the native call against sampling.py's XLA search.
+--grok measures the native products alone at Grok-1's shapes (emb 6,144, experts 32,768 wide, 48/8 heads of
+128, vocabulary 131,072), each "before" (the rows form for every row count: the kernel as it was, bit for bit)
+against "after" (the form the kernel picks, `auto`), alternating call by call: the experts' column-parallel
+and row-parallel int8 matrices, the attention's, and the unembedding table in float32 and in bfloat16 (the
+released checkpoint's type; before = the float32 table, the only one there was). ms (median) and GFLOP/s.
 Run it on a quiet machine: it measures wall time. `load` records the 1-minute load average before and after.
 """
 
@@ -51,15 +57,16 @@ def _unembedding(rng: np.random.Generator) -> tuple[jax.Array, PackedWeight]:
     return jnp.asarray(table), jax.tree.map(jnp.asarray, pack_float(table.T, None, table=True))
 
 
-def _interleaved(fns: dict[str, Callable[[], Any]], runs: int) -> dict[str, float]:
+def _interleaved(fns: dict[str, Callable[[], Any]], runs: int,
+                 clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     for fn in fns.values():
         jax.block_until_ready(fn())  # compile + warm
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(runs):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()}
 
 
@@ -77,10 +84,64 @@ def _nucleus_points(rng: np.random.Generator, runs: int) -> list[dict[str, Any]]
     return points
 
 
+GROK_EMB, GROK_FFN, GROK_QKV, GROK_KV = 6144, 32768, 48 * 128, 8 * 128
+# name: (K, N, scale blocks); int8 weights
+GROK_INT8 = {"expert_linear": (GROK_EMB, GROK_FFN, 1), "expert_linear_1": (GROK_FFN, GROK_EMB, 8),
+             "attn_query": (GROK_EMB, GROK_QKV, 1), "attn_key_value": (GROK_EMB, GROK_KV, 1),
+             "attn_output": (GROK_QKV, GROK_EMB, 8)}
+
+
+def _grok_weights(rng: np.random.Generator) -> dict[str, tuple[jax.Array, jax.Array | None, int, int]]:
+    """name -> (packed weight [N/16, K, 16], scales or None, K, N) on the device, random."""
+    out: dict[str, tuple[jax.Array, jax.Array | None, int, int]] = {}
+    for name, (k, n, blocks) in GROK_INT8.items():
+        w = rng.integers(-127, 128, (n // LANES, k, LANES), dtype=np.int8)
+        s = rng.uniform(0.5, 1.5, (blocks, n)).astype(np.float32) / 127 / np.sqrt(k)
+        out[name] = (jnp.asarray(w), jnp.asarray(s), k, n)
+    host = np.empty((VOCAB // LANES, GROK_EMB, LANES), np.float32)  # 3.2 GB: drawn and scaled in place
+    rng.standard_normal(dtype=np.float32, out=host)
+    host *= 0.02
+    table = jnp.asarray(host)
+    del host
+    out["table_f32"] = (table, None, GROK_EMB, VOCAB)
+    out["table_bf16"] = (table.astype(jnp.bfloat16), None, GROK_EMB, VOCAB)
+    return out
+
+
+def _grok_points(rng: np.random.Generator, rows: list[int], runs: int, threads: int,
+                 cpu_time: bool) -> list[dict[str, Any]]:
+    weights = _grok_weights(rng)
+    program = jax.jit(kernels.matmul, static_argnames=("n_out", "form", "threads"))
+    clock = time.process_time if cpu_time else time.perf_counter
+    points = []
+    for m in rows:
+        x = jnp.asarray(rng.standard_normal((m, GROK_EMB), dtype=np.float32))
+        x_ffn = jnp.asarray(rng.standard_normal((m, GROK_FFN), dtype=np.float32))
+        for name, (w, s, k, n) in weights.items():
+            before = weights["table_f32"][0] if name == "table_bf16" else w
+            xs = x_ffn if k == GROK_FFN else x
+            fns = {"before": lambda: program(xs, before, s, n_out=n, form="rows", threads=threads),
+                   "after": lambda: program(xs, w, s, n_out=n, form="auto", threads=threads)}
+            ms = _interleaved(fns, runs, clock)
+            gflop = 2 * m * k * n / 1e9
+            points.append({"shape": name, "k": k, "n": n, "rows": m, "before_ms": ms["before"], "after_ms": ms["after"],
+                           "before_gflops": round(gflop / ms["before"] * 1e3, 1),
+                           "after_gflops": round(gflop / ms["after"] * 1e3, 1),
+                           "ratio": round(ms["after"] / ms["before"], 3)})
+            print(json.dumps(points[-1]), file=sys.stderr, flush=True)
+    return points
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if not kernels.available():
         raise SystemExit("native kernels are not available (pip install -e . builds them)")
     rng = np.random.default_rng(0)
+    if args.grok:
+        load_before = os.getloadavg()[0]
+        points = _grok_points(rng, args.rows, args.runs, args.threads, args.cpu_time)
+        return {"isa": kernels.supported_isas()[-1], "runs": args.runs, "cpus": os.cpu_count(),
+                "threads": args.threads or "all", "clock": "process cpu time" if args.cpu_time else "wall",
+                "load": [round(load_before, 2), round(os.getloadavg()[0], 2)], "points": points}
     if args.nucleus:
         load_before = os.getloadavg()[0]
         points = _nucleus_points(rng, args.runs)
@@ -111,6 +172,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=50, help="calls of each form per point (median reported)")
     p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8], help="e.g. 1,8")
     p.add_argument("--nucleus", action="store_true", help="measure the nucleus threshold instead of the products")
+    p.add_argument("--grok", action="store_true", help="the native products alone at Grok-1's shapes, before/after")
+    p.add_argument("--threads", type=int, default=0, help="--grok: kernel threads (default 0: XLA's pool, all cores)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="--grok: time by process CPU time (with --threads 1: one core's rate even on a busy box; "
+                        "bandwidth-bound points then count their memory stalls)")
     return p
 
 

@@ -132,9 +132,8 @@ def in_process_scheduler(spec: StackSpec) -> Any:
     configure_jax(spec.compile_cache)
     config = ServerConfig(config=spec.config, checkpoint=spec.checkpoint, random_init=spec.checkpoint is None,
                           dtype=spec.dtype, mesh=MeshConfig(1, 1), slots=spec.slots,
-                          buckets=tuple(int(b) for b in spec.buckets.split(",")), max_queue=spec.max_queue)
-    cfg, buckets = resolve(config)
-    scheduler = Scheduler(build_engine(config, cfg, buckets), spec.max_queue)
+                          max_queue=spec.max_queue)
+    scheduler = Scheduler(build_engine(config, resolve(config)), spec.max_queue)
     scheduler.start()
     return scheduler
 

@@ -47,7 +47,7 @@ POINTS: dict[str, tuple[int, int, int, list[str], bool]] = {
     "streams8_ctx256": (256, 8, 8, [], False),
     "streams8_ctx8192": (8192, 8, 8, [], False),
     "streams64_ctx8192": (8192, 64, 64, ["--kv-tokens", "65536"], True),
-    "prefix1024_ctx8192": (8192, 8, 1, ["--buckets", "32,64,2048"], True),
+    "prefix1024_ctx8192": (8192, 8, 1, [], True),
 }
 
 

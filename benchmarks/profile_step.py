@@ -3,8 +3,8 @@
     python -m benchmarks.profile_step --config ../shared/bench/medium.json --batch 8 [--active 8] [--greedy]
         [--repo DIR]   # profile another checkout's engine (e.g. the code before a change)
 
-The step is the Engine's own compiled decode program (every slot holding a request with a 32-token
-prompt, temperature 0.7, top_p 0.9 unless --greedy). Each XLA thunk's self time (its duration less
+The step is the Engine's own compiled step program running a decode batch (every active slot holding a
+request with a 32-token prompt, temperature 0.7, top_p 0.9 unless --greedy). Each XLA thunk's self time (its duration less
 its nested thunks') is summed per category, named from the HLO instruction's op_name metadata
 (the JAX source path), and averaged over --runs steps.
 """
@@ -35,6 +35,7 @@ from model_service.engine import Engine  # noqa: E402
 from model_service.model import GrokModel  # noqa: E402
 from model_service.sampling_settings import SamplingSettings  # noqa: E402
 from model_service.sharding import make_mesh  # noqa: E402
+from model_service.step_batch import SlotStart  # noqa: E402
 from benchmarks.stack import use_model_xla_flags
 
 # First match wins: (category, regex over an HLO instruction's op_name metadata, or "<opcode> <shape>" when it
@@ -91,34 +92,50 @@ def self_times(events: list[dict[str, Any]]) -> list[tuple[str, float]]:
     return out
 
 
-def build(args: argparse.Namespace) -> tuple[Engine, Any]:
+def build(args: argparse.Namespace) -> tuple[Engine, Any, Any]:
+    """The engine with every active slot's prompt computed, and the decode step's batch (as device arguments)."""
+    from benchmarks.step import batch  # the same batch layout the step benchmark times
+
     cfg = load_model_config(args.config)
     mesh = make_mesh(MeshConfig.parse(args.mesh))
     params = random_params(cfg, mesh, jnp.float32, 0)
-    engine = Engine(GrokModel(cfg, mesh, jnp.float32), params, cfg, mesh, args.batch, (args.prompt_len,))
-    state = engine.init_decode_state()
+    engine = Engine(GrokModel(cfg, mesh, jnp.float32), params, cfg, mesh, args.batch)
+    state = engine.init_state()
     rng = np.random.default_rng(0)
     sampling = SamplingSettings() if args.greedy else SamplingSettings(temperature=0.7, top_p=0.9)
-    for slot in range(args.active or args.batch):
+    active = args.active or args.batch
+    for slot in range(active):
         prompt = rng.integers(3, cfg.vocab_size, args.prompt_len).tolist()
-        prefix, _ = engine.prefill(prompt, sampling, seed=slot)
-        state = engine.insert(prefix, state, slot)
-    return engine, state
+        for start in range(0, args.prompt_len, engine.max_rows):
+            part = range(start, min(start + engine.max_rows, args.prompt_len))
+            rows = [(slot, p, prompt[p]) for p in part]
+            draws = [(len(rows) - 1, slot)] if part[-1] == args.prompt_len - 1 else []
+            starts = (SlotStart(slot, slot, sampling, tuple(prompt)),) if start == 0 else ()
+            state, pending = engine.step(state, batch(engine, rows, draws, starts))
+            pending.get()
+    decode = batch(engine, [(slot, args.prompt_len, None) for slot in range(active)],
+                   [(slot, slot) for slot in range(active)])
+    r = engine.max_rows
+    p = engine.max_samples
+    args_ = (decode.tokens, decode.from_last, decode.positions, decode.seq, np.arange(r) < decode.rows,
+             np.int32(-(-decode.rows // engine.tile)), decode.tables, decode.sample_rows, decode.sample_slots,
+             np.zeros(p, np.int32), np.full(p, -1, np.int32), np.full((p, engine.draft_tokens), engine.vocab_size,
+                                                                      np.int32), np.zeros(r, bool), np.zeros(r, np.int32))
+    return engine, state, args_
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
-    engine, state = build(args)
-    for slot in range(args.active or args.batch):  # blocks for every position the profiled steps write
-        engine.kv.grow(slot, args.prompt_len + args.runs + 4)
-    tables = engine.kv.table()
-    step = engine._generate.lower(engine.params, state, tables).compile()
+    """Profiles the same decode batch again and again (each step writes the same positions: the cost is the
+    same as the step that first wrote them)."""
+    engine, state, batch_args = build(args)
+    step = engine._run.lower(engine.params, state, *batch_args).compile()
     names = instructions(step.as_text())
     for _ in range(3):
-        state = jax.block_until_ready(step(engine.params, state, tables)[0])
+        state = jax.block_until_ready(step(engine.params, state, *batch_args)[0])
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(args.runs):
-                state = jax.block_until_ready(step(engine.params, state, tables)[0])
+                state = jax.block_until_ready(step(engine.params, state, *batch_args)[0])
         trace = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))
     events = trace["traceEvents"]
     thunks = [(n, t) for n, t in self_times(events) if n.removesuffix(".clone") in names]

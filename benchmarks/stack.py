@@ -29,7 +29,6 @@ class StackSpec:
     tokenizer: str
     checkpoint: str | None  # None: --random-init
     slots: int = 8
-    buckets: str = "32,64,128"
     dtype: str = "float32"
     max_queue: int = 256
     compile_cache: str | None = None
@@ -38,7 +37,7 @@ class StackSpec:
         weights = ["--checkpoint", self.checkpoint] if self.checkpoint else ["--random-init"]
         cache = ["--compile-cache", self.compile_cache] if self.compile_cache else []
         return ["--config", self.config, *weights, "--dtype", self.dtype, "--mesh", "1,1", "--slots",
-                str(self.slots), "--buckets", self.buckets, "--max-queue", str(self.max_queue), *cache]
+                str(self.slots), "--max-queue", str(self.max_queue), *cache]
 
 
 def preset(name: str, slots: int = 8, compile_cache: str | None = None) -> StackSpec:
@@ -46,10 +45,10 @@ def preset(name: str, slots: int = 8, compile_cache: str | None = None) -> Stack
     if name == "golden":
         golden = SHARED / "golden"
         return StackSpec("golden", str(golden / "config.json"), str(golden / "tokenizer.model"),
-                         str(golden / "checkpoint"), slots, "32,64", compile_cache=compile_cache)
+                         str(golden / "checkpoint"), slots, compile_cache=compile_cache)
     if name == "medium":
         return StackSpec("medium", str(SHARED / "bench" / "medium.json"),
-                         str(SHARED / "grok1-tokenizer" / "tokenizer.model"), None, slots, "32,64,128",
+                         str(SHARED / "grok1-tokenizer" / "tokenizer.model"), None, slots,
                          compile_cache=compile_cache)
     raise ValueError(f"unknown stack preset {name!r}: golden or medium")
 

@@ -76,11 +76,17 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                             help="address to listen on, gRPC, HTTP and metrics (0.0.0.0: every interface)")
     parser.add_env_argument("--port", type=port, default=50051, help="gRPC port (0 picks a free one)")
     parser.add_env_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics port (0 disables)")
-    parser.add_env_argument("--default-max-tokens", type=positive_int, default=64,
+    defaults = Limits()  # each limit's default is declared once, in gateway/config.py
+    parser.add_env_argument("--default-max-tokens", type=positive_int, default=defaults.default_max_tokens,
                             help="max_tokens of requests that leave it unset")
-    parser.add_env_argument("--max-prompt-bytes", type=positive_int, default=65536, help="longest prompt in bytes")
-    parser.add_env_argument("--max-stop", type=int, default=8, help="most stop sequences per request")
-    parser.add_env_argument("--max-stop-chars", type=positive_int, default=256, help="longest stop sequence")
+    parser.add_env_argument("--max-prompt-bytes", type=positive_int, default=defaults.max_prompt_bytes,
+                            help="longest prompt in bytes")
+    parser.add_env_argument("--max-stop", type=int, default=defaults.max_stop, help="most stop sequences per request")
+    parser.add_env_argument("--max-stop-chars", type=positive_int, default=defaults.max_stop_chars,
+                            help="longest stop sequence")
+    parser.add_env_argument("--max-top-logprobs", type=int, default=defaults.max_top_logprobs,
+                            help=f"most alternatives per token a request may ask for (top_logprobs / logprobs), "
+                                 f"0..{defaults.max_top_logprobs}, the most the model computes")
     parser.add_env_argument("--grace-seconds", type=float, default=10.0,
                             help="on SIGTERM, how long in-flight requests may finish")
     parser.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -94,11 +100,12 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     tracing.add_flag(parser)
     args = parser.parse_args(argv)
     models = split_models(str(args.model))
-    limits = Limits(max_prompt_bytes=args.max_prompt_bytes, max_stop=args.max_stop,
-                    max_stop_chars=args.max_stop_chars, default_max_tokens=args.default_max_tokens)
     http = HttpConfig(port=args.http_port, model_name=args.served_model_name, chat_template=args.chat_template,
                       timeout_seconds=args.http_timeout)
     try:
+        limits = Limits(max_prompt_bytes=args.max_prompt_bytes, max_stop=args.max_stop,
+                        max_stop_chars=args.max_stop_chars, default_max_tokens=args.default_max_tokens,
+                        max_top_logprobs=args.max_top_logprobs)
         if args.http_timeout < 0:
             raise ValueError("--http-timeout: must be >= 0 seconds (0: no limit)")
         return GatewayConfig(tokenizer=args.tokenizer, models=models, host=args.host, port=args.port,

@@ -5,11 +5,16 @@ Keys come from --api-key (comma-separated) and --api-key-file (one per line; bla
 let in. Checking is constant-time: the presented key is hashed and compared with every configured
 key's hash without stopping at a match, so neither timing nor length says how close a guess was.
 grpc.health.v1 stays open (load balancers and orchestrators probe it without a key), as do HTTP
-/health and the metrics port.
+/health and the metrics port (operator-only: bind it where tenants cannot reach it, docs/security.md).
+
+Each key is a tenant: a request's `tenant_var` is a digest of the key it presented (never the key), set
+where the key is checked, and the model's prefix cache is salted with it (`cache_salt`), so tenants never
+share cached prompt blocks, nor learn from a faster prefill what another one sent.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import hmac
 import pathlib
@@ -20,6 +25,8 @@ import grpc
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
 REFUSED = "missing or wrong API key: send the metadata/header 'authorization: Bearer KEY'"
+# The calling tenant's identity (tenant_of), for the request being served; b"": no keys configured.
+tenant_var: contextvars.ContextVar[bytes] = contextvars.ContextVar("tenant", default=b"")
 
 
 def load_keys(keys: str | None, key_file: str | None) -> tuple[str, ...]:
@@ -41,6 +48,26 @@ def load_keys(keys: str | None, key_file: str | None) -> tuple[str, ...]:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def tenant_of(authorization: str | None) -> bytes:
+    """A caller's tenant identity: a 16-byte digest of the key in its `authorization` value (b"" without one),
+    in a hash domain of its own: it says which key, never what the key is."""
+    _, _, token = (authorization or "").strip().partition(" ")
+    token = token.strip()
+    return hashlib.blake2b(token.encode("utf-8"), digest_size=16, person=b"grok-tenant").digest() if token else b""
+
+
+def cache_salt(tenant: bytes, requested: str | None) -> bytes:
+    """The model request's cache_salt: b"" when neither a tenant nor a salt is given (the shared cache), else
+    a digest of both (length-prefixed: no two pairs give the same bytes)."""
+    if not tenant and requested is None:
+        return b""
+    salt = requested.encode("utf-8") if requested is not None else b""
+    h = hashlib.blake2b(digest_size=16, person=b"grok-cache-salt")
+    for part in (tenant, salt, b"\x01" if requested is not None else b"\x00"):
+        h.update(len(part).to_bytes(4, "big") + part)
+    return h.digest()
 
 
 class ApiKeys:
@@ -65,8 +92,11 @@ class ApiKeys:
         return matched and scheme.lower() == "bearer" and bool(token.strip())
 
     def allows_metadata(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
-        value = next((str(v) for k, v in metadata or () if k == "authorization"), None)
-        return self.allows(value)
+        return self.allows(authorization_of(metadata))
+
+
+def authorization_of(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    return next((str(v) for k, v in metadata or () if k == "authorization"), None)
 
 
 async def _refuse_unary(request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -104,6 +134,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_METHODS):
             return handler
-        if self.keys.allows_metadata(details.invocation_metadata):  # type: ignore[arg-type]
+        authorization = authorization_of(details.invocation_metadata)  # type: ignore[arg-type]
+        if self.keys.allows(authorization):
+            tenant_var.set(tenant_of(authorization))  # the call's task runs its handler after this
             return handler
         return _refusing(handler)

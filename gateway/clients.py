@@ -144,6 +144,10 @@ class TokenizerClient:
         reply = await self._unary("Encode", tokenizer_pb2.EncodeRequest(text=text), deadline, metadata)
         return list(reply.token_ids)  # type: ignore[attr-defined]
 
+    async def decode(self, ids: Sequence[int], deadline: float | None, metadata: Metadata = ()) -> str:
+        reply = await self._unary("Decode", tokenizer_pb2.DecodeRequest(token_ids=ids), deadline, metadata)
+        return reply.text  # type: ignore[attr-defined]
+
     async def info(self, deadline: float | None) -> tokenizer_pb2.GetInfoResponse:
         return await self._unary("GetInfo", tokenizer_pb2.GetInfoRequest(), deadline, ())  # type: ignore[return-value]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from serving_common.limits import MAX_TOP_LOGPROBS
 from serving_common.tls import ChannelTLS, ServerTLS
 
 
@@ -12,13 +13,20 @@ DETOKENIZE_MODES = ("remote", "local")
 
 @dataclass(frozen=True)
 class Limits:
-    """Request limits enforced at the boundary (each is a flag)."""
+    """Request limits enforced at the boundary and their defaults, declared here only: each is a flag of
+    gateway/__main__.py (its default taken from here). The bounds the model service enforces as well are in
+    serving_common/limits.py."""
 
-    max_prompt_bytes: int = 65536
-    max_stop: int = 8
-    max_stop_chars: int = 256
-    default_max_tokens: int = 64
-    max_top_logprobs: int = 8
+    max_prompt_bytes: int = 65536  # --max-prompt-bytes
+    max_stop: int = 8  # --max-stop: stop sequences per request
+    max_stop_chars: int = 256  # --max-stop-chars
+    default_max_tokens: int = 64  # --default-max-tokens: max_tokens when a request leaves it unset
+    max_top_logprobs: int = MAX_TOP_LOGPROBS  # --max-top-logprobs: may lower, never raise, the device's 8
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"--max-top-logprobs: must be in 0..{MAX_TOP_LOGPROBS} (the alternatives the model "
+                             f"computes per token), got {self.max_top_logprobs}")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
+from gateway.auth import cache_salt, tenant_var
 from gateway.clients import Metadata, ModelPool, TokenizerClient
 from gateway.config import Limits
 from gateway.detokenize import LocalDetokenizer, TextStream, texts_in_context
@@ -66,11 +67,15 @@ class Completion:
     model_finished: bool = False  # the model ended it (else a stop sequence did, and the model may still run it)
     echo: str = ""  # the prompt text, until the completion's first message carries it
     scored: list[gateway_pb2.PromptToken] = field(default_factory=list)  # the scored prompt, until it is sent
+    separator: bool = False  # chat: the first text's leading space separates it from the prompt; not content
 
     def decorate(self, message: gateway_pb2.GenerateResponse) -> gateway_pb2.GenerateResponse:
-        """Put the echoed prompt and the scored prompt (each once) in front of the completion's next message."""
+        """Put the echoed prompt and the scored prompt (each once) in front of the completion's next message; drop
+        a chat answer's separator space (its token keeps its text)."""
         if self.echo:
             message.text, self.echo = self.echo + message.text, ""
+        if self.separator and message.text:
+            message.text, self.separator = message.text.removeprefix(" "), False
         if self.scored:
             message.prompt_logprobs.extend(self.scored)
             self.scored = []
@@ -97,6 +102,8 @@ def model_request(request: TextRequest, planned: Plan, request_id: str) -> model
         out.choice.choices.extend(s.choice.choices)
     elif which is not None:
         setattr(out, which, getattr(s, which))
+    # Prefix-cache isolation: the caller's API key (its digest) and its own cache_salt key the prompt's blocks.
+    out.cache_salt = cache_salt(tenant_var.get(), s.cache_salt if s.HasField("cache_salt") else None)
     return out
 
 
@@ -122,8 +129,11 @@ class Pipeline:
         self.metrics = metrics
         self.local_detokenize = local_detokenize
 
-    async def stream(self, request: TextRequest, deadline: float | None, request_id: str,
-                     method: str) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def stream(self, request: TextRequest, deadline: float | None, request_id: str, method: str,
+                     chat: bool = False) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """The request's messages. `chat`: the prompt is a rendered conversation; an answer's first space, which
+        the model writes to separate it from a prompt ending in "Assistant:", is not part of its text (as
+        OpenAI's and vLLM's chat content starts at its first word)."""
         loop = asyncio.get_running_loop()
         progress = Progress(arrival=loop.time())
         spans = RequestTrace(trace.get_current_span(), request_id, method)  # the call's or the HTTP request's
@@ -147,7 +157,8 @@ class Pipeline:
         completions = [Completion(index, LocalDetokenizer(table, planned.prompt_ids) if table is not None
                                   else self.tokenizer.detokenizer(deadline, detokenize, planned.prompt_ids),
                                   StopMatcher(request.sampling.stop),
-                                  echo=request.prompt if request.sampling.echo else "")
+                                  echo=request.prompt if request.sampling.echo else "",
+                                  separator=chat and not request.prompt[-1:].isspace())
                        for index in range(planned.n)]
         spans.model = spans.start("model")
         try:
@@ -195,7 +206,7 @@ class Pipeline:
         completion.completion_tokens = max(completion.completion_tokens, reply.completion_tokens)
         if reply.finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN:
             reply = without_stop_token(reply)
-        tokens = await self._tokens(completion, reply, request.sampling.top_logprobs, deadline, metadata)
+        tokens = await self._tokens(completion, reply, request.sampling, deadline, metadata)
         release = completion.matcher.feed(tokens)
         if release.stopped:
             completion.release, completion.finish = release, gateway_pb2.FINISH_REASON_STOP
@@ -248,9 +259,13 @@ class Pipeline:
                 self.metrics.inter_token_latency.labels(method).observe(per_token)
         progress.last_token_at = now
 
-    async def _tokens(self, completion: Completion, reply: model_pb2.GenerateResponse, top_logprobs: int,
-                      deadline: float | None, metadata: Metadata) -> list[gateway_pb2.Token]:
-        """The reply's tokens with their texts in context, their alternatives' texts in their place."""
+    async def _tokens(self, completion: Completion, reply: model_pb2.GenerateResponse,
+                      sampling: gateway_pb2.SamplingParams, deadline: float | None,
+                      metadata: Metadata) -> list[gateway_pb2.Token]:
+        """The reply's tokens with their texts in context, their alternatives' texts in their place; probabilities
+        only when the request asked for them (logprobs, top_logprobs)."""
+        top_logprobs = sampling.top_logprobs
+        asked_probabilities = sampling.logprobs or top_logprobs > 0
         if not reply.token_ids:
             return []
         details = list(reply.tokens) if len(reply.tokens) == len(reply.token_ids) else [None] * len(reply.token_ids)
@@ -264,7 +279,7 @@ class Pipeline:
         tokens = []
         for token_id, text, detail, other_texts in zip(reply.token_ids, decoded.token_texts, details, others):
             token = gateway_pb2.Token(id=token_id, text=text)
-            if detail is not None:
+            if detail is not None and asked_probabilities:
                 token.probability, token.logprob = detail.probability, detail.logprob
                 token.top_tokens.extend(
                     gateway_pb2.TopToken(id=top.id, text=other, probability=top.probability, logprob=top.logprob)

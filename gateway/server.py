@@ -71,7 +71,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     pool = ModelPool(config.models, config.backend_tls)
     metrics = GatewayMetrics()
     pipeline = Pipeline(tokenizer, pool, config.limits, metrics, local_detokenize=config.detokenize == "local")
-    servicer = GatewayServicer(pipeline, config)
+    servicer = GatewayServicer(pipeline, config, template)
     built = assemble("gateway", SERVICE_NAME,
                      lambda server: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server),
                      config.host, config.port, config.tls,

@@ -1,4 +1,4 @@
-"""GatewayService: protobuf in and out; request metrics and logs.
+"""GatewayService: protobuf in and out (Generate, Complete, Chat, GetInfo); request metrics and logs.
 
 Errors are raised (GatewayError, a ServiceError) and the shared interceptor ends the call with their
 status; GetInfo answers what a public client needs, never file paths or backend addresses.
@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
+from gateway.chat_template import ChatTemplate
 from gateway.clients import remaining
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
@@ -47,8 +48,9 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
 
 def complete_response(choices: list[gateway_pb2.Completion],
                       last: dict[int, gateway_pb2.GenerateResponse]) -> gateway_pb2.CompleteResponse:
-    """Completion 0 in the top-level fields, every completion in `choices`; usage counts the prompt once."""
-    out = gateway_pb2.CompleteResponse(choices=choices)
+    """Completion 0 in the top-level fields, every completion in `choices` when there are several (n = 1: the
+    top-level fields are the completion, not repeated); usage counts the prompt once."""
+    out = gateway_pb2.CompleteResponse(choices=choices if len(choices) > 1 else [])
     if not choices:
         return out
     first = choices[0]
@@ -66,15 +68,30 @@ def complete_response(choices: list[gateway_pb2.Completion],
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     """Generate, Complete and GetInfo over a Pipeline."""
 
-    def __init__(self, pipeline: Pipeline, config: GatewayConfig) -> None:
+    def __init__(self, pipeline: Pipeline, config: GatewayConfig, template: ChatTemplate | None = None) -> None:
         self.pipeline = pipeline
         self.config = config
+        self.template = template or ChatTemplate.load(config.http.chat_template)
         self.metrics = pipeline.metrics
 
     async def Generate(self, request: gateway_pb2.GenerateRequest,  # noqa: N802 (gRPC's name)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         async for message in self._run(request, context, "Generate"):
             yield message
+
+    async def Chat(self, request: gateway_pb2.ChatRequest,  # noqa: N802
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.ChatResponse]:
+        """The conversation rendered by the chat template, generated as Generate does (its answer without the
+        separator space)."""
+        turns = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                 for m in request.messages]
+        generation = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        prompt = self.template.render_turns(turns, generation)
+        generate = gateway_pb2.GenerateRequest(prompt=prompt, sampling=request.sampling)
+        async for message in self._run(generate, context, "Chat", chat=True):
+            yield gateway_pb2.ChatResponse(text=message.text, tokens=message.tokens,
+                                           finish_reason=message.finish_reason, usage=message.usage,
+                                           timings=message.timings, index=message.index)
 
     async def Complete(self, request: gateway_pb2.CompleteRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> gateway_pb2.CompleteResponse:
@@ -112,8 +129,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 max_prompt_bytes=limits.max_prompt_bytes, max_stop_sequences=limits.max_stop,
                 max_stop_chars=limits.max_stop_chars, default_max_tokens=limits.default_max_tokens))
 
-    async def _run(self, request: TextRequest, context: grpc.aio.ServicerContext,
-                   method: str) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def _run(self, request: TextRequest, context: grpc.aio.ServicerContext, method: str,
+                   chat: bool = False) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Stream the pipeline's messages; end with the mapped status; count the request in metrics."""
         request_id = request_id_var.get()  # set by the shared interceptor
         span = trace.get_current_span()  # the call's, opened by the shared interceptor (tracing on)
@@ -122,11 +139,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         loop = asyncio.get_running_loop()
         start = loop.time()
         code, finish = "OK", "NONE"
+        tokens = {"prompt_tokens": 0, "completion_tokens": 0}
         try:
             remaining(deadline_of(context))
-            async for message in self.pipeline.stream(request, deadline_of(context), request_id, method):
+            async for message in self.pipeline.stream(request, deadline_of(context), request_id, method, chat):
                 if message.finish_reason:
                     finish = gateway_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_")
+                    tokens["prompt_tokens"] = message.usage.prompt_tokens
+                    tokens["completion_tokens"] += message.usage.completion_tokens
                 yield message
         except GatewayError as error:
             code = error.code.name
@@ -140,5 +160,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         finally:
             seconds = loop.time() - start
             self.metrics.finished(method, code, finish, seconds)
-            log.info("rpc", extra={"method": method, "code": code, "finish_reason": finish,
-                                   "ms": round(seconds * 1000, 3)})
+            # The request's one access line (a failed call's message is logged by the shared interceptor).
+            log.info("request", extra={"method": method, "code": code, "finish_reason": finish,
+                                       **{k: v for k, v in tokens.items() if v}, "ms": round(seconds * 1000, 3)})

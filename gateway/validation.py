@@ -14,14 +14,14 @@ from gateway.config import Limits
 from gateway.errors import invalid
 from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
-
-
-# Bounds of the sampling controls (vLLM's and OpenAI's ranges; the model service checks them too).
-PENALTY_LIMIT = 2.0
-LOGIT_BIAS_LIMIT = 100.0
-MAX_LOGIT_BIAS = 300
-MAX_STOP_TOKEN_IDS = 64
-MAX_PROMPT_LOGPROBS = 8
+from serving_common.limits import (  # declared once for both services; the model service checks them too
+    LOGIT_BIAS_LIMIT,
+    MAX_CACHE_SALT_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    PENALTY_LIMIT,
+)
 
 
 class TextRequest(Protocol):
@@ -49,6 +49,17 @@ def check_request(request: TextRequest, limits: Limits) -> None:
         raise invalid("top_logprobs", f"must be in 0..{limits.max_top_logprobs} (got {s.top_logprobs})")
     check_controls(s)
     check_stops(list(s.stop), limits)
+    check_cache_salt(s)
+
+
+def check_cache_salt(s: gateway_pb2.SamplingParams) -> None:
+    """vLLM's cache_salt: a non-empty string when given (its rule), bounded."""
+    if not s.HasField("cache_salt"):
+        return
+    if not s.cache_salt:
+        raise invalid("cache_salt", "must be a non-empty string when given; leave it unset for none")
+    if len(s.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise invalid("cache_salt", f"{len(s.cache_salt)} characters is over the limit of {MAX_CACHE_SALT_CHARS}")
 
 
 def check_controls(s: gateway_pb2.SamplingParams) -> None:
@@ -62,16 +73,17 @@ def check_controls(s: gateway_pb2.SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(s, name)
         if not (math.isfinite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT):
-            raise invalid(name, f"must be in [-2, 2] (got {value}); 0 is off")
+            raise invalid(name, f"must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}] (got {value}); 0 is off")
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
         raise invalid("logit_bias", f"{len(s.logit_bias)} entries is over the limit of {MAX_LOGIT_BIAS}")
     for token, bias in s.logit_bias.items():
         if not (math.isfinite(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
-            raise invalid("logit_bias", f"the bias of token {token} must be in [-100, 100] (got {bias})")
+            raise invalid("logit_bias", f"the bias of token {token} must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                          f"{LOGIT_BIAS_LIMIT:g}] (got {bias})")
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise invalid("stop_token_ids", f"{len(s.stop_token_ids)} ids is over the limit of {MAX_STOP_TOKEN_IDS}")
-    if s.HasField("prompt_logprobs") and not 0 <= s.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
-        raise invalid("prompt_logprobs", f"must be in 0..{MAX_PROMPT_LOGPROBS} (got {s.prompt_logprobs})")
+    if s.HasField("prompt_logprobs") and not 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid("prompt_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS} (got {s.prompt_logprobs})")
     if s.n < 0:
         raise invalid("n", f"must be >= 1 (got {s.n}); 0 or unset means 1")
 

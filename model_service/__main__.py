@@ -18,6 +18,15 @@ from serving_common.flags import EnvArgumentParser, port, positive_int
 from serving_common.tls import add_server_flags, server_tls_from
 
 
+def speculative_config(raw: str) -> object:
+    from model_service.speculative import parse_speculative_config
+
+    try:
+        return parse_speculative_config(raw)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None
+
+
 def bucket_list(raw: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in raw.split(",") if x.strip())
@@ -89,24 +98,36 @@ def parser() -> EnvArgumentParser:
                        help="KV memory pool size in bytes instead of tokens, e.g. 4GiB (keys and values of every "
                             "layer, in the compute dtype)")
     p.add_env_argument("--block-size", type=positive_int, default=16,
-                       help="tokens per KV memory block (a power of two up to 128; --prefill-chunk must be a "
-                            "multiple)")
+                       help="tokens per KV memory block (a power of two up to 128)")
     p.add_env_argument("--prefix-caching", choices=("on", "off"), default="on",
                        help="reuse the KV blocks of prompt prefixes computed before (shared system prompts, "
                             "few-shot headers, multi-turn chats); outputs are the same either way")
-    p.add_env_argument("--row-tile", type=positive_int, default=None,
-                       help="decode rows computed together (default: 8 on CPU, all slots elsewhere); --slots must be "
-                            "a multiple. A request's tokens depend on this and never on other requests: smaller tiles "
-                            "cost less when few requests run, larger ones less when many do")
+    p.add_env_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                       help="token rows per step, prompt and decode rows together (default: 64 on CPU, 256 "
+                            "elsewhere; at least --slots). Prompts of any length up to the context are computed "
+                            "over as many steps as they need")
+    p.add_env_argument("--prefill-tokens", type=positive_int, default=None,
+                       help="prompt tokens per step while other requests decode (default 32), so a long prompt "
+                            "entering does not stall running streams; with nothing decoding a step is all prompt")
+    p.add_env_argument("--speculative-config", type=speculative_config, default=None,
+                       help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": "
+                            "4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}: drafts looked up in each "
+                            "request's own prompt and output, verified in one step; every token is the one decoding "
+                            "without it draws (off by default)")
+    p.add_env_argument("--tile-rows", type=positive_int, default=None,
+                       help="rows computed together in one pass over the weights (default: 64 on CPU, the whole "
+                            "step elsewhere). A request's tokens depend on this and never on other requests")
+    p.add_env_argument("--backend", choices=("auto", "cpu", "generic"), default="auto",
+                       help="the hardware choices: cpu (native products, per-row attention, small tiles), generic "
+                            "(XLA's dot products, batched attention, one tile per step: what a GPU or TPU runs) or "
+                            "auto (cpu on a CPU, generic elsewhere)")
     p.add_env_argument("--products", choices=("auto", "native", "xla"), default="auto",
                        help="how token rows meet the weights: native (the int8 CPU kernel built with the package: "
                             "float32 on CPU only), xla (XLA's own products) or auto (native where it can run, "
                             "else xla; GPUs/TPUs always use XLA's)")
-    p.add_env_argument("--prefill-chunk", type=int, default=64,
-                       help="prompts longer than this are prefilled this many tokens at a time, with a decode step "
-                            "for the running requests between chunks (0: whole prompts at once)")
     p.add_env_argument("--buckets", type=bucket_list, default=None,
-                       help="prefill buckets, e.g. 32,64,128 (default: powers of two from 32 up to the context)")
+                       help="no longer used (prompts up to the context are accepted with any settings); accepted "
+                            "so that existing deployments start, with a warning")
     p.add_env_argument("--max-queue", type=positive_int, default=64, help="waiting-queue capacity")
     p.add_env_argument("--compile-cache", default=None, help="JAX persistent compilation cache directory")
     p.add_env_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics port (0 = off)")
@@ -202,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         compile_cache = None
     prepare_process()
     configure_jax(compile_cache)
+    if args.buckets is not None:
+        logging.getLogger(__name__).warning("--buckets (GROK_MODEL_BUCKETS) is no longer used and is ignored: "
+                                            "prompts up to the context are accepted")
     if dist is not None:
         from model_service.distributed import initialize
 
@@ -211,11 +235,10 @@ def main(argv: list[str] | None = None) -> int:
 
     config = ServerConfig(
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
-        port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, row_tile=args.row_tile,
-        products=args.products, kv_tokens=args.kv_tokens, kv_memory=args.kv_memory, block_size=args.block_size,
-        prefix_caching=args.prefix_caching == "on",
-        prefill_chunk=max(0, args.prefill_chunk),
-        buckets=args.buckets,
+        port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots,
+        backend=args.backend, products=args.products, kv_tokens=args.kv_tokens, kv_memory=args.kv_memory, block_size=args.block_size,
+        prefix_caching=args.prefix_caching == "on", step_tokens=args.max_num_batched_tokens,
+        prefill_tokens=args.prefill_tokens, tile_rows=args.tile_rows, speculative=args.speculative_config,
         max_queue=args.max_queue, metrics_port=args.metrics_port,
         metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed, tls=tls,
         max_connection_age_seconds=args.max_connection_age_seconds,

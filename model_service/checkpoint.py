@@ -27,8 +27,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from model_service.config import ModelConfig
 from model_service.file_arrays import FileArray
-from model_service.model.params import Params, TensorSpec, pack_for_native, random_leaf, set_leaf, tensor_specs, to_checkpoint, \
-    to_internal
+from model_service.model.params import Params, TensorSpec, pack_for_native, random_experts, random_leaf, set_leaf, \
+    tensor_specs, to_checkpoint, to_internal
+from model_service.model.weights import ExpertStack, QuantizedWeight
 from model_service.sharding import fit_spec, path_to_str, spec_for_path
 from model_service.tensor_file import (  # noqa: F401 - CheckpointError and read_tensor are this module's API too
     BASIC_DTYPE_CODES, CheckpointError, read_bounded, read_tensor, tensor_max_bytes)
@@ -202,15 +203,28 @@ def place_leaf(spec: TensorSpec, internal: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(put, internal)
 
 
-def _for_products(spec: TensorSpec, internal: Any, mesh: Mesh, pack: bool) -> Any:
-    """With native products, a matrix is packed on the host before it reaches the devices (never held twice)."""
-    return pack_for_native(spec.module, internal, mesh) if pack else internal
+def _placed(spec: TensorSpec, internal: Any, mesh: Mesh, pack: bool) -> Any:
+    """One parameter on its devices. With native products each matrix is packed on the host first, straight
+    from its source (a checkpoint FileArray is read slab by slab), and an MoE matrix expert by expert, each
+    placed before the next is packed: the host holds at most one packed expert besides what is placed."""
+    if not pack:
+        return place_leaf(spec, internal, mesh)
+    if isinstance(internal, ExpertStack):
+        return ExpertStack(tuple(_placed_expert(spec, e, pack_for_native(spec.module, q, mesh), mesh)
+                                 for e, q in enumerate(internal.experts)))
+    return place_leaf(spec, pack_for_native(spec.module, internal, mesh), mesh)
+
+
+def _placed_expert(spec: TensorSpec, e: int, leaf: Any, mesh: Mesh) -> Any:
+    """Expert e's matrix on its devices, under the partition rules' expert paths (…/w/experts/<e>/...)."""
+    base = f"{spec.module}/{spec.name}/experts/{e}"
+    return jax.tree_util.tree_map_with_path(lambda path, arr: _place(arr, mesh, f"{base}/{path_to_str(path)}"), leaf)
 
 
 def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progress: Progress | None = None,
                 pack: bool = False) -> Params:
-    """Read `<ckpt_dir>/ckpt-0` into sharded device arrays, one tensor at a time (`pack`: the expert matrices
-    packed for native products, as GrokModel.pack_params would)."""
+    """Read `<ckpt_dir>/ckpt-0` into sharded device arrays, one tensor at a time (`pack`: the matrices packed
+    for native products, as GrokModel.pack_params would, and the table kept in the checkpoint's type)."""
     specs = tensor_specs(cfg)
     ckpt = pathlib.Path(ckpt_dir) / "ckpt-0"
     _check_layout(ckpt, specs)
@@ -218,7 +232,7 @@ def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progres
     for i, spec in enumerate(specs):
         leaf = read_tensor(ckpt / f"tensor{i:05d}_000", lazy=True, max_bytes=tensor_max_bytes(spec), root=ckpt)
         _check_leaf(spec, leaf, i)
-        set_leaf(params, spec, place_leaf(spec, _for_products(spec, to_internal(spec, leaf, dtype), mesh, pack), mesh))
+        set_leaf(params, spec, _placed(spec, to_internal(spec, leaf, dtype, native=pack), mesh, pack))
         if progress:
             progress(i + 1, len(specs))
     return params
@@ -231,8 +245,24 @@ def random_leaves(cfg: ModelConfig, seed: int) -> Any:
 
 
 def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int, pack: bool = False) -> Params:
-    """Random int8-quantized weights, laid out and sharded exactly like a loaded checkpoint."""
+    """Random int8-quantized weights, laid out and sharded exactly like a loaded checkpoint of
+    `random_leaves(cfg, seed)`; an MoE matrix is drawn, converted and placed one expert at a time."""
+    rng = np.random.default_rng(seed)
     params: Params = {}
-    for spec, leaf in zip(tensor_specs(cfg), random_leaves(cfg, seed)):
-        set_leaf(params, spec, place_leaf(spec, _for_products(spec, to_internal(spec, leaf, dtype), mesh, pack), mesh))
+    for spec in tensor_specs(cfg):
+        if spec.quantized and len(spec.shape) == 3:
+            internal = _random_experts(spec, rng, mesh, pack)
+        else:
+            internal = _placed(spec, to_internal(spec, random_leaf(spec, cfg, rng), dtype, native=pack), mesh, pack)
+        set_leaf(params, spec, internal)
     return params
+
+
+def _random_experts(spec: TensorSpec, rng: np.random.Generator, mesh: Mesh, pack: bool) -> ExpertStack:
+    """random_leaf's values for an MoE matrix (random_experts), each expert placed before the next is drawn."""
+    scales, weights = random_experts(spec, rng)
+    placed = []
+    for e, weight in enumerate(weights):
+        q = QuantizedWeight(weight.swapaxes(-1, -2) if spec.blocks == 1 else weight, scales[e].astype(np.float32))
+        placed.append(_placed_expert(spec, e, pack_for_native(spec.module, q, mesh) if pack else q, mesh))
+    return ExpertStack(tuple(placed))

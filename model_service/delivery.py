@@ -1,14 +1,15 @@
 """Handing a step's token to its request (the `update_from_output` half of the loop, one row at a time).
 
-`Delivery.deliver` reads one row of a prefill's or decode step's output for the request sample holding it:
-the token with its alternatives, the finish reason, the grammar's next position for a constrained request,
-the emission to the request's stream and the metrics. After a preemption, the tokens a sample delivered
-before are recomputed and checked, not delivered again. No JAX and no locks: the decode thread calls it.
+`Delivery.deliver` reads one draw of a step's output for the request sample it belongs to: the token with its
+alternatives, the finish reason, the grammar's next position for a constrained request, the emission to the
+request's stream and the metrics. (After a preemption a sample's delivered tokens are recomputed as known rows,
+not drawn again: nothing is delivered twice.) No JAX and no locks: the decode thread calls it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from model_service.engine_api import EngineLike, StepOutputLike
 from model_service.guided import Guidance
@@ -27,48 +28,48 @@ class Delivery:
         self.metrics = metrics
         self.guidance = guidance
 
-    def deliver(self, act: Running, out: StepOutputLike, row: int, prompt: tuple[TokenOut, ...] | None = None) -> bool:
-        """Hand the request its token at `row` of `out` (and its scored prompt, on the first); True when the
-        request is finished."""
+    def deliver(self, act: Running, out: StepOutputLike, rows: int | Sequence[int],
+                prompt: tuple[TokenOut, ...] | None = None) -> bool:
+        """Hand the request its tokens at `rows` of `out` (one draw, or a speculative step's counted draws, in
+        order), in one emission, with its scored prompt on the first; True when the request is finished. A
+        finish inside the draws (EOS, a stop id, max_tokens) ends it there: the rest are not delivered."""
         req = act.handle.request
-        if bool(out.bad[row]):
-            log.error("non-finite logits", extra={"request_id": req.request_id})
-            act.handle.emit(Emission((), act.generated, len(req.prompt), error=SchedulerError(
-                ErrorKind.INTERNAL, f"the model produced non-finite logits (request {req.request_id})")))
-            return True
-        token = token_out(out, row, req.sampling.top_logprobs)
-        act.generated += 1
-        if act.generated <= act.skip:  # recomputing after a preemption: delivered before
-            return self._replayed(act, token.id)
-        act.handle.delivered.setdefault(act.index, []).append(token.id)
-        self.metrics.add_tokens(1)
-        reason = finish_reason(req, act.generated, token.id, self.engine.eos_id, self.engine.sequence_len)
-        if act.guide is not None:
-            complete, error = self.guidance.advance(act, token.id)
-            if error is not None:
-                act.handle.emit(Emission((), act.generated, len(req.prompt), error=error))
-                return True
-            if complete and reason is None:
-                reason = FinishReason.EOS  # the grammar is complete: nothing but EOS could follow
-        first_or_last = act.generated == 1 or reason is not None
-        act.handle.emit(Emission((token,), act.generated, len(req.prompt), finish_reason=reason,
-                                 timings=act.timings() if first_or_last else None, index=act.index, prompt=prompt))
+        first = act.generated == 0
+        tokens: list[TokenOut] = []
+        reason: FinishReason | None = None
+        for row in [rows] if isinstance(rows, int) else rows:
+            if bool(out.bad[row]):
+                log.error("non-finite logits", extra={"request_id": req.request_id})
+                return self._fail(act, tokens, act.generated, prompt, SchedulerError(
+                    ErrorKind.INTERNAL, f"the model produced non-finite logits (request {req.request_id})"))
+            token = token_out(out, row, req.sampling.top_logprobs)
+            act.generated += 1
+            act.tokens.append(token.id)
+            act.handle.delivered.setdefault(act.index, []).append(token.id)
+            self.metrics.add_tokens(1)
+            tokens.append(token)
+            reason = finish_reason(req, act.generated, token.id, self.engine.eos_id, self.engine.sequence_len)
+            if act.guide is not None:
+                complete, error = self.guidance.advance(act, token.id)
+                if error is not None:
+                    return self._fail(act, tokens[:-1], act.generated - 1, prompt, error)
+                if complete and reason is None:
+                    reason = FinishReason.EOS  # the grammar is complete: nothing but EOS could follow
+            if reason is not None:
+                break
+        act.handle.emit(Emission(tuple(tokens), act.generated, len(req.prompt), finish_reason=reason,
+                                 timings=act.timings() if first or reason is not None else None, index=act.index,
+                                 prompt=prompt))
         if reason is not None:
             self.metrics.finished(reason)
             act.handle.finished_samples.add(act.index)
         return reason is not None
 
-    def _replayed(self, act: Running, token: int) -> bool:
-        """A token recomputed after a preemption: the grammar moves on, nothing is delivered. It must be the one
-        delivered before (batch invariance); if not, the request fails rather than contradict itself."""
-        expected = act.handle.delivered[act.index][act.generated - 1]
-        if token != expected:
-            req = act.handle.request
-            log.error("recomputed token differs", extra={"request_id": req.request_id, "expected": expected,
-                                                          "got": token})
-            act.handle.emit(Emission((), act.skip, len(req.prompt), error=SchedulerError(
-                ErrorKind.INTERNAL, f"request {req.request_id} could not be resumed after a preemption; retry")))
-            return True
-        if act.guide is not None:
-            self.guidance.advance(act, token)
-        return False
+    def _fail(self, act: Running, tokens: list[TokenOut], count: int, prompt: tuple[TokenOut, ...] | None,
+              error: SchedulerError) -> bool:
+        """The tokens drawn before the failure (`count` in all so far) still go out, then the error ends it."""
+        req = act.handle.request
+        if tokens:
+            act.handle.emit(Emission(tuple(tokens), count, len(req.prompt), index=act.index, prompt=prompt))
+        act.handle.emit(Emission((), act.generated, len(req.prompt), error=error))
+        return True

@@ -1,10 +1,13 @@
 """The decode loop's structured-output part: what scheduler.py does for a request with a constraint.
 
-At submit the constraint is compiled (structured.GrammarCompiler, cached) or refused with INVALID_ARGUMENT
-naming the field, before the request is queued. The first draw (the prefill's) may only start as the
-grammar allows: its settings' `allowed` ids are the grammar's first mask within the request's own mask.
-Each sample then holds its own `Guide`; after every token the loop sets the slot's next-step mask on the
-device (Engine.set_slot_mask) to the guide's mask AND the request's allowed/blocked/pad mask. No JAX here.
+Before submit the servicer awaits `Guidance.compile_async` (structured.GrammarCompiler: checked in a worker
+process, built on a compile thread, cached), so neither the event loop nor the decode thread ever compiles;
+a constraint that cannot be served is refused with INVALID_ARGUMENT naming the field before a slot is taken
+(RESOURCE_EXHAUSTED when too many wait to compile). Each sample then holds its own `Guide`; every step in
+which it draws, the loop sends its mask in the step's batch (StepBatch.masks): `next_mask`, the guide's mask AND the request's allowed/blocked/pad mask, checked on
+the host to allow at least one id (else the sampler would draw the pad id from all-masked logits). A per-step
+limit of the library, or a step where nothing is left, ends that request only, with INVALID_ARGUMENT naming
+the field. No JAX here.
 """
 
 from __future__ import annotations
@@ -15,11 +18,20 @@ from typing import Any
 
 import numpy as np
 
+from model_service.constraint import Constraint
 from model_service.engine_api import EngineLike
 from model_service.loop_state import Running
 from model_service.requests import ErrorKind, GenerationRequest, RequestHandle, SchedulerError
 from model_service.sampling_settings import SamplingSettings, build_mask
-from model_service.structured import Compiled, ConstraintError, GrammarCompiler
+from model_service.structured import (
+    CompilerBusy,
+    CompilerUnavailable,
+    Compiled,
+    ConstraintError,
+    GrammarCompiler,
+    Guide,
+    StepLimit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,26 +41,44 @@ class Guidance:
 
     def __init__(self, engine: EngineLike, grammars: GrammarCompiler | None) -> None:
         self.engine = engine
-        # Structured output needs a compiler (the tokenizer's pieces) and an engine that can set a slot's mask.
-        self.grammars = grammars
-        self.masking = hasattr(engine, "set_slot_mask")  # engine_api.MaskingEngine
+        self.grammars = grammars  # structured output needs a compiler (the tokenizer's pieces)
 
     def compile(self, request: GenerationRequest) -> Compiled | None:
-        """The request's constraint compiled, None without one; INVALID_ARGUMENT naming the field when it is
-        invalid, too big, or leaves no token to start with."""
+        """The request's constraint compiled, None without one (blocks the calling thread while it compiles);
+        INVALID_ARGUMENT naming the field when it is invalid, too big, or leaves no token to start with."""
+        c = self._served(request)
+        if c is None:
+            return None
+        try:
+            compiled = self.grammars.compile(c)  # type: ignore[union-attr]
+        except REFUSALS as e:
+            raise refusal(e) from None
+        return self._admissible(request, compiled)
+
+    async def compile_async(self, request: GenerationRequest) -> Compiled | None:
+        """`compile` off the event loop and off the decode thread: what the servicer awaits before
+        `Scheduler.submit`."""
+        c = self._served(request)
+        if c is None:
+            return None
+        try:
+            compiled = await self.grammars.compile_async(c)  # type: ignore[union-attr]
+        except REFUSALS as e:
+            raise refusal(e) from None
+        return self._admissible(request, compiled)
+
+    def _served(self, request: GenerationRequest) -> Constraint | None:
         c = request.constraint
         if c is None:
             return None
         if self.grammars is None:
             raise SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{c.field}: this model service was started without "
                                  "structured output (model_service --tokenizer, the model's SentencePiece file)")
-        if not self.masking:
-            raise SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{c.field}: structured output is not served by a "
-                                 "multi-process model replica yet; send it to a single-process one")
-        try:
-            compiled = self.grammars.compile(c)
-        except ConstraintError as e:
-            raise SchedulerError(ErrorKind.INVALID_ARGUMENT, str(e)) from None
+        return c
+
+    def _admissible(self, request: GenerationRequest, compiled: Compiled) -> Compiled:
+        c = request.constraint
+        assert c is not None
         if not (compiled.first_mask & self.base_mask(request.sampling)).any():
             raise SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{c.field}: no token can start the output within "
                                  "allowed_token_ids/blocked_token_ids")
@@ -57,14 +87,6 @@ class Guidance:
     def base_mask(self, s: SamplingSettings) -> np.ndarray:
         return build_mask(self.engine.vocab_size, self.engine.pad_id, s.allowed, s.blocked)
 
-    def first_sampling(self, handle: RequestHandle) -> SamplingSettings:
-        """The settings of a request's first draw: a constrained one may only start as its grammar allows."""
-        s = handle.request.sampling
-        if handle.grammar is None:
-            return s
-        allowed = handle.grammar.first_mask & self.base_mask(s)
-        return dataclasses.replace(s, allowed=tuple(allowed.nonzero()[0].tolist()))
-
     def attach(self, handle: RequestHandle, act: Running) -> Running:
         """Give a constrained sample its own grammar position and its request's own mask."""
         if handle.grammar is not None:
@@ -72,31 +94,61 @@ class Guidance:
             act.base_mask = self.base_mask(handle.request.sampling)
         return act
 
-    def set_masks(self, state: Any, active: dict[int, Running]) -> tuple[Any, dict[int, SchedulerError]]:
-        """Set each constrained slot's mask for the next step (its grammar after the tokens delivered so far).
-        Returns the new state and, per slot whose grammar failed (a per-step limit of the library), its error."""
-        failed: dict[int, SchedulerError] = {}
-        for slot, act in active.items():
-            if act.guide is None:
-                continue
-            try:
-                mask = act.guide.mask() & act.base_mask
-            except RuntimeError:
-                req = act.handle.request
-                log.exception("structured output failed", extra={"request_id": req.request_id})
-                failed[slot] = SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{req.constraint.field}: too complex to "
-                                              f"follow at token {act.generated}; simplify the constraint")
-                continue
-            state = self.engine.set_slot_mask(state, slot, mask)  # type: ignore[attr-defined]
-        return state, failed
+    def mask(self, act: Running) -> tuple[np.ndarray | None, SchedulerError | None]:
+        """A constrained sample's mask for its next draw (its grammar after the tokens delivered so far), or the
+        error ending it (`next_mask`: a per-step limit of the library, or nothing left to draw)."""
+        try:
+            return next_mask(act.guide, act.base_mask, act.handle.request, act.generated), None
+        except SchedulerError as e:
+            return None, e
 
     @staticmethod
     def advance(act: Running, token: int) -> tuple[bool, SchedulerError | None]:
         """Move a constrained sample's grammar past its drawn token: (complete, error)."""
+        req = act.handle.request
         try:
             act.guide.advance(token)
-        except RuntimeError:  # the device drew a token its mask forbade: a bug, never the request's fault
-            rid = act.handle.request.request_id
-            log.exception("grammar rejected a drawn token", extra={"request_id": rid})
-            return True, SchedulerError(ErrorKind.INTERNAL, f"structured output failed (request {rid})")
+        except StepLimit as e:  # the library gave up on an allowed token: the constraint's limit, not a bug
+            log.info("structured output gave up", extra={"request_id": req.request_id, "detail": str(e)})
+            return True, too_complex(req, act.generated, str(e))
+        except Exception:  # the device drew a token its mask forbade, or the library broke: never the request's fault
+            log.exception("grammar rejected a drawn token", extra={"request_id": req.request_id})
+            return True, SchedulerError(ErrorKind.INTERNAL, f"structured output failed (request {req.request_id})")
         return bool(act.guide.finished), None
+
+
+def next_mask(guide: Guide, base_mask: np.ndarray, request: GenerationRequest, generated: int) -> np.ndarray:
+    """[V] bool: the ids the next step may draw (the grammar's AND the request's own mask), on the host.
+    SchedulerError (INVALID_ARGUMENT naming the field) when the library cannot compute it, or when it
+    leaves no id at all: the sampler must never see all-masked logits (it would draw the pad id)."""
+    field = request.constraint.field if request.constraint is not None else "constraint"
+    try:
+        mask = guide.mask() & base_mask
+    except StepLimit as e:
+        log.info("structured output gave up", extra={"request_id": request.request_id, "detail": str(e)})
+        raise too_complex(request, generated, str(e)) from None
+    except Exception:  # anything else the library raises ends this request only, never the decode loop
+        log.exception("structured output failed", extra={"request_id": request.request_id})
+        raise SchedulerError(ErrorKind.INTERNAL, f"structured output failed (request {request.request_id})") from None
+    if not mask.any():
+        raise SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{field}: after {generated} tokens nothing the constraint "
+                             "allows is within allowed_token_ids/blocked_token_ids; widen them or the constraint")
+    return mask
+
+
+def too_complex(request: GenerationRequest, generated: int, detail: str) -> SchedulerError:
+    field = request.constraint.field if request.constraint is not None else "constraint"
+    return SchedulerError(ErrorKind.INVALID_ARGUMENT, f"{field}: too complex to follow at token {generated} "
+                          f"({detail}); simplify the constraint")
+
+
+REFUSALS = (ConstraintError, CompilerBusy, CompilerUnavailable)
+
+
+def refusal(error: Exception) -> SchedulerError:
+    """The request's status for a compiler's refusal."""
+    if isinstance(error, CompilerBusy):
+        return SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, str(error))
+    if isinstance(error, CompilerUnavailable):
+        return SchedulerError(ErrorKind.UNAVAILABLE, str(error))
+    return SchedulerError(ErrorKind.INVALID_ARGUMENT, str(error))

@@ -7,15 +7,16 @@ table[p // block_size] at offset p % block_size. Blocks are allocated as a seque
 when it ends; a block may be referenced by several tables (the samples of one prompt, or requests sharing
 a cached prefix) and is reused only when no table holds it.
 
-Prefix cache (vLLM's automatic prefix caching, SGLang's radix reuse): a full block computed on the
-prefill chunk grid (Engine.begin_prefill; chunks start at multiples of the chunk size, so a block's bits
-depend only on the tokens up to its end) is keyed by a hash chain over its tokens and its prefix's key.
-When its last holder ends it stays in the pool, evictable in least-recently-used order, and a later prompt
-with the same leading tokens takes it instead of recomputing. Reuse ends on a chunk boundary and always
-leaves at least one prompt token to compute (the first sampled token needs its logits).
+Prefix cache (vLLM's automatic prefix caching, SGLang's radix reuse), consulted for every prompt: a full block
+once computed is keyed by a hash chain over its tokens and its prefix's key (a row's keys and values depend
+only on the tokens up to it, whatever step computed them: engine.py). When its last holder ends it stays in
+the pool, evictable in least-recently-used order, and a later prompt with the same leading tokens takes it
+instead of recomputing. The chain starts from the request's salt (its cache_salt: a digest of the caller's API
+key and vLLM's cache_salt), so requests of different tenants never share a block, and cannot time one
+another's prompts. Reuse always leaves at least one prompt token to compute (the first draw needs its logits).
 
-No JAX here. Every decision depends only on the sequence of calls, so the processes of a multi-process
-replica, which replay the same engine calls, keep identical tables.
+No JAX here. The scheduler owns the one instance (process 0 of a multi-process replica; the tables travel in
+each step's batch).
 """
 
 from __future__ import annotations
@@ -54,11 +55,16 @@ def _chain(previous: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(previous + np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
 
 
+def _root(salt: bytes) -> bytes:
+    """Where a prompt's hash chain starts: b"" unsalted, else a 16-byte digest of the salt (its own hash domain,
+    so that no salted key equals an unsalted one), so prompts under different salts never share a block."""
+    return hashlib.blake2b(salt, digest_size=16, person=b"kv-cache-salt").digest() if salt else b""
+
+
 class KVBlocks:
     """Block tables for `slots` sequences over a pool of `num_blocks` blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, slots: int, table_len: int, chunk: int = 0,
-                 caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, slots: int, table_len: int, caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV pool needs at least one block of at least one position, got {num_blocks} "
                              f"blocks of {block_size}")
@@ -66,8 +72,7 @@ class KVBlocks:
         self.block_size = block_size
         self.table_len = table_len  # entries per table row (covers the largest attention bucket)
         self.scratch = num_blocks  # the pool's extra block: unused table entries point here
-        self.chunk = chunk  # prefill chunk size: reuse ends on a multiple of it (0: no prefix reuse)
-        self.caching = caching and chunk > 0
+        self.caching = caching
         self._refs = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached and unreferenced, oldest first
@@ -108,22 +113,21 @@ class KVBlocks:
             self._array = out
         return self._array
 
-    def reusable(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens of a prompt the cache would serve (a multiple of the chunk, < len(tokens))."""
-        if not self.caching or len(tokens) <= self.chunk:
+    def reusable(self, tokens: Sequence[int], salt: bytes = b"") -> int:
+        """How many leading tokens of a prompt the cache would serve (whole blocks, fewer than len(tokens)),
+        counting only blocks registered under the same `salt` (the request's cache_salt)."""
+        if not self.caching or len(tokens) <= self.block_size:
             return 0
-        limit = (len(tokens) - 1) // self.chunk * self.chunk
-        return min(len(self._match(tokens, limit)) * self.block_size, limit) // self.chunk * self.chunk
+        limit = (len(tokens) - 1) // self.block_size * self.block_size
+        return min(len(self._match(tokens, limit, salt)) * self.block_size, limit)
 
     # ---- allocation ---------------------------------------------------------------------------
-    def assign(self, slot: int, tokens: int, share_from: int | None = None, shared_tokens: int = 0) -> None:
-        """Give `slot` blocks for `tokens` positions; with `share_from`, the blocks covering that slot's first
-        `shared_tokens` positions (whole blocks only) are shared rather than allocated."""
+    def share(self, slot: int, source: int, shared_tokens: int, positions: int) -> None:
+        """Give `slot` blocks for `positions` positions, the ones covering `source`'s first `shared_tokens`
+        positions (whole blocks) shared with it (the samples of one prompt)."""
         self.release(slot)
-        shared: list[int] = []
-        if share_from is not None:
-            shared = self._tables[share_from][:shared_tokens // self.block_size]
-        need = self.blocks_for(tokens) - len(shared)
+        shared = self._tables[source][:shared_tokens // self.block_size]
+        need = self.blocks_for(positions) - len(shared)
         if need > self.available():
             raise OutOfBlocks(f"{need} KV blocks needed, {self.available()} available")
         for block in shared:
@@ -131,23 +135,31 @@ class KVBlocks:
         self._tables[slot] = list(shared) + [self._allocate() for _ in range(max(0, need))]
         self._array = None
 
-    def assign_prompt(self, slot: int, prompt: Sequence[int]) -> int:
-        """Blocks for a prompt prefilled on the chunk grid, taking cached blocks for its leading tokens.
-        Returns the number of tokens they hold (where the prefill starts)."""
+    def assign_prompt(self, slot: int, prompt: Sequence[int], positions: int, reuse: bool = True,
+                      salt: bytes = b"") -> int:
+        """Blocks for `positions` positions of a sequence starting with `prompt`, taking cached blocks for its
+        leading tokens registered under the same `salt` (unless not `reuse`). Returns the number of tokens they
+        hold (where computing starts)."""
         self.release(slot)
-        reuse = self.reusable(prompt)
+        served = self.reusable(prompt, salt) if reuse else 0
         if self.caching:
             self.queries += len(prompt)
-            self.hits += reuse
-        cached = self._match(prompt, reuse)[:reuse // self.block_size]
-        need = self.blocks_for(len(prompt)) - len(cached)
+            self.hits += served
+        cached = self._match(prompt, served, salt)[:served // self.block_size]
+        need = self.blocks_for(positions) - len(cached)
         if need > self.available() - sum(1 for b in cached if b in self._evictable):
             raise OutOfBlocks(f"{need} KV blocks needed, {self.available()} available")
         for block in cached:
             self._take(block)
         self._tables[slot] = cached + [self._allocate() for _ in range(need)]
         self._array = None
-        return reuse
+        return served
+
+    def cost(self, prompt: Sequence[int], positions: int, reuse: bool = True, salt: bytes = b"") -> int:
+        """Blocks `assign_prompt` would take from what is available (cached blocks nobody holds count)."""
+        served = self.reusable(prompt, salt) if reuse else 0
+        cached = self._match(prompt, served, salt)[:served // self.block_size]
+        return self.blocks_for(positions) - len(cached) + sum(1 for b in cached if b in self._evictable)
 
     def grow(self, slot: int, tokens: int) -> None:
         """Make the slot's blocks cover `tokens` positions."""
@@ -171,12 +183,12 @@ class KVBlocks:
             self._tables[slot] = []
             self._array = None
 
-    def register(self, slot: int, prompt: Sequence[int], computed: int) -> None:
-        """The slot's first `computed` positions hold `prompt`'s tokens, computed on the chunk grid: key its full
-        blocks for reuse. A block whose content another block already holds stays unkeyed (freed when done)."""
+    def register(self, slot: int, prompt: Sequence[int], computed: int, salt: bytes = b"") -> None:
+        """The slot's first `computed` positions hold `prompt`'s tokens: key its full blocks for reuse under
+        `salt`. A block whose content another block already holds stays unkeyed (freed when done)."""
         if not self.caching:
             return
-        key = b""
+        key = _root(salt)
         for i, block in enumerate(self._tables[slot][:min(computed, len(prompt)) // self.block_size]):
             key = _chain(key, prompt[i * self.block_size:(i + 1) * self.block_size])
             if block in self._key_of or key in self._block_of:
@@ -185,10 +197,10 @@ class KVBlocks:
             self._block_of[key] = block
 
     # ---- internals ----------------------------------------------------------------------------
-    def _match(self, tokens: Sequence[int], limit: int) -> list[int]:
-        """Cached blocks holding the prompt's leading full blocks, up to `limit` tokens, in order."""
+    def _match(self, tokens: Sequence[int], limit: int, salt: bytes = b"") -> list[int]:
+        """Cached blocks holding the prompt's leading full blocks under `salt`, up to `limit` tokens, in order."""
         out: list[int] = []
-        key = b""
+        key = _root(salt)
         for i in range(limit // self.block_size):
             key = _chain(key, tokens[i * self.block_size:(i + 1) * self.block_size])
             block = self._block_of.get(key)

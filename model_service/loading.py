@@ -2,7 +2,7 @@
 
 Below both model_service/server.py (process 0 / a single process) and model_service/distributed/group.py
 (every process of a multi-process replica): both call `resolve`, then `load_engine`, then compile once —
-`build_engine` on one process, or LockstepEngine.compile_all on a group (which compiles on every process in
+`build_engine` on one process, or LockstepEngine.compile on a group (which compiles on every process in
 lockstep). `load_engine` never compiles, so the programs are compiled exactly once per process.
 """
 
@@ -36,10 +36,12 @@ class ServerConfig:
     kv_memory: int | None = None  # or in bytes
     block_size: int = 16  # tokens per KV block
     prefix_caching: bool = True
-    row_tile: int | None = None  # decode rows per tile; None: the engine's choice for the platform
-    products: str = "auto"  # auto | native | xla: how token rows meet the weights (model.choose_products)
-    prefill_chunk: int = 64  # longer prompts are prefilled this many tokens per decode step; 0: at once
-    buckets: tuple[int, ...] | None = None  # None: powers of two from 32 up to the context
+    backend: str = "auto"  # auto | cpu | generic: the hardware choices (backend.py)
+    products: str = "auto"  # auto | native | xla: how token rows meet the weights on the cpu backend
+    step_tokens: int | None = None  # token rows per step (None: engine.choose_shape's default for the platform)
+    prefill_tokens: int | None = None  # prompt rows per step while others decode (None: scheduler.PREFILL_ROWS)
+    tile_rows: int | None = None  # rows per pass over the weights (None: the platform's default)
+    speculative: Any = None  # speculative.SpeculativeConfig (None: off)
     max_queue: int = 64
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
@@ -54,18 +56,8 @@ class ServerConfig:
     tokenizer: str | None = None  # the model's SentencePiece file: enables structured output (constraints)
 
 
-def default_buckets(sequence_len: int) -> tuple[int, ...]:
-    """32, 64, ... up to 1024, capped at (and always including a bucket that reaches) the context."""
-    out, b = [], 32
-    while b < min(sequence_len, 1024):
-        out.append(b)
-        b *= 2
-    out.append(min(b, sequence_len))
-    return tuple(out)
-
-
-def resolve(config: ServerConfig) -> tuple[ModelConfig, tuple[int, ...]]:
-    """The model config and the prefill buckets; raises ConfigError/ValueError with a clear message."""
+def resolve(config: ServerConfig) -> ModelConfig:
+    """The model config; raises ConfigError/ValueError with a clear message."""
     if not config.checkpoint and not config.random_init:
         raise ValueError("no --checkpoint given: pass --checkpoint DIR (containing ckpt-0/), or --random-init "
                          "to serve random weights deliberately")
@@ -73,18 +65,12 @@ def resolve(config: ServerConfig) -> tuple[ModelConfig, tuple[int, ...]]:
     validate(model_cfg, config.mesh)
     if config.kv_tokens is not None and config.kv_memory is not None:
         raise ValueError("give the KV pool size once: --kv-tokens or --kv-memory, not both")
-    if config.prefill_chunk % config.block_size:
-        raise ValueError(f"--prefill-chunk ({config.prefill_chunk}) must be a multiple of --block-size "
-                         f"({config.block_size})")
-    if config.row_tile and config.slots % min(config.row_tile, config.slots):
-        raise ValueError(f"--slots ({config.slots}) must be a multiple of --row-tile ({config.row_tile})")
-    buckets = config.buckets or default_buckets(model_cfg.sequence_len)
-    return model_cfg, buckets
+    return model_cfg
 
 
-def build_engine(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...]) -> Any:
+def build_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     """A single process's Engine: load (or randomly initialise) the weights, build the Engine, compile it."""
-    engine = load_engine(config, cfg, buckets)
+    engine = load_engine(config, cfg)
     compile_engine(engine)
     return engine
 
@@ -92,18 +78,19 @@ def build_engine(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...
 def compile_engine(engine: Any) -> None:
     """Compile every program of `engine` (an Engine, or a LockstepEngine: then on every process)."""
     start = time.monotonic()
-    timings = engine.compile_all()
+    timings = engine.compile()
     log.info("compiled all programs", extra={"seconds": round(time.monotonic() - start, 2), "programs": len(timings)})
 
 
-def load_engine(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...]) -> Any:
+def load_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     """Load (or randomly initialise) this process's weights onto the mesh and build the Engine, not compiled."""
     import jax  # heavy imports stay out of module import
     import jax.numpy as jnp
 
     from model_service import checkpoint
+    from model_service.backend import choose_backend
     from model_service.engine import Engine
-    from model_service.model import GrokModel, Products, choose_products
+    from model_service.model import GrokModel, Products
     from model_service.sharding import default_between_hosts, make_mesh
 
     between = None
@@ -112,9 +99,13 @@ def load_engine(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...]
     mesh = make_mesh(config.mesh, between_hosts=between)
     read_before = _bytes_read()
     dtype = jnp.dtype(config.dtype)
-    model = GrokModel(cfg, mesh, dtype, choose_products(config.products, mesh, dtype), block_size=config.block_size)
+    backend = choose_backend(config.backend, mesh, dtype, config.products, config.slots, config.step_tokens,
+                             config.tile_rows)
+    model = GrokModel(cfg, mesh, dtype, block_size=config.block_size, backend=backend)
     pack = model.products is Products.NATIVE  # matrices packed for the kernel as they load
-    log.info("products", extra={"requested": config.products, "using": model.products.value})
+    log.info("backend", extra={"backend": backend.name, "products": backend.products.value,
+                               "attention": backend.attention, "tile_rows": backend.tile_rows,
+                               "step_tokens": backend.step_tokens})
     start = time.monotonic()
     if config.checkpoint:
         params = checkpoint.load_params(config.checkpoint, cfg, mesh, dtype, progress=_progress, pack=pack)
@@ -126,8 +117,8 @@ def load_engine(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...]
     blocks = kv_blocks(config, cfg, dtype.itemsize)
     log.info("kv memory", extra={"blocks": blocks, "block_size": config.block_size,
                                  "tokens": None if blocks is None else blocks * config.block_size})
-    return Engine(model, params, cfg, mesh, config.slots, buckets, config.row_tile, config.prefill_chunk,
-                  kv_blocks=blocks, prefix_caching=config.prefix_caching)
+    drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    return Engine(model, params, cfg, mesh, config.slots, blocks, draft_tokens=drafts)
 
 
 def kv_blocks(config: ServerConfig, cfg: ModelConfig, itemsize: int) -> int | None:

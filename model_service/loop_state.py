@@ -1,9 +1,9 @@
 """What the decode loop (scheduler.py) keeps per slot and per step, and what it reports to observers.
 
-`Running` is a request's sample holding a slot, `Prefilling` a long prompt being prefilled into its slot in
-chunks, `InFlight` a dispatched decode step. `SchedulerMetrics` are the loop's observer hooks (metrics.py
+`Running` is a request's sample holding a slot (prefilling its prompt or decoding), `InFlight` a dispatched
+step. `SchedulerMetrics` are the loop's observer hooks (metrics.py
 implements them with Prometheus) and `Heartbeat` is how a watchdog on another thread sees the loop.
-No JAX here: a job, prefix or pending step is whatever the engine returned.
+No JAX here: a pending step is whatever the engine returned.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from model_service.engine_api import PendingStepLike
 from model_service.requests import FinishReason, RequestHandle, Timings
+from model_service.speculative import DraftPacer
 
 
 class SchedulerMetrics:
@@ -26,6 +27,9 @@ class SchedulerMetrics:
     def finished(self, reason: FinishReason) -> None: ...
     def observe_kv(self, usage: Any) -> None:
         """The KV pool's occupancy and prefix-cache counters (kv_blocks.KVUsage), after a step."""
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        """A step verified `drafted` speculative draft tokens of a sample, `accepted` of them counted."""
 
     def preempted(self) -> None:
         """A running request was preempted (KV pool full); it is recomputed when readmitted."""
@@ -46,38 +50,61 @@ class Heartbeat:
 
 
 class Running:
-    """Bookkeeping of one sample of a request that owns a slot."""
+    """One sample of a request holding a slot: its tokens and how far the KV memory has computed them.
 
-    def __init__(self, handle: RequestHandle, seed: int, admitted_at: float, index: int = 0) -> None:
+    `length` counts the prompt and every token drawn so far, including a draw still in flight (its id is on the
+    device: the slot's `last` token, which the next decode row reads); `tokens` holds the ids known on the host.
+    Positions below `computed` have their keys and values written (or written by a step already dispatched).
+    A sample computes rows `computed .. length - 1`; the row at `length - 1` draws the next token."""
+
+    def __init__(self, handle: RequestHandle, seed: int, slot: int, index: int, tokens: list[int],
+                 computed: int = 0, admitted_at: float = 0.0, order: int = 0) -> None:
         self.handle = handle
         self.seed = seed
+        self.slot = slot
         self.index = index
+        self.tokens = tokens  # the prompt, then the drawn tokens delivered so far (all, after a preemption)
+        self.known = len(tokens)  # positions whose token the host sent at the start (the rest come from `last`)
+        self.length = len(tokens)
+        self.computed = computed
+        self.order = order  # admission order (the youngest is preempted first)
         self.admitted_at = admitted_at
-        self.generated = 0
+        self.generated = len(tokens) - len(handle.request.prompt)  # tokens drawn (delivered before a preemption)
+        self.in_flight = 0  # draws dispatched, not delivered
+        self.after: Running | None = None  # n > 1: the sample whose prompt blocks this one shares
+        self.shared = 0  # positions shared with `after` (computed by it)
         self.prefill_seconds = 0.0
         self.step_seconds = 0.0
         self.steps = 0
-        self.skip = 0  # tokens already delivered before a preemption: recomputed, not emitted again
+        self.scored: list[Any] = []  # prompt logprobs so far (plan.TokenOut per prompt token 1..)
+        self.finished = False  # its last token was delivered (or it failed): no more rows
         self.guide: Any = None  # structured output: this sample's grammar position (structured.Guide)
+        self.proposal: list[int] = []  # speculative drafts proposed for its next decode row (speculative.py)
+        self.pacer = DraftPacer()
         self.base_mask: Any = None  # [V] bool, the request's allowed/blocked/pad mask that a guide's mask is ANDed with
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.handle.request.prompt)
+
+    @property
+    def drawn(self) -> int:
+        """Tokens drawn so far, in flight included."""
+        return self.length - self.prompt_len
 
     def timings(self) -> Timings:
         mean = self.step_seconds / self.steps if self.steps else 0.0
-        return Timings(self.admitted_at - self.handle.enqueued_at, self.prefill_seconds, mean)
-
-
-@dataclass
-class Prefilling:
-    """A long prompt being prefilled into its slot one chunk per step."""
-
-    run: Running
-    job: Any  # what Engine.begin_prefill returned
+        return Timings(self.admitted_at - self.handle.enqueued_at, self.prefill_seconds, mean, self.pacer.drafted,
+                       self.pacer.accepted)
 
 
 @dataclass
 class InFlight:
-    """A dispatched decode step and the requests whose slots it computes."""
+    """A dispatched step and the samples its draws belong to (entry i of its output is owners[i])."""
 
     pending: PendingStepLike
-    owners: dict[int, Running]  # slot -> the request that held it at dispatch
+    owners: list[Running]
+    scored: list[tuple[Running, int, int, int]]  # (sample, first row, first prompt position, rows) per scored chunk
     dispatched_at: float
+    decoding: bool = False  # it held decode rows
+    prompt_cost: float = 0.0  # its prompt rows' cost in row-equivalents (pacing.py)

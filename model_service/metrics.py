@@ -45,6 +45,10 @@ class Metrics(SchedulerMetrics):
                               "sequences (vLLM's kv_cache_usage_perc)", registry=r)
         self.preemptions = Counter("grok_model_num_preemptions", "Running requests preempted because the KV pool "
                                    "ran out of blocks (recomputed later)", registry=r)
+        self.spec_drafts = Counter("grok_model_spec_decode_num_draft_tokens", "Speculative draft tokens verified",
+                                   registry=r)
+        self.spec_accepted = Counter("grok_model_spec_decode_num_accepted_tokens", "Speculative draft tokens that "
+                                     "counted (each the token decoding without speculation draws)", registry=r)
         self.prefix_queries = Counter("grok_model_prefix_cache_queries", "Prompt tokens looked up in the prefix "
                                       "cache", registry=r)
         self.prefix_hits = Counter("grok_model_prefix_cache_hits", "Prompt tokens served from the prefix cache",
@@ -87,6 +91,10 @@ class Metrics(SchedulerMetrics):
 
     def preempted(self) -> None:
         self.preemptions.inc()
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        self.spec_drafts.inc(drafted)
+        self.spec_accepted.inc(accepted)
 
     def rpc_done(self, code_name: str) -> None:
         self.status_codes.labels(code=code_name).inc()

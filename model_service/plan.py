@@ -1,32 +1,51 @@
 """The scheduling policy as pure functions: what to do this step, and what a step's output means.
 
-vLLM v1's split (`schedule() -> SchedulerOutput`, then `update_from_output(...)`): the decode loop
-(scheduler.py) takes a snapshot of its queue and slots (`View`), asks `schedule` for a `StepPlan`, carries
-it out on the engine, then reads each result with `token_out` / `finish_reason`. No threads, locks, clocks
-or engine calls here, so the policy is tested as data (tests/engine/test_plan.py).
+vLLM v1's split (`schedule() -> SchedulerOutput`, then `update_from_output(...)`): the loop (scheduler.py) takes
+a snapshot of its queue and running samples (`View`), asks `schedule` for a `StepPlan`, carries it out (KV
+blocks, the engine's StepBatch), then reads each result with `token_out` / `finish_reason`. No threads, locks,
+clocks or engine calls here, so the policy is tested as data (tests/engine/test_plan.py).
 
-Policy, between two decode steps:
-  - requests that were cancelled or passed their deadline end first: a decoding slot is freed (the
-    engine clears it), a slot still being prefilled in chunks is returned, a waiting request leaves the queue;
-  - waiting requests are admitted in queue order into the lowest free slots (so busy slots stay in the
-    fewest decode tiles); a request of n samples waits for n free slots, and every request for the KV
-    blocks its prompt takes; nothing overtakes the head of the queue;
-  - with nothing decoding, as many as fit are admitted; while requests decode, at most `prefills_per_step`
-    (default: all slots) and only until the admitted prompts' token cost reaches `prefill_token_budget`
-    (at least one), so running streams are never starved;
-  - a long prompt is prefilled one chunk per step (`chunk`), a newly admitted one starting this step.
-Whether a decode step follows is not decided here: it runs when some slot is decoding once the plan is
-carried out, which depends on each prefill's first token (a request may end at it: EOS, max_tokens 1).
+Every token is a row; a step spends one budget of rows (the engine's `max_rows`) over, in this order:
+  - one row for every running sample whose tokens are all computed but its newest (a decode: the row draws
+    the next token);
+  - prompt rows of samples still computing theirs, in admission order (a sample of an n > 1 request that
+    shares its first sample's prompt blocks only after that sample computed them: `after`);
+  - waiting requests in queue order, into the lowest free slots: a request of n samples waits for n free slots,
+    every request for the KV blocks it takes; nothing overtakes the head of the queue.
+Speculative drafts (speculative.py) take only the rows left after all of that. While samples decode, prompt rows
+get at most `prefill_budget` row-equivalents (pacing.py: a row at position p
+costs 1 + p / key_scale, and the scheduler sizes the budget from measured step times, so running streams keep
+their pace while a long prompt enters); with nothing decoding they get every row of the step. Requests that were cancelled or passed
+their deadline end first, and their slots and blocks serve this very step's admissions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from model_service.engine_api import StepOutputLike
+from model_service.pacing import chunk_rows
 from model_service.requests import FinishReason, GenerationRequest, TokenOut
+
+Key = tuple[int, int]  # (request ref, sample index): one running sample
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A request's sample as the policy sees it (running, or to be admitted: then `slot` is -1)."""
+
+    key: Key
+    slot: int
+    computed: int  # positions computed (a waiting one: where it starts, after what the prefix cache serves)
+    length: int  # prompt + drawn tokens (in flight included)
+    done: bool = False  # needs no more rows (its last token is drawn; waiting for delivery)
+    ended: bool = False  # cancelled or past its deadline
+    after: Key | None = None  # n > 1: computes only once `after` has computed `shared` positions
+    shared: int = 0
+    drafts: int = 0  # decoding: speculative draft tokens proposed after its newest token (speculative.py)
 
 
 @dataclass(frozen=True)
@@ -34,94 +53,124 @@ class Waiting:
     """A queued request as the policy sees it."""
 
     ref: int  # the loop's name for the request
-    samples: int  # slots it needs (its n)
-    cost: int  # prompt tokens it counts against the per-step budget (its bucket, or one chunk)
-    chunked: bool  # prefilled chunk by chunk straight into its slot
+    samples: tuple[Sample, ...]  # the samples it admits (all n; after a preemption the unfinished ones)
+    blocks: int = 0  # KV blocks it takes
     ended: bool = False  # cancelled or past its deadline
-    blocks: int = 0  # KV blocks its prompt takes
-
-
-@dataclass(frozen=True)
-class Occupant:
-    """A request holding a slot (decoding, or being prefilled in chunks)."""
-
-    slot: int
-    ref: int
-    ended: bool = False
 
 
 @dataclass(frozen=True)
 class View:
-    """The loop's queue and slots at a step boundary."""
+    """The loop's queue and samples at a step boundary."""
 
     waiting: tuple[Waiting, ...]  # in queue order
+    running: tuple[Sample, ...]  # in admission order
     free: frozenset[int]
-    decoding: tuple[Occupant, ...]
-    prefilling: tuple[Occupant, ...]  # in the order their chunked prefills began
     free_blocks: int | None = None  # KV blocks free or evictable (None: not limited)
 
 
 @dataclass(frozen=True)
 class Policy:
-    slots: int
-    prefills_per_step: int | None = None  # None: up to every slot
-    prefill_token_budget: int = 128
+    max_rows: int  # token rows per step
+    prefill_budget: float  # prompt row-equivalents per step while samples decode (pacing.Pacing.budget)
+    key_scale: float = float("inf")  # keys whose attention costs one row (pacing.key_scale): position cost
 
 
 @dataclass(frozen=True)
 class Admit:
-    """Prefill `ref` into `slots` (one per sample), or begin its chunked prefill in `slots[0]`."""
+    """Admit request `ref`: its samples `samples` into `slots` (in that order)."""
 
     ref: int
     slots: tuple[int, ...]
-    chunked: bool
+    samples: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows `start .. start + rows - 1` of sample `key`; `draw`: its last row draws the next token (a decode
+    with `drafts`: its last token's row and every draft row draw, speculative.py)."""
+
+    key: Key
+    start: int
+    rows: int
+    draw: bool
+    drafts: int = 0
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What the loop does before the next decode step, in this order."""
+    """What the loop does this step, in this order."""
 
-    end_decoding: tuple[Occupant, ...] = ()  # free these slots and end their requests
-    end_prefilling: tuple[Occupant, ...] = ()  # return these slots (never activated) and end their requests
-    end_waiting: tuple[Waiting, ...] = ()  # drop these from the queue and end them
+    end_running: tuple[Key, ...] = ()  # free these samples' slots and end their requests
+    end_waiting: tuple[int, ...] = ()  # drop these requests from the queue and end them
     admit: tuple[Admit, ...] = ()  # in queue order
-    chunk: tuple[int, ...] = ()  # slots whose chunked prefill runs its next chunk, in this order
+    chunks: tuple[Chunk, ...] = ()  # the step's rows, in this order (decodes first)
 
     @property
     def admitted(self) -> frozenset[int]:
         return frozenset(a.ref for a in self.admit)
 
+    @property
+    def rows(self) -> int:
+        return sum(c.rows for c in self.chunks)
+
 
 def schedule(view: View, policy: Policy) -> StepPlan:
-    """The plan for one step boundary; see the module docstring for the policy."""
-    end_decoding = tuple(o for o in view.decoding if o.ended)
-    end_prefilling = tuple(o for o in view.prefilling if o.ended)
-    end_waiting = tuple(w for w in view.waiting if w.ended)
-    free = set(view.free) | {o.slot for o in end_decoding + end_prefilling}
-    decoding = len(view.decoding) > len(end_decoding)
-    admit = _admit([w for w in view.waiting if not w.ended], free, decoding, policy, view.free_blocks)
-    chunk = tuple(o.slot for o in view.prefilling if not o.ended) + tuple(a.slots[0] for a in admit if a.chunked)
-    return StepPlan(end_decoding, end_prefilling, end_waiting, admit, chunk)
-
-
-def _admit(queue: list[Waiting], free: set[int], decoding: bool, policy: Policy,
-           blocks: int | None) -> tuple[Admit, ...]:
-    limit = policy.prefills_per_step or policy.slots
-    admitted: list[Admit] = []
-    tokens = 0
-    for w in queue:
-        if decoding and (len(admitted) >= limit or (admitted and tokens >= policy.prefill_token_budget)):
-            break
-        # The head waits for enough slots and KV blocks; the queue stays in order.
-        if len(free) < w.samples or (blocks is not None and w.blocks > blocks):
-            break
+    """The plan for one step; see the module docstring for the policy."""
+    ended = tuple(s for s in view.running if s.ended)
+    end_waiting = tuple(w.ref for w in view.waiting if w.ended)
+    live = [s for s in view.running if not s.ended]
+    free = set(view.free) | {s.slot for s in ended}
+    decodes = [Chunk(s.key, s.length - 1, 1, True) for s in live if not s.done and s.computed == s.length - 1]
+    budget = _Budget(policy.max_rows - len(decodes), policy.prefill_budget if decodes else float("inf"),
+                     policy.key_scale)
+    computed = {s.key: s.computed for s in live}
+    chunks = decodes + _prompt_chunks([s for s in live if s.computed < s.length - 1], computed, budget)
+    admit: list[Admit] = []
+    blocks = view.free_blocks
+    for w in view.waiting:
+        if w.ended:
+            continue
+        if budget.rows <= 0 or budget.cost <= 0 or len(free) < len(w.samples) or (
+                blocks is not None and w.blocks > blocks):
+            break  # the head waits (for rows, slots or blocks); the queue stays in order
         if blocks is not None:
             blocks -= w.blocks
-        slots = tuple(sorted(free)[:w.samples])
+        slots = tuple(sorted(free)[:len(w.samples)])
         free.difference_update(slots)
-        admitted.append(Admit(w.ref, slots, w.chunked))
-        tokens += w.cost
-    return tuple(admitted)
+        admit.append(Admit(w.ref, slots, tuple(s.key[1] for s in w.samples)))
+        new = [dataclasses.replace(s, slot=slot) for s, slot in zip(w.samples, slots)]
+        computed.update((s.key, s.computed) for s in new)
+        chunks += _prompt_chunks(new, computed, budget)
+    drafts = {s.key: s.drafts for s in live if s.drafts}
+    for i, c in enumerate(chunks[:len(decodes)]):  # drafts take only the rows nothing else needs
+        k = min(drafts.get(c.key, 0), budget.rows)
+        if k:
+            chunks[i] = Chunk(c.key, c.start, 1 + k, True, k)
+            budget.rows -= k
+    return StepPlan(tuple(s.key for s in ended), end_waiting, tuple(admit), tuple(chunks))
+
+
+@dataclass
+class _Budget:
+    rows: int  # rows left in the step
+    cost: float  # prompt row-equivalents left (inf with nothing decoding)
+    scale: float  # pacing.key_scale
+
+
+def _prompt_chunks(samples: list[Sample], computed: dict[Key, int], budget: _Budget) -> list[Chunk]:
+    """Prompt rows of `samples` in order within `budget` (spent); `computed` is updated with what they compute."""
+    out = []
+    for s in samples:
+        if s.done or s.computed >= s.length or budget.rows <= 0 or budget.cost <= 0:
+            continue
+        if s.after is not None and computed.get(s.after, s.shared) < s.shared:
+            continue  # its first sample has not computed the shared prompt blocks yet
+        rows = min(budget.rows, chunk_rows(s.computed, s.length, budget.cost, budget.scale))
+        out.append(Chunk(s.key, s.computed, rows, s.computed + rows == s.length))
+        computed[s.key] = s.computed + rows
+        budget.rows -= rows
+        budget.cost -= rows + (rows * s.computed + rows * (rows - 1) / 2) / budget.scale
+    return out
 
 
 # ---- reading a step's output (update_from_output) -------------------------------------------------
@@ -138,15 +187,17 @@ def token_out(out: StepOutputLike, row: int, top_logprobs: int) -> TokenOut:
     return TokenOut(int(out.token[row]), float(out.prob[row]), top)
 
 
-def prompt_out(req: GenerationRequest, out: StepOutputLike) -> tuple[TokenOut, ...] | None:
-    """Prompt tokens 1..n-1 with their probabilities and `prompt_logprobs` alternatives (from the prefill)."""
-    scored = getattr(out, "prompt", None)
-    if req.prompt_logprobs is None or scored is None:
-        return None
-    k = req.prompt_logprobs
-    return tuple(TokenOut(int(token), math.exp(float(lp)),
-                          alternatives(ids, [math.exp(float(p)) for p in tops[:k]], k))
-                 for token, lp, ids, tops in zip(req.prompt[1:], scored.logprob, scored.top_ids, scored.top_logprobs))
+def scored_tokens(req: GenerationRequest, out: StepOutputLike, first_row: int, position: int,
+                  rows: int) -> list[TokenOut]:
+    """Prompt tokens position + 1 .. position + rows (each scored by the row before it) with their probabilities
+    and `prompt_logprobs` alternatives, from rows first_row .. of a step's output."""
+    k = req.prompt_logprobs or 0
+    out_tokens = []
+    for i in range(rows):
+        r = first_row + i
+        alts = alternatives(out.score_ids[r], [math.exp(float(p)) for p in out.score_logprobs[r][:k]], k)
+        out_tokens.append(TokenOut(int(req.prompt[position + i + 1]), math.exp(float(out.logprob[r])), alts))
+    return out_tokens
 
 
 def finish_reason(req: GenerationRequest, generated: int, token: int, eos_id: int,

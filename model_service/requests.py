@@ -55,6 +55,9 @@ class GenerationRequest:
     n: int = 1
     prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives each (0..8)
     constraint: Constraint | None = None  # structured output: what the text must match (structured.py)
+    # Prefix-cache isolation: the prompt's blocks are keyed under this salt (kv_blocks.py), so only requests with
+    # the same salt share them. The gateway's digest of the caller's API key and cache_salt; b"": unsalted.
+    cache_salt: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,12 @@ class Timings:
     queue_seconds: float
     prefill_seconds: float
     mean_step_seconds: float
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified for the sample
+    accepted_draft_tokens: int = 0  # of those, tokens that counted
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclass(frozen=True)

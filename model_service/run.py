@@ -36,14 +36,6 @@ def parser() -> EnvArgumentParser:
     return p
 
 
-def prompt_bucket(n: int, sequence_len: int) -> int:
-    """The smallest power of two >= n (at least 32), capped at the context."""
-    b = 32
-    while b < n:
-        b *= 2
-    return min(b, sequence_len)
-
-
 def generate(args: argparse.Namespace) -> str:
     import jax.numpy as jnp
     import sentencepiece
@@ -68,8 +60,7 @@ def generate(args: argparse.Namespace) -> str:
     dtype = jnp.dtype(args.dtype)
     params = (checkpoint.load_params(args.checkpoint, cfg, mesh, dtype) if args.checkpoint
               else checkpoint.random_params(cfg, mesh, dtype, 0))
-    engine = Engine(GrokModel(cfg, mesh, dtype), params, cfg, mesh, slots=1,
-                    buckets=(prompt_bucket(len(ids), cfg.sequence_len),))
+    engine = Engine(GrokModel(cfg, mesh, dtype), params, cfg, mesh, slots=1)
     scheduler = Scheduler(engine, max_queue=1)
     out: list[int] = []
     done = threading.Event()

@@ -36,9 +36,9 @@ from model_service.logits_processing import (
     penalized,
     top_k_filter,
 )
-from model_service.sampling_settings import build_mask  # noqa: F401 - the engine builds masks with it
+from model_service.sampling_settings import MAX_TOP_LOGPROBS, build_mask  # noqa: F401 - the engine builds masks
 
-TOP_K = 8  # alternatives computed per token (the proto allows asking for 0..8 of them)
+TOP_K = MAX_TOP_LOGPROBS  # alternatives computed per token (serving_common/limits.py declares how many)
 SORT_MAX_VOCAB = 8192  # up to this vocabulary size the nucleus threshold uses the reference's sort
 MASKED_LOGIT = -1e10  # the reference's value for removed logits
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -262,9 +262,14 @@ def _biased_and_penalized(logits: jax.Array, extra: SlotControls) -> jax.Array:
     with jax.named_scope("logit_bias"):
         logits = jax.lax.cond(jnp.any(c.bias_ids < logits.shape[-1]), lambda x: add_bias(x, c.bias_ids, c.bias),
                               lambda x: x, logits)
+    def penalise(x: jax.Array) -> jax.Array:
+        counts = extra.counts  # plus the tokens drawn before this one in the same step (speculative drafts)
+        if extra.pending is not None:
+            counts = counts.at[extra.pending].add(1, mode="drop")
+        return apply_penalties(x, extra.prompt, counts, c.repetition, c.presence, c.frequency)
+
     with jax.named_scope("penalties"):
-        return jax.lax.cond(penalized(c), lambda x: apply_penalties(x, extra.prompt, extra.counts, c.repetition,
-                                                                 c.presence, c.frequency), lambda x: x, logits)
+        return jax.lax.cond(penalized(c), penalise, lambda x: x, logits)
 
 
 class SlotControls(NamedTuple):
@@ -273,6 +278,7 @@ class SlotControls(NamedTuple):
     controls: Controls
     prompt: jax.Array  # [V] bool
     counts: jax.Array  # [V] int32
+    pending: jax.Array | None = None  # [K] int32 tokens this draw's history has beyond counts (V: none)
 
 
 def _idle_result(v: int) -> SampleResult:
@@ -282,31 +288,45 @@ def _idle_result(v: int) -> SampleResult:
 
 
 def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, controls: Controls | None = None,
-                  history: History | None = None, native: bool = False) -> SampleResult:
-    """Draw one token per slot. keys [B, 2] (draw keys), logits [B, V] float32.
+                  history: History | None = None, native: bool = False, index: jax.Array | None = None,
+                  used: jax.Array | None = None, vectorised: bool = False,
+                  pending: jax.Array | None = None) -> SampleResult:
+    """Draw one token per entry. keys [B, 2] (draw keys), logits [B, V] float32.
 
-    Slots are processed one after another (a loop over slots, not vmap) so that the per-slot branches are
-    real: a free slot computes nothing (not even the copy of its row), a greedy one skips the nucleus filter
-    and the random draw (top_p = 1 skips the filter too; both shortcuts are exact), and a slot's result
+    Entries are processed one after another (a loop, not vmap) so that the per-entry branches are real: an
+    unused entry computes nothing (not even the copy of its row), a greedy one skips the nucleus filter
+    and the random draw (top_p = 1 skips the filter too; both shortcuts are exact), and an entry's result
     is computed exactly as if it were alone. `controls` and `history` (both or neither) add the controls of
     sampling_settings.py; without them the reference's sampler alone is compiled. `native` (a static choice,
     for one device with the native kernels built) finds large vocabularies' nucleus thresholds with
     `kernels.nucleus_threshold` instead of XLA's search: the same threshold except where a float32 sum lands
-    within rounding of 1 - top_p.
+    within rounding of 1 - top_p. `index` [B] int32 (default: entry i) names the row of `params`, `controls`
+    and `history` that entry i draws with (the engine's per-slot settings); `used` [B] bool (default:
+    params.active at that row) says which entries draw at all. `vectorised` (accelerators) maps the same
+    per-entry function over the entries at once instead: the branches become selects (every entry computes
+    both sides), which a wide device runs in parallel; each entry's result is the same function of its row.
+    `pending` [B, K] int32 (V: none) are tokens entry i's penalties count beyond its row of `history` (drafts
+    drawn before it in the same step, speculative decoding).
     """
     assert (controls is None) == (history is None)
     b, v = logits.shape
     logits = logits.astype(jnp.float32)
+    rows = jnp.arange(b, dtype=jnp.int32) if index is None else index
+    draws = jnp.take(params.active, rows) if used is None else used
 
-    def one(i: jax.Array) -> SampleResult:  # slot i's rows are read only here, inside its active branch
-        extra = None if controls is None else SlotControls(jax.tree.map(lambda a: a[i], controls),
-                                                           history.prompt[i], history.counts[i])
-        return _sample_active(keys[i], logits[i], params.temperature[i], params.top_p[i], params.mask[i],
-                              params.num_top[i], extra, native)
+    def one(i: jax.Array) -> SampleResult:  # entry i's settings are read only here, inside its used branch
+        j = rows[i]
+        extra = None if controls is None else SlotControls(jax.tree.map(lambda a: a[j], controls),
+                                                           history.prompt[j], history.counts[j],
+                                                           None if pending is None else pending[i])
+        return _sample_active(keys[i], logits[i], params.temperature[j], params.top_p[j], params.mask[j],
+                              params.num_top[j], extra, native)
 
     def body(i: jax.Array, out: SampleResult) -> SampleResult:
-        res = jax.lax.cond(params.active[i], one, lambda _: _idle_result(v), i)
+        res = jax.lax.cond(draws[i], one, lambda _: _idle_result(v), i)
         return jax.tree.map(lambda all_, r: all_.at[i].set(r), out, res)
 
+    if vectorised:
+        return jax.vmap(lambda i: jax.lax.cond(draws[i], one, lambda _: _idle_result(v), i))(jnp.arange(b))
     zeros = jax.tree.map(lambda r: jnp.zeros((b,) + r.shape, r.dtype), _idle_result(v))
     return jax.lax.fori_loop(0, b, body, zeros)

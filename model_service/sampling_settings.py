@@ -26,11 +26,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit); the device keeps a fixed [slots, 300] table
-LOGIT_BIAS_LIMIT = 100.0  # |bias| bound, as OpenAI and vLLM document
-PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty| bound (OpenAI's and vLLM's)
-MAX_STOP_TOKEN_IDS = 64
-MAX_TOP_LOGPROBS = 8  # alternatives per token the device computes (sampling.TOP_K)
+# The bounds of the fields, declared once for the gateway and the model service (validation.py checks them).
+from serving_common.limits import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    PENALTY_LIMIT,
+)
+
+__all__ = ["GREEDY", "LOGIT_BIAS_LIMIT", "MAX_LOGIT_BIAS", "MAX_STOP_TOKEN_IDS", "MAX_TOP_LOGPROBS", "PENALTY_LIMIT",
+           "SamplingSettings", "build_mask"]
 
 
 @dataclass(frozen=True)

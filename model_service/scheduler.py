@@ -1,17 +1,18 @@
-"""Continuous batching: a bounded waiting queue, N decode slots, and one thread that carries out the plan.
+"""Continuous batching: a bounded waiting queue, the KV block allocator, and one thread that carries out the plan.
 
-Requests are validated (validation.py) and queued by `submit` (any thread). At each step boundary the
-decode thread takes a snapshot of its queue and slots, asks plan.schedule for the step's plan (who
-ends, who is admitted into which slots, which chunked prefills advance) and carries it out on the
-engine; then it dispatches one `Engine.generate` step for all slots and, while the engine computes it,
-hands each request its token from the previous step through the request's `emit` callback (JetStream's
-overlap of host work with the next step), freeing a slot as soon as its request is done (EOS,
-max_tokens, full context) or failed. A step already in flight for a slot whose request ended is
-discarded. Requests are admitted only when the KV pool has blocks for their prompts; when a step would
-need more blocks than are left, the youngest running request is preempted (its blocks freed, itself put
-back at the head of the queue) and later recomputed with the seed it first drew with: by batch
-invariance it draws the same tokens again, and the ones already delivered are not delivered twice. The scheduler knows only the engine's interface (engine_api.EngineLike); it never touches
-JAX, so a fake engine can drive it in tests.
+Requests are validated (validation.py) and queued by `submit` (any thread). At each step the decode thread takes
+a snapshot of its queue and running samples, asks plan.schedule for the step's plan (who ends, who is admitted
+into which slots, which rows of which samples run), turns it into the engine's StepBatch (step_builder.py: block
+tables from the allocator it owns, kv_blocks.KVBlocks, consulting the prefix cache for every prompt) and
+dispatches one `Engine.step`; while the engine computes it, the previous step's draws are handed to their
+requests (JetStream's overlap of host work with the device). A sample whose request ended is released at the
+next step; a draw already in flight for it is discarded.
+
+When the next step's decode rows would need more KV blocks than are left, the youngest running request is
+preempted (its blocks freed, itself put back at the head of the queue) and later recomputed: its prompt and the
+tokens it delivered become known rows (the prefix cache may serve the prompt), its key schedule resumes after
+the draws it made, and by batch invariance it then draws what it would have drawn. The scheduler knows only
+the engine's interface (engine_api.EngineLike); it never touches JAX, so a fake engine can drive it in tests.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from typing import Any
 from model_service.delivery import Delivery
 from model_service.engine_api import EngineLike
 from model_service.guided import Guidance
-from model_service.loop_state import Heartbeat, InFlight, Prefilling, Running, SchedulerMetrics
-from model_service.plan import Occupant, Policy, StepPlan, View, Waiting, prompt_out, schedule
+from model_service.kv_blocks import KVBlocks
+from model_service.loop_state import Heartbeat, InFlight, Running, SchedulerMetrics
+from model_service.pacing import Pacing, key_scale
+from model_service.plan import Key, Policy, StepPlan, View, schedule, scored_tokens
+from model_service.speculative import SpeculativeConfig
 from model_service.requests import (
     Emission,
     EmitFn,
@@ -38,33 +42,38 @@ from model_service.requests import (
     engine_failure,
     kv_full_error,
 )
-from model_service.structured import GrammarCompiler
+from model_service.step_builder import StepBuilder
+from model_service.structured import Compiled, GrammarCompiler
 from model_service.validation import validate
 
 log = logging.getLogger(__name__)
 
+INITIAL_PREFILL_ROWS = 16  # prompt rows per step while samples decode, until step times are measured (pacing.py)
+
 
 class Scheduler:
-    """N slots over one Engine; `start()` launches the decode thread, `stop()` ends it.
+    """Slots and KV blocks over one Engine; `start()` launches the decode thread, `stop()` ends it.
 
-    While requests are decoding, each step admits waiting prompts until their padded lengths pass
-    `prefill_token_budget` tokens (at least one prompt) and at most `prefills_per_step` of them; with
-    nothing decoding it admits as many as there are free slots (plan.py).
-    """
+    While samples decode, each step gives prompts the row-equivalents pacing.Pacing measures they can take
+    without slowing the streams more than pacing.SLOWDOWN, or exactly `prefill_rows` when given (plan.py);
+    with nothing decoding, the whole step."""
 
     def __init__(self, engine: EngineLike, max_queue: int, metrics: SchedulerMetrics | None = None,
-                 prefills_per_step: int | None = None, prefill_token_budget: int = 128,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 prefill_rows: int | None = None, grammars: GrammarCompiler | None = None,
+                 prefix_caching: bool = True, speculative: SpeculativeConfig | None = None) -> None:
         self.engine = engine
         self.guidance = Guidance(engine, grammars)  # structured output (constraints)
         self.max_queue = max_queue
         self.metrics = metrics or SchedulerMetrics()
         self.delivery = Delivery(engine, self.metrics, self.guidance)  # a step's tokens to their requests
-        self.policy = Policy(engine.slots, prefills_per_step, prefill_token_budget)
+        self.prefix_caching = prefix_caching
+        self.speculative = speculative if getattr(engine, "draft_tokens", 0) else None
+        self.fixed_prefill = prefill_rows
+        self.pacing = Pacing(float(prefill_rows or INITIAL_PREFILL_ROWS), float(engine.max_rows))
+        self.key_scale = key_scale(engine.model_config) if hasattr(engine, "model_config") else float("inf")
         self._cond = threading.Condition()
         self._queue: collections.deque[RequestHandle] = collections.deque()
-        self._active: dict[int, Running] = {}
-        self._prefilling: dict[int, Prefilling] = {}
+        self._running: dict[Key, Running] = {}
         self._free = set(range(engine.slots))
         self._accepting = False
         self._stopping = False
@@ -72,12 +81,19 @@ class Scheduler:
         self._in_flight: InFlight | None = None
         self._thread: threading.Thread | None = None
         self._steps = 0
+        self._admitted = 0
         self._beat = time.monotonic()
-        self._admitting: list[RequestHandle] = []  # admitted by the current plan, not yet prefilled
+        self._delivered_at = 0.0  # when the last step's results arrived (a step's device time starts after it)
+        self._reset_memory()
+
+    def _reset_memory(self) -> None:
+        e = self.engine
+        self.kv = KVBlocks(e.num_blocks, e.block_size, e.slots, e.table_len, self.prefix_caching)
+        self.builder = StepBuilder(e, self.kv, self.guidance, self.speculative)
 
     # ---- any thread -------------------------------------------------------------------------
     def start(self) -> None:
-        self._state = self.engine.init_decode_state()
+        self._state = self.engine.init_state()
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
         self._thread.start()
@@ -96,16 +112,18 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def submit(self, request: GenerationRequest, emit: EmitFn) -> RequestHandle:
-        """Validate and queue a request; raises SchedulerError (invalid, queue full, unavailable)."""
+    def submit(self, request: GenerationRequest, emit: EmitFn, grammar: Compiled | None = None) -> RequestHandle:
+        """Validate and queue a request; raises SchedulerError (invalid, queue full, unavailable). `grammar` is
+        its constraint as `await self.guidance.compile_async(request)` compiled it (the servicer's way: nothing
+        compiles here); without it a constraint is compiled here, blocking the caller."""
         self.validate(request)
         handle = RequestHandle(request, emit, self._withdraw)
-        handle.grammar = self.guidance.compile(request)
+        handle.grammar = grammar if grammar is not None else self.guidance.compile(request)
         with self._cond:
             if not self._accepting:
                 raise SchedulerError(ErrorKind.UNAVAILABLE, "the model service is not accepting requests "
                                      "(starting up or draining); retry on another replica or later")
-            # Free slots take waiting requests at the next step boundary: a burst may fill them too.
+            # Free slots take waiting requests at the next step: a burst may fill them too.
             if len(self._queue) >= self.max_queue + len(self._free):
                 raise SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, f"the waiting queue is full "
                                      f"({self.max_queue} requests); retry later")
@@ -121,15 +139,14 @@ class Scheduler:
     def heartbeat(self) -> Heartbeat:
         with self._cond:
             alive = self._thread is not None and self._thread.is_alive()
-            pending = len(self._active) + len(self._prefilling) + len(self._queue) + len(self._admitting)
-            return Heartbeat(self._steps, self._beat, pending, alive)
+            requests = {id(r.handle) for r in self._running.values()}
+            return Heartbeat(self._steps, self._beat, len(requests) + len(self._queue), alive)
 
     def fail_pending(self, error: SchedulerError) -> int:
         """End every running and waiting request with `error` now (the decode loop may be stuck); their
         slots are freed if the loop comes back. Returns how many requests were ended."""
         with self._cond:
-            handles = [act.handle for act in self._active.values()] + list(self._queue)
-            handles += [job.run.handle for job in list(self._prefilling.values())] + self._admitting
+            handles = list({id(r.handle): r.handle for r in self._running.values()}.values()) + list(self._queue)
             self._queue.clear()
             self.metrics.set_queued(0)
         for handle in handles:
@@ -137,10 +154,9 @@ class Scheduler:
         return len(handles)
 
     def stats(self) -> dict[str, int]:
-        """Active slots, free slots and queued requests (for tests and health reporting)."""
+        """Busy slots, free slots and queued requests (for tests and health reporting)."""
         with self._cond:
-            return {"active": len(self._active) + len(self._prefilling), "free": len(self._free),
-                    "queued": len(self._queue)}
+            return {"active": len(self._running), "free": len(self._free), "queued": len(self._queue)}
 
     def _withdraw(self, handle: RequestHandle) -> None:
         """A request was cancelled: a waiting one leaves the queue now, so its place goes to a live request."""
@@ -150,21 +166,20 @@ class Scheduler:
                 self._queue.remove(handle)
                 queued = True
                 self.metrics.set_queued(len(self._queue))
-            except ValueError:  # running: its slot is freed at the next step boundary
+            except ValueError:  # running: its slot is freed at the next step
                 queued = False
             self._cond.notify_all()
         if queued:
             handle.emit(Emission((), 0, len(handle.request.prompt), error=cancelled_error()))
 
-    # ---- decode thread: planning ------------------------------------------------------------
+    # ---- decode thread ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while self._wait_for_work():
-                self._carry_out(self._plan())
-                if self._active:
-                    self._step()
-                else:
-                    self._finish_in_flight()
+                if self.speculative is not None or any(r.guide is not None for r in self._running.values()):
+                    self._finish_in_flight()  # drafts and a constrained draw's mask depend on the previous draw
+                self._make_room()
+                self._step(self._plan())
         except Exception:
             log.exception("decode loop crashed")
         finally:
@@ -174,70 +189,115 @@ class Scheduler:
 
     def _wait_for_work(self) -> bool:
         with self._cond:
-            while not self._stopping and not self._queue and not self._active and not self._prefilling:
+            while not self._stopping and not self._queue and not self._running and self._in_flight is None:
                 self._cond.wait()
                 self._beat = time.monotonic()  # work (re)starts now, not at the last step before idling
             return not self._stopping
 
-    def _plan(self) -> tuple[StepPlan, dict[int, RequestHandle], float]:
-        """Snapshot the queue and slots, ask the policy, and take the admitted requests and their slots."""
+    def _plan(self) -> tuple[StepPlan, dict[int, RequestHandle]]:
+        """Snapshot the queue and samples, ask the policy, and take the admitted requests and their slots."""
         now = time.monotonic()
         with self._cond:
             handles = {id(h): h for h in self._queue}
-            view = View(tuple(self._waiting(h, now) for h in self._queue), frozenset(self._free),
-                        tuple(Occupant(s, id(a.handle), a.handle.abandoned(now) is not None)
-                              for s, a in self._active.items()),
-                        tuple(Occupant(s, id(p.run.handle), p.run.handle.abandoned(now) is not None)
-                              for s, p in self._prefilling.items()), self.engine.free_blocks())
-            plan = schedule(view, self.policy)
-            gone = plan.admitted | {w.ref for w in plan.end_waiting}
+            waiting = tuple(self.builder.waiting(h, now) for h in self._queue)
+        drafting = self.speculative is not None and len(self._running) < self.engine.slots  # none when full
+        running = tuple(self.builder.sample(r, now, drafting) for r in self._running.values())
+        blocks = self.kv.available() - self.builder.growth(self._running.values())  # the decode rows' come first
+        budget = float(self.fixed_prefill) if self.fixed_prefill else self.pacing.budget()
+        plan = schedule(View(waiting, running, frozenset(self._free), max(0, blocks)),
+                        Policy(self.engine.max_rows, budget, self.key_scale))
+        with self._cond:
+            gone = plan.admitted | set(plan.end_waiting)
             self._queue = collections.deque(h for h in self._queue if id(h) not in gone)
-            # The slots of ended requests are free for this very plan's admissions: account for both at once.
-            self._free |= {o.slot for o in plan.end_decoding + plan.end_prefilling}
-            self._free -= {slot for admit in plan.admit for slot in admit.slots}
-            self._admitting = [handles[a.ref] for a in plan.admit]  # still pending for the watchdog
             self.metrics.set_queued(len(self._queue))
-        return plan, handles, now
+        return plan, handles
 
-    def _waiting(self, handle: RequestHandle, now: float) -> Waiting:
-        req = handle.request
-        # n > 1 and prompt logprobs need the whole prompt's prefill, which chunks do not keep; pad tokens inside
-        # a prompt are masked only within one prefill call.
-        one_pass = req.n > 1 or req.prompt_logprobs is not None
-        chunked = not one_pass and self.engine.chunked(len(req.prompt)) and self.engine.pad_id not in req.prompt
-        cost = self.engine.prefill_chunk if chunked else self.engine.bucket_for(len(req.prompt))
-        return Waiting(id(handle), req.n, cost, chunked, handle.abandoned(now) is not None,
-                       self.engine.blocks_needed(len(req.prompt), req.n))
-
-    # ---- decode thread: carrying out the plan -----------------------------------------------
-    def _carry_out(self, planned: tuple[StepPlan, dict[int, RequestHandle], float]) -> None:
-        plan, handles, now = planned
-        for o in plan.end_decoding:  # their slots were already counted free by _plan
-            run = self._active[o.slot]
-            self._end(run.handle, now, run.generated)
-            self._release(o.slot, free=False)
-        for o in plan.end_prefilling:  # never activated; its KV blocks go back now
-            self._end(self._prefilling.pop(o.slot).run.handle, now)
-            self._state = self.engine.free_slot(self._state, o.slot)
-            self._observe_kv()
-        for w in plan.end_waiting:
-            self._end(handles[w.ref], now, reclaimed=False)
+    def _step(self, planned: tuple[StepPlan, dict[int, RequestHandle]]) -> None:
+        """Carry out the plan: end, admit, build the batch and dispatch it; then deliver the previous step."""
+        plan, handles = planned
+        now = time.monotonic()
+        for key in plan.end_running:
+            run = self._running.get(key)
+            if run is not None:
+                self._end(run.handle, now, run.generated)
+                self._release(run)
+        for ref in plan.end_waiting:
+            self._end(handles[ref], now, reclaimed=False)
         for admit in plan.admit:
-            handle = handles[admit.ref]
-            if handle.abandoned(time.monotonic()) is not None:  # cancelled since the plan: no prefill for it
-                self._end(handle, time.monotonic(), reclaimed=False)
-                for slot in admit.slots:
-                    self._return_slot(slot)
-            elif admit.chunked:
-                self._begin_chunked(handle, admit.slots[0])
+            self._admit(handles[admit.ref], admit.slots, admit.samples, now)
+        batch = None
+        if plan.chunks:
+            try:
+                batch, owners, scored = self.builder.build(plan.chunks, self._running)
+                for run in self.builder.failed:  # their grammar failed: they ended, their draw is not made
+                    self._release(run)
+                self.builder.failed.clear()
+                self._state, pending = self.engine.step(self._state, batch)
+            except Exception as e:
+                self._step_failed(e)
+                return
+            self._observe_kv()
+            decoding, cost = self._shape(plan)
+            previous, self._in_flight = self._in_flight, InFlight(pending, owners, scored, time.monotonic(), decoding,
+                                                                  cost)
+            if previous is not None:
+                self._deliver(previous)
+        else:
+            self._finish_in_flight()
+        self.metrics.set_active(len(self._running))
+
+    def _shape(self, plan: StepPlan) -> tuple[bool, float]:
+        """Whether the step decodes, and its prompt rows' cost in row-equivalents (pacing.py)."""
+        decoding, cost = False, 0.0
+        for c in plan.chunks:
+            run = self._running.get(c.key)
+            if run is not None and c.start >= run.known:
+                decoding = True
             else:
-                self._prefill(handle, list(admit.slots))
+                cost += c.rows + (c.rows * c.start + c.rows * (c.rows - 1) / 2) / self.key_scale
+        return decoding, cost
+
+    def _admit(self, handle: RequestHandle, slots: tuple[int, ...], samples: tuple[int, ...], now: float) -> None:
+        """Give the request's samples their slots and KV blocks; their rows run from this step on."""
+        if handle.abandoned(now) is not None:
+            self._end(handle, now, reclaimed=False)
+            return
+        try:
+            runs = self.builder.admit(handle, slots, samples, now, self._admitted)
+        except Exception as e:  # e.g. a constraint the library cannot follow from its first token
+            handle.fail(engine_failure(e, f"admission failed (request {handle.request.request_id})"))
+            log.exception("admission failed", extra={"request_id": handle.request.request_id})
+            return
+        self._admitted += 1
+        with self._cond:
+            for run in runs:
+                self._free.discard(run.slot)
+                self._running[(id(handle), run.index)] = run
+            self._beat = time.monotonic()
+
+    def _make_room(self) -> None:
+        """Preempt the youngest running requests until the next step's new KV blocks fit; a request that cannot
+        fit even alone (its samples at this length) ends with RESOURCE_EXHAUSTED."""
+        while self._running and self.builder.blocks_short(self._running.values()) > 0:
+            self._finish_in_flight()  # its draws are part of what the preempted request delivered
+            if not self._running or self.builder.blocks_short(self._running.values()) <= 0:
+                return
+            youngest = max(self._running.values(), key=lambda r: (r.order, r.index)).handle
+            runs = [r for r in self._running.values() if r.handle is youngest]
+            alone = len(runs) == len(self._running)
+            for run in runs:
+                self._release(run)
+            if alone:  # nothing else to preempt
+                youngest.fail(kv_full_error(youngest.request.n), sum(len(t) for t in youngest.delivered.values()))
+                return
+            log.info("preempted", extra={"request_id": youngest.request.request_id})
+            self.metrics.preempted()
             with self._cond:
-                self._admitting.remove(handle)
-        self._advance_prefills(plan.chunk)
+                self._queue.appendleft(youngest)
+                self.metrics.set_queued(len(self._queue))
 
     def _end(self, handle: RequestHandle, now: float, generated: int = 0, reclaimed: bool = True) -> None:
-        """End a cancelled or expired request (its slot is the caller's to free)."""
+        """End a cancelled or expired request (its slots are the caller's to free)."""
         error = handle.abandoned(now)
         assert error is not None  # cancellation and deadlines never revert
         handle.fail(error, generated)
@@ -249,202 +309,96 @@ class Scheduler:
             self.metrics.observe_reclaim("cancelled", time.monotonic() - handle.cancelled_at,
                                          self._steps - handle.cancel_step)
 
-    def _prefill(self, handle: RequestHandle, slots: list[int]) -> None:
-        """One prefill for the request; each of its samples draws its own first token from it into its slot."""
-        req = handle.request
-        seed = handle.draw_seed()
-        admitted = time.monotonic()
-        try:
-            prefix, out = self.engine.prefill(req.prompt, self.guidance.first_sampling(handle), seed=seed,
-                                              prompt_logprobs=req.prompt_logprobs)
-            samples = [(prefix, out)]
-            for i in range(1, req.n):
-                samples.append(self.engine.resample(prefix, seed=(seed + i) % 2**32))
-        except Exception as e:
-            self._prefill_failed(handle, e)
-            for slot in slots:
-                self._return_slot(slot)
-            return
-        prefill_seconds = time.monotonic() - admitted
-        self._beat = time.monotonic()
-        self.metrics.observe_prefill(prefill_seconds)
-        for index, (slot, (sample, first)) in enumerate(zip(slots, samples)):
-            if index in handle.finished_samples:  # finished before a preemption
-                self._return_slot(slot)
-                continue
-            act = self.guidance.attach(handle, Running(handle, (seed + index) % 2**32, admitted, index))
-            act.prefill_seconds = prefill_seconds
-            act.skip = len(handle.delivered.get(index, ()))
-            scored = prompt_out(req, out) if index == 0 and not act.skip else None
-            if handle.done.is_set() or self.delivery.deliver(act, first, 0, scored):
-                self._return_slot(slot)
-                continue
-            self._state = self.engine.insert(sample, self._state, slot)
-            with self._cond:
-                self._active[slot] = act
-                self.metrics.set_active(len(self._active))
-
-    def _begin_chunked(self, handle: RequestHandle, slot: int) -> None:
-        req = handle.request
-        seed = handle.draw_seed()
-        try:
-            job = self.engine.begin_prefill(req.prompt, self.guidance.first_sampling(handle), slot=slot, seed=seed)
-        except Exception as e:
-            self._prefill_failed(handle, e)
-            self._return_slot(slot)
-            return
-        run = self.guidance.attach(handle, Running(handle, seed, time.monotonic()))
-        run.skip = len(handle.delivered.get(0, ()))
-        self._prefilling[slot] = Prefilling(run, job)
-
-
-
-    def _prefill_failed(self, handle: RequestHandle, error: Exception) -> None:
-        rid = handle.request.request_id
-        log.exception("prefill failed", extra={"request_id": rid})
-        failure = engine_failure(error, f"prefill failed (request {rid})")
-        handle.emit(Emission((), 0, len(handle.request.prompt), error=failure))
-
-    def _advance_prefills(self, slots: tuple[int, ...]) -> None:
-        """One chunk of each planned long prompt; a finished one delivers its first token."""
-        for slot in slots:
-            job = self._prefilling.get(slot)
-            if job is None:  # its begin_prefill failed
-                continue
-            try:
-                self._state, out = self.engine.prefill_next_chunk(job.job, self._state)
-            except Exception as e:
-                self._prefill_failed(job.run.handle, e)
-                del self._prefilling[slot]
-                self._release(slot)
-                continue
-            self._beat = time.monotonic()  # a chunk is progress for the watchdog
-            if out is None:
-                continue
-            del self._prefilling[slot]
-            run = job.run
-            run.prefill_seconds = time.monotonic() - run.admitted_at
-            self.metrics.observe_prefill(run.prefill_seconds)
-            if self.delivery.deliver(run, out, 0):
-                self._release(slot)
-                continue
-            with self._cond:
-                self._active[slot] = run
-                self.metrics.set_active(len(self._active))
-
-    def _step(self) -> None:
-        """Dispatch a decode step, then deliver the previous one's tokens while the engine computes.
-
-        With a constrained request decoding, the step in flight is delivered first: the next step's masks
-        depend on its tokens, so host work does not overlap the device for such a batch."""
-        try:
-            if any(act.guide is not None for act in self._active.values()):
-                self._finish_in_flight()
-                self._set_masks()
-            self._make_room()
-            if not self._active:
-                self._finish_in_flight()
-                return
-            self._state, pending = self.engine.generate(self._state)
-            self._observe_kv()
-        except Exception as e:
-            self._step_failed(e)
-            return
-        previous, self._in_flight = self._in_flight, InFlight(pending, dict(self._active), time.monotonic())
-        if previous is not None:
-            self._deliver_step(previous)
-
-    def _make_room(self) -> None:
-        """Preempt the youngest running requests until the next step's new KV blocks fit; a request that cannot
-        fit even alone (its samples at this length) ends with RESOURCE_EXHAUSTED."""
-        while self._active and self.engine.blocks_short() > 0:
-            youngest = max(self._active.values(), key=lambda a: (a.admitted_at, a.index)).handle
-            slots = [slot for slot, act in self._active.items() if act.handle is youngest]
-            alone = len(slots) == len(self._active)
-            for slot in slots:
-                self._release(slot)
-            if alone:  # nothing else to preempt
-                youngest.fail(kv_full_error(youngest.request.n), sum(len(t) for t in youngest.delivered.values()))
-                return
-            log.info("preempted", extra={"request_id": youngest.request.request_id})
-            self.metrics.preempted()
-            with self._cond:
-                self._queue.appendleft(youngest)
-                self.metrics.set_queued(len(self._queue))
-
-    def _set_masks(self) -> None:
-        """Each constrained slot's mask for the next step; a request whose grammar failed ends with its error."""
-        self._state, failed = self.guidance.set_masks(self._state, self._active)
-        for slot, error in failed.items():
-            act = self._active[slot]
-            act.handle.emit(Emission((), act.generated, len(act.handle.request.prompt), error=error))
-            self._release(slot)
-
     def _finish_in_flight(self) -> None:
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
-            self._deliver_step(previous)
+            self._deliver(previous)
 
-    def _deliver_step(self, step: InFlight) -> None:
+    def _deliver(self, step: InFlight) -> None:
+        """Hand a step's scores and draws to their samples; a sample that finishes gives its slot back."""
         try:
             out = step.pending.get()
         except Exception as e:
             self._step_failed(e)
             return
-        seconds = time.monotonic() - step.dispatched_at
+        now = time.monotonic()
+        seconds = now - step.dispatched_at
+        self.pacing.observe(now - max(step.dispatched_at, self._delivered_at), step.decoding, step.prompt_cost)
+        self._delivered_at = now
         with self._cond:
             self._steps += 1
             self._beat = time.monotonic()
         self.metrics.observe_step(seconds)
-        for slot, act in step.owners.items():
-            if self._active.get(slot) is not act:  # ended (and maybe replaced) after the dispatch
+        for run, row, position, rows in step.scored:
+            if self._live(run):
+                run.scored.extend(scored_tokens(run.handle.request, out, row, position, rows))
+        entry = 0
+        while entry < len(step.owners):  # a sample's draws are consecutive entries (several: speculative)
+            run, first = step.owners[entry], entry
+            while entry < len(step.owners) and step.owners[entry] is run:
+                entry += 1
+            if not self._live(run):  # ended (and maybe replaced) after the dispatch
                 continue
-            act.steps += 1
-            act.step_seconds += seconds
-            if self.delivery.deliver(act, out, slot):
-                self._release(slot)
+            counted = [e for e in range(first, entry) if out.accepted is None or out.accepted[e]]
+            self._take(run, out, counted, entry - first - 1, seconds)
+
+    def _take(self, run: Running, out: Any, entries: list[int], drafted: int, seconds: float) -> None:
+        """One sample's counted draws of a step: its speculative bookkeeping, then delivery."""
+        run.in_flight -= 1
+        run.steps += 1
+        run.step_seconds += seconds
+        if drafted:
+            run.pacer.verified(drafted, len(entries) - 1)
+            self.metrics.speculated(drafted, len(entries) - 1)
+            run.computed += len(entries) - 1  # the accepted drafts' rows hold their keys
+            run.length += len(entries) - 1
+        if not run.prefill_seconds:  # its first draw since admission
+            run.prefill_seconds = time.monotonic() - run.admitted_at
+            self.metrics.observe_prefill(run.prefill_seconds)
+        prompt = tuple(run.scored) if run.handle.request.prompt_logprobs is not None and run.index == 0 \
+            and run.generated == 0 else None
+        if self.delivery.deliver(run, out, entries, prompt):
+            run.finished = True
+            self._release(run)
+
+    def _live(self, run: Running) -> bool:
+        return self._running.get((id(run.handle), run.index)) is run and not run.finished
 
     def _step_failed(self, error: Exception) -> None:
-        log.exception("decode step failed")
+        log.exception("step failed")
         self._in_flight = None
-        self._fail_running(engine_failure(error, "decode step failed; retry"))  # a fresh state holds none of them
-        self._state = self.engine.init_decode_state()
+        self._fail_running(engine_failure(error, "the model step failed; retry"))  # a fresh state holds none
+        self._state = self.engine.init_state()
+        self._reset_memory()
 
     def _observe_kv(self) -> None:
-        self.metrics.observe_kv(self.engine.kv_usage())
+        self.metrics.observe_kv(self.kv.usage())
 
-    def _release(self, slot: int, free: bool = True) -> None:
-        self._state = self.engine.free_slot(self._state, slot)
+    def _release(self, run: Running) -> None:
+        """The sample's slot and blocks go back (cached blocks stay reusable)."""
+        key = (id(run.handle), run.index)
+        if self._running.get(key) is not run:
+            return
+        self.kv.release(run.slot)
         self._observe_kv()
         with self._cond:
-            self._active.pop(slot, None)
-            self.metrics.set_active(len(self._active))
-        if free:
-            self._return_slot(slot)
-
-    def _return_slot(self, slot: int) -> None:
-        with self._cond:
-            self._free.add(slot)
+            del self._running[key]
+            self._free.add(run.slot)
+            self.metrics.set_active(len(self._running))
 
     def _fail_running(self, error: SchedulerError) -> None:
-        """End every request holding a slot (decoding, or being prefilled in chunks) with `error`."""
-        for slot, act in list(self._active.items()):
-            act.handle.emit(Emission((), act.generated, len(act.handle.request.prompt), error=error))
+        """End every request holding a slot with `error`."""
+        for run in list(self._running.values()):
+            run.handle.emit(Emission((), run.generated, len(run.handle.request.prompt), error=error))
             with self._cond:
-                self._active.pop(slot, None)
-                self._free.add(slot)
+                self._running.pop((id(run.handle), run.index), None)
+                self._free.add(run.slot)
         self.metrics.set_active(0)
-        for slot, job in list(self._prefilling.items()):
-            job.run.handle.emit(Emission((), 0, len(job.run.handle.request.prompt), error=error))
-            del self._prefilling[slot]
-            self._return_slot(slot)
 
     def _fail_all(self, error: SchedulerError) -> None:
         self._fail_running(error)
         with self._cond:
-            queued, self._queue = list(self._queue) + self._admitting, collections.deque()
-            self._admitting = []
+            queued, self._queue = list(self._queue), collections.deque()
             self.metrics.set_queued(0)
         for handle in queued:
             handle.emit(Emission((), 0, len(handle.request.prompt), error=error))
-

@@ -1,8 +1,7 @@
 """The model service process: gRPC server first (NOT_SERVING), then load + compile, then SERVING.
 
 `build_server` binds the port and registers ModelService, health and reflection; `ModelServer.load`
-loads the weights, builds and compiles the Engine (loading.py: every prefill bucket and the decode step) off
-the event loop, starts the Scheduler and only then flips health to SERVING. SIGTERM drains: health
+loads the weights, builds and compiles the Engine (loading.py: its step program) off the event loop, starts the Scheduler and only then flips health to SERVING. SIGTERM drains: health
 NOT_SERVING, no new requests, in-flight streams get the grace period, then the decode thread stops.
 
 In a multi-process replica (`ServerConfig.distributed`) this is process 0: its engine is a LockstepEngine
@@ -42,7 +41,7 @@ BROKEN_LINGER_SECONDS = 2.0  # NOT_SERVING and the failed streams' statuses go o
 BROKEN_STOP_SECONDS = 1.0  # then what is left of a broken group's calls gets this long
 
 
-def make_info(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...]) -> model_pb2.GetInfoResponse:
+def make_info(config: ServerConfig, cfg: ModelConfig) -> model_pb2.GetInfoResponse:
     t = cfg.model
     devices = jax.devices()[:config.mesh.size]
     return model_pb2.GetInfoResponse(
@@ -55,7 +54,7 @@ def make_info(config: ServerConfig, cfg: ModelConfig, buckets: tuple[int, ...]) 
             num_kv_heads=t.num_kv_heads, num_layers=t.num_layers, attn_output_multiplier=t.attn_output_multiplier,
             num_experts=t.num_experts, num_selected_experts=t.num_selected_experts),
         mesh_data=config.mesh.data, mesh_model=config.mesh.model, slots=config.slots,
-        prefill_buckets=list(buckets), dtype=config.dtype, max_queue=config.max_queue,
+        dtype=config.dtype, max_queue=config.max_queue,
         checkpoint=config.checkpoint or "", random_weights=not config.checkpoint,
         platform=devices[0].platform if devices else "", device_count=len(devices))
 
@@ -65,9 +64,9 @@ class ModelServer:
 
     def __init__(self, config: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None) -> None:
         self.config = config
-        self.model_cfg, self.buckets = resolve(config)
+        self.model_cfg = resolve(config)
         self.metrics = Metrics()
-        self.servicer = ModelServicer(make_info(config, self.model_cfg, self.buckets), self.metrics)
+        self.servicer = ModelServicer(make_info(config, self.model_cfg), self.metrics)
         built = assemble("model", SERVICE_NAME,
                          lambda server: model_pb2_grpc.add_ModelServiceServicer_to_server(self.servicer, server),
                          config.host, config.port, config.tls, options=connection_age_options(
@@ -83,8 +82,8 @@ class ModelServer:
 
     def _default_engine(self) -> Any:
         if self.config.distributed is None:
-            return build_engine(self.config, self.model_cfg, self.buckets)
-        return leader_engine(self.config, self.model_cfg, self.buckets, self.on_group_broken)
+            return build_engine(self.config, self.model_cfg)
+        return leader_engine(self.config, self.model_cfg, self.on_group_broken)
 
     def on_group_broken(self, reason: str) -> None:
         """Called (from any thread) when a process of this replica's group is lost."""
@@ -112,7 +111,8 @@ class ModelServer:
     async def load(self) -> None:
         engine = await asyncio.to_thread(self._engine_factory)
         grammars = await asyncio.to_thread(self._grammars, engine)
-        self.scheduler = Scheduler(engine, self.config.max_queue, self.metrics, grammars=grammars)
+        self.scheduler = Scheduler(engine, self.config.max_queue, self.metrics, self.config.prefill_tokens,
+                                   grammars, self.config.prefix_caching, self.config.speculative)
         await asyncio.to_thread(self.scheduler.start)  # its first engine call may be a collective
         self.servicer.attach(self.scheduler)
         if self.config.watchdog_seconds > 0:
@@ -126,7 +126,9 @@ class ModelServer:
         are then refused with INVALID_ARGUMENT)."""
         if self.config.tokenizer is None:
             return None
-        return GrammarCompiler(Vocabulary(self.config.tokenizer), engine.vocab_size)
+        grammars = GrammarCompiler(Vocabulary(self.config.tokenizer), engine.vocab_size)
+        grammars.start()  # its worker processes load the vocabulary while the service starts serving
+        return grammars
 
     async def drain(self) -> None:
         if self.scheduler is not None:
@@ -137,6 +139,8 @@ class ModelServer:
             self._watchdog.cancel()
         if self.scheduler is not None:
             await asyncio.to_thread(self.scheduler.stop)
+            if self.scheduler.guidance.grammars is not None:  # its constraint worker processes
+                self.scheduler.guidance.grammars.close()
             close = getattr(self.scheduler.engine, "close", None)  # a LockstepEngine shuts its followers down
             if close is not None:
                 await asyncio.to_thread(close)

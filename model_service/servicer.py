@@ -65,6 +65,7 @@ def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: 
         n=msg.n or 1,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         constraint=to_constraint(msg),
+        cache_salt=msg.cache_salt,
     )
 
 
@@ -107,6 +108,8 @@ def _log(p: float) -> float:
 
 def _timings(t: Timings) -> model_pb2.Timings:
     return model_pb2.Timings(queue_seconds=t.queue_seconds, prefill_seconds=t.prefill_seconds,
+                             draft_tokens=t.draft_tokens, accepted_draft_tokens=t.accepted_draft_tokens,
+                             draft_acceptance_rate=t.draft_acceptance_rate,
                              mean_step_seconds=t.mean_step_seconds)
 
 
@@ -271,7 +274,9 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             raise SchedulerError(ErrorKind.UNAVAILABLE, self.unavailable)
         sink = self._relay_for(asyncio.get_running_loop()).sink()
         domain = to_request(request, rid, context.time_remaining())
-        handle = scheduler.submit(domain, sink.emit)
+        scheduler.validate(domain)  # the cheap checks first: a bad request waits for no compile
+        grammar = await scheduler.guidance.compile_async(domain)  # off the loop and the decode thread
+        handle = scheduler.submit(domain, sink.emit, grammar=grammar)
         context.add_done_callback(lambda _: handle.cancel())
         open_samples = domain.n
         try:

@@ -2,50 +2,83 @@
 
 The grammar engine is llguidance (no PyTorch; Earley parser over a lexer, a token trie for the masks).
 `Vocabulary` describes the SentencePiece model to it: each piece's bytes (byte-fallback pieces `<0xNN>`
-are that byte, "▁" is a space, control pieces are special and never allowed by a grammar). A
-`GrammarCompiler` turns a `Constraint` into a `Compiled` grammar once (a bounded LRU cache keyed by the
-constraint); its work is bounded by llguidance's fuel limits and by the size of the constraint, and an
-invalid or too-large constraint raises `ConstraintError` naming the request field before a slot is taken.
+are that byte, "▁" is a space, control pieces are special and never allowed by a grammar).
+
+A `GrammarCompiler` turns a `Constraint` into a `Compiled` grammar once (bounded LRU caches of grammars and
+of refusals, keyed by the constraint). Nothing of an unchecked constraint runs in the service's process:
+`checked_grammar` (the size bounds of constraint.py, the conversion to llguidance's grammar, the compile, the
+first mask and a few steps along it) runs in a worker process (grammar_pool.py), so a crash or a runaway
+compile in the library costs that worker and that request only (INVALID_ARGUMENT naming the field), and
+another compile never waits on the event loop or the decode thread. The service then builds the matcher of
+the checked grammar, which the worker just built within the time limit, in a compile thread
+(`compile_async`; llguidance releases the GIL while it compiles).
+
 Each sample of a request gets its own `Guide` (a copy of the compiled matcher): the scheduler advances it
 with every drawn token and asks it for the next step's allowed-token mask ([V] bool, host side); the
-slot's device mask becomes that mask AND the request's own allowed/blocked/pad mask (`sampling_settings.build_mask`). No JAX here.
+slot's device mask becomes that mask AND the request's own allowed/blocked/pad mask (guided.py). A
+per-step limit of the library raises `StepLimit`, which ends that request only. No JAX here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
 import json
+import sys
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import llguidance
 import numpy as np
 import sentencepiece
 from llguidance.gbnf_to_lark import any_to_lark
 
-from model_service.constraint import Constraint, ConstraintKind
+from model_service.constraint import BOUNDS, Bounds, Constraint, ConstraintKind, size_problem
+from model_service.grammar_pool import PoolBusy, WorkerCrashed, WorkerPool, WorkerTimeout, WorkerUnavailable
+from serving_common.limits import CONSTRAINT_COMPILE_SECONDS, MAX_CONSTRAINT_CHARS
 
-MAX_CONSTRAINT_CHARS = 64 * 1024  # schema / regex / grammar text, choices together
-MAX_CHOICES = 1024
-CACHE_SIZE = 64  # compiled constraints kept (LRU)
-# llguidance's own limits, lowered from its defaults so that one request's compile stays well under a second.
-LIMITS = dict(initial_lexer_fuel=500_000, max_grammar_size=200_000, max_lexer_states=100_000)
+__all__ = ["MAX_CONSTRAINT_CHARS", "CompilerBusy", "CompilerUnavailable", "Compiled", "ConstraintError",
+           "GrammarCompiler", "Guide", "StepLimit", "Vocabulary", "checked_grammar", "grammar_text"]
+
+CACHE_SIZE = 64  # compiled constraints kept (LRU); as many refusals again
+WORKERS = 2  # compile worker processes
+# llguidance's own limits, lowered from its defaults so that one request's compile stays well under a second;
+# non-verbose errors: the library's message without its parser state or the grammar's text.
+LIMITS: dict[str, Any] = dict(initial_lexer_fuel=500_000, max_grammar_size=200_000, max_lexer_states=100_000,
+                              verbose_errors=False)
+PROBE_STEPS = 4  # steps `checked_grammar` takes along the first allowed tokens, so a grammar the library gives
+#                  up on at once (per-step limits, e.g. `start: "a" start`) is refused before a slot is taken
 # Compact JSON unless the schema's own "x-guidance" says otherwise: a model is not free to pad with whitespace.
 JSON_OPTIONS = {"whitespace_flexible": False}
 # A serialized NormalizerSpec {add_dummy_prefix: false} as ModelProto field 3: protobuf merges a repeated
 # message field into the earlier one, so appending it switches the dummy "▁" prefix off.
 _NO_DUMMY_PREFIX = b"\x1a\x02\x18\x00"
+# llguidance's word for a grammar no text can satisfy (an empty first mask).
+_NO_TEXT = "NoExtensionBias"
 
 
 class ConstraintError(ValueError):
-    """The constraint cannot be served; the message names its field."""
+    """The constraint cannot be served; the message names its field (INVALID_ARGUMENT)."""
+
+
+class CompilerBusy(Exception):
+    """Too many constraints are waiting for a compile worker (RESOURCE_EXHAUSTED: retry later)."""
+
+
+class CompilerUnavailable(Exception):
+    """No compile worker can be started (UNAVAILABLE: the service's fault, not the request's)."""
+
+
+class StepLimit(RuntimeError):
+    """The library gave up computing the next step of an allowed path (one of its per-step limits)."""
 
 
 class Vocabulary:
     """The tokenizer as llguidance sees it: every piece's bytes, the EOS id, and encode without a dummy prefix."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         with open(path, "rb") as f:
             model = f.read()
         self.sp = sentencepiece.SentencePieceProcessor(model_proto=model + _NO_DUMMY_PREFIX)
@@ -74,38 +107,90 @@ class Vocabulary:
         return len(self.tokens)
 
 
-def grammar_text(c: Constraint) -> str:
-    """The llguidance grammar of a constraint (not yet checked); ConstraintError on malformed input."""
-    size = len(c.text) + sum(len(x) for x in c.choices)
-    if size > MAX_CONSTRAINT_CHARS:
-        raise ConstraintError(f"{c.field}: {size} characters is over the limit of {MAX_CONSTRAINT_CHARS}")
+def grammar_text(c: Constraint, bounds: Bounds = BOUNDS) -> str:
+    """The llguidance grammar of a constraint (not yet compiled); ConstraintError on malformed or too big input."""
+    problem = size_problem(c, bounds)
+    if problem:
+        raise ConstraintError(problem)
     if c.kind is ConstraintKind.JSON_SCHEMA:
-        try:
-            schema = json.loads(c.text)
-        except ValueError as e:
-            raise ConstraintError(f"{c.field}: not valid JSON ({e})") from None
-        if not isinstance(schema, (dict, bool)):
-            raise ConstraintError(f"{c.field}: a JSON schema is an object (or true/false), not {type(schema).__name__}")
-        try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        except ValueError as e:
-            raise ConstraintError(f"{c.field}: {e}") from None
+        return _schema_grammar(c)
     if c.kind is ConstraintKind.REGEX:
         if not c.text:
             raise ConstraintError(f"{c.field}: the regex is empty")
         return llguidance.LLMatcher.grammar_from_regex(c.text)
     if c.kind is ConstraintKind.CHOICE:
-        if not c.choices or len(c.choices) > MAX_CHOICES or any(not x for x in c.choices):
-            raise ConstraintError(f"{c.field}: give 1..{MAX_CHOICES} non-empty strings")
         # Lark string literals take JSON's escapes, so any choice text is matched literally.
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(x) for x in c.choices))
     if not c.text.strip():
         raise ConstraintError(f"{c.field}: the grammar is empty")
     try:
         lark = any_to_lark(c.text)  # GBNF (llama.cpp's) is converted; Lark passes through
+    except RecursionError:
+        raise ConstraintError(f"{c.field}: nested too deeply to convert; flatten the grammar") from None
     except Exception as e:  # the converter raises plain exceptions on syntax errors
         raise ConstraintError(f"{c.field}: not a valid GBNF grammar ({e})") from None
     return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def _schema_grammar(c: Constraint) -> str:
+    try:
+        schema = json.loads(c.text)
+    except RecursionError:  # size_problem bounds the depth first; this stays a 400 whatever the bound
+        raise ConstraintError(f"{c.field}: nested too deeply; flatten the schema") from None
+    except ValueError as e:
+        raise ConstraintError(f"{c.field}: not valid JSON ({e})") from None
+    if schema is True:
+        schema = {}  # JSON Schema's `true`: any JSON value, as {}
+    elif schema is False:
+        raise ConstraintError(f"{c.field}: the schema false matches no JSON value; send a schema some value meets")
+    if not isinstance(schema, dict):
+        raise ConstraintError(f"{c.field}: a JSON schema is an object (or true), not {type(schema).__name__}")
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except (ValueError, RecursionError) as e:
+        raise ConstraintError(f"{c.field}: {_first_line(str(e))}") from None
+
+
+def _matcher(vocabulary: Vocabulary, grammar: str, limits: dict[str, Any], field: str) -> llguidance.LLMatcher:
+    matcher = llguidance.LLMatcher(vocabulary.lltokenizer, grammar, log_level=0,
+                                   limits=llguidance.LLParserLimits(**limits))
+    if matcher.is_error():
+        raise ConstraintError(f"{field}: {_library_message(matcher.get_error())}")
+    return matcher
+
+
+def checked_grammar(vocabulary: Vocabulary, c: Constraint, limits: dict[str, Any] = LIMITS,
+                    bounds: Bounds = BOUNDS) -> str:
+    """Everything that can go wrong with `c` before a slot is taken (run in a worker process): its grammar,
+    compiled, with a first mask that allows something, followed PROBE_STEPS tokens along its first allowed
+    ones without the library giving up. Returns the grammar; ConstraintError naming the field otherwise."""
+    grammar = grammar_text(c, bounds)
+    guide = Guide(_matcher(vocabulary, grammar, limits, c.field), vocabulary.size)
+    for step in range(PROBE_STEPS + 1):
+        try:
+            mask = guide.mask()
+        except StepLimit as e:
+            raise ConstraintError(_failed(c.field, str(e), step)) from None
+        allowed = [t for t in np.flatnonzero(mask).tolist() if t != vocabulary.eos_token_id]
+        if not mask.any():
+            raise ConstraintError(f"{c.field}: no token of the vocabulary can start the output" if step == 0 else
+                                  f"{c.field}: no token can continue the output after token {step}")
+        if guide.finished or not allowed or step == PROBE_STEPS:
+            return grammar
+        try:
+            guide.advance(allowed[0])
+        except StepLimit as e:
+            raise ConstraintError(_failed(c.field, str(e), step + 1)) from None
+    return grammar
+
+
+def _failed(field: str, message: str, step: int) -> str:
+    if message == _NO_TEXT and step == 0:
+        return (f"{field}: no text can satisfy it (a $ref to itself or a cycle of $refs, a rule that only "
+                "refers to itself, or an empty character class); send a constraint some text meets")
+    if message == _NO_TEXT:
+        return f"{field}: no text can continue the output after token {step}; send a constraint some text meets"
+    return f"{field}: too complex to follow at token {step} ({message}); simplify the constraint"
 
 
 class Compiled:
@@ -117,22 +202,28 @@ class Compiled:
         self.first_mask = Guide(matcher.deep_copy(), vocab_size).mask()  # [V] bool
 
     def guide(self) -> Guide:
-        return Guide(self._template.deep_copy(), self.vocab_size)
+        return Guide(self._template.deep_copy(), self.vocab_size, self.first_mask)
 
 
 class Guide:
     """One sample's position in its grammar: advance with each drawn token, then ask for the next mask."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, allowed: np.ndarray | None = None) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self._allowed = allowed  # [V] bool: the last mask, what the next drawn token was chosen within
 
     def advance(self, token: int) -> None:
-        """Take the drawn token (always one the last mask allowed)."""
+        """Take the drawn token. StepLimit when the library gives up on a token its last mask allowed;
+        RuntimeError for one it did not allow (the sampler broke its mask: a bug)."""
         if self._matcher.is_stopped():
             return
-        if not self._matcher.consume_token(token):
-            raise RuntimeError(f"the grammar rejected token {token}: {self._matcher.get_error()}")
+        if self._matcher.consume_token(token):
+            return
+        message = _library_message(self._matcher.get_error())
+        if self._allowed is not None and 0 <= token < self._allowed.size and self._allowed[token]:
+            raise StepLimit(message)
+        raise RuntimeError(f"the grammar rejected token {token}: {message}")
 
     @property
     def finished(self) -> bool:
@@ -140,58 +231,144 @@ class Guide:
         return self._matcher.is_stopped()
 
     def mask(self) -> np.ndarray:
-        """[V] bool: the ids the grammar allows next (ids past the tokenizer's vocabulary never)."""
+        """[V] bool: the ids the grammar allows next (ids past the tokenizer's vocabulary never); StepLimit
+        when the library cannot compute it."""
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         if self._matcher.is_error():
-            raise RuntimeError(self._matcher.get_error())
+            raise StepLimit(_library_message(self._matcher.get_error()))
         allowed = np.unpackbits(bits, bitorder="little").astype(bool)
         out = np.zeros((self.vocab_size,), dtype=bool)
         n = min(self.vocab_size, allowed.size)
         out[:n] = allowed[:n]
+        self._allowed = out
         return out
 
 
 class GrammarCompiler:
-    """Constraints to compiled grammars over one vocabulary, with a bounded LRU cache (thread-safe)."""
+    """Constraints to compiled grammars over one vocabulary: checked in worker processes, cached (thread-safe).
+
+    `compile_async` is what the servicer awaits before it submits a request (off the event loop, off the
+    decode thread); `compile` is the same, blocking the calling thread. `close()` ends the workers."""
 
     def __init__(self, vocabulary: Vocabulary, model_vocab_size: int, cache_size: int = CACHE_SIZE,
-                 limits: dict[str, int] | None = None) -> None:
+                 limits: dict[str, Any] | None = None, bounds: Bounds = BOUNDS, workers: int = WORKERS,
+                 compile_seconds: float = CONSTRAINT_COMPILE_SECONDS, worker_command: list[str] | None = None,
+                 max_waiting: int = 64) -> None:
         if vocabulary.size > model_vocab_size:
             raise ValueError(f"the tokenizer has {vocabulary.size} pieces, more than the model's vocabulary "
                              f"of {model_vocab_size}")
         self.vocabulary = vocabulary
         self.vocab_size = model_vocab_size
         self.cache_size = cache_size
-        self.limits = LIMITS if limits is None else limits
+        self.limits = dict(LIMITS if limits is None else limits)
+        self.bounds = bounds
+        self.compile_seconds = compile_seconds
+        command = worker_command or [sys.executable, "-m", "model_service.grammar_worker", vocabulary.path,
+                                     json.dumps({"limits": self.limits, "bounds": bounds.__dict__})]
+        self.max_waiting = max_waiting
+        self._pending = 0  # compile_async calls not answered yet
+        self.pool = WorkerPool(command, workers, compile_seconds, max_waiting)
+        # Threads that wait on the workers and build the checked matchers: one per worker, plus cache hits.
+        self._threads = concurrent.futures.ThreadPoolExecutor(workers + 1, thread_name_prefix="grammar")
         self._cache: collections.OrderedDict[Constraint, Compiled] = collections.OrderedDict()
+        self._refused: collections.OrderedDict[Constraint, str] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, c: Constraint) -> Compiled:
-        """The compiled grammar of `c` (cached); ConstraintError naming the field when it is invalid or too big."""
+    def start(self, wait: bool = False) -> None:
+        """Start the worker processes now (else the first constraint does); with `wait`, until they are ready."""
+        self.pool.start(wait)
+
+    def close(self) -> None:
+        self.pool.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    async def compile_async(self, c: Constraint) -> Compiled:
+        """`compile` on a compile thread: the event loop keeps serving while the constraint compiles (a cached
+        one is answered at once). CompilerBusy when `max_waiting` compiles are already pending."""
+        hit = self._cached(c)
+        if hit is not None:
+            return hit
+        with self._lock:
+            if self._pending >= self.max_waiting:
+                raise CompilerBusy("too many structured-output constraints are waiting to compile; retry later")
+            self._pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._threads, self.compile, c)
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def _cached(self, c: Constraint) -> Compiled | None:
+        """The cached grammar of `c`, None when there is none; ConstraintError when `c` was refused before."""
         with self._lock:
             hit = self._cache.get(c)
             if hit is not None:
                 self._cache.move_to_end(c)
                 return hit
-        compiled = self._compile(c)
-        with self._lock:
-            self._cache[c] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            refused = self._refused.get(c)
+        if refused is not None:
+            raise ConstraintError(refused)
+        return None
+
+    def compile(self, c: Constraint) -> Compiled:
+        """The compiled grammar of `c` (cached). ConstraintError naming the field when it is invalid, too big,
+        too slow to compile (CONSTRAINT_COMPILE_SECONDS) or crashes the library; CompilerBusy when too many
+        constraints wait for a worker."""
+        hit = self._cached(c)
+        if hit is not None:
+            return hit
+        try:
+            compiled = self._compile(c)
+        except _Uncached:
+            raise
+        except ConstraintError as e:
+            self._remember(self._refused, c, str(e))
+            raise
+        self._remember(self._cache, c, compiled)
         return compiled
+
+    def _remember(self, cache: collections.OrderedDict[Constraint, Any], c: Constraint, value: Any) -> None:
+        with self._lock:
+            cache[c] = value
+            cache.move_to_end(c)
+            while len(cache) > self.cache_size:
+                cache.popitem(last=False)
 
     def _compile(self, c: Constraint) -> Compiled:
-        grammar = grammar_text(c)
-        limits = llguidance.LLParserLimits(**self.limits)
-        matcher = llguidance.LLMatcher(self.vocabulary.lltokenizer, grammar, log_level=0, limits=limits)
-        if matcher.is_error():
-            raise ConstraintError(f"{c.field}: {_first_line(matcher.get_error())}")
-        compiled = Compiled(matcher, self.vocab_size)
+        problem = size_problem(c, self.bounds)  # cheap, and saves a worker round trip
+        if problem:
+            raise ConstraintError(problem)
+        payload = {"kind": c.kind.value, "text": c.text, "choices": list(c.choices)}
+        try:
+            reply = self.pool.run(payload)
+        except PoolBusy:
+            raise CompilerBusy("too many structured-output constraints are waiting to compile; retry later") from None
+        except WorkerUnavailable as e:
+            raise CompilerUnavailable(f"structured output is unavailable: {e}; retry later") from None
+        except WorkerTimeout:
+            raise _Uncached(f"{c.field}: took longer than {self.compile_seconds:g} s to compile; simplify the "
+                            "constraint") from None
+        except WorkerCrashed as e:
+            raise ConstraintError(f"{c.field}: the grammar library failed on it ({e}); simplify the "
+                                  "constraint") from None
+        if "error" in reply:
+            raise ConstraintError(str(reply["error"]))
+        try:  # the worker compiled exactly this within the limits: this is the same work, in this process
+            compiled = Compiled(_matcher(self.vocabulary, reply["grammar"], self.limits, c.field), self.vocab_size)
+        except StepLimit as e:
+            raise ConstraintError(_failed(c.field, str(e), 0)) from None
         if not compiled.first_mask.any():
-            raise ConstraintError(f"{c.field}: no token of the vocabulary can start the output")
+            raise ConstraintError(f"{c.field}: no token of the model's vocabulary can start the output")
         return compiled
 
 
+class _Uncached(ConstraintError):
+    """A refusal that depends on the load (a compile timeout): not remembered."""
+
+
+def _library_message(message: str) -> str:
+    """The library's error, its first line only (the rest, if any, is parser state)."""
+    return _first_line(message)
 
 
 def _first_line(message: str) -> str:

@@ -2,7 +2,7 @@
 
 `validate` runs in `Scheduler.submit`, before anything is queued, so a bad request costs no slot and gets
 INVALID_ARGUMENT with a message a person can act on. The limits come from the engine (`EngineLimits`:
-vocabulary, context, buckets, slots, KV pool) and from sampling_settings.py. No JAX here.
+vocabulary, context, slots, KV pool) and from sampling_settings.py. No JAX here.
 """
 
 from __future__ import annotations
@@ -25,13 +25,20 @@ class EngineLimits(Protocol):
     """What validation needs to know of the engine (EngineLike has all of it)."""
 
     slots: int
-    buckets: tuple[int, ...]
     sequence_len: int
     vocab_size: int
     pad_id: int
     num_blocks: int
+    block_size: int
 
-    def blocks_needed(self, prompt_len: int, samples: int = 1) -> int: ...
+
+def blocks_needed(engine: EngineLimits, prompt_len: int, samples: int = 1) -> int:
+    """KV blocks a request's samples take at admission: each holds the prompt and room for its first drawn
+    token, the samples after the first sharing its full blocks before the last prompt token's block."""
+    bs = engine.block_size
+    each = -(-min(prompt_len + 1, engine.sequence_len) // bs)
+    shared = (prompt_len - 1) // bs
+    return each + (samples - 1) * (each - shared)
 
 
 def validate(req: GenerationRequest, engine: EngineLimits) -> None:
@@ -56,11 +63,9 @@ def prompt_problem(req: GenerationRequest, engine: EngineLimits) -> str:
         return "token_ids: the prompt is empty"
     if any(not 0 <= t < vocab for t in req.prompt):
         return f"token_ids: every id must be in [0, {vocab})"
-    if n > max(engine.buckets):
-        return (f"token_ids: the prompt has {n} tokens; the longest accepted is {max(engine.buckets)} "
-                "(the largest prefill bucket): shorten it")
     if n >= engine.sequence_len:
-        return f"token_ids: the prompt has {n} tokens and leaves no room in the {engine.sequence_len}-token context"
+        return (f"token_ids: the prompt has {n} tokens and leaves no room in the {engine.sequence_len}-token "
+                f"context (the longest accepted is {engine.sequence_len - 1}): shorten it")
     if req.max_tokens is not None and req.max_tokens < 1:
         return "max_tokens: must be >= 1 (or unset for as many as fit the context)"
     if req.max_tokens is not None and n + req.max_tokens > engine.sequence_len:
@@ -78,10 +83,12 @@ def outputs_problem(req: GenerationRequest, engine: EngineLimits) -> str:
     if not 1 <= req.n <= engine.slots:
         return (f"n: must be in 1..{engine.slots} (each sample takes one of the {engine.slots} slots; got {req.n}): "
                 "ask for fewer samples")
-    need = engine.blocks_needed(len(req.prompt), req.n)
+    need = blocks_needed(engine, len(req.prompt), req.n)
     if need > engine.num_blocks:
-        return (f"n: {req.n} samples of a {len(req.prompt)}-token prompt take {need} KV blocks and the pool has "
-                f"{engine.num_blocks}: ask for fewer samples or a shorter prompt")
+        field = "n" if req.n > 1 else "token_ids"
+        return (f"{field}: {req.n} sample(s) of a {len(req.prompt)}-token prompt take {need} KV blocks and the pool "
+                f"has {engine.num_blocks}: ask for fewer samples or a shorter prompt, or start the service with more "
+                "--kv-tokens")
     return ""
 
 

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -54,6 +56,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_env_argument("--max-tokens", type=positive_int, default=48, help="tokens of the sample completion")
     p.add_env_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for SERVING")
     p.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_env_argument("--api-key", default="", help="require 'authorization: Bearer KEY' at the gateway "
+                       "(the sample and the commands printed send it)")
     return p.parse_args(argv)
 
 
@@ -103,11 +107,11 @@ class Child:
     It runs under serving_common.with_parent: SIGTERMed by the kernel if this launcher dies first.
     """
 
-    def __init__(self, name: str, args: list[str], logs: LogGate) -> None:
+    def __init__(self, name: str, args: list[str], logs: LogGate, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.address = ""
         self.proc = start_module(args[0], args[1:], stdout=subprocess.PIPE, cwd=ROOT, with_parent=True,
-                                 new_session=True, text=True)
+                                 new_session=True, text=True, env=env)
         self.thread = threading.Thread(target=self._forward, args=(logs,), daemon=True)
         self.thread.start()
 
@@ -122,37 +126,95 @@ class Child:
         return returncode
 
 
+def client_key(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str:
+    """The key the sample and the printed commands send: --api-key, else one the gateway reads from its own
+    variables (GROK_GATEWAY_API_KEY, GROK_GATEWAY_API_KEY_FILE) in this environment, else none."""
+    if args.api_key:
+        return args.api_key
+    if keys := environ.get("GROK_GATEWAY_API_KEY", ""):
+        return keys.split(",")[0].strip()
+    if key_file := environ.get("GROK_GATEWAY_API_KEY_FILE", ""):
+        try:
+            lines = pathlib.Path(key_file).read_text().splitlines()
+        except OSError:
+            return ""  # the gateway will refuse to start, naming the file
+        return next((line.strip() for line in lines if line.strip() and not line.startswith("#")), "")
+    return ""
+
+
 def start(args: argparse.Namespace, out: LogGate) -> list[Child]:
     host, level = args.host, ["--log-level", args.log_level]
     tokenizer = Child("tokenizer", ["tokenizer_service", "--model", args.tokenizer, "--host", host,
                                     "--port", str(args.tokenizer_port), *level], out)
     tokenizer.address = f"{host}:{args.tokenizer_port}"
     cache = ["--compile-cache", args.compile_cache] if args.compile_cache else []
+    # --tokenizer: the model service then serves structured output (constraints are compiled over its pieces).
     model = Child("model", ["model_service", "--config", args.config, "--checkpoint", args.checkpoint,
-                            "--dtype", args.dtype, "--mesh", args.mesh, "--slots", str(args.slots), "--host", host,
-                            "--port", str(args.model_port), "--metrics-port", str(args.model_metrics_port),
-                            *cache, *level], out)
+                            "--tokenizer", args.tokenizer, "--dtype", args.dtype, "--mesh", args.mesh,
+                            "--slots", str(args.slots), "--host", host, "--port", str(args.model_port),
+                            "--metrics-port", str(args.model_metrics_port), *cache, *level], out)
     model.address = f"{host}:{args.model_port}"
     gateway = Child("gateway", ["gateway", "--tokenizer", tokenizer.address, "--model", model.address,
                                 "--host", host, "--port", str(args.gateway_port), "--http-port", str(args.http_port),
-                                "--metrics-port", str(args.metrics_port), *level], out)
+                                "--metrics-port", str(args.metrics_port), *level], out,
+                    env={"GROK_GATEWAY_API_KEY": args.api_key} if args.api_key else None)  # not on a command line
     gateway.address = f"{host}:{args.gateway_port}"
     for child in (tokenizer, model, gateway):
         out.write(f"run_stack: started {child.name} (pid {child.proc.pid}) for {child.address}\n")
     return [tokenizer, model, gateway]
 
 
+PORT_FLAGS = ("gateway_port", "http_port", "tokenizer_port", "model_port", "metrics_port", "model_metrics_port")
+PROGRESS_EVERY = 15.0  # seconds between "still waiting" lines
+
+
+def can_bind(host: str, number: int) -> bool:
+    """Whether `host:number` is free to listen on (another listener, whoever it is, makes it taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed socket's TIME_WAIT is no listener
+        try:
+            probe.bind((host, number))
+        except OSError:
+            return False
+    return True
+
+
+def taken_ports(args: argparse.Namespace) -> list[str]:
+    """The stack's ports that something else listens on already, each as its flag and number."""
+    return [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in PORT_FLAGS
+            if getattr(args, name) and not can_bind(args.host, getattr(args, name))]
+
+
+def refuse_taken(taken: list[str], host: str, out: TextIO) -> None:
+    flag, number = taken[0].split()
+    say(out, f"run_stack: {host}:{number} ({flag}) is already in use by another process (a stack still "
+             f"running?); nothing was started. Stop that process, or choose other ports, e.g. "
+             f'make run ARGS="{flag} {int(number) + 10}"\n')
+    for more in taken[1:]:
+        say(out, f"run_stack: also in use: {more}\n")
+
+
 def wait_serving(children: list[Child], timeout: float, stop: threading.Event, out: TextIO) -> bool:
-    deadline = time.monotonic() + timeout
+    """Poll each child's health until SERVING; a line every PROGRESS_EVERY seconds says what is still starting."""
+    start = time.monotonic()
+    deadline, next_note = start + timeout, start + PROGRESS_EVERY
     pending = list(children)
+    say(out, "run_stack: waiting for the three services to report SERVING (the model service loads its weights "
+             "and compiles its programs first; compiled programs are kept in the compile cache for next time)\n")
     while pending and time.monotonic() < deadline and not stop.is_set():
         for child in list(pending):
             if child.proc.poll() is not None:
                 say(out, f"run_stack: {child.name} exited with {child.proc.returncode} before serving\n")
                 return False
             if check(child.address, timeout=1.0):
-                say(out, f"run_stack: {child.name} is SERVING on {child.address}\n")
+                say(out, f"run_stack: {child.name} is SERVING on {child.address} "
+                         f"({time.monotonic() - start:.0f} s)\n")
                 pending.remove(child)
+        if pending and time.monotonic() >= next_note:
+            next_note += PROGRESS_EVERY
+            say(out, f"run_stack: still starting after {time.monotonic() - start:.0f} s: "
+                     f"{', '.join(c.name for c in pending)}\n")
         stop.wait(0.5)
     if pending and not stop.is_set():
         say(out, f"run_stack: not SERVING after {timeout:.0f}s: {', '.join(c.name for c in pending)}\n")
@@ -170,29 +232,37 @@ def tool(name: str, fallback: pathlib.Path) -> str:
         return str(fallback)
 
 
+def try_commands(args: argparse.Namespace, address: str) -> list[str]:
+    """The commands `make run` suggests, runnable as printed (with the API key's header when one is set)."""
+    python, grpcurl = tool("python", pathlib.Path(sys.executable)), tool("grpcurl", ROOT / ".venv" / "bin" / "grpcurl")
+    secret = client_key(args)
+    key = ["--api-key", secret] if secret else []
+    header = ["-H", f"authorization: Bearer {secret}"] if secret else []
+    body = json.dumps({"prompt": args.prompt, "sampling": {"max_tokens": args.max_tokens}})
+    commands = [[python, "-m", "gateway.client", args.prompt, "--max-tokens", "32", "--address", address, *key],
+                [grpcurl, "-plaintext", *header, "-d", body, address, "grok.gateway.v1.GatewayService/Generate"],
+                [grpcurl, "-plaintext", *header, address, "list"]]
+    if args.http_port:
+        url = f"http://{args.host}:{args.http_port}/v1"
+        json_header = ["-H", "content-type: application/json", *header]
+        completion = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens, "stream": True})
+        chat = json.dumps({"messages": [{"role": "user", "content": "What does the gateway do?"}],
+                           "temperature": 0, "max_tokens": 64})
+        commands += [["curl", "-sN", f"{url}/completions", *json_header, "-d", completion],
+                     ["curl", "-s", f"{url}/chat/completions", *json_header, "-d", chat]]
+    return [shlex.join(command) for command in commands]
+
+
 def sample(args: argparse.Namespace, address: str, out: TextIO) -> int:
     out.write(f"\nrun_stack: sample completion of {args.prompt!r} (streamed as it arrives):\n")
     request = argparse.Namespace(prompt=args.prompt, max_tokens=args.max_tokens, temperature=0.0, top_p=None,
                                  seed=None, stop=[], ignore_eos=False, top_k=None, min_p=None,
                                  repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
                                  timeout=600.0, quiet=False)
-    with GatewayClient(address) as client:
+    with GatewayClient(address, api_key=client_key(args) or None) as client:
         code = stream(client, request, out, out)
-    body = json.dumps({"prompt": args.prompt, "sampling": {"max_tokens": args.max_tokens}})
-    http_body = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens, "stream": True})
-    python, grpcurl = tool("python", pathlib.Path(sys.executable)), tool("grpcurl", ROOT / ".venv" / "bin" / "grpcurl")
-    chat_body = json.dumps({"messages": [{"role": "user", "content": "What does the gateway do?"}],
-                            "temperature": 0, "max_tokens": 64})
-    curl = (f"  curl -sN http://{args.host}:{args.http_port}/v1/completions -H 'content-type: application/json' "
-            f"-d {shlex.quote(http_body)}\n"
-            f"  curl -s http://{args.host}:{args.http_port}/v1/chat/completions -H 'content-type: application/json' "
-            f"-d {shlex.quote(chat_body)}\n") if args.http_port else ""
-    out.write("\nrun_stack: try it yourself:\n"
-              f"  {python} -m gateway.client {shlex.quote(args.prompt)} --max-tokens 32 --address {address}\n"
-              f"  {grpcurl} -plaintext -d {shlex.quote(body)} {address} grok.gateway.v1.GatewayService/Generate\n"
-              f"  {grpcurl} -plaintext {address} list\n"
-              f"{curl}"
-              "run_stack: serving; Ctrl-C stops all three services.\n")
+    out.write("\nrun_stack: try it yourself:\n" + "".join(f"  {c}\n" for c in try_commands(args, address))
+              + "run_stack: serving; Ctrl-C stops all three services.\n")
     out.flush()
     return code
 
@@ -208,6 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, interrupt)
+    if taken := taken_ports(args):  # before anything starts: a SERVING answer must come from this stack
+        refuse_taken(taken, args.host, out)
+        return 1
     logs = LogGate(out)
     children = start(args, logs)
     code = 0

@@ -5,7 +5,7 @@ no-op tracer (a span is a non-recording object that only carries the caller's co
 SDK is not even imported. With an endpoint, a service sends its spans to an OTLP/gRPC collector (Jaeger,
 the OpenTelemetry Collector, Tempo) in batches from a background thread, named by the `service.name`
 resource attribute ("gateway", "tokenizer", "model"); `shutdown()` sends what is left when the service
-stops.
+stops, for at most SHUTDOWN_SECONDS.
 
 Context travels as W3C `traceparent`/`tracestate`: the shared server interceptor opens each call's span
 under the context in the call's metadata (serving_common.interceptor), the gateway puts its spans'
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -40,6 +41,8 @@ PROPAGATOR = TraceContextTextMapPropagator()
 Metadata = Sequence[tuple[str, Any]]
 
 _provider: TracerProvider | None = None
+# The most a stopping service waits for its collector to take the last spans (out of its grace period).
+SHUTDOWN_SECONDS = 2.0
 
 
 def add_flag(parser: EnvArgumentParser) -> None:
@@ -77,7 +80,9 @@ def configure(service: str, endpoint: str | None) -> TracerProvider | None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service, "service.namespace": "grok-serve"}))
+    # shutdown() bounds the last export; the SDK's own exit hook would wait on it without a bound.
+    provider = TracerProvider(resource=Resource.create({"service.name": service, "service.namespace": "grok-serve"}),
+                              shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     install(provider)
     log.info("tracing on", extra={"otlp_endpoint": endpoint})
@@ -96,12 +101,22 @@ def enabled() -> bool:
     return _provider is not None
 
 
-def shutdown() -> None:
-    """Send the spans still buffered and stop the exporter (no-op when tracing is off)."""
+def shutdown(timeout: float = SHUTDOWN_SECONDS) -> bool:
+    """Send the spans still buffered and stop the exporter, for at most `timeout` seconds (no-op when tracing is
+    off). A collector that accepts and never answers held the exporter (and so a SIGTERMed service) past its
+    grace period; now what is not sent in time is dropped, and said. True when everything was sent."""
     global _provider
-    if _provider is not None:
-        _provider.shutdown()
-        _provider = None
+    if _provider is None:
+        return True
+    provider, _provider = _provider, None
+    worker = threading.Thread(target=provider.shutdown, name="otel-shutdown", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        log.warning("tracing: the collector did not take the last spans in time; they are dropped",
+                    extra={"seconds": timeout})
+        return False
+    return True
 
 
 def tracer() -> trace.Tracer:

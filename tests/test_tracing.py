@@ -1,13 +1,18 @@
 """serving_common.tracing without a collector: the flag, what is (not) installed, context over metadata,
-and the trace id in log lines. tests/gateway/test_tracing_e2e.py follows one request through the stack."""
+the trace id in log lines, and a stop that a silent collector cannot hold up. tests/gateway/test_tracing_e2e.py follows one request through the stack."""
 
 from __future__ import annotations
 
 import json
 import logging
+import pathlib
+import signal
+import socket
 import subprocess
 import sys
+import threading
 
+import grpc
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -15,7 +20,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from gateway.__main__ import parse_config
 from serving_common import tracing
 from serving_common.logs import JsonFormatter
-from tests.procs import ROOT
+from grok.tokenizer.v1.tokenizer_pb2 import EncodeRequest
+from grok.tokenizer.v1.tokenizer_pb2_grpc import TokenizerServiceStub
+from tests.procs import GOLDEN, ROOT, Service, free_port
+from tests.waiting import wait_until
 from tokenizer_service.__main__ import parse_args as tokenizer_args
 
 GATEWAY = ["--tokenizer", "127.0.0.1:1", "--model", "127.0.0.1:2"]
@@ -100,3 +108,31 @@ def test_log_lines_carry_the_trace_id_of_the_current_span_beside_the_request_id(
         entry = _log_entry(formatter)
     assert entry["trace_id"] == f"{span.get_span_context().trace_id:032x}"
     assert "request_id" in entry
+
+
+def test_sigterm_with_a_collector_that_never_answers_ends_within_the_grace_period(tmp_path: pathlib.Path) -> None:
+    """The collector accepts the exporter's connection and never answers: the service still stops, exit 0, within
+    its grace period (10 s), dropping the spans it could not send and saying so."""
+    accepted: list[socket.socket] = []
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        threading.Thread(target=lambda: [accepted.append(silent.accept()[0]) for _ in iter(int, 1)],
+                         daemon=True).start()
+        port = free_port()
+        service = Service("tokenizer_service", ["--model", str(GOLDEN / "tokenizer.model"), "--host", "127.0.0.1",
+                                                "--port", str(port), "--grace-seconds", "10",
+                                                "--otlp-endpoint", f"http://127.0.0.1:{silent.getsockname()[1]}"],
+                          port, env={"OTEL_BSP_SCHEDULE_DELAY": "50"}, log_dir=tmp_path)
+        try:
+            service.wait_serving(60)
+            with grpc.insecure_channel(service.address) as channel:
+                TokenizerServiceStub(channel).Encode(EncodeRequest(text="a span to export"), timeout=10)
+            wait_until(lambda: accepted, 30, interval=0.05, message="the exporter never connected to the collector")
+            service.proc.send_signal(signal.SIGTERM)
+            assert service.proc.wait(timeout=10) == 0  # the grace period is the bound
+        finally:
+            service.kill()
+            for conn in accepted:
+                conn.close()
+    assert "did not take the last spans in time" in service.logs()

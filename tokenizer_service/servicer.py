@@ -142,7 +142,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     @staticmethod
     def _log_done(method: str, code: grpc.StatusCode, started: float, **extra: int) -> None:
         elapsed_ms = round((time.perf_counter() - started) * 1000, 3)
-        log.info("rpc", extra={"method": method, "code": code.name, "ms": elapsed_ms, **extra})
+        # A successful call is one of several per request: the gateway's access line speaks for the request, so
+        # these show only with --log-level debug; a failed one shows at info.
+        level = logging.DEBUG if code == grpc.StatusCode.OK else logging.INFO
+        log.log(level, "rpc", extra={"method": method, "code": code.name, "ms": elapsed_ms, **extra})
 
     # --- RPCs -------------------------------------------------------------------------------
 

@@ -13,14 +13,15 @@ channel TLS, verifying the gateway's certificate.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
 
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-__all__ = ["AsyncGatewayClient", "GatewayClient", "completion_request", "generate_request", "sampling_params"]
+__all__ = ["AsyncGatewayClient", "GatewayClient", "chat_request", "completion_request", "generate_request",
+           "sampling_params"]
 
 
 def _metadata(request_id: str, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
@@ -48,6 +49,12 @@ def completion_request(prompt: str, **options: Any) -> gateway_pb2.CompleteReque
     return gateway_pb2.CompleteRequest(prompt=prompt, sampling=sampling_params(**options))
 
 
+def chat_request(messages: Sequence[Mapping[str, str]], **options: Any) -> gateway_pb2.ChatRequest:
+    """A ChatRequest for `messages` ({"role": ..., "content": ...} each) with the SamplingParams fields in `options`."""
+    return gateway_pb2.ChatRequest(messages=[gateway_pb2.ChatMessage(**m) for m in messages],
+                                   sampling=sampling_params(**options))
+
+
 class GatewayClient:
     """Blocking client. Leaving `generate`'s iterator early cancels the call (the model slot is freed)."""
 
@@ -64,6 +71,16 @@ class GatewayClient:
                  **options: Any) -> Iterator[gateway_pb2.GenerateResponse]:
         call = self.stub.Generate(generate_request(prompt, **options), timeout=timeout or self.timeout,
                                   metadata=_metadata(request_id, self.api_key))
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def chat(self, messages: Sequence[Mapping[str, str]], *, timeout: float | None = None, request_id: str = "",
+             **options: Any) -> Iterator[gateway_pb2.ChatResponse]:
+        """Stream the answer to a conversation (rendered by the gateway's chat template)."""
+        call = self.stub.Chat(chat_request(messages, **options), timeout=timeout or self.timeout,
+                              metadata=_metadata(request_id, self.api_key))
         try:
             yield from call
         finally:

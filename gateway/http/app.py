@@ -1,4 +1,5 @@
-"""The FastAPI application: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health.
+"""The FastAPI application: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, and
+vLLM's extras (extras.py).
 
 Each generation request becomes the gateway's GenerateRequest (mapping.py) and runs through the
 gRPC API's Pipeline (flow.py). Errors found before the first token get their HTTP status and OpenAI's
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,36 +20,22 @@ from fastapi.routing import APIRoute
 from fastapi.telemetry import TelemetryConfig
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.auth import ApiKeys
+from gateway.auth import ApiKeys, tenant_of, tenant_var
 from gateway.errors import GatewayError
-from gateway.http.chat import ChatTemplate
+from gateway.http.access import AccessLog, access_of
+from gateway.http.body import MAX_BODY_BYTES, BodyChecks
+from gateway.http.context import HttpContext
+from gateway.http.extras import ExtraRoutes, check_model
 from gateway.http.errors import ApiError, from_gateway
 from gateway.http.flow import ClientGone, guarded, request_span, tracked
 from gateway.http.mapping import completion_prompt, generate_request, top_logprobs
 from gateway.http.responses import Json, Shaper
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.http.structured import name_constraint_param
-from gateway.pipeline import Pipeline
 from grok.gateway.v1 import gateway_pb2
-from serving_common.grpc_server import HealthReporter
 from serving_common.logs import new_request_id, request_id_too_long, request_id_var
-
-
-MAX_BODY_BYTES = 4 << 20  # as gRPC's default receive limit; prompts are capped far lower (--max-prompt-bytes)
-
-
-@dataclass(frozen=True)
-class HttpContext:
-    """What the routes need from the gateway."""
-
-    pipeline: Pipeline
-    health: HealthReporter
-    keys: ApiKeys
-    template: ChatTemplate
-    model_name: str
-    timeout_seconds: float  # 0: no server-side deadline
 
 
 def sse(data: Json | str) -> bytes:
@@ -137,39 +123,9 @@ class RequireKey:
                                code="invalid_api_key")
             await refused.response()(scope, receive, send)
             return
+        if scope["type"] == "http" and self.keys.enabled:  # prefix-cache isolation per key (gateway/auth.py)
+            tenant_var.set(tenant_of(Headers(scope=scope).get("authorization")))
         await self.app(scope, receive, send)
-
-
-class BodyLimit:
-    """ASGI middleware: request bodies over `limit` bytes get 413 before they are buffered whole
-    (gRPC's default message limit plays this role on the gRPC port)."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    def _message(self) -> str:
-        return f"request body is over {self.limit} bytes; send a shorter prompt"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.limit:
-            await ApiError(413, self._message()).response()(scope, receive, send)
-            return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:  # a chunked body without content-length; FastAPI passes HTTPException on
-                raise HTTPException(413, self._message())
-            return message
-
-        await self.app(scope, counted, send)
 
 
 class Routes:
@@ -179,9 +135,7 @@ class Routes:
         self.ctx = ctx
 
     def check_model(self, model: str | None) -> None:
-        if model and model != self.ctx.model_name:
-            raise ApiError(404, f"The model '{model}' does not exist: this server serves '{self.ctx.model_name}' "
-                                "(GET /v1/models)", param="model", code="model_not_found")
+        check_model(self.ctx.model_name, model)
 
     async def health(self) -> JSONResponse:
         serving = self.ctx.health.serving
@@ -213,7 +167,8 @@ class Routes:
         deadline = loop.time() + self.ctx.timeout_seconds if self.ctx.timeout_seconds else None
         method = "http_chat_completions" if endpoint == "chat" else "http_completions"
         span = request_span(request_id, self.ctx.model_name)
-        source = guarded(request, tracked(self.ctx.pipeline, grpc_request, deadline, request_id, method, span))
+        source = guarded(request, tracked(self.ctx.pipeline, grpc_request, deadline, request_id, method, span,
+                                           chat=endpoint == "chat", access=access_of(request.scope)))
         shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body),
                         echo=grpc_request.sampling.echo, prompt_logprobs=body.prompt_logprobs is not None)
         headers = {"x-request-id": request_id}
@@ -278,10 +233,12 @@ def create_app(ctx: HttpContext) -> FastAPI:
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    ExtraRoutes(ctx).register(app)  # vLLM's: /v1/models/{id}, /tokenize, /detokenize, /version, /metrics
     # Added last = outermost: the key is checked before the body is read.
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(BodyChecks, limit=MAX_BODY_BYTES)  # size and nesting, before anything parses the body
     if ctx.keys.enabled:
         app.add_middleware(RequireKey, keys=ctx.keys)
+    app.add_middleware(AccessLog)  # outermost: refusals by the middlewares above get their line too
     app.add_exception_handler(ApiError, lambda _request, error: error.response())  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, http_error)  # type: ignore[arg-type]

@@ -1,32 +1,20 @@
-"""Chat messages -> one prompt text, through a Jinja2 chat template (the way Hugging Face and vLLM do it).
+"""OpenAI chat messages -> the prompt text, through the gateway's chat template (gateway.chat_template).
 
-Grok-1 is a base model with no chat format of its own: `templates/chat_default.jinja` writes the
-conversation as a transcript ending in "Assistant:", and `--chat-template FILE` replaces it. Templates
-run in Jinja2's immutable sandbox with the variables Hugging Face templates expect (`messages`,
-`add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`).
+OpenAI's content may be a string or a list of parts; only text parts are served (joined by newlines).
 """
 
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from gateway.http.errors import bad_request
+from gateway.chat_template import DEFAULT_TEMPLATE, TemplateRefused
+from gateway.chat_template import ChatTemplate as BaseTemplate
+from gateway.errors import GatewayError
+from gateway.http.errors import bad_request, from_gateway
 from gateway.http.schemas import ChatMessage
 
-DEFAULT_TEMPLATE = pathlib.Path(__file__).resolve().parent.parent / "templates" / "chat_default.jinja"
-
-
-class TemplateRefused(Exception):
-    """A template called raise_exception(): the conversation is not one it can render."""
-
-
-def _raise_exception(message: str) -> NoReturn:
-    raise TemplateRefused(message)
+__all__ = ["DEFAULT_TEMPLATE", "ChatTemplate", "TemplateRefused", "message_text"]
 
 
 def message_text(message: ChatMessage, index: int) -> str:
@@ -43,41 +31,15 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-class ChatTemplate:
-    """A compiled chat template; `render` turns a conversation into the prompt text."""
-
-    def __init__(self, source: str, name: str = "chat template") -> None:
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        environment.globals["raise_exception"] = _raise_exception
-        try:
-            self.template = environment.from_string(source)
-        except TemplateError as error:
-            raise ValueError(f"--chat-template: {name} is not a valid Jinja2 template: {error}") from None
-        self.name = name
-
-    @classmethod
-    def load(cls, path: str | None = None) -> "ChatTemplate":
-        """The template in `path`, or the default one; ValueError naming the flag when unusable."""
-        file = pathlib.Path(path) if path else DEFAULT_TEMPLATE
-        try:
-            source = file.read_text(encoding="utf-8")
-        except OSError as error:
-            raise ValueError(f"--chat-template: cannot read {str(file)!r} ({error.strerror or error})") from None
-        return cls(source, str(file))
+class ChatTemplate(BaseTemplate):
+    """The chat template, rendering OpenAI's message objects."""
 
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
                extra: Mapping[str, Any] | None = None) -> str:
         """The prompt for `messages`; 400 naming `messages` when the template refuses them."""
-        plain = [{"role": m.role, "content": message_text(m, i), **({"name": m.name} if m.name else {})}
+        turns = [{"role": m.role, "content": message_text(m, i), **({"name": m.name} if m.name else {})}
                  for i, m in enumerate(messages)]
-        variables = {**(extra or {}), "messages": plain, "add_generation_prompt": add_generation_prompt,
-                     "bos_token": "", "eos_token": ""}
         try:
-            prompt = self.template.render(**variables)
-        except TemplateRefused as refused:
-            raise bad_request("messages", str(refused)) from None
-        except (TemplateError, TypeError, ValueError) as error:
-            raise bad_request("messages", f"the chat template failed on these messages: {error}") from None
-        if not prompt:
-            raise bad_request("messages", "the chat template rendered an empty prompt")
-        return prompt
+            return self.render_turns(turns, add_generation_prompt, extra)
+        except GatewayError as error:
+            raise from_gateway(error, "chat") from None

@@ -1,8 +1,8 @@
 """Running one HTTP request through the gateway's Pipeline: accounting and client disconnects.
 
 `tracked` is the HTTP twin of GatewayServicer._run: it counts the request in the same metrics (method
-label `http_completions` / `http_chat_completions`), logs one line per request and turns an
-unexpected exception into INTERNAL with the request id, and records the outcome on the request's span
+label `http_completions` / `http_chat_completions`), fills the request's access record (gateway.http.access logs it)
+and turns an unexpected exception into INTERNAL with the request id, and records the outcome on the request's span
 (`request_span`). `guarded` stops the pipeline as soon as the
 HTTP client goes away, which cancels the model call and frees its slot, also while the client waits
 for a non-streaming response.
@@ -21,6 +21,7 @@ from opentelemetry import trace
 from starlette.requests import Request
 
 from gateway.errors import GatewayError
+from gateway.http.access import Access
 from gateway.pipeline import Pipeline
 from grok.gateway.v1 import gateway_pb2
 
@@ -44,23 +45,25 @@ def request_span(request_id: str, model: str) -> trace.Span:
 
 
 async def tracked(pipeline: Pipeline, request: gateway_pb2.GenerateRequest, deadline: float | None,
-                  request_id: str, method: str,
-                  span: trace.Span = trace.INVALID_SPAN) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-    """The pipeline's messages; errors raised as GatewayError; metrics, a log line and the outcome on the
-    request's `span` whatever happens."""
+                  request_id: str, method: str, span: trace.Span = trace.INVALID_SPAN, chat: bool = False,
+                  access: Access | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """The pipeline's messages; errors raised as GatewayError; metrics, the outcome in the request's access
+    record (its one log line) and on its `span` whatever happens."""
     loop = asyncio.get_running_loop()
     start = loop.time()
-    code, finish = "OK", "NONE"
+    code, finish, detail = "OK", "NONE", ""
+    prompt_tokens, completion_tokens = 0, 0
     try:
         # aclosing: a consumer that stops early must cancel the model call now, not at garbage collection.
-        async with contextlib.aclosing(pipeline.stream(request, deadline, request_id, method)) as stream:
+        async with contextlib.aclosing(pipeline.stream(request, deadline, request_id, method, chat)) as stream:
             async for message in stream:
                 if message.finish_reason:
                     finish = gateway_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_")
+                    prompt_tokens = message.usage.prompt_tokens
+                    completion_tokens += message.usage.completion_tokens
                 yield message
     except GatewayError as error:
-        code = error.code.name
-        log.info("request failed", extra={"code": code, "detail": error.message})
+        code, detail = error.code.name, error.message
         raise
     except (asyncio.CancelledError, GeneratorExit, ClientGone):
         code = "DEADLINE_EXCEEDED" if deadline is not None and loop.time() >= deadline else "CANCELLED"
@@ -73,8 +76,10 @@ async def tracked(pipeline: Pipeline, request: gateway_pb2.GenerateRequest, dead
     finally:
         seconds = loop.time() - start
         pipeline.metrics.finished(method, code, finish, seconds)
-        log.info("http", extra={"method": method, "code": code, "finish_reason": finish,
-                                "ms": round(seconds * 1000, 3)})
+        if access is not None:
+            access.request_id, access.code, access.detail = request_id, code, detail
+            access.finish_reason = finish if finish != "NONE" else ""
+            access.prompt_tokens, access.completion_tokens = prompt_tokens or None, completion_tokens or None
         if span.is_recording():  # a stream that fails after its 200 still shows as failed
             span.set_attribute("grok.code", code)
             if code != "OK":

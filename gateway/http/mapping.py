@@ -77,9 +77,13 @@ def unsupported_features(request: SamplingFields) -> None:
         raise _not_yet("include_stop_str_in_output", True, "false")
     if isinstance(request, CompletionRequest) and request.suffix:
         raise _not_yet("suffix", request.suffix, "null")
+    if not request.skip_special_tokens:
+        raise _not_yet("skip_special_tokens", False, "true: control tokens such as EOS never appear in the text")
     if isinstance(request, ChatCompletionRequest):
         if request.tools:
             raise _not_yet("tools", "[...]", "no tools")
+        if request.tool_choice not in (None, "none", "auto"):  # with no tools, "auto" and "none" both mean none
+            raise _not_yet("tool_choice", request.tool_choice, 'null, "none" or "auto" (no tools are called)')
 
 
 def completion_prompt(request: CompletionRequest) -> str:
@@ -128,6 +132,7 @@ def generate_request(request: SamplingFields, prompt: str) -> gateway_pb2.Genera
     out = gateway_pb2.SamplingParams(
         temperature=1.0 if request.temperature is None else request.temperature,
         ignore_eos=request.ignore_eos, top_logprobs=top_logprobs(request) or 0,
+        logprobs=top_logprobs(request) is not None,
         allowed_token_ids=request.allowed_token_ids or [])
     max_tokens = request.max_tokens
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
@@ -144,4 +149,6 @@ def generate_request(request: SamplingFields, prompt: str) -> gateway_pb2.Genera
     out.stop.extend(stops)
     sampling_controls(request, out)
     constraint_fields(request, out)
+    if request.cache_salt is not None:
+        out.cache_salt = request.cache_salt
     return gateway_pb2.GenerateRequest(prompt=prompt, sampling=out)

@@ -89,6 +89,7 @@ class SamplingFields(BaseModel):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # prefix-cache isolation (vLLM's); checked by gateway/validation.py
     # Structured output (gateway/http/structured.py): OpenAI's, vLLM's, and vLLM's older guided_* fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -1,5 +1,5 @@
-"""Read timeouts for the HTTP port: uvicorn's h11 protocol with a deadline on each request's headers and
-on its body.
+"""Read timeouts and the header size limit for the HTTP port: uvicorn's h11 protocol with a deadline on each
+request's headers and on its body, and at most MAX_HEADER_BYTES of request line and headers.
 
 uvicorn closes a connection that sends nothing for `timeout_keep_alive` seconds, but a client sending
 a byte at a time cancels that timer with each byte and is then held without limit (slowloris): 30 such
@@ -8,11 +8,16 @@ request, its headers must be complete within `header_seconds`; once they are, it
 within `body_seconds` (h11 limits the headers' size, and the app the body's). A client that misses a
 deadline gets its connection closed: 408 first when no request had started, so an honest but slow client
 learns why.
+
+h11 limits only headers that arrive in pieces (its buffer of an incomplete event); a whole header block in one
+read was parsed at any size (80 KiB accepted). The limit is counted here, on the bytes received while a
+request's headers are awaited: over it, 400 and the connection closed, as h11 answers an incomplete one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import h11
@@ -23,6 +28,10 @@ log = logging.getLogger(__name__)
 HEADER_SECONDS = 10.0  # nginx's client_header_timeout is 60 s; our requests are small JSON bodies
 BODY_SECONDS = 60.0  # the whole body (at most 4 MiB), from the end of its headers
 _TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+MAX_HEADER_BYTES = 16 * 1024  # the request line and headers, as h11's default and the gRPC ports' limit
+_HEADERS_400 = json.dumps({"error": {
+    "message": f"the request line and headers are over {MAX_HEADER_BYTES} bytes; send fewer or shorter headers",
+    "type": "invalid_request_error", "param": None, "code": None}}).encode()
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -34,12 +43,29 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._phase: object = None
         self._deadline: asyncio.TimerHandle | None = None
+        self._head = bytearray()  # bytes of the headers awaited, until their end is seen
         super().connection_made(transport)
         self._follow()
 
     def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._headers_too_large(data):
+            return
         super().data_received(data)
         self._follow()
+
+    def _headers_too_large(self, data: bytes) -> bool:
+        """Count `data` toward the awaited headers; past the limit, answer 400, close, and say so."""
+        self._head += data[:MAX_HEADER_BYTES + 4]
+        end = self._head.find(b"\r\n\r\n")
+        if (end if end >= 0 else len(self._head)) <= MAX_HEADER_BYTES:
+            if end >= 0:
+                self._head.clear()
+            return False
+        log.info("http request headers too large, connection closed", extra={"client": self.client})
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_HEADERS_400), _HEADERS_400))
+        self.transport.close()
+        return True
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

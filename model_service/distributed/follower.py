@@ -64,7 +64,7 @@ def follow(replica: Replica, channel: Channel, codec: Codec, config: Distributed
            watchdog: Watchdog) -> int:
     """Replay calls until SHUTDOWN (returns 0) or until the group breaks (returns EXIT_GROUP_BROKEN)."""
     expected = 0
-    wait = config.startup_timeout  # process 0 sends the first call (COMPILE_ALL) once its weights are loaded
+    wait = config.startup_timeout  # process 0 sends the first call (COMPILE) once its weights are loaded
     while True:
         watchdog.arm(wait, "the next call from process 0")
         try:
@@ -80,17 +80,19 @@ def follow(replica: Replica, channel: Channel, codec: Codec, config: Distributed
             watchdog.disarm()
             log.info("process 0 shut the group down")
             return 0
-        bound = config.startup_timeout if call.op == Op.COMPILE_ALL else config.step_timeout
+        bound = config.startup_timeout if call.op == Op.COMPILE else config.step_timeout
         watchdog.arm(bound, call.op.name)
         try:
-            replica.run(call)
+            result = replica.run(call)
+            if call.op == Op.STEP:
+                result[1].get()  # within the bound: a stalled peer shows here
         except Exception as e:
             if is_runtime_failure(e):
                 log.error("a lockstep call failed", extra={"op": call.op.name, "error": str(e)[:500]})
                 return EXIT_GROUP_BROKEN
             # Bad arguments fail on every process alike; process 0 reports them to the request.
             log.warning("call refused here as on process 0", extra={"op": call.op.name, "error": str(e)[:500]})
-        if call.op == Op.COMPILE_ALL:
+        if call.op == Op.COMPILE:
             log.info("compiled; following process 0")
         wait = config.follower_wait
 

@@ -21,36 +21,36 @@ from model_service.loading import ServerConfig, compile_engine, load_engine, res
 log = logging.getLogger(__name__)
 
 
-def fingerprint(config: ServerConfig, model_cfg: ModelConfig, buckets: tuple[int, ...]) -> np.ndarray:
+def fingerprint(config: ServerConfig, model_cfg: ModelConfig) -> np.ndarray:
     """[8] int32 digest of everything that must be equal on every process for the programs to match."""
     dist = config.distributed
     settings: dict[str, Any] = {
         "model": model_config_to_dict(model_cfg), "dtype": config.dtype, "mesh": [config.mesh.data, config.mesh.model],
         "between_hosts": [dist.between_hosts.data, dist.between_hosts.model] if dist and dist.between_hosts else None,
-        "slots": config.slots, "buckets": list(buckets),
+        "slots": config.slots, "step_tokens": config.step_tokens, "tile_rows": config.tile_rows,
+        "kv": [config.kv_tokens, config.kv_memory, config.block_size], "speculative": repr(config.speculative),
         "weights": "checkpoint" if config.checkpoint else f"random:{config.random_seed}"}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).digest()
     return np.frombuffer(digest, "<i4").copy()
 
 
-def verify_same_config(config: ServerConfig, model_cfg: ModelConfig, buckets: tuple[int, ...]) -> None:
+def verify_same_config(config: ServerConfig, model_cfg: ModelConfig) -> None:
     """Raise ConfigError on every process unless all were started with the same model settings."""
     from jax.experimental import multihost_utils
 
     try:
-        multihost_utils.assert_equal(fingerprint(config, model_cfg, buckets), "settings differ")
+        multihost_utils.assert_equal(fingerprint(config, model_cfg), "settings differ")
     except AssertionError:
         raise ConfigError("the processes of this group were started with different model settings (config, dtype, "
-                          "mesh, between-hosts, slots, buckets or weights): start every process with the same "
+                          "mesh, between-hosts, slots, step shape, KV pool or weights): start every process with the same "
                           "GROK_MODEL_* values") from None
 
 
-def leader_engine(config: ServerConfig, model_cfg: ModelConfig, buckets: tuple[int, ...],
-                  on_broken: Callable[[str], None]) -> LockstepEngine:
+def leader_engine(config: ServerConfig, model_cfg: ModelConfig, on_broken: Callable[[str], None]) -> LockstepEngine:
     """Process 0's engine: load this process's shards, then compile everywhere in lockstep (once)."""
     dist = _dist(config)
-    verify_same_config(config, model_cfg, buckets)
-    engine = LockstepEngine(load_engine(config, model_cfg, buckets), JaxChannel(), dist.step_timeout,
+    verify_same_config(config, model_cfg)
+    engine = LockstepEngine(load_engine(config, model_cfg), JaxChannel(), dist.step_timeout,
                             dist.startup_timeout, dist.keepalive_seconds, on_broken)
     compile_engine(engine)
     return engine
@@ -60,11 +60,11 @@ def run_follower(config: ServerConfig) -> int:
     """A follower's whole life: load, then replay process 0's calls (the first compiles); its exit code."""
     dist = _dist(config)
     ignore_sigterm()
-    model_cfg, buckets = resolve(config)
+    model_cfg = resolve(config)
     watchdog = Watchdog()
     watchdog.arm(dist.startup_timeout, "loading the weights")
-    verify_same_config(config, model_cfg, buckets)
-    engine = load_engine(config, model_cfg, buckets)
+    verify_same_config(config, model_cfg)
+    engine = load_engine(config, model_cfg)
     log.info("weights loaded; waiting for process 0", extra={"process_id": dist.process_id})
     return follow(Replica(engine), JaxChannel(), codec_for(engine), dist, watchdog)
 

@@ -1,9 +1,9 @@
 """Process 0's Engine for a multi-process replica: broadcast each call, then run it, within a time bound.
 
-`LockstepEngine` has the Engine's host interface, so the scheduler drives it unaware of processes. Each
-call is encoded (ops.Codec), broadcast to the followers through a JAX collective (`JaxChannel`:
-multihost_utils.broadcast_one_to_all), and executed on process 0's own `Replica` while the followers
-execute the same call on theirs.
+`LockstepEngine` has the Engine's interface (init_state, compile, step), so the scheduler drives it unaware of
+processes. Each call is encoded (ops.Codec: a step is its whole StepBatch, block tables included, one message),
+broadcast to the followers through a JAX collective (`JaxChannel`: multihost_utils.broadcast_one_to_all), and
+executed on process 0's own `Replica` while the followers execute the same call on theirs.
 
 A process that dies makes the next collective fail (gloo reports the closed connection at once); one
 that stalls makes it hang. So every call runs on a worker thread and the caller waits at most
@@ -21,15 +21,14 @@ import logging
 import queue
 import threading
 import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
 from model_service.distributed.ops import Call, Codec, Op, Replica, codec_for
 from model_service.requests import ErrorKind, SchedulerError
-from model_service.sampling_settings import GREEDY, SamplingSettings
+from model_service.step_batch import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +58,12 @@ class JaxChannel:
 
 
 def send(channel: Channel, codec: Codec, call: Call) -> Call:
-    """Process 0's side of one call: the header, then the payload if the op has one. Returns the call as the
+    """Process 0's side of one call: the header, then the payload it announces. Returns the call as the
     followers decode it, which is what process 0 must run too (e.g. its floats rounded to float32)."""
     header = codec.header(call)
-    payload = codec.payload(call) if codec.has_payload(call.op) else None
+    payload = codec.payload(call)
     channel.broadcast((header,))
-    if payload is not None:
+    if payload:
         channel.broadcast(payload)
     return codec.decode(header, payload)
 
@@ -72,8 +71,8 @@ def send(channel: Channel, codec: Codec, call: Call) -> Call:
 def receive(channel: Channel, codec: Codec) -> Call:
     """A follower's side of `send`."""
     (header,) = channel.broadcast((codec.empty_header(),))
-    op = Op(int(header[0]))
-    payload = channel.broadcast(codec.empty_payload()) if codec.has_payload(op) else None
+    empty = codec.empty_payload(header)
+    payload = channel.broadcast(empty) if empty else ()
     return codec.decode(header, payload)
 
 
@@ -104,14 +103,6 @@ class _Worker:
                 future.set_exception(e)
 
 
-class PrefixRef:
-    """What the scheduler holds for a prefilled prompt or a chunked-prefill job: the id every process stores it
-    under."""
-
-    def __init__(self, prefix_id: int) -> None:
-        self.id = prefix_id
-
-
 def is_runtime_failure(error: BaseException) -> bool:
     """A failed collective or device program (as opposed to a bad argument every process rejects alike)."""
     import jax
@@ -135,9 +126,6 @@ class LockstepEngine:
         self._lock = threading.Lock()  # one call at a time, in one order for every process
         self._worker = _Worker()
         self._seq = 0
-        self._next_prefix = 0
-        self._live_prefixes: set[int] = set()
-        self._prefix_lock = threading.Lock()
         self._broken: str | None = None
         self._broken_lock = threading.Lock()
         self._last_call = time.monotonic()
@@ -146,7 +134,7 @@ class LockstepEngine:
         self._closed = False
 
     def __getattr__(self, name: str) -> Any:
-        # Engine attributes (slots, buckets, vocab_size, ...) read through; a method missing here would run on
+        # Engine attributes (slots, max_rows, vocab_size, ...) read through; a method missing here would run on
         # process 0 alone and desynchronise the group, so it is refused.
         if name.startswith("_"):
             raise AttributeError(name)
@@ -161,69 +149,21 @@ class LockstepEngine:
         return self._broken
 
     # ---- the Engine interface ---------------------------------------------------------------
-    def compile_all(self) -> dict[str, float]:
+    def compile(self) -> dict[str, float]:
         """Compile everywhere; waits (up to startup_timeout) for every process to have loaded its weights."""
-        timings = self._call(Call(Op.COMPILE_ALL), self._startup_timeout)
+        timings = self._call(Call(Op.COMPILE), self._startup_timeout)
         if self._keepalive is None:
             self._keepalive = threading.Thread(target=self._keep_alive, name="lockstep-keepalive", daemon=True)
             self._keepalive.start()
         return timings
 
-    def init_decode_state(self) -> Any:
+    def init_state(self) -> Any:
         return self._call(Call(Op.INIT))
 
-    # Pure functions of the engine's configuration: they run on process 0 alone.
-    def bucket_for(self, length: int) -> int:
-        return int(self._engine.bucket_for(length))
-
-    def chunked(self, length: int) -> bool:
-        return bool(self._engine.chunked(length))
-
-    # Reads of the host's block tables, which every process keeps identical by running the same calls.
-    def blocks_needed(self, prompt_len: int, samples: int = 1) -> int:
-        return int(self._engine.blocks_needed(prompt_len, samples))
-
-    def free_blocks(self) -> int:
-        return int(self._engine.free_blocks())
-
-    def blocks_short(self) -> int:
-        return int(self._engine.blocks_short())
-
-    def kv_usage(self) -> Any:
-        return self._engine.kv_usage()
-
-    def prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, seed: int,
-                prompt_logprobs: int | None = None) -> tuple[PrefixRef, Any]:
-        return self._with_new_id(lambda i: Call(Op.PREFILL, prefix=i, prompt=tuple(int(t) for t in tokens),
-                                                seed=int(seed), sampling=sampling, prompt_logprobs=prompt_logprobs))
-
-    def begin_prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, slot: int,
-                      seed: int) -> PrefixRef:
-        """Every process starts the job and keeps it under one id, like a prefix; the scheduler's reference
-        keeps it alive (a cancelled job is released when the scheduler drops it)."""
-        ref, _ = self._with_new_id(lambda i: Call(Op.BEGIN_PREFILL, prefix=i, slot=int(slot), seed=int(seed),
-                                                  prompt=tuple(int(t) for t in tokens), sampling=sampling))
-        return ref
-
-    def resample(self, prefix: PrefixRef, *, seed: int) -> tuple[PrefixRef, Any]:
-        """Every process draws the new sample from its copy of `prefix` (held alive by the caller's reference)."""
-        return self._with_new_id(lambda i: Call(Op.RESAMPLE, prefix=i, source=prefix.id, seed=int(seed)))
-
-    def prefill_next_chunk(self, job: PrefixRef, state: Any) -> tuple[Any, Any]:
+    def step(self, state: Any, batch: StepBatch) -> tuple[Any, Any]:
         self._check_state(state)
-        return self._call(Call(Op.PREFILL_CHUNK, prefix=job.id))
-
-    def insert(self, prefix: PrefixRef, state: Any, slot: int) -> Any:
-        self._check_state(state)
-        return self._call(Call(Op.INSERT, prefix=prefix.id, slot=int(slot)))
-
-    def generate(self, state: Any) -> tuple[Any, Any]:
-        self._check_state(state)
-        return self._call(Call(Op.GENERATE))
-
-    def free_slot(self, state: Any, slot: int) -> Any:
-        self._check_state(state)
-        return self._call(Call(Op.FREE, slot=int(slot)))
+        self._codec.payload(Call(Op.STEP, batch=batch))  # refuse what cannot be encoded before anything is sent
+        return self._call(Call(Op.STEP, batch=batch))
 
     def close(self) -> None:
         """Tell the followers to leave their loop (clean shutdown of the whole group); later calls fail."""
@@ -246,32 +186,6 @@ class LockstepEngine:
             raise ValueError("the decode state must be the one the previous Engine call returned (the followers "
                              "replay calls on their single copy of it)")
 
-    def _with_new_id(self, make: Callable[[int], Call]) -> tuple[PrefixRef, Any]:
-        """Run the call `make(id)` for a fresh prefix/job id; the returned reference releases the id on every
-        process once the scheduler no longer holds it."""
-        with self._prefix_lock:  # live from the start: no call may release it before the scheduler holds it
-            prefix_id = self._next_prefix
-            self._next_prefix += 1
-            self._live_prefixes.add(prefix_id)
-        call = make(prefix_id)
-        try:
-            self._codec.payload(call)  # refuse what cannot be encoded before anything is broadcast
-            out = self._call(call)
-        except BaseException:
-            self._release_prefix(prefix_id)
-            raise
-        ref = PrefixRef(prefix_id)
-        weakref.finalize(ref, self._release_prefix, prefix_id)
-        return ref, out
-
-    def _release_prefix(self, prefix_id: int) -> None:
-        with self._prefix_lock:
-            self._live_prefixes.discard(prefix_id)
-
-    def _release_below(self) -> int:
-        with self._prefix_lock:
-            return min(self._live_prefixes, default=self._next_prefix)
-
     def _call(self, call: Call, timeout: float | None = None) -> Any:
         with self._lock:
             return self._call_locked(call, timeout)
@@ -279,7 +193,7 @@ class LockstepEngine:
     def _call_locked(self, call: Call, timeout: float | None) -> Any:
         if self._broken is not None:
             raise GroupBroken(self._broken)
-        call = dataclasses.replace(call, seq=self._seq, release_below=self._release_below())
+        call = dataclasses.replace(call, seq=self._seq)
         self._seq += 1
         limit = timeout or self._step_timeout
         future = self._worker.submit(lambda: self._send_and_run(call))
@@ -297,7 +211,7 @@ class LockstepEngine:
             raise self._break(f"broadcasting {call.op.name} failed: {e}") from e
         try:
             result = self._replica.run(sent)
-            if sent.op == Op.GENERATE:
+            if sent.op == Op.STEP:
                 # Wait for the step here, within the time bound: its cross-process collectives are where a dead
                 # peer shows (gloo fails at once). A multi-process step is therefore not overlapped with the
                 # delivery of the previous one, as it is on one process.

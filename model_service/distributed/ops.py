@@ -1,18 +1,20 @@
-"""The lockstep op table: every Engine call process 0 makes, as an op code plus fixed-shape int32 arrays.
+"""The lockstep messages: the few Engine calls process 0 makes, as fixed-shape int32 arrays.
 
-A multi-process replica runs the same compiled programs on every process in the same order. Process 0
-decides what runs (the scheduler drives it); before each Engine call it broadcasts the call (`Codec.encode`)
-and then every process, itself included, executes the decoded call on its own `Replica` (`Replica.run`).
-Because both sides execute the *decoded* call, their engines receive identical arguments by construction.
+A multi-process replica runs the same compiled programs on every process in the same order. Process 0's
+scheduler decides everything (it owns the KV block allocator and the per-request state); each step is one
+value, a step_batch.StepBatch with the block tables inside, so followers hold no allocator and replay nothing:
+before each Engine call process 0 broadcasts it (`Codec.header` / `Codec.payload`) and then every process,
+itself included, executes the decoded call on its own `Replica`. Because both sides execute the *decoded*
+call, their engines receive identical arguments by construction.
 
-This module is the only place that knows the Engine's host API. When that API changes, add or change an
-`Op`, its fields in `Call`/`Codec`, its line in `Replica.run`, and the method of `LockstepEngine` that
-issues it (lockstep.py).
+A step is a header [HEADER_SIZE] (op, call number, rows in use, how many slots start, how many masks, whether
+rows are scored) and then its parts, each a separate broadcast whose shape the header and the engine's
+configuration fix: the rows, the starts (settings, token sets as bitmaps over the vocabulary, the tokens the
+penalties count), the masks (bitmaps), the scored rows.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 from collections.abc import Sequence
@@ -21,23 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from model_service.sampling_settings import GREEDY, MAX_LOGIT_BIAS, SamplingSettings
+from model_service.sampling_settings import MAX_LOGIT_BIAS, SamplingSettings
+from model_service.step_batch import SlotStart, StepBatch
 
 log = logging.getLogger(__name__)
 
 
 class Op(enum.IntEnum):
-    NOOP = 0  # keep-alive: proves every process still follows, and releases prefixes
+    NOOP = 0  # keep-alive: proves every process still follows
     SHUTDOWN = 1  # process 0 is stopping cleanly; followers leave their loop
-    COMPILE_ALL = 2  # Engine.compile_all()
-    INIT = 3  # Engine.init_decode_state()
-    PREFILL = 4  # Engine.prefill(prompt, sampling, seed=, prompt_logprobs=) -> `prefix`
-    INSERT = 5  # Engine.insert(prefix `prefix`, state, slot)
-    GENERATE = 6  # Engine.generate(state)
-    FREE = 7  # Engine.free_slot(state, slot)
-    BEGIN_PREFILL = 8  # Engine.begin_prefill(prompt, sampling, slot=, seed=) -> job kept under id `prefix`
-    PREFILL_CHUNK = 9  # Engine.prefill_next_chunk(job `prefix`, state)
-    RESAMPLE = 10  # Engine.resample(prefix `source`, seed=) -> a new prefix kept under id `prefix` (n > 1)
+    COMPILE = 2  # Engine.compile()
+    INIT = 3  # Engine.init_state()
+    STEP = 4  # Engine.step(state, batch)
 
 
 class Field(enum.IntEnum):
@@ -45,38 +42,24 @@ class Field(enum.IntEnum):
 
     OP = 0
     SEQ = 1  # call number: a follower that sees a gap has diverged
-    RELEASE_BELOW = 2  # prefixes with a smaller id are no longer referenced on process 0
-    SLOT = 3
-    PREFIX = 4
-    LENGTH = 5  # prompt length
-    SEED = 6  # uint32 bits
-    TEMPERATURE = 7  # float32 bits (sampling.temperature)
-    TOP_P = 8  # float32 bits (sampling.top_p)
-    TOP_LOGPROBS = 9  # sampling.top_logprobs
-    SOURCE = 10  # RESAMPLE: the prefix it draws from
-    PROMPT_LOGPROBS = 11  # PREFILL: -1 for none
+    ROWS = 2
+    STARTS = 3
+    MASKS = 4
+    SCORED = 5
+    SPECULATIVE = 6  # draws carry their chain, next draft and pending drafts
 
 
-HEADER_SIZE = 12
+HEADER_SIZE = 7
+START_WORDS = 7 + 6 + 2 * MAX_LOGIT_BIAS  # slot, seed, lengths, reference settings; controls; logit_bias
 
 
 @dataclass(frozen=True)
 class Call:
-    """One Engine call with every argument it takes (floats are float32 values, as broadcast)."""
+    """One Engine call with what it takes."""
 
     op: Op
     seq: int = 0
-    release_below: int = 0
-    slot: int = 0
-    prefix: int = 0
-    prompt: tuple[int, ...] = ()
-    seed: int = 0
-    sampling: SamplingSettings = GREEDY  # the request's settings, as the engine takes them
-    source: int = 0
-    prompt_logprobs: int | None = None
-
-
-CONTROL_WORDS = 6 + 2 * MAX_LOGIT_BIAS  # top_k, 4 float32 controls, bias count, bias ids, bias values
+    batch: StepBatch | None = None  # STEP
 
 
 def _f32_bits(x: float) -> int:
@@ -88,147 +71,176 @@ def _bits_f32(bits: int) -> float:
 
 
 class Codec:
-    """Calls as fixed-shape int32 arrays (a collective needs the same shapes on every process).
+    """Calls as fixed-shape int32 arrays (a collective needs the same shapes on every process)."""
 
-    Every call is a header [HEADER_SIZE], which holds the settings' temperature, top_p and top_logprobs; PREFILL
-    and BEGIN_PREFILL add a payload: the prompt padded to `max_prompt`, the settings' allowed and blocked token sets
-    as two bitmaps over the vocabulary, and their controls [CONTROL_WORDS] (floats as their float32 bits).
-    """
-
-    def __init__(self, max_prompt: int, vocab_size: int) -> None:
-        self.max_prompt = max_prompt
-        self.vocab_size = vocab_size
+    def __init__(self, rows: int, samples: int, slots: int, table_len: int, context: int, vocab_size: int,
+                 drafts: int = 0) -> None:
+        self.rows, self.samples, self.slots, self.drafts = rows, samples, slots, drafts
+        self.table_len, self.context, self.vocab_size = table_len, context, vocab_size
         self.bitmap_words = -(-vocab_size // 32)
 
-    @staticmethod
-    def has_payload(op: Op) -> bool:
-        return op in (Op.PREFILL, Op.BEGIN_PREFILL)
+    def header(self, call: Call) -> np.ndarray:
+        h = np.zeros((HEADER_SIZE,), np.int32)
+        h[Field.OP], h[Field.SEQ] = int(call.op), call.seq
+        b = call.batch
+        if b is not None:
+            h[Field.ROWS], h[Field.STARTS], h[Field.MASKS] = b.rows, len(b.starts), len(b.masks)
+            h[Field.SCORED] = b.score is not None
+            h[Field.SPECULATIVE] = b.sample_chain is not None
+        return h
 
     def empty_header(self) -> np.ndarray:
         return np.zeros((HEADER_SIZE,), np.int32)
 
-    def empty_payload(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return (np.zeros((self.max_prompt,), np.int32), np.zeros((2, self.bitmap_words), np.int32),
-                np.zeros((CONTROL_WORDS,), np.int32))
+    def shapes(self, header: np.ndarray) -> list[tuple[int, ...]]:
+        """The payload arrays' shapes a header announces (none unless it is a STEP)."""
+        if Op(int(header[Field.OP])) != Op.STEP:
+            return []
+        r, s, w = self.rows, self.slots, self.bitmap_words
+        out = [(4, r), (s, self.table_len), (2, self.samples)]
+        if header[Field.STARTS]:
+            out += [(s, START_WORDS), (s, 2, w), (s, self.context)]
+        if header[Field.MASKS]:
+            out += [(s,), (s, w)]
+        if header[Field.SCORED]:
+            out += [(2, r)]
+        if header[Field.SPECULATIVE]:
+            out += [(2, self.samples), (self.samples, self.drafts)]
+        return out
 
-    def header(self, call: Call) -> np.ndarray:
-        h = self.empty_header()
-        values = {Field.OP: int(call.op), Field.SEQ: call.seq, Field.RELEASE_BELOW: call.release_below,
-                  Field.SLOT: call.slot, Field.PREFIX: call.prefix, Field.LENGTH: len(call.prompt),
-                  Field.SEED: int(np.array(call.seed, np.uint32).view(np.int32)),
-                  Field.TEMPERATURE: _f32_bits(call.sampling.temperature),
-                  Field.TOP_P: _f32_bits(call.sampling.top_p),
-                  Field.TOP_LOGPROBS: call.sampling.top_logprobs, Field.SOURCE: call.source,
-                  Field.PROMPT_LOGPROBS: -1 if call.prompt_logprobs is None else call.prompt_logprobs}
-        for field, value in values.items():
-            h[field] = value
-        return h
+    def empty_payload(self, header: np.ndarray) -> tuple[np.ndarray, ...]:
+        return tuple(np.zeros(shape, np.int32) for shape in self.shapes(header))
 
-    def payload(self, call: Call) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if len(call.prompt) > self.max_prompt:
-            raise ValueError(f"prompt of {len(call.prompt)} tokens exceeds the largest prefill bucket {self.max_prompt}")
-        c, n = call.sampling, len(call.sampling.logit_bias)
-        if n > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias has {n} entries; at most {MAX_LOGIT_BIAS}")
-        tokens, bitmaps, words = self.empty_payload()
-        tokens[:len(call.prompt)] = call.prompt
-        bitmaps[0] = self._bitmap(c.allowed)
-        bitmaps[1] = self._bitmap(c.blocked)
-        words[:6] = [c.top_k, _f32_bits(c.min_p), _f32_bits(c.repetition_penalty), _f32_bits(c.presence_penalty),
-                     _f32_bits(c.frequency_penalty), n]
-        for i, (token, bias) in enumerate(c.logit_bias):
-            words[6 + i], words[6 + MAX_LOGIT_BIAS + i] = token, _f32_bits(bias)
-        return tokens, bitmaps, words
+    def payload(self, call: Call) -> tuple[np.ndarray, ...]:
+        b = call.batch
+        if b is None:
+            return ()
+        if len(b.starts) > self.slots or len(b.masks) > self.slots:
+            raise ValueError(f"a step starts or masks at most {self.slots} slots")
+        parts = [np.stack([b.tokens, b.from_last, b.positions, b.seq]).astype(np.int32),
+                 np.asarray(b.tables, np.int32), np.stack([b.sample_rows, b.sample_slots]).astype(np.int32)]
+        if b.starts:
+            parts += self._starts(b.starts)
+        if b.masks:
+            slots = np.full((self.slots,), self.slots, np.int32)
+            bitmaps = np.zeros((self.slots, self.bitmap_words), np.int32)
+            for i, (slot, mask) in enumerate(b.masks):
+                slots[i], bitmaps[i] = slot, self._bitmap(np.asarray(mask, bool))
+            parts += [slots, bitmaps]
+        if b.score is not None:
+            parts.append(np.stack([b.score, b.targets]).astype(np.int32))
+        if b.sample_chain is not None:
+            parts += [np.stack([b.sample_chain, b.sample_next]).astype(np.int32),
+                      np.asarray(b.sample_pending, np.int32).reshape(self.samples, self.drafts)]
+        return tuple(parts)
 
-    def decode(self, header: np.ndarray, payload: Sequence[np.ndarray] | None) -> Call:
-        op = Op(int(header[Field.OP]))
-        sampling = SamplingSettings(temperature=_bits_f32(int(header[Field.TEMPERATURE])),
-                                    top_p=_bits_f32(int(header[Field.TOP_P])),
-                                    top_logprobs=int(header[Field.TOP_LOGPROBS]))
-        prompt: tuple[int, ...] = ()
-        if payload is not None:
-            tokens, bitmaps, words = payload
-            prompt = tuple(int(t) for t in tokens[:int(header[Field.LENGTH])])
-            sampling = _with_payload(sampling, self._ids(bitmaps[0]), self._ids(bitmaps[1]), words)
-        return Call(op=op, seq=int(header[Field.SEQ]), release_below=int(header[Field.RELEASE_BELOW]),
-                    slot=int(header[Field.SLOT]), prefix=int(header[Field.PREFIX]), prompt=prompt,
-                    seed=int(np.array(header[Field.SEED], np.int32).view(np.uint32)), sampling=sampling,
-                    source=int(header[Field.SOURCE]),
-                    prompt_logprobs=None if header[Field.PROMPT_LOGPROBS] < 0 else int(header[Field.PROMPT_LOGPROBS]))
+    def _starts(self, starts: tuple[SlotStart, ...]) -> list[np.ndarray]:
+        words = np.zeros((self.slots, START_WORDS), np.int32)
+        bitmaps = np.zeros((self.slots, 2, self.bitmap_words), np.int32)
+        tokens = np.zeros((self.slots, self.context), np.int32)
+        for i, st in enumerate(starts):
+            c = st.settings
+            ids = st.prompt + st.drawn
+            if len(ids) > self.context or len(c.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"a start holds at most {self.context} tokens and {MAX_LOGIT_BIAS} logit_bias entries")
+            words[i, :13] = [st.slot, int(np.array(st.seed, np.uint32).view(np.int32)), len(st.prompt), len(st.drawn),
+                             _f32_bits(c.temperature), _f32_bits(c.top_p), c.top_logprobs, c.top_k, _f32_bits(c.min_p),
+                             _f32_bits(c.repetition_penalty), _f32_bits(c.presence_penalty),
+                             _f32_bits(c.frequency_penalty), len(c.logit_bias)]
+            for j, (token, bias) in enumerate(c.logit_bias):
+                words[i, 13 + j], words[i, 13 + MAX_LOGIT_BIAS + j] = token, _f32_bits(bias)
+            bitmaps[i, 0] = self._bitmap(self._mask(c.allowed))
+            bitmaps[i, 1] = self._bitmap(self._mask(c.blocked))
+            tokens[i, :len(ids)] = ids
+        return [words, bitmaps, tokens]
 
-    def _bitmap(self, ids: Sequence[int]) -> np.ndarray:
-        mask = np.zeros((self.bitmap_words * 32,), bool)
+    def decode(self, header: np.ndarray, payload: Sequence[np.ndarray]) -> Call:
+        op, seq = Op(int(header[Field.OP])), int(header[Field.SEQ])
+        if op != Op.STEP:
+            return Call(op, seq)
+        parts = list(payload)
+        rows, tables, samples = parts[:3]
+        rest = parts[3:]
+        starts: tuple[SlotStart, ...] = ()
+        masks: tuple[tuple[int, np.ndarray], ...] = ()
+        if header[Field.STARTS]:
+            starts = self._decode_starts(int(header[Field.STARTS]), *rest[:3])
+            rest = rest[3:]
+        if header[Field.MASKS]:
+            slots, bitmaps = rest[:2]
+            masks = tuple((int(slots[i]), self._unbitmap(bitmaps[i])) for i in range(int(header[Field.MASKS])))
+            rest = rest[2:]
+        score = targets = None
+        if header[Field.SCORED]:
+            score, targets = rest[0][0].astype(bool), rest[0][1].astype(np.int32)
+            rest = rest[1:]
+        chain = nxt = pending = None
+        if header[Field.SPECULATIVE]:
+            chain, nxt, pending = rest[0][0].astype(np.int32), rest[0][1].astype(np.int32), rest[1].astype(np.int32)
+        batch = StepBatch(rows[0].astype(np.int32), rows[1].astype(bool), rows[2].astype(np.int32),
+                          rows[3].astype(np.int32), int(header[Field.ROWS]), tables.astype(np.int32),
+                          samples[0].astype(np.int32), samples[1].astype(np.int32), score, targets, starts, masks,
+                          chain, nxt, pending)
+        return Call(op, seq, batch)
+
+    def _decode_starts(self, n: int, words: np.ndarray, bitmaps: np.ndarray, tokens: np.ndarray) -> tuple[SlotStart, ...]:
+        out = []
+        for i in range(n):
+            w = [int(x) for x in words[i]]
+            bias = tuple((w[13 + j], _bits_f32(w[13 + MAX_LOGIT_BIAS + j])) for j in range(w[12]))
+            settings = SamplingSettings(
+                temperature=_bits_f32(w[4]), top_p=_bits_f32(w[5]), top_logprobs=w[6],
+                allowed=self._ids(bitmaps[i, 0]), blocked=self._ids(bitmaps[i, 1]), top_k=w[7], min_p=_bits_f32(w[8]),
+                repetition_penalty=_bits_f32(w[9]), presence_penalty=_bits_f32(w[10]),
+                frequency_penalty=_bits_f32(w[11]), logit_bias=bias)
+            ids = tuple(int(t) for t in tokens[i, :w[2] + w[3]])
+            out.append(SlotStart(w[0], int(np.array(w[1], np.int32).view(np.uint32)), settings, ids[:w[2]], ids[w[2]:]))
+        return tuple(out)
+
+    def _mask(self, ids: Sequence[int]) -> np.ndarray:
+        mask = np.zeros((self.vocab_size,), bool)
         mask[np.asarray(ids, np.int64)] = True
-        return np.packbits(mask, bitorder="little").view("<i4")
+        return mask
+
+    def _bitmap(self, mask: np.ndarray) -> np.ndarray:
+        padded = np.zeros((self.bitmap_words * 32,), bool)
+        padded[:mask.shape[0]] = mask
+        return np.packbits(padded, bitorder="little").view("<i4")
+
+    def _unbitmap(self, words: np.ndarray) -> np.ndarray:
+        bits = np.unpackbits(np.ascontiguousarray(words, "<i4").view(np.uint8), bitorder="little")
+        return bits[:self.vocab_size].astype(bool)
 
     def _ids(self, words: np.ndarray) -> tuple[int, ...]:
-        bits = np.unpackbits(np.ascontiguousarray(words, "<i4").view(np.uint8), bitorder="little")
-        return tuple(int(i) for i in np.flatnonzero(bits[:self.vocab_size]))
-
-
-def _with_payload(header: SamplingSettings, allowed: tuple[int, ...], blocked: tuple[int, ...],
-                  words: np.ndarray) -> SamplingSettings:
-    """The settings the header began, completed with the payload's token sets and control words."""
-    n = int(words[5])
-    bias = tuple((int(words[6 + i]), _bits_f32(int(words[6 + MAX_LOGIT_BIAS + i]))) for i in range(n))
-    return dataclasses.replace(header, allowed=allowed, blocked=blocked, top_k=int(words[0]),
-                               min_p=_bits_f32(int(words[1])), repetition_penalty=_bits_f32(int(words[2])),
-                               presence_penalty=_bits_f32(int(words[3])), frequency_penalty=_bits_f32(int(words[4])),
-                               logit_bias=bias)
+        return tuple(int(i) for i in np.flatnonzero(self._unbitmap(words)))
 
 
 def codec_for(engine: Any) -> Codec:
-    """The codec of a group serving `engine`, the same on every process: a call carries a whole prompt, up to
-    the largest prefill bucket (the longest prompt the scheduler accepts, chunked or not)."""
-    return Codec(max(engine.buckets), engine.vocab_size)
+    """The codec of a group serving `engine`, the same on every process."""
+    return Codec(engine.max_rows, engine.max_samples, engine.slots, engine.table_len, engine.sequence_len,
+                 engine.vocab_size, getattr(engine, "draft_tokens", 0))
 
 
 class Replica:
-    """One process's copy of the engine's host-side state; it changes only through `run`, in call order.
-
-    The decode state is used linearly (each call consumes the state the previous one returned, as buffer
-    donation requires anyway), so every process holds exactly one; prefixes and chunked-prefill jobs are kept
-    by id (one id space) until process 0 releases them.
-    """
+    """One process's engine and its one state; the state changes only through `run`, in call order (each call
+    consumes the state the previous one returned, as buffer donation requires anyway)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.state: Any = None
-        self.prefixes: dict[int, Any] = {}
 
     def run(self, call: Call) -> Any:
         """Execute `call` on this process's engine; returns what the Engine method returns."""
-        for stale in [p for p in self.prefixes if p < call.release_below]:
-            del self.prefixes[stale]
         e = self.engine
         if call.op in (Op.NOOP, Op.SHUTDOWN):
             return None
-        if call.op == Op.COMPILE_ALL:
-            return e.compile_all()
+        if call.op == Op.COMPILE:
+            return e.compile()
         if call.op == Op.INIT:
-            self.state = e.init_decode_state()
+            self.state = e.init_state()
             return self.state
-        if call.op == Op.PREFILL:
-            prefix, out = e.prefill(call.prompt, call.sampling, seed=call.seed, prompt_logprobs=call.prompt_logprobs)
-            self.prefixes[call.prefix] = prefix
-            return out
-        if call.op == Op.BEGIN_PREFILL:
-            self.prefixes[call.prefix] = e.begin_prefill(call.prompt, call.sampling, slot=call.slot, seed=call.seed)
-            return None
-        if call.op == Op.RESAMPLE:
-            prefix, out = e.resample(self.prefixes[call.source], seed=call.seed)
-            self.prefixes[call.prefix] = prefix
-            return out
-        if call.op == Op.PREFILL_CHUNK:
-            self.state, out = e.prefill_next_chunk(self.prefixes[call.prefix], self.state)
-            return self.state, out
-        if call.op == Op.INSERT:
-            self.state = e.insert(self.prefixes[call.prefix], self.state, call.slot)
-            return self.state
-        if call.op == Op.GENERATE:
-            self.state, out = e.generate(self.state)
-            return self.state, out
-        if call.op == Op.FREE:
-            self.state = e.free_slot(self.state, call.slot)
-            return self.state
+        if call.op == Op.STEP:
+            assert call.batch is not None
+            self.state, pending = e.step(self.state, call.batch)
+            return self.state, pending
         raise ValueError(f"unknown lockstep op {call.op!r}")

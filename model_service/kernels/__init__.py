@@ -1,5 +1,5 @@
-"""Native CPU kernels called from JAX through XLA's FFI: float32 rows times packed int8 (or float32) weights, and
-the sampler's nucleus threshold (`nucleus_threshold`).
+"""Native CPU kernels called from JAX through XLA's FFI: float32 rows times packed int8 (or float32, or bfloat16)
+weights, and the sampler's nucleus threshold (`nucleus_threshold`).
 
 The C++ lives in native/ and is built by `pip install` as the optional extension `_native`. Weights are
 packed [N/16, K, 16] (16 output columns per contiguous stream); each output element is one chain of fused
@@ -7,6 +7,11 @@ multiply-adds over k in order, then its scales, so a row's result never depends 
 thread count or the instruction set (batch invariance by construction). The AVX-512, AVX2 and scalar paths
 are compiled separately and chosen at run time; GROK_KERNEL_ISA=scalar|avx2|avx512 forces one and
 GROK_KERNEL_ISA=off disables the kernels (the model then uses XLA's products).
+
+Each vector path has two forms with the same bits: "rows" (a few rows: each weight is converted once per 4
+rows, bound by reading the weight) and "panel" (many rows: a cache-resident panel of the weight is converted
+once for every row, bound by arithmetic). "auto" picks by weight type and the number of marked rows (what
+measured fastest, see native/ffi.cc); GROK_KERNEL_FORM=rows|panel forces one (to measure another CPU).
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 ISA_ENV = "GROK_KERNEL_ISA"
+FORM_ENV = "GROK_KERNEL_FORM"
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 LANES = 16  # columns per packed block
+FORMS = {"auto": 0, "rows": 1, "panel": 2}
+_PLAIN_TARGETS = {jnp.dtype(jnp.float32): "grok_f32_matmul", jnp.dtype(jnp.bfloat16): "grok_bf16_matmul"}
 
 
 @functools.cache
@@ -63,22 +71,34 @@ def default_isa() -> str:
     return "auto"
 
 
+def default_form() -> str:
+    """GROK_KERNEL_FORM when it names a form (FORMS), else 'auto'."""
+    choice = os.environ.get(FORM_ENV, "auto")
+    if choice in FORMS:
+        return choice
+    log.warning("%s=%s is not one of %s: using auto", FORM_ENV, choice, tuple(FORMS))
+    return "auto"
+
+
 def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa: str | None = None,
-           threads: int = 0, rows: jax.Array | None = None) -> jax.Array:
-    """x float32 [M, K] times a packed weight w [NB, K, 16] (int8 with scales [B, NB*16], or float32 without)
-    -> float32 [M, n_out], n_out <= NB*16. One device; `threads` 0 uses XLA's intra-op pool.
+           threads: int = 0, rows: jax.Array | None = None, form: str | None = None) -> jax.Array:
+    """x float32 [M, K] times a packed weight w [NB, K, 16] (int8 with scales [B, NB*16], or float32 or bfloat16
+    without) -> float32 [M, n_out], n_out <= NB*16. One device; `threads` 0 uses XLA's intra-op pool.
 
     `rows` bool [M] (default: all) names the rows to compute; the others come out zero and cost nothing. A
-    computed row's bits are the same whichever other rows are computed."""
+    computed row's bits are the same whichever other rows are computed, whatever `form` (FORMS) computes it."""
     if not available():
         raise RuntimeError("native kernels are not available (see the log)")
-    isa = isa or default_isa()
+    isa, form = isa or default_isa(), form or default_form()
     out = jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32)
-    attrs = {"isa": np.int64(ISAS[isa]), "threads": np.int64(threads)}
+    attrs = {"isa": np.int64(ISAS[isa]), "threads": np.int64(threads), "form": np.int64(FORMS[form])}
     rows = jnp.ones((x.shape[0],), jnp.bool_) if rows is None else rows.astype(jnp.bool_)
     # Under vmap each batch element is its own call: a batched call would have to be one product anyway.
     if scales is None:
-        return jax.ffi.ffi_call("grok_f32_matmul", out, vmap_method="sequential")(x, w, rows, **attrs)
+        target = _PLAIN_TARGETS.get(jnp.dtype(w.dtype))
+        if target is None:
+            raise TypeError(f"an unscaled packed weight is float32 or bfloat16, got {w.dtype}")
+        return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w, rows, **attrs)
     return jax.ffi.ffi_call("grok_int8_matmul", out, vmap_method="sequential")(x, w, scales, rows, **attrs)
 
 

@@ -2,8 +2,9 @@
 
 A PackedWeight holds a matrix as [NB, K, 16]: 16 output columns per contiguous stream, so the kernel reads
 each weight once per step with unit stride while every output element stays one in-order chain over K.
-It replaces the original (every int8 QuantizedWeight, the float32 router and a float32 embedding table, which
-is held only packed), packed on the host as the weights load (params.pack_for_native).
+It replaces the original (every int8 QuantizedWeight, the float32 router and the embedding table, in the type
+the checkpoint stores it: bfloat16 for the released Grok-1, which is held only packed), packed on the host as
+the weights load (params.pack_for_native), slab by slab from the checkpoint file without a second copy.
 
 Under a mesh the kernel runs per shard through `shard_map`, split like the weights (sharding.py):
 - column-parallel ("columns": query/key/value, the experts' linear / linear_v, N split over `model`; the
@@ -23,11 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import shard_map
 from jax.sharding import Mesh, PartitionSpec as P
 
 from model_service import kernels
+from model_service.file_arrays import FileArray
 from model_service.sharding import DATA, MODEL
 
 if TYPE_CHECKING:
@@ -44,7 +47,7 @@ class PackedWeight:
     split == COLUMNS, else 1), `packed_scales` float32 [blocks, S*NB*16] (zero on padding columns) or None."""
 
     packed: Any
-    packed_scales: Any  # None for float32 weights (the router, the embedding table)
+    packed_scales: Any  # None for unscaled weights (the float32 router, the float32 or bfloat16 table)
     n: int  # logical output columns
     split: str  # COLUMNS or ROWS: which dim the mesh's model axis splits
     shards: int  # how many model-axis shards split that dim (1: the matrix is replicated)
@@ -66,32 +69,88 @@ jax.tree_util.register_dataclass(PackedWeight, data_fields=["packed", "packed_sc
                                  meta_fields=["n", "split", "shards", "mesh", "table"])
 
 
-def _pack_blocks(w_nk: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[N, K] int8 + [blocks, N] -> [ceil(N/16), K, 16] + [blocks, ceil(N/16)*16], padding with zeros."""
+# What a packer reads from its source at a time: packing holds the packed matrix and one such slab, never a
+# second copy of the matrix (a checkpoint's FileArray is read slab by slab straight into the packed layout).
+SLAB_BYTES = 32 << 20
+
+
+def _is_file(src: Any) -> bool:
+    return isinstance(src, FileArray)
+
+
+def _transpose(src: Any) -> Any:
+    """A 2-D source (numpy array or FileArray view) with its axes swapped, as a view."""
+    return src.swapaxes(0, 1) if _is_file(src) else src.T
+
+
+def _region(src: Any, rows: slice, cols: slice) -> np.ndarray:
+    return src.read((rows, cols)) if _is_file(src) else np.asarray(src[rows, cols])
+
+
+def _k_major(w_nk: Any) -> bool:
+    """Whether an [N, K] source lies in memory or on disk K-major (as the checkpoint's [K, N] int8 does):
+    slabs of K are then contiguous reads, slabs of N would be one read per value of K."""
+    if _is_file(w_nk):
+        return w_nk.axes == (1, 0)
+    return w_nk.strides[0] < w_nk.strides[1]
+
+
+def _pack_into(dst: np.ndarray, w_nk: Any, n0: int, n1: int) -> None:
+    """Rows n0..n1 of the [N, K] source packed into dst [ceil((n1 - n0) / 16), K, 16], zero-initialised
+    (the padding columns of the last block stay zero): dst[j, k, l] = w_nk[n0 + 16 j + l, k]."""
+    n, k = n1 - n0, w_nk.shape[1]
+
+    def put(chunk: np.ndarray, k0: int, k1: int, r0: int) -> None:  # chunk [r, k1 - k0] = rows n0 + r0 ...
+        whole = (len(chunk) // LANES) * LANES
+        dst[r0 // LANES:(r0 + whole) // LANES, k0:k1] = chunk[:whole].reshape(-1, LANES, k1 - k0).transpose(0, 2, 1)
+        if whole < len(chunk):
+            dst[(r0 + whole) // LANES, k0:k1, :len(chunk) - whole] = chunk[whole:].T
+
+    itemsize = np.dtype(w_nk.dtype).itemsize
+    if _k_major(w_nk):
+        step = max(1, SLAB_BYTES // max(1, n * itemsize))
+        for k0 in range(0, k, step):
+            k1 = min(k, k0 + step)
+            put(_region(w_nk, slice(n0, n1), slice(k0, k1)), k0, k1, 0)
+        return
+    step = max(LANES, SLAB_BYTES // max(1, k * itemsize) // LANES * LANES)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        put(_region(w_nk, slice(n0 + r0, n0 + r1), slice(0, k)), 0, k, r0)
+
+
+def _pack(w_nk: Any, scales: np.ndarray | None, shards: int, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """[N, K] (+ scales [blocks, N]) -> [S * ceil(N / S / 16), K, 16] (+ [blocks, S * ceil(N / S / 16) * 16]),
+    each of the S shards of N padded to whole 16-column blocks on its own (zeros)."""
     n, k = w_nk.shape
-    nb = -(-n // LANES)
-    w = np.zeros((nb * LANES, k), w_nk.dtype)
-    w[:n] = w_nk
-    s = np.zeros((scales.shape[0], nb * LANES), np.float32)
-    s[:, :n] = scales
-    return np.ascontiguousarray(w.reshape(nb, LANES, k).transpose(0, 2, 1)), s
+    per = n // shards
+    nb = -(-per // LANES)
+    packed = np.zeros((shards * nb, k, LANES), dtype)
+    for s in range(shards):
+        _pack_into(packed[s * nb:(s + 1) * nb], w_nk, s * per, (s + 1) * per)
+    if scales is None:
+        return packed, None
+    padded = np.zeros((scales.shape[0], shards * nb * LANES), np.float32)
+    for s in range(shards):
+        padded[:, s * nb * LANES:s * nb * LANES + per] = scales[:, s * per:(s + 1) * per]
+    return packed, padded
 
 
 def pack_quantized(q: "QuantizedWeight", mesh: Mesh | None) -> PackedWeight:
-    """A host QuantizedWeight (layers.py layouts) -> a host PackedWeight for `mesh`'s model axis."""
-    weight, scales = np.asarray(q.weight), np.asarray(q.scales, np.float32)
+    """A host QuantizedWeight (layers.py layouts; its weight a numpy array or a checkpoint FileArray view) ->
+    a host PackedWeight for `mesh`'s model axis."""
+    scales = np.asarray(q.scales, np.float32)
     model = mesh.shape[MODEL] if mesh is not None and mesh.size > 1 else 1
     mesh = mesh if mesh is not None and mesh.size > 1 else None
     if q.transposed:  # column-parallel [N, K]: pad each model shard's columns separately
-        n = weight.shape[0]
+        n = q.weight.shape[0]
         shards = model if n % model == 0 else 1
-        parts = [_pack_blocks(w, s) for w, s in zip(np.split(weight, shards), np.split(scales, shards, axis=1))]
-        return PackedWeight(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts], axis=1),
-                            n, COLUMNS, shards, mesh)
-    k = weight.shape[0]  # row-parallel [K, N]: each shard takes whole scale blocks of K
+        packed, packed_scales = _pack(q.weight, scales, shards, np.int8)
+        return PackedWeight(packed, packed_scales, n, COLUMNS, shards, mesh)
+    k = q.weight.shape[0]  # row-parallel [K, N]: each shard takes whole scale blocks of K
     shards = model if k % model == 0 and scales.shape[0] % model == 0 else 1
-    packed, packed_scales = _pack_blocks(weight.T, scales)
-    return PackedWeight(packed, packed_scales, weight.shape[1], ROWS, shards, mesh)
+    packed, packed_scales = _pack(_transpose(q.weight), scales, 1, np.int8)
+    return PackedWeight(packed, packed_scales, q.weight.shape[1], ROWS, shards, mesh)
 
 
 def pack_float(w_kn: np.ndarray, mesh: Mesh | None, table: bool = False) -> PackedWeight:
@@ -102,8 +161,22 @@ def pack_float(w_kn: np.ndarray, mesh: Mesh | None, table: bool = False) -> Pack
     k, n = w_kn.shape
     model = mesh.shape[MODEL] if mesh is not None and mesh.size > 1 else 1
     shards = model if table and k % model == 0 else 1
-    packed, _ = _pack_blocks(w_kn.T, np.zeros((0, n), np.float32))
+    packed, _ = _pack(w_kn.T, None, 1, np.float32)
     return PackedWeight(packed, None, n, ROWS, shards, mesh if mesh is not None and mesh.size > 1 else None, table)
+
+
+def pack_table(table: Any, mesh: Mesh | None) -> PackedWeight:
+    """The embedding table [V, D] (numpy or a checkpoint FileArray) -> a PackedWeight of its own type when that
+    is bfloat16 (the released checkpoint's: the kernel converts it exactly, so the logits are the bits a float32
+    table of the same values gives, from half the bytes), float32 otherwise. Read slab by slab (SLAB_BYTES)."""
+    dtype = np.dtype(table.dtype)
+    dtype = dtype if dtype == np.dtype(ml_dtypes.bfloat16) else np.dtype(np.float32)
+    v, d = table.shape
+    model = mesh.shape[MODEL] if mesh is not None and mesh.size > 1 else 1
+    source = table if np.dtype(table.dtype) == dtype else table.astype(dtype)
+    packed, _ = _pack(source, None, 1, dtype)
+    return PackedWeight(packed, None, v, ROWS, model if d % model == 0 else 1,
+                        mesh if mesh is not None and mesh.size > 1 else None, True)
 
 
 def pack_experts(stack: "ExpertStack", mesh: Mesh | None) -> "ExpertStack":

@@ -1,12 +1,16 @@
 """The parameter tree of the Grok-1 network: names, shapes and kinds exactly as the reference's, plus
 conversions between the released checkpoint layout and the in-memory layout, and int8 quantisation.
 
-Checkpoint layout: int8 [..., K, N] + bfloat16 scales [..., blocks, N]. In memory: column-parallel int8 as
-[..., N, K] (one-time transpose), row-parallel kept [..., K, N] (see layers.QuantizedWeight), float32 scales; embeddings in the compute dtype; norms and router float32.
+Checkpoint layout: int8 [..., K, N] + bfloat16 scales [..., blocks, N]; the embedding table bfloat16 in the
+released Grok-1 (float32 in some checkpoints: both are read). In memory: column-parallel int8 as [..., N, K]
+(one-time transpose), row-parallel kept [..., K, N] (see layers.QuantizedWeight), float32 scales; the
+embeddings in the compute dtype, or, packed for native products, in the checkpoint's own type; norms and
+router float32.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +20,7 @@ import numpy as np
 
 from model_service.config import ModelConfig
 from model_service.model.layers import ExpertStack, QuantizedWeight
-from model_service.model.packed import PackedWeight, pack_experts, pack_float, pack_quantized
+from model_service.model.packed import PackedWeight, pack_experts, pack_float, pack_quantized, pack_table
 
 Params = dict[str, dict[str, Any]]
 
@@ -86,8 +90,9 @@ def quantize(w: np.ndarray, blocks: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scale.reshape(*lead, blocks, n)
 
 
-def to_internal(spec: TensorSpec, leaf: Any, dtype: Any) -> Any:
-    """A checkpoint leaf (numpy, or (weight, scales) for int8) -> its in-memory numpy form."""
+def to_internal(spec: TensorSpec, leaf: Any, dtype: Any, native: bool = False) -> Any:
+    """A checkpoint leaf (numpy, or (weight, scales) for int8) -> its in-memory numpy form. `native`: the leaf
+    is about to be packed for native products, which read a bfloat16 table as it is stored (exactly)."""
     # Only views, swapaxes and astype here: a checkpoint leaf may be a file_arrays.FileArray whose bytes are
     # read later, device shard by device shard (the copy into device memory makes the layout contiguous).
     if spec.quantized:
@@ -99,20 +104,23 @@ def to_internal(spec: TensorSpec, leaf: Any, dtype: Any) -> Any:
                                      for e in range(weight.shape[0])))
         return QuantizedWeight(weight, scales.astype(np.float32))
     if spec.module == EMBED:
-        return leaf.astype(jnp.dtype(dtype))
+        keep = native and np.dtype(leaf.dtype) == np.dtype(ml_dtypes.bfloat16)
+        return leaf if keep else leaf.astype(jnp.dtype(dtype))
     return np.asarray(leaf, np.float32)
 
 
 def packable(module: str, leaf: Any) -> bool:
-    """Whether native products read this leaf packed: every int8 matrix, the router and a float32 embedding
-    table (not yet packed); norms and a bfloat16 table never."""
+    """Whether native products read this leaf packed: every int8 matrix, the float32 router and a float32 or
+    bfloat16 embedding table (not yet packed); norms never."""
     if isinstance(leaf, ExpertStack):
         return isinstance(leaf.experts[0], QuantizedWeight)
     if isinstance(leaf, QuantizedWeight):
         return True
-    if isinstance(leaf, PackedWeight) or np.dtype(leaf.dtype) != np.float32:
+    if isinstance(leaf, PackedWeight):
         return False
-    return module.endswith("/router") or module == EMBED
+    if module == EMBED:
+        return np.dtype(leaf.dtype) in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
+    return module.endswith("/router") and np.dtype(leaf.dtype) == np.float32
 
 
 def pack_for_native(module: str, leaf: Any, mesh: Any) -> Any:
@@ -125,7 +133,7 @@ def pack_for_native(module: str, leaf: Any, mesh: Any) -> Any:
     if isinstance(leaf, QuantizedWeight):
         return pack_quantized(leaf, mesh)
     if module == EMBED:
-        return pack_float(np.asarray(leaf).T, mesh, table=True)
+        return pack_table(leaf, mesh)
     return pack_float(np.asarray(leaf), mesh)
 
 
@@ -142,18 +150,46 @@ def to_checkpoint(spec: TensorSpec, leaf: Any) -> Any:
     return np.asarray(leaf, np.float32)
 
 
+EMB_STD = 0.002
+_TABLE_ROWS = 4096  # rows of the random table drawn at a time (a float32 slab, not the whole table)
+
+
+def _random_scales(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
+    """bfloat16 scales [..., blocks, N] giving the int8 matrix a std of gain / sqrt(K)."""
+    gain = 3.0 if spec.module.endswith(("query", "key")) else 1.0
+    target = gain / np.sqrt(spec.shape[-2]) / UNIFORM_INT8_STD
+    return rng.uniform(0.9 * target, 1.1 * target, spec.scales_shape).astype(ml_dtypes.bfloat16)
+
+
+def random_experts(spec: TensorSpec, rng: np.random.Generator) -> tuple[np.ndarray, Iterator[np.ndarray]]:
+    """An MoE matrix's random scales [E, blocks, N] and, drawn lazily one expert after the other, its int8
+    weights [K, N]: a loader can pack and free each before the next is drawn."""
+    scales = _random_scales(spec, rng)
+    return scales, (rng.integers(-127, 128, spec.shape[1:], dtype=np.int8) for _ in range(spec.shape[0]))
+
+
+def _random_table(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """N(0, EMB_STD) in bfloat16, the type the released checkpoint stores its embedding table in."""
+    table = np.empty(shape, ml_dtypes.bfloat16)
+    for r in range(0, shape[0], _TABLE_ROWS):
+        rows = min(_TABLE_ROWS, shape[0] - r)
+        table[r:r + rows] = rng.standard_normal((rows, shape[1]), dtype=np.float32) * EMB_STD
+    return table
+
+
 def random_leaf(spec: TensorSpec, cfg: ModelConfig, rng: np.random.Generator) -> Any:
-    """Random weights in checkpoint layout, scaled so outputs vary (logit std ~2), like golden's recipe."""
+    """Random weights in checkpoint layout, scaled so outputs vary (logit std ~2), like golden's recipe. An MoE
+    matrix draws its scales first, then its experts one by one (random_experts: the same values)."""
     d = cfg.model.emb_size
-    emb_std = 0.002
+    emb_std = EMB_STD
+    if spec.quantized and len(spec.shape) == 3:
+        scales, weights = random_experts(spec, rng)
+        return np.stack(list(weights)), scales
     if spec.quantized:  # int8 drawn directly (fast even for large configs), scales give std gain/sqrt(K)
-        gain = 3.0 if spec.module.endswith(("query", "key")) else 1.0
         weight = rng.integers(-127, 128, spec.shape, dtype=np.int8)
-        target = gain / np.sqrt(spec.shape[-2]) / UNIFORM_INT8_STD
-        scales = rng.uniform(0.9 * target, 1.1 * target, spec.scales_shape).astype(ml_dtypes.bfloat16)
-        return weight, scales
+        return weight, _random_scales(spec, rng)
     if spec.module == EMBED:
-        return rng.standard_normal(spec.shape, dtype=np.float32) * emb_std
+        return _random_table(spec.shape, rng)
     if spec.module == FINAL_NORM:
         target = 2.0 / (cfg.output_multiplier_scale * emb_std * np.sqrt(d))
         return rng.uniform(0.75 * target, 1.25 * target, spec.shape).astype(np.float32)

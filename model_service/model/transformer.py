@@ -2,8 +2,9 @@
 
 Top-level modules: `language_model` (in_out_embed, final rms_norm) and `transformer` (decoder_layer_i with
 multi_head_attention/{query,key,value,linear}, router, moe/{linear,linear_v,linear_1}, rms_norm..rms_norm_3).
-One forward function serves full passes, prefill and decode: the caller supplies positions, the attention
-mask and, for decode, the memory and each slot's write index.
+Two entry points share the layers: `forward`, a dense pass over whole sequences (parity checks), and `hidden`,
+the serving step: a list of token rows, each one token of some sequence at some position, written into and
+attending over the paged KV pools (`Step` says which). `head` and `score` turn a step's rows into logits.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from model_service.config import ModelConfig
-from model_service.kv_memory import KVMemory, write_blocks, write_tokens
+from model_service.kv_memory import KVMemory, write_tokens
 from model_service.model.layers import (
     Products,
     QuantizedWeight,
     apply_rope,
     attention,
-    paged_attention,
-    paged_attention_rows,
+    attend_rows,
     product,
     rms_norm,
 )
@@ -35,20 +35,24 @@ Array = jax.Array
 
 
 class Step(NamedTuple):
-    """What one forward call needs besides tokens. B is the number of rows computed; in decode these are the
-    memory's slots row_start .. row_start + B - 1 (the memory may hold more)."""
+    """What one forward call needs besides tokens [B, T].
+
+    Dense (full passes for parity and training checks): `mask` says which of the call's tokens each query sees,
+    keys are the call's own tokens. Paged (the serving step): every row is one token (T == 1) of sequence
+    `seq[b]` at `positions[b, 0]`; its key and value go into the pool block its sequence's table lists for
+    that position, then it attends to its sequence's keys at positions 0..positions[b, 0] read through the
+    table (layers.attend_rows). Rows not `active` (padding) write into the scratch block, attend to nothing
+    and never make an expert run."""
 
     positions: Array  # [B, T] int32 rotary positions
-    mask: Array | None  # dense: [B, T, S] bool, which of this call's tokens each query sees (paged: see limit)
-    memory: tuple[KVMemory, ...] | None  # paged pools to write into and read from; None: keys are this call's tokens
-    write_to: Array | None  # paged: decode [B] the block each row's token goes to; a prefill chunk [C / block] blocks
-    active: Array | None = None  # decode: [B] bool, False rows (free slots) never make an expert run
+    mask: Array | None = None  # dense: [B, T, S] bool
+    pools: tuple[KVMemory, ...] | None = None  # paged: each layer's block pool
+    active: Array | None = None  # paged: [B] bool, the rows that hold a token
+    seq: Array | None = None  # paged: [B] int32, each row's sequence (a row of `tables`)
+    tables: Array | None = None  # paged: [S, table_len] int32, each sequence's blocks in position order
     products: Products = Products.DOT  # static: how token rows meet weights (layers.Products)
-    row_start: Array | int = 0  # decode: memory slot of the first row
-    write_at: Array | None = None  # decode: [B] offset of each row's token in its block (None: whole blocks)
-    tables: Array | None = None  # paged: [B, table_len] the blocks each row reads, in position order
-    limit: Array | None = None  # paged: [B, T] int32, query t of row b sees key positions 0..limit[b, t]
-    key_chunk: int = 0  # static, paged: keys are attended in chunks of this many positions (paged_attention)
+    key_chunk: int = 0  # static, paged: keys are attended in chunks of this many positions
+    attention: str = "rows"  # static, paged: "rows" (one row at a time) or "batched" (layers.attend_rows)
 
 
 def _norm(name: str, x: Array) -> Array:
@@ -63,11 +67,12 @@ def _linear(name: str, x: Array, out: int, step: Step) -> Array:
 
 
 def _write(pool: Array, new: Array, step: Step) -> Array:
-    """This call's keys or values new [B, Hkv, T, D] into their blocks: one token per row (decode), or one row's
-    chunk of whole blocks (a prefill chunk)."""
-    if step.write_at is None:
-        return write_blocks(pool, new[0], step.write_to)
-    return write_tokens(pool, new[:, :, 0, :], step.write_to, step.write_at)
+    """This call's keys or values new [B, Hkv, 1, D] into their blocks, one token per row; padding rows write
+    into the scratch block (the pool's last)."""
+    bs, scratch = pool.shape[2], pool.shape[0] - 1
+    pos = step.positions[:, 0]
+    blocks = jnp.take_along_axis(step.tables[step.seq], (pos // bs)[:, None], axis=1)[:, 0]
+    return write_tokens(pool, new[:, :, 0, :], jnp.where(step.active, blocks, scratch), pos % bs)
 
 
 class MultiHeadAttention(hk.Module):
@@ -90,12 +95,8 @@ class MultiHeadAttention(hk.Module):
             with jax.named_scope("kv_write"):
                 full = KVMemory(*(_write(pool, new, step) for pool, new in ((cache.k, k), (cache.v, v))))
             with jax.named_scope("scores_softmax_values"):
-                if step.active is None:  # a prefill chunk: one row
-                    out = paged_attention(q, full.k, full.v, step.tables, step.limit, t.attn_output_multiplier,
-                                          step.key_chunk)
-                else:
-                    out = paged_attention_rows(q, full.k, full.v, step.tables, step.limit,
-                                               t.attn_output_multiplier, step.key_chunk, step.active)
+                out = attend_rows(q[:, 0], full.k, full.v, step.tables, step.seq, step.positions[:, 0], step.active,
+                                  t.attn_output_multiplier, step.key_chunk, step.attention)[:, None]
         else:
             k, v = (constrain(a, self.mesh, P(DATA, MODEL, None, None)) for a in (k, v))
             full = KVMemory(k, v)
@@ -137,7 +138,7 @@ class Transformer(hk.Module):
     def __call__(self, h: Array, step: Step) -> tuple[Array, tuple[KVMemory, ...]]:
         caches = []
         for i in range(self.cfg.model.num_layers):
-            cache = step.memory[i] if step.memory is not None else None
+            cache = step.pools[i] if step.pools is not None else None
             h, kv = DecoderLayer(self.cfg, self.mesh, name=f"decoder_layer_{i}")(h, step, cache)
             caches.append(kv)
         return h, tuple(caches)
@@ -176,39 +177,36 @@ def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array, products: Produ
     return out * jnp.float32(cfg.output_multiplier_scale)
 
 
-def forward(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: Step,
-            last_index: Array | None) -> tuple[Array, tuple[KVMemory, ...]]:
-    """Haiku-transformed body. Returns float32 logits ([B, V] at `last_index` [B], else [B, T, V]) and caches."""
+def forward(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: Step) -> Array:
+    """Haiku-transformed dense pass (parity checks): tokens [B, T] -> float32 logits [B, T, V]."""
     lm = language_model_params(cfg)
     x = constrain(embed(cfg, lm, tokens, dtype), mesh, P(DATA, None, MODEL))
-    h, caches = Transformer(cfg, mesh)(x, step)
-    used = None
-    if last_index is not None:
-        h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]  # [B, D]
-        used = step.active
+    h, _ = Transformer(cfg, mesh)(x, step)
     with jax.named_scope("unembed"):
-        return unembed(cfg, lm, h, step.products, used), caches
+        return unembed(cfg, lm, h, step.products)
 
 
-def prompt_logprobs(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: Step, k: int,
-                    chunk: int) -> tuple[Array, Array, Array]:
-    """Haiku-transformed (same parameters as `forward`): how likely the network finds each prompt token.
-
-    tokens [1, T] -> (logprob of token t + 1 after tokens ..t [T], top-k logprobs [T, k], their ids [T, k]),
-    from the raw logits' log-softmax (vLLM's prompt_logprobs). The last row and rows past the prompt are
-    meaningless. The [T, V] logits are never held at once: `chunk` rows are unembedded at a time.
-    """
+def hidden(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array,
+           step: Step) -> tuple[Array, tuple[KVMemory, ...]]:
+    """Haiku-transformed paged pass over token rows: tokens [R, 1] -> the last layer's output [R, 1, D] (before
+    the final norm) and the pools with the rows' keys and values written."""
     lm = language_model_params(cfg)
     x = constrain(embed(cfg, lm, tokens, dtype), mesh, P(DATA, None, MODEL))
-    h, _ = Transformer(cfg, mesh)(x, step)  # [1, T, D]
-    t = tokens.shape[1]
-    targets = jnp.roll(tokens[0], -1).reshape(t // chunk, chunk)
+    return Transformer(cfg, mesh)(x, step)
 
-    def rows(args: tuple[Array, Array]) -> tuple[Array, Array, Array]:
-        hidden, target = args  # [chunk, D], [chunk]
-        logprobs = jax.nn.log_softmax(unembed(cfg, lm, hidden, step.products), axis=-1)  # [chunk, V]
-        top, ids = jax.lax.top_k(logprobs, k)
-        return jnp.take_along_axis(logprobs, target[:, None], axis=-1)[:, 0], top, ids.astype(jnp.int32)
 
-    chosen, top, ids = jax.lax.map(rows, (h[0].reshape(t // chunk, chunk, -1), targets))
-    return chosen.reshape(t), top.reshape(t, k), ids.reshape(t, k)
+def head(cfg: ModelConfig, h: Array, products: Products, used: Array | None) -> Array:
+    """Haiku-transformed (the same parameters): rows h [P, D] -> float32 logits [P, V]; rows not `used` [P] get
+    none (zeros with native products)."""
+    return unembed(cfg, language_model_params(cfg), h, products, used)
+
+
+def score(cfg: ModelConfig, h: Array, targets: Array, used: Array, products: Products,
+          k: int) -> tuple[Array, Array, Array]:
+    """Haiku-transformed: how likely the network finds each row's next token (vLLM's prompt_logprobs).
+
+    h [C, D] rows, targets [C] int32 (the token that follows each row), used [C] bool -> (log-probability of the
+    target [C], the k largest log-probabilities [C, k], their ids [C, k]) under the raw logits' log-softmax."""
+    logprobs = jax.nn.log_softmax(unembed(cfg, language_model_params(cfg), h, products, used), axis=-1)  # [C, V]
+    top, ids = jax.lax.top_k(logprobs, k)
+    return jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0], top, ids.astype(jnp.int32)

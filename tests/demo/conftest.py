@@ -1,5 +1,6 @@
 """The committed demo model (demo/): its record, its config, the documents it was trained on, and the whole
-stack serving it (gateway -> tokenizer -> model, real processes on 127.0.0.1, gRPC and HTTP)."""
+stack serving it as `make run` starts it (scripts/run_stack.py: gateway -> tokenizer -> model, real processes on
+127.0.0.1, gRPC and HTTP)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 from gateway.client import GatewayClient
 from model_service.config import ModelConfig, load_model_config
 from demo_build.data import split_paragraphs
-from tests.gateway.conftest import Stack
-from tests.procs import ROOT, Service, free_port
+from tests.demo.launcher import Launched
+from tests.procs import ROOT
 from demo_build.train_tokenizer import CORPUS_DIR, corpus_documents
 
 DEMO = ROOT / "demo"
@@ -53,27 +54,20 @@ def sentences(text: str) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def demo_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The committed demo model served as `make run` serves it, on free ports, with the HTTP API on."""
-    logs = tmp_path_factory.mktemp("demo_stack")
-    ports = [free_port() for _ in range(4)]
-    tokenizer = Service("tokenizer_service", ["--model", str(DEMO / "tokenizer.model"), "--host", "127.0.0.1",
-                                              "--port", str(ports[0])], ports[0], log_dir=logs)
-    model = Service("model_service", ["--config", str(DEMO_CONFIG), "--checkpoint", str(DEMO / "checkpoint"),
-                                      "--host", "127.0.0.1", "--port", str(ports[1]), "--slots", "2",
-                                      "--buckets", "64,256"], ports[1], log_dir=logs)
-    gateway = Service("gateway", ["--tokenizer", tokenizer.address, "--model", model.address, "--host", "127.0.0.1",
-                                  "--port", str(ports[2]), "--http-port", str(ports[3])], ports[2], log_dir=logs)
-    running = Stack(tokenizer, [model], gateway, ports[3])
+def demo_stack(jax_cache: str) -> Iterator[Launched]:
+    """The stack `make run` starts (scripts/run_stack.py with its defaults: the committed demo model, structured
+    output on, the HTTP API on) on free ports, with the session's compile cache; ready once its sample is shown."""
+    launched = Launched(["--compile-cache", jax_cache])
     try:
-        for service in (tokenizer, model, gateway):
-            service.wait_serving(600)
-        yield running
+        yield launched.wait_ready()
     finally:
-        running.stop()
+        if launched.proc.poll() is None:
+            launched.stop()
+        else:
+            launched.kill()
 
 
 @pytest.fixture(scope="session")
-def client(demo_stack: Stack) -> Iterator[GatewayClient]:
+def client(demo_stack: Launched) -> Iterator[GatewayClient]:
     with GatewayClient(demo_stack.address, timeout=120) as c:
         yield c

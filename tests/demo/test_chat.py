@@ -12,8 +12,10 @@ from collections.abc import Iterator
 import pytest
 from openai import OpenAI
 
+from gateway.client import GatewayClient
+
 from tests.demo.conftest import corpus_prose, sentences
-from tests.gateway.conftest import Stack
+from tests.demo.launcher import Launched
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +23,7 @@ MAX_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
-def openai_client(demo_stack: Stack) -> Iterator[OpenAI]:
+def openai_client(demo_stack: Launched) -> Iterator[OpenAI]:
     with OpenAI(base_url=f"{demo_stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
         yield c
 
@@ -68,8 +70,7 @@ def test_hello_gets_a_short_greeting_back(openai_client: OpenAI, system: str | N
     messages = ([("system", system)] if system else []) + [("user", "Hello!")]
     answer, finish = chat(openai_client, *messages)
     assert finish == "stop"
-    # The answer's text continues the prompt ("Assistant:"), so it may start with the space the model wrote.
-    assert answer.lstrip().startswith(("Hello", "Hi")), answer
+    assert answer.startswith(("Hello", "Hi")), answer
     assert 1 <= len(answer.split()) <= 20, answer
 
 
@@ -79,3 +80,35 @@ def test_a_streamed_chat_answer_is_the_same_answer(openai_client: OpenAI) -> Non
         model="grok-1", temperature=0, max_tokens=MAX_TOKENS, stream=True,
         messages=[{"role": "user", "content": "What does the gateway do?"}])
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == answer
+
+
+def test_chat_content_starts_at_its_first_word_and_its_first_token_keeps_the_space(openai_client: OpenAI) -> None:
+    """The model writes " The" after "Assistant:"; the content is "The ..." (as OpenAI's and vLLM's), streamed or
+    not, while the logprobs report the token's own text and bytes."""
+    messages = [{"role": "user", "content": "What does the gateway do?"}]
+    reply = openai_client.chat.completions.create(model="grok-1", temperature=0, max_tokens=MAX_TOKENS,
+                                                  messages=messages, logprobs=True)  # type: ignore[arg-type]
+    content = reply.choices[0].message.content or ""
+    assert content.startswith("The gateway"), content
+    tokens = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert tokens[0].token.startswith(" ") and tokens[0].bytes == list(tokens[0].token.encode())
+    assert "".join(t.token for t in tokens) == " " + content
+    stream = openai_client.chat.completions.create(model="grok-1", temperature=0, max_tokens=MAX_TOKENS,
+                                                   messages=messages, stream=True)  # type: ignore[arg-type]
+    deltas = [chunk.choices[0].delta.content for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
+    assert deltas[0].startswith("The") and "".join(deltas) == content
+
+
+def test_grpc_chat_answers_as_http_chat_does(demo_stack: Launched, openai_client: OpenAI) -> None:
+    """GatewayService.Chat renders with the same template and answers the same text as /v1/chat/completions at the
+    same settings (gRPC's default temperature is 0, HTTP's OpenAI's 1: the HTTP call sets it)."""
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What does the gateway do?"}]
+    http = openai_client.chat.completions.create(model="grok-1", temperature=0, max_tokens=MAX_TOKENS,
+                                                 messages=messages)  # type: ignore[arg-type]
+    with GatewayClient(demo_stack.address, timeout=120) as client:
+        replies = list(client.chat(messages, max_tokens=MAX_TOKENS))
+    text = "".join(r.text for r in replies)
+    assert text == http.choices[0].message.content and text.startswith("The gateway")
+    assert replies[-1].usage.prompt_tokens == http.usage.prompt_tokens  # type: ignore[union-attr]
+    assert replies[0].tokens[0].text.startswith(" ")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -16,7 +17,8 @@ from openai import OpenAI
 from gateway.client import GatewayClient
 from grok.gateway.v1 import gateway_pb2
 from tests.demo.conftest import corpus_prose, sentences
-from tests.gateway.conftest import Stack
+from tests.demo.launcher import Launched
+from scripts.run_stack import parse_args
 from tests.procs import ROOT
 
 pytestmark = pytest.mark.slow
@@ -39,8 +41,11 @@ def shell_commands(block: str) -> list[str]:
     return [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip() and not c.startswith("#")]
 
 
-def on_stack(text: str, stack: Stack) -> str:
-    text = text.replace("127.0.0.1:50051", stack.address).replace("127.0.0.1:8000", f"127.0.0.1:{stack.http_port}")
+def on_stack(text: str, stack: Launched) -> str:
+    """`text` aimed at the launched stack: its ports in place of `make run`'s defaults."""
+    for default, name in ((50051, "gateway"), (50052, "tokenizer"), (50053, "model"), (8000, "http"),
+                          (9090, "metrics"), (9091, "model-metrics")):
+        text = text.replace(f"127.0.0.1:{default}", f"127.0.0.1:{stack.ports[name]}")
     venv_bin = ROOT / ".venv" / "bin"
     if not (venv_bin / "grpcurl").exists() or pathlib.Path(sys.executable).parent != venv_bin:
         text = text.replace(".venv/bin/", f"{pathlib.Path(sys.executable).parent}/")
@@ -60,7 +65,7 @@ def assert_corpus_sentences(text: str) -> None:
         assert sentence in prose, sentence
 
 
-def test_every_command_of_calling_it_runs_as_written(demo_stack: Stack) -> None:
+def test_every_command_of_calling_it_runs_as_written(demo_stack: Launched) -> None:
     blocks = code_blocks(section("Calling it"), "bash")
     commands = [c for block in blocks for c in shell_commands(block)]
     assert [c.split()[0] for c in commands] == [".venv/bin/grpcurl", "curl"]
@@ -71,7 +76,7 @@ def test_every_command_of_calling_it_runs_as_written(demo_stack: Stack) -> None:
     assert_corpus_sentences(http_reply["choices"][0]["message"]["content"])
 
 
-def test_the_python_example_runs_as_written(demo_stack: Stack) -> None:
+def test_the_python_example_runs_as_written(demo_stack: Launched) -> None:
     (program,) = code_blocks(section("Calling it"), "python")
     done = subprocess.run([sys.executable, "-c", on_stack(program, demo_stack)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
@@ -80,7 +85,7 @@ def test_the_python_example_runs_as_written(demo_stack: Stack) -> None:
     assert_corpus_sentences(done.stdout)
 
 
-def test_the_streaming_client_line_runs_as_written(demo_stack: Stack) -> None:
+def test_the_streaming_client_line_runs_as_written(demo_stack: Launched) -> None:
     (command,) = re.findall(r"`(\.venv/bin/python -m gateway\.client [^`]+)`", section("Calling it"))
     assert run_shell(on_stack(command, demo_stack) + f" --address {demo_stack.address}").strip()
 
@@ -115,7 +120,7 @@ def test_the_demo_tables_completion_rows_are_what_the_model_writes(client: Gatew
         assert_shown(reply.text, reply.finish_reason == gateway_pb2.FINISH_REASON_EOS, shown)
 
 
-def test_the_demo_tables_chat_rows_are_what_the_model_answers(demo_stack: Stack) -> None:
+def test_the_demo_tables_chat_rows_are_what_the_model_answers(demo_stack: Launched) -> None:
     rows = table_rows("chat")
     assert len(rows) >= 4
     with OpenAI(base_url=f"{demo_stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120) as openai:
@@ -126,3 +131,10 @@ def test_the_demo_tables_chat_rows_are_what_the_model_answers(demo_stack: Stack)
                                                    temperature=0, max_tokens=96)
             choice = reply.choices[0]
             assert_shown(choice.message.content or "", choice.finish_reason == "stop", shown)
+
+
+def test_the_make_run_options_shown_are_launcher_flags() -> None:
+    shown = re.findall(r'^make run ARGS="([^"]+)"$', section("What `make run` shows"), re.M)
+    assert len(shown) >= 2
+    for args in shown:
+        parse_args(shlex.split(args))  # argparse exits on an unknown flag or a bad value

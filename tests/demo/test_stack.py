@@ -11,7 +11,7 @@ import sentencepiece
 from gateway.client import GatewayClient
 from grok.gateway.v1 import gateway_pb2
 from tests.demo.conftest import DEMO, paragraph_starting
-from tests.gateway.conftest import Stack
+from tests.demo.launcher import Launched
 from tests.procs import ROOT
 from demo_build.train_tokenizer import CORPUS_DIR
 
@@ -71,8 +71,20 @@ def test_make_run_sample_prompt_gets_a_sentence_of_the_corpus(client: GatewayCli
     assert any(sentence in path.read_text() for path in CORPUS_DIR.glob("*.txt")), sentence
 
 
-def test_model_service_start_up_logs_no_jax_backend_probe(demo_stack: Stack) -> None:
+def test_model_service_start_up_logs_no_jax_backend_probe(demo_stack: Launched) -> None:
     # jax tries libtpu on every machine without a TPU and logs the failure at INFO: noise a user cannot act on.
     (model,) = demo_stack.models
     assert "serving" in model.logs()
     assert "Unable to initialize backend" not in model.logs()
+
+
+def test_probabilities_only_when_asked_and_the_text_once_for_one_completion(client: GatewayClient) -> None:
+    plain = client.complete("The model service", max_tokens=8, temperature=0.0)
+    assert plain.text and plain.tokens and not plain.choices
+    assert all(t.probability == 0 and t.logprob == 0 and not t.top_tokens for t in plain.tokens)
+    asked = client.complete("The model service", max_tokens=8, temperature=0.0, logprobs=True)
+    assert asked.text == plain.text and all(0 < t.probability <= 1 and t.logprob <= 0 for t in asked.tokens)
+    alternatives = client.complete("The model service", max_tokens=8, temperature=0.0, top_logprobs=2)
+    assert all(t.probability > 0 and t.top_tokens for t in alternatives.tokens)
+    several = client.complete("The model service", max_tokens=8, temperature=1.0, seed=3, n=2)
+    assert [c.index for c in several.choices] == [0, 1] and several.text == several.choices[0].text

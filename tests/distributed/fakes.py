@@ -1,48 +1,55 @@
-"""In-process stand-ins for the lockstep tests: an engine that records every call with its arguments, and
+"""In-process stand-ins for the lockstep tests: an engine that records every step it runs, and
 in-memory channel ends that behave like a broadcast (or like a dead or stalled peer)."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from model_service.requests import Emission, SchedulerError
-from model_service.sampling_settings import GREEDY, SamplingSettings
-from tests.engine.fake_engine import FakeEngine, FakeOutput
+from model_service.sampling_settings import SamplingSettings
+from model_service.step_batch import StepBatch
+from tests.engine.fake_engine import FakeEngine
 
 
 @dataclass
 class RecordingEngine(FakeEngine):
-    """FakeEngine that also compiles and records prefill's full arguments."""
+    """FakeEngine that also compiles (recorded, as its steps are)."""
 
-    def compile_all(self) -> dict[str, float]:
-        self._log("compile_all")
+    compiles: int = 0
+
+    def compile(self) -> dict[str, float]:
+        self.compiles += 1
         return {"fake": 0.0}
 
-    def prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, seed: int,
-                prompt_logprobs: int | None = None) -> tuple[int, FakeOutput]:
-        self._log("prefill_args", tuple(tokens), seed, *_flat(sampling))
-        if not sampling.controls_off:
-            self._log("controls", sampling)
-        if prompt_logprobs is not None:
-            self._log("prompt_logprobs", prompt_logprobs)
-        return super().prefill(tokens, sampling, seed=seed, prompt_logprobs=prompt_logprobs)
 
-    def begin_prefill(self, tokens: Sequence[int], sampling: SamplingSettings = GREEDY, *, slot: int,
-                      seed: int) -> list:
-        self._log("begin_prefill_args", tuple(tokens), slot, seed, *_flat(sampling))
-        if not sampling.controls_off:
-            self._log("controls", sampling)
-        return super().begin_prefill(tokens, sampling, slot=slot, seed=seed)
+def same_batch(a: StepBatch, b: StepBatch) -> bool:
+    """Two step batches carry the same rows, tables, draws, scores, starts and masks."""
+    arrays = ("tokens", "from_last", "positions", "seq", "tables", "sample_rows", "sample_slots")
+    if a.rows != b.rows or not all(np.array_equal(getattr(a, f), getattr(b, f)) for f in arrays):
+        return False
+    if (a.score is None) != (b.score is None) or (a.score is not None and not (
+            np.array_equal(a.score, b.score) and np.array_equal(a.targets, b.targets))):
+        return False
+    starts = [(st.slot, st.seed, st.prompt, st.drawn, _flat(st.settings)) for st in a.starts]
+    if starts != [(st.slot, st.seed, st.prompt, st.drawn, _flat(st.settings)) for st in b.starts]:
+        return False
+    return len(a.masks) == len(b.masks) and all(x[0] == y[0] and np.array_equal(x[1], y[1])
+                                                for x, y in zip(a.masks, b.masks))
 
 
-def _flat(s: SamplingSettings) -> tuple:
-    """The reference's settings as recorded: temperature, top_p, allowed and blocked sets, top_logprobs."""
-    return s.temperature, s.top_p, tuple(sorted(set(s.allowed))), tuple(sorted(set(s.blocked))), s.top_logprobs
+def _flat(s: SamplingSettings) -> SamplingSettings:
+    """Settings as compared: token sets as sets (the wire sends them as bitmaps), floats as float32 values."""
+    f32 = lambda x: float(np.float32(x))  # noqa: E731
+    return dataclasses.replace(
+        s, allowed=tuple(sorted(set(s.allowed))), blocked=tuple(sorted(set(s.blocked))),
+        temperature=f32(s.temperature), top_p=f32(s.top_p), min_p=f32(s.min_p),
+        repetition_penalty=f32(s.repetition_penalty), presence_penalty=f32(s.presence_penalty),
+        frequency_penalty=f32(s.frequency_penalty), logit_bias=tuple((t, f32(b)) for t, b in s.logit_bias))
 
 
 class Wire:

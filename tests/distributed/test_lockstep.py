@@ -6,21 +6,33 @@ simulated at the channel: a dead peer makes the collective fail, a stalled one m
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from model_service.distributed.config import EXIT_GROUP_BROKEN, DistributedConfig
 from model_service.distributed.follower import Watchdog, follow
 from model_service.distributed.lockstep import GroupBroken, LockstepEngine, receive, send
-from model_service.distributed.ops import Call, Codec, Op, Replica, codec_for
+from model_service.distributed.ops import HEADER_SIZE, Call, Codec, Op, Replica, codec_for
 from model_service.requests import ErrorKind, GenerationRequest
 from model_service.sampling_settings import SamplingSettings
 from model_service.scheduler import Scheduler
-from tests.distributed.fakes import Collector, DeadPeer, FollowerEnd, LeaderEnd, RecordingEngine, SwitchableChannel, Wire
+from model_service.step_batch import SlotStart, StepBatch
+from tests.distributed.fakes import (
+    Collector,
+    DeadPeer,
+    FollowerEnd,
+    LeaderEnd,
+    RecordingEngine,
+    SwitchableChannel,
+    Wire,
+    same_batch,
+)
 from tests.waiting import wait_until
 
 STEP_TIMEOUT = 1.0
@@ -59,7 +71,7 @@ def group() -> Iterator[tuple[Scheduler, RecordingEngine, FollowerThread, list[s
     leader_engine, follower_engine = RecordingEngine(slots=3), RecordingEngine(slots=3)
     follower = FollowerThread(follower_engine, wire)
     engine = lockstep(leader_engine, LeaderEnd(wire), broken)
-    engine.compile_all()
+    engine.compile()
     sched = Scheduler(engine, max_queue=16)
     sched.start()
     yield sched, leader_engine, follower, broken
@@ -72,7 +84,14 @@ def req(prompt: tuple[int, ...], **kw: Any) -> GenerationRequest:
     return GenerationRequest(request_id=f"r{prompt}", prompt=prompt, **kw)
 
 
-def test_follower_replays_every_engine_call_with_the_same_arguments(group: Any) -> None:
+def followed(leader: RecordingEngine, follower: FollowerThread) -> bool:
+    """The follower ran exactly the leader's steps (wait until it caught up first)."""
+    wait_until(lambda: len(follower.engine.steps) >= len(leader.steps))
+    return len(follower.engine.steps) == len(leader.steps) and all(
+        same_batch(a, b) for a, b in zip(leader.steps, follower.engine.steps))
+
+
+def test_follower_runs_every_step_with_the_same_batch(group: Any) -> None:
     sched, leader_engine, follower, broken = group
     outs = [Collector() for _ in range(5)]
     sampling = SamplingSettings(temperature=0.5, top_p=0.9, allowed=(22, 23, 24), blocked=(23,))
@@ -85,36 +104,37 @@ def test_follower_replays_every_engine_call_with_the_same_arguments(group: Any) 
         assert c.done.wait(5)
     assert [c.tokens for c in outs] == [[22, 23, 24, 25], [31], [43, 44, 45, 46, 47, 48], [51, 52, 53], [56, 57]]
     sched.stop()
-    wait_until(lambda: len(follower.engine.calls) >= len(leader_engine.calls))
-    assert follower.engine.calls == leader_engine.calls
+    assert followed(leader_engine, follower)
     assert broken == [] and follower.expired == []
-    assert ("prefill_args", (20, 21), 7, pytest.approx(0.5), pytest.approx(0.9), (22, 23, 24), (23,), 0) \
-        in follower.engine.calls
-    assert ("prefill_args", (55,), 2**32 - 1, 0.0, 1.0, (), (), 0) in follower.engine.calls
+    starts = [st for b in follower.engine.steps for st in b.starts]
+    first = next(st for st in starts if st.prompt == (20, 21))
+    assert first.seed == 7 and first.settings.temperature == pytest.approx(0.5)
+    assert first.settings.top_p == pytest.approx(0.9) and set(first.settings.allowed) == {22, 23, 24}
+    assert next(st for st in starts if st.prompt == (55,)).seed == 2**32 - 1
 
 
-def test_a_chunked_prefill_runs_on_the_follower_too_and_a_cancelled_one_is_released() -> None:
+def test_a_long_prompt_runs_on_the_follower_too_and_a_cancelled_one_frees_its_blocks() -> None:
     wire, broken = Wire(), []
-    leader_engine = RecordingEngine(slots=2, prefill_chunk=4, step_delay=0.01)
-    follower = FollowerThread(RecordingEngine(slots=2, prefill_chunk=4, step_delay=0.01), wire)
+    leader_engine = RecordingEngine(slots=2, max_rows=4, step_delay=0.01)
+    follower = FollowerThread(RecordingEngine(slots=2, max_rows=4, step_delay=0.01), wire)
     engine = lockstep(leader_engine, LeaderEnd(wire), broken)
-    engine.compile_all()
+    engine.compile()
     sched = Scheduler(engine, max_queue=4)
     sched.start()
     try:
         long, cancelled = Collector(), Collector()
-        sched.submit(req(tuple(range(10, 24)), max_tokens=3, ignore_eos=True), long)  # 14 tokens: 4 chunks
+        sched.submit(req(tuple(range(10, 24)), max_tokens=3, ignore_eos=True), long)  # 14 tokens: 4 steps of 4
         handle = sched.submit(req(tuple(range(40, 54)), max_tokens=3), cancelled)
         handle.cancel()
         assert long.done.wait(5) and long.tokens == [24, 25, 26]
         assert cancelled.done.wait(5) and cancelled.error is not None
-        wait_until(lambda: sched.stats()["free"] == 2)
+        wait_until(lambda: sched.stats()["free"] == 2 and sched.kv.usage().used == 0)
     finally:
         sched.stop()
         engine.close()
         follower.thread.join(5)
-    assert follower.engine.calls == leader_engine.calls
-    assert sum(c[0] == "chunk" for c in follower.engine.calls) >= 4 and broken == []
+    assert followed(leader_engine, follower)
+    assert len(follower.engine.steps) >= 6 and broken == []
 
 
 def test_shutdown_ends_the_follower_loop_cleanly(group: Any) -> None:
@@ -128,14 +148,14 @@ def test_shutdown_ends_the_follower_loop_cleanly(group: Any) -> None:
 def keepalives(wire: Wire) -> int:
     """NOOP headers the leader has sent so far."""
     headers = [message[0] for message in list(wire.sent) if len(message) == 1]
-    return sum(1 for header in headers if header.shape == (12,) and header[0] == Op.NOOP)
+    return sum(1 for header in headers if header.shape == (HEADER_SIZE,) and header[0] == Op.NOOP)
 
 
 def test_idle_leader_sends_keepalives_the_follower_receives() -> None:
     wire, broken = Wire(), []
     follower = FollowerThread(RecordingEngine(), wire)
     engine = lockstep(RecordingEngine(), LeaderEnd(wire), broken)
-    engine.compile_all()
+    engine.compile()
     wait_until(lambda: keepalives(wire) >= 2, timeout=20 * KEEPALIVE + 1, message="no keep-alives went out")
     engine.close()
     follower.thread.join(5)
@@ -146,7 +166,7 @@ def test_dead_peer_fails_the_running_request_with_unavailable_and_breaks_the_gro
     broken: list[str] = []
     channel = SwitchableChannel()
     engine = lockstep(RecordingEngine(slots=2, step_delay=0.05), channel, broken)
-    engine.compile_all()
+    engine.compile()
     sched = Scheduler(engine, max_queue=4)
     sched.start()
     running, queued = Collector(), Collector()
@@ -158,7 +178,7 @@ def test_dead_peer_fails_the_running_request_with_unavailable_and_breaks_the_gro
     assert "lost a process of its group" in running.error.message and "retry" in running.error.message
     assert len(broken) == 1 and "Connection reset" in broken[0]
     with pytest.raises(GroupBroken):
-        engine.generate(None)
+        engine.init_state()
     sched.stop()
 
 
@@ -166,7 +186,7 @@ def test_stalled_peer_fails_the_request_with_unavailable_within_the_step_timeout
     broken: list[str] = []
     channel = SwitchableChannel()
     engine = lockstep(RecordingEngine(slots=2, step_delay=0.05), channel, broken)
-    engine.compile_all()
+    engine.compile()
     sched = Scheduler(engine, max_queue=4)
     sched.start()
     running = Collector()
@@ -185,7 +205,7 @@ def test_a_peer_lost_while_idle_is_noticed_by_the_keepalive() -> None:
     broken: list[str] = []
     channel = SwitchableChannel()
     engine = lockstep(RecordingEngine(), channel, broken)
-    engine.compile_all()
+    engine.compile()
     channel.fail = True
     wait_until(lambda: bool(broken), timeout=4 * KEEPALIVE + 1)
     assert "NOOP" in broken[0]
@@ -194,14 +214,14 @@ def test_a_peer_lost_while_idle_is_noticed_by_the_keepalive() -> None:
 def test_group_start_fails_when_a_follower_never_answers() -> None:
     broken: list[str] = []
     with pytest.raises(GroupBroken):
-        lockstep(RecordingEngine(), DeadPeer(), broken).compile_all()
-    assert broken and "COMPILE_ALL" in broken[0]
+        lockstep(RecordingEngine(), DeadPeer(), broken).compile()
+    assert broken and "COMPILE" in broken[0]
 
 
 def test_follower_leaves_when_calls_skip_a_number() -> None:
     wire = Wire()
     follower = FollowerThread(RecordingEngine(), wire)
-    codec = Codec(16, 64)
+    codec = codec_for(RecordingEngine())
     send(LeaderEnd(wire), codec, Call(Op.NOOP, seq=0))
     send(LeaderEnd(wire), codec, Call(Op.NOOP, seq=2))
     follower.thread.join(5)
@@ -215,11 +235,16 @@ def test_follower_watchdog_fires_when_process_0_goes_silent() -> None:
     wait_until(lambda: expired == [EXIT_GROUP_BROKEN], timeout=2)
 
 
-def test_bad_arguments_are_refused_on_process_0_and_keep_the_group_in_step(group: Any) -> None:
+def test_a_batch_that_cannot_be_encoded_is_refused_on_process_0_and_keeps_the_group_in_step(group: Any) -> None:
     sched, leader_engine, follower, broken = group
     engine = sched.engine
-    with pytest.raises(ValueError, match="largest prefill bucket"):
-        engine.prefill(list(range(40)), seed=0)
+    from model_service.step_batch import SlotStart, empty_batch
+
+    tables = np.zeros((engine.slots, engine.table_len), np.int32)
+    too_long = SlotStart(0, 0, SamplingSettings(), tuple(range(engine.sequence_len + 1)))
+    batch = dataclasses.replace(empty_batch(engine.max_rows, engine.max_samples, tables), starts=(too_long,))
+    with pytest.raises(ValueError, match="at most"):
+        engine.step(sched._state, batch)
     done = Collector()
     sched.submit(req((7,), max_tokens=2), done)
     assert done.done.wait(5) and done.tokens == [8, 9]
@@ -230,31 +255,20 @@ def test_engine_methods_outside_the_op_table_are_refused() -> None:
     engine = lockstep(RecordingEngine(), SwitchableChannel(), [])
     assert engine.slots == 4 and engine.vocab_size == 64
     with pytest.raises(AttributeError, match="lockstep op table"):
-        engine.count("generate")
+        engine.prompt_rows()
 
 
 def test_receive_reads_exactly_what_send_wrote() -> None:
-    wire, codec = Wire(), Codec(8, 40)
-    call = Call(Op.PREFILL, seq=3, prompt=(1, 2, 3), seed=5, sampling=SamplingSettings(allowed=(39,)))
-    send(LeaderEnd(wire), codec, call)
+    wire, engine = Wire(), RecordingEngine(slots=2, vocab_size=40)
+    codec = codec_for(engine)
+    tables = np.arange(2 * engine.table_len, dtype=np.int32).reshape(2, -1)
+    mask = np.zeros(40, bool)
+    mask[[3, 39]] = True
+    batch = StepBatch(np.arange(16, dtype=np.int32), np.arange(16) % 3 == 0, np.arange(16, dtype=np.int32) * 2,
+                      np.arange(16, dtype=np.int32) % 2, 9, tables, np.array([8, 3], np.int32),
+                      np.array([1, 2], np.int32), np.arange(16) < 5, np.arange(16, dtype=np.int32) + 1,
+                      (SlotStart(1, 2**32 - 1, SamplingSettings(temperature=0.3, allowed=(39,), logit_bias=((4, -1.5),)),
+                                 (1, 2, 3), (9, 8)),), ((1, mask),))
+    send(LeaderEnd(wire), codec, Call(Op.STEP, seq=3, batch=batch))
     got = receive(FollowerEnd(wire), codec)
-    assert got == call
-
-
-def test_a_prefilled_prefix_stays_on_every_process_until_process_0_drops_it() -> None:
-    wire, broken = Wire(), []
-    follower_engine = RecordingEngine()
-    follower = FollowerThread(follower_engine, wire)
-    engine = lockstep(RecordingEngine(), LeaderEnd(wire), broken)
-    engine.compile_all()
-    state = engine.init_decode_state()
-    ref, _ = engine.prefill([20], seed=0)
-    sent = keepalives(wire)  # keep-alives go out while the scheduler still holds the prefix
-    wait_until(lambda: keepalives(wire) >= sent + 2, timeout=20 * KEEPALIVE + 1, message="no keep-alives went out")
-    state = engine.insert(ref, state, 0)
-    del ref  # released: the next call tells the followers to drop it
-    engine.free_slot(state, 0)
-    engine.close()
-    follower.thread.join(5)
-    assert follower.code == 0 and broken == []
-    assert ("insert", 0) in follower_engine.calls
+    assert got.op == Op.STEP and got.seq == 3 and got.batch is not None and same_batch(got.batch, batch)

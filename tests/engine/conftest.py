@@ -24,7 +24,6 @@ from tests.procs import GOLDEN
 GOLDEN_CONFIG = str(GOLDEN / "config.json")
 GOLDEN_CHECKPOINT = str(GOLDEN / "checkpoint")
 SLOTS = 8
-BUCKETS = (32, 64)
 
 
 def golden_requests() -> list[dict[str, Any]]:
@@ -45,15 +44,14 @@ def golden_message(case: dict[str, Any]) -> model_pb2.GenerateRequest:
 
 def golden_server_config(**overrides: Any) -> ServerConfig:
     base = dict(config=GOLDEN_CONFIG, checkpoint=GOLDEN_CHECKPOINT, host="127.0.0.1", port=0,
-                mesh=MeshConfig(1, 1), slots=SLOTS, buckets=BUCKETS, max_queue=64)
+                mesh=MeshConfig(1, 1), slots=SLOTS, max_queue=64)
     return ServerConfig(**{**base, **overrides})
 
 
 @pytest.fixture(scope="session")
 def golden_engine() -> Engine:
     config = golden_server_config()
-    cfg, buckets = resolve(config)
-    return build_engine(config, cfg, buckets)
+    return build_engine(config, resolve(config))
 
 
 class Runner(Protocol):

@@ -146,7 +146,7 @@ def test_an_expired_deadline_reaches_the_model_and_frees_the_slot_early(
 @pytest.mark.parametrize("fields, name", [
     (dict(token_ids=[]), "token_ids"),
     (dict(token_ids=[512]), "token_ids"),
-    (dict(token_ids=[5] * 65), "token_ids"),
+    (dict(token_ids=[5] * 128), "token_ids"),  # fills the 128-token context
     (dict(token_ids=[5] * 60, max_tokens=69), "max_tokens"),
     (dict(token_ids=[5], max_tokens=0), "max_tokens"),
     (dict(token_ids=[5], temperature=-1), "temperature"),
@@ -166,6 +166,6 @@ def test_bad_requests_are_invalid_argument_naming_the_field(golden_stub: model_p
 def test_get_info_describes_the_service(golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
     info = golden_stub.GetInfo(model_pb2.GetInfoRequest(), timeout=10)
     assert (info.config.vocab_size, info.config.sequence_len, info.config.num_experts) == (512, 128, 8)
-    assert list(info.prefill_buckets) == [32, 64] and info.slots == 8 and info.dtype == "float32"
+    assert list(info.prefill_buckets) == [] and info.slots == 8 and info.dtype == "float32"
     assert info.platform == "cpu" and info.device_count == 1 and not info.random_weights
     assert info.checkpoint.endswith("checkpoint") and info.max_queue == 64

@@ -15,17 +15,16 @@ from grok.model.v1 import model_pb2, model_pb2_grpc
 from model_service.sampling_settings import SamplingSettings
 from model_service.engine import Engine
 from tests.engine.conftest import collect
+from tests.engine.drive import Driver, generate
+from model_service.step_batch import SlotStart
 from tests.engine.test_controls import np_distribution
 
 PROMPT = [17, 40, 9, 40, 311, 17, 5, 88]
 
 
 def model_logits(engine: Engine, prompt: list[int]) -> np.ndarray:
-    """The network's logits after `prompt` ([V]), as the engine's prefill computes them."""
-    tokens = np.full((1, engine.bucket_for(len(prompt))), engine.pad_id, np.int32)
-    tokens[0, :len(prompt)] = prompt
-    logits, _ = engine.model.prefill(engine.params, jnp.asarray(tokens), jnp.asarray([len(prompt)], jnp.int32))
-    return np.asarray(logits, np.float32)[0]
+    """The network's logits after `prompt` ([V]), from a dense pass over it."""
+    return np.asarray(engine.model.forward(engine.params, jnp.asarray([prompt], jnp.int32)), np.float32)[0, -1]
 
 
 @pytest.mark.parametrize("controls", [
@@ -42,44 +41,35 @@ def test_first_token_distribution_is_numpy_applied_to_the_models_logits(golden_e
     mask[golden_engine.pad_id] = False
     want = np_distribution(model_logits(golden_engine, PROMPT), controls, 0.9, 1.0, mask, prompt_mask,
                            np.zeros(v, np.int32))
-    _, out = golden_engine.prefill(PROMPT, dataclasses.replace(controls, temperature=0.9, top_logprobs=8), seed=3)
+    drawn = generate(golden_engine, PROMPT, dataclasses.replace(controls, temperature=0.9, top_logprobs=8), 3, 1)
     order = np.argsort(-want, kind="stable")[:8]
-    np.testing.assert_allclose(np.asarray(out.top_probs[0]), want[order], rtol=1e-4, atol=1e-6)
-    assert want[int(out.token[0])] > 0
+    np.testing.assert_allclose(drawn.tops[0], want[order], rtol=1e-4, atol=1e-6)
+    assert want[drawn.tokens[0]] > 0
 
 
-def test_history_counts_every_generated_token_and_free_slot_clears_it(golden_engine: Engine) -> None:
-    state = golden_engine.init_decode_state()
-    prefix, out = golden_engine.prefill(PROMPT, SamplingSettings(temperature=1.0, frequency_penalty=0.5), seed=1)
-    state = golden_engine.insert(prefix, state, 2)
-    generated = [int(out.token[0])]
-    for _ in range(5):
-        state, pending = golden_engine.generate(state)
-        generated.append(int(pending.get().token[2]))
-    counts = np.asarray(state.history.counts)
+def test_history_counts_every_drawn_token_and_a_new_start_clears_it(golden_engine: Engine) -> None:
+    d = Driver(golden_engine)
+    generated = generate(golden_engine, PROMPT, SamplingSettings(temperature=1.0, frequency_penalty=0.5), 1, 6,
+                         slot=2, driver=d).tokens
+    slots = d.state.slots
+    counts = np.asarray(slots.history.counts)
     want = np.bincount(generated, minlength=golden_engine.vocab_size)
     assert np.array_equal(counts[2], want) and counts[[0, 1, 3]].sum() == 0
-    assert np.flatnonzero(np.asarray(state.history.prompt)[2]).tolist() == sorted(set(PROMPT))
-    assert float(state.controls.frequency[2]) == 0.5
-    state = golden_engine.free_slot(state, 2)
-    assert not np.asarray(state.history.counts).any() and not np.asarray(state.history.prompt).any()
-    assert float(state.controls.frequency[2]) == 0.0
+    assert np.flatnonzero(np.asarray(slots.history.prompt)[2]).tolist() == sorted(set(PROMPT))
+    assert float(slots.controls.frequency[2]) == 0.5
+    generate(golden_engine, [9, 10], SamplingSettings(), 0, 1, slot=2, driver=d)  # the slot's next request
+    slots = d.state.slots
+    assert not np.asarray(slots.history.counts).any()
+    assert np.flatnonzero(np.asarray(slots.history.prompt)[2]).tolist() == [9, 10]
+    assert float(slots.controls.frequency[2]) == 0.0
 
 
 def test_a_repeated_token_is_penalised_by_the_counts_of_earlier_steps(golden_engine: Engine) -> None:
     """Greedy with a huge frequency penalty (and no presence of the prompt): a token generated once falls 2 logits
     per occurrence, so a greedy run whose plain version repeats a token must differ from it there."""
-    plain, penalised = [], []
-    for controls, out in ((SamplingSettings(), plain), (SamplingSettings(frequency_penalty=2.0,
-                                                                           presence_penalty=2.0), penalised)):
-        state = golden_engine.init_decode_state()
-        prefix, first = golden_engine.prefill(PROMPT, controls, seed=0)
-        state = golden_engine.insert(prefix, state, 0)
-        out.append(int(first.token[0]))
-        for _ in range(12):
-            state, pending = golden_engine.generate(state)
-            out.append(int(pending.get().token[0]))
-        golden_engine.free_slot(state, 0)
+    plain = generate(golden_engine, PROMPT, SamplingSettings(), 0, 13).tokens
+    penalised = generate(golden_engine, PROMPT, SamplingSettings(frequency_penalty=2.0, presence_penalty=2.0), 0,
+                         13).tokens
     assert len(set(plain)) < len(plain), "the plain greedy run should repeat a token for this test to mean anything"
     assert len(set(penalised)) > len(set(plain))
 
@@ -123,16 +113,17 @@ def test_prompt_logprobs_are_numpy_log_softmax_of_the_full_forward_pass(golden_e
     prompt = PROMPT + [3, 250, 17, 40]
     logits = np.asarray(golden_engine.model.forward(golden_engine.params, jnp.asarray([prompt], jnp.int32)))[0]
     want = np_log_softmax(logits)  # [n, V]: row t scores token t + 1
-    _, plain = golden_engine.prefill(prompt, SamplingSettings(temperature=0.8), seed=4)
-    _, scored = golden_engine.prefill(prompt, SamplingSettings(temperature=0.8), seed=4, prompt_logprobs=3)
-    assert plain.prompt is None and int(scored.token[0]) == int(plain.token[0])  # the first token is unchanged
-    got = scored.prompt
-    assert got.logprob.shape == (len(prompt) - 1,)
-    np.testing.assert_allclose(got.logprob, [want[t, prompt[t + 1]] for t in range(len(prompt) - 1)], atol=2e-4)
-    for t in range(len(prompt) - 1):
+    n, start = len(prompt), SlotStart(0, 4, SamplingSettings(temperature=0.8), tuple(prompt))
+    rows = [(0, p, t) for p, t in enumerate(prompt)]
+    plain = Driver(golden_engine).step(rows, [(n - 1, 0)], [start])
+    scored = Driver(golden_engine).step(rows, [(n - 1, 0)], [start], score=[(t, prompt[t + 1]) for t in range(n - 1)])
+    assert plain.logprob is None and int(scored.token[0]) == int(plain.token[0])  # the first token is unchanged
+    assert scored.logprob is not None and scored.score_logprobs is not None and scored.score_ids is not None
+    np.testing.assert_allclose(scored.logprob[:n - 1], [want[t, prompt[t + 1]] for t in range(n - 1)], atol=2e-4)
+    for t in range(n - 1):
         order = np.argsort(-want[t], kind="stable")[:8]
-        np.testing.assert_allclose(got.top_logprobs[t], want[t, order], atol=2e-4)
-        assert int(got.top_ids[t, 0]) == int(order[0])
+        np.testing.assert_allclose(scored.score_logprobs[t], want[t, order], atol=2e-4)
+        assert int(scored.score_ids[t, 0]) == int(order[0])
 
 
 def test_prompt_logprobs_over_grpc_score_every_prompt_token_but_the_first(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.engine.drive import generate
+
 from model_service.sampling_settings import SamplingSettings
 from model_service.validation import controls_problem, reference_problem
 from model_service.engine import Engine
@@ -47,14 +49,8 @@ def test_extreme_controls_report_finite_probabilities(golden_engine: Engine, tem
     sampling = settings(temperature, top_p, controls)
     # every one of them is accepted
     assert reference_problem(sampling) == "" and controls_problem(sampling, golden_engine.vocab_size) == ""
-    state = golden_engine.init_decode_state()
-    prefix, out = golden_engine.prefill(PROMPT, sampling, seed=5)
-    steps = [(np.asarray(out.token)[:1], np.asarray(out.prob)[:1], np.asarray(out.top_probs)[:1])]
-    state = golden_engine.insert(prefix, state, 0)
-    for _ in range(3):  # decode steps read the generated tokens' history too
-        state, pending = golden_engine.generate(state)
-        result = pending.get()
-        steps.append((np.asarray(result.token)[:1], np.asarray(result.prob)[:1], np.asarray(result.top_probs)[:1]))
+    drawn = generate(golden_engine, PROMPT, sampling, 5, 4)  # later draws read the drawn tokens' history too
+    steps = [(np.asarray([t]), np.asarray([p]), top[None]) for t, p, top in zip(drawn.tokens, drawn.probs, drawn.tops)]
     for token, prob, top in steps:
         assert 0 <= int(token[0]) < golden_engine.vocab_size
         assert np.all(np.isfinite(prob)) and np.all((prob > 0) & (prob <= 1)), prob

@@ -5,7 +5,6 @@ which tokens can be drawn here (../shared/golden_wide/README.md)."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,10 +13,11 @@ import pytest
 from model_service import sampling
 from model_service.config import MeshConfig
 from model_service.engine import Engine
-from model_service.requests import Emission, GenerationRequest
+from model_service.requests import GenerationRequest
 from model_service.sampling_settings import SamplingSettings
 from model_service.loading import ServerConfig, build_engine, resolve
 from tests.engine.conftest import Runner
+from tests.engine.drive import generate, serve_all
 from tests.procs import SHARED
 
 WIDE = SHARED / "golden_wide"
@@ -28,14 +28,18 @@ SLOTS = 4
 @pytest.fixture(scope="module")
 def wide_engine() -> Iterator[Engine]:
     config = ServerConfig(config=str(WIDE / "config.json"), checkpoint=str(WIDE / "checkpoint"), host="127.0.0.1",
-                          port=0, mesh=MeshConfig(1, 1), slots=SLOTS, buckets=(64,))
-    cfg, buckets = resolve(config)
-    yield build_engine(config, cfg, buckets)
+                          port=0, mesh=MeshConfig(1, 1), slots=SLOTS)
+    yield build_engine(config, resolve(config))
 
 
 def settings(case: dict[str, Any]) -> dict[str, Any]:
     q = case["request"]
     return dict(sampling=SamplingSettings(temperature=q["temperature"], top_p=q["nucleus_p"]), seed=q["rng_seed"])
+
+
+def request(case: dict[str, Any], i: int) -> GenerationRequest:
+    return GenerationRequest(request_id=f"wide{i}", prompt=tuple(case["prompt_ids"]),
+                             max_tokens=case["request"]["max_len"], ignore_eos=True, **settings(case))
 
 
 def test_the_vocabulary_takes_the_large_vocabulary_nucleus_branch(wide_engine: Engine) -> None:
@@ -46,50 +50,24 @@ def test_the_vocabulary_takes_the_large_vocabulary_nucleus_branch(wide_engine: E
 @pytest.mark.parametrize("index", range(len(CASES)))
 def test_seeded_wide_request_alone_reproduces_the_reference(wide_engine: Engine, index: int) -> None:
     case = CASES[index]
-    slot = index % SLOTS
-    prefix, out = wide_engine.prefill(case["prompt_ids"], **settings(case))
-    tokens = [int(out.token[0])]
-    state = wide_engine.insert(prefix, wide_engine.init_decode_state(), slot)
-    while len(tokens) < case["request"]["max_len"]:
-        state, pending = wide_engine.generate(state)
-        out = pending.get()
-        tokens.append(int(out.token[slot]))
-    assert tokens == case["output_ids"]
-
-
-def test_seeded_wide_requests_batched_reproduce_the_reference(wide_engine: Engine) -> None:
-    state = wide_engine.init_decode_state()
-    outputs: list[list[int]] = []
-    for slot, case in enumerate(CASES):  # every slot busy, each with its own settings
-        prefix, out = wide_engine.prefill(case["prompt_ids"], **settings(case))
-        outputs.append([int(out.token[0])])
-        state = wide_engine.insert(prefix, state, slot)
-    for _ in range(max(case["request"]["max_len"] for case in CASES) - 1):
-        state, pending = wide_engine.generate(state)
-        out = pending.get()
-        for slot, tokens in enumerate(outputs):
-            tokens.append(int(out.token[slot]))
-    assert [tokens[:case["request"]["max_len"]] for tokens, case in zip(outputs, CASES)] == \
-        [case["output_ids"] for case in CASES]
+    s = settings(case)
+    drawn = generate(wide_engine, case["prompt_ids"], s["sampling"], s["seed"], case["request"]["max_len"],
+                     slot=index % SLOTS, chunk=3 if index % 2 else None)  # half of them split over steps
+    assert drawn.tokens == case["output_ids"]
 
 
 def test_seeded_wide_requests_submitted_together_through_the_scheduler(wide_engine: Engine,
                                                                        running: Runner) -> None:
-    scheduler = running(wide_engine)
-    results: list[list[int]] = [[] for _ in CASES]
-    done = [threading.Event() for _ in CASES]
+    results = serve_all(running(wide_engine), [request(c, i) for i, c in enumerate(CASES)])
+    assert results == [case["output_ids"] for case in CASES]
 
-    def collector(i: int) -> Any:
-        def emit(emission: Emission) -> None:
-            results[i].extend(t.id for t in emission.tokens)
-            if emission.finish_reason is not None or emission.error is not None:
-                done[i].set()
-        return emit
 
-    for i, case in enumerate(CASES):
-        q = case["request"]
-        scheduler.submit(GenerationRequest(request_id=f"wide{i}", prompt=tuple(case["prompt_ids"]),
-                                           max_tokens=q["max_len"], ignore_eos=True, **settings(case)),
-                         collector(i))
-    assert all(event.wait(120) for event in done)
+def test_the_generic_backend_reproduces_the_wide_reference(running: Runner) -> None:
+    """XLA's dot products, batched attention, one tile per step, the vectorised sampler (what an accelerator
+    runs), at the real vocabulary."""
+    config = ServerConfig(config=str(WIDE / "config.json"), checkpoint=str(WIDE / "checkpoint"), host="127.0.0.1",
+                          port=0, mesh=MeshConfig(1, 1), slots=SLOTS, backend="generic")
+    engine = build_engine(config, resolve(config))
+    assert engine.model.backend.name == "generic"
+    results = serve_all(running(engine), [request(c, i) for i, c in enumerate(CASES)])
     assert results == [case["output_ids"] for case in CASES]

@@ -1,4 +1,4 @@
-"""Structured output on the real golden engine: a slot's mask set between steps decides its draw, and a
+"""Structured output on the real golden engine: a step's mask for a slot decides its draw, and a
 constrained request's tokens are the same alone and beside other requests (batch-invariant)."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from model_service.engine import Engine
 from model_service.requests import Emission, GenerationRequest
 from model_service.sampling_settings import SamplingSettings
 from model_service.scheduler import Scheduler
+from model_service.step_batch import SlotStart
 from model_service.structured import GrammarCompiler, Vocabulary
 from tests.engine.conftest import Runner
+from tests.engine.drive import Driver
 from tests.procs import GOLDEN
 
 REGEX = r"[a-z]{2,6}( [0-9]{1,3})?"
@@ -26,17 +28,15 @@ def grammars(golden_engine: Engine) -> GrammarCompiler:
     return GrammarCompiler(Vocabulary(str(GOLDEN / "tokenizer.model")), golden_engine.vocab_size)
 
 
-def test_set_slot_mask_decides_the_next_draw(golden_engine: Engine) -> None:
-    state = golden_engine.init_decode_state()
-    prefix, _ = golden_engine.prefill([5, 6, 7], SamplingSettings(temperature=1.0), seed=3)
-    state = golden_engine.insert(prefix, state, 2)
+def test_a_step_mask_decides_the_slots_draw(golden_engine: Engine) -> None:
+    d = Driver(golden_engine)
     only = np.zeros((golden_engine.vocab_size,), bool)
     only[77] = True
-    state = golden_engine.set_slot_mask(state, 2, only)
-    for _ in range(3):
-        state, pending = golden_engine.generate(state)
-        assert int(pending.get().token[2]) == 77
-    golden_engine.free_slot(state, 2)
+    start = SlotStart(2, 3, SamplingSettings(temperature=1.0), (5, 6, 7))
+    out = d.step([(2, p, t) for p, t in enumerate((5, 6, 7))], [(2, 2)], [start], [(2, only)])
+    assert int(out.token[0]) == 77
+    for i in range(3):
+        assert int(d.step([(2, 3 + i, None)], [(0, 2)], masks=[(2, only)]).token[0]) == 77
 
 
 def collect(scheduler: Scheduler, request: GenerationRequest) -> tuple[list[int], threading.Event]:

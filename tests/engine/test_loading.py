@@ -21,13 +21,13 @@ def compiled(caplog: pytest.LogCaptureFixture) -> int:
 def test_load_engine_does_not_compile_and_build_engine_compiles_once(monkeypatch: pytest.MonkeyPatch,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     compiles: list[Engine] = []
-    monkeypatch.setattr(Engine, "compile_all", lambda self: compiles.append(self) or {"fake": 0.0})
-    config = golden_server_config(slots=2, buckets=(32,))
-    cfg, buckets = resolve(config)
+    monkeypatch.setattr(Engine, "compile", lambda self: compiles.append(self) or {"fake": 0.0})
+    config = golden_server_config(slots=2)
+    cfg = resolve(config)
     with caplog.at_level(logging.INFO, logger="model_service.loading"):
-        assert isinstance(load_engine(config, cfg, buckets), Engine)
+        assert isinstance(load_engine(config, cfg), Engine)
         assert compiles == [] and compiled(caplog) == 0
-        engine = build_engine(config, cfg, buckets)
+        engine = build_engine(config, cfg)
     assert compiles == [engine] and compiled(caplog) == 1
 
 
@@ -38,11 +38,11 @@ def test_process_0_of_a_group_compiles_once_through_the_lockstep_op(monkeypatch:
     monkeypatch.setattr(group, "verify_same_config", lambda *args: None)  # needs jax.distributed
     monkeypatch.setattr(group, "JaxChannel", SwitchableChannel)  # a broadcast to nobody
     config = golden_server_config(distributed=DistributedConfig("127.0.0.1:1", 2, 0))
-    cfg, buckets = resolve(config)
+    cfg = resolve(config)
     broken: list[Any] = []
     with caplog.at_level(logging.INFO, logger="model_service.loading"):
-        engine = group.leader_engine(config, cfg, buckets, broken.append)
+        engine = group.leader_engine(config, cfg, broken.append)
     try:
-        assert loaded.count("compile_all") == 1 and compiled(caplog) == 1 and broken == []
+        assert loaded.compiles == 1 and compiled(caplog) == 1 and broken == []
     finally:
         engine.close()

@@ -1,6 +1,6 @@
 """n > 1: several samples of one prompt sharing one prefill, each in its own slot with seed + i.
 
-Against FakeEngine (resample's first token is the prefill's plus the seed) for the scheduler's routing, and
+Against FakeEngine (every sample draws the same tokens there) for the scheduler's routing and block sharing, and
 against the golden engine and the model service for the property that defines the feature: sample i of a
 request equals a plain request with seed + i, and n = 1 is exactly a plain request."""
 
@@ -18,7 +18,7 @@ from model_service.sampling_settings import SamplingSettings
 from model_service.scheduler import Scheduler
 from tests.engine.conftest import Runner
 from tests.engine.fake_engine import FakeEngine
-from tests.engine.test_scheduler import Collector, req
+from tests.engine.test_scheduler import Collector, prompt_tokens, req
 from tests.waiting import wait_until
 
 
@@ -39,14 +39,19 @@ class SampleCollector(Collector):
         return [t.id for e in self.emissions if e.index == index for t in e.tokens]
 
 
-def test_samples_share_one_prefill_and_stream_by_index(running: Runner) -> None:
-    engine = FakeEngine(slots=4)
+def test_samples_share_the_prompt_blocks_compute_only_their_tail_and_stream_by_index(running: Runner) -> None:
+    engine = FakeEngine(slots=4, block_size=4, max_rows=32)
     sched = running(engine, max_queue=4)
     out = SampleCollector(3)
-    sched.submit(req((40,), max_tokens=3, seed=0, n=3), out)
+    prompt = tuple(range(30, 41))  # 11 tokens: two full blocks shared, the third block each sample's own
+    sched.submit(req(prompt, max_tokens=3, seed=0, n=3), out)
     out.wait()
-    assert engine.count("prefill") == 1 and engine.count("resample") == 2 and engine.count("insert") == 3
-    assert [out.ids_of(i) for i in range(3)] == [[41, 42, 43], [42, 43, 44], [43, 44, 45]]
+    first = engine.steps[0]
+    assert [(st.slot, st.seed) for st in first.starts] == [(0, 0), (1, 1), (2, 2)]
+    rows = [(int(s), int(p)) for s, p in zip(first.seq[:first.rows], first.positions[:first.rows])]
+    assert rows == [(0, p) for p in range(11)] + [(1, p) for p in range(8, 11)] + [(2, p) for p in range(8, 11)]
+    assert (first.tables[1][:2] == first.tables[0][:2]).all() and first.tables[1][2] != first.tables[0][2]
+    assert [out.ids_of(i) for i in range(3)] == [[41, 42, 43]] * 3
     finishes = [(e.index, e.finish_reason, e.completion_tokens) for e in out.emissions if e.finish_reason]
     assert sorted(finishes) == [(i, FinishReason.LENGTH, 3) for i in range(3)]
     wait_until(lambda: sched.stats()["free"] == 4)
@@ -63,8 +68,8 @@ def test_a_request_of_n_samples_waits_for_n_free_slots_in_queue_order(running: R
     first.wait()
     pair.wait()
     after.wait()
-    prefills = [c[1] for c in engine.calls if c[0] == "prefill"]
-    assert prefills == [(10,), (20,), (30,)]  # the single request behind the pair did not overtake it
+    prompts = [t for t in prompt_tokens(engine) if t]
+    assert prompts[:3] == [(10,), (20, 20), (30,)]  # the single request behind the pair did not overtake it
 
 
 def test_cancelling_a_request_frees_every_samples_slot(running: Runner) -> None:

@@ -23,11 +23,9 @@ from tests.waiting import wait_until
 
 
 def paged_engine(**overrides: Any) -> Engine:
-    """The golden engine with 8-token blocks and 8-token prefill chunks, so the golden prompts (8-29 tokens)
-    are prefilled on the chunk grid and share cached blocks."""
-    config = golden_server_config(slots=4, block_size=8, prefill_chunk=8, **overrides)
-    cfg, buckets = resolve(config)
-    return build_engine(config, cfg, buckets)
+    """The golden engine with 8-token blocks, so the golden prompts (8-29 tokens) share cached blocks."""
+    config = golden_server_config(**{"slots": 4, "block_size": 8, **overrides})
+    return build_engine(config, resolve(config))
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +41,7 @@ def small(cached: Engine) -> Engine:
 
     m = cached.model
     model = GrokModel(m.cfg, m.mesh, m.dtype, m.products, block_size=8, key_chunk=16)
-    return Engine(model, cached.params, m.cfg, cached.mesh, 4, cached.buckets, prefill_chunk=8, kv_blocks=32)
-
-
-def caching_off(engine: Engine) -> Engine:
-    """The same engine (same programs) with prefix caching off from its next init_decode_state."""
-    engine.prefix_caching = False
-    return engine
+    return Engine(model, cached.params, m.cfg, cached.mesh, 4, kv_blocks=32)
 
 
 @dataclass
@@ -105,20 +97,17 @@ def shared_prefix_prompts(base: list[int], vocab: int, rng: random.Random) -> li
 
 def test_golden_prompts_with_the_cache_on_and_off_give_identical_seeded_outputs(cached: Engine,
                                                                                 running: Runner) -> None:
-    engine = cached
     rng = random.Random(3)
     prompts = [p for case in golden_requests() for p in shared_prefix_prompts(case["prompt_ids"], 512, rng)]
-    on = running(engine)
+    on = running(cached)
     with_cache = one_by_one(on, prompts)
-    usage = engine.kv_usage()
+    wait_until(lambda: on.kv.usage().used == 0)
+    usage = on.kv.usage()
     assert usage.hits > 0.4 * usage.queries  # most of each prompt after its first run came from the cache
-    assert usage.used == 0
     on.stop()
-    try:
-        assert one_by_one(running(caching_off(engine)), prompts) == with_cache
-        assert engine.kv_usage().hits == 0
-    finally:
-        engine.prefix_caching = True  # from the next init_decode_state (the next scheduler's start)
+    off = running(cached, prefix_caching=False)
+    assert one_by_one(off, prompts) == with_cache
+    assert off.kv.usage().hits == 0
 
 
 def test_golden_requests_reproduce_the_reference_when_their_prompt_is_cached(cached: Engine, running: Runner) -> None:
@@ -133,16 +122,15 @@ def test_golden_requests_reproduce_the_reference_when_their_prompt_is_cached(cac
 
 def test_golden_wide_prompts_with_the_cache_on_and_off_give_identical_seeded_outputs(running: Runner) -> None:
     config = golden_server_config(config=str(WIDE / "config.json"), checkpoint=str(WIDE / "checkpoint"),
-                                  slots=2, buckets=(64,), block_size=4, prefill_chunk=4)
-    cfg, buckets = resolve(config)
-    engine = build_engine(config, cfg, buckets)
+                                  slots=2, block_size=4)
+    engine = build_engine(config, resolve(config))
     rng = random.Random(4)
     prompts = [p for case in WIDE_CASES for p in shared_prefix_prompts(case["prompt_ids"], 131072, rng)][:10]
     on = running(engine)
     with_cache = one_by_one(on, prompts, 8)
-    assert engine.kv_usage().hits > 0
+    assert on.kv.usage().hits > 0
     on.stop()
-    assert one_by_one(running(caching_off(engine)), prompts, 8) == with_cache
+    assert one_by_one(running(engine, prefix_caching=False), prompts, 8) == with_cache
 
 
 def test_preempted_requests_end_exactly_as_they_would_alone(small: Engine, running: Runner) -> None:
@@ -159,7 +147,7 @@ def test_preempted_requests_end_exactly_as_they_would_alone(small: Engine, runni
         assert r.done.wait(300) and r.error is None, r.error
     assert metrics.preemptions > 0
     assert [r.tokens for r in together] == solo
-    assert engine.kv_usage().used == 0
+    wait_until(lambda: scheduler.kv.usage().used == 0)
 
 
 def test_a_cancelled_request_gives_its_blocks_back(cached: Engine, running: Runner) -> None:
@@ -168,24 +156,9 @@ def test_a_cancelled_request_gives_its_blocks_back(cached: Engine, running: Runn
     handle = scheduler.submit(GenerationRequest("t", tuple(range(5, 45)), SamplingSettings(), max_tokens=80,
                                                 ignore_eos=True), lambda e: started.set())
     assert started.wait(60)
-    assert cached.kv_usage().used > 0
+    assert scheduler.kv.usage().used > 0
     handle.cancel()
-    wait_until(lambda: cached.kv_usage().used == 0 and scheduler.stats()["active"] == 0, timeout=60)
-
-
-def test_samples_of_one_prompt_share_its_full_blocks(cached: Engine) -> None:
-    state = cached.init_decode_state()
-    prompt = list(range(10, 30))  # 20 tokens: 2 full blocks of 8 and a partial one
-    prefix, _ = cached.prefill(prompt, seed=1)
-    for slot in range(3):
-        sample, _ = cached.resample(prefix, seed=slot)
-        state = cached.insert(sample, state, slot)
-    assert cached.kv_usage().used == 2 + 3  # the full blocks once, a partial block per sample
-    tables = [cached.kv.blocks_of(s) for s in range(3)]
-    assert tables[0][:2] == tables[1][:2] == tables[2][:2] and len({t[2] for t in tables}) == 3
-    for slot in range(3):
-        state = cached.free_slot(state, slot)
-    assert cached.kv_usage().used == 0
+    wait_until(lambda: scheduler.kv.usage().used == 0 and scheduler.stats()["active"] == 0, timeout=60)
 
 
 def test_a_long_neighbour_moving_to_longer_contexts_changes_no_other_request(small: Engine, running: Runner) -> None:
@@ -209,11 +182,20 @@ def test_the_kv_metrics_follow_requests_that_end(cached: Engine, running: Runner
                message=lambda: f"the last KV usage reported: {metrics.usage}")
 
 
-def test_a_request_that_could_never_fit_the_pool_is_refused_naming_n(small: Engine, running: Runner) -> None:
-    from model_service.requests import ErrorKind, SchedulerError
+def test_two_samples_of_a_long_prompt_fit_a_pool_that_holds_their_shared_blocks_once(running: Runner) -> None:
+    """A 100-token prompt with n = 2 on a pool of 8 blocks of 16 (one full context of 128 tokens): each sample
+    holds 7 blocks, 6 of them shared, so 8 suffice (counting the shared blocks twice would refuse it)."""
+    engine = paged_engine(block_size=16, kv_tokens=128, slots=2)
+    scheduler = running(engine)
+    done = threading.Event()
+    ends: list[Any] = []
 
-    scheduler = running(small)
-    with pytest.raises(SchedulerError) as caught:  # 4 samples x 9 blocks of 8 > a pool of 32 blocks
-        scheduler.submit(GenerationRequest("t", tuple(range(3, 67)), SamplingSettings(), n=4, max_tokens=4),
-                         lambda e: None)
-    assert caught.value.kind is ErrorKind.INVALID_ARGUMENT and str(caught.value).startswith("n: ")
+    def emit(e: Emission) -> None:
+        if e.finish_reason is not None or e.error is not None:
+            ends.append(e.error or e.finish_reason)
+            if len(ends) == 2 or e.error is not None:
+                done.set()
+
+    scheduler.submit(GenerationRequest("t", tuple(range(3, 103)), SamplingSettings(temperature=1.0), n=2, seed=1,
+                                       max_tokens=3, ignore_eos=True), emit)
+    assert done.wait(60) and all(not isinstance(e, Exception) for e in ends), ends

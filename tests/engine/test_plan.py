@@ -6,79 +6,95 @@ import random
 
 import numpy as np
 
-from model_service.plan import Admit, Occupant, Policy, StepPlan, View, Waiting, finish_reason, schedule, token_out
+from model_service.plan import Admit, Chunk, Policy, Sample, StepPlan, View, Waiting, finish_reason, schedule, token_out
 from model_service.requests import FinishReason, GenerationRequest
 from model_service.sampling_settings import SamplingSettings
 from tests.engine.fake_engine import FakeEngine
 
-POLICY = Policy(slots=4)
+POLICY = Policy(max_rows=16, prefill_budget=4)
 
 
-def waiting(ref: int, samples: int = 1, cost: int = 8, chunked: bool = False, ended: bool = False) -> Waiting:
-    return Waiting(ref, samples, cost, chunked, ended)
+def waiting(ref: int, length: int = 5, n: int = 1, cached: int = 0, shared: int = 0, blocks: int = 1,
+            ended: bool = False) -> Waiting:
+    samples = (Sample((ref, 0), -1, cached, length),) + tuple(
+        Sample((ref, i), -1, shared, length, after=(ref, 0), shared=shared) for i in range(1, n))
+    return Waiting(ref, samples, blocks, ended)
 
 
-def view(queue: tuple[Waiting, ...] = (), free: tuple[int, ...] = (0, 1, 2, 3), decoding: tuple[int, ...] = (),
-         prefilling: tuple[int, ...] = (), ended: tuple[int, ...] = ()) -> View:
-    """Occupants are named by their slot (ref = 100 + slot); `ended` lists the slots whose request ended."""
-    occupants = lambda slots: tuple(Occupant(s, 100 + s, s in ended) for s in slots)  # noqa: E731
-    return View(queue, frozenset(free), occupants(decoding), occupants(prefilling))
+def decoding(ref: int, slot: int, length: int = 10, **kw: object) -> Sample:
+    return Sample((ref, 0), slot, length - 1, length, **kw)  # type: ignore[arg-type]
 
 
-def test_with_nothing_decoding_every_waiting_request_that_fits_is_admitted_into_the_lowest_slots() -> None:
-    plan = schedule(view((waiting(1), waiting(2), waiting(3)), free=(3, 1, 2)), POLICY)
-    assert plan == StepPlan(admit=(Admit(1, (1,), False), Admit(2, (2,), False), Admit(3, (3,), False)))
+def prefilling(ref: int, slot: int, computed: int, length: int, **kw: object) -> Sample:
+    return Sample((ref, 0), slot, computed, length, **kw)  # type: ignore[arg-type]
 
 
-def test_while_requests_decode_admission_stops_at_the_prompt_token_budget() -> None:
-    queue = tuple(waiting(i, cost=64) for i in range(1, 4))
-    plan = schedule(view(queue, free=(1, 2, 3), decoding=(0,)), Policy(slots=4, prefill_token_budget=128))
-    assert [a.ref for a in plan.admit] == [1, 2]  # 64 + 64 reaches the budget
+def view(queue: tuple[Waiting, ...] = (), running: tuple[Sample, ...] = (), free: tuple[int, ...] = (0, 1, 2, 3),
+         blocks: int | None = None) -> View:
+    return View(queue, running, frozenset(free), blocks)
 
 
-def test_while_requests_decode_one_prompt_is_admitted_even_over_the_budget() -> None:
-    plan = schedule(view((waiting(1, cost=512),), free=(1,), decoding=(0,)), Policy(slots=2, prefill_token_budget=16))
-    assert plan.admit == (Admit(1, (1,), False),)
+def test_with_nothing_running_waiting_prompts_are_admitted_into_the_lowest_slots_and_computed_whole() -> None:
+    plan = schedule(view((waiting(1), waiting(2, length=3)), free=(3, 1, 2)), POLICY)
+    assert plan.admit == (Admit(1, (1,), (0,)), Admit(2, (2,), (0,)))
+    assert plan.chunks == (Chunk((1, 0), 0, 5, True), Chunk((2, 0), 0, 3, True))
 
 
-def test_while_requests_decode_at_most_prefills_per_step_are_admitted() -> None:
-    queue = tuple(waiting(i, cost=1) for i in range(1, 4))
-    plan = schedule(view(queue, free=(1, 2, 3), decoding=(0,)), Policy(slots=4, prefills_per_step=1))
-    assert [a.ref for a in plan.admit] == [1]
+def test_decodes_come_first_then_prompts_within_prefill_rows() -> None:
+    running = (decoding(7, 0), prefilling(8, 1, 0, 10))
+    plan = schedule(view((waiting(1),), running, free=(2, 3)), POLICY)
+    assert plan.chunks[0] == Chunk((7, 0), 9, 1, True)
+    assert plan.chunks[1] == Chunk((8, 0), 0, 4, False)  # prefill_rows = 4 while something decodes
+    assert plan.admit == ()  # no prompt rows left this step: the head waits
+
+
+def test_a_prompt_gets_the_whole_step_when_nothing_decodes() -> None:
+    plan = schedule(view((waiting(1, length=40),), free=(0,)), POLICY)
+    assert plan.chunks == (Chunk((1, 0), 0, 16, False),)
+    plan = schedule(view(running=(prefilling(1, 0, 32, 40),), free=()), POLICY)
+    assert plan.chunks == (Chunk((1, 0), 32, 8, True),)
+
+
+def test_a_cached_prefix_is_not_computed_again() -> None:
+    plan = schedule(view((waiting(1, length=40, cached=32),), free=(0,)), POLICY)
+    assert plan.chunks == (Chunk((1, 0), 32, 8, True),)
+
+
+def test_the_other_samples_of_a_prompt_compute_only_their_tail_once_the_first_computed_the_shared_blocks() -> None:
+    plan = schedule(view((waiting(1, length=10, n=3, shared=8),), free=(0, 1, 2)), POLICY)
+    assert plan.admit == (Admit(1, (0, 1, 2), (0, 1, 2)),)
+    assert plan.chunks == (Chunk((1, 0), 0, 10, True), Chunk((1, 1), 8, 2, True), Chunk((1, 2), 8, 2, True))
+    # A long prompt: its first sample takes two steps; the others wait for the shared blocks.
+    plan = schedule(view((waiting(1, length=30, n=2, shared=28),), free=(0, 1)), POLICY)
+    assert plan.chunks == (Chunk((1, 0), 0, 16, False),)
+    running = (prefilling(1, 0, 16, 30), Sample((1, 1), 1, 28, 30, after=(1, 0), shared=28))
+    plan = schedule(view(running=running, free=()), POLICY)
+    assert plan.chunks == (Chunk((1, 0), 16, 14, True), Chunk((1, 1), 28, 2, True))
 
 
 def test_a_request_of_n_samples_waits_for_n_free_slots_and_nothing_overtakes_it() -> None:
-    plan = schedule(view((waiting(1, samples=3), waiting(2)), free=(2, 3), decoding=(0, 1)), POLICY)
-    assert plan.admit == ()
-    plan = schedule(view((waiting(1, samples=3), waiting(2)), free=(1, 2, 3), decoding=(0,)), POLICY)
-    assert plan.admit == (Admit(1, (1, 2, 3), False),)
+    queue = (waiting(1, n=3), waiting(2))
+    assert schedule(view(queue, free=(2, 3)), POLICY).admit == ()
+    assert schedule(view(queue, free=(1, 2, 3)), POLICY).admit[0] == Admit(1, (1, 2, 3), (0, 1, 2))
+
+
+def test_the_head_waits_for_kv_blocks() -> None:
+    queue = (waiting(1, blocks=5), waiting(2, blocks=1))
+    assert schedule(view(queue, blocks=4), POLICY).admit == ()
+    assert [a.ref for a in schedule(view(queue, blocks=6), POLICY).admit] == [1, 2]
 
 
 def test_ended_requests_leave_first_and_their_slots_serve_this_step() -> None:
-    plan = schedule(view((waiting(1, ended=True), waiting(2), waiting(3)), free=(), decoding=(0, 1), prefilling=(2,),
-                         ended=(0, 2)), POLICY)
-    assert plan.end_decoding == (Occupant(0, 100, True),)
-    assert plan.end_prefilling == (Occupant(2, 102, True),)
-    assert plan.end_waiting == (waiting(1, ended=True),)
-    assert plan.admit == (Admit(2, (0,), False), Admit(3, (2,), False))  # slot 1 still decodes: budget applies
+    running = (decoding(5, 0, ended=True), decoding(6, 1))
+    plan = schedule(view((waiting(1, ended=True), waiting(2)), running, free=()), POLICY)
+    assert plan.end_running == ((5, 0),) and plan.end_waiting == (1,)
+    assert plan.admit == (Admit(2, (0,), (0,)),)
+    assert plan.chunks == (Chunk((6, 0), 9, 1, True), Chunk((2, 0), 0, 4, False))
 
 
-def test_when_every_decoding_request_ended_the_step_admits_as_if_nothing_decoded() -> None:
-    queue = tuple(waiting(i, cost=1000) for i in range(1, 4))
-    plan = schedule(view(queue, free=(1, 2, 3), decoding=(0,), ended=(0,)), Policy(slots=4, prefill_token_budget=8))
-    assert [a.ref for a in plan.admit] == [1, 2, 3]
-
-
-def test_chunked_prefills_advance_one_chunk_each_the_new_ones_last() -> None:
-    queue = (waiting(1, chunked=True, cost=4), waiting(2))
-    plan = schedule(view(queue, free=(0, 3), prefilling=(2, 1), decoding=()), POLICY)
-    assert plan.admit == (Admit(1, (0,), True), Admit(2, (3,), False))
-    assert plan.chunk == (2, 1, 0)
-    assert schedule(view(free=(), prefilling=(2, 1), ended=(1,)), POLICY).chunk == (2,)
-
-
-def test_a_full_queue_with_no_free_slot_plans_nothing() -> None:
-    assert schedule(view((waiting(1),), free=(), decoding=(0, 1, 2, 3)), POLICY) == StepPlan()
+def test_done_samples_get_no_rows() -> None:
+    plan = schedule(view(running=(decoding(5, 0, done=True),), free=(1, 2, 3)), POLICY)
+    assert plan == StepPlan()
 
 
 def test_finish_reasons_in_their_order_of_precedence() -> None:
@@ -96,22 +112,49 @@ def test_finish_reasons_in_their_order_of_precedence() -> None:
 
 
 def test_token_out_reports_as_many_alternatives_as_the_request_asked_for() -> None:
-    out = FakeEngine()._out(np.array([40, 7]))
-    assert token_out(out, 1, SamplingSettings().top_logprobs).top == ()
-    assert token_out(out, 1, 2).id == 7 and token_out(out, 1, 2).top == ((7, 0.5), (8, 0.25))
+    engine = FakeEngine()
+    ids, probs = engine._alternatives(np.array([40, 7]))
+    out = type("Out", (), {"token": np.array([40, 7]), "prob": np.array([0.5, 0.5]), "top_ids": ids,
+                           "top_probs": probs})
+    assert token_out(out, 1, SamplingSettings().top_logprobs).top == ()  # type: ignore[arg-type]
+    assert token_out(out, 1, 2).id == 7 and token_out(out, 1, 2).top == ((7, 0.5), (8, 0.25))  # type: ignore
 
 
-def test_admissions_use_only_free_or_freed_slots_and_never_share_one() -> None:
+def test_random_snapshots_keep_every_invariant_of_a_step() -> None:
     rng = random.Random(3)
     for _ in range(500):
         slots = list(range(8))
         rng.shuffle(slots)
-        decoding, prefilling, free = slots[:3], slots[3:5], slots[5:]
-        ended = tuple(s for s in decoding + prefilling if rng.random() < 0.5)
-        queue = tuple(waiting(i, samples=rng.randint(1, 3), cost=rng.choice((4, 32, 64)), chunked=rng.random() < 0.3,
+        busy, free = slots[:rng.randint(0, 8)], slots
+        running = []
+        for i, slot in enumerate(busy):
+            length = rng.randint(2, 40)
+            computed = length - 1 if rng.random() < 0.6 else rng.randint(0, length - 1)
+            running.append(Sample((100 + i, 0), slot, computed, length, done=rng.random() < 0.1,
+                                  ended=rng.random() < 0.2))
+        free = [s for s in range(8) if s not in busy]
+        queue = tuple(waiting(i, length=rng.randint(1, 40), n=rng.randint(1, 3), blocks=rng.randint(0, 6),
                               ended=rng.random() < 0.2) for i in range(rng.randint(0, 6)))
-        plan = schedule(view(queue, tuple(free), tuple(decoding), tuple(prefilling), ended), Policy(8, None, 64))
+        policy = Policy(rng.choice((8, 16, 64)), rng.choice((1, 4, 32)))
+        plan = schedule(View(queue, tuple(running), frozenset(free), rng.choice((None, 3, 20))), policy)
         taken = [slot for a in plan.admit for slot in a.slots]
-        assert len(taken) == len(set(taken)) and set(taken) <= set(free) | set(ended)
-        assert all(len(a.slots) == next(w.samples for w in queue if w.ref == a.ref) for a in plan.admit)
+        ended = {s.slot for s in running if s.ended}
+        assert len(taken) == len(set(taken)) and set(taken) <= set(free) | ended
         assert not plan.admitted & {w.ref for w in queue if w.ended}
+        assert plan.rows <= policy.max_rows
+        keys = [c.key for c in plan.chunks]
+        assert len(keys) == len(set(keys))  # a sample computes one run of rows per step
+        live = {s.key: s for s in running if not s.ended}
+        decodes = [c for c in plan.chunks if c.key in live and live[c.key].computed == live[c.key].length - 1]
+        assert plan.chunks[:len(decodes)] == tuple(decodes)  # decodes first
+        assert all(not live[k].done for k in keys if k in live)
+        if decodes:
+            assert plan.rows - len(decodes) <= max(1, policy.prefill_budget)
+
+
+def test_while_decoding_later_prompt_rows_cost_more_for_the_keys_they_read() -> None:
+    running = (decoding(7, 0), prefilling(8, 1, 0, 100), prefilling(9, 2, 90, 200))
+    plan = schedule(view(running=running, free=()), Policy(max_rows=64, prefill_budget=20, key_scale=100))
+    # rows at 0..: 1 + p/100 each -> 18 rows cost 19.53; from 90 a row costs ~1.9: the budget was spent first
+    assert plan.chunks[1] == Chunk((8, 0), 0, 18, False) and len(plan.chunks) == 3
+    assert plan.chunks[2].rows == 1  # one row of the last prompt at least, as the budget allows none more

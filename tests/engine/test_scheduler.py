@@ -16,6 +16,17 @@ from tests.engine.fake_engine import POISON, FakeEngine
 from tests.waiting import wait_until
 
 
+def rows_of(engine: FakeEngine, slot: int) -> list[tuple[int, ...]]:
+    """Per step, the positions its rows computed for `slot`."""
+    return [tuple(int(p) for p, s in zip(b.positions[:b.rows], b.seq[:b.rows]) if s == slot) for b in engine.steps]
+
+
+def prompt_tokens(engine: FakeEngine) -> list[tuple[int, ...]]:
+    """Per step, the prompt tokens its rows held (decode rows read the device's last token)."""
+    return [tuple(int(t) for t, last in zip(b.tokens[:b.rows], b.from_last[:b.rows]) if not last)
+            for b in engine.steps]
+
+
 class Collector:
     """Receives a request's emissions; `wait()` blocks until the last one."""
 
@@ -109,18 +120,20 @@ def test_context_full_finishes_with_context_length(sched: Scheduler, engine: Fak
     assert c.last.finish_reason is FinishReason.CONTEXT_LENGTH
 
 
-def test_max_tokens_one_finishes_at_prefill_without_inserting(sched: Scheduler, engine: FakeEngine) -> None:
+def test_max_tokens_one_finishes_at_its_prompt_step_without_a_decode_row(sched: Scheduler,
+                                                                          engine: FakeEngine) -> None:
     c = Collector()
     sched.submit(req((3,), max_tokens=1), c)
     assert c.wait().ids == [4]
-    assert engine.count("insert") == 0 and engine.count("generate") == 0
+    wait_until(lambda: sched.stats()["free"] == engine.slots)
+    assert len(engine.steps) == 1 and not engine.steps[0].from_last.any()
 
 
 @pytest.mark.parametrize("bad, field", [
     (dict(prompt=()), "token_ids"),
     (dict(prompt=(64,)), "token_ids"),
     (dict(prompt=(-1,)), "token_ids"),
-    (dict(prompt=tuple([5] * 17)), "token_ids"),  # longer than the largest bucket (16)
+    (dict(prompt=tuple([5] * 32)), "token_ids"),  # fills the context: nothing left to generate
     (dict(prompt=(5,), max_tokens=0), "max_tokens"),
     (dict(prompt=tuple([5] * 16), max_tokens=17), "max_tokens"),  # 16 + 17 > 32
     (dict(prompt=(5,), temperature=-0.1), "temperature"),
@@ -139,7 +152,7 @@ def test_invalid_requests_are_rejected_before_queueing(sched: Scheduler, engine:
     with pytest.raises(SchedulerError) as err:
         sched.submit(req(prompt, **bad), Collector())
     assert err.value.kind is ErrorKind.INVALID_ARGUMENT and field in err.value.message
-    assert engine.count("prefill") == 0
+    assert not engine.steps
 
 
 def test_queue_full_is_resource_exhausted_and_says_retry(engine: FakeEngine) -> None:
@@ -192,16 +205,14 @@ def test_new_request_joins_when_a_slot_frees_without_waiting_for_the_batch(engin
     for c in (long_, short, late):
         c.wait()
     assert late.ids == [31, 32] and long_.ids == list(range(41, 53))
-    calls = engine.calls
-    late_prefill = calls.index(("prefill", (30,)))
-    steps_before_late = sum(1 for c in calls[:late_prefill] if c[0] == "generate")
-    assert steps_before_late < 11  # it joined while the long request was still running
-    assert ("free", 1) in calls[:late_prefill]  # in the slot the short request freed
+    late_step = prompt_tokens(engine).index((30,))
+    assert late_step < 11  # it joined while the long request was still running
+    assert [st.slot for st in engine.steps[late_step].starts] == [1]  # in the slot the short request freed
 
 
-def test_prefill_interleaves_with_decode(engine: FakeEngine, running: Runner) -> None:
+def test_prompts_join_the_decode_steps_of_running_requests(engine: FakeEngine, running: Runner) -> None:
     engine.slots = 4
-    s = running(engine, prefills_per_step=1)
+    s = running(engine)
     engine.step_delay = 0.01
     first = Collector()
     s.submit(req((30,), max_tokens=20), first)
@@ -211,10 +222,10 @@ def test_prefill_interleaves_with_decode(engine: FakeEngine, running: Runner) ->
         s.submit(req((20 + 5 * i,), max_tokens=3), c)
     for c in [first, *others]:
         c.wait()
-    kinds = [c[0] for c in engine.calls if c[0] in ("prefill", "generate")]
-    after_first = kinds[kinds.index("generate"):]
-    # Never two prefills in a row while a request is decoding.
-    assert all(not (a == b == "prefill") for a, b in zip(after_first, after_first[1:]))
+    decoding = rows_of(engine, 0)
+    last = max(i for i, r in enumerate(decoding) if r)
+    assert all(decoding[1:last + 1])  # every step while it ran held its decode row, the prompts' steps too
+    assert sum(1 for t in prompt_tokens(engine)[1:] if t) >= 1 and all(o.ids for o in others)
 
 
 def test_cancel_frees_the_slot_within_one_step(engine: FakeEngine, running: Runner) -> None:
@@ -228,7 +239,7 @@ def test_cancel_frees_the_slot_within_one_step(engine: FakeEngine, running: Runn
     def emit(e: Emission) -> None:  # runs on the decode thread: cancel right after the 3rd token
         c(e)
         if len(c.ids) == 3 and not steps_at_cancel:
-            steps_at_cancel.append(engine.count("generate"))
+            steps_at_cancel.append(len(engine.steps))
             assert handle is not None
             handle.cancel()
 
@@ -236,7 +247,7 @@ def test_cancel_frees_the_slot_within_one_step(engine: FakeEngine, running: Runn
     c.wait()
     assert c.last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
     assert c.ids == [21, 22, 23]
-    assert engine.count("generate") == steps_at_cancel[0]  # freed before the next step
+    assert len(engine.steps) == steps_at_cancel[0]  # freed before the next step
     wait_until(lambda: s.stats()["free"] == 1)
     later = Collector()
     s.submit(req((40,), max_tokens=2), later)
@@ -260,7 +271,7 @@ def test_a_slot_freed_by_a_cancel_goes_to_one_waiting_request_only(engine: FakeE
     s.submit(req((40,), max_tokens=4), third)
     assert first.wait().last.error is not None and first.last.error.kind is ErrorKind.CANCELLED
     assert second.wait().ids == [31, 32, 33, 34] and third.wait().ids == [41, 42, 43, 44]
-    assert [c[1] for c in engine.calls if c[0] == "insert"] == [0, 0, 0]
+    assert [st.slot for b in engine.steps for st in b.starts] == [0, 0, 0]
     wait_until(lambda: s.stats() == {"active": 0, "free": 1, "queued": 0})
 
 
@@ -286,14 +297,16 @@ def test_nan_logits_fail_only_that_request(sched: Scheduler) -> None:
     assert healthy.ids == [31, 32, 33, 34, 35, 36] and healthy.last.finish_reason is FinishReason.LENGTH
 
 
-def test_prefill_failure_fails_only_that_request(engine: FakeEngine, sched: Scheduler) -> None:
-    engine.fail_prefill_for = 50
-    failing, healthy = Collector(), Collector()
+def test_a_failed_step_fails_its_requests_and_the_service_goes_on(engine: FakeEngine, sched: Scheduler) -> None:
+    engine.fail_on = 50
+    failing = Collector()
     sched.submit(req((50, 1), max_tokens=3), failing)
-    sched.submit(req((20,), max_tokens=3), healthy)
     assert failing.wait().last.error is not None and failing.last.error.kind is ErrorKind.INTERNAL
-    assert healthy.wait().ids == [21, 22, 23]
     wait_until(lambda: sched.stats()["free"] == engine.slots)
+    healthy = Collector()
+    sched.submit(req((20,), max_tokens=3), healthy)
+    assert healthy.wait().ids == [21, 22, 23]
+    assert sched.kv.available() == engine.num_blocks - sched.kv.usage().used
 
 
 def test_draining_refuses_new_requests_and_stop_fails_the_rest(engine: FakeEngine, running: Runner) -> None:
@@ -321,7 +334,7 @@ def test_many_requests_all_complete_and_every_slot_returns(engine: FakeEngine, s
     wait_until(lambda: sched.stats() == {"active": 0, "free": engine.slots, "queued": 0})
 
 
-def test_prompts_waiting_while_nothing_decodes_are_all_prefilled_before_the_first_step(engine: FakeEngine,
+def test_prompts_waiting_while_nothing_decodes_are_all_computed_in_the_first_step(engine: FakeEngine,
         running: Runner) -> None:
     engine.slots = 4
     s = running(engine, start=False)
@@ -332,15 +345,14 @@ def test_prompts_waiting_while_nothing_decodes_are_all_prefilled_before_the_firs
     s.start()
     for c in collectors:
         c.wait()
-    kinds = [c[0] for c in engine.calls if c[0] in ("prefill", "generate")]
-    assert kinds[:5] == ["prefill"] * 4 + ["generate"]
+    assert prompt_tokens(engine)[0] == (5, 15, 25, 35) and len(engine.steps[0].starts) == 4
 
 
-def test_while_requests_decode_admission_per_step_stops_at_the_prompt_token_budget(engine: FakeEngine,
+def test_while_requests_decode_prompts_get_at_most_prefill_rows_per_step(engine: FakeEngine,
         running: Runner) -> None:
     engine.slots = 4
     engine.step_delay = 0.01
-    s = running(engine, prefill_token_budget=16)  # two prompts of bucket 8 per step
+    s = running(engine, prefill_rows=4)
     first = Collector()
     s.submit(req((30,), max_tokens=30), first)
     assert first.first_token.wait(5)
@@ -349,42 +361,41 @@ def test_while_requests_decode_admission_per_step_stops_at_the_prompt_token_budg
         s.submit(req((20 + i, 3, 4), max_tokens=2), c)
     for c in [first, *others]:
         c.wait()
-    kinds = "".join("p" if c[0] == "prefill" else "g" for c in engine.calls if c[0] in ("prefill", "generate"))
-    after_first = kinds[kinds.index("g"):]
-    assert "ppp" not in after_first and "pp" in after_first  # at most two prefills between decode steps
+    while_decoding = [t for t, mine in zip(prompt_tokens(engine), rows_of(engine, 0)) if mine][1:]
+    assert max(len(t) for t in while_decoding) == 4  # 9 prompt rows: 4 + 4 + 1
+    assert sum(len(t) for t in while_decoding) == 9
 
 
-def test_a_long_prompt_is_prefilled_one_chunk_per_decode_step_while_others_stream(engine: FakeEngine,
+def test_a_long_prompt_is_computed_a_chunk_per_step_while_others_stream(engine: FakeEngine,
         running: Runner) -> None:
     engine.slots = 2
-    engine.prefill_chunk = 4
     engine.step_delay = 0.005
-    s = running(engine)
-    running, long_ = Collector(), Collector()
-    s.submit(req((30,), max_tokens=20), running)
-    assert running.first_token.wait(5)
-    s.submit(req(tuple(range(3, 16)), max_tokens=3), long_)  # 13 tokens: chunks at 0, 4, 8, 12
+    s = running(engine, prefill_rows=4)
+    streaming, long_ = Collector(), Collector()
+    s.submit(req((30,), max_tokens=20), streaming)
+    assert streaming.first_token.wait(5)
+    s.submit(req(tuple(range(3, 16)), max_tokens=3), long_)  # 13 tokens: rows 0-3, 4-7, 8-11, 12
     assert long_.wait().ids == [16, 17, 18]
-    assert running.wait().ids == list(range(31, 51))
-    kinds = [c[0] for c in engine.calls if c[0] in ("chunk", "generate")]
-    first = kinds.index("chunk")
-    assert kinds[first:first + 7] == ["chunk", "generate"] * 3 + ["chunk"]  # a decode step between chunks
-    assert [c[2] for c in engine.calls if c[0] == "chunk"] == [0, 4, 8, 12]
+    assert streaming.wait().ids == list(range(31, 51))
+    chunks = [r for r in rows_of(engine, 1) if r and r[0] < 13]
+    assert [r[0] for r in chunks] == [0, 4, 8, 12]
+    streamed = rows_of(engine, 0)
+    assert all(streamed[i] for i, r in enumerate(rows_of(engine, 1)) if r and r[0] < 13)  # a decode row beside each
 
 
-def test_cancelling_a_request_during_its_chunked_prefill_frees_its_slot(engine: FakeEngine, running: Runner) -> None:
-    engine.slots = 1
-    engine.prefill_chunk = 2
+def test_cancelling_a_request_while_its_prompt_is_computed_frees_its_slot_and_blocks(engine: FakeEngine,
+                                                                                    running: Runner) -> None:
+    engine.slots, engine.max_rows = 1, 2  # a 13-token prompt takes 7 steps
     engine.step_delay = 0.005
     s = running(engine)
     c = Collector()
     handle = s.submit(req(tuple(range(3, 16)), max_tokens=3), c)
-    wait_until(lambda: engine.count("chunk") >= 1)
+    wait_until(lambda: len(engine.steps) >= 1)
     handle.cancel()
     assert c.wait().last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
-    assert c.ids == [] and engine.count("chunk") < 7  # stopped before its prompt was done
+    assert c.ids == [] and len(engine.steps) < 7  # stopped before its prompt was done
     wait_until(lambda: s.stats() == {"active": 0, "free": 1, "queued": 0})
-    wait_until(lambda: engine.count("free") >= 1)  # the engine frees the slot: its KV blocks go back now
+    assert s.kv.usage().used == 0  # its KV blocks went back
     later = Collector()
     s.submit(req((40,), max_tokens=2), later)
     assert later.wait().ids == [41, 42]

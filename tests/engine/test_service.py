@@ -44,7 +44,7 @@ def service_and_startup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     port, metrics_port = free_port(), free_port()
     cache = tmp_path_factory.mktemp("compile_cache")
     svc = Service("model_service", ["--config", GOLDEN_CONFIG, "--checkpoint", GOLDEN_CHECKPOINT, "--host",
-                                    "127.0.0.1", "--port", str(port), "--slots", "4", "--buckets", "32",
+                                    "127.0.0.1", "--port", str(port), "--slots", "4",
                                     "--metrics-port", str(metrics_port)], port,
                   env={"GROK_MODEL_MESH": "1,1", "GROK_MODEL_MAX_QUEUE": "16", "GROK_MODEL_COMPILE_CACHE": str(cache)})
     svc.metrics_port = metrics_port  # type: ignore[attr-defined]
@@ -77,7 +77,8 @@ def test_help_documents_every_flag_and_its_environment_variable() -> None:
     done = subprocess.run([sys.executable, "-m", "model_service", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0
-    for flag in ("--checkpoint", "--random-init", "--dtype", "--mesh", "--slots", "--buckets", "--max-queue",
+    for flag in ("--checkpoint", "--random-init", "--dtype", "--mesh", "--slots", "--max-num-batched-tokens",
+                 "--prefill-tokens", "--tile-rows", "--max-queue",
                  "--compile-cache", "--metrics-port"):
         assert flag in done.stdout
         assert "GROK_MODEL_" + flag[2:].replace("-", "_").upper() in done.stdout
@@ -103,10 +104,10 @@ def test_grpcurl_generate_with_a_golden_seeded_request_returns_reference_ids(
 
 def test_grpcurl_bad_request_is_invalid_argument(service_and_startup: tuple[Service, list]) -> None:
     svc, _ = service_and_startup
-    done = grpcurl("-plaintext", "-d", json.dumps({"token_ids": [5] * 33}), svc.address,
+    done = grpcurl("-plaintext", "-d", json.dumps({"token_ids": [5] * 128}), svc.address,
                    "grok.model.v1.ModelService/Generate")
     assert done.returncode == 64 + grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert "longest accepted is 32" in done.stderr
+    assert "longest accepted is 127" in done.stderr
 
 
 def test_metrics_endpoint_counts_requests(service_and_startup: tuple[Service, list]) -> None:
@@ -161,7 +162,7 @@ def fake_loop() -> Iterator[LoopThread]:
 
 
 def test_queue_full_is_resource_exhausted_and_not_loaded_is_unavailable(fake_loop: LoopThread) -> None:
-    engine = FakeEngine(slots=1, vocab_size=512, sequence_len=128, buckets=(32, 64), step_delay=0.02)
+    engine = FakeEngine(slots=1, vocab_size=512, sequence_len=128, step_delay=0.02)
     config = golden_server_config(slots=1, max_queue=1)
     server = fake_loop.run(_started(config, engine))
     address = f"127.0.0.1:{server.port}"

@@ -64,7 +64,7 @@ def loop() -> Iterator[LoopThread]:
 
 
 def test_a_stalled_decode_loop_is_not_serving_fails_streams_unavailable_then_recovers(loop: LoopThread) -> None:
-    engine = FakeEngine(slots=2, vocab_size=512, sequence_len=128, buckets=(32, 64), step_delay=0.01)
+    engine = FakeEngine(slots=2, vocab_size=512, sequence_len=128, step_delay=0.01)
     server: ModelServer = loop.run(_started(golden_server_config(slots=2, watchdog_seconds=0.5), engine))
     address = f"127.0.0.1:{server.port}"
     try:
@@ -99,7 +99,7 @@ def test_a_stalled_decode_loop_is_not_serving_fails_streams_unavailable_then_rec
 
 
 def test_a_prefill_that_hangs_on_an_idle_model_is_a_stall_too(loop: LoopThread) -> None:
-    engine = FakeEngine(slots=2, vocab_size=512, sequence_len=128, buckets=(32, 64))
+    engine = FakeEngine(slots=2, vocab_size=512, sequence_len=128)
     server: ModelServer = loop.run(_started(golden_server_config(slots=2, watchdog_seconds=0.5), engine))
     address = f"127.0.0.1:{server.port}"
     try:
@@ -119,7 +119,7 @@ def test_a_prefill_that_hangs_on_an_idle_model_is_a_stall_too(loop: LoopThread) 
 
 
 def test_a_busy_but_advancing_loop_is_never_flagged(loop: LoopThread) -> None:
-    engine = FakeEngine(slots=2, vocab_size=512, sequence_len=128, buckets=(32, 64), step_delay=0.1)
+    engine = FakeEngine(slots=2, vocab_size=512, sequence_len=128, step_delay=0.1)
     server: ModelServer = loop.run(_started(golden_server_config(slots=2, watchdog_seconds=0.5), engine))
     try:
         loop.run(server.load())

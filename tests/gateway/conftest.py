@@ -94,7 +94,7 @@ def client(fast_stack: Stack) -> Iterator[GatewayClient]:
 def model_args(port: int, metrics_port: int, cache: str) -> list[str]:
     """Flags of a model service on the golden tiny Grok-1 (float32, 2 slots, one 64-token bucket)."""
     return ["--config", str(GOLDEN / "config.json"), "--checkpoint", str(GOLDEN / "checkpoint"), "--dtype", "float32",
-            "--host", "127.0.0.1", "--port", str(port), "--slots", "2", "--buckets", "64",
+            "--host", "127.0.0.1", "--port", str(port), "--slots", "2",
             "--metrics-port", str(metrics_port), "--compile-cache", cache]
 
 

@@ -27,7 +27,7 @@ from tests.procs import GOLDEN
 pytestmark = pytest.mark.slow
 
 GOLDEN_CASE = json.loads((GOLDEN / "pipeline_fp32.json").read_text())["requests"][1]
-VOCAB, CONTEXT, BUCKET = 512, 128, 64
+VOCAB, CONTEXT, BUCKET = 512, 128, 127  # BUCKET: the longest prompt the model accepts
 INTERNALS = ("Traceback", "<class", "Exception", "Error:", "127.0.0.1", "ipv4:", "/tmp/", "site-packages")
 
 

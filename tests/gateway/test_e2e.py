@@ -92,7 +92,7 @@ def gateway_ended(gateway: Service, code: str, before: int) -> Callable[[], bool
 
 
 def ended(gateway: Service, code: str) -> int:
-    return sum(1 for r in gateway.log_records() if r.get("msg") == "rpc" and r.get("code") == code)
+    return sum(1 for r in gateway.log_records() if r.get("msg") == "request" and r.get("code") == code)
 
 
 def generated_so_far(stack: Stack, before: float) -> float:
@@ -131,7 +131,7 @@ def test_deadline_reaches_the_model_through_the_gateway_and_frees_the_slot(golde
         with frozen(golden_stack.models[0]):  # the deadline passes while the model cannot run (or has passed)
             wait_until(gateway_ended(golden_stack.gateway, "DEADLINE_EXCEEDED", expired), 10,
                        message=lambda: "the gateway never ended the call at its deadline; its last calls: "
-                       + str([r for r in golden_stack.gateway.log_records() if r.get("msg") == "rpc"][-2:]))
+                       + str([r for r in golden_stack.gateway.log_records() if r.get("msg") == "request"][-2:]))
             # The model's copy of the deadline lies a transit time (and two processes' clocks) later than the
             # gateway's: keep it stopped until that has surely passed too, so it wakes past its deadline.
             wait_until(lambda: time.monotonic() > started + 1.3, 5)

@@ -54,7 +54,7 @@ def test_openai_echo_with_logprobs_scores_the_prompt_tokens_first(golden_stack: 
                                                     temperature=0, max_tokens=3, extra_body={"ignore_eos": True})
     choice = reply.choices[0]
     with GatewayClient(golden_stack.address, timeout=60) as client:
-        plain = client.complete(PROMPT, **OPTIONS)
+        plain = client.complete(PROMPT, **OPTIONS, logprobs=True)
     assert choice.text == PROMPT + plain.text
     lp = choice.logprobs
     assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None

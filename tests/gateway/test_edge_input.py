@@ -15,6 +15,7 @@ from gateway.client import completion_request
 from grok.gateway.v1 import gateway_pb2_grpc
 from serving_common.logs import MAX_REQUEST_ID_CHARS
 from tests.gateway.conftest import Stack
+from tests.gateway.http_client import post
 
 COMPLETION = {"model": "grok-1", "prompt": "xy|hello", "max_tokens": 3}
 CHAT = {"model": "grok-1", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
@@ -92,3 +93,18 @@ def test_a_lone_surrogate_in_any_text_is_400_naming_the_field(fast_stack: Stack,
     assert "surrogate" in reply["error"]["message"]
     status, _, _ = post_raw(f"{fast_stack.http_url}/v1/completions", json.dumps(COMPLETION))
     assert status == 200  # the gateway serves on
+
+
+@pytest.mark.parametrize("depth", [958, 5_000, 200_000])
+@pytest.mark.parametrize("path, field", [("/v1/completions", "response_format"), ("/v1/chat/completions", "tools"),
+                                         ("/v1/completions", "unknown_field")])
+def test_a_deeply_nested_body_is_400_at_any_depth(fast_stack: Stack, depth: int, path: str, field: str) -> None:
+    """Nesting is refused by a bounded, non-recursive check before anything recurses over the body (Python's json
+    and pydantic both would: a RecursionError answered 500)."""
+    nested = "[" * depth + "]" * depth
+    start = '{"prompt": "x", ' if path == "/v1/completions" else '{"messages": [{"role": "user", "content": "x"}], '
+    body = f'{start}"{field}": {nested}}}'.encode()
+    status, reply = post(f"{fast_stack.http_url}{path}", body)
+    assert status == 400, reply
+    assert "levels deep" in reply["error"]["message"] and reply["error"]["param"] == "body"
+    assert post(f"{fast_stack.http_url}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200

@@ -162,3 +162,18 @@ def test_metrics_endpoint_counts_requests_tokens_and_latencies(fast_stack: Stack
         assert f'grok_gateway_{name}_count{{method="Complete"}}' in body
     assert "grok_gateway_completion_tokens_total" in body and "grok_gateway_prompt_tokens_total" in body
 
+
+
+def test_chat_refuses_an_empty_conversation_and_a_template_refusal_naming_messages(client: GatewayClient) -> None:
+    for messages in ([], [{"role": "robot", "content": "x"}]):
+        with pytest.raises(grpc.RpcError) as caught:
+            list(client.chat(messages, max_tokens=2))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details().startswith("messages: "), caught.value.details()
+
+
+def test_chat_streams_what_generate_streams_for_the_rendered_prompt(client: GatewayClient) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    chat = list(client.chat(messages, max_tokens=5))
+    assert chat[-1].finish_reason and chat[-1].usage.prompt_tokens > 0
+    assert sum(len(m.tokens) for m in chat) == chat[-1].usage.completion_tokens

@@ -99,6 +99,19 @@ def test_best_of_other_than_n_is_refused_naming_it(fast_stack: Stack) -> None:
     assert reply["error"]["param"] == "best_of" and "not supported yet" in reply["error"]["message"]
 
 
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/completions", "skip_special_tokens", False), ("/v1/chat/completions", "skip_special_tokens", False),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}})])
+def test_fields_that_would_be_ignored_are_refused_naming_them(fast_stack: Stack, path: str, field: str,
+                                                              value: object) -> None:
+    base = {"prompt": "a|b"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "a|b"}]}
+    status, reply = post(f"{fast_stack.http_url}{path}", {**base, "max_tokens": 1, field: value})
+    assert status == 400 and reply["error"]["param"] == field, reply
+    for accepted in ({"skip_special_tokens": True}, {"tool_choice": "none"}, {"tool_choice": "auto"}):
+        assert post(f"{fast_stack.http_url}{path}", {**base, "max_tokens": 1, **accepted})[0] == 200
+
+
 def test_sampling_controls_at_their_defaults_are_accepted(fast_stack: Stack) -> None:
     defaults = {"n": 1, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "logit_bias": {}, "stop_token_ids": [], "echo": False, "best_of": 1}

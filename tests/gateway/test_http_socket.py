@@ -13,6 +13,7 @@ import asyncio
 import socket
 
 from gateway.http.server import bind_socket
+from tests.gateway.conftest import Stack
 
 
 class _Record(asyncio.Protocol):
@@ -40,3 +41,36 @@ def test_connections_accepted_on_the_http_socket_have_nagle_off() -> None:
         return _Record.nodelay
 
     assert asyncio.run(accept_one()) == [1]
+
+
+def test_request_headers_over_16_kib_are_400_whole_or_in_pieces(fast_stack: Stack) -> None:
+    """The documented limit holds for a header block sent in one write (h11 alone limited only pieces)."""
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    for size, pieces in ((80_000, 1), (17_000, 1), (17_000, 40)):
+        head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nx-big: %s\r\n\r\n" % (len(body), b"a" * size))
+        with socket.create_connection(("127.0.0.1", fast_stack.http_port), timeout=30) as conn:
+            step = -(-len(head) // pieces)
+            try:
+                for i in range(0, len(head), step):
+                    conn.sendall(head[i:i + step])
+                conn.sendall(body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused before the rest arrived
+            reply = read_all(conn)
+        assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    with socket.create_connection(("127.0.0.1", fast_stack.http_port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\nx-big: %s\r\nconnection: close\r\n\r\n%s" % (len(body), b"a" * 15_000, body))
+        assert read_all(conn).startswith(b"HTTP/1.1 200")
+
+
+def read_all(conn: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    out = b""
+    try:
+        while chunk := conn.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out

@@ -163,3 +163,15 @@ def test_bad_security_flags_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         parse_config(["--tokenizer", "t:1", "--model", "m:2", *argv])
     assert caught.value.code == 2
+
+
+def test_nesting_depth_counts_levels_without_recursing_and_ignores_brackets_in_strings() -> None:
+    from gateway.http.body import MAX_NESTING, nesting_depth, too_deep
+
+    assert nesting_depth(b'{"a": [1, {"b": []}]}') == 4
+    assert nesting_depth(b'{"a": "[[[[[[[[ \\" {{{{"}') == 1
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert too_deep(deep) == MAX_NESTING + 1  # the count stops once it is enough to refuse
+    assert too_deep(b"[" * MAX_NESTING + b"]" * MAX_NESTING) is None
+    many_flat = b"[" + b"[]," * 1000 + b"[]]"
+    assert nesting_depth(many_flat) == 2 and too_deep(many_flat) is None

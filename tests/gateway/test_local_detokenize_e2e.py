@@ -101,7 +101,9 @@ def test_local_stream_survives_the_tokenizer_dying_and_the_table_is_prefetched_a
         with pytest.raises(grpc.RpcError) as caught:  # a new prompt cannot be encoded
             client.complete(prompt, **options)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        golden_stack.tokenizer = Service("tokenizer_service", old.proc.args[3:], old.port, log_dir=tmp_path)
+        # At debug level: its successful calls (GetPieces below) are logged only then.
+        golden_stack.tokenizer = Service("tokenizer_service", [*old.proc.args[3:], "--log-level", "debug"], old.port,
+                                         log_dir=tmp_path)
         golden_stack.tokenizer.wait_serving(60)
         wait_until(lambda: check(local_gateway.address), timeout=10)
         # The restarted service may serve another model: the gateway asks it for its table again as soon

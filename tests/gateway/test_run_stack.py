@@ -7,57 +7,86 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 
 import pytest
 
+from scripts.run_stack import client_key, parse_args
 from serving_common.healthcheck import check
-from tests.procs import GOLDEN, ROOT, free_port
+from tests.demo.launcher import Launched
+from tests.demo.test_readme import code_blocks, on_stack, shell_commands
+from tests.procs import GOLDEN, ROOT, free_port, grpcurl_path
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 
 def test_run_stack_serves_streams_a_sample_and_stops_all_three_on_ctrl_c(jax_cache: str) -> None:
-    ports = [free_port() for _ in range(3)]
-    proc = subprocess.Popen(
-        [sys.executable, "scripts/run_stack.py", "--config", str(GOLDEN / "config.json"),
-         "--checkpoint", str(GOLDEN / "checkpoint"), "--tokenizer", str(GOLDEN / "tokenizer.model"),
-         "--gateway-port", str(ports[0]), "--tokenizer-port", str(ports[1]), "--model-port", str(ports[2]),
-         "--metrics-port", "0", "--model-metrics-port", "0", "--http-port", "0",
-         "--compile-cache", jax_cache, "--max-tokens", "6", "--prompt", "In the beginning"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
-    reader.start()
+    """With an API key set, the sample, every command the launcher prints and docs/security.md's API-key examples
+    work as written."""
+    launched = Launched(["--config", str(GOLDEN / "config.json"), "--checkpoint", str(GOLDEN / "checkpoint"),
+                         "--tokenizer", str(GOLDEN / "tokenizer.model"), "--compile-cache", jax_cache,
+                         "--max-tokens", "6", "--prompt", "In the beginning"], env={"GROK_STACK_API_KEY": "sk-mykey"})  # docs/security.md's key
     try:
-        def ready() -> bool:
-            assert proc.poll() is None, "".join(lines)[-4000:]
-            return any("Ctrl-C stops all three" in line for line in list(lines))
-        wait_until(ready, 600, interval=0.2, message=lambda: "".join(lines)[-4000:])
-        output = "".join(lines)
+        launched.wait_ready()
+        output = launched.output()
         assert "[finish: length; tokens: 8 prompt + 6 completion" in output
-        assert "grpcurl -plaintext -d" in output and f"127.0.0.1:{ports[0]}" in output
-        assert "-m gateway.client" in output
+        commands = re.findall(r"^  (.+)$", output.split("run_stack: try it yourself:\n", 1)[1], re.M)
+        assert [c.split()[0].rsplit("/", 1)[-1] for c in commands] == ["python", "grpcurl", "grpcurl", "curl", "curl"]
+        for command in commands:
+            done = subprocess.run(["bash", "-c", command.replace("grpcurl ", f"{grpcurl_path()} ", 1)
+                                   if command.startswith("grpcurl ") else command],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0 and done.stdout.strip() and '{"error"' not in done.stdout, (command, done)
+        (block, *_) = code_blocks((ROOT / "docs" / "security.md").read_text(encoding="utf-8"), "bash")
+        for command in shell_commands(block):  # its API-key examples, as written
+            done = subprocess.run(["bash", "-c", on_stack(command, launched)], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0 and '"error"' not in done.stdout, (command, done)
+        without_key = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                      f"{launched.http_url}/v1/models"], capture_output=True, text=True, timeout=30)
+        assert without_key.stdout == "401"
+        ports = [launched.ports[name] for name in ("gateway", "tokenizer", "model")]
         assert all(check(f"127.0.0.1:{p}") for p in ports)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
+        assert launched.stop() == 0
     finally:
-        if proc.poll() is None:  # the test failed: do not leave the services behind
-            for pid in re.findall(r"\(pid (\d+)\)", "".join(lines)):
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.kill()
-            proc.wait()
-    reader.join(5)
-    output = "".join(lines)
+        if launched.proc.poll() is None:
+            launched.kill()
+    output = launched.output()
     for name in ("gateway", "model", "tokenizer"):
         assert f"run_stack: {name} exited with 0" in output
     assert not any(check(f"127.0.0.1:{p}", timeout=0.5) for p in ports)
+
+
+def test_a_port_in_use_is_refused_before_anything_starts() -> None:
+    with socket.socket() as other:  # another process's server on the gateway's port
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        done = subprocess.run([sys.executable, "scripts/run_stack.py", "--gateway-port", str(taken),
+                               "--tokenizer-port", str(free_port()), "--model-port", str(free_port()),
+                               "--http-port", "0", "--metrics-port", "0", "--model-metrics-port", "0"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"127.0.0.1:{taken} (--gateway-port) is already in use" in done.stdout
+    assert "SERVING" not in done.stdout and "run_stack: started" not in done.stdout
+
+
+def test_make_run_passes_its_args_to_the_launcher_and_installs_only_what_serving_needs(tmp_path: pathlib.Path) -> None:
+    """`make run ARGS=...` reaches the launcher; on a fresh venv it installs the serving packages (and the clients
+    the README calls) with pip's progress shown, not the test tools nor npm."""
+    done = subprocess.run(["make", "-n", "run", f"VENV={tmp_path / 'venv'}", "ARGS=--http-port 8080 --slots 2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    installs = [line for line in lines if "pip install" in line]
+    assert installs and not any(" -q" in line for line in installs), installs
+    assert any("'.[client]'" in line for line in installs) and not any("test]" in line for line in installs)
+    assert not any("npm" in line for line in lines)
+    assert lines[-1].endswith("scripts/run_stack.py --http-port 8080 --slots 2")
 
 
 class Launcher:
@@ -130,3 +159,15 @@ def test_services_exit_when_their_launcher_is_killed(jax_cache: str) -> None:
         assert not any(check(f"127.0.0.1:{p}", timeout=0.5) for p in launcher.ports)
     finally:
         launcher.cleanup(pids)
+
+
+def test_the_sample_sends_the_key_the_gateway_reads_from_its_own_variables(tmp_path: pathlib.Path) -> None:
+    """A GROK_GATEWAY_API_KEY (or key file) in the environment reaches the gateway the launcher starts: the sample
+    must send it, or the stack stops itself on its own UNAUTHENTICATED sample."""
+    args = parse_args([])
+    assert client_key(args, {}) == ""
+    assert client_key(args, {"GROK_GATEWAY_API_KEY": "sk-a,sk-b"}) == "sk-a"
+    keys = tmp_path / "keys"
+    keys.write_text("# ours\n\nsk-file\nsk-other\n")
+    assert client_key(args, {"GROK_GATEWAY_API_KEY_FILE": str(keys)}) == "sk-file"
+    assert client_key(parse_args(["--api-key", "sk-flag"]), {"GROK_GATEWAY_API_KEY": "sk-a"}) == "sk-flag"

@@ -189,7 +189,8 @@ def test_openai_chat_logprobs_read_in_context(golden_http_url: str, local_gatewa
         client = sdk(url)
         choice = client.chat.completions.create(**body).choices[0]
         content = choice.message.content
-        assert content.startswith(" ") and "".join(t.token for t in choice.logprobs.content) == content
+        # The content starts at its first word; the tokens keep their texts, the separator space included.
+        assert not content.startswith(" ") and "".join(t.token for t in choice.logprobs.content) == " " + content
         for token in choice.logprobs.content:
             assert token.token.startswith(" ") and 1 <= len(token.top_logprobs) <= len(allowed)
             assert all(top.token.startswith(" ") and -9999 < top.logprob <= 0 for top in token.top_logprobs)

@@ -18,22 +18,52 @@ import pytest
 
 from model_service.checkpoint import load_params, random_params
 from model_service.config import MeshConfig, ModelConfig, load_model_config
-from model_service.model import GrokModel, Products, choose_products
+from model_service.model import GrokModel, Products, TokenRows, choose_products
 from model_service.sharding import make_mesh
 from tests.procs import GOLDEN
 
 
 @dataclass
 class Loaded:
-    """A model with its parameters on one mesh in one dtype, and its jitted entry points."""
+    """A model with its parameters on one mesh in one dtype, and its jitted dense pass."""
 
     cfg: ModelConfig
     model: GrokModel
     params: Any
-    prefill: Callable[..., Any]
-    decode: Callable[..., Any]
-    insert: Callable[..., Any]
     forward: Callable[..., Any]
+
+
+Row = tuple[int, int, int]  # (sequence, position, token)
+_JITTED: dict[tuple[int, int], tuple[Callable[..., Any], Callable[..., Any]]] = {}
+
+
+class RowRunner:
+    """GrokModel.rows over dense block tables (sequence i owns blocks i * blocks_per_sequence on): run lists of
+    token rows, in tiles of `tile`, and get each row's logits; the pools carry over between calls."""
+
+    def __init__(self, loaded: Loaded, sequences: int, tile: int = 8, params: Any = None) -> None:
+        model = loaded.model
+        self.model, self.params, self.tile = model, loaded.params if params is None else params, tile
+        self.tables = jnp.asarray(model.dense_tables(sequences))
+        self.pools = model.init_pools(sequences * model.blocks_per_sequence)
+        key = (id(model), tile)
+        if key not in _JITTED:  # one compiled program per model, tile and shape for the whole session
+            _JITTED[key] = (jax.jit(lambda p, pools, rows, tiles: model.rows(p, pools, rows, tile, tiles)),
+                            jax.jit(model.head))
+        self._rows, self._head = _JITTED[key]
+
+    def run(self, rows: list[Row], valid: list[bool] | None = None, size: int | None = None,
+            tiles: int | None = None) -> np.ndarray:
+        """Logits [len(rows), V] of the rows (padded to `size` rows, default whole tiles); rows not `valid` are
+        padding (they write nothing and get zeros with native products)."""
+        n = size or -(-len(rows) // self.tile) * self.tile
+        seq, pos, tok = (np.zeros(n, np.int32) for _ in range(3))
+        ok = np.zeros(n, bool)
+        for i, (s, p, t) in enumerate(rows):
+            seq[i], pos[i], tok[i], ok[i] = s, p, t, True if valid is None else valid[i]
+        h, self.pools = self._rows(self.params, self.pools, TokenRows(jnp.asarray(tok), jnp.asarray(pos),
+                                   jnp.asarray(seq), jnp.asarray(ok), self.tables), tiles)
+        return np.asarray(self._head(self.params, h, jnp.asarray(ok)))[:len(rows)]
 
 
 @pytest.fixture(scope="session")
@@ -65,8 +95,7 @@ def golden_model(golden_cfg: ModelConfig) -> Callable[[str, str], Loaded]:
             model = GrokModel(golden_cfg, m, jnp.dtype(dtype), products_under_test(m, dtype))
             params = load_params(str(GOLDEN / "checkpoint"), golden_cfg, m, jnp.dtype(dtype),
                                  pack=model.products is Products.NATIVE)
-            _CACHE[key] = Loaded(golden_cfg, model, params, jax.jit(model.prefill), jax.jit(model.decode),
-                                 jax.jit(model.insert), jax.jit(model.forward))
+            _CACHE[key] = Loaded(golden_cfg, model, params, jax.jit(model.forward))
         return _CACHE[key]
     return get
 
@@ -82,5 +111,4 @@ def tiny(golden_cfg: ModelConfig) -> Loaded:
     mesh = make_mesh(MeshConfig())
     model = GrokModel(cfg, mesh, jnp.float32, products_under_test(mesh, jnp.float32))
     params = random_params(cfg, mesh, jnp.float32, seed=11, pack=model.products is Products.NATIVE)
-    return Loaded(cfg, model, params, jax.jit(model.prefill), jax.jit(model.decode), jax.jit(model.insert),
-                  jax.jit(model.forward))
+    return Loaded(cfg, model, params, jax.jit(model.forward))

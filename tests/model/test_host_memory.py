@@ -1,6 +1,6 @@
-"""The model service keeps its decode steps' freed buffers: no page faults per step, whatever its buckets.
+"""The model service keeps its steps' freed buffers: no page faults per decode step.
 
-Without `host_memory.keep_freed_memory`, a golden engine whose largest prefill bucket is shorter than its
+Without `host_memory.keep_freed_memory`, a golden engine whose longest prompt step was shorter than its
 context took 4,000-13,000 minor page faults per decode step (glibc's mmap threshold had never been raised)
 and ran at half speed; this test counts faults, not time, so it does not depend on the machine's load.
 """
@@ -23,26 +23,28 @@ prepare_process()
 from model_service.config import MeshConfig
 from model_service.loading import ServerConfig, build_engine, resolve
 from model_service.sampling_settings import SamplingSettings
-config = ServerConfig(config=sys.argv[1], checkpoint=sys.argv[2], slots=4, buckets=(32, 64), dtype="float32",
-                      mesh=MeshConfig(1, 1))
-engine = build_engine(config, *resolve(config))
-state = engine.init_decode_state()
+from tests.engine.drive import Driver
+from model_service.step_batch import SlotStart
+config = ServerConfig(config=sys.argv[1], checkpoint=sys.argv[2], slots=4, dtype="float32", mesh=MeshConfig(1, 1))
+engine = build_engine(config, resolve(config))
+d = Driver(engine)
+prompt = list(range(3, 36))
 for slot in range(4):
-    prefix, _ = engine.prefill(list(range(3, 36)), SamplingSettings(), seed=slot)
-    state = engine.insert(prefix, state, slot)
-for _ in range(5):
-    state, pending = engine.generate(state)
-    pending.get()
+    d.step([(slot, p, t) for p, t in enumerate(prompt)], [(len(prompt) - 1, slot)],
+           [SlotStart(slot, slot, SamplingSettings(), tuple(prompt))])
+def step(i):
+    d.step([(slot, len(prompt) + i, None) for slot in range(4)], [(slot, slot) for slot in range(4)])
+for i in range(5):
+    step(i)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 steps = 40
-for _ in range(steps):
-    state, pending = engine.generate(state)
-    pending.get()
+for i in range(steps):
+    step(5 + i)
 print(json.dumps({"faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps}))
 """
 
 
-def test_decode_steps_do_not_fault_in_fresh_pages_when_the_largest_bucket_is_shorter_than_the_context() -> None:
+def test_decode_steps_do_not_fault_in_fresh_pages() -> None:
     out = subprocess.run([sys.executable, "-c", PROBE, str(GOLDEN / "config.json"), str(GOLDEN / "checkpoint")],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={"PATH": "/usr/bin:/bin", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)})

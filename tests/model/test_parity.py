@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.model.conftest import RowRunner
+
 PAD_TO = 64
 PROMPTS = range(4)
 MESHES = ["1,1", "1,8"]
@@ -19,44 +21,43 @@ def _padded(prompt: np.ndarray) -> np.ndarray:
 
 
 def _prefill_all(loaded, gold):
-    out = {}
-    for p in PROMPTS:
-        prompt = gold[f"p{p}_prompt"]
-        out[p] = loaded.prefill(loaded.params, jnp.asarray(_padded(prompt)), jnp.int32(len(prompt)))
-    return out
+    """Every prompt's rows in one step (prompt p is sequence p): each prompt's last logits."""
+    runner = RowRunner(loaded, len(PROMPTS))
+    rows = [(p, i, int(t)) for p in PROMPTS for i, t in enumerate(gold[f"p{p}_prompt"])]
+    logits = runner.run(rows)
+    ends = np.cumsum([len(gold[f"p{p}_prompt"]) for p in PROMPTS]) - 1
+    return runner, {p: logits[ends[p]] for p in PROMPTS}
 
 
-def _decode_batch(loaded, prefixes, first_tokens, forced=None):
-    """Decode the four prompts side by side (one slot each, different positions). forced: [4, STEPS] tokens
-    to feed instead of the argmax (teacher forcing). Returns (tokens [4, STEPS], logits [4, STEPS, V])."""
-    memory = loaded.model.init_memory(len(PROMPTS))
-    for slot, prefix in prefixes.items():
-        memory = loaded.insert(memory, prefix, jnp.int32(slot))
+def _decode_batch(loaded, gold, runner, first_tokens, forced=None):
+    """Decode the four prompts side by side (one row each per step, different positions). forced: [4, STEPS]
+    tokens to feed instead of the argmax (teacher forcing). Returns (tokens [4, STEPS], logits [4, STEPS, V])."""
+    lengths = [len(gold[f"p{p}_prompt"]) for p in PROMPTS]
     tokens, logits = [np.asarray(first_tokens)], []
-    current = jnp.asarray(first_tokens if forced is None else forced[:, 0], jnp.int32)
+    current = np.asarray(first_tokens if forced is None else forced[:, 0])
     for step in range(1, STEPS):
-        step_logits, memory = loaded.decode(loaded.params, current, memory)
-        logits.append(np.asarray(step_logits))
-        chosen = np.asarray(step_logits).argmax(-1)
+        step_logits = runner.run([(p, lengths[p] + step - 1, int(current[p])) for p in PROMPTS])
+        logits.append(step_logits)
+        chosen = step_logits.argmax(-1)
         tokens.append(chosen)
-        current = jnp.asarray(chosen if forced is None else forced[:, step], jnp.int32)
+        current = chosen if forced is None else forced[:, step]
     return np.stack(tokens, 1), np.stack(logits, 1)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_float32_prefill_full_logits_and_greedy_match_reference(golden_model, golden_npz, mesh):
     loaded, gold = golden_model(mesh, "float32"), golden_npz["fp32"]
-    prefilled = _prefill_all(loaded, gold)
+    runner, prefilled = _prefill_all(loaded, gold)
     full = np.asarray(loaded.forward(loaded.params, jnp.asarray(np.concatenate(
         [_padded(gold[f"p{p}_prompt"]) for p in PROMPTS]))))
     first = []
     for p in PROMPTS:
         n = len(gold[f"p{p}_prompt"])
-        last = np.asarray(prefilled[p][0])[0]
+        last = prefilled[p]
         np.testing.assert_allclose(last, gold[f"p{p}_prefill_last_logits"], atol=1e-4, rtol=0)
         np.testing.assert_allclose(full[p, :n], gold[f"p{p}_full_logits"], atol=1e-4, rtol=0)
         first.append(last.argmax())
-    tokens, logits = _decode_batch(loaded, {p: prefilled[p][1] for p in PROMPTS}, np.array(first))
+    tokens, logits = _decode_batch(loaded, gold, runner, np.array(first))
     for p in PROMPTS:
         np.testing.assert_array_equal(tokens[p], gold[f"p{p}_greedy_tokens"], err_msg=f"prompt {p}")
         np.testing.assert_allclose(logits[p], gold[f"p{p}_step_logits"][1:], atol=1e-4, rtol=0)
@@ -65,17 +66,17 @@ def test_float32_prefill_full_logits_and_greedy_match_reference(golden_model, go
 @pytest.mark.parametrize("mesh", MESHES)
 def test_bfloat16_prefill_logits_and_confident_greedy_steps_match_reference(golden_model, golden_npz, mesh):
     loaded, gold = golden_model(mesh, "bfloat16"), golden_npz["bf16"]
-    prefilled = _prefill_all(loaded, gold)
+    runner, prefilled = _prefill_all(loaded, gold)
     first = []
     for p in PROMPTS:
-        last = np.asarray(prefilled[p][0])[0]
+        last = prefilled[p]
         assert np.abs(last - gold[f"p{p}_prefill_last_logits"]).max() < 0.3, f"prompt {p}"
         first.append(last.argmax())
-    prefixes = {p: prefilled[p][1] for p in PROMPTS}
-    tokens, _ = _decode_batch(loaded, prefixes, np.array(first))
+    tokens, _ = _decode_batch(loaded, gold, runner, np.array(first))
     # Teacher-forced with the recorded tokens, every decode step is comparable with the recorded logits.
     forced = np.stack([gold[f"p{p}_greedy_tokens"] for p in PROMPTS])
-    _, forced_logits = _decode_batch(loaded, prefixes, forced[:, 0], forced=forced)
+    runner, _ = _prefill_all(loaded, gold)
+    _, forced_logits = _decode_batch(loaded, gold, runner, forced[:, 0], forced=forced)
     for p in PROMPTS:
         margins = gold[f"p{p}_top2_margin"]
         confident = np.cumprod(margins >= 0.3).astype(bool)  # up to the first low-margin step

@@ -1,4 +1,4 @@
-"""Partition rules, shardings of params/memory, and agreement across meshes (1,1), (1,8), (2,4)."""
+"""Partition rules, shardings of params and KV pools, and agreement across meshes (1,1), (1,8), (2,4)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 from model_service.config import MeshConfig
 from model_service.model.packed import PackedWeight
 from model_service.sharding import fit_spec, make_mesh, spec_for_path
+from tests.model.conftest import RowRunner
 
 
 def test_rules_map_parameter_paths_to_specs() -> None:
@@ -41,23 +42,19 @@ def test_loaded_weights_and_memory_are_sharded_over_the_mesh(golden_model) -> No
         assert expert.weight.addressable_shards[0].data.shape == (688 // 8, 128)
         assert w_1.weight.spec == P("model", None)
         assert query.weight.spec == P("model", None)
-    mem = loaded.model.memory_shardings(4)
+    pools = loaded.model.pools_shardings(4)
     # the block pool: kv heads on model, blocks readable by every data shard
-    assert mem.layers[0].k.spec == P(None, "model", None, None) and mem.positions.spec == P("data")
+    assert pools[0].k.spec == P(None, "model", None, None)
 
 
-def test_meshes_1x1_1x8_2x4_agree_on_prefill_and_decode(golden_model, golden_npz) -> None:
+def test_meshes_1x1_1x8_2x4_agree_on_a_prompt_and_decode_rows(golden_model, golden_npz) -> None:
     prompt = golden_npz["fp32"]["p1_prompt"]
-    toks = np.zeros((1, 64), np.int32)
-    toks[0, : len(prompt)] = prompt
     results = []
     for mesh in ("1,1", "1,8", "2,4"):
-        loaded = golden_model(mesh, "float32")
-        logits, prefix = loaded.prefill(loaded.params, jnp.asarray(toks), jnp.int32(len(prompt)))
-        memory = loaded.insert(loaded.model.init_memory(4), prefix, jnp.int32(2))
-        memory = loaded.model.insert(memory, prefix, jnp.int32(0))
-        step, memory = loaded.decode(loaded.params, jnp.asarray([5, 6, 7, 8], jnp.int32), memory)
-        results.append((np.asarray(logits), np.asarray(step)))
-    for logits, step in results[1:]:
-        np.testing.assert_allclose(logits, results[0][0], atol=1e-4)
+        runner = RowRunner(golden_model(mesh, "float32"), 4)
+        first = runner.run([(2, i, int(t)) for i, t in enumerate(prompt)])
+        step = runner.run([(2, len(prompt), 5), (0, 0, 6), (1, 0, 7), (3, 0, 8)])
+        results.append((first, step))
+    for first, step in results[1:]:
+        np.testing.assert_allclose(first, results[0][0], atol=1e-4)
         np.testing.assert_allclose(step, results[0][1], atol=1e-4)

@@ -26,7 +26,7 @@ from grok.model.v1 import model_pb2 as grok_dot_model_dot_v1_dot_model__pb2
 from grok.tokenizer.v1 import tokenizer_pb2 as grok_dot_tokenizer_dot_v1_dot_tokenizer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgrok/gateway/v1/gateway.proto\x12\x0fgrok.gateway.v1\x1a\x19grok/model/v1/model.proto\x1a!grok/tokenizer/v1/tokenizer.proto\"\xc6\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x31\n\x08sampling\x18\x0b \x01(\x0b\x32\x1f.grok.gateway.v1.SamplingParamsJ\x04\x08\x02\x10\x0bR\nmax_tokensR\x0btemperatureR\x05top_pR\x04seedR\x04stopR\nignore_eosR\x0ctop_logprobsR\x11\x61llowed_token_idsR\x11\x62locked_token_ids\"\xc6\x01\n\x0f\x43ompleteRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x31\n\x08sampling\x18\x0b \x01(\x0b\x32\x1f.grok.gateway.v1.SamplingParamsJ\x04\x08\x02\x10\x0bR\nmax_tokensR\x0btemperatureR\x05top_pR\x04seedR\x04stopR\nignore_eosR\x0ctop_logprobsR\x11\x61llowed_token_idsR\x11\x62locked_token_ids\"\xce\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x19\n\x11\x61llowed_token_ids\x18\x08 \x03(\x05\x12\x19\n\x11\x62locked_token_ids\x18\t \x03(\x05\x12\r\n\x05top_k\x18\n \x01(\x05\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x42\n\nlogit_bias\x18\x0f \x03(\x0b\x32..grok.gateway.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\x10 \x03(\x05\x12\t\n\x01n\x18\x11 \x01(\x05\x12\x0c\n\x04\x65\x63ho\x18\x12 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x05\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x15 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x16 \x01(\x0b\x32\x18.grok.gateway.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"J\n\x08TopToken\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0bprobability\x18\x03 \x01(\x02\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"v\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0bprobability\x18\x03 \x01(\x02\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12-\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x19.grok.gateway.v1.TopToken\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xaa\x01\n\x07Timings\x12\x18\n\x10tokenize_seconds\x18\x01 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x02 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x19\n\x11mean_step_seconds\x18\x04 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x05 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x06 \x01(\x01\"\x96\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12&\n\x06tokens\x18\x02 \x03(\x0b\x32\x16.grok.gateway.v1.Token\x12\x34\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1d.grok.gateway.v1.FinishReason\x12%\n\x05usage\x18\x04 \x01(\x0b\x32\x16.grok.gateway.v1.Usage\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.grok.gateway.v1.Timings\x12\r\n\x05index\x18\x06 \x01(\x05\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.grok.gateway.v1.PromptToken\"x\n\x0bPromptToken\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12-\n\ntop_tokens\x18\x04 \x03(\x0b\x32\x19.grok.gateway.v1.TopTokenB\n\n\x08_logprob\"\xb5\x02\n\x10\x43ompleteResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12&\n\x06tokens\x18\x02 \x03(\x0b\x32\x16.grok.gateway.v1.Token\x12\x34\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1d.grok.gateway.v1.FinishReason\x12%\n\x05usage\x18\x04 \x01(\x0b\x32\x16.grok.gateway.v1.Usage\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.grok.gateway.v1.Timings\x12,\n\x07\x63hoices\x18\x06 \x03(\x0b\x32\x1b.grok.gateway.v1.Completion\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.grok.gateway.v1.PromptToken\"\xa2\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12&\n\x06tokens\x18\x03 \x03(\x0b\x32\x16.grok.gateway.v1.Token\x12\x34\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1d.grok.gateway.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\"\x10\n\x0eGetInfoRequest\"\xc0\x01\n\x0fGetInfoResponse\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.grok.model.v1.GetInfoResponse\x12\x35\n\ttokenizer\x18\x02 \x01(\x0b\x32\".grok.tokenizer.v1.GetInfoResponse\x12\x17\n\x0fmodel_addresses\x18\x03 \x03(\t\x12.\n\x06limits\x18\x04 \x01(\x0b\x32\x1e.grok.gateway.v1.GatewayLimits\"y\n\rGatewayLimits\x12\x18\n\x10max_prompt_bytes\x18\x01 \x01(\x05\x12\x1a\n\x12max_stop_sequences\x18\x02 \x01(\x05\x12\x16\n\x0emax_stop_chars\x18\x03 \x01(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x04 \x01(\x05*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x32\x82\x02\n\x0eGatewayService\x12Q\n\x08Generate\x12 .grok.gateway.v1.GenerateRequest\x1a!.grok.gateway.v1.GenerateResponse0\x01\x12O\n\x08\x43omplete\x12 .grok.gateway.v1.CompleteRequest\x1a!.grok.gateway.v1.CompleteResponse\x12L\n\x07GetInfo\x12\x1f.grok.gateway.v1.GetInfoRequest\x1a .grok.gateway.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgrok/gateway/v1/gateway.proto\x12\x0fgrok.gateway.v1\x1a\x19grok/model/v1/model.proto\x1a!grok/tokenizer/v1/tokenizer.proto\"\xc6\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x31\n\x08sampling\x18\x0b \x01(\x0b\x32\x1f.grok.gateway.v1.SamplingParamsJ\x04\x08\x02\x10\x0bR\nmax_tokensR\x0btemperatureR\x05top_pR\x04seedR\x04stopR\nignore_eosR\x0ctop_logprobsR\x11\x61llowed_token_idsR\x11\x62locked_token_ids\"\xc6\x01\n\x0f\x43ompleteRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x31\n\x08sampling\x18\x0b \x01(\x0b\x32\x1f.grok.gateway.v1.SamplingParamsJ\x04\x08\x02\x10\x0bR\nmax_tokensR\x0btemperatureR\x05top_pR\x04seedR\x04stopR\nignore_eosR\x0ctop_logprobsR\x11\x61llowed_token_idsR\x11\x62locked_token_ids\"\x88\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x19\n\x11\x61llowed_token_ids\x18\x08 \x03(\x05\x12\x19\n\x11\x62locked_token_ids\x18\t \x03(\x05\x12\r\n\x05top_k\x18\n \x01(\x05\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x42\n\nlogit_bias\x18\x0f \x03(\x0b\x32..grok.gateway.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\x10 \x03(\x05\x12\t\n\x01n\x18\x11 \x01(\x05\x12\x0c\n\x04\x65\x63ho\x18\x12 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x05\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x15 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x16 \x01(\x0b\x32\x18.grok.gateway.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x12\x10\n\x08logprobs\x18\x18 \x01(\x08\x12\x17\n\ncache_salt\x18\x1e \x01(\tH\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\r\n\x0b_cache_salt\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"J\n\x08TopToken\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0bprobability\x18\x03 \x01(\x02\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"v\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0bprobability\x18\x03 \x01(\x02\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12-\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x19.grok.gateway.v1.TopToken\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xaa\x01\n\x07Timings\x12\x18\n\x10tokenize_seconds\x18\x01 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x02 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x19\n\x11mean_step_seconds\x18\x04 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x05 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x06 \x01(\x01\"\x96\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12&\n\x06tokens\x18\x02 \x03(\x0b\x32\x16.grok.gateway.v1.Token\x12\x34\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1d.grok.gateway.v1.FinishReason\x12%\n\x05usage\x18\x04 \x01(\x0b\x32\x16.grok.gateway.v1.Usage\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.grok.gateway.v1.Timings\x12\r\n\x05index\x18\x06 \x01(\x05\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.grok.gateway.v1.PromptToken\"x\n\x0bPromptToken\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12-\n\ntop_tokens\x18\x04 \x03(\x0b\x32\x19.grok.gateway.v1.TopTokenB\n\n\x08_logprob\"\xb5\x02\n\x10\x43ompleteResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12&\n\x06tokens\x18\x02 \x03(\x0b\x32\x16.grok.gateway.v1.Token\x12\x34\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1d.grok.gateway.v1.FinishReason\x12%\n\x05usage\x18\x04 \x01(\x0b\x32\x16.grok.gateway.v1.Usage\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.grok.gateway.v1.Timings\x12,\n\x07\x63hoices\x18\x06 \x03(\x0b\x32\x1b.grok.gateway.v1.Completion\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.grok.gateway.v1.PromptToken\"\xa2\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12&\n\x06tokens\x18\x03 \x03(\x0b\x32\x16.grok.gateway.v1.Token\x12\x34\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1d.grok.gateway.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\"\xae\x01\n\x0b\x43hatRequest\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.grok.gateway.v1.ChatMessage\x12\x31\n\x08sampling\x18\x02 \x01(\x0b\x32\x1f.grok.gateway.v1.SamplingParams\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\xdb\x01\n\x0c\x43hatResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12&\n\x06tokens\x18\x02 \x03(\x0b\x32\x16.grok.gateway.v1.Token\x12\x34\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1d.grok.gateway.v1.FinishReason\x12%\n\x05usage\x18\x04 \x01(\x0b\x32\x16.grok.gateway.v1.Usage\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.grok.gateway.v1.Timings\x12\r\n\x05index\x18\x06 \x01(\x05\"\x10\n\x0eGetInfoRequest\"\xc0\x01\n\x0fGetInfoResponse\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.grok.model.v1.GetInfoResponse\x12\x35\n\ttokenizer\x18\x02 \x01(\x0b\x32\".grok.tokenizer.v1.GetInfoResponse\x12\x17\n\x0fmodel_addresses\x18\x03 \x03(\t\x12.\n\x06limits\x18\x04 \x01(\x0b\x32\x1e.grok.gateway.v1.GatewayLimits\"y\n\rGatewayLimits\x12\x18\n\x10max_prompt_bytes\x18\x01 \x01(\x05\x12\x1a\n\x12max_stop_sequences\x18\x02 \x01(\x05\x12\x16\n\x0emax_stop_chars\x18\x03 \x01(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x04 \x01(\x05*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x32\xc9\x02\n\x0eGatewayService\x12Q\n\x08Generate\x12 .grok.gateway.v1.GenerateRequest\x1a!.grok.gateway.v1.GenerateResponse0\x01\x12O\n\x08\x43omplete\x12 .grok.gateway.v1.CompleteRequest\x1a!.grok.gateway.v1.CompleteResponse\x12\x45\n\x04\x43hat\x12\x1c.grok.gateway.v1.ChatRequest\x1a\x1d.grok.gateway.v1.ChatResponse0\x01\x12L\n\x07GetInfo\x12\x1f.grok.gateway.v1.GetInfoRequest\x1a .grok.gateway.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,40 +35,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2930
-  _globals['_FINISHREASON']._serialized_end=3082
+  _globals['_FINISHREASON']._serialized_start=3447
+  _globals['_FINISHREASON']._serialized_end=3599
   _globals['_GENERATEREQUEST']._serialized_start=113
   _globals['_GENERATEREQUEST']._serialized_end=311
   _globals['_COMPLETEREQUEST']._serialized_start=314
   _globals['_COMPLETEREQUEST']._serialized_end=512
   _globals['_SAMPLINGPARAMS']._serialized_start=515
-  _globals['_SAMPLINGPARAMS']._serialized_end=1233
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1094
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1142
-  _globals['_CHOICES']._serialized_start=1235
-  _globals['_CHOICES']._serialized_end=1261
-  _globals['_TOPTOKEN']._serialized_start=1263
-  _globals['_TOPTOKEN']._serialized_end=1337
-  _globals['_TOKEN']._serialized_start=1339
-  _globals['_TOKEN']._serialized_end=1457
-  _globals['_USAGE']._serialized_start=1459
-  _globals['_USAGE']._serialized_end=1538
-  _globals['_TIMINGS']._serialized_start=1541
-  _globals['_TIMINGS']._serialized_end=1711
-  _globals['_GENERATERESPONSE']._serialized_start=1714
-  _globals['_GENERATERESPONSE']._serialized_end=1992
-  _globals['_PROMPTTOKEN']._serialized_start=1994
-  _globals['_PROMPTTOKEN']._serialized_end=2114
-  _globals['_COMPLETERESPONSE']._serialized_start=2117
-  _globals['_COMPLETERESPONSE']._serialized_end=2426
-  _globals['_COMPLETION']._serialized_start=2429
-  _globals['_COMPLETION']._serialized_end=2591
-  _globals['_GETINFOREQUEST']._serialized_start=2593
-  _globals['_GETINFOREQUEST']._serialized_end=2609
-  _globals['_GETINFORESPONSE']._serialized_start=2612
-  _globals['_GETINFORESPONSE']._serialized_end=2804
-  _globals['_GATEWAYLIMITS']._serialized_start=2806
-  _globals['_GATEWAYLIMITS']._serialized_end=2927
-  _globals['_GATEWAYSERVICE']._serialized_start=3085
-  _globals['_GATEWAYSERVICE']._serialized_end=3343
+  _globals['_SAMPLINGPARAMS']._serialized_end=1291
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1137
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1185
+  _globals['_CHOICES']._serialized_start=1293
+  _globals['_CHOICES']._serialized_end=1319
+  _globals['_TOPTOKEN']._serialized_start=1321
+  _globals['_TOPTOKEN']._serialized_end=1395
+  _globals['_TOKEN']._serialized_start=1397
+  _globals['_TOKEN']._serialized_end=1515
+  _globals['_USAGE']._serialized_start=1517
+  _globals['_USAGE']._serialized_end=1596
+  _globals['_TIMINGS']._serialized_start=1599
+  _globals['_TIMINGS']._serialized_end=1769
+  _globals['_GENERATERESPONSE']._serialized_start=1772
+  _globals['_GENERATERESPONSE']._serialized_end=2050
+  _globals['_PROMPTTOKEN']._serialized_start=2052
+  _globals['_PROMPTTOKEN']._serialized_end=2172
+  _globals['_COMPLETERESPONSE']._serialized_start=2175
+  _globals['_COMPLETERESPONSE']._serialized_end=2484
+  _globals['_COMPLETION']._serialized_start=2487
+  _globals['_COMPLETION']._serialized_end=2649
+  _globals['_CHATREQUEST']._serialized_start=2652
+  _globals['_CHATREQUEST']._serialized_end=2826
+  _globals['_CHATMESSAGE']._serialized_start=2828
+  _globals['_CHATMESSAGE']._serialized_end=2886
+  _globals['_CHATRESPONSE']._serialized_start=2889
+  _globals['_CHATRESPONSE']._serialized_end=3108
+  _globals['_GETINFOREQUEST']._serialized_start=3110
+  _globals['_GETINFOREQUEST']._serialized_end=3126
+  _globals['_GETINFORESPONSE']._serialized_start=3129
+  _globals['_GETINFORESPONSE']._serialized_end=3321
+  _globals['_GATEWAYLIMITS']._serialized_start=3323
+  _globals['_GATEWAYLIMITS']._serialized_end=3444
+  _globals['_GATEWAYSERVICE']._serialized_start=3602
+  _globals['_GATEWAYSERVICE']._serialized_end=3931
 # @@protoc_insertion_point(module_scope)

@@ -52,6 +52,11 @@ class GatewayServiceStub:
                 request_serializer=grok_dot_gateway_dot_v1_dot_gateway__pb2.CompleteRequest.SerializeToString,
                 response_deserializer=grok_dot_gateway_dot_v1_dot_gateway__pb2.CompleteResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/grok.gateway.v1.GatewayService/Chat',
+                request_serializer=grok_dot_gateway_dot_v1_dot_gateway__pb2.ChatRequest.SerializeToString,
+                response_deserializer=grok_dot_gateway_dot_v1_dot_gateway__pb2.ChatResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/grok.gateway.v1.GatewayService/GetInfo',
                 request_serializer=grok_dot_gateway_dot_v1_dot_gateway__pb2.GetInfoRequest.SerializeToString,
@@ -86,6 +91,18 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Chat(self, request, context):
+        """Stream a chat answer: the messages are rendered to a prompt by the
+        gateway's chat template (the one HTTP's /v1/chat/completions uses) and
+        generated as by Generate, with the same SamplingParams and defaults
+        (temperature 0: greedy; HTTP's default is OpenAI's 1). The answer's text
+        starts at its first word: the space the model writes after the
+        template's "Assistant:" is not part of it (its token's text keeps it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """The model's and the tokenizer's configuration.
         """
@@ -105,6 +122,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=grok_dot_gateway_dot_v1_dot_gateway__pb2.CompleteRequest.FromString,
                     response_serializer=grok_dot_gateway_dot_v1_dot_gateway__pb2.CompleteResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=grok_dot_gateway_dot_v1_dot_gateway__pb2.ChatRequest.FromString,
+                    response_serializer=grok_dot_gateway_dot_v1_dot_gateway__pb2.ChatResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -174,6 +196,33 @@ class GatewayService:
             '/grok.gateway.v1.GatewayService/Complete',
             grok_dot_gateway_dot_v1_dot_gateway__pb2.CompleteRequest.SerializeToString,
             grok_dot_gateway_dot_v1_dot_gateway__pb2.CompleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/grok.gateway.v1.GatewayService/Chat',
+            grok_dot_gateway_dot_v1_dot_gateway__pb2.ChatRequest.SerializeToString,
+            grok_dot_gateway_dot_v1_dot_gateway__pb2.ChatResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,7 +2,10 @@
 //
 // grok_int8_matmul(x f32 [M, K], w s8 [NB, K, 16], scales f32 [B, NB*16], rows pred [M]) -> f32 [M, N]
 // grok_f32_matmul (x f32 [M, K], w f32 [NB, K, 16], rows pred [M])                      -> f32 [M, N]
-// Attributes: isa (0 best available, 1 scalar, 2 AVX2, 3 AVX-512), threads (0: XLA's intra-op pool size).
+// grok_bf16_matmul(x f32 [M, K], w bf16 [NB, K, 16], rows pred [M])                     -> f32 [M, N]
+// Attributes: isa (0 best available, 1 scalar, 2 AVX2, 3 AVX-512), threads (0: XLA's intra-op pool size),
+// form (0: by the number of marked rows, 1 rows, 2 panel; see matmul.h). The forms and the instruction sets
+// give the same bits, so the choice is only about speed.
 // Only the rows whose `rows` entry is true are computed (the others are zero): a decode step's free slots
 // and the rows that did not pick an expert cost nothing. Work is split over column blocks only, so each
 // output element is computed by one thread in one fixed order whatever the thread count or the other rows.
@@ -38,13 +41,27 @@ bool Supported(int64_t isa) {
 
 int64_t Best() { return Supported(kAvx512) ? kAvx512 : Supported(kAvx2) ? kAvx2 : kScalar; }
 
-using Kernel = void (*)(const MatmulArgs&, int64_t, int64_t);
+enum Form : int64_t { kAuto = 0, kRows = 1, kPanel = 2 };
 
-Kernel KernelFor(int64_t isa) {
+// Where `form` is 0, float32 weights take the panel form from this many marked rows on, everything else the
+// rows form. Measured on a 2-core AMD EPYC (Zen 4, AVX-512), benchmarks/kernels.py --grok: the rows form
+// keeps 4 column blocks of the weight in L2 while every group of 4 rows passes over it, and this CPU
+// converts int8 and bfloat16 beside its FMAs at no cost, so it runs at 82-91 GFLOP/s per core (about the
+// float32 FMA peak) from 4 rows on; only float32 blocks (1.5 MB per 4 blocks at K = 6,144) outgrow L2 and
+// are read again from memory per 4 rows, where reading them once for every row (the panel form) wins.
+constexpr int64_t kPanelMinRows = 8;
+
+using Kernel = void (*)(const MatmulArgs&, int64_t, int64_t, float*);
+
+template <void (*F)(const MatmulArgs&, int64_t, int64_t)>
+void NoScratch(const MatmulArgs& a, int64_t begin, int64_t end, float*) { F(a, begin, end); }
+
+// The scalar path has one form: it is the reference the vector paths are held to.
+Kernel KernelFor(int64_t isa, bool panel) {
   switch (isa) {
-    case kAvx512: return MatmulAvx512;
-    case kAvx2: return MatmulAvx2;
-    default: return MatmulScalar;
+    case kAvx512: return panel ? PanelAvx512 : NoScratch<MatmulAvx512>;
+    case kAvx2: return panel ? PanelAvx2 : NoScratch<MatmulAvx2>;
+    default: return NoScratch<MatmulScalar>;
   }
 }
 
@@ -55,23 +72,28 @@ constexpr int64_t kChunkBlocks = 2 * kGroup;  // column blocks per unit of work 
 struct Work {
   MatmulArgs args;
   Kernel kernel;
+  int64_t scratch;  // floats of per-thread scratch the kernel needs (0: none)
   int64_t chunks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void Drain() {
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+    int64_t c = next.fetch_add(1);
+    if (c >= chunks) return;
+    std::vector<float> buffer(static_cast<size_t>(scratch));
+    for (; c < chunks; c = next.fetch_add(1)) {
       const int64_t begin = c * kChunkBlocks;
-      kernel(args, begin, std::min(begin + kChunkBlocks, args.nb));
+      kernel(args, begin, std::min(begin + kChunkBlocks, args.nb), buffer.data());
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-void Execute(const MatmulArgs& args, Kernel kernel, int64_t threads, ffi::ThreadPool& pool) {
+void Execute(const MatmulArgs& args, Kernel kernel, int64_t scratch, int64_t threads, ffi::ThreadPool& pool) {
   auto work = std::make_shared<Work>();
   work->args = args;
   work->kernel = kernel;
+  work->scratch = scratch;
   work->chunks = (args.nb + kChunkBlocks - 1) / kChunkBlocks;
   const int64_t available = std::max<int64_t>(1, pool.num_threads());
   const int64_t want = std::min(threads > 0 ? threads : available, work->chunks);
@@ -80,10 +102,12 @@ void Execute(const MatmulArgs& args, Kernel kernel, int64_t threads, ffi::Thread
   while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
 }
 
-ffi::Error Check(int64_t isa, int64_t m, int64_t k, int64_t wk, int64_t n_out, int64_t nb, int64_t blocks) {
+ffi::Error Check(int64_t isa, int64_t form, int64_t m, int64_t k, int64_t wk, int64_t n_out, int64_t nb, int64_t blocks) {
   if (isa < kBest || isa > kAvx512 || (isa != kBest && !Supported(isa)))
     return ffi::Error::InvalidArgument("grok matmul: instruction set " + std::to_string(isa) +
                                        " is not available on this CPU");
+  if (form < kAuto || form > kPanel)
+    return ffi::Error::InvalidArgument("grok matmul: unknown form " + std::to_string(form));
   if (k != wk) return ffi::Error::InvalidArgument("grok matmul: x has K=" + std::to_string(k) +
                                                   " but the weight has K=" + std::to_string(wk));
   if (n_out > nb * kLanes || m < 0)
@@ -94,12 +118,16 @@ ffi::Error Check(int64_t isa, int64_t m, int64_t k, int64_t wk, int64_t n_out, i
   return ffi::Error::Success();
 }
 
+struct Options {
+  int64_t isa, threads, form;
+};
+
 ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, const float* scales,
-               int64_t blocks, bool int8, ffi::Buffer<ffi::PRED> rows, ffi::ResultBuffer<ffi::F32> out,
-               int64_t isa, int64_t threads, ffi::ThreadPool& pool) {
+               int64_t blocks, Weight type, ffi::Buffer<ffi::PRED> rows, ffi::ResultBuffer<ffi::F32> out,
+               Options o, ffi::ThreadPool& pool) {
   const auto xd = x.dimensions();
   const int64_t m = xd[0], k = xd[1], n_out = out->dimensions()[1];
-  if (ffi::Error e = Check(isa, m, k, wk, n_out, nb, blocks); e.failure()) return e;
+  if (ffi::Error e = Check(o.isa, o.form, m, k, wk, n_out, nb, blocks); e.failure()) return e;
   if (rows.element_count() != m)
     return ffi::Error::InvalidArgument("grok matmul: the row mask has " + std::to_string(rows.element_count()) +
                                        " entries for " + std::to_string(m) + " rows");
@@ -116,26 +144,34 @@ ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, c
   }
   if (ids.empty()) return ffi::Error::Success();
   const int64_t count = static_cast<int64_t>(ids.size());
-  MatmulArgs args{x.typed_data(), w, scales, out->typed_data(), ids.data(), count, k, nb, n_out, blocks, int8};
-  Execute(args, KernelFor(isa == kBest ? Best() : isa), threads, pool);
+  MatmulArgs args{x.typed_data(), w, scales, out->typed_data(), ids.data(), count, k, nb, n_out, blocks, type};
+  const int64_t isa = o.isa == kBest ? Best() : o.isa;
+  const bool panel = isa != kScalar && (o.form == kPanel ||
+                                        (o.form == kAuto && type == Weight::kF32 && count >= kPanelMinRows));
+  Execute(args, KernelFor(isa, panel), panel ? PanelScratch(count) : 0, o.threads, pool);
   return ffi::Error::Success();
 }
 
 ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scales,
                       ffi::Buffer<ffi::PRED> rows, ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads,
-                      ffi::ThreadPool pool) {
+                      int64_t form, ffi::ThreadPool pool) {
   const auto wd = w.dimensions(), sd = scales.dimensions();
   if (wd.size() != 3 || wd[2] != kLanes || sd.size() != 2 || sd[1] != wd[0] * kLanes)
     return ffi::Error::InvalidArgument("grok_int8_matmul: want w [NB, K, 16] and scales [B, NB*16]");
-  return Run(x, w.typed_data(), wd[0], wd[1], scales.typed_data(), sd[0], true, rows, out, isa, threads, pool);
+  return Run(x, w.typed_data(), wd[0], wd[1], scales.typed_data(), sd[0], Weight::kInt8, rows, out,
+             {isa, threads, form}, pool);
 }
 
-ffi::Error F32Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::PRED> rows,
-                     ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads, ffi::ThreadPool pool) {
+// The unscaled weights (the router, the embedding table) in float32 or bfloat16.
+template <ffi::DataType T>
+ffi::Error PlainMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w, ffi::Buffer<ffi::PRED> rows,
+                       ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads, int64_t form,
+                       ffi::ThreadPool pool) {
   const auto wd = w.dimensions();
   if (wd.size() != 3 || wd[2] != kLanes)
-    return ffi::Error::InvalidArgument("grok_f32_matmul: want w [NB, K, 16]");
-  return Run(x, w.typed_data(), wd[0], wd[1], nullptr, 1, false, rows, out, isa, threads, pool);
+    return ffi::Error::InvalidArgument("grok matmul: want a plain weight [NB, K, 16]");
+  const Weight type = T == ffi::DataType::BF16 ? Weight::kBf16 : Weight::kF32;
+  return Run(x, w.untyped_data(), wd[0], wd[1], nullptr, 1, type, rows, out, {isa, threads, form}, pool);
 }
 
 }  // namespace
@@ -150,9 +186,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokInt8Matmul, grok::Int8Matmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("form")
                                   .Ctx<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokF32Matmul, grok::F32Matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokF32Matmul, grok::PlainMatmul<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -160,18 +197,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokF32Matmul, grok::F32Matmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("form")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokBf16Matmul, grok::PlainMatmul<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("form")
                                   .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokNucleusThreshold);  // nucleus.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokPagedAttention);    // attention.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokAttentionMath);     // attention.cc
 
 namespace {
 
 PyObject* Handlers(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:N,s:N,s:N}", "grok_int8_matmul",
+  return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N}", "grok_int8_matmul",
                        PyCapsule_New(reinterpret_cast<void*>(GrokInt8Matmul), nullptr, nullptr),
                        "grok_f32_matmul", PyCapsule_New(reinterpret_cast<void*>(GrokF32Matmul), nullptr, nullptr),
+                       "grok_bf16_matmul", PyCapsule_New(reinterpret_cast<void*>(GrokBf16Matmul), nullptr, nullptr),
                        "grok_nucleus_threshold",
-                       PyCapsule_New(reinterpret_cast<void*>(GrokNucleusThreshold), nullptr, nullptr));
+                       PyCapsule_New(reinterpret_cast<void*>(GrokNucleusThreshold), nullptr, nullptr),
+                       "grok_paged_attention", PyCapsule_New(reinterpret_cast<void*>(GrokPagedAttention), nullptr, nullptr),
+                       "grok_attention_math", PyCapsule_New(reinterpret_cast<void*>(GrokAttentionMath), nullptr, nullptr));
 }
 
 PyObject* SupportedIsas(PyObject*, PyObject*) {

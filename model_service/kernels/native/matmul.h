@@ -1,4 +1,4 @@
-// float32 rows x packed weights -> float32, one function per instruction set (see matmul_body.h).
+// float32 rows x packed weights -> float32, two forms per instruction set (see matmul_body.h, matmul_panel.h).
 #ifndef GROK_KERNELS_MATMUL_H_
 #define GROK_KERNELS_MATMUL_H_
 
@@ -9,24 +9,43 @@ namespace grok {
 constexpr int64_t kLanes = 16;  // columns per packed block: weights are stored [N/16, K, 16]
 constexpr int64_t kGroup = 4;   // column blocks one call of a tile function computes together
 
+// The element type of a packed weight. Every type converts to float32 exactly (int8 and bfloat16 are subsets
+// of float32), so the product's arithmetic is the same for all of them.
+enum class Weight : int { kInt8, kF32, kBf16 };
+
 // One product: out[r, n] = sum_b scale[b, n] * sum_{k in block b} x[r, k] * w[n / 16, k, n % 16] for the m
 // rows r = rows[0..m) of x and out (the other rows of out are left to the caller).
 struct MatmulArgs {
   const float* x;        // [rows of x, k]
-  const void* w;         // int8 or float32 [nb, k, 16]
+  const void* w;         // int8, float32 or bfloat16 [nb, k, 16]
   const float* scales;   // [blocks, nb * 16], or nullptr (no scales, blocks == 1)
   float* out;            // [rows of x, n_out], n_out <= nb * 16
   const int64_t* rows;   // [m] the rows to compute, ascending
   int64_t m, k, nb, n_out, blocks;
-  bool int8;             // weight element type: int8 (true) or float32
+  Weight type;
 };
 
-// Computes the columns of blocks [block_begin, block_end) for every row. The per-column sequence of
-// operations is the same in every implementation, for any row count and any column range, so the result
-// of one column of one row never depends on anything else (batch invariance by construction).
+// Both forms compute the columns of blocks [block_begin, block_end) for every listed row with the same
+// per-element sequence of operations (fused multiply-adds over k in order from zero within a scale block,
+// then one multiply by the block's scale, then one add per block in order), in every implementation, for
+// any row count and any column range, so the result of one column of one row never depends on anything
+// else (batch invariance by construction) and the two forms give the same bits.
+//
+// Rows form (one row meets a matrix, bound by reading the weight): each weight element is loaded and
+// converted once per group of up to 4 rows.
 void MatmulScalar(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
 void MatmulAvx2(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
 void MatmulAvx512(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
+
+// Panel form (many rows meet a matrix, bound by arithmetic): a panel of a few column blocks x a slice of K
+// is converted to float32 once into a cache-resident buffer and reused by every row; the accumulators
+// live in memory between slices (a float32 store and load are exact, so the chains are unchanged).
+// `scratch` holds PanelScratch(a.m) floats for the calling thread alone.
+constexpr int64_t kPanelSlice = 256;   // values of K per panel: 4 blocks x 256 x 16 float32 = 64 KB (L2)
+constexpr int64_t kPanelMaxGroup = 4;  // column blocks per panel, at most
+constexpr int64_t PanelScratch(int64_t m) { return kPanelMaxGroup * kLanes * (kPanelSlice + 2 * m); }
+void PanelAvx2(const MatmulArgs& a, int64_t block_begin, int64_t block_end, float* scratch);
+void PanelAvx512(const MatmulArgs& a, int64_t block_begin, int64_t block_end, float* scratch);
 
 }  // namespace grok
 

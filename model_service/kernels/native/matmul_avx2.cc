@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "matmul_body.h"
+#include "matmul_panel.h"
 
 namespace grok {
 namespace {
@@ -16,19 +17,28 @@ struct Avx2 {
   using Reg = __m256;
   static constexpr int kWidth = 8;
   static constexpr int kPerBlock = 2;
+  static constexpr int kPanelRows = 6;   // 6 x 2 accumulators + 2 weights + 1 broadcast of 16 registers
+  static constexpr int kPanelGroup = 1;
   static Reg Zero() { return _mm256_setzero_ps(); }
   static Reg Broadcast(float v) { return _mm256_set1_ps(v); }
   static Reg Load(const float* p) { return _mm256_loadu_ps(p); }
+  static Reg FromInt8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static Reg FromBf16(const uint16_t* p) {  // a bfloat16 is the high half of the float32 with the same value
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static void Prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
   static Reg LoadWeight(const MatmulArgs& a, int64_t i) {
-    if (a.int8) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(a.w) + i));
-      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-    }
+    if (a.type == Weight::kInt8) return FromInt8(static_cast<const int8_t*>(a.w) + i);
+    if (a.type == Weight::kBf16) return FromBf16(static_cast<const uint16_t*>(a.w) + i);
     return _mm256_loadu_ps(static_cast<const float*>(a.w) + i);
   }
   static Reg Fma(Reg x, Reg w, Reg acc) { return _mm256_fmadd_ps(x, w, acc); }
   static Reg Mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
   static Reg Add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  static void StoreFull(float* p, Reg v) { _mm256_storeu_ps(p, v); }
   static void Store(float* p, Reg v, int64_t valid) {
     if (valid >= kWidth) {
       _mm256_storeu_ps(p, v);
@@ -44,6 +54,10 @@ struct Avx2 {
 
 void MatmulAvx2(const MatmulArgs& a, int64_t block_begin, int64_t block_end) {
   body::Run<Avx2>(a, block_begin, block_end);
+}
+
+void PanelAvx2(const MatmulArgs& a, int64_t block_begin, int64_t block_end, float* scratch) {
+  panel::Run<Avx2>(a, block_begin, block_end, scratch);
 }
 
 }  // namespace grok

@@ -1,4 +1,4 @@
-// The vector kernel, written once over a small vector interface `V` (AVX-512: one register per 16-column
+// The rows form of the vector kernel, written once over a small vector interface `V` (AVX-512: one register per 16-column
 // block; AVX2: two). Included by one translation unit per instruction set, each compiled for its target.
 //
 // The listed rows (a.rows) are taken R (<= 4) at a time and column blocks G (<= 4) at a time, so one weight load feeds R fused

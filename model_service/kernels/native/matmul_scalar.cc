@@ -2,6 +2,7 @@
 // within a scale block, then one multiply by the block scale and one add per block), so it is bitwise
 // identical to them.
 #include <cmath>
+#include <cstring>
 
 #include "matmul.h"
 
@@ -9,9 +10,18 @@ namespace grok {
 
 namespace {
 
-inline float Weight(const MatmulArgs& a, int64_t j, int64_t k, int64_t lane) {
+inline float Value(const MatmulArgs& a, int64_t j, int64_t k, int64_t lane) {
   const int64_t i = (j * a.k + k) * kLanes + lane;
-  return a.int8 ? static_cast<float>(static_cast<const int8_t*>(a.w)[i]) : static_cast<const float*>(a.w)[i];
+  switch (a.type) {
+    case Weight::kInt8: return static_cast<float>(static_cast<const int8_t*>(a.w)[i]);
+    case Weight::kBf16: {  // a bfloat16 is the high half of the float32 with the same value
+      const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(a.w)[i]) << 16;
+      float v;
+      std::memcpy(&v, &bits, sizeof v);
+      return v;
+    }
+    default: return static_cast<const float*>(a.w)[i];
+  }
 }
 
 }  // namespace
@@ -28,7 +38,7 @@ void MatmulScalar(const MatmulArgs& a, int64_t block_begin, int64_t block_end) {
         float out = 0.0f;
         for (int64_t b = 0; b < a.blocks; ++b) {
           float acc = 0.0f;
-          for (int64_t k = b * kb; k < (b + 1) * kb; ++k) acc = std::fmaf(x[k], Weight(a, j, k, lane), acc);
+          for (int64_t k = b * kb; k < (b + 1) * kb; ++k) acc = std::fmaf(x[k], Value(a, j, k, lane), acc);
           if (a.scales != nullptr) acc = acc * a.scales[b * a.nb * kLanes + col];
           out = b == 0 ? acc : out + acc;
         }

@@ -1,0 +1,146 @@
+"""A long prompt entering beside running streams, on a model service started with default flags; prints JSON.
+
+    .venv/bin/python -m benchmarks.long_prompt [--config ../shared/bench/medium.json] [--context 8192]
+        [--prompt 6000] [--streams 7] [--repo LABEL=DIR ...]
+
+The config is the given one with its context set to --context (random int8 weights, float32). --streams
+streams (32-token prompts, greedy) decode on the default 8 slots; once each has 16 tokens, a --prompt-token
+prompt is sent. Reported: the streams' inter-token gaps before it arrived (median) and while it was computed
+(p50, p99, max, and p99 over the median before: the promise is <= 2), its time to first token, and whether a
+prompt of exactly context - 1 tokens gets its token and one of context tokens a clear INVALID_ARGUMENT. With
+--repo the same runs against other checkouts (e.g. the code before a change; one that refuses the long
+prompt says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from benchmarks import box
+from benchmarks.engine import MEDIUM, ModelService
+from grok.model.v1 import model_pb2, model_pb2_grpc
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def generate(stub: Any, prompt: list[int], tokens: int, stamps: list[float] | None = None) -> list[int]:
+    out: list[int] = []
+    for response in stub.Generate(model_pb2.GenerateRequest(token_ids=prompt, max_tokens=tokens, ignore_eos=True),
+                                  timeout=3600):
+        out += response.token_ids
+        if stamps is not None:
+            stamps += [time.monotonic()] * len(response.token_ids)
+    return out
+
+
+def run(address: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    rng = random.Random(5)
+    stamps: list[list[float]] = [[] for _ in range(args.streams)]
+    stop = threading.Event()
+    with grpc.insecure_channel(address) as channel:
+        stub = model_pb2_grpc.ModelServiceStub(channel)
+        generate(stub, [5] * 32, 2)  # warm the connection
+
+        def stream(i: int) -> None:
+            prompt = [rng.randrange(3, vocab) for _ in range(32)]
+            request = model_pb2.GenerateRequest(token_ids=prompt, max_tokens=args.context - 40, ignore_eos=True)
+            call = stub.Generate(request, timeout=3600)
+            for response in call:
+                stamps[i] += [time.monotonic()] * len(response.token_ids)
+                if stop.is_set():
+                    call.cancel()
+                    return
+
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(args.streams)]
+        for t in threads:
+            t.start()
+        while min(len(s) for s in stamps) < 16:
+            time.sleep(0.05)
+        long_prompt = [rng.randrange(3, vocab) for _ in range(args.prompt)]
+        watch = box.CpuWatch()
+        watch.start()
+        sent = time.monotonic()
+        try:
+            first: list[float] = []
+            generate(stub, long_prompt, 4, first)
+        except grpc.RpcError as e:
+            stop.set()
+            return {"long_prompt": {"error": e.code().name, "details": e.details()}}
+        shared = watch.stop()
+        stop.set()
+        for t in threads:
+            t.join(60)
+        edge = limits(stub, args.context, vocab)
+    before = [b - a for s in stamps for a, b in zip(s, s[1:]) if b < sent]
+    during = [b - a for s in stamps for a, b in zip(s, s[1:]) if sent <= a and b <= first[0]]
+    median_before = statistics.median(before)
+    q = statistics.quantiles(during, n=100) if len(during) > 1 else [during[0]] * 99
+    return {"long_prompt_tokens": args.prompt, "ttft_s": round(first[0] - sent, 3),
+            "gap_median_before_s": round(median_before, 4), "gaps_during": len(during),
+            "gap_p50_during_s": round(statistics.median(during), 4), "gap_p99_during_s": round(q[98], 4),
+            "gap_max_during_s": round(max(during), 4), "p99_over_median_before": round(q[98] / median_before, 3),
+            "edge": edge, "load_avg_1m": round(os.getloadavg()[0], 2), "box": shared.as_dict() if shared else None}
+
+
+def limits(stub: Any, context: int, vocab: int) -> dict[str, Any]:
+    """A prompt of context - 1 tokens gets its one token; one of context tokens is refused naming the limit."""
+    out: dict[str, Any] = {}
+    try:
+        out["context_minus_1"] = {"tokens": len(generate(stub, [7 + i % (vocab - 10) for i in range(context - 1)], 1))}
+    except grpc.RpcError as e:
+        out["context_minus_1"] = {"error": e.code().name, "details": e.details()}
+    try:
+        generate(stub, [7] * context, 1)
+        out["context"] = {"error": None}
+    except grpc.RpcError as e:
+        out["context"] = {"error": e.code().name, "details": e.details()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.long_prompt", description=__doc__.splitlines()[0])
+    p.add_argument("--config", type=pathlib.Path, default=MEDIUM)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--prompt", type=int, default=6000)
+    p.add_argument("--streams", type=int, default=7)
+    p.add_argument("--repo", action="append", default=[], help="LABEL=DIR: another checkout to run too")
+    p.add_argument("--out", type=pathlib.Path, default=None)
+    args = p.parse_args(argv)
+    repos = {"now": ROOT, **{r.split("=", 1)[0]: pathlib.Path(r.split("=", 1)[1]).resolve() for r in args.repo}}
+    cfg = json.loads(args.config.read_text())
+    cfg["sequence_len"] = args.context
+    results: dict[str, Any] = {"config": str(args.config), "context": args.context, "streams": args.streams}
+    with tempfile.TemporaryDirectory() as tmp:
+        config = pathlib.Path(tmp) / "config.json"
+        config.write_text(json.dumps(cfg))
+        for label, repo in repos.items():
+            cache = pathlib.Path(tmp) / label
+            cache.mkdir()
+            service = ModelService(repo, config, 8, 32, str(cache), pathlib.Path(tmp) / f"{label}.log", [])
+            try:
+                results[label] = {"start_seconds": round(service.start_seconds, 1),
+                                  **run(service.address, args, cfg["vocab_size"])}
+            finally:
+                service.close()
+            print(json.dumps({label: results[label]}), file=sys.stderr, flush=True)
+    text = json.dumps(results, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The hardware seam: every choice that depends on the machine, made once, in one value.
+
+The model code and the engine run one program for every step; what differs between a 2-core CPU and an
+accelerator is how that program computes, and it is all here:
+
+  products    how token rows meet the weights (layers.Products: the native int8 kernel on CPU, XLA's dots
+              elsewhere);
+  attention   per-row attention ("native": the native kernel, on one device; "rows": XLA, each row its own
+              program over its own keys: either way a row's bits never depend on the others, and idle rows
+              cost nothing) or one batched computation ("batched");
+  tile_rows   rows per pass over the weights (a tile streams each weight once for its rows);
+  step_tokens token rows per step (prompt and decode rows together);
+  native_sampling  the sampler's nucleus threshold from the native kernel (one device, native products);
+  vectorised_sampling  the sampler mapped over a step's draws at once (accelerators) rather than one draw
+              after another (CPU: a draw's unused branches then cost nothing).
+
+`choose_backend("cpu" | "generic" | "auto", ...)`: "cpu" is what a CPU runs best (native products where the
+kernels built, per-row attention, tiles of CPU_TILE rows); "generic" is what an accelerator runs (XLA's
+dot_general products, batched attention, the whole step one tile). "auto" takes "cpu" on a CPU platform and
+"generic" elsewhere. CI runs the golden parity tests on both, the generic one on CPU with XLA's own products.
+No other module asks what the platform is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from model_service import kernels
+from model_service.model.layers import Products
+from model_service.model.packed import native_ok
+
+BACKENDS = ("auto", "cpu", "generic")
+PRODUCT_CHOICES = ("auto", "native", "xla")
+CPU_TILE = 64  # rows per tile on CPU: fewer would stream the weights more often; idle rows cost next to nothing
+CPU_STEP_TOKENS = 64  # token rows per step on CPU (vLLM's max_num_batched_tokens): one tile
+GENERIC_STEP_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # "cpu" or "generic"
+    products: Products
+    attention: str  # "rows" or "batched" (layers.attend_rows)
+    tile_rows: int
+    step_tokens: int
+    native_sampling: bool
+    vectorised_sampling: bool = False
+
+
+def platform(mesh: Mesh) -> str:
+    return mesh.devices.flat[0].platform
+
+
+def choose_products(choice: str, mesh: Mesh, dtype: Any) -> Products:
+    """--products on the CPU backend: "xla" (XLA's fused multiply-reduce forms), "native" (the native CPU kernel;
+    an error where it cannot run) or "auto" (native in float32 where the kernel loaded and the replica is one
+    process; XLA's forms elsewhere)."""
+    import jax
+
+    if choice not in PRODUCT_CHOICES:
+        raise ValueError(f"products must be one of {', '.join(PRODUCT_CHOICES)}, got {choice!r}")
+    cpu = platform(mesh) == "cpu"
+    if choice == "xla":
+        return Products.FUSED_REDUCE if cpu else Products.DOT
+    # A replica spanning processes keeps XLA's forms under auto: packing reads each whole matrix in every
+    # process, where XLA's layouts let each process read only the shards its devices hold.
+    if cpu and native_ok(dtype) and (choice == "native" or jax.process_count() == 1):
+        return Products.NATIVE
+    if choice == "native":
+        raise ValueError("--products native needs the CPU platform, --dtype float32 and the native kernels built "
+                         "(pip install -e . compiles them; the log says why they did not load): use --products xla")
+    return Products.FUSED_REDUCE if cpu else Products.DOT
+
+
+def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", slots: int = 1,
+                   step_tokens: int | None = None, tile_rows: int | None = None) -> Backend:
+    """The backend for `mesh` (see the module docstring); `step_tokens` / `tile_rows` override its shape (a step
+    holds at least one row per slot and whole tiles)."""
+    if choice not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
+    name = choice if choice != "auto" else ("cpu" if platform(mesh) == "cpu" else "generic")
+    if name == "cpu":
+        chosen = choose_products(products, mesh, jnp.dtype(dtype))
+        rows = max(step_tokens or CPU_STEP_TOKENS, slots)
+        tile = min(tile_rows or CPU_TILE, rows)
+        # The native kernel keeps the softmax weights in float32; in bfloat16 the reference rounds them to
+        # bfloat16 first, which XLA's per-row form does.
+        native_attention = kernels.available() and mesh.size == 1 and jnp.dtype(dtype) == jnp.float32
+        attention = "native" if native_attention else "rows"
+    else:
+        if products == "native":
+            raise ValueError("--products native runs on the cpu backend only (--backend cpu)")
+        chosen = Products.DOT
+        rows = max(step_tokens or GENERIC_STEP_TOKENS, slots)
+        tile = min(tile_rows or rows, rows)
+        attention = "batched"
+    if tile < 1:
+        raise ValueError(f"a tile holds at least one row, got {tile}")
+    rows = -(-rows // tile) * tile
+    native = chosen is Products.NATIVE and mesh.size == 1
+    return Backend(name, chosen, attention, tile, rows, native, vectorised_sampling=name == "generic")
