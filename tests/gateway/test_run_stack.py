@@ -78,7 +78,7 @@ def test_a_port_in_use_is_refused_before_anything_starts() -> None:
 def test_make_run_passes_its_args_to_the_launcher_and_installs_only_what_serving_needs(tmp_path: pathlib.Path) -> None:
     """`make run ARGS=...` reaches the launcher; on a fresh venv it installs the serving packages (and the clients
     the README calls) with pip's progress shown, not the test tools nor npm."""
-    done = subprocess.run(["make", "-n", "run", f"VENV={tmp_path / 'venv'}", "ARGS=--http-port 8080 --slots 2"],
+    done = subprocess.run(["make", "--no-print-directory", "-n", "run", f"VENV={tmp_path / 'venv'}", "ARGS=--http-port 8080 --slots 2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
