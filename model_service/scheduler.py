@@ -200,7 +200,8 @@ class Scheduler:
         with self._cond:
             handles = {id(h): h for h in self._queue}
             waiting = tuple(self.builder.waiting(h, now) for h in self._queue)
-        drafting = self.speculative is not None and len(self._running) < self.engine.slots  # none when full
+        # Drafts take rows nothing else needs; none while requests wait for a slot (they would only delay them).
+        drafting = self.speculative is not None and (len(self._running) < self.engine.slots or not waiting)
         running = tuple(self.builder.sample(r, now, drafting) for r in self._running.values())
         blocks = self.kv.available() - self.builder.growth(self._running.values())  # the decode rows' come first
         budget = float(self.fixed_prefill) if self.fixed_prefill else self.pacing.budget()

@@ -79,6 +79,15 @@ def test_right_drafts_give_the_same_tokens_in_fewer_steps_several_per_message(ru
     assert spec.last.timings is not None and spec.last.timings.accepted_draft_tokens > 0
 
 
+def test_a_service_whose_slots_are_all_busy_still_drafts_when_nothing_waits(running: Runner) -> None:
+    """One request on a one-slot service (every slot busy, no request queued) is what speculation is for."""
+    prompt = tuple(range(10, 20)) + tuple(range(10, 14))
+    engine, spec = FakeEngine(slots=1, max_rows=16, draft_tokens=SPEC.num_speculative_tokens), Collector()
+    running(engine, speculative=SPEC).submit(req(prompt, max_tokens=6), spec)
+    assert spec.wait().ids == list(range(14, 20))
+    assert len(engine.steps) == 2 and spec.last.timings.accepted_draft_tokens == 4
+
+
 def test_a_stop_id_inside_accepted_drafts_ends_the_request_there(running: Runner) -> None:
     prompt = tuple(range(20, 30)) + tuple(range(20, 23))
     spec = Collector()
