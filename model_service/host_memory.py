@@ -1,17 +1,19 @@
 """Keep the C allocator from handing XLA:CPU's per-step buffers back to the kernel after every step.
 
-XLA:CPU allocates each program's temporaries with the C library's malloc. glibc serves blocks above its
-mmap threshold (128 KiB at start) with a fresh mmap and unmaps them when freed; it raises that threshold
-only after such a block has been freed. Until then every decode step maps, faults in page by page (the
-kernel zeroes each page) and unmaps its temporaries. Measured on the golden config: 4,000-13,000 minor page
-faults per decode step and twice the step time. Whether a process ran in that mode depended on accidents
-of its start: a prefill bucket as long as the context freed a block big enough to raise the threshold, so
-a model service started with `--buckets 32,64` served at half the speed of one with the default buckets.
+XLA:CPU allocates each program's temporaries with the C library's malloc, from the calling thread's arena.
+glibc serves blocks above its mmap threshold (128 KiB at start, 32 MiB at most) with a fresh mmap and unmaps
+them when freed, and a thread's arena (a heap of at most 64 MiB) maps anything larger on its own whatever the
+threshold. So every decode step whose temporaries exceed those sizes maps, faults in page by page (the kernel
+zeroes each page) and unmaps them again. Measured: on the golden config 4,000-13,000 minor page faults per
+decode step and twice the step time; on the medium config with 16 slots one 64 MiB arena mapped and unmapped
+per step (~2,900 faults, 5 ms of a 20 ms step, and the cost grew with the slots, idle or not).
 
-`keep_freed_memory()` fixes both thresholds at start (glibc's `mallopt`), so freed blocks stay in the
-process for the next step whatever ran before. The cost is resident memory: up to `trim_threshold` bytes
-of freed heap are kept instead of returned. A user who tuned the allocator (MALLOC_* variables) or
-replaced it (LD_PRELOAD, e.g. jemalloc or tcmalloc) is left alone.
+`keep_freed_memory()` fixes glibc's settings at start (`mallopt`), before JAX starts its threads: one arena
+(every thread allocates from the main heap, which grows to any size), no mmap (blocks of any size come from
+that heap and go back to it), and a high trim threshold, so freed blocks stay in the process for the next
+step whatever ran before. The cost is resident memory: up to `trim_threshold` bytes of freed heap are kept
+instead of returned. A user who tuned the allocator (MALLOC_* variables) or replaced it (LD_PRELOAD, e.g.
+jemalloc or tcmalloc) is left alone.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ log = logging.getLogger(__name__)
 # glibc's mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
+M_ARENA_MAX = -8
 
 # The largest mmap threshold glibc accepts on 64-bit (HEAP_MAX_SIZE / 2): blocks up to this size come from
 # the heap and are reused; larger ones (KV memory, weights) are long-lived anyway.
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 512 << 20
 
-_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+                  "MALLOC_ARENA_MAX", "GLIBC_TUNABLES")
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -53,8 +58,11 @@ def keep_freed_memory(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int 
     libc = _glibc()
     if libc is None:
         return False
-    ok = bool(libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(mmap_threshold))) and bool(
-        libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim_threshold)))
+    # One arena and no mmap: a block larger than a thread arena's heap would otherwise be mapped afresh at every
+    # step; the threshold stays set for a libc that ignores the other two.
+    settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_MMAP_THRESHOLD, mmap_threshold),
+                (M_TRIM_THRESHOLD, trim_threshold))
+    ok = all([bool(libc.mallopt(param, ctypes.c_int(value))) for param, value in settings])
     if not ok:
         log.warning("could not set the host allocator's thresholds (mallopt refused them)")
     return ok

@@ -329,4 +329,7 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, co
     if vectorised:
         return jax.vmap(lambda i: jax.lax.cond(draws[i], one, lambda _: _idle_result(v), i))(jnp.arange(b))
     zeros = jax.tree.map(lambda r: jnp.zeros((b,) + r.shape, r.dtype), _idle_result(v))
-    return jax.lax.fori_loop(0, b, body, zeros)
+    # Entries after the last used one are idle: the loop stops there (a step of one draw on a many-slot engine
+    # runs one iteration, not one per slot).
+    count = jnp.max(jnp.where(draws, jnp.arange(1, b + 1, dtype=jnp.int32), 0))
+    return jax.lax.fori_loop(0, count, body, zeros)

@@ -176,7 +176,8 @@ class Scheduler:
     def _run(self) -> None:
         try:
             while self._wait_for_work():
-                if self.speculative is not None or any(r.guide is not None for r in self._running.values()):
+                if self.builder.drafts_due(self._running.values()) or any(
+                        r.guide is not None for r in self._running.values()):
                     self._finish_in_flight()  # drafts and a constrained draw's mask depend on the previous draw
                 self._make_room()
                 self._step(self._plan())

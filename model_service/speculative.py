@@ -10,8 +10,9 @@ j-th next key of the sample's schedule and its penalties count the drafts before
 the token a step at a time would have drawn: the output is the non-speculative output by construction, greedy
 and seeded sampling alike. What speculation buys is fewer steps when drafts are right.
 
-`DraftPacer` keeps a sample whose drafts keep failing from paying for rows that are thrown away: after a
-failed verification it proposes nothing for a while (longer after each failure in a row). No JAX here.
+`DraftPacer` keeps a sample whose drafts keep failing, or whose lookups keep finding nothing, from paying for
+thrown-away rows and for the loop's wait on its newest token: after a miss it looks for nothing for a while
+(longer after each miss in a row). No JAX here.
 """
 
 from __future__ import annotations
@@ -77,25 +78,46 @@ def propose(tokens: Sequence[int], k: int, n_max: int, n_min: int) -> list[int]:
 
 @dataclass
 class DraftPacer:
-    """Per sample: whether to draft this step, from how its last verifications went."""
+    """Per sample: whether to look for drafts this step, from how its last lookups and verifications went.
+
+    Drafting has two costs: the rows of drafts that are thrown away, and the step the loop must wait for
+    (drafts follow the newest token, so the loop waits for the previous step's draw instead of dispatching
+    the next step while the device computes). So a sample whose drafts keep failing, or whose lookups keep
+    finding nothing, waits a while before trying again, longer after each miss in a row (up to MAX_WAIT
+    steps); a lookup that finds drafts and a verification that keeps one reset it."""
 
     failures: int = 0  # verifications in a row that kept none of their drafts
-    wait: int = 0  # steps to skip before drafting again
+    misses: int = 0  # lookups in a row that found nothing to propose
+    wait: int = 0  # steps to skip before looking again
     drafted: int = 0  # draft tokens proposed so far
     accepted: int = 0  # of those, tokens that counted
 
+    MAX_WAIT = 64
+
+    def due(self) -> bool:
+        """Whether the next call of `ready` is True (no side effect)."""
+        return self.wait <= 0
+
     def ready(self) -> bool:
+        """Called once a step while the sample decodes: True when it may look for drafts this step."""
         if self.wait > 0:
             self.wait -= 1
             return False
         return True
+
+    def looked_up(self, found: bool) -> None:
+        if found:
+            self.misses = 0
+            return
+        self.misses += 1
+        self.wait = min(self.MAX_WAIT, 2 ** (self.misses - 1)) if self.misses > 1 else 0
 
     def verified(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
         if drafted and not accepted:
             self.failures += 1
-            self.wait = min(64, 2 ** (self.failures - 1)) if self.failures > 1 else 0
+            self.wait = min(self.MAX_WAIT, 2 ** (self.failures - 1)) if self.failures > 1 else 0
         elif accepted:
             self.failures = 0
 

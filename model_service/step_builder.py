@@ -76,16 +76,26 @@ class StepBuilder:
         """Drafts for a decoding sample whose tokens are all on the host: never past max_tokens or the context,
         none for a constrained one (its masks are per slot) or one whose drafts keep failing."""
         spec, req = self.speculative, run.handle.request
-        if spec is None or run.guide is not None or run.in_flight or len(run.tokens) != run.length \
-                or not run.pacer.ready():
+        if spec is None or run.guide is not None or not run.pacer.ready():
+            return []
+        if run.in_flight or len(run.tokens) != run.length:  # the loop did not wait for its newest token
             return []
         room = self.engine.sequence_len - run.length
         if req.max_tokens is not None:
             room = min(room, req.max_tokens - run.drawn - 1)
         if room <= 0:
             return []
-        return propose(run.tokens, min(spec.num_speculative_tokens, room), spec.prompt_lookup_max,
-                       spec.prompt_lookup_min)
+        drafts = propose(run.tokens, min(spec.num_speculative_tokens, room), spec.prompt_lookup_max,
+                         spec.prompt_lookup_min)
+        run.pacer.looked_up(bool(drafts))
+        return drafts
+
+    def drafts_due(self, runs: Iterable[Running]) -> bool:
+        """Whether some decoding sample looks for drafts at the next step: then the loop waits for the draws in
+        flight first (drafts follow the newest token)."""
+        return self.speculative is not None and any(
+            run.guide is None and not run.finished and run.computed == run.length - 1 and run.pacer.due()
+            for run in runs)
 
     def shared(self, prompt_len: int) -> int:
         """Positions the samples of one prompt share: its full blocks before the block of its last token."""

@@ -60,6 +60,36 @@ def test_a_sample_whose_drafts_keep_failing_stops_drafting_for_longer_each_time(
     assert pacer.ready() and pacer.rate == 3 / 12
 
 
+def test_a_sample_whose_lookups_find_nothing_looks_for_drafts_less_often() -> None:
+    pacer = DraftPacer()
+    pacer.looked_up(False)
+    assert pacer.due() and pacer.ready()  # one miss: look again at once
+    pacer.looked_up(False)
+    assert not pacer.due() and [pacer.ready() for _ in range(3)] == [False, False, True]  # two: skip two steps
+    for _ in range(20):
+        pacer.looked_up(False)
+    assert pacer.wait == DraftPacer.MAX_WAIT
+    pacer.looked_up(True)
+    pacer.wait = 0
+    pacer.looked_up(False)
+    assert pacer.due()  # a lookup that found drafts reset the count
+
+
+def test_the_loop_waits_for_the_step_in_flight_only_when_a_sample_looks_for_drafts(running: Runner) -> None:
+    """Drafts follow the newest token, so a step that looks for drafts waits for the previous step's draws
+    instead of overlapping with it; counting up repeats nothing, so the lookups back off and most steps overlap
+    (without the pacing every one of the 64 steps waited)."""
+    engine, out = spec_fake(sequence_len=128, vocab_size=256), Collector()
+    scheduler = running(engine, speculative=SPEC, start=False)
+    due = scheduler.builder.drafts_due
+    waits: list[bool] = []
+    scheduler.builder.drafts_due = lambda runs: waits.append(due(runs)) or waits[-1]  # type: ignore[method-assign]
+    scheduler.start()
+    scheduler.submit(req(tuple(range(10, 20)), max_tokens=64), out)
+    assert out.wait().ids == list(range(20, 84))
+    assert 0 < sum(waits) <= 10, f"the loop waited on {sum(waits)} of {len(waits)} steps"
+
+
 def spec_fake(**kw: Any) -> FakeEngine:
     return FakeEngine(slots=2, max_rows=16, draft_tokens=SPEC.num_speculative_tokens, **kw)
 

@@ -2,7 +2,10 @@
 
 Without `host_memory.keep_freed_memory`, a golden engine whose longest prompt step was shorter than its
 context took 4,000-13,000 minor page faults per decode step (glibc's mmap threshold had never been raised)
-and ran at half speed; this test counts faults, not time, so it does not depend on the machine's load.
+and ran at half speed. With only the thresholds raised, an engine whose step needs more than 64 MiB of
+temporaries (golden_wide's 131,072-token vocabulary over 16 slots) still mapped and unmapped them at every
+step: a thread's arena maps such a block whatever the threshold. These tests count faults, not time, so they
+do not depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GOLDEN = ROOT.parent / "shared" / "golden"
+GOLDEN_WIDE = ROOT.parent / "shared" / "golden_wide"
 
 # Runs in a fresh process: the allocator's state is per process and must not have been warmed by other tests.
 PROBE = """
@@ -25,11 +31,12 @@ from model_service.loading import ServerConfig, build_engine, resolve
 from model_service.sampling_settings import SamplingSettings
 from tests.engine.drive import Driver
 from model_service.step_batch import SlotStart
-config = ServerConfig(config=sys.argv[1], checkpoint=sys.argv[2], slots=4, dtype="float32", mesh=MeshConfig(1, 1))
+slots = int(sys.argv[3])
+config = ServerConfig(config=sys.argv[1], checkpoint=sys.argv[2], slots=slots, dtype="float32", mesh=MeshConfig(1, 1))
 engine = build_engine(config, resolve(config))
 d = Driver(engine)
 prompt = list(range(3, 36))
-for slot in range(4):
+for slot in range(4):  # 4 of the slots decode, the others are idle
     d.step([(slot, p, t) for p, t in enumerate(prompt)], [(len(prompt) - 1, slot)],
            [SlotStart(slot, slot, SamplingSettings(), tuple(prompt))])
 def step(i):
@@ -44,8 +51,10 @@ print(json.dumps({"faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).r
 """
 
 
-def test_decode_steps_do_not_fault_in_fresh_pages() -> None:
-    out = subprocess.run([sys.executable, "-c", PROBE, str(GOLDEN / "config.json"), str(GOLDEN / "checkpoint")],
+@pytest.mark.parametrize("golden,slots", [(GOLDEN, 4), (GOLDEN_WIDE, 16)], ids=["golden", "golden_wide-16-slots"])
+def test_decode_steps_do_not_fault_in_fresh_pages(golden: pathlib.Path, slots: int) -> None:
+    out = subprocess.run([sys.executable, "-c", PROBE, str(golden / "config.json"), str(golden / "checkpoint"),
+                          str(slots)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={"PATH": "/usr/bin:/bin", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
