@@ -4,12 +4,14 @@
 
 Two workloads, one stream each (greedy; decode tokens/s after the first token; the token ids of both arms
 compared):
-    quote   the demo model, a paragraph of its corpus followed by the paragraph's first words: the answer quotes
-            the prompt, so lookups find drafts (the case speculation is for);
+    quote   the demo model, whose training text it knows by heart: the prompt is a corpus paragraph and then the
+            paragraph before it in the corpus, each ending in end-of-text, so the model answers with the paragraph that
+            follows, which the prompt already holds; lookups find drafts (the case speculation is for). Each answer
+            is as long as the paragraph it quotes;
     medium  the medium config's random weights, random 32-token prompts: nothing to look up (what speculation
             must not slow down).
-Reported per workload: tokens/s on and off, their ratio, the acceptance rate (the final message's timings),
-and whether every run's tokens were identical.
+Reported per workload: tokens/s on and off (the median request's, and all tokens over all decode time), their
+ratios, the acceptance rate (the final message's timings), and whether every run's tokens were identical.
 """
 
 from __future__ import annotations
@@ -35,15 +37,25 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 
-def quote_prompts(count: int) -> list[list[int]]:
-    """Corpus paragraphs, each followed by a blank line and its first eight words, as demo token ids."""
+def quote_prompts(count: int | None = None, context: int = 256) -> list[tuple[list[int], int]]:
+    """(prompt, max_tokens) pairs on the demo model: paragraph i + 1 of its training text, end-of-text, paragraph i,
+    end-of-text; the answer asked for is paragraph i + 1 again, so it must fit the context beside the prompt.
+    Every prose paragraph of at least 40 tokens (or `count` of them drawn with a fixed seed) (not the dialogues: many open with the same
+    system line, so the one before does not tell which comes next)."""
     import sentencepiece
 
+    from demo_build.data import corpus_documents, split_paragraphs
+    from demo_build.train_tokenizer import corpus_lines
+
     sp = sentencepiece.SentencePieceProcessor(model_file=str(ROOT / "demo" / "tokenizer.model"))
-    paragraphs = [p for f in sorted((ROOT / "demo_build" / "corpus").glob("0*.txt"))
-                  for p in f.read_text().split("\n\n") if len(p.split()) > 60]
-    rng = random.Random(3)
-    return [sp.encode(p + "\n\n" + " ".join(p.split()[:8])) for p in rng.sample(paragraphs, count)]
+    training = json.loads((ROOT / "demo" / "training.json").read_text())["train_config"]
+    train, _ = split_paragraphs(list(corpus_documents(ROOT / "demo_build" / "corpus")), training["holdout_every"])
+    prose = set(corpus_lines(ROOT / "demo_build" / "corpus"))
+    ids = [sp.encode(text) for text in train]
+    pairs = [(ids[i + 1] + [sp.eos_id()] + ids[i] + [sp.eos_id()], len(ids[i + 1]))
+             for i in range(len(ids) - 1) if train[i] in prose and train[i + 1] in prose
+             and len(ids[i + 1]) >= 40 and len(ids[i]) + 2 * len(ids[i + 1]) + 2 <= context]
+    return pairs if count is None else random.Random(3).sample(pairs, count)
 
 
 def one_stream(address: str, prompt: list[int], tokens: int) -> dict[str, Any]:
@@ -58,11 +70,13 @@ def one_stream(address: str, prompt: list[int], tokens: int) -> dict[str, Any]:
                 timings = r.timings
     rate = (len(ids) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
     return {"ids": ids, "tokens_per_s": round(rate, 2), "messages": len(stamps),
+            "decode_seconds": stamps[-1] - stamps[0] if stamps else 0.0,
             "acceptance": round(timings.draft_acceptance_rate, 3) if timings else None}
 
 
-def workload(name: str, config: pathlib.Path, checkpoint: pathlib.Path | None, prompts: list[list[int]],
-             tokens: int, args: argparse.Namespace, tmp: pathlib.Path) -> dict[str, Any]:
+def workload(name: str, config: pathlib.Path, checkpoint: pathlib.Path | None,
+             prompts: list[tuple[list[int], int]], args: argparse.Namespace, tmp: pathlib.Path) -> dict[str, Any]:
+    """`prompts` are (token ids, max_tokens) pairs."""
     arms = {"off": [], "on": ["--speculative-config", args.spec]}
     services = {}
     try:
@@ -72,12 +86,12 @@ def workload(name: str, config: pathlib.Path, checkpoint: pathlib.Path | None, p
             services[label] = ModelService(ROOT, config, 1, 32, str(cache), tmp / f"{name}-{label}.log", arm_flags,
                                            checkpoint)
         for service in services.values():
-            one_stream(service.address, prompts[0][:32], 4)  # connect outside the measurement
+            one_stream(service.address, prompts[0][0][:32], 4)  # connect and compile outside the measurement
         runs: dict[str, list[dict[str, Any]]] = {label: [] for label in arms}
         watch = box.CpuWatch()
         watch.start()
         for r in range(args.runs):
-            for prompt in prompts:
+            for prompt, tokens in prompts:
                 for label, service in services.items():  # alternating: a change of load hits both alike
                     runs[label].append(one_stream(service.address, prompt, tokens))
         shared = watch.stop()
@@ -85,7 +99,10 @@ def workload(name: str, config: pathlib.Path, checkpoint: pathlib.Path | None, p
         for service in services.values():
             service.close()
     on, off = (statistics.median(x["tokens_per_s"] for x in runs[k]) for k in ("on", "off"))
+    total = {k: sum(len(x["ids"]) - 1 for x in runs[k]) / sum(x["decode_seconds"] for x in runs[k]) for k in runs}
     return {"tokens_per_s_on": on, "tokens_per_s_off": off, "on_over_off": round(on / off, 3),
+            "all_tokens_per_s_on": round(total["on"], 2), "all_tokens_per_s_off": round(total["off"], 2),
+            "all_on_over_off": round(total["on"] / total["off"], 3), "requests": len(prompts),
             "acceptance_median": statistics.median(x["acceptance"] or 0.0 for x in runs["on"]),
             "messages_on": sum(x["messages"] for x in runs["on"]), "messages_off": sum(x["messages"] for x in runs["off"]),
             "identical_tokens": all(a["ids"] == b["ids"] for a, b in zip(runs["on"], runs["off"])),
@@ -101,12 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"spec": json.loads(args.spec)}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = pathlib.Path(tmp_dir)
-        out["quote"] = workload("quote", ROOT / "configs" / "demo.json", ROOT / "demo" / "checkpoint", quote_prompts(3),
-                                96, args, tmp)
+        out["quote"] = workload("quote", ROOT / "configs" / "demo.json", ROOT / "demo" / "checkpoint", quote_prompts(),
+                                args, tmp)
         print(json.dumps({"quote": {k: v for k, v in out["quote"].items() if k != "box"}}), file=sys.stderr)
         rng = random.Random(9)
-        prompts = [[rng.randrange(3, 131072) for _ in range(32)] for _ in range(2)]
-        out["medium"] = workload("medium", MEDIUM, None, prompts, 96, args, tmp)
+        prompts = [([rng.randrange(3, 131072) for _ in range(32)], 96) for _ in range(2)]
+        out["medium"] = workload("medium", MEDIUM, None, prompts, args, tmp)
     text = json.dumps(out, indent=1)
     if args.out:
         args.out.write_text(text + "\n")
