@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile_step --config ../shared/bench/medium.json --batch 8 [--active 8] [--greedy]
         [--repo DIR]   # profile another checkout's engine (e.g. the code before a change)
+        [--top N]      # also the N costliest ops, each as "category | op name"
 
 The step is the Engine's own compiled step program running a decode batch (every active slot holding a
 request with a 32-token prompt, temperature 0.7, top_p 0.9 unless --greedy). Each XLA thunk's self time (its duration less
@@ -144,10 +145,15 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     for name, us in thunks:
         totals[categorise(name, names)] += us
     per_step = {k: round(v / args.runs / 1e3, 3) for k, v in totals.most_common()}
+    by_op: collections.Counter[str] = collections.Counter()
+    for name, us in thunks:
+        by_op[f"{categorise(name, names)[:12]} | {names[name.removesuffix('.clone')][-100:]} | {name}"] += us
+    top = {k: round(v / args.runs / 1e3, 3) for k, v in by_op.most_common(args.top)}
     return {"repo": args.repo, "config": args.config, "batch": args.batch, "active": args.active or args.batch,
             "sampled": not args.greedy, "runs": args.runs,
             "step_wall_ms_median": round(float(np.median(wall)) / 1e3, 3) if wall else None,
-            "thunk_ms_per_step": per_step, "thunk_ms_total": round(sum(per_step.values()), 3)}
+            "thunk_ms_per_step": per_step, "thunk_ms_total": round(sum(per_step.values()), 3),
+            **({"top_ops_ms_per_step": top} if args.top else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--greedy", action="store_true", help="temperature 0 instead of 0.7 / top_p 0.9")
     p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--top", type=int, default=0, help="also list the N costliest ops (category | op name)")
     p.add_argument("--repo", default=_REPO, help="checkout whose engine to profile (default: this one)")
     print(json.dumps(profile(p.parse_args(argv)), indent=1))
     return 0
