@@ -7,16 +7,21 @@ import sys
 import time
 
 from benchmarks import box
+from tests.waiting import wait_until
 
 SPIN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
+# The same, then it leaves a file saying it is done.
+SPIN_THEN_MARK = SPIN + "open({marker!r}, 'w').close()\n"
 
 
-def test_a_process_that_is_not_ours_spinning_during_the_run_makes_it_not_quiet(capsys) -> None:
+def test_a_process_that_is_not_ours_spinning_during_the_run_makes_it_not_quiet(capsys, tmp_path) -> None:
+    marker = tmp_path / "spun"
     watch = box.CpuWatch()
     watch.start()
     # The shell exits at once: the spinner is reparented away from us, as another user's job would be.
-    subprocess.run(["sh", "-c", f"{sys.executable} -c '{SPIN.format(seconds=1.5)}' >/dev/null 2>&1 &"], check=True)
-    time.sleep(1.6)
+    script = SPIN_THEN_MARK.format(seconds=1.0, marker=str(marker)).replace("'", '"')
+    subprocess.run(["sh", "-c", f"{sys.executable} -c '{script}' >/dev/null 2>&1 &"], check=True)
+    wait_until(marker.exists, timeout=60, message="the spinner never finished")
     report = watch.stop()
     assert report is not None
     assert report.others_cpu_cores > box.OTHERS_LIMIT and not report.quiet

@@ -89,7 +89,8 @@ def test_take_waits_for_the_next_emission(counting: CountingLoop) -> None:
 
     async def scenario() -> list[int]:
         taking = asyncio.ensure_future(sink.take())
-        await asyncio.sleep(0.05)
+        for _ in range(3):  # let the task run until it waits (nothing has been emitted: it cannot finish)
+            await asyncio.sleep(0)
         assert not taking.done()
         await asyncio.to_thread(sink.emit, emission(5))
         return [e.tokens[0].id for e in await asyncio.wait_for(taking, 5)]

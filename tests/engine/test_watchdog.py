@@ -119,8 +119,10 @@ def test_a_prefill_that_hangs_on_an_idle_model_is_a_stall_too(loop: LoopThread) 
 
 
 def test_a_busy_but_advancing_loop_is_never_flagged(loop: LoopThread) -> None:
+    # Steps of 0.1 s under a watchdog of ten steps: only a loop that stops advancing could trip it, not a
+    # step delayed by a busy machine.
     engine = FakeEngine(slots=2, vocab_size=512, sequence_len=128, step_delay=0.1)
-    server: ModelServer = loop.run(_started(golden_server_config(slots=2, watchdog_seconds=0.5), engine))
+    server: ModelServer = loop.run(_started(golden_server_config(slots=2, watchdog_seconds=1.0), engine))
     try:
         loop.run(server.load())
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:

@@ -29,8 +29,10 @@ def test_random_checkpoint_command_writes_random_weights_whose_outputs_vary(tmp_
     params = load_params(str(out), cfg, mesh, jnp.float32)
     tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (1, 32)).astype(np.int32)
     logits = np.asarray(jax.jit(GrokModel(cfg, mesh, jnp.float32).forward)(params, jnp.asarray(tokens)))[0]
-    assert 1.0 < logits.std(-1).mean() < 4.0
-    assert len(set(logits.argmax(-1).tolist())) > 16  # greedy choices differ from position to position
+    # Random, not degenerate: finite logits that differ within every row, and greedy choices that differ from
+    # position to position (no bound on their spread: that depends on the init scale, not on randomness).
+    assert np.isfinite(logits).all() and (logits.std(-1) > 0).all()
+    assert len(set(logits.argmax(-1).tolist())) > 16
 
 
 def test_random_checkpoint_command_rejects_a_bad_config(tmp_path: pathlib.Path) -> None:

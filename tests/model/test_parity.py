@@ -14,6 +14,12 @@ MESHES = ["1,1", "1,8"]
 STEPS = 24
 
 
+# This project's own bounds, not the reference's (golden/README.md gives 0.3 for bfloat16 prefill logits and no
+# figure for decode steps): the mean absolute error of a teacher-forced bfloat16 step's logits, median over the
+# steps and the level 90 % of steps stay under. Tighter than 0.3 so that a drift in the decode path shows.
+BF16_STEP_MEDIAN = 0.05
+BF16_STEP_MOST = 0.1
+
 def _padded(prompt: np.ndarray) -> np.ndarray:
     toks = np.zeros((1, PAD_TO), np.int32)
     toks[0, : len(prompt)] = prompt
@@ -86,4 +92,5 @@ def test_bfloat16_prefill_logits_and_confident_greedy_steps_match_reference(gold
         # bfloat16 paths drift between equivalent programs and an occasional low-margin routing flip moves one
         # step (golden/README.md); typical steps stay close to the recorded logits.
         step_err = np.abs(forced_logits[p] - gold[f"p{p}_step_logits"][1:]).mean(-1)
-        assert np.median(step_err) < 0.05 and np.mean(step_err < 0.1) >= 0.9, f"prompt {p}: {step_err}"
+        assert np.median(step_err) < BF16_STEP_MEDIAN and np.mean(step_err < BF16_STEP_MOST) >= 0.9, \
+            f"prompt {p}: {step_err}"
