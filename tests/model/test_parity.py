@@ -20,6 +20,7 @@ STEPS = 24
 BF16_STEP_MEDIAN = 0.05
 BF16_STEP_MOST = 0.1
 
+
 def _padded(prompt: np.ndarray) -> np.ndarray:
     toks = np.zeros((1, PAD_TO), np.int32)
     toks[0, : len(prompt)] = prompt
