@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from model_service.checkpoint import random_params  # noqa: E402
 from model_service.config import MeshConfig, load_model_config  # noqa: E402
 from model_service.engine import Engine  # noqa: E402
-from model_service.model import GrokModel  # noqa: E402
+from model_service.model import GrokModel, Products  # noqa: E402
 from model_service.sampling_settings import SamplingSettings  # noqa: E402
 from model_service.sharding import make_mesh  # noqa: E402
 from model_service.step_batch import SlotStart  # noqa: E402
@@ -99,8 +99,10 @@ def build(args: argparse.Namespace) -> tuple[Engine, Any, Any]:
 
     cfg = load_model_config(args.config)
     mesh = make_mesh(MeshConfig.parse(args.mesh))
-    params = random_params(cfg, mesh, jnp.float32, 0)
-    engine = Engine(GrokModel(cfg, mesh, jnp.float32), params, cfg, mesh, args.batch)
+    model = GrokModel(cfg, mesh, jnp.float32)
+    # Packed as the model service packs them: with native products the table stays bfloat16, as drawn.
+    params = random_params(cfg, mesh, jnp.float32, 0, pack=model.products is Products.NATIVE)
+    engine = Engine(model, params, cfg, mesh, args.batch)
     state = engine.init_state()
     rng = np.random.default_rng(0)
     sampling = SamplingSettings() if args.greedy else SamplingSettings(temperature=0.7, top_p=0.9)

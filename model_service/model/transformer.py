@@ -198,7 +198,8 @@ def hidden(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array,
 def head(cfg: ModelConfig, h: Array, products: Products, used: Array | None) -> Array:
     """Haiku-transformed (the same parameters): rows h [P, D] -> float32 logits [P, V]; rows not `used` [P] get
     none (zeros with native products)."""
-    return unembed(cfg, language_model_params(cfg), h, products, used)
+    with jax.named_scope("unembed"):
+        return unembed(cfg, language_model_params(cfg), h, products, used)
 
 
 def score(cfg: ModelConfig, h: Array, targets: Array, used: Array, products: Products,
