@@ -1,7 +1,7 @@
 """Speculative decoding changes no token: n-gram drafts verified in one step give every request exactly the
 tokens, probabilities and alternatives it gets without them (greedy and seeded, every control, n > 1, stop ids,
 max_tokens), in fewer steps when the drafts are right; the policy is tested on the fake engine, exactness on
-the golden checkpoints with the same engine serving with and without speculation."""
+the golden, golden_wide and demo checkpoints with the same engine serving with and without speculation."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from model_service.speculative import DraftPacer, SpeculativeConfig, parse_specu
 from tests.engine.conftest import Runner, golden_requests, golden_server_config
 from tests.engine.fake_engine import FakeEngine
 from tests.engine.test_scheduler import Collector, req
+from tests.procs import ROOT
 
 SPEC = SpeculativeConfig("ngram", 4, 3, 1)
 
@@ -250,3 +251,51 @@ class Preempting(SchedulerMetrics):
 
     def preempted(self) -> None:
         self.count += 1
+
+
+def test_the_demo_model_quoting_its_prompt_is_bit_identical_with_speculation_on_and_off(running: Runner) -> None:
+    """A trained model answering with text its prompt holds (the speculation benchmark's quote workload): most
+    drafts are right, and every token, probability and alternative is the same as without them, greedy and
+    seeded sampled."""
+    from benchmarks.speculative import quote_prompts
+
+    config = golden_server_config(config=str(ROOT / "configs" / "demo.json"),
+                                  checkpoint=str(ROOT / "demo" / "checkpoint"), slots=4, speculative=SPEC)
+    engine = build_engine(config, resolve(config))
+    counting = Counting()
+    off_scheduler, on_scheduler = running(engine), running(engine, speculative=SPEC, metrics=counting)
+    sampled = SamplingSettings(temperature=0.8, top_p=0.95, top_logprobs=2)
+    reqs = [GenerationRequest(f"q{i}", tuple(prompt), SamplingSettings(top_logprobs=2) if i % 2 else sampled,
+                              seed=40 + i, max_tokens=tokens, ignore_eos=True)
+            for i, (prompt, tokens) in enumerate(quote_prompts(6))]
+    for group in (reqs[:3], reqs[3:]):  # fewer requests than slots: drafting is on
+        off, on = serve(off_scheduler, group), serve(on_scheduler, group)
+        assert [{i: o.tokens for i, o in r.items()} for r in on] == [{i: o.tokens for i, o in r.items()} for r in off]
+    assert counting.accepted > counting.drafted / 4, (counting.drafted, counting.accepted)
+
+
+def test_the_wide_reference_is_reproduced_with_speculation_on(running: Runner) -> None:
+    """The real Grok-1 vocabulary (the nucleus filter's large-vocabulary branch), the reference's seeded
+    requests: the same ids with drafts verified as without."""
+    from tests.engine.test_golden_wide import CASES, WIDE, request
+
+    config = golden_server_config(config=str(WIDE / "config.json"), checkpoint=str(WIDE / "checkpoint"), slots=4,
+                                  speculative=SPEC)
+    engine = build_engine(config, resolve(config))
+    counting = Counting()
+    scheduler = running(engine, speculative=SPEC, metrics=counting)
+    # The reference's random weights write nothing a lookup finds: then requests whose prompts are made of three
+    # tokens that a logit_bias of 40 favours over the 131,072 (the reference's settings otherwise), so that
+    # drafts are proposed, accepted and rejected. At most three at a time: fewer than the slots, drafting is on.
+    reqs = [request(c, i) for i, c in enumerate(CASES)]
+    on = serve(scheduler, reqs[:3]) + serve(scheduler, reqs[3:])
+    assert [[t for t, _, _ in r[0].tokens] for r in on] == [c["output_ids"] for c in CASES]
+    rng = random.Random(5)
+    favoured = [rng.sample(range(3, engine.vocab_size), 3) for _ in reqs]
+    biased = [dataclasses.replace(r, request_id=r.request_id + "b", prompt=tuple(rng.choice(f) for _ in range(20)),
+                                  sampling=dataclasses.replace(r.sampling, logit_bias=tuple((t, 40.0) for t in f)))
+              for r, f in zip(reqs, favoured)]
+    off_scheduler = running(engine)
+    for group in (biased[:3], biased[3:]):
+        assert [r[0].tokens for r in serve(scheduler, group)] == [r[0].tokens for r in serve(off_scheduler, group)]
+    assert counting.drafted > 0 and counting.accepted > 0, (counting.drafted, counting.accepted)
