@@ -12,10 +12,12 @@ Every token is a row; a step spends one budget of rows (the engine's `max_rows`)
     shares its first sample's prompt blocks only after that sample computed them: `after`);
   - waiting requests in queue order, into the lowest free slots: a request of n samples waits for n free slots,
     every request for the KV blocks it takes; nothing overtakes the head of the queue.
-Speculative drafts (speculative.py) take only the rows left after all of that. While samples decode, prompt rows
-get at most `prefill_budget` row-equivalents (pacing.py: a row at position p
-costs 1 + p / key_scale, and the scheduler sizes the budget from measured step times, so running streams keep
-their pace while a long prompt enters); with nothing decoding they get every row of the step. Requests that were cancelled or passed
+Speculative drafts (speculative.py) take only the rows left after all of that. While samples decode that were
+already decoding when the oldest prompt with rows to compute arrived, prompt rows get at most `prefill_budget`
+row-equivalents (pacing.py: a row at position p costs 1 + p / key_scale, and the scheduler sizes the budget from
+measured step times, so running streams keep their pace while a long prompt enters); otherwise (nothing
+decodes, or only samples that started decoding after that prompt arrived, as in a burst of prompts arriving
+together) prompts get every row of the step: a prompt is not held back for streams that came after it. Requests that were cancelled or passed
 their deadline end first, and their slots and blocks serve this very step's admissions.
 """
 
@@ -46,6 +48,8 @@ class Sample:
     after: Key | None = None  # n > 1: computes only once `after` has computed `shared` positions
     shared: int = 0
     drafts: int = 0  # decoding: speculative draft tokens proposed after its newest token (speculative.py)
+    arrived: float = math.inf  # when its request arrived (the loop's clock; compared, never read here)
+    decoding_since: float = -math.inf  # when it started decoding (its prompt computed)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class Waiting:
     samples: tuple[Sample, ...]  # the samples it admits (all n; after a preemption the unfinished ones)
     blocks: int = 0  # KV blocks it takes
     ended: bool = False  # cancelled or past its deadline
+    arrived: float = math.inf  # when it arrived (the loop's clock)
 
 
 @dataclass(frozen=True)
@@ -120,8 +125,12 @@ def schedule(view: View, policy: Policy) -> StepPlan:
     end_waiting = tuple(w.ref for w in view.waiting if w.ended)
     live = [s for s in view.running if not s.ended]
     free = set(view.free) | {s.slot for s in ended}
-    decodes = [Chunk(s.key, s.length - 1, 1, True) for s in live if not s.done and s.computed == s.length - 1]
-    budget = _Budget(policy.max_rows - len(decodes), policy.prefill_budget if decodes else float("inf"),
+    decoding = [s for s in live if not s.done and s.computed == s.length - 1]
+    decodes = [Chunk(s.key, s.length - 1, 1, True) for s in decoding]
+    oldest_prompt = min([s.arrived for s in live if not s.done and s.computed < s.length - 1]
+                        + [w.arrived for w in view.waiting if not w.ended], default=math.inf)
+    paced = any(s.decoding_since < oldest_prompt for s in decoding)  # streams the prompts came after
+    budget = _Budget(policy.max_rows - len(decodes), policy.prefill_budget if paced else float("inf"),
                      policy.key_scale)
     computed = {s.key: s.computed for s in live}
     chunks = decodes + _prompt_chunks([s for s in live if s.computed < s.length - 1], computed, budget)

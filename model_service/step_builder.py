@@ -10,6 +10,7 @@ first one's full prompt blocks), and lays a plan's chunks out as rows (`build`).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -52,7 +53,7 @@ class StepBuilder:
             samples = (Sample((ref, 0), -1, cached, n),) + tuple(
                 Sample((ref, i), -1, shared, n, after=(ref, 0), shared=shared) for i in range(1, req.n))
             blocks = kv.cost(req.prompt, self.positions(n), reuse, salt) + (req.n - 1) * rest
-            return Waiting(ref, samples, blocks, ended)
+            return Waiting(ref, samples, blocks, ended, handle.enqueued_at)
         samples, blocks = [], 0  # preempted: each unfinished sample recomputes its own tokens
         for i in range(req.n):
             if i in handle.finished_samples:
@@ -60,7 +61,7 @@ class StepBuilder:
             tokens = req.prompt + tuple(handle.delivered.get(i, ()))
             samples.append(Sample((ref, i), -1, kv.reusable(tokens, salt) if reuse else 0, len(tokens)))
             blocks += kv.cost(tokens, self.positions(len(tokens)), reuse, salt)
-        return Waiting(ref, tuple(samples), blocks, ended)
+        return Waiting(ref, tuple(samples), blocks, ended, handle.enqueued_at)
 
     def sample(self, run: Running, now: float, drafting: bool = False) -> Sample:
         """The policy's view of a running sample; `drafting`: propose speculative drafts if it decodes."""
@@ -68,9 +69,13 @@ class StepBuilder:
         done = run.finished or run.length >= self.engine.sequence_len or (
             req.max_tokens is not None and run.drawn >= req.max_tokens)
         after = (id(run.after.handle), run.after.index) if run.after is not None else None
-        run.proposal = self._propose(run) if drafting and not done and run.computed == run.length - 1 else []
+        decoding = not done and run.computed == run.length - 1
+        if decoding and run.decoding_since is None:
+            run.decoding_since = now
+        run.proposal = self._propose(run) if drafting and decoding else []
         return Sample((id(run.handle), run.index), run.slot, run.computed, run.length, done,
-                      run.handle.abandoned(now) is not None, after, run.shared, len(run.proposal))
+                      run.handle.abandoned(now) is not None, after, run.shared, len(run.proposal),
+                      run.handle.enqueued_at, run.decoding_since if run.decoding_since is not None else math.inf)
 
     def _propose(self, run: Running) -> list[int]:
         """Drafts for a decoding sample whose tokens are all on the host: never past max_tokens or the context,

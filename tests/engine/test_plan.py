@@ -158,3 +158,21 @@ def test_while_decoding_later_prompt_rows_cost_more_for_the_keys_they_read() -> 
     # rows at 0..: 1 + p/100 each -> 18 rows cost 19.53; from 90 a row costs ~1.9: the budget was spent first
     assert plan.chunks[1] == Chunk((8, 0), 0, 18, False) and len(plan.chunks) == 3
     assert plan.chunks[2].rows == 1  # one row of the last prompt at least, as the budget allows none more
+
+
+def test_prompts_that_arrived_together_fill_the_step_beside_streams_that_started_after_them() -> None:
+    # A burst: requests 1-3 arrived at t=0; 7 and 8 (of the same burst) began decoding at t=1, after them.
+    running = (decoding(7, 0, arrived=0.0, decoding_since=1.0), decoding(8, 1, arrived=0.0, decoding_since=1.0))
+    queue = (Waiting(1, waiting(1, length=10).samples, 1, arrived=0.0), Waiting(2, waiting(2, length=10).samples, 1,
+                                                                            arrived=0.0))
+    plan = schedule(view(queue, running, free=(2, 3)), POLICY)
+    assert [c.rows for c in plan.chunks] == [1, 1, 10, 4]  # every row of the step, not prefill_budget = 4
+
+
+def test_a_prompt_arriving_after_streams_began_decoding_is_paced() -> None:
+    running = (decoding(7, 0, arrived=0.0, decoding_since=1.0), prefilling(9, 1, 0, 40, arrived=2.0))
+    plan = schedule(view(running=running, free=(2, 3)), POLICY)
+    assert [c.rows for c in plan.chunks] == [1, 4]  # prefill_budget = 4: stream 7 was there first
+    # The same prompt beside a stream that started after it arrived: not held back.
+    running = (decoding(7, 0, arrived=0.0, decoding_since=3.0), prefilling(9, 1, 0, 40, arrived=2.0))
+    assert [c.rows for c in schedule(view(running=running, free=(2, 3)), POLICY).chunks] == [1, 15]
