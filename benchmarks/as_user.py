@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     streams = [int(s) for s in args.streams.split(",")]
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {label: {s: [] for s in streams} for label in arms}
     anchor: dict[str, list[dict[str, Any]]] = {"ll1": [], "ll8": []}
-    report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load_avg_at_start": [round(x, 2) for x in
-                                                                                       os.getloadavg()]}, "config": str(args.config), "tokens": args.tokens,
+    machine = {"cpus": os.cpu_count(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
+    report: dict[str, Any] = {"machine": machine, "config": str(args.config), "tokens": args.tokens,
                               "mode": "greedy" if args.greedy else "sampled", "flags": args.flags,
                               "arms": {label: str(pathlib.Path(d).resolve()) for label, d in arms.items()}}
     services: dict[str, Service] = {}

@@ -40,8 +40,8 @@ SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 def quote_prompts(count: int | None = None, context: int = 256) -> list[tuple[list[int], int]]:
     """(prompt, max_tokens) pairs on the demo model: paragraph i + 1 of its training text, end-of-text, paragraph i,
     end-of-text; the answer asked for is paragraph i + 1 again, so it must fit the context beside the prompt.
-    Every prose paragraph of at least 40 tokens (or `count` of them drawn with a fixed seed) (not the dialogues: many open with the same
-    system line, so the one before does not tell which comes next)."""
+    Every prose paragraph of at least 40 tokens, or `count` of them drawn with a fixed seed (not the dialogues:
+    many open with the same system line, so the one before does not tell which comes next)."""
     import sentencepiece
 
     from demo_build.data import corpus_documents, split_paragraphs
@@ -104,7 +104,8 @@ def workload(name: str, config: pathlib.Path, checkpoint: pathlib.Path | None,
             "all_tokens_per_s_on": round(total["on"], 2), "all_tokens_per_s_off": round(total["off"], 2),
             "all_on_over_off": round(total["on"] / total["off"], 3), "requests": len(prompts),
             "acceptance_median": statistics.median(x["acceptance"] or 0.0 for x in runs["on"]),
-            "messages_on": sum(x["messages"] for x in runs["on"]), "messages_off": sum(x["messages"] for x in runs["off"]),
+            "messages_on": sum(x["messages"] for x in runs["on"]),
+            "messages_off": sum(x["messages"] for x in runs["off"]),
             "identical_tokens": all(a["ids"] == b["ids"] for a, b in zip(runs["on"], runs["off"])),
             "load_avg_1m": round(os.getloadavg()[0], 2), "box": shared.as_dict() if shared else None}
 

@@ -17,8 +17,9 @@ already decoding when the oldest prompt with rows to compute arrived, prompt row
 row-equivalents (pacing.py: a row at position p costs 1 + p / key_scale, and the scheduler sizes the budget from
 measured step times, so running streams keep their pace while a long prompt enters); otherwise (nothing
 decodes, or only samples that started decoding after that prompt arrived, as in a burst of prompts arriving
-together) prompts get every row of the step: a prompt is not held back for streams that came after it. Requests that were cancelled or passed
-their deadline end first, and their slots and blocks serve this very step's admissions.
+together) prompts get every row of the step: a prompt is not held back for streams that came after it.
+Requests that were cancelled or passed their deadline end first, and their slots and blocks serve this very
+step's admissions.
 """
 
 from __future__ import annotations
