@@ -23,12 +23,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 from benchmarks import box
-from benchmarks.engine import MEDIUM, llamacpp_run
-from serving_common.healthcheck import check
+from benchmarks.engine import MEDIUM, llamacpp_run, print_report, wait_started
 from serving_common.processes import terminate
 from tests.procs import SHARED, free_port
 
@@ -49,12 +47,7 @@ class Service:
         self.proc = subprocess.Popen([sys.executable, "-m", "model_service", "--config", str(config), "--random-init",
                                       "--host", host, "--port", port, *extra], cwd=repo, env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
-        begin = time.monotonic()
-        while not check(self.address, "", timeout=1.0):
-            if self.proc.poll() is not None or time.monotonic() - begin > 1800:
-                raise RuntimeError(f"model service from {repo} did not start: see {log}")
-            time.sleep(0.2)
-        self.start_seconds = round(time.monotonic() - begin, 1)
+        self.start_seconds = round(wait_started(self.proc, self.address, repo, log), 1)
 
     def close(self) -> None:
         terminate(self.proc, 30.0)
@@ -131,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 point[label]["over_llamacpp"] = round(point[label]["aggregate_tok_s"] / ll, 3)
                 point[label]["ttft_over_llamacpp_prompt"] = round(point[label]["ttft_p50_s"] / prompt_s, 3)
         report["points"][f"streams{s}"] = point
-    text = json.dumps(report, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+    print_report(report, args.out)
     return 0
 
 

@@ -74,6 +74,25 @@ POINTS: dict[str, tuple[int, int, list[str]]] = {
     "slots1_stream1": (1, 1, []), "slots8_streams8": (8, 8, []), "slots16_stream1": (16, 1, [])}
 
 
+def wait_started(proc: subprocess.Popen, address: str, repo: pathlib.Path, log: pathlib.Path) -> float:
+    """Seconds until the model service `proc` at `address` reports SERVING (RuntimeError if it exits or takes
+    over 30 minutes)."""
+    begin = time.monotonic()
+    while not check(address, "", timeout=1.0):
+        if proc.poll() is not None or time.monotonic() - begin > 1800:
+            raise RuntimeError(f"model service from {repo} did not start: see {log}")
+        time.sleep(0.2)
+    return time.monotonic() - begin
+
+
+def print_report(report: Any, out: pathlib.Path | None) -> None:
+    """The report as indented JSON on stdout, and in `out` when given."""
+    text = json.dumps(report, indent=1)
+    if out:
+        out.write_text(text + "\n")
+    print(text)
+
+
 class ModelService:
     """`python -m model_service` from checkout `repo`, on a free port, with a shared compile cache."""
 
@@ -90,12 +109,7 @@ class ModelService:
                "PYTHONPATH": str(repo)}
         self.proc = subprocess.Popen([sys.executable, "-m", "model_service", *args], cwd=repo, env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
-        begin = time.monotonic()
-        while not check(self.address, "", timeout=1.0):
-            if self.proc.poll() is not None or time.monotonic() - begin > 1800:
-                raise RuntimeError(f"model service from {repo} did not start: see {log}")
-            time.sleep(0.2)
-        self.start_seconds = time.monotonic() - begin
+        self.start_seconds = wait_started(self.proc, self.address, repo, log)
         self.memory_at_serving = self.memory()
 
     def memory(self) -> dict[str, float]:

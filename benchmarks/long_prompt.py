@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 
 from benchmarks import box
-from benchmarks.engine import MEDIUM, ModelService
+from benchmarks.engine import MEDIUM, ModelService, print_report
 from grok.model.v1 import model_pb2, model_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -135,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 service.close()
             print(json.dumps({label: results[label]}), file=sys.stderr, flush=True)
-    text = json.dumps(results, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+    print_report(results, args.out)
     return 0
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 
 from benchmarks import box
-from benchmarks.engine import MEDIUM, ModelService
+from benchmarks.engine import MEDIUM, ModelService, print_report
 from grok.model.v1 import model_pb2, model_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -125,10 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         rng = random.Random(9)
         prompts = [([rng.randrange(3, 131072) for _ in range(32)], 96) for _ in range(2)]
         out["medium"] = workload("medium", MEDIUM, None, prompts, args, tmp)
-    text = json.dumps(out, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+    print_report(out, args.out)
     return 0
 
 
