@@ -89,9 +89,10 @@ def test_take_waits_for_the_next_emission(counting: CountingLoop) -> None:
 
     async def scenario() -> list[int]:
         taking = asyncio.ensure_future(sink.take())
-        for _ in range(3):  # let the task run until it waits (nothing has been emitted: it cannot finish)
-            await asyncio.sleep(0)
-        assert not taking.done()
+        # The task runs before wait's zero timeout fires (both are due now, the task first): it reaches its
+        # await on the next emission and is still pending, as nothing has been emitted.
+        _, pending = await asyncio.wait({taking}, timeout=0)
+        assert pending == {taking}
         await asyncio.to_thread(sink.emit, emission(5))
         return [e.tokens[0].id for e in await asyncio.wait_for(taking, 5)]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pathlib
 import signal
-import time
 
 import pytest
 
@@ -15,16 +14,14 @@ from tests.procs import Service
 
 pytestmark = pytest.mark.slow
 
-GRACE = "10"
-# An idle service must not wait out its grace period: half of it is the bound (the bug waited all of it).
-AT_ONCE = float(GRACE) / 2
+# Far longer than the exit is waited for: an idle service that waited out its grace would never be seen to exit.
+GRACE = "600"
 
 
-def sigterm_seconds(service: Service) -> tuple[float, int]:
-    started = time.monotonic()
+def sigterm_exit_code(service: Service) -> int:
+    """SIGTERM, then the exit code; the wait fails (subprocess.TimeoutExpired) if the service lingers."""
     service.proc.send_signal(signal.SIGTERM)
-    code = service.proc.wait(30)
-    return time.monotonic() - started, code
+    return service.proc.wait(30)
 
 
 def watched(backend: Service, kind: str, tmp_path: pathlib.Path) -> Stack:
@@ -46,8 +43,7 @@ def test_idle_model_service_drains_at_once_while_the_gateway_watches_it(tmp_path
     try:
         with GatewayClient(stack.address, timeout=60) as client:  # a real call finished before the signal
             assert client.complete("In the beginning", max_tokens=3).usage.completion_tokens == 3
-        seconds, code = sigterm_seconds(stack.models[0])
-        assert code == 0 and seconds < AT_ONCE, seconds
+        assert sigterm_exit_code(stack.models[0]) == 0
     finally:
         stack.stop()
 
@@ -55,7 +51,6 @@ def test_idle_model_service_drains_at_once_while_the_gateway_watches_it(tmp_path
 def test_idle_tokenizer_service_drains_at_once_while_the_gateway_watches_it(tmp_path: pathlib.Path) -> None:
     stack = watched(golden_tokenizer(tmp_path, "--grace-seconds", GRACE), "tokenizer", tmp_path)
     try:
-        seconds, code = sigterm_seconds(stack.tokenizer)
-        assert code == 0 and seconds < AT_ONCE, seconds
+        assert sigterm_exit_code(stack.tokenizer) == 0
     finally:
         stack.stop()
