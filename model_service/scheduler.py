@@ -29,7 +29,7 @@ from model_service.guided import Guidance
 from model_service.kv_blocks import KVBlocks
 from model_service.loop_state import Heartbeat, InFlight, Running, SchedulerMetrics
 from model_service.pacing import Pacing, key_scale
-from model_service.plan import Key, Policy, StepPlan, View, schedule, scored_tokens
+from model_service.plan import Chunk, Key, Policy, StepPlan, View, schedule, scored_tokens
 from model_service.speculative import SpeculativeConfig
 from model_service.requests import (
     Emission,
@@ -227,10 +227,13 @@ class Scheduler:
             self._end(handles[ref], now, reclaimed=False)
         for admit in plan.admit:
             self._admit(handles[admit.ref], admit.slots, admit.samples, now)
+        # A request whose admission ended it (cancelled or past its deadline since the plan, or a constraint
+        # that failed) has no running samples: its rows leave the step.
+        chunks = tuple(c for c in plan.chunks if c.key in self._running)
         batch = None
-        if plan.chunks:
+        if chunks:
             try:
-                batch, owners, scored = self.builder.build(plan.chunks, self._running)
+                batch, owners, scored = self.builder.build(chunks, self._running)
                 for run in self.builder.failed:  # their grammar failed: they ended, their draw is not made
                     self._release(run)
                 self.builder.failed.clear()
@@ -239,7 +242,7 @@ class Scheduler:
                 self._step_failed(e)
                 return
             self._observe_kv()
-            decoding, cost = self._shape(plan)
+            decoding, cost = self._shape(chunks)
             previous, self._in_flight = self._in_flight, InFlight(pending, owners, scored, time.monotonic(), decoding,
                                                                   cost)
             if previous is not None:
@@ -248,10 +251,10 @@ class Scheduler:
             self._finish_in_flight()
         self.metrics.set_active(len(self._running))
 
-    def _shape(self, plan: StepPlan) -> tuple[bool, float]:
+    def _shape(self, chunks: tuple[Chunk, ...]) -> tuple[bool, float]:
         """Whether the step decodes, and its prompt rows' cost in row-equivalents (pacing.py)."""
         decoding, cost = False, 0.0
-        for c in plan.chunks:
+        for c in chunks:
             run = self._running.get(c.key)
             if run is not None and c.start >= run.known:
                 decoding = True

@@ -279,10 +279,12 @@ def test_expired_deadline_fails_with_deadline_exceeded_and_frees_the_slot(engine
     engine.step_delay = 0.01
     s = running(engine)
     c = Collector()
-    s.submit(req((20,), max_tokens=25, deadline=time.monotonic() + 0.05), c)
+    handle = s.submit(req((20,), max_tokens=31, deadline=time.monotonic() + 3600), c)
+    assert c.first_token.wait(10)
+    object.__setattr__(handle.request, "deadline", time.monotonic())  # the deadline passes mid-stream
     c.wait()
     assert c.last.error is not None and c.last.error.kind is ErrorKind.DEADLINE_EXCEEDED
-    assert 0 < len(c.ids) < 25
+    assert 0 < len(c.ids) < 31
     wait_until(lambda: s.stats() == {"active": 0, "free": engine.slots, "queued": 0})
 
 
@@ -381,6 +383,28 @@ def test_a_long_prompt_is_computed_a_chunk_per_step_while_others_stream(engine: 
     assert [r[0] for r in chunks] == [0, 4, 8, 12]
     streamed = rows_of(engine, 0)
     assert all(streamed[i] for i, r in enumerate(rows_of(engine, 1)) if r and r[0] < 13)  # a decode row beside each
+
+
+def test_a_request_cancelled_between_planning_and_admission_ends_alone(engine: FakeEngine) -> None:
+    """The plan admitted a request and gave its prompt rows; the cancel arrived before the plan was carried
+    out: the request ends CANCELLED, the others' step runs (it once failed every request of the step)."""
+    engine.slots = 2
+    s = Scheduler(engine, max_queue=2)
+    s._state = engine.init_state()
+    s._accepting = True  # no decode thread: the test carries out each plan itself
+    kept, cancelled = Collector(), Collector()
+    s.submit(req((5,), max_tokens=3), kept)
+    s._step(s._plan())
+    handle = s.submit(req((6, 7), max_tokens=3), cancelled)
+    planned = s._plan()
+    assert any(c.key[0] == id(handle) for c in planned[0].chunks)  # its prompt rows are in this step
+    handle.cancel()
+    s._step(planned)
+    assert cancelled.last.error is not None and cancelled.last.error.kind is ErrorKind.CANCELLED
+    while not kept.finished.is_set():
+        s._step(s._plan())
+    assert kept.last.error is None and kept.ids == [6, 7, 8]
+    assert s.stats() == {"active": 0, "free": 2, "queued": 0} and s.kv.usage().used == 0
 
 
 def test_cancelling_a_request_while_its_prompt_is_computed_frees_its_slot_and_blocks(engine: FakeEngine,
