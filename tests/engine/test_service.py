@@ -113,8 +113,12 @@ def test_grpcurl_bad_request_is_invalid_argument(service_and_startup: tuple[Serv
 def test_metrics_endpoint_counts_requests(service_and_startup: tuple[Service, list]) -> None:
     svc, _ = service_and_startup
     with grpc.insecure_channel(svc.address) as channel:
-        collect(model_pb2_grpc.ModelServiceStub(channel).Generate(
-            model_pb2.GenerateRequest(token_ids=[9, 10], max_tokens=3), timeout=30))
+        stub = model_pb2_grpc.ModelServiceStub(channel)
+        collect(stub.Generate(model_pb2.GenerateRequest(token_ids=[9, 10], max_tokens=3), timeout=30))
+        with pytest.raises(grpc.RpcError) as refused:  # counted too (not left to another test of the module)
+            collect(stub.Generate(model_pb2.GenerateRequest(token_ids=[5] * 128), timeout=30))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
     def page() -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics", timeout=5).read().decode()
 
