@@ -2,12 +2,14 @@
 
     .venv/bin/python -m benchmarks.speculative [--runs 3] [--spec '{"method": "ngram", ...}']
 
-Two workloads, one stream each (greedy; decode tokens/s after the first token; the token ids of both arms
+Three workloads (--workloads), one stream each (greedy; decode tokens/s after the first token; the token ids of both arms
 compared):
     quote   the demo model, whose training text it knows by heart: the prompt is a corpus paragraph and then the
             paragraph before it in the corpus, each ending in end-of-text, so the model answers with the paragraph that
             follows, which the prompt already holds; lookups find drafts (the case speculation is for). Each answer
             is as long as the paragraph it quotes;
+    continue the demo model: a corpus paragraph, end-of-text, and its first 8 tokens again; the answer asked for is
+            the rest of the paragraph, which the prompt holds;
     medium  the medium config's random weights, random 32-token prompts: nothing to look up (what speculation
             must not slow down).
 Reported per workload: tokens/s on and off (the median request's, and all tokens over all decode time), their
@@ -56,6 +58,27 @@ def quote_prompts(count: int | None = None, context: int = 256) -> list[tuple[li
              for i in range(len(ids) - 1) if train[i] in prose and train[i + 1] in prose
              and len(ids[i + 1]) >= 40 and len(ids[i]) + 2 * len(ids[i + 1]) + 2 <= context]
     return pairs if count is None else random.Random(3).sample(pairs, count)
+
+
+def continue_prompts(words: int = 8, context: int = 256) -> list[tuple[list[int], int]]:
+    """(prompt, max_tokens) pairs on the demo model: a prose paragraph of its training text, end-of-text, and the
+    paragraph's first `words` tokens again; the answer asked for is the rest of the paragraph (the prompt's own
+    text continued, as a user quoting a document asks for its continuation)."""
+    import sentencepiece
+
+    from demo_build.data import corpus_documents, split_paragraphs
+    from demo_build.train_tokenizer import corpus_lines
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(ROOT / "demo" / "tokenizer.model"))
+    training = json.loads((ROOT / "demo" / "training.json").read_text())["train_config"]
+    train, _ = split_paragraphs(list(corpus_documents(ROOT / "demo_build" / "corpus")), training["holdout_every"])
+    prose = set(corpus_lines(ROOT / "demo_build" / "corpus"))
+    out = []
+    for text in train:
+        ids = sp.encode(text)
+        if text in prose and len(ids) >= 40 and 2 * len(ids) + 1 <= context:
+            out.append((ids + [sp.eos_id()] + ids[:words], len(ids) - words))
+    return out
 
 
 def one_stream(address: str, prompt: list[int], tokens: int) -> dict[str, Any]:
@@ -110,21 +133,28 @@ def workload(name: str, config: pathlib.Path, checkpoint: pathlib.Path | None,
             "load_avg_1m": round(os.getloadavg()[0], 2), "box": shared.as_dict() if shared else None}
 
 
+WORKLOADS = {"quote": quote_prompts, "continue": continue_prompts, "medium": None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--spec", default=SPEC, help="the --speculative-config of the `on` arm")
     p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--workloads", default="quote,continue,medium", help="comma-separated, of " + ",".join(WORKLOADS))
     args = p.parse_args(argv)
     out: dict[str, Any] = {"spec": json.loads(args.spec)}
+    demo = (ROOT / "configs" / "demo.json", ROOT / "demo" / "checkpoint")
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = pathlib.Path(tmp_dir)
-        out["quote"] = workload("quote", ROOT / "configs" / "demo.json", ROOT / "demo" / "checkpoint", quote_prompts(),
-                                args, tmp)
-        print(json.dumps({"quote": {k: v for k, v in out["quote"].items() if k != "box"}}), file=sys.stderr)
-        rng = random.Random(9)
-        prompts = [([rng.randrange(3, 131072) for _ in range(32)], 96) for _ in range(2)]
-        out["medium"] = workload("medium", MEDIUM, None, prompts, args, tmp)
+        for name in args.workloads.split(","):
+            if name == "medium":
+                rng = random.Random(9)
+                prompts = [([rng.randrange(3, 131072) for _ in range(32)], 96) for _ in range(2)]
+                out[name] = workload(name, MEDIUM, None, prompts, args, tmp)
+            else:
+                out[name] = workload(name, *demo, WORKLOADS[name](), args, tmp)
+            print(json.dumps({name: {k: v for k, v in out[name].items() if k != "box"}}), file=sys.stderr)
     print_report(out, args.out)
     return 0
 

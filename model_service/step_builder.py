@@ -72,7 +72,8 @@ class StepBuilder:
         decoding = not done and run.computed == run.length - 1
         if decoding and run.decoding_since is None:
             run.decoding_since = now
-        run.proposal = self._propose(run) if drafting and decoding else []
+        # Drafts follow a drawn token only: a prompt's last row computed alone (after a chunk) is no decode row.
+        run.proposal = self._propose(run) if drafting and decoding and run.computed >= run.known else []
         return Sample((id(run.handle), run.index), run.slot, run.computed, run.length, done,
                       run.handle.abandoned(now) is not None, after, run.shared, len(run.proposal),
                       run.handle.enqueued_at, run.decoding_since if run.decoding_since is not None else math.inf)
@@ -99,7 +100,8 @@ class StepBuilder:
         """Whether some decoding sample looks for drafts at the next step: then the loop waits for the draws in
         flight first (drafts follow the newest token)."""
         return self.speculative is not None and any(
-            run.guide is None and not run.finished and run.computed == run.length - 1 and run.pacer.due()
+            run.guide is None and not run.finished and run.computed == run.length - 1 and run.computed >= run.known
+            and run.pacer.due()
             for run in runs)
 
     def shared(self, prompt_len: int) -> int:

@@ -110,6 +110,17 @@ def test_right_drafts_give_the_same_tokens_in_fewer_steps_several_per_message(ru
     assert spec.last.timings is not None and spec.last.timings.accepted_draft_tokens > 0
 
 
+def test_a_prompt_whose_last_row_is_computed_alone_gets_no_drafts_on_that_row(running: Runner) -> None:
+    """A 17-token prompt on 16-row steps computes its last prompt row alone in the second step: that row draws
+    the first token and is no decode row, so no drafts ride on it (they once read the prompt's last token again
+    and emitted the first token twice)."""
+    prompt = tuple(range(10, 20)) + tuple(range(10, 17))  # the lookup's drafts at the end: 17, 18, 19, 10
+    spec = Collector()
+    running(spec_fake(), speculative=SPEC).submit(req(prompt, max_tokens=6), spec)
+    assert spec.wait().ids == list(range(17, 23))
+    assert spec.last.timings.accepted_draft_tokens > 0  # drafts ride on the decode rows after it
+
+
 def test_a_service_whose_slots_are_all_busy_still_drafts_when_nothing_waits(running: Runner) -> None:
     """One request on a one-slot service (every slot busy, no request queued) is what speculation is for."""
     prompt = tuple(range(10, 20)) + tuple(range(10, 14))
