@@ -126,14 +126,17 @@ def schedule(view: View, policy: Policy) -> StepPlan:
     end_waiting = tuple(w.ref for w in view.waiting if w.ended)
     live = [s for s in view.running if not s.ended]
     free = set(view.free) | {s.slot for s in ended}
-    decoding = [s for s in live if not s.done and s.computed == s.length - 1]
+    computed = {s.key: s.computed for s in live}
+    # Another sample of a prompt whose tail is only its last token looks like a decode; it still waits for the
+    # first sample to compute the blocks they share.
+    decoding = [s for s in live if not s.done and s.computed == s.length - 1
+                and (s.after is None or computed.get(s.after, s.shared) >= s.shared)]
     decodes = [Chunk(s.key, s.length - 1, 1, True) for s in decoding]
     oldest_prompt = min([s.arrived for s in live if not s.done and s.computed < s.length - 1]
                         + [w.arrived for w in view.waiting if not w.ended], default=math.inf)
     paced = any(s.decoding_since < oldest_prompt for s in decoding)  # streams the prompts came after
     budget = _Budget(policy.max_rows - len(decodes), policy.prefill_budget if paced else float("inf"),
                      policy.key_scale)
-    computed = {s.key: s.computed for s in live}
     chunks = decodes + _prompt_chunks([s for s in live if s.computed < s.length - 1], computed, budget)
     admit: list[Admit] = []
     blocks = view.free_blocks

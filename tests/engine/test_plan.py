@@ -72,6 +72,19 @@ def test_the_other_samples_of_a_prompt_compute_only_their_tail_once_the_first_co
     assert plan.chunks == (Chunk((1, 0), 16, 14, True), Chunk((1, 1), 28, 2, True))
 
 
+def test_another_sample_whose_tail_is_its_last_prompt_token_waits_for_the_shared_blocks_too() -> None:
+    """A 49-token prompt on 16 blocks: the other samples share 48 positions and compute one row, which looks like
+    a decode row (all but the newest token computed); it must still wait until the first sample computed the 48
+    (it once ran at once and read blocks not yet written: greedy samples of one prompt differed)."""
+    plan = schedule(view((waiting(1, length=49, n=2, shared=48),), free=(0, 1)), POLICY)
+    assert plan.chunks == (Chunk((1, 0), 0, 16, False),)
+    running = (prefilling(1, 0, 16, 49), Sample((1, 1), 1, 48, 49, after=(1, 0), shared=48))
+    assert schedule(view(running=running, free=()), POLICY).chunks == (Chunk((1, 0), 16, 16, False),)
+    running = (prefilling(1, 0, 48, 49), Sample((1, 1), 1, 48, 49, after=(1, 0), shared=48))
+    assert schedule(view(running=running, free=()), POLICY).chunks == (Chunk((1, 0), 48, 1, True),
+                                                                       Chunk((1, 1), 48, 1, True))
+
+
 def test_a_request_of_n_samples_waits_for_n_free_slots_and_nothing_overtakes_it() -> None:
     queue = (waiting(1, n=3), waiting(2))
     assert schedule(view(queue, free=(2, 3)), POLICY).admit == ()
