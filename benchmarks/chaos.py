@@ -46,6 +46,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=4, help="waiting queue per model replica")
     p.add_argument("--compile-cache", default=".jax_cache", help="JAX compilation cache shared by the replicas")
     p.add_argument("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
+    p.add_argument("--model-flag", action="append", default=[], metavar="FLAG",
+                   help="one more flag for every model replica, repeatable (e.g. --model-flag=--speculative-config "
+                        "--model-flag='{\"num_speculative_tokens\": 4}')")
     p.add_argument("--seed", type=int, default=0, help="seed of the traffic's random choices")
     p.add_argument("--markdown", action="store_true", help="print the report as markdown tables")
     p.add_argument("--json-out", default=None, help="also write the JSON report to this file")
@@ -139,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.duration = min(args.duration, 25.0)
     config = StackConfig(config=_path(args.config), checkpoint=_path(args.checkpoint), tokenizer=_path(args.tokenizer),
                          slots=args.slots, max_queue=args.max_queue,
-                         compile_cache=args.compile_cache, grace_seconds=5.0)
+                         compile_cache=args.compile_cache, grace_seconds=5.0, model_flags=tuple(args.model_flag))
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="chaos-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()

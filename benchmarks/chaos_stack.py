@@ -95,6 +95,7 @@ class StackConfig:
     compile_cache: str = ".jax_cache"
     grace_seconds: float = 5.0
     watchdog_seconds: float = 30.0
+    model_flags: tuple[str, ...] = ()  # more flags for every model replica (e.g. --speculative-config JSON)
 
 
 class LocalStack:
@@ -116,7 +117,7 @@ class LocalStack:
                 "--port", str(port), "--metrics-port", str(metrics), "--slots", str(config.slots),
                 "--max-queue", str(config.max_queue),
                 "--compile-cache", config.compile_cache, "--watchdog-seconds", str(config.watchdog_seconds),
-                *grace], port, log_dir))
+                *grace, *config.model_flags], port, log_dir))
         gateway_port = free_port()
         self.gateway = Proc("gateway", "gateway", [
             "--tokenizer", self.tokenizer.address, "--model", ",".join(m.address for m in self.models),
