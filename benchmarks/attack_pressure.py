@@ -91,7 +91,7 @@ def complete_call(f: Facts, **fields: Any) -> Callable[[Any], Any]:
 def pressure_cases(f: Facts) -> list[Case]:
     full = {"token_ids": [7] * f.bucket, "max_tokens": f.context - f.bucket}  # the longest prompt, to the context
     long_prompt = list(f.prompt_ids) * (f.bucket // max(1, len(f.prompt_ids)))
-    greedy = {"temperature": 0.0, "token_ids": long_prompt[:f.bucket], "max_tokens": 8}
+    greedy = {"temperature": 0.0, "token_ids": long_prompt[:f.context - 8], "max_tokens": 8}  # fits the context
     return [
         Case("kv-model-longest-prompt-to-context", "model", model_call(f, **full), "OK", tags=("finite",)),
         Case("kv-model-longest-prompt-alternatives", "model", model_call(f, **full, top_logprobs=8), "OK",
