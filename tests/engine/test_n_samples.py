@@ -148,25 +148,26 @@ def test_concurrent_n_requests_leave_no_slot_behind(golden_service: object,
     wait_until(lambda: scheduler.stats()["free"] == scheduler.engine.slots, timeout=30)
 
 
-def test_samples_of_a_prompt_longer_than_a_step_ending_one_past_a_block_equal_a_plain_request(running: Runner) -> None:
-    """49 tokens on 16-row steps with 16-position blocks: the other samples share the 48 first positions and
-    compute only the last; they wait for the first sample to write them (they once read unwritten blocks)."""
-    from model_service.loading import build_engine, resolve
-    from tests.engine.conftest import golden_server_config
-
-    config = golden_server_config(slots=3, step_tokens=16, prefix_caching=False)
-    engine = build_engine(config, resolve(config))
-    assert engine.max_rows == 16 and engine.block_size == 16
+def test_samples_of_a_prompt_longer_than_a_step_ending_one_past_a_block_equal_a_plain_request(
+        golden_engine: Engine, running: Runner) -> None:
+    """A prompt of 16k + 1 tokens computed over several steps (beside a decoding stream; 16-position blocks): the
+    other samples share all but the last position and compute only that; they wait for the first sample to
+    write the shared blocks (they once ran at once and read blocks not yet written)."""
+    engine = golden_engine
+    assert engine.block_size == 16
     scheduler = running(engine)
-    prompt = tuple((7 * i + 3) % 500 + 3 for i in range(49))
-    together, alone = SampleCollector(3), SampleCollector(1)
+    prompt = tuple((7 * i + 3) % 500 + 3 for i in range(81))
+    together, alone, stream = SampleCollector(3), SampleCollector(1), Collector()
+    # A stream decoding first: the prompt then gets a few rows a step (pacing), so it takes several steps.
+    scheduler.submit(GenerationRequest("s", (5, 6, 7), max_tokens=100, ignore_eos=True), stream)
+    assert stream.first_token.wait(120)
     scheduler.submit(GenerationRequest("n", prompt, SamplingSettings(top_logprobs=2), max_tokens=4, ignore_eos=True,
                                        n=3), together)
+    together.wait(120)
     scheduler.submit(GenerationRequest("1", prompt, SamplingSettings(top_logprobs=2), max_tokens=4, ignore_eos=True),
                      alone)
-    together.wait(120), alone.wait(120)
+    alone.wait(120), stream.wait(120)
 
     def scored(c: SampleCollector, i: int) -> list[tuple[int, float]]:
         return [(t.id, t.prob) for e in c.emissions if e.index == i for t in e.tokens]
     assert scored(together, 0) == scored(together, 1) == scored(together, 2) == scored(alone, 0)
-
