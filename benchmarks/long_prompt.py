@@ -6,7 +6,9 @@
 The config is the given one with its context set to --context (random int8 weights, float32). --streams
 streams (32-token prompts, greedy) decode on the default 8 slots; once each has 16 tokens, a --prompt-token
 prompt is sent. Reported: the streams' inter-token gaps before it arrived (median) and while it was computed
-(p50, p99, max, and p99 over the median before: the promise is <= 2), its time to first token, and whether a
+(p50, p99, max, and p99 over the median before: the promise is <= 2), its time to first token; then, unless
+--no-control, the same streams again without the long prompt over the same tokens of each (their gaps grow
+with their length: the control's median is the fair denominator, `p99_over_control_median`); and whether a
 prompt of exactly context - 1 tokens gets its token and one of context tokens a clear INVALID_ARGUMENT. With
 --repo the same runs against other checkouts (e.g. the code before a change; one that refuses the long
 prompt says so).
@@ -45,25 +47,42 @@ def generate(stub: Any, prompt: list[int], tokens: int, stamps: list[float] | No
     return out
 
 
+def streams(stub: Any, prompts: list[list[int]], max_tokens: int, stamps: list[list[float]], stop: threading.Event,
+            upto: list[int] | None = None) -> list[threading.Thread]:
+    """One thread per prompt streaming its tokens' arrival times into `stamps`, until `stop` (or `upto[i]` tokens)."""
+    def stream(i: int) -> None:
+        request = model_pb2.GenerateRequest(token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True)
+        call = stub.Generate(request, timeout=3600)
+        for response in call:
+            stamps[i] += [time.monotonic()] * len(response.token_ids)
+            if stop.is_set() or (upto is not None and len(stamps[i]) >= upto[i]):
+                call.cancel()
+                return
+
+    return [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(prompts))]
+
+
+def control(stub: Any, prompts: list[list[int]], max_tokens: int, ranges: list[tuple[int, int]]) -> list[float]:
+    """The same streams again with no long prompt, each up to the end of its range: the gaps between tokens
+    lo..hi of stream i (what the streams' own length costs, without the prompt)."""
+    stamps: list[list[float]] = [[] for _ in prompts]
+    threads = streams(stub, prompts, max_tokens, stamps, threading.Event(), [hi + 1 for _, hi in ranges])
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(3600)
+    return [s[k + 1] - s[k] for s, (lo, hi) in zip(stamps, ranges) for k in range(lo, min(hi, len(s) - 1))]
+
+
 def run(address: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     rng = random.Random(5)
+    prompts = [[rng.randrange(3, vocab) for _ in range(32)] for _ in range(args.streams)]
     stamps: list[list[float]] = [[] for _ in range(args.streams)]
     stop = threading.Event()
     with grpc.insecure_channel(address) as channel:
         stub = model_pb2_grpc.ModelServiceStub(channel)
         generate(stub, [5] * 32, 2)  # warm the connection
-
-        def stream(i: int) -> None:
-            prompt = [rng.randrange(3, vocab) for _ in range(32)]
-            request = model_pb2.GenerateRequest(token_ids=prompt, max_tokens=args.context - 40, ignore_eos=True)
-            call = stub.Generate(request, timeout=3600)
-            for response in call:
-                stamps[i] += [time.monotonic()] * len(response.token_ids)
-                if stop.is_set():
-                    call.cancel()
-                    return
-
-        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(args.streams)]
+        threads = streams(stub, prompts, args.context - 40, stamps, stop)
         for t in threads:
             t.start()
         while min(len(s) for s in stamps) < 16:
@@ -82,16 +101,26 @@ def run(address: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
         stop.set()
         for t in threads:
             t.join(60)
+        # Which tokens of each stream arrived while the prompt was computed: the control run covers the same ones.
+        ranges = [(next((k for k in range(len(s) - 1) if s[k] >= sent), 0),
+                   max((k for k in range(len(s) - 1) if s[k + 1] <= first[0]), default=0)) for s in stamps]
+        alone = control(stub, prompts, args.context - 40, ranges) if args.control else []
         edge = limits(stub, args.context, vocab)
     before = [b - a for s in stamps for a, b in zip(s, s[1:]) if b < sent]
     during = [b - a for s in stamps for a, b in zip(s, s[1:]) if sent <= a and b <= first[0]]
     median_before = statistics.median(before)
     q = statistics.quantiles(during, n=100) if len(during) > 1 else [during[0]] * 99
-    return {"long_prompt_tokens": args.prompt, "ttft_s": round(first[0] - sent, 3),
-            "gap_median_before_s": round(median_before, 4), "gaps_during": len(during),
-            "gap_p50_during_s": round(statistics.median(during), 4), "gap_p99_during_s": round(q[98], 4),
-            "gap_max_during_s": round(max(during), 4), "p99_over_median_before": round(q[98] / median_before, 3),
-            "edge": edge, "load_avg_1m": round(os.getloadavg()[0], 2), "box": shared.as_dict() if shared else None}
+    out = {"long_prompt_tokens": args.prompt, "ttft_s": round(first[0] - sent, 3),
+           "gap_median_before_s": round(median_before, 4), "gaps_during": len(during),
+           "gap_p50_during_s": round(statistics.median(during), 4), "gap_p99_during_s": round(q[98], 4),
+           "gap_max_during_s": round(max(during), 4), "p99_over_median_before": round(q[98] / median_before, 3)}
+    if len(alone) > 1:
+        qa = statistics.quantiles(alone, n=100)
+        out.update(control_tokens=[hi - lo for lo, hi in ranges], control_gap_median_s=round(statistics.median(alone), 4),
+                   control_gap_p99_s=round(qa[98], 4),
+                   p99_over_control_median=round(q[98] / statistics.median(alone), 3),
+                   control_p99_over_control_median=round(qa[98] / statistics.median(alone), 3))
+    return {**out, "edge": edge, "load_avg_1m": round(os.getloadavg()[0], 2), "box": shared.as_dict() if shared else None}
 
 
 def limits(stub: Any, context: int, vocab: int) -> dict[str, Any]:
@@ -115,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--prompt", type=int, default=6000)
     p.add_argument("--streams", type=int, default=7)
+    p.add_argument("--no-control", dest="control", action="store_false",
+                   help="skip the control run (the same streams over the same tokens with no long prompt)")
     p.add_argument("--repo", action="append", default=[], help="LABEL=DIR: another checkout to run too")
     p.add_argument("--out", type=pathlib.Path, default=None)
     args = p.parse_args(argv)
