@@ -93,6 +93,12 @@ class Running:
         """Tokens drawn so far, in flight included."""
         return self.length - self.prompt_len
 
+    @property
+    def at_drawn_token(self) -> bool:
+        """All computed but its newest token, which was drawn (not sent with the prompt): its next row is a decode
+        row, which speculative drafts may follow."""
+        return self.computed == self.length - 1 and self.computed >= self.known
+
     def timings(self) -> Timings:
         mean = self.step_seconds / self.steps if self.steps else 0.0
         return Timings(self.admitted_at - self.handle.enqueued_at, self.prefill_seconds, mean, self.pacer.drafted,

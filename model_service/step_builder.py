@@ -73,7 +73,7 @@ class StepBuilder:
         if decoding and run.decoding_since is None:
             run.decoding_since = now
         # Drafts follow a drawn token only: a prompt's last row computed alone (after a chunk) is no decode row.
-        run.proposal = self._propose(run) if drafting and decoding and run.computed >= run.known else []
+        run.proposal = self._propose(run) if drafting and not done and run.at_drawn_token else []
         return Sample((id(run.handle), run.index), run.slot, run.computed, run.length, done,
                       run.handle.abandoned(now) is not None, after, run.shared, len(run.proposal),
                       run.handle.enqueued_at, run.decoding_since if run.decoding_since is not None else math.inf)
@@ -100,8 +100,7 @@ class StepBuilder:
         """Whether some decoding sample looks for drafts at the next step: then the loop waits for the draws in
         flight first (drafts follow the newest token)."""
         return self.speculative is not None and any(
-            run.guide is None and not run.finished and run.computed == run.length - 1 and run.computed >= run.known
-            and run.pacer.due()
+            run.guide is None and not run.finished and run.at_drawn_token and run.pacer.due()
             for run in runs)
 
     def shared(self, prompt_len: int) -> int:
