@@ -70,6 +70,7 @@ class OptionalBuildExt(build_ext):
 native = Extension(
     "model_service.kernels._native",
     sources=[f"{NATIVE}/ffi.cc", f"{NATIVE}/matmul_scalar.cc", f"{NATIVE}/matmul_avx2.cc", f"{NATIVE}/matmul_avx512.cc",
+             f"{NATIVE}/qmatmul_scalar.cc", f"{NATIVE}/qmatmul_avx2.cc", f"{NATIVE}/qmatmul_avx512.cc",
              f"{NATIVE}/nucleus.cc", f"{NATIVE}/attention.cc", f"{NATIVE}/attention_scalar.cc",
              f"{NATIVE}/attention_avx2.cc", f"{NATIVE}/attention_avx512.cc"],
     depends=[f"{NATIVE}/matmul.h", f"{NATIVE}/matmul_body.h", f"{NATIVE}/attention.h", f"{NATIVE}/attention_body.h"],

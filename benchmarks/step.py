@@ -5,7 +5,7 @@
         [--prompts P]  # the prefill step computes P prompts of --prompt-len rows together (default 1)
         [--tile T]     # rows per tile (default: the engine's choice for this platform)
         [--step-tokens R]  # rows per step (default: the engine's)
-        [--products auto|native|xla]  # as the model service's flag
+        [--products auto|native|native-int8|xla]  # as the model service's flag
         [--sampled]    # draw with temperature 0.7, top_p 0.9 (default: greedy)
         [--controls]   # with --sampled: every request also uses the sampling controls (top_k, min_p, the three
                        # penalties, 16 logit_bias entries)
@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks.stack import use_model_xla_flags
 from model_service.checkpoint import random_params
-from model_service.config import MeshConfig, load_model_config, validate
+from model_service.config import PRODUCT_CHOICES, MeshConfig, load_model_config, validate
 from model_service.engine import Engine
 from model_service.model import GrokModel, Products, choose_products
 from model_service.sampling_settings import GREEDY, SamplingSettings
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = jnp.dtype(args.dtype)
     model = GrokModel(cfg, mesh, dtype, choose_products(args.products, mesh, dtype))
     params, load_s = _timed(lambda: jax.block_until_ready(
-        random_params(cfg, mesh, dtype, args.seed, pack=model.products is Products.NATIVE)))
+        random_params(cfg, mesh, dtype, args.seed, pack=model.products.native)))
     slots = max(args.batch, args.prompts)
     engine = Engine(model, params, cfg, mesh, slots, step_tokens=args.step_tokens or max(
         args.prompts * args.prompt_len, slots), tile=args.tile)
@@ -139,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sampled", action="store_true", help="temperature 0.7, top_p 0.9 (default: greedy)")
     p.add_argument("--controls", action="store_true", help="with --sampled: top_k, min_p, penalties, logit_bias on")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--products", choices=["auto", "native", "xla"], default="auto",
+    p.add_argument("--products", choices=PRODUCT_CHOICES, default="auto",
                    help="as the model service's --products (native: the int8 CPU kernel)")
     p.add_argument("--mesh", default="1,1", help="DATA,MODEL")
     p.add_argument("--prompt-len", type=int, default=32)

@@ -30,11 +30,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from model_service import kernels
+from model_service.config import BACKENDS, PRODUCT_CHOICES
 from model_service.model.layers import Products
 from model_service.model.packed import native_ok
 
-BACKENDS = ("auto", "cpu", "generic")
-PRODUCT_CHOICES = ("auto", "native", "xla")
 CPU_TILE = 64  # rows per tile on CPU: fewer would stream the weights more often; idle rows cost next to nothing
 CPU_STEP_TOKENS = 64  # token rows per step on CPU (vLLM's max_num_batched_tokens): one tile
 GENERIC_STEP_TOKENS = 256
@@ -57,8 +56,9 @@ def platform(mesh: Mesh) -> str:
 
 def choose_products(choice: str, mesh: Mesh, dtype: Any) -> Products:
     """--products on the CPU backend: "xla" (XLA's fused multiply-reduce forms), "native" (the native CPU kernel;
-    an error where it cannot run) or "auto" (native in float32 where the kernel loaded and the replica is one
-    process; XLA's forms elsewhere)."""
+    an error where it cannot run), "native-int8" (native with the rows rounded to int8 before they meet an int8
+    weight: faster prompts and batches, changes results; an opt-in, an error where native cannot run) or "auto"
+    (native in float32 where the kernel loaded and the replica is one process; XLA's forms elsewhere)."""
     import jax
 
     if choice not in PRODUCT_CHOICES:
@@ -68,10 +68,10 @@ def choose_products(choice: str, mesh: Mesh, dtype: Any) -> Products:
         return Products.FUSED_REDUCE if cpu else Products.DOT
     # A replica spanning processes keeps XLA's forms under auto: packing reads each whole matrix in every
     # process, where XLA's layouts let each process read only the shards its devices hold.
-    if cpu and native_ok(dtype) and (choice == "native" or jax.process_count() == 1):
-        return Products.NATIVE
-    if choice == "native":
-        raise ValueError("--products native needs the CPU platform, --dtype float32 and the native kernels built "
+    if cpu and native_ok(dtype) and (choice.startswith("native") or jax.process_count() == 1):
+        return Products.NATIVE_INT8 if choice == "native-int8" else Products.NATIVE
+    if choice.startswith("native"):
+        raise ValueError(f"--products {choice} needs the CPU platform, --dtype float32 and the native kernels built "
                          "(pip install -e . compiles them; the log says why they did not load): use --products xla")
     return Products.FUSED_REDUCE if cpu else Products.DOT
 
@@ -92,8 +92,8 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
         native_attention = kernels.available() and mesh.size == 1 and jnp.dtype(dtype) == jnp.float32
         attention = "native" if native_attention else "rows"
     else:
-        if products == "native":
-            raise ValueError("--products native runs on the cpu backend only (--backend cpu)")
+        if products.startswith("native"):
+            raise ValueError(f"--products {products} runs on the cpu backend only (--backend cpu)")
         chosen = Products.DOT
         rows = max(step_tokens or GENERIC_STEP_TOKENS, slots)
         tile = min(tile_rows or rows, rows)
@@ -101,5 +101,5 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
     if tile < 1:
         raise ValueError(f"a tile holds at least one row, got {tile}")
     rows = -(-rows // tile) * tile
-    native = chosen is Products.NATIVE and mesh.size == 1
+    native = chosen.native and mesh.size == 1
     return Backend(name, chosen, attention, tile, rows, native, vectorised_sampling=name == "generic")

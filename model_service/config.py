@@ -11,6 +11,10 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
+# The model service's hardware choices (backend.py makes them; --backend / --products name them).
+BACKENDS = ("auto", "cpu", "generic")
+PRODUCT_CHOICES = ("auto", "native", "native-int8", "xla")
+
 
 class ConfigError(ValueError):
     """A model or mesh configuration that cannot work; the message says what to change."""

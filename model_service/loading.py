@@ -102,7 +102,7 @@ def load_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     backend = choose_backend(config.backend, mesh, dtype, config.products, config.slots, config.step_tokens,
                              config.tile_rows)
     model = GrokModel(cfg, mesh, dtype, block_size=config.block_size, backend=backend)
-    pack = model.products is Products.NATIVE  # matrices packed for the kernel as they load
+    pack = model.products.native  # matrices packed for the kernel as they load
     log.info("backend", extra={"backend": backend.name, "products": backend.products.value,
                                "attention": backend.attention, "tile_rows": backend.tile_rows,
                                "step_tokens": backend.step_tokens})

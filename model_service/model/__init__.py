@@ -75,7 +75,7 @@ class GrokModel:
         # Explicit products / attention (tests, tools) override the backend's; the engine reads the rest of it.
         products = products or backend.products
         backend = dataclasses.replace(backend, products=products, attention=attention or backend.attention,
-                                      native_sampling=products is Products.NATIVE and mesh.size == 1)
+                                      native_sampling=products.native and mesh.size == 1)
         self.backend = backend
         self.products = backend.products
         # The sampler's nucleus threshold comes from the native kernel too where products are native on one
@@ -98,7 +98,7 @@ class GrokModel:
     def pack_params(self, params: Params) -> Params:
         """With native products: the same tree with its packable leaves (params.packable) packed for the kernel,
         each a packed copy placed like a loaded one; packed trees come back as they are. Otherwise `params`."""
-        if self.products is not Products.NATIVE:
+        if not self.products.native:
             return params
         out: Params = {}
         for module, leaves in params.items():

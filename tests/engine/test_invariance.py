@@ -22,7 +22,8 @@ from model_service.checkpoint import load_params
 from model_service.config import MeshConfig, load_model_config
 from model_service.engine import Engine
 from model_service.engine_state import StepOutput
-from model_service.model import GrokModel
+from model_service import kernels
+from model_service.model import GrokModel, Products
 from model_service.requests import Emission, GenerationRequest
 from model_service.sampling_settings import GREEDY, SamplingSettings
 from model_service.scheduler import Scheduler
@@ -33,12 +34,12 @@ from tests.engine.drive import Driver, Row
 from tests.procs import GOLDEN, SHARED
 
 
-def tiled(config_dir: Path, vocab: int) -> Engine:
+def tiled(config_dir: Path, vocab: int, products: Products | None = None) -> Engine:
     cfg = load_model_config(str(config_dir / "config.json"))
     mesh = make_mesh(MeshConfig(1, 1))
-    params = load_params(str(config_dir / "checkpoint"), cfg, mesh, jnp.float32)
     # 8-token blocks and 16-token key chunks: rows read more chunks of keys as sequences grow
-    model = GrokModel(cfg, mesh, jnp.float32, block_size=8, key_chunk=16)
+    model = GrokModel(cfg, mesh, jnp.float32, products, block_size=8, key_chunk=16)
+    params = load_params(str(config_dir / "checkpoint"), cfg, mesh, jnp.float32, pack=model.products.native)
     return Engine(model, params, cfg, mesh, 4, step_tokens=16, tile=4)
 
 
@@ -145,6 +146,18 @@ def test_requests_split_and_mixed_at_random_equal_their_solo_runs(tiled_engine: 
     run(tiled_engine, mixed, joins=[0, 0, 1, 3, 3, 4, 8, 9, 15], rng=random.Random(seed))
     assert [r.out for r in mixed] == [r.out for r in solo]
     assert all(len(r.out) == r.length for r in mixed)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels not built")
+def test_with_int8_activations_requests_split_and_mixed_at_random_equal_their_solo_runs() -> None:
+    """The opt-in int8 rounding of the rows (--products native-int8) is per row too: invariance holds."""
+    engine = tiled(GOLDEN, 512, Products.NATIVE_INT8)
+    solo = requests(9)
+    for r in solo:
+        run(engine, [r], [0], None)
+    mixed = requests(9)
+    run(engine, mixed, joins=[0, 0, 1, 3, 3, 4, 8, 9, 15], rng=random.Random(2))
+    assert [r.out for r in mixed] == [r.out for r in solo]
 
 
 def test_wide_requests_split_and_mixed_at_random_equal_their_solo_runs(wide_tiled_engine: Engine) -> None:

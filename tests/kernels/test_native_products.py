@@ -82,10 +82,14 @@ def test_auto_picks_native_on_cpu_in_float32_and_xla_otherwise() -> None:
     mesh = make_mesh(MeshConfig())
     assert choose_products("auto", mesh, jnp.float32) is Products.NATIVE
     assert choose_products("native", mesh, jnp.float32) is Products.NATIVE
+    assert choose_products("native-int8", mesh, jnp.float32) is Products.NATIVE_INT8
+    assert Products.NATIVE_INT8.native and Products.NATIVE.native and not Products.FUSED_REDUCE.native
     assert choose_products("xla", mesh, jnp.float32) is Products.FUSED_REDUCE
     assert choose_products("auto", mesh, jnp.bfloat16) is Products.FUSED_REDUCE
     with pytest.raises(ValueError, match="--products native needs"):
         choose_products("native", mesh, jnp.bfloat16)
+    with pytest.raises(ValueError, match="--products native-int8 needs"):
+        choose_products("native-int8", mesh, jnp.bfloat16)
     with pytest.raises(ValueError, match="one of"):
         choose_products("fast", mesh, jnp.float32)
 
@@ -150,5 +154,6 @@ def test_the_products_flag_reads_its_environment_variable_and_rejects_unknown_va
     monkeypatch.setenv("GROK_MODEL_PRODUCTS", "xla")
     assert parser().parse_args(["--config", "c"]).products == "xla"
     assert parser().parse_args(["--config", "c", "--products", "native"]).products == "native"
+    assert parser().parse_args(["--config", "c", "--products", "native-int8"]).products == "native-int8"
     with pytest.raises(SystemExit):
         parser().parse_args(["--config", "c", "--products", "fast"])

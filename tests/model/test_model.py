@@ -192,7 +192,7 @@ def test_a_row_is_bit_identical_whatever_number_of_tiles_runs(golden_model, prod
 
     loaded = golden_model("1,1", "float32")
     model = GrokModel(loaded.cfg, loaded.model.mesh, jnp.float32, products)
-    params = model.pack_params(loaded.params) if products is Products.NATIVE else loaded.params
+    params = model.pack_params(loaded.params) if products.native else loaded.params
     view = dataclasses.replace(loaded, model=model, params=params)
     prompts = [_prompt(n, loaded.cfg.vocab_size) for n in (5, 11, 3, 14, 7, 9, 2, 12)]
     rows = [r for i, p in enumerate(prompts) for r in _rows(i, p)]  # 63 rows: 16 tiles of 4

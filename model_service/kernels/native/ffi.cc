@@ -1,6 +1,7 @@
 // XLA FFI handlers for the packed products and the Python module that hands them to jax.ffi.
 //
 // grok_int8_matmul(x f32 [M, K], w s8 [NB, K, 16], scales f32 [B, NB*16], rows pred [M]) -> f32 [M, N]
+//   (attribute activations: 0 float32, 1 int8: the rows rounded to int8 first, an opt-in; see matmul.h)
 // grok_f32_matmul (x f32 [M, K], w f32 [NB, K, 16], rows pred [M])                      -> f32 [M, N]
 // grok_bf16_matmul(x f32 [M, K], w bf16 [NB, K, 16], rows pred [M])                     -> f32 [M, N]
 // Attributes: isa (0 best available, 1 scalar, 2 AVX2, 3 AVX-512), threads (0: XLA's intra-op pool size),
@@ -41,6 +42,13 @@ bool Supported(int64_t isa) {
 
 int64_t Best() { return Supported(kAvx512) ? kAvx512 : Supported(kAvx2) ? kAvx2 : kScalar; }
 
+// The int8-activation product's AVX-512 path needs VNNI (and VBMI's byte permute) beyond avx512f; where they are
+// missing the AVX2 path computes it (the same bits).
+bool QuantAvx512Supported() {
+  return Supported(kAvx512) && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
 enum Form : int64_t { kAuto = 0, kRows = 1, kPanel = 2 };
 
 // Where `form` is 0, float32 weights take the panel form from this many marked rows on, everything else the
@@ -63,6 +71,13 @@ Kernel KernelFor(int64_t isa, bool panel) {
     case kAvx2: return panel ? PanelAvx2 : NoScratch<MatmulAvx2>;
     default: return NoScratch<MatmulScalar>;
   }
+}
+
+
+Kernel QuantKernelFor(int64_t isa) {
+  if (isa == kAvx512 && QuantAvx512Supported()) return QuantAvx512;
+  if (isa >= kAvx2 && Supported(kAvx2)) return NoScratch<QuantAvx2>;
+  return NoScratch<QuantScalar>;
 }
 
 constexpr int64_t kChunkBlocks = 2 * kGroup;  // column blocks per unit of work handed to a thread
@@ -120,6 +135,7 @@ ffi::Error Check(int64_t isa, int64_t form, int64_t m, int64_t k, int64_t wk, in
 
 struct Options {
   int64_t isa, threads, form;
+  int64_t activations = 0;  // 1: int8 (int8 weights only)
 };
 
 ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, const float* scales,
@@ -146,6 +162,17 @@ ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, c
   const int64_t count = static_cast<int64_t>(ids.size());
   MatmulArgs args{x.typed_data(), w, scales, out->typed_data(), ids.data(), count, k, nb, n_out, blocks, type};
   const int64_t isa = o.isa == kBest ? Best() : o.isa;
+  if (o.activations == 1) {
+    const int64_t kb = k / blocks, per_block = (kb + kQuantBlock - 1) / kQuantBlock, subs = blocks * per_block;
+    std::vector<int8_t> q(static_cast<size_t>(m * subs * kQuantBlock));
+    std::vector<float> d(static_cast<size_t>(m * subs));
+    std::vector<int32_t> c(static_cast<size_t>(m * subs));
+    QuantizeRows(x.typed_data(), ids.data(), count, k, blocks, q.data(), d.data(), c.data());
+    const QuantRows quant{q.data(), d.data(), c.data(), subs, per_block};
+    args.quant = &quant;
+    Execute(args, QuantKernelFor(isa), QuantScratch(k, blocks), o.threads, pool);
+    return ffi::Error::Success();
+  }
   const bool panel = isa != kScalar && (o.form == kPanel ||
                                         (o.form == kAuto && type == Weight::kF32 && count >= kPanelMinRows));
   Execute(args, KernelFor(isa, panel), panel ? PanelScratch(count) : 0, o.threads, pool);
@@ -154,12 +181,15 @@ ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, c
 
 ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scales,
                       ffi::Buffer<ffi::PRED> rows, ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads,
-                      int64_t form, ffi::ThreadPool pool) {
+                      int64_t form, int64_t activations, ffi::ThreadPool pool) {
+  if (activations != 0 && activations != 1)
+    return ffi::Error::InvalidArgument("grok_int8_matmul: activations is 0 (float32) or 1 (int8), got " +
+                                       std::to_string(activations));
   const auto wd = w.dimensions(), sd = scales.dimensions();
   if (wd.size() != 3 || wd[2] != kLanes || sd.size() != 2 || sd[1] != wd[0] * kLanes)
     return ffi::Error::InvalidArgument("grok_int8_matmul: want w [NB, K, 16] and scales [B, NB*16]");
   return Run(x, w.typed_data(), wd[0], wd[1], scales.typed_data(), sd[0], Weight::kInt8, rows, out,
-             {isa, threads, form}, pool);
+             {isa, threads, form, activations}, pool);
 }
 
 // The unscaled weights (the router, the embedding table) in float32 or bfloat16.
@@ -187,6 +217,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokInt8Matmul, grok::Int8Matmul,
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("form")
+                                  .Attr<int64_t>("activations")
                                   .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokF32Matmul, grok::PlainMatmul<ffi::F32>,

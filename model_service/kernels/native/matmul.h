@@ -13,6 +13,8 @@ constexpr int64_t kGroup = 4;   // column blocks one call of a tile function com
 // of float32), so the product's arithmetic is the same for all of them.
 enum class Weight : int { kInt8, kF32, kBf16 };
 
+struct QuantRows;  // activations rounded to int8 (below)
+
 // One product: out[r, n] = sum_b scale[b, n] * sum_{k in block b} x[r, k] * w[n / 16, k, n % 16] for the m
 // rows r = rows[0..m) of x and out (the other rows of out are left to the caller).
 struct MatmulArgs {
@@ -23,6 +25,7 @@ struct MatmulArgs {
   const int64_t* rows;   // [m] the rows to compute, ascending
   int64_t m, k, nb, n_out, blocks;
   Weight type;
+  const QuantRows* quant = nullptr;  // the int8 product (Quant*): the rows' int8 activations
 };
 
 // Both forms compute the columns of blocks [block_begin, block_end) for every listed row with the same
@@ -46,6 +49,31 @@ constexpr int64_t kPanelMaxGroup = 4;  // column blocks per panel, at most
 constexpr int64_t PanelScratch(int64_t m) { return kPanelMaxGroup * kLanes * (kPanelSlice + 2 * m); }
 void PanelAvx2(const MatmulArgs& a, int64_t block_begin, int64_t block_end, float* scratch);
 void PanelAvx512(const MatmulArgs& a, int64_t block_begin, int64_t block_end, float* scratch);
+
+// int8 activations (an opt-in that changes results; llama.cpp's Q8_0 activations): each listed row of x is cut
+// into sub-blocks of kQuantBlock values of K inside each scale block (the last one of a scale block shorter),
+// and each sub-block is rounded to int8 with one step d = max|x| / 127: q = nearbyint(x * (1 / d)), clamped to
+// [-127, 127] (QuantizeRows, one implementation for every path). The products then take, per output element,
+//   acc = fma(float(sum_t q[t] * w[t]), d, acc) over the sub-blocks of a scale block in order (the integer sum
+//   is exact, so how a path forms it does not matter), then acc * scale, then out + that over blocks in order,
+// so every instruction set gives the same bits and a row's result depends only on that row.
+constexpr int64_t kQuantBlock = 32;
+struct QuantRows {
+  const int8_t* q;   // [rows of x, subs, kQuantBlock], zero past a short sub-block's end
+  const float* d;    // [rows of x, subs] the step of each sub-block
+  const int32_t* c;  // [rows of x, subs] 128 * the sub-block's sum of q (the VNNI path's offset)
+  int64_t subs;      // sub-blocks per row: blocks * per_block
+  int64_t per_block; // sub-blocks per scale block: ceil(k / blocks / kQuantBlock)
+};
+void QuantizeRows(const float* x, const int64_t* rows, int64_t m, int64_t k, int64_t blocks, int8_t* q, float* d,
+                  int32_t* c);
+void QuantScalar(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
+void QuantAvx2(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
+// The AVX-512 path needs VNNI and VBMI; `scratch` holds QuantScratch(a) floats for the calling thread alone.
+void QuantAvx512(const MatmulArgs& a, int64_t block_begin, int64_t block_end, float* scratch);
+constexpr int64_t QuantScratch(int64_t k, int64_t blocks) {  // 2 column blocks of one scale block, turned
+  return ((k / blocks + kQuantBlock - 1) / kQuantBlock) * kQuantBlock * 2 * kLanes / 4 + 16;
+}
 
 }  // namespace grok
 

@@ -1,0 +1,187 @@
+// int8 activations, AVX-512 VNNI path: VPDPBUSD adds 4 int8 products per 32-bit lane, 64 per instruction (four
+// times the multiply-adds of a float32 FMA). Compiled for these extensions only inside this file (never
+// -march=native); chosen at run time when the CPU reports avx512f, avx512bw, avx512vbmi and avx512vnni.
+//
+// A packed weight stores 4 consecutive values of k as 4 x 16 bytes (one per column); VPERMB turns them into 16
+// lanes of 4 (column-major, as VPDPBUSD reads them) and XOR 0x80 makes them unsigned (w + 128), so each lane
+// sums (w + 128) * q: the sub-block's 128 * sum(q), precomputed per row, is subtracted once. The integer sums
+// are exact, and the float arithmetic is the scalar path's (matmul.h), so the bits are the same.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni,avx2,fma"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC target("avx512f,avx512bw,avx512vbmi,avx512vnni,avx2,fma")
+#endif
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "matmul.h"
+
+namespace grok {
+namespace {
+
+constexpr int kRows = 6;   // rows per tile: 6 x 2 integer and 6 x 2 float accumulators, 2 weights, 1 broadcast
+constexpr int kGroupQ = 2;  // column blocks per tile
+constexpr int64_t kDirectRows = 16;  // up to this many rows, tiles of one block x 8 rows turn the weights as read
+
+inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+inline __m512i Transpose() {  // byte i of the result = byte (i % 4) * 16 + i / 4 of the source
+  alignas(64) int8_t idx[64];
+  for (int i = 0; i < 64; ++i) idx[i] = static_cast<int8_t>((i % 4) * 16 + i / 4);
+  return _mm512_load_si512(idx);
+}
+
+// Four values of k of column block `block` (len - t of them valid), turned and flipped for VPDPBUSD.
+inline __m512i Turned(const int8_t* w, const MatmulArgs& a, int64_t block, int64_t k, int64_t valid,
+                      __m512i transpose) {
+  const int8_t* p = w + (block * a.k + k) * kLanes;
+  // A short last step reads only its own values of k (the activations past them are zero).
+  const __m512i raw = valid >= 4 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ull << (16 * valid)) - 1ull, p);
+  return _mm512_xor_si512(_mm512_permutexvar_epi8(transpose, raw), _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// Scale block b of column blocks [block, block + G) for rows[row .. row + R): out = (b == 0 ? 0 + : out +) ...
+// With `panel` the blocks' weights of scale block b are read already turned (Prepare), else turned here.
+template <int R, int G, bool kPanel>
+inline void Tile(const MatmulArgs& a, int64_t row, int64_t block, int64_t b, __m512i transpose,
+                 const int8_t* panel) {
+  const QuantRows& qr = *a.quant;
+  const int64_t kb = a.k / a.blocks;
+  const int8_t* w = static_cast<const int8_t*>(a.w);
+  int64_t ids[R];
+  for (int r = 0; r < R; ++r) ids[r] = a.rows[row + r];
+  __m512 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < qr.per_block; ++s) {
+    const int64_t k0 = b * kb + s * kQuantBlock, len = Min(kQuantBlock, kb - s * kQuantBlock);
+    const int64_t sub = b * qr.per_block + s;
+    __m512i sum[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) sum[r][g] = _mm512_setzero_si512();
+    const int8_t* xs[R];
+    for (int r = 0; r < R; ++r) xs[r] = qr.q + (ids[r] * qr.subs + sub) * kQuantBlock;
+    const auto step = [&](int64_t t, int64_t valid) __attribute__((always_inline)) {
+      __m512i wv[G];
+      for (int g = 0; g < G; ++g)
+        wv[g] = kPanel ? _mm512_load_si512(panel + ((s * kQuantBlock + t) / 4 * G + g) * 64)
+                       : Turned(w, a, block + g, k0 + t, valid, transpose);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xs[r] + t, sizeof four);
+        const __m512i xv = _mm512_set1_epi32(four);
+        for (int g = 0; g < G; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], wv[g], xv);
+      }
+    };
+    if (len == kQuantBlock) {  // a whole sub-block: a fixed trip count the compiler unrolls (no copies of sums)
+#pragma GCC unroll 8
+      for (int64_t t = 0; t < kQuantBlock; t += 4) step(t, 4);
+    } else {
+      for (int64_t t = 0; t < len; t += 4) step(t, len - t);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i offset = _mm512_set1_epi32(qr.c[ids[r] * qr.subs + sub]);
+      const __m512 step = _mm512_set1_ps(qr.d[ids[r] * qr.subs + sub]);
+      for (int g = 0; g < G; ++g)
+        acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][g], offset)), step, acc[r][g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const int64_t col = (block + g) * kLanes, valid = a.n_out - col;
+    const __mmask16 mask = valid >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 scale = _mm512_loadu_ps(a.scales + b * a.nb * kLanes + col);
+    for (int r = 0; r < R; ++r) {
+      float* o = a.out + ids[r] * a.n_out + col;
+      __m512 v = _mm512_mul_ps(acc[r][g], scale);
+      if (b > 0) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), v);
+      _mm512_mask_storeu_ps(o, mask, v);
+    }
+  }
+}
+
+// Scale block b of column blocks [block, block + G) turned once into `panel` for every row to read.
+template <int G>
+inline void Prepare(const MatmulArgs& a, int64_t block, int64_t b, __m512i transpose, int8_t* panel) {
+  const int8_t* w = static_cast<const int8_t*>(a.w);
+  const int64_t kb = a.k / a.blocks;
+  for (int64_t s = 0; s < a.quant->per_block; ++s) {
+    const int64_t k0 = b * kb + s * kQuantBlock, len = Min(kQuantBlock, kb - s * kQuantBlock);
+    for (int64_t t = 0; t < len; t += 4)
+      for (int g = 0; g < G; ++g)
+        _mm512_storeu_si512(panel + ((s * kQuantBlock + t) / 4 * G + g) * 64,
+                            Turned(w, a, block + g, k0 + t, len - t, transpose));
+  }
+}
+
+// A few rows: tiles of up to 4 rows x 4 column blocks, the weights turned as they are read (one broadcast of
+// a row's activations feeds 4 blocks).
+template <int G>
+inline void Direct(const MatmulArgs& a, int64_t block, int64_t b, __m512i transpose) {
+  int64_t row = 0;
+  for (; a.m - row > 4; row += 4) Tile<4, G, false>(a, row, block, b, transpose, nullptr);
+  switch (a.m - row) {
+    case 4: Tile<4, G, false>(a, row, block, b, transpose, nullptr); break;
+    case 3: Tile<3, G, false>(a, row, block, b, transpose, nullptr); break;
+    case 2: Tile<2, G, false>(a, row, block, b, transpose, nullptr); break;
+    case 1: Tile<1, G, false>(a, row, block, b, transpose, nullptr); break;
+    default: break;
+  }
+}
+
+template <int G>
+inline void Rows(const MatmulArgs& a, int64_t block, int64_t b, __m512i transpose, int8_t* scratch) {
+  Prepare<G>(a, block, b, transpose, scratch);  // more tiles: the weights turned once, not once per tile
+  int64_t row = 0;
+  for (; row + kRows <= a.m; row += kRows) Tile<kRows, G, true>(a, row, block, b, transpose, scratch);
+  switch (a.m - row) {
+    case 5: Tile<5, G, true>(a, row, block, b, transpose, scratch); break;
+    case 4: Tile<4, G, true>(a, row, block, b, transpose, scratch); break;
+    case 3: Tile<3, G, true>(a, row, block, b, transpose, scratch); break;
+    case 2: Tile<2, G, true>(a, row, block, b, transpose, scratch); break;
+    case 1: Tile<1, G, true>(a, row, block, b, transpose, scratch); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+// Column blocks two at a time; within them one scale block at a time for every row (the blocks' slice of the
+// weight, turned once into `scratch` when more than one tile of rows reads it, stays in L2 while all rows pass
+// over it; the partial sums wait in `out`, exactly).
+void QuantAvx512(const MatmulArgs& a, int64_t block_begin, int64_t block_end, float* scratch) {
+  const __m512i transpose = Transpose();
+  // 64-byte aligned (QuantScratch leaves room): an unaligned 64-byte load spans two cache lines.
+  int8_t* panel = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~static_cast<uintptr_t>(63));
+  if (a.m <= kDirectRows) {
+    for (int64_t block = block_begin; block < block_end; block += 4) {
+      const int64_t groups = block_end - block < 4 ? block_end - block : 4;
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        switch (groups) {
+          case 4: Direct<4>(a, block, b, transpose); break;
+          case 3: Direct<3>(a, block, b, transpose); break;
+          case 2: Direct<2>(a, block, b, transpose); break;
+          default: Direct<1>(a, block, b, transpose); break;
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t block = block_begin; block < block_end; block += kGroupQ) {
+    const bool pair = block_end - block >= kGroupQ;
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      if (pair) {
+        Rows<2>(a, block, b, transpose, panel);
+      } else {
+        Rows<1>(a, block, b, transpose, panel);
+      }
+    }
+  }
+}
+
+}  // namespace grok
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
