@@ -57,7 +57,7 @@ def measure(golden: pathlib.Path) -> dict[str, Any]:
     out: dict[str, Any] = {"set": golden.name}
     for name, products in PRODUCTS.items():
         model = GrokModel(cfg, mesh, jnp.float32, products)
-        params = load_params(str(golden / "checkpoint"), cfg, mesh, jnp.float32, pack=True)
+        params = load_params(str(golden / "checkpoint"), cfg, mesh, jnp.float32, pack=True, int8_table=products.int8)
         forward = jax.jit(model.forward)
         rows = {}
         for p in ("p0", "p1"):

@@ -203,16 +203,17 @@ def place_leaf(spec: TensorSpec, internal: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(put, internal)
 
 
-def _placed(spec: TensorSpec, internal: Any, mesh: Mesh, pack: bool) -> Any:
+def _placed(spec: TensorSpec, internal: Any, mesh: Mesh, pack: bool, int8_table: bool = False) -> Any:
     """One parameter on its devices. With native products each matrix is packed on the host first, straight
     from its source (a checkpoint FileArray is read slab by slab), and an MoE matrix expert by expert, each
-    placed before the next is packed: the host holds at most one packed expert besides what is placed."""
+    placed before the next is packed: the host holds at most one packed expert besides what is placed.
+    `int8_table`: the table rounded to int8 as it is packed (int8 activations, packed.pack_table)."""
     if not pack:
         return place_leaf(spec, internal, mesh)
     if isinstance(internal, ExpertStack):
         return ExpertStack(tuple(_placed_expert(spec, e, pack_for_native(spec.module, q, mesh), mesh)
                                  for e, q in enumerate(internal.experts)))
-    return place_leaf(spec, pack_for_native(spec.module, internal, mesh), mesh)
+    return place_leaf(spec, pack_for_native(spec.module, internal, mesh, int8_table), mesh)
 
 
 def _placed_expert(spec: TensorSpec, e: int, leaf: Any, mesh: Mesh) -> Any:
@@ -222,9 +223,10 @@ def _placed_expert(spec: TensorSpec, e: int, leaf: Any, mesh: Mesh) -> Any:
 
 
 def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progress: Progress | None = None,
-                pack: bool = False) -> Params:
+                pack: bool = False, int8_table: bool = False) -> Params:
     """Read `<ckpt_dir>/ckpt-0` into sharded device arrays, one tensor at a time (`pack`: the matrices packed
-    for native products, as GrokModel.pack_params would, and the table kept in the checkpoint's type)."""
+    for native products, as GrokModel.pack_params would, and the table kept in the checkpoint's type, or with
+    `int8_table` rounded to int8)."""
     specs = tensor_specs(cfg)
     ckpt = pathlib.Path(ckpt_dir) / "ckpt-0"
     _check_layout(ckpt, specs)
@@ -232,7 +234,7 @@ def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progres
     for i, spec in enumerate(specs):
         leaf = read_tensor(ckpt / f"tensor{i:05d}_000", lazy=True, max_bytes=tensor_max_bytes(spec), root=ckpt)
         _check_leaf(spec, leaf, i)
-        set_leaf(params, spec, _placed(spec, to_internal(spec, leaf, dtype, native=pack), mesh, pack))
+        set_leaf(params, spec, _placed(spec, to_internal(spec, leaf, dtype, native=pack), mesh, pack, int8_table))
         if progress:
             progress(i + 1, len(specs))
     return params
@@ -244,7 +246,8 @@ def random_leaves(cfg: ModelConfig, seed: int) -> Any:
     return (random_leaf(spec, cfg, rng) for spec in tensor_specs(cfg))
 
 
-def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int, pack: bool = False) -> Params:
+def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int, pack: bool = False,
+                  int8_table: bool = False) -> Params:
     """Random int8-quantized weights, laid out and sharded exactly like a loaded checkpoint of
     `random_leaves(cfg, seed)`; an MoE matrix is drawn, converted and placed one expert at a time."""
     rng = np.random.default_rng(seed)
@@ -253,7 +256,8 @@ def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int, pack: boo
         if spec.quantized and len(spec.shape) == 3:
             internal = _random_experts(spec, rng, mesh, pack)
         else:
-            internal = _placed(spec, to_internal(spec, random_leaf(spec, cfg, rng), dtype, native=pack), mesh, pack)
+            internal = _placed(spec, to_internal(spec, random_leaf(spec, cfg, rng), dtype, native=pack), mesh, pack,
+                               int8_table)
         set_leaf(params, spec, internal)
     return params
 

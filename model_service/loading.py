@@ -90,7 +90,7 @@ def load_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     from model_service import checkpoint
     from model_service.backend import choose_backend
     from model_service.engine import Engine
-    from model_service.model import GrokModel, Products
+    from model_service.model import GrokModel
     from model_service.sharding import default_between_hosts, make_mesh
 
     between = None
@@ -103,15 +103,17 @@ def load_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
                              config.tile_rows)
     model = GrokModel(cfg, mesh, dtype, block_size=config.block_size, backend=backend)
     pack = model.products.native  # matrices packed for the kernel as they load
+    int8_table = model.products.int8  # and the table rounded to int8 with int8 activations
     log.info("backend", extra={"backend": backend.name, "products": backend.products.value,
                                "attention": backend.attention, "tile_rows": backend.tile_rows,
                                "step_tokens": backend.step_tokens})
     start = time.monotonic()
     if config.checkpoint:
-        params = checkpoint.load_params(config.checkpoint, cfg, mesh, dtype, progress=_progress, pack=pack)
+        params = checkpoint.load_params(config.checkpoint, cfg, mesh, dtype, progress=_progress, pack=pack,
+                                        int8_table=int8_table)
     else:
         log.warning("serving RANDOM weights (--random-init): outputs are noise")
-        params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed, pack=pack)
+        params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed, pack=pack, int8_table=int8_table)
     log.info("weights ready", extra={"seconds": round(time.monotonic() - start, 2), "process_id": jax.process_index(),
                                      "bytes_read": _bytes_read() - read_before})
     blocks = kv_blocks(config, cfg, dtype.itemsize)

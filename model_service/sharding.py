@@ -40,6 +40,7 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"(multi_head_attention/linear/w|moe/linear_1/w/experts/[0-9]+)/packed$", P(None, MODEL, None)),  # rows (K)
     (r"(multi_head_attention/linear/w|moe/linear_1/w/experts/[0-9]+)/packed_scales$", P(MODEL, None)),
     (r"in_out_embed/embeddings/packed$", P(None, MODEL, None)),  # [V/16, D, 16]: features split, as unpacked
+    (r"in_out_embed/embeddings/packed_scales$", P(MODEL, None)),  # an int8 table's [D / 32, V]: features split
     (r"router/w$", P(None, None)),
     (r"rms_norm(_[0-9]+)?/scale$", P(None)),
     (r"in_out_embed/embeddings$", P(None, MODEL)),  # [V, D]

@@ -105,7 +105,8 @@ class GrokModel:
             out[module] = dict(leaves)
             for name, leaf in leaves.items():
                 if packable(module, leaf):
-                    host = {module: {name: pack_for_native(module, jax.tree.map(np.asarray, leaf), self.mesh)}}
+                    host = {module: {name: pack_for_native(module, jax.tree.map(np.asarray, leaf), self.mesh,
+                                                           self.products.int8)}}
                     out[module][name] = jax.device_put(host, params_shardings(host, self.mesh))[module][name]
         return out
 

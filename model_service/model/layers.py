@@ -63,6 +63,11 @@ class Products(enum.Enum):
         """Whether the weights are packed for the native kernel (NATIVE or NATIVE_INT8)."""
         return self in (Products.NATIVE, Products.NATIVE_INT8)
 
+    @property
+    def int8(self) -> bool:
+        """Whether rows meet int8 weights as int8, and the table is rounded to int8 (NATIVE_INT8)."""
+        return self is Products.NATIVE_INT8
+
 
 FUSED_MAX_ROWS = 64
 
@@ -120,7 +125,7 @@ def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Pro
     m = flat.shape[0]
     if isinstance(w, PackedWeight):
         mask = None if used is None else used.reshape(m)
-        int8 = products is Products.NATIVE_INT8 and w.packed_scales is not None
+        int8 = products.int8 and w.packed_scales is not None
         return packed_product(flat.astype(jnp.float32), w, rows=mask, activations="int8" if int8 else "float32"
                               ).astype(x.dtype).reshape(*lead, -1)
     if products.native:

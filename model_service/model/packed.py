@@ -61,8 +61,15 @@ class PackedWeight:
         return (self.n, k) if self.table else (k, self.n)
 
     def rows_of(self, ids: Array) -> Array:
-        """The table's rows for token ids [...] -> [..., K] (the embedding lookup on the packed layout)."""
-        return self.packed[ids // LANES, :, ids % LANES]
+        """The table's rows for token ids [...] -> [..., K] (the embedding lookup on the packed layout); an int8
+        table's rows come out float32, each block of K times its scale."""
+        rows = self.packed[ids // LANES, :, ids % LANES]
+        if self.packed_scales is None:
+            return rows
+        blocks, k = self.packed_scales.shape[0], rows.shape[-1]
+        scales = jnp.moveaxis(self.packed_scales[:, ids], 0, -1)  # [..., blocks]
+        blocked = rows.astype(jnp.float32).reshape(*rows.shape[:-1], blocks, k // blocks) * scales[..., None]
+        return blocked.reshape(rows.shape)
 
 
 jax.tree_util.register_dataclass(PackedWeight, data_fields=["packed", "packed_scales"],
@@ -165,10 +172,43 @@ def pack_float(w_kn: np.ndarray, mesh: Mesh | None, table: bool = False) -> Pack
     return PackedWeight(packed, None, n, ROWS, shards, mesh if mesh is not None and mesh.size > 1 else None, table)
 
 
-def pack_table(table: Any, mesh: Mesh | None) -> PackedWeight:
+TABLE_BLOCK = 32  # values of D per scale of an int8 table (llama.cpp's Q8_0 block)
+
+
+def int8_table_ok(d: int) -> bool:
+    return d % TABLE_BLOCK == 0
+
+
+def _pack_int8_table(table: Any, model: int, mesh: Mesh | None) -> PackedWeight:
+    """The table rounded to int8 per TABLE_BLOCK values of D (scale max|x| / 127 each, as the checkpoint's own
+    int8 matrices): packed int8 [V/16, D, 16] and scales [D / TABLE_BLOCK, V/16 * 16], read slab by slab."""
+    v, d = table.shape
+    blocks = d // TABLE_BLOCK
+    nb = -(-v // LANES)
+    packed = np.zeros((nb, d, LANES), np.int8)
+    scales = np.zeros((blocks, nb * LANES), np.float32)
+    step = max(LANES, SLAB_BYTES // (4 * d) // LANES * LANES)
+    for v0 in range(0, v, step):
+        v1 = min(v, v0 + step)
+        slab = _region(table, slice(v0, v1), slice(0, d)).astype(np.float32).reshape(v1 - v0, blocks, TABLE_BLOCK)
+        scale = (np.abs(slab).max(axis=-1) / np.float32(127)).astype(np.float32)  # [rows, blocks]
+        safe = np.where(scale > 0, scale, np.float32(1))
+        q = np.clip(np.rint(slab / safe[..., None]), -127, 127).astype(np.int8).reshape(v1 - v0, d)
+        _pack_into(packed[v0 // LANES:-(-v1 // LANES)], q, 0, v1 - v0)
+        scales[:, v0:v1] = scale.T
+    shards = model if d % model == 0 and blocks % model == 0 else 1
+    return PackedWeight(packed, scales, v, ROWS, shards, mesh, True)
+
+
+def pack_table(table: Any, mesh: Mesh | None, int8: bool = False) -> PackedWeight:
     """The embedding table [V, D] (numpy or a checkpoint FileArray) -> a PackedWeight of its own type when that
     is bfloat16 (the released checkpoint's: the kernel converts it exactly, so the logits are the bits a float32
-    table of the same values gives, from half the bytes), float32 otherwise. Read slab by slab (SLAB_BYTES)."""
+    table of the same values gives, from half the bytes), float32 otherwise. Read slab by slab (SLAB_BYTES).
+    `int8` (with int8 activations, an opt-in; D a multiple of TABLE_BLOCK): rounded to int8 per TABLE_BLOCK
+    values of D, as llama.cpp's Q8_0 output matrix, reading half the bytes of bfloat16 per sampled row."""
+    if int8 and int8_table_ok(table.shape[1]):
+        model = mesh.shape[MODEL] if mesh is not None and mesh.size > 1 else 1
+        return _pack_int8_table(table, model, mesh if mesh is not None and mesh.size > 1 else None)
     dtype = np.dtype(table.dtype)
     dtype = dtype if dtype == np.dtype(ml_dtypes.bfloat16) else np.dtype(np.float32)
     v, d = table.shape

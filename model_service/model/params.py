@@ -123,9 +123,9 @@ def packable(module: str, leaf: Any) -> bool:
     return module.endswith("/router") and np.dtype(leaf.dtype) == np.float32
 
 
-def pack_for_native(module: str, leaf: Any, mesh: Any) -> Any:
+def pack_for_native(module: str, leaf: Any, mesh: Any, int8_table: bool = False) -> Any:
     """An in-memory host leaf -> its form for native products (packed.py); leaves that are not `packable`
-    come back unchanged."""
+    come back unchanged. `int8_table`: the embedding table rounded to int8 (packed.pack_table)."""
     if not packable(module, leaf):
         return leaf
     if isinstance(leaf, ExpertStack):
@@ -133,7 +133,7 @@ def pack_for_native(module: str, leaf: Any, mesh: Any) -> Any:
     if isinstance(leaf, QuantizedWeight):
         return pack_quantized(leaf, mesh)
     if module == EMBED:
-        return pack_table(leaf, mesh)
+        return pack_table(leaf, mesh, int8_table)
     return pack_float(np.asarray(leaf), mesh)
 
 

@@ -39,7 +39,8 @@ def tiled(config_dir: Path, vocab: int, products: Products | None = None) -> Eng
     mesh = make_mesh(MeshConfig(1, 1))
     # 8-token blocks and 16-token key chunks: rows read more chunks of keys as sequences grow
     model = GrokModel(cfg, mesh, jnp.float32, products, block_size=8, key_chunk=16)
-    params = load_params(str(config_dir / "checkpoint"), cfg, mesh, jnp.float32, pack=model.products.native)
+    params = load_params(str(config_dir / "checkpoint"), cfg, mesh, jnp.float32, pack=model.products.native,
+                         int8_table=model.products.int8)
     return Engine(model, params, cfg, mesh, 4, step_tokens=16, tile=4)
 
 

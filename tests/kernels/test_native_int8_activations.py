@@ -82,7 +82,7 @@ def _native(x: np.ndarray, q: QuantizedWeight, isa: str, threads: int = 0, used:
 
 # Sub-blocks cut short by a scale block (K / blocks not a multiple of 32, nor of 4: 13, 342), one column, column
 # counts ending inside a 16-column block and inside a pair of blocks, K past many sub-blocks.
-SHAPES = [(64, 48, 1), (37 * 4, 45, 1), (4, 1, 1), (1, 3, 1), (2736, 40, 8), (8 * 13, 21, 8), (600, 200, 1),
+SHAPES = [(64, 48, 1), (37 * 4, 45, 1), (4, 1, 1), (1, 3, 1), (2736, 40, 8), (8 * 13, 21, 8), (600, 200, 1), (256, 50, 8),
           (8 * 100, 90, 8), (512, 2736 // 8, 1)]
 
 
@@ -103,7 +103,7 @@ def test_each_path_matches_numpy_within_the_float32_bound_and_the_rounding(isa: 
     assert np.all(out[3] == 0)
 
 
-@pytest.mark.parametrize("k,n,blocks", [(8 * 21, 77, 1), (2736, 40, 8), (600, 200, 1), (8 * 13, 33, 8)])
+@pytest.mark.parametrize("k,n,blocks", [(8 * 21, 77, 1), (2736, 40, 8), (600, 200, 1), (8 * 13, 33, 8), (192, 70, 6)])
 def test_every_path_gives_the_bits_of_the_scalar_path(k: int, n: int, blocks: int) -> None:
     rng = np.random.default_rng(blocks + k)
     q = _weight(rng, k, n, blocks)
@@ -148,3 +148,53 @@ def test_an_unknown_activation_type_is_refused() -> None:
     p = pack_quantized(_weight(np.random.default_rng(1), 32, 16, 1), None)
     with pytest.raises(ValueError, match="activations"):
         kernels.matmul(np.zeros((1, 32), np.float32), p.packed, p.packed_scales, p.n, activations="int4")
+
+
+def _table(rng: np.random.Generator, v: int, d: int) -> np.ndarray:
+    import ml_dtypes
+
+    return (rng.standard_normal((v, d)) * 0.02).astype(ml_dtypes.bfloat16)
+
+
+def test_an_int8_table_is_rounded_per_32_features_and_its_rows_read_back_dequantised() -> None:
+    from model_service.model.packed import TABLE_BLOCK, pack_table
+
+    rng = np.random.default_rng(21)
+    v, d = 75, 96  # a vocabulary ending inside a 16-column block
+    table = _table(rng, v, d)
+    p = pack_table(table, None, int8=True)
+    assert p.packed.dtype == np.int8 and p.packed_scales.shape == (d // TABLE_BLOCK, 80)
+    values = table.astype(np.float32).reshape(v, d // TABLE_BLOCK, TABLE_BLOCK)
+    step = np.max(np.abs(values), axis=-1) / np.float32(127)
+    np.testing.assert_array_equal(p.packed_scales[:, :v], step.T)
+    rows = np.asarray(jax.jit(jax.tree.map(jax.numpy.asarray, p).rows_of)(np.arange(v)))
+    # half a step, plus the float32 rounding of q * step
+    assert np.all(np.abs(rows.reshape(values.shape) - values) <= step[..., None] / 2 + np.abs(values) * 2.0**-22)
+    q = np.clip(np.rint(values / step[..., None]), -127, 127)
+    np.testing.assert_array_equal(rows, (q * step[..., None]).reshape(v, d).astype(np.float32))
+
+
+@pytest.mark.parametrize("mesh_shape", ["1,8", "2,4"])
+def test_an_int8_table_under_a_mesh_gives_the_one_device_rows_and_logits(mesh_shape: str) -> None:
+    """The rows exactly; the logits up to the order in which the shards' partial sums over their scale blocks
+    are added (the psum over `model`), as for every row-parallel product."""
+    from model_service.config import MeshConfig
+    from model_service.model.layers import Products, product
+    from model_service.model.packed import pack_table
+    from model_service.sharding import make_mesh, params_shardings
+
+    rng = np.random.default_rng(22)
+    v, d = 300, 256  # 8 scale blocks of 32 features: one per shard of 8
+    table = _table(rng, v, d)
+    x = rng.standard_normal((5, d)).astype(np.float32)
+    ids = np.array([0, 17, 299, 150])
+    one = jax.tree.map(jax.numpy.asarray, pack_table(table, None, int8=True))
+    want_rows = np.asarray(one.rows_of(ids))
+    want = np.asarray(jax.jit(product, static_argnums=2)(x, one, Products.NATIVE_INT8))
+    mesh = make_mesh(MeshConfig.parse(mesh_shape))
+    tree = {"language_model/in_out_embed": {"embeddings": pack_table(table, mesh, int8=True)}}
+    placed = jax.device_put(tree, params_shardings(tree, mesh))["language_model/in_out_embed"]["embeddings"]
+    assert placed.shards == mesh.shape["model"]
+    np.testing.assert_array_equal(np.asarray(jax.jit(placed.rows_of)(ids)), want_rows)
+    got = np.asarray(jax.jit(product, static_argnums=2)(x, placed, Products.NATIVE_INT8))
+    np.testing.assert_allclose(got, want, rtol=0, atol=8 * 2.0**-24 * np.abs(want).max() * d)

@@ -115,6 +115,63 @@ inline void Prepare(const MatmulArgs& a, int64_t block, int64_t b, __m512i trans
   }
 }
 
+// Scale blocks of at most one sub-block each (the int8 table's, 32 values of K): all of them for rows[row .. row
+// + R) and column blocks [block, block + G), the running sum over blocks kept in registers (the same operations
+// as Tile's, without storing and reloading `out` after every 32 values of K).
+template <int R, int G>
+inline void SmallBlocks(const MatmulArgs& a, int64_t row, int64_t block, __m512i transpose) {
+  const QuantRows& qr = *a.quant;
+  const int64_t kb = a.k / a.blocks;
+  const int8_t* w = static_cast<const int8_t*>(a.w);
+  int64_t ids[R];
+  for (int r = 0; r < R; ++r) ids[r] = a.rows[row + r];
+  __m512 out[R][G];
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const int64_t k0 = b * kb;
+    __m512i sum[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) sum[r][g] = _mm512_setzero_si512();
+    for (int64_t t = 0; t < kb; t += 4) {
+      __m512i wv[G];
+      for (int g = 0; g < G; ++g) wv[g] = Turned(w, a, block + g, k0 + t, kb - t, transpose);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, qr.q + (ids[r] * qr.subs + b) * kQuantBlock + t, sizeof four);
+        const __m512i xv = _mm512_set1_epi32(four);
+        for (int g = 0; g < G; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], wv[g], xv);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 scale = _mm512_loadu_ps(a.scales + b * a.nb * kLanes + (block + g) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const __m512 acc = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][g], _mm512_set1_epi32(qr.c[ids[r] * qr.subs + b]))),
+            _mm512_set1_ps(qr.d[ids[r] * qr.subs + b]), _mm512_setzero_ps());
+        const __m512 v = _mm512_mul_ps(acc, scale);
+        out[r][g] = b == 0 ? v : _mm512_add_ps(out[r][g], v);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const int64_t col = (block + g) * kLanes, valid = a.n_out - col;
+    const __mmask16 mask = valid >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1u);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(a.out + ids[r] * a.n_out + col, mask, out[r][g]);
+  }
+}
+
+template <int G>
+inline void SmallBlocksRows(const MatmulArgs& a, int64_t block, __m512i transpose) {
+  int64_t row = 0;
+  for (; a.m - row > 4; row += 4) SmallBlocks<4, G>(a, row, block, transpose);
+  switch (a.m - row) {
+    case 4: SmallBlocks<4, G>(a, row, block, transpose); break;
+    case 3: SmallBlocks<3, G>(a, row, block, transpose); break;
+    case 2: SmallBlocks<2, G>(a, row, block, transpose); break;
+    case 1: SmallBlocks<1, G>(a, row, block, transpose); break;
+    default: break;
+  }
+}
+
 // A few rows: tiles of up to 4 rows x 4 column blocks, the weights turned as they are read (one broadcast of
 // a row's activations feeds 4 blocks).
 template <int G>
@@ -154,6 +211,16 @@ void QuantAvx512(const MatmulArgs& a, int64_t block_begin, int64_t block_end, fl
   const __m512i transpose = Transpose();
   // 64-byte aligned (QuantScratch leaves room): an unaligned 64-byte load spans two cache lines.
   int8_t* panel = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~static_cast<uintptr_t>(63));
+  if (a.quant->per_block == 1 && a.k / a.blocks <= kQuantBlock) {  // many small scale blocks (an int8 table)
+    for (int64_t block = block_begin; block < block_end; block += 2) {
+      if (block_end - block >= 2) {
+        SmallBlocksRows<2>(a, block, transpose);
+      } else {
+        SmallBlocksRows<1>(a, block, transpose);
+      }
+    }
+    return;
+  }
   if (a.m <= kDirectRows) {
     for (int64_t block = block_begin; block < block_end; block += 4) {
       const int64_t groups = block_end - block < 4 ? block_end - block : 4;
