@@ -167,7 +167,9 @@ ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, c
     std::vector<int8_t> q(static_cast<size_t>(m * subs * kQuantBlock));
     std::vector<float> d(static_cast<size_t>(m * subs));
     std::vector<int32_t> c(static_cast<size_t>(m * subs));
-    QuantizeRows(x.typed_data(), ids.data(), count, k, blocks, q.data(), d.data(), c.data());
+    const bool wide = isa == kAvx512 && QuantAvx512Supported();
+    (wide ? QuantizeRowsAvx512 : QuantizeRows)(x.typed_data(), ids.data(), count, k, blocks, q.data(), d.data(),
+                                               c.data());
     const QuantRows quant{q.data(), d.data(), c.data(), subs, per_block};
     args.quant = &quant;
     Execute(args, QuantKernelFor(isa), QuantScratch(k, blocks), o.threads, pool);

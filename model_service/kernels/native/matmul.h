@@ -67,6 +67,8 @@ struct QuantRows {
 };
 void QuantizeRows(const float* x, const int64_t* rows, int64_t m, int64_t k, int64_t blocks, int8_t* q, float* d,
                   int32_t* c);
+void QuantizeRowsAvx512(const float* x, const int64_t* rows, int64_t m, int64_t k, int64_t blocks, int8_t* q,
+                        float* d, int32_t* c);  // the same bytes, with the AVX-512 product
 void QuantScalar(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
 void QuantAvx2(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
 // The AVX-512 path needs VNNI and VBMI; `scratch` holds QuantScratch(a) floats for the calling thread alone.

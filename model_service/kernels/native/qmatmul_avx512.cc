@@ -204,6 +204,49 @@ inline void Rows(const MatmulArgs& a, int64_t block, int64_t b, __m512i transpos
 
 }  // namespace
 
+// QuantizeRows (qmatmul_scalar.cc) in 16 lanes: the same maximum (exact in any order; NaN ignored as there),
+// the same scalar step and inverse, round half to even (VRNDSCALEPS), NaN to 0, the same clamp: the same bytes.
+void QuantizeRowsAvx512(const float* x, const int64_t* rows, int64_t m, int64_t k, int64_t blocks, int8_t* q,
+                        float* d, int32_t* c) {
+  const int64_t kb = k / blocks, per_block = (kb + kQuantBlock - 1) / kQuantBlock, subs = blocks * per_block;
+  const __m512 low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t r = rows[i];
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t s = 0; s < per_block; ++s) {
+        const int64_t k0 = b * kb + s * kQuantBlock, sub = r * subs + b * per_block + s;
+        const int64_t len = Min(kQuantBlock, kb - s * kQuantBlock);
+        const float* v = x + r * k + k0;
+        __m512 half[2];
+        __m512 top = _mm512_setzero_ps();
+        for (int h = 0; h < 2; ++h) {
+          const int64_t valid = len - 16 * h;
+          const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xffff)
+                                 : valid > 0 ? static_cast<__mmask16>((1u << valid) - 1u) : static_cast<__mmask16>(0);
+          half[h] = _mm512_maskz_loadu_ps(mask, v + 16 * h);
+          top = _mm512_max_ps(_mm512_abs_ps(half[h]), top);  // a NaN lane keeps `top`
+        }
+        const float amax = _mm512_reduce_max_ps(top);
+        const float step = amax / 127.0f;
+        const float inverse = step > 0.0f && step - step == 0.0f ? 1.0f / step : 0.0f;  // finite and positive
+        const __m512 inv = _mm512_set1_ps(inverse);
+        int8_t* out = q + sub * kQuantBlock;
+        __m512i total = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {
+          __m512 rounded = _mm512_roundscale_ps(_mm512_mul_ps(half[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          rounded = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(rounded, rounded, _CMP_ORD_Q), rounded);  // NaN -> 0
+          rounded = _mm512_min_ps(_mm512_max_ps(rounded, low), high);
+          const __m512i ints = _mm512_cvtps_epi32(rounded);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), _mm512_cvtepi32_epi8(ints));
+          total = _mm512_add_epi32(total, ints);
+        }
+        d[sub] = step;
+        c[sub] = 128 * _mm512_reduce_add_epi32(total);
+      }
+    }
+  }
+}
+
 // Column blocks two at a time; within them one scale block at a time for every row (the blocks' slice of the
 // weight, turned once into `scratch` when more than one tile of rows reads it, stays in L2 while all rows pass
 // over it; the partial sums wait in `out`, exactly).
