@@ -46,7 +46,8 @@ class Products(enum.Enum):
       other product is taken as in FUSED_REDUCE.
     NATIVE_INT8: NATIVE with the rows rounded to int8 (per 32 values, kernels.matmul(activations="int8")) before
       they meet an int8 weight: 2-3x the arithmetic rate from 8 rows on, at the cost of that rounding (an opt-in;
-      the router and the table keep float32 rows). Still row-invariant: a row's bits depend only on that row.
+      the router keeps float32 rows; the table is rounded to int8 too, packed.pack_table). Still row-invariant:
+      a row's bits depend only on that row.
 
     Neither XLA form promises that a row's bits are independent of the other rows: XLA picks kernels, and their
     summation orders, by shape and even by a row's position in the batch. Batch invariance therefore comes from
