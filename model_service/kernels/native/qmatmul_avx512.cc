@@ -42,6 +42,49 @@ inline __m512i Turned(const int8_t* w, const MatmulArgs& a, int64_t block, int64
   return _mm512_xor_si512(_mm512_permutexvar_epi8(transpose, raw), _mm512_set1_epi8(static_cast<char>(0x80)));
 }
 
+// acc[r][g] += (the exact integer sum of sub-block `sub`, K from k0, `len` values, for row ids[r] and column block
+// block + g) * the row's step: one fused multiply-add per lane. With kPanel the weights come turned from `panel`
+// (this sub-block's part of Prepare's panel), else they are turned here.
+template <int R, int G, bool kPanel>
+inline void SubBlock(const MatmulArgs& a, const int64_t* ids, int64_t block, int64_t k0, int64_t len, int64_t sub,
+                     __m512i transpose, const int8_t* panel, __m512 (&acc)[R][G]) {
+  const QuantRows& qr = *a.quant;
+  const int8_t* w = static_cast<const int8_t*>(a.w);
+  __m512i sum[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) sum[r][g] = _mm512_setzero_si512();
+  const int8_t* xs[R];
+  for (int r = 0; r < R; ++r) xs[r] = qr.q + (ids[r] * qr.subs + sub) * kQuantBlock;
+  const auto step = [&](int64_t t, int64_t valid) __attribute__((always_inline)) {
+    __m512i wv[G];
+    for (int g = 0; g < G; ++g)
+      wv[g] = kPanel ? _mm512_load_si512(panel + (t / 4 * G + g) * 64) : Turned(w, a, block + g, k0 + t, valid, transpose);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, xs[r] + t, sizeof four);
+      const __m512i xv = _mm512_set1_epi32(four);
+      for (int g = 0; g < G; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], wv[g], xv);
+    }
+  };
+  if (len == kQuantBlock) {  // a whole sub-block: a fixed trip count the compiler unrolls (no copies of sums)
+#pragma GCC unroll 8
+    for (int64_t t = 0; t < kQuantBlock; t += 4) step(t, 4);
+  } else {
+    for (int64_t t = 0; t < len; t += 4) step(t, len - t);
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512i offset = _mm512_set1_epi32(qr.c[ids[r] * qr.subs + sub]);
+    const __m512 d = _mm512_set1_ps(qr.d[ids[r] * qr.subs + sub]);
+    for (int g = 0; g < G; ++g)
+      acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][g], offset)), d, acc[r][g]);
+  }
+}
+
+inline __mmask16 Valid(const MatmulArgs& a, int64_t col) {  // the columns of a block that exist
+  const int64_t valid = a.n_out - col;
+  return valid >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1u);
+}
+
 // Scale block b of column blocks [block, block + G) for rows[row .. row + R): out = (b == 0 ? 0 + : out +) ...
 // With `panel` the blocks' weights of scale block b are read already turned (Prepare), else turned here.
 template <int R, int G, bool kPanel>
@@ -49,48 +92,18 @@ inline void Tile(const MatmulArgs& a, int64_t row, int64_t block, int64_t b, __m
                  const int8_t* panel) {
   const QuantRows& qr = *a.quant;
   const int64_t kb = a.k / a.blocks;
-  const int8_t* w = static_cast<const int8_t*>(a.w);
   int64_t ids[R];
   for (int r = 0; r < R; ++r) ids[r] = a.rows[row + r];
   __m512 acc[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < qr.per_block; ++s) {
-    const int64_t k0 = b * kb + s * kQuantBlock, len = Min(kQuantBlock, kb - s * kQuantBlock);
-    const int64_t sub = b * qr.per_block + s;
-    __m512i sum[R][G];
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) sum[r][g] = _mm512_setzero_si512();
-    const int8_t* xs[R];
-    for (int r = 0; r < R; ++r) xs[r] = qr.q + (ids[r] * qr.subs + sub) * kQuantBlock;
-    const auto step = [&](int64_t t, int64_t valid) __attribute__((always_inline)) {
-      __m512i wv[G];
-      for (int g = 0; g < G; ++g)
-        wv[g] = kPanel ? _mm512_load_si512(panel + ((s * kQuantBlock + t) / 4 * G + g) * 64)
-                       : Turned(w, a, block + g, k0 + t, valid, transpose);
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, xs[r] + t, sizeof four);
-        const __m512i xv = _mm512_set1_epi32(four);
-        for (int g = 0; g < G; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], wv[g], xv);
-      }
-    };
-    if (len == kQuantBlock) {  // a whole sub-block: a fixed trip count the compiler unrolls (no copies of sums)
-#pragma GCC unroll 8
-      for (int64_t t = 0; t < kQuantBlock; t += 4) step(t, 4);
-    } else {
-      for (int64_t t = 0; t < len; t += 4) step(t, len - t);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i offset = _mm512_set1_epi32(qr.c[ids[r] * qr.subs + sub]);
-      const __m512 step = _mm512_set1_ps(qr.d[ids[r] * qr.subs + sub]);
-      for (int g = 0; g < G; ++g)
-        acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][g], offset)), step, acc[r][g]);
-    }
-  }
+  for (int64_t s = 0; s < qr.per_block; ++s)
+    SubBlock<R, G, kPanel>(a, ids, block, b * kb + s * kQuantBlock, Min(kQuantBlock, kb - s * kQuantBlock),
+                           b * qr.per_block + s, transpose, kPanel ? panel + s * kQuantBlock / 4 * G * 64 : nullptr,
+                           acc);
   for (int g = 0; g < G; ++g) {
-    const int64_t col = (block + g) * kLanes, valid = a.n_out - col;
-    const __mmask16 mask = valid >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1u);
+    const int64_t col = (block + g) * kLanes;
+    const __mmask16 mask = Valid(a, col);
     const __m512 scale = _mm512_loadu_ps(a.scales + b * a.nb * kLanes + col);
     for (int r = 0; r < R; ++r) {
       float* o = a.out + ids[r] * a.n_out + col;
@@ -120,43 +133,26 @@ inline void Prepare(const MatmulArgs& a, int64_t block, int64_t b, __m512i trans
 // as Tile's, without storing and reloading `out` after every 32 values of K).
 template <int R, int G>
 inline void SmallBlocks(const MatmulArgs& a, int64_t row, int64_t block, __m512i transpose) {
-  const QuantRows& qr = *a.quant;
   const int64_t kb = a.k / a.blocks;
-  const int8_t* w = static_cast<const int8_t*>(a.w);
   int64_t ids[R];
   for (int r = 0; r < R; ++r) ids[r] = a.rows[row + r];
   __m512 out[R][G];
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const int64_t k0 = b * kb;
-    __m512i sum[R][G];
+    __m512 acc[R][G];
     for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) sum[r][g] = _mm512_setzero_si512();
-    for (int64_t t = 0; t < kb; t += 4) {
-      __m512i wv[G];
-      for (int g = 0; g < G; ++g) wv[g] = Turned(w, a, block + g, k0 + t, kb - t, transpose);
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, qr.q + (ids[r] * qr.subs + b) * kQuantBlock + t, sizeof four);
-        const __m512i xv = _mm512_set1_epi32(four);
-        for (int g = 0; g < G; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], wv[g], xv);
-      }
-    }
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+    SubBlock<R, G, false>(a, ids, block, b * kb, kb, b, transpose, nullptr, acc);
     for (int g = 0; g < G; ++g) {
       const __m512 scale = _mm512_loadu_ps(a.scales + b * a.nb * kLanes + (block + g) * kLanes);
       for (int r = 0; r < R; ++r) {
-        const __m512 acc = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][g], _mm512_set1_epi32(qr.c[ids[r] * qr.subs + b]))),
-            _mm512_set1_ps(qr.d[ids[r] * qr.subs + b]), _mm512_setzero_ps());
-        const __m512 v = _mm512_mul_ps(acc, scale);
+        const __m512 v = _mm512_mul_ps(acc[r][g], scale);
         out[r][g] = b == 0 ? v : _mm512_add_ps(out[r][g], v);
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const int64_t col = (block + g) * kLanes, valid = a.n_out - col;
-    const __mmask16 mask = valid >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1u);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(a.out + ids[r] * a.n_out + col, mask, out[r][g]);
-  }
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(a.out + ids[r] * a.n_out + (block + g) * kLanes, Valid(a, (block + g) * kLanes), out[r][g]);
 }
 
 template <int G>
