@@ -203,12 +203,14 @@ class Pipeline:
                        metadata: Metadata) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """One model reply for `completion`: its text so far, or (when it ends) its last message."""
         self._observe(reply, progress, method)
+        before = max(completion.completion_tokens, reply.completion_tokens - len(reply.token_ids))
         completion.completion_tokens = max(completion.completion_tokens, reply.completion_tokens)
         if reply.finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN:
             reply = without_stop_token(reply)
         tokens = await self._tokens(completion, reply, request.sampling, deadline, metadata)
         release = completion.matcher.feed(tokens)
-        if release.stopped:
+        if release.stopped:  # the tokens after the one completing the stop (one message can carry several) are not counted
+            completion.completion_tokens = before + release.used
             completion.release, completion.finish = release, gateway_pb2.FINISH_REASON_STOP
         elif reply.finish_reason != model_pb2.FINISH_REASON_UNSPECIFIED:
             completion.model_finished = True

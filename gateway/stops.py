@@ -21,6 +21,7 @@ class Release:
     tokens: list[gateway_pb2.Token] = field(default_factory=list)
     stopped: bool = False
     extra: str = ""  # text without a token (only a final flush after every token was released)
+    used: int = 0  # how many of the tokens fed are the completion's: all, or up to the one completing a stop
 
     @property
     def text(self) -> str:
@@ -59,18 +60,23 @@ class StopMatcher:
         self.stopped = False
 
     def feed(self, tokens: Sequence[gateway_pb2.Token]) -> Release:
-        """Add tokens (their `.text` set) and release what can no longer be part of a stop sequence."""
+        """Add tokens (their `.text` set) and release what can no longer be part of a stop sequence. Tokens are
+        matched one at a time, so several fed together stop where they would have arriving one by one; the
+        tokens after the one completing a stop are not the completion's (`Release.used`)."""
         if self.stopped:
             raise RuntimeError("feed() after a stop sequence ended the completion")
-        previous = len(self.text)
-        for token in tokens:
-            self.pending.append((token, len(self.text)))
+        for used, token in enumerate(tokens, 1):
+            previous = len(self.text)
+            self.pending.append((token, previous))
             self.text += token.text
-        if self.stops:
-            cut = find_stop(self.text, self.stops, max(0, previous - self.longest + 1))
+            cut = find_stop(self.text, self.stops, max(0, previous - self.longest + 1)) if self.stops else -1
             if cut >= 0:
-                return self._stop_at(cut)
-        return self._release_upto(len(self.text) - holdback(self.text, self.stops))
+                release = self._stop_at(cut)
+                release.used = used
+                return release
+        release = self._release_upto(len(self.text) - holdback(self.text, self.stops))
+        release.used = len(tokens)
+        return release
 
     def finish(self, tail: str = "") -> Release:
         """The stream ended: add `tail` (the detokenizer's flush) to the last token and release everything."""

@@ -85,6 +85,14 @@ def slow_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack.stop()
 
 
+@pytest.fixture(scope="session")
+def grouped_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A fake model that sends four tokens per message, as a speculative step can."""
+    stack = fake_stack(tmp_path_factory.mktemp("grouped"), [["--group", "4"]])
+    yield stack
+    stack.stop()
+
+
 @pytest.fixture
 def client(fast_stack: Stack) -> Iterator[GatewayClient]:
     with GatewayClient(fast_stack.address, timeout=30) as c:

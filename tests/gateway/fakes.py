@@ -8,7 +8,7 @@ is UTF-8 with replacement, and DecodeStream uses Python's incremental UTF-8 deco
 
 Model: the continuation of a prompt is the prompt's tokens after its first "|" byte (the whole prompt if
 it has none), repeated until max_tokens; EOS follows each pass unless ignore_eos. Each token waits
---delay seconds. --slots bounds concurrent requests (the rest get RESOURCE_EXHAUSTED). Every request
+--delay seconds; --group K sends up to K tokens per message (as a speculative step does). --slots bounds concurrent requests (the rest get RESOURCE_EXHAUSTED). Every request
 logs "request done" with its `outcome`: "finished" once its last token was sent, "cancelled" when the
 caller cancelled it (or its deadline passed) before that. Tests read these lines.
 """
@@ -113,10 +113,11 @@ def continuation(prompt: list[int]) -> list[int]:
 
 
 class FakeModel(model_pb2_grpc.ModelServiceServicer):
-    def __init__(self, slots: int, delay: float) -> None:
+    def __init__(self, slots: int, delay: float, group: int = 1) -> None:
         self.free = slots
         self.slots = slots
         self.delay = delay
+        self.group = group
 
     async def Generate(self, request: model_pb2.GenerateRequest,
                        context: Context) -> AsyncIterator[model_pb2.GenerateResponse]:
@@ -138,6 +139,8 @@ class FakeModel(model_pb2_grpc.ModelServiceServicer):
     async def _replies(self, request: model_pb2.GenerateRequest) -> AsyncIterator[model_pb2.GenerateResponse]:
         pattern = continuation(list(request.token_ids)) + ([] if request.ignore_eos else [EOS])
         timings = model_pb2.Timings(queue_seconds=0.001, prefill_seconds=0.002, mean_step_seconds=self.delay)
+        ids: list[int] = []
+        details: list[model_pb2.Token] = []
         for step in range(request.max_tokens):
             await asyncio.sleep(self.delay)
             token = pattern[step % len(pattern)]
@@ -145,13 +148,17 @@ class FakeModel(model_pb2_grpc.ModelServiceServicer):
             probability = 0.5
             tops = [model_pb2.TopToken(id=(token + k) % VOCAB, probability=probability / (k + 1),
                                        logprob=math.log(probability / (k + 1))) for k in range(request.top_logprobs)]
+            ids.append(token)
+            details.append(model_pb2.Token(id=token, probability=probability, logprob=math.log(probability),
+                                           top_tokens=tops))
+            if len(ids) < self.group and not done:
+                continue
             yield model_pb2.GenerateResponse(
-                token_ids=[token], prompt_tokens=len(request.token_ids), completion_tokens=step + 1,
-                tokens=[model_pb2.Token(id=token, probability=probability, logprob=math.log(probability),
-                                        top_tokens=tops)],
+                token_ids=ids, prompt_tokens=len(request.token_ids), completion_tokens=step + 1, tokens=details,
                 finish_reason=(model_pb2.FINISH_REASON_EOS if token == EOS else model_pb2.FINISH_REASON_LENGTH)
                 if done else model_pb2.FINISH_REASON_UNSPECIFIED,
-                timings=timings if step == 0 or done else None)
+                timings=timings if step + 1 == len(ids) or done else None)
+            ids, details = [], []
             if done:
                 return
 
@@ -161,13 +168,13 @@ class FakeModel(model_pb2_grpc.ModelServiceServicer):
             slots=self.slots, prefill_buckets=[32, 64], dtype="float32", random_weights=True, platform="fake")
 
 
-async def serve(kind: str, port: int, slots: int, delay: float, legacy: bool) -> None:
+async def serve(kind: str, port: int, slots: int, delay: float, legacy: bool, group: int = 1) -> None:
     server = grpc.aio.server()
     if kind == "tokenizer":
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(FakeTokenizer(legacy), server)
         name = "grok.tokenizer.v1.TokenizerService"
     else:
-        model_pb2_grpc.add_ModelServiceServicer_to_server(FakeModel(slots, delay), server)
+        model_pb2_grpc.add_ModelServiceServicer_to_server(FakeModel(slots, delay, group), server)
         name = "grok.model.v1.ModelService"
     health = add_health_and_reflection(server, [name])
     bound = bind(server, "127.0.0.1", port)
@@ -183,10 +190,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--group", type=int, default=1, help="model: tokens per message")
     parser.add_argument("--legacy", action="store_true", help="tokenizer: ignore DecodeStream's newer fields")
     args = parser.parse_args()
     logs.configure(f"fake-{args.kind}", "info")
-    asyncio.run(serve(args.kind, args.port, args.slots, args.delay, args.legacy))
+    asyncio.run(serve(args.kind, args.port, args.slots, args.delay, args.legacy, args.group))
 
 
 if __name__ == "__main__":

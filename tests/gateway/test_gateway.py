@@ -75,6 +75,15 @@ def test_stop_across_token_boundaries_is_not_emitted_and_ends_the_model_stream(s
     assert outcome_of(slow_stack, "stop-test") == "cancelled"
 
 
+def test_a_stop_inside_a_message_of_several_tokens_counts_the_tokens_up_to_the_stop(grouped_stack: Stack) -> None:
+    # The model sends hello, " ", wor, ld in one message: the stop completes at wor, so ld is not the
+    # completion's (as when the tokens arrive one per message).
+    with GatewayClient(grouped_stack.address, timeout=30) as client:
+        reply = client.complete("p|hello world", max_tokens=12, stop=["lo wo"], ignore_eos=True)
+    assert reply.text == "hel" and reply.finish_reason == gateway_pb2.FINISH_REASON_STOP
+    assert reply.usage.completion_tokens == 3
+
+
 def test_multibyte_characters_are_never_split_across_messages(client: GatewayClient) -> None:
     text = "aé🙂ü€b"
     messages = list(client.generate("p|" + text.replace("é", "\u00e9"), max_tokens=40))

@@ -42,6 +42,15 @@ def test_stop_spanning_three_tokens_is_not_emitted_and_ends_generation() -> None
     assert len(out) == 4  # ended on the token that completed the stop
 
 
+def test_tokens_fed_together_stop_where_they_would_one_at_a_time() -> None:
+    # "c" completes before "abcd" does: one token at a time ends at "ab", and so must one feed of all three.
+    one_by_one, stopped = run(["abcd", "c"], "a", "bc", "d")
+    assert stopped and "".join(one_by_one) == "ab"
+    release = StopMatcher(["abcd", "c"]).feed(tokens("a", "bc", "d", "e"))
+    assert release.stopped and release.text == "ab"
+    assert release.used == 2  # "d" and "e" came after the stop: not the completion's
+
+
 def test_text_that_might_start_a_stop_is_held_back_until_it_cannot() -> None:
     out, stopped = run(["abc"], "x", "a", "b", "d")
     assert not stopped
