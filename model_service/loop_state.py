@@ -80,7 +80,7 @@ class Running:
         self.finished = False  # its last token was delivered (or it failed): no more rows
         self.guide: Any = None  # structured output: this sample's grammar position (structured.Guide)
         self.proposal: list[int] = []  # speculative drafts proposed for its next decode row (speculative.py)
-        self.decoding_since: float | None = None  # when the loop first planned a decode row for it
+        self.decoding_since: float | None = None  # when its first token was delivered: a stream from then on
         self.pacer = DraftPacer()
         self.base_mask: Any = None  # [V] bool, the request's allowed/blocked/pad mask that a guide's mask is ANDed with
 

@@ -13,10 +13,10 @@ Every token is a row; a step spends one budget of rows (the engine's `max_rows`)
   - waiting requests in queue order, into the lowest free slots: a request of n samples waits for n free slots,
     every request for the KV blocks it takes; nothing overtakes the head of the queue.
 Speculative drafts (speculative.py) take only the rows left after all of that. While samples decode that were
-already decoding when the oldest prompt with rows to compute arrived, prompt rows get at most `prefill_budget`
+already streaming (their first token delivered) when the oldest prompt with rows to compute arrived, prompt rows get at most `prefill_budget`
 row-equivalents (pacing.py: a row at position p costs 1 + p / key_scale, and the scheduler sizes the budget from
 measured step times, so running streams keep their pace while a long prompt enters); otherwise (nothing
-decodes, or only samples that started decoding after that prompt arrived, as in a burst of prompts arriving
+decodes, or only samples whose first token came after that prompt arrived, as in a burst of prompts arriving
 together) prompts get every row of the step: a prompt is not held back for streams that came after it.
 Requests that were cancelled or passed their deadline end first, and their slots and blocks serve this very
 step's admissions.
@@ -50,7 +50,7 @@ class Sample:
     shared: int = 0
     drafts: int = 0  # decoding: speculative draft tokens proposed after its newest token (speculative.py)
     arrived: float = math.inf  # when its request arrived (the loop's clock; compared, never read here)
-    decoding_since: float = -math.inf  # when it started decoding (its prompt computed)
+    decoding_since: float = -math.inf  # when its first token was delivered (inf: not yet)
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,6 @@ class StepBuilder:
         done = run.finished or run.length >= self.engine.sequence_len or (
             req.max_tokens is not None and run.drawn >= req.max_tokens)
         after = (id(run.after.handle), run.after.index) if run.after is not None else None
-        decoding = not done and run.computed == run.length - 1
-        if decoding and run.decoding_since is None:
-            run.decoding_since = now
         # Drafts follow a drawn token only: a prompt's last row computed alone (after a chunk) is no decode row.
         run.proposal = self._propose(run) if drafting and not done and run.at_drawn_token else []
         return Sample((id(run.handle), run.index), run.slot, run.computed, run.length, done,

@@ -423,3 +423,30 @@ def test_cancelling_a_request_while_its_prompt_is_computed_frees_its_slot_and_bl
     later = Collector()
     s.submit(req((40,), max_tokens=2), later)
     assert later.wait().ids == [41, 42]
+
+
+def test_a_prompt_arriving_before_the_first_token_of_a_stream_is_not_paced_for_it(engine: FakeEngine,
+        running: Runner) -> None:
+    """A burst whose requests reach the loop a moment apart: the first one's decode row is planned (and
+    dispatched) before its first token is delivered. A prompt arriving then came before that stream: it gets
+    every row of the step, as if the two had arrived together (it once got `prefill_rows`)."""
+    engine.slots = 2
+    gate, second_step = threading.Event(), threading.Event()
+    step = engine.step
+
+    def gated(state, batch):  # type: ignore[no-untyped-def]
+        if len(engine.steps) == 1:  # the first stream's first decode row: hold it until the prompt arrived
+            second_step.set()
+            assert gate.wait(10)
+        return step(state, batch)
+
+    engine.step = gated  # type: ignore[method-assign]
+    s = running(engine, prefill_rows=4)
+    first, burst = Collector(), Collector()
+    s.submit(req((30,), max_tokens=5), first)
+    assert second_step.wait(10)
+    assert not first.first_token.is_set()  # its first token comes with the next delivery
+    s.submit(req(tuple(range(40, 50)), max_tokens=2), burst)  # 10 prompt tokens
+    gate.set()
+    assert burst.wait().ids == [50, 51] and first.wait().ids == [31, 32, 33, 34, 35]
+    assert max(len(t) for t in prompt_tokens(engine)[1:]) == 10  # the whole prompt in one step, not 4 rows
