@@ -13,7 +13,9 @@ compared):
     medium  the medium config's random weights, random 32-token prompts: nothing to look up (what speculation
             must not slow down).
 Reported per workload: tokens/s on and off (the median request's, and all tokens over all decode time), their
-ratios, the acceptance rate (the final message's timings), and whether every run's tokens were identical.
+ratios, the acceptance rate (the final message's timings), and whether every run's tokens were identical; and the
+same rates again under `quoting` for the requests whose answer (speculation off) occurs in their prompt token for
+token, the case speculation is for (the demo model drifts into other text in some of them).
 """
 
 from __future__ import annotations
@@ -121,16 +123,35 @@ def workload(name: str, config: pathlib.Path, checkpoint: pathlib.Path | None,
     finally:
         for service in services.values():
             service.close()
+    out = rates(runs, len(prompts))
+    # The requests whose answer (speculation off) is text of their prompt, token for token: the case speculation
+    # is for. The rest drift into text the prompt does not hold, which no lookup can draft.
+    prompt_of = [prompt for _ in range(args.runs) for prompt, _ in prompts]
+    quoting = [i for i, x in enumerate(runs["off"]) if quotes(x["ids"], prompt_of[i])]
+    if quoting:
+        out["quoting"] = rates({k: [runs[k][i] for i in quoting] for k in runs}, len({tuple(prompt_of[i])
+                                                                                   for i in quoting}))
+    out.update({"identical_tokens": all(a["ids"] == b["ids"] for a, b in zip(runs["on"], runs["off"])),
+                "load_avg_1m": round(os.getloadavg()[0], 2), "box": shared.as_dict() if shared else None})
+    return out
+
+
+def quotes(answer: list[int], prompt: list[int]) -> bool:
+    """Whether `answer` occurs in `prompt` as one contiguous run of tokens."""
+    n = len(answer)
+    return n > 0 and any(prompt[i:i + n] == answer for i in range(len(prompt) - n + 1))
+
+
+def rates(runs: dict[str, list[dict[str, Any]]], requests: int) -> dict[str, Any]:
+    """Tokens/s on and off (the median request's and all tokens over all decode time), acceptance, messages."""
     on, off = (statistics.median(x["tokens_per_s"] for x in runs[k]) for k in ("on", "off"))
     total = {k: sum(len(x["ids"]) - 1 for x in runs[k]) / sum(x["decode_seconds"] for x in runs[k]) for k in runs}
     return {"tokens_per_s_on": on, "tokens_per_s_off": off, "on_over_off": round(on / off, 3),
             "all_tokens_per_s_on": round(total["on"], 2), "all_tokens_per_s_off": round(total["off"], 2),
-            "all_on_over_off": round(total["on"] / total["off"], 3), "requests": len(prompts),
+            "all_on_over_off": round(total["on"] / total["off"], 3), "requests": requests,
             "acceptance_median": statistics.median(x["acceptance"] or 0.0 for x in runs["on"]),
             "messages_on": sum(x["messages"] for x in runs["on"]),
-            "messages_off": sum(x["messages"] for x in runs["off"]),
-            "identical_tokens": all(a["ids"] == b["ids"] for a, b in zip(runs["on"], runs["off"])),
-            "load_avg_1m": round(os.getloadavg()[0], 2), "box": shared.as_dict() if shared else None}
+            "messages_off": sum(x["messages"] for x in runs["off"])}
 
 
 WORKLOADS = {"quote": quote_prompts, "continue": continue_prompts, "medium": None}
