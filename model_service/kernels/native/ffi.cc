@@ -44,9 +44,9 @@ int64_t Best() { return Supported(kAvx512) ? kAvx512 : Supported(kAvx2) ? kAvx2 
 
 // The int8-activation product's AVX-512 path needs VNNI (and VBMI's byte permute) beyond avx512f; where they are
 // missing the AVX2 path computes it (the same bits).
-bool QuantAvx512Supported() {
-  return Supported(kAvx512) && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
-         __builtin_cpu_supports("avx512vnni");
+bool QuantUsesAvx512(int64_t isa) {  // AVX-512 asked for, and the CPU has what this path needs
+  return isa == kAvx512 && Supported(kAvx512) && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni");
 }
 
 enum Form : int64_t { kAuto = 0, kRows = 1, kPanel = 2 };
@@ -74,8 +74,14 @@ Kernel KernelFor(int64_t isa, bool panel) {
 }
 
 
+// The int8-activation path: rows rounded and multiplied by the same instruction set.
+using QuantizeFn = void (*)(const float*, const int64_t*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*);
+QuantizeFn QuantizeFor(int64_t isa) {
+  return QuantUsesAvx512(isa) ? QuantizeRowsAvx512 : QuantizeRows;
+}
+
 Kernel QuantKernelFor(int64_t isa) {
-  if (isa == kAvx512 && QuantAvx512Supported()) return QuantAvx512;
+  if (QuantUsesAvx512(isa)) return QuantAvx512;
   if (isa >= kAvx2 && Supported(kAvx2)) return NoScratch<QuantAvx2>;
   return NoScratch<QuantScalar>;
 }
@@ -167,9 +173,7 @@ ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, c
     std::vector<int8_t> q(static_cast<size_t>(m * subs * kQuantBlock));
     std::vector<float> d(static_cast<size_t>(m * subs));
     std::vector<int32_t> c(static_cast<size_t>(m * subs));
-    const bool wide = isa == kAvx512 && QuantAvx512Supported();
-    (wide ? QuantizeRowsAvx512 : QuantizeRows)(x.typed_data(), ids.data(), count, k, blocks, q.data(), d.data(),
-                                               c.data());
+    QuantizeFor(isa)(x.typed_data(), ids.data(), count, k, blocks, q.data(), d.data(), c.data());
     const QuantRows quant{q.data(), d.data(), c.data(), subs, per_block};
     args.quant = &quant;
     Execute(args, QuantKernelFor(isa), QuantScratch(k, blocks), o.threads, pool);

@@ -150,9 +150,11 @@ inline void SmallBlocks(const MatmulArgs& a, int64_t row, int64_t block, __m512i
       }
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int r = 0; r < R; ++r)
-      _mm512_mask_storeu_ps(a.out + ids[r] * a.n_out + (block + g) * kLanes, Valid(a, (block + g) * kLanes), out[r][g]);
+  for (int g = 0; g < G; ++g) {
+    const int64_t col = (block + g) * kLanes;
+    const __mmask16 mask = Valid(a, col);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(a.out + ids[r] * a.n_out + col, mask, out[r][g]);
+  }
 }
 
 template <int G>
