@@ -203,8 +203,8 @@ class Pipeline:
                        metadata: Metadata) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """One model reply for `completion`: its text so far, or (when it ends) its last message."""
         self._observe(reply, progress, method)
-        before = max(completion.completion_tokens, reply.completion_tokens - len(reply.token_ids))
-        completion.completion_tokens = max(completion.completion_tokens, reply.completion_tokens)
+        before = completion.completion_tokens  # the model's count up to its previous message
+        completion.completion_tokens = max(before, reply.completion_tokens)
         if reply.finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN:
             reply = without_stop_token(reply)
         tokens = await self._tokens(completion, reply, request.sampling, deadline, metadata)

@@ -8,6 +8,8 @@ No JAX here: a pending step is whatever the engine returned.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,13 +82,19 @@ class Running:
         self.finished = False  # its last token was delivered (or it failed): no more rows
         self.guide: Any = None  # structured output: this sample's grammar position (structured.Guide)
         self.proposal: list[int] = []  # speculative drafts proposed for its next decode row (speculative.py)
-        self.decoding_since: float | None = None  # when its first token was delivered: a stream from then on
         self.pacer = DraftPacer()
         self.base_mask: Any = None  # [V] bool, the request's allowed/blocked/pad mask that a guide's mask is ANDed with
 
     @property
     def prompt_len(self) -> int:
         return len(self.handle.request.prompt)
+
+    @property
+    def decoding_since(self) -> float:
+        """When its first token was delivered (inf before): pacing holds prompts back only for streams that were
+        streaming when they arrived (plan.py), and a decode row is planned before the previous step's draw is
+        delivered, so a stream starts at its first token."""
+        return self.admitted_at + self.prefill_seconds if self.prefill_seconds else math.inf
 
     @property
     def drawn(self) -> int:

@@ -358,13 +358,8 @@ class Scheduler:
             run.computed += len(entries) - 1  # the accepted drafts' rows hold their keys
             run.length += len(entries) - 1
         if not run.prefill_seconds:  # its first draw since admission
-            now = time.monotonic()
-            run.prefill_seconds = now - run.admitted_at
+            run.prefill_seconds = time.monotonic() - run.admitted_at
             self.metrics.observe_prefill(run.prefill_seconds)
-            # Pacing holds prompts back for streams that were streaming when they arrived (plan.py); a decode row
-            # is planned before the previous step's draw is delivered, so a stream starts at its first token.
-            if run.decoding_since is None:
-                run.decoding_since = now
         prompt = tuple(run.scored) if run.handle.request.prompt_logprobs is not None and run.index == 0 \
             and run.generated == 0 else None
         if self.delivery.deliver(run, out, entries, prompt):

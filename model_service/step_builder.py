@@ -10,7 +10,6 @@ first one's full prompt blocks), and lays a plan's chunks out as rows (`build`).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -73,7 +72,7 @@ class StepBuilder:
         run.proposal = self._propose(run) if drafting and not done and run.at_drawn_token else []
         return Sample((id(run.handle), run.index), run.slot, run.computed, run.length, done,
                       run.handle.abandoned(now) is not None, after, run.shared, len(run.proposal),
-                      run.handle.enqueued_at, run.decoding_since if run.decoding_since is not None else math.inf)
+                      run.handle.enqueued_at, run.decoding_since)
 
     def _propose(self, run: Running) -> list[int]:
         """Drafts for a decoding sample whose tokens are all on the host: never past max_tokens or the context,
