@@ -201,7 +201,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
 
 
 def cases_of(facts: Facts) -> list[Case]:
-    """Every case of the table: the original bad-input and protocol tables, then issue 33's classes."""
+    """Every case of the table: the original bad-input and protocol tables, then the third round's classes."""
     return (grpc_cases(facts) + http_cases(facts) + structured_cases(facts) + pressure_cases(facts)
             + tracing_cases(facts) + streaming_cases(facts) + tenant_cases(facts))
 

@@ -1,4 +1,4 @@
-"""Structured-output abuse: the constraints that crashed, stalled or answered INTERNAL (issue 33, items 1-3),
+"""Structured-output abuse: the constraints that crashed, stalled or answered INTERNAL (docs/reliability.md, round three, 1-3),
 each sent to the model service (token ids), the gateway's gRPC Complete and its HTTP completions. Each must be
 refused with INVALID_ARGUMENT / 400 naming `constraint.<kind>` (before a slot is taken, or mid-stream where only
 a later step fails), and the stack must keep serving: a burst of them beside a plain request, and the

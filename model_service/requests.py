@@ -116,10 +116,11 @@ class RequestHandle:
     """The caller's side of a submitted request: cancel it from any thread."""
 
     def __init__(self, request: GenerationRequest, emit: EmitFn,
-                 on_cancel: Callable[["RequestHandle"], None]) -> None:
+                 on_cancel: Callable[["RequestHandle"], None], steps: Callable[[], int]) -> None:
         self.request = request
         self._emit = emit
         self._on_cancel = on_cancel
+        self._steps = steps  # the scheduler's step count
         self._cancelled = threading.Event()
         self.done = threading.Event()
         self.enqueued_at = time.monotonic()
@@ -142,6 +143,7 @@ class RequestHandle:
         """Leave the waiting queue at once, or free the slot at the next step boundary (no-op once done)."""
         if not self.done.is_set() and not self._cancelled.is_set():
             self.cancelled_at = time.monotonic()
+            self.cancel_step = self._steps()  # before the decode thread can see the cancel
             self._cancelled.set()
             self._on_cancel(self)
 

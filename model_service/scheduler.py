@@ -117,7 +117,7 @@ class Scheduler:
         its constraint as `await self.guidance.compile_async(request)` compiled it (the servicer's way: nothing
         compiles here); without it a constraint is compiled here, blocking the caller."""
         self.validate(request)
-        handle = RequestHandle(request, emit, self._withdraw)
+        handle = RequestHandle(request, emit, self._withdraw, lambda: self._steps)
         handle.grammar = grammar if grammar is not None else self.guidance.compile(request)
         with self._cond:
             if not self._accepting:
@@ -161,7 +161,6 @@ class Scheduler:
     def _withdraw(self, handle: RequestHandle) -> None:
         """A request was cancelled: a waiting one leaves the queue now, so its place goes to a live request."""
         with self._cond:
-            handle.cancel_step = self._steps
             try:
                 self._queue.remove(handle)
                 queued = True

@@ -1,5 +1,5 @@
 """The attack command in CI: `python -m benchmarks.attack --quick` on the golden model, every case as
-expected (the 254 of the first two rounds and issue 33's classes: structured-output abuse, KV pressure,
+expected (the 254 of the first two rounds and the third round's classes: structured-output abuse, KV pressure,
 tracing headers, HTTP streaming faults, tenants; over the three services and both gateway APIs), every
 service alive, serving and exiting 0 afterwards."""
 

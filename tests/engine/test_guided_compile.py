@@ -1,4 +1,4 @@
-"""Constraints that once crashed, stalled or answered INTERNAL (issue 33, items 1-3) against the real compiler:
+"""Constraints that once crashed, stalled or answered INTERNAL (docs/reliability.md, round three, 1-3) against the real compiler:
 each is refused with a ConstraintError naming `constraint.<field>` before a slot is taken, in a worker process
 whose crash or overrun costs only that request; and what fails only mid-stream ends only its own request."""
 

@@ -1,4 +1,4 @@
-"""Prefix-cache isolation (issue 33 item 5): a block registered under one salt (a tenant's API key digest and
+"""Prefix-cache isolation (docs/reliability.md, round three): a block registered under one salt (a tenant's API key digest and
 its cache_salt) is found only under that salt; the unsalted cache is one more tenant."""
 
 from __future__ import annotations

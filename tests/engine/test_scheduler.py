@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from model_service.requests import Emission, ErrorKind, FinishReason, GenerationRequest, SchedulerError
+from model_service.loop_state import SchedulerMetrics
+from model_service.requests import Emission, ErrorKind, FinishReason, GenerationRequest, RequestHandle, SchedulerError
 from model_service.sampling_settings import SamplingSettings
 from model_service.scheduler import Scheduler
 from tests.engine.conftest import Runner
@@ -450,3 +451,38 @@ def test_a_prompt_arriving_before_the_first_token_of_a_stream_is_not_paced_for_i
     gate.set()
     assert burst.wait().ids == [50, 51] and first.wait().ids == [31, 32, 33, 34, 35]
     assert max(len(t) for t in prompt_tokens(engine)[1:]) == 10  # the whole prompt in one step, not 4 rows
+
+
+class ReclaimLog(SchedulerMetrics):
+    """Scheduler metrics that keep what `observe_reclaim` was told."""
+
+    def __init__(self) -> None:
+        self.reclaims: list[tuple[str, int | None]] = []
+
+    def observe_reclaim(self, reason: str, seconds: float, steps: int | None) -> None:
+        self.reclaims.append((reason, steps))
+
+
+def test_steps_after_a_cancel_count_from_the_cancel_even_when_the_decode_thread_sees_it_first(
+        engine: FakeEngine, running: Runner) -> None:
+    # The decode thread can end a cancelled request before the cancelling thread has told the scheduler
+    # (seen under load as a cancel reclaimed after "more than 64 steps"): here the scheduler's side of the
+    # cancel waits until the request has ended.
+    engine.slots = 1
+    metrics = ReclaimLog()
+    s = running(engine, metrics=metrics)
+    told = s._withdraw
+
+    def after_the_end(handle: RequestHandle) -> None:
+        assert handle.done.wait(10.0)
+        told(handle)
+
+    s._withdraw = after_the_end  # type: ignore[method-assign]
+    c = Collector()
+    engine.step_delay = 0.005
+    handle = s.submit(req((20,), max_tokens=30), c)
+    wait_until(lambda: len(c.ids) >= 6)
+    handle.cancel()
+    assert c.wait().last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
+    [(reason, steps)] = metrics.reclaims
+    assert reason == "cancelled" and steps is not None and steps <= 1

@@ -1,4 +1,4 @@
-"""Prefix-cache isolation at the gateway (issue 33 item 5): every model request carries a cache_salt made of the
+"""Prefix-cache isolation at the gateway (round three of docs/reliability.md): every model request carries a cache_salt made of the
 caller's API key identity (a digest, never the key) and vLLM's cache_salt field; no key and no salt is the shared
 cache (b""); a bad cache_salt is a 400 / INVALID_ARGUMENT naming it."""
 
