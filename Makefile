@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO := demo
 PYTEST_ARGS ?=
+# The suite runs in this many pytest-xdist workers, a test file per worker at a time (1: one process, no xdist).
+PYTEST_WORKERS ?= 2
 
 AIPERF_VENV ?= .venv-aiperf
 
@@ -54,7 +56,7 @@ proto-baseline: setup  ## accept the current protos as the API baseline `make li
 	npx --no-install buf build -o protos/baseline.binpb
 
 test: setup lint  ## set up, lint the protos, run every test
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 compose-check: setup  ## docker compose for real: build the image, up --wait, gRPC + HTTP, --scale model=2, multiprocess, down (installs podman when no engine runs)
 	$(PY) scripts/compose_check.py

@@ -1,7 +1,16 @@
 """Test-wide setup, before JAX is imported anywhere: 8 host CPU devices for the sharding tests, and
-no excess precision so bfloat16 results do not depend on XLA's fusion choices (golden/README.md)."""
+no excess precision so bfloat16 results do not depend on XLA's fusion choices (golden/README.md).
+
+One JAX compilation cache serves the whole run: `make test` runs the suite in two pytest-xdist workers, and the
+controller makes the cache before it starts them, so the workers, the model services every test starts (through
+GROK_MODEL_COMPILE_CACHE, unless a test passes its own --compile-cache) and the engines built inside the
+test processes all read and write the same programs. A multi-process replica does not use it (the service says
+why in its log)."""
 
 import os
+import pathlib
+import shutil
+import tempfile
 
 import pytest
 
@@ -13,8 +22,34 @@ if "--xla_allow_excess_precision" not in _flags:
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+_CACHE_OWNER = "GROK_TEST_COMPILE_CACHE_OWNER"  # the pid of the process that made the run's cache
+if "GROK_MODEL_COMPILE_CACHE" not in os.environ:
+    os.environ["GROK_MODEL_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="grok-test-jax-cache-")
+    os.environ[_CACHE_OWNER] = str(os.getpid())
+COMPILE_CACHE = os.environ["GROK_MODEL_COMPILE_CACHE"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if os.environ.get(_CACHE_OWNER) == str(os.getpid()):
+        shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files marked slow (each starts several processes) first, in their order, so that the workers' last
+    files are short ones rather than one worker finishing a long file alone."""
+    slow = {pathlib.Path(str(item.path)) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: pathlib.Path(str(item.path)) not in slow)
+
 
 @pytest.fixture(scope="session")
-def jax_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A JAX compilation cache shared by the model services the session starts."""
-    return str(tmp_path_factory.mktemp("jax_cache"))
+def jax_cache() -> str:
+    """The run's JAX compilation cache, for the model services and tools a test starts with --compile-cache."""
+    return COMPILE_CACHE
