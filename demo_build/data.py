@@ -62,18 +62,31 @@ def load_corpus(corpus_dir: pathlib.Path, tokenizer_model: bytes, holdout_every:
     return Corpus(stream, encode_stream(sp, heldout), sentence_starts(sp, stream), tuple(train), tuple(heldout))
 
 
-def training_batches(stream: np.ndarray, starts: np.ndarray, batch: int, length: int,
-                     seed: int) -> Iterator[np.ndarray]:
+def training_batches(stream: np.ndarray, starts: np.ndarray, batch: int, length: int, seed: int,
+                     eos: int | None = None, copy_share: float = 0.0) -> Iterator[np.ndarray]:
     """Endless batches [batch, length] of windows beginning at uniformly drawn `starts` (numpy PCG64 `seed`).
-    The stream wraps around, so the last sentences start full windows too."""
+    The stream wraps around, so the last sentences start full windows too.
+
+    With `copy_share` > 0, that share of the windows (drawn per window) are copies instead: a paragraph drawn
+    uniformly, its `eos`, then the stream again from that paragraph's start (the paragraph a second time and
+    what follows it). They teach the model to continue text that its prompt already holds, as a reader
+    quoting a document asks it to (and as n-gram speculation drafts)."""
     if len(stream) < length:
         raise ValueError(f"training text has {len(stream)} tokens, fewer than one window of {length}")
     rng = np.random.default_rng(seed)
-    circular = np.concatenate([stream, stream[:length]])
+    circular = np.concatenate([stream, stream, stream[:length]])
     offsets = np.arange(length)
+    paragraphs = np.flatnonzero(np.concatenate([[True], stream[:-1] == eos])) if copy_share else None
     while True:
         chosen = starts[rng.integers(0, len(starts), batch)]
-        yield circular[chosen[:, None] + offsets]
+        windows = circular[chosen[:, None] + offsets]
+        if paragraphs is not None:
+            for row in np.flatnonzero(rng.random(batch) < copy_share):
+                first = int(paragraphs[rng.integers(0, len(paragraphs))])
+                end = first + int(np.argmax(circular[first:] == eos)) + 1  # past the paragraph's EOS
+                once = circular[first:end]
+                windows[row] = np.concatenate([once, circular[first:first + length]])[:length]
+        yield windows
 
 
 def eval_windows(stream: np.ndarray, length: int, pad: int) -> tuple[np.ndarray, np.ndarray]:

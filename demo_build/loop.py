@@ -37,6 +37,7 @@ class TrainConfig:
     clip_norm: float = 1.0
     holdout_every: int = 16
     log_every: int = 10
+    copy_share: float = 0.25  # windows that repeat a paragraph (data.training_batches)
 
 
 class LogEntry(NamedTuple):
@@ -82,7 +83,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, stream: np.ndarray, starts: 
     opt = optimizer(cfg)
     opt_state = opt.init(params)
     step = make_step(model_cfg, opt)
-    batches = training_batches(stream, starts, cfg.batch_size, cfg.seq_len + 1, cfg.seed)
+    batches = training_batches(stream, starts, cfg.batch_size, cfg.seq_len + 1, cfg.seed, model_cfg.eos_token,
+                                 cfg.copy_share)
     log: list[LogEntry] = []
     losses: list[jax.Array] = []
     start = time.monotonic()

@@ -56,7 +56,7 @@ def test_question_with_a_system_message_gets_an_answer_of_corpus_sentences(opena
 
 
 @pytest.mark.parametrize("question, subject", [("What is a slot?", "slot"),
-                                               ("How does sampling work?", "temperature"),
+                                               ("What is nucleus sampling?", "sampling"),
                                                ("What is the key and value memory?", "key and value memory")])
 def test_questions_about_other_subjects_get_corpus_answers_about_them(openai_client: OpenAI, question: str,
                                                                      subject: str) -> None:
