@@ -6,9 +6,8 @@ PY := $(VENV)/bin/python
 DEMO := demo
 PYTEST_ARGS ?=
 # The suite runs in this many pytest-xdist workers, a test file per worker at a time (1: one process, no xdist).
-# Two, one per core of the CI machine (three ran in 470 s instead of 549 s here, but once stalled a session model
-# service for 64 s: not understood yet, so not the default).
-PYTEST_WORKERS ?= 2
+# Three on two cores: many tests wait on the services they start, and a third worker fills that time.
+PYTEST_WORKERS ?= 3
 
 AIPERF_VENV ?= .venv-aiperf
 

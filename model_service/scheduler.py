@@ -127,6 +127,10 @@ class Scheduler:
             if len(self._queue) >= self.max_queue + len(self._free):
                 raise SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, f"the waiting queue is full "
                                      f"({self.max_queue} requests); retry later")
+            if not self._queue and not self._running and self._in_flight is None:
+                # The loop was idle: the watchdog's clock starts now, not at the last step before idling (the
+                # decode thread may take a while to wake on a busy machine).
+                self._beat = time.monotonic()
             self._queue.append(handle)
             self.metrics.set_queued(len(self._queue))
             self._cond.notify_all()

@@ -486,3 +486,17 @@ def test_steps_after_a_cancel_count_from_the_cancel_even_when_the_decode_thread_
     assert c.wait().last.error is not None and c.last.error.kind is ErrorKind.CANCELLED
     [(reason, steps)] = metrics.reclaims
     assert reason == "cancelled" and steps is not None and steps <= 1
+
+
+def test_a_request_arriving_after_an_idle_spell_is_not_counted_as_stalled_before_the_loop_wakes(
+        engine: FakeEngine, running: Runner) -> None:
+    # The watchdog reads the heartbeat from another thread: between a request's arrival and the decode thread
+    # waking up, the time of the last progress must not be that of the last step before the loop went idle (a
+    # CI run on a busy box saw "no decode step for 64.2 s with 1 request(s) pending" after 64 s of idling, and
+    # the watchdog failed the request). Here the decode thread never wakes, so the arrival is all it sees.
+    s = running(engine, start=False)
+    s._accepting = True  # admission open, the decode thread not started
+    arrived = time.monotonic()
+    s.submit(req((20,), max_tokens=2), Collector())
+    beat = s.heartbeat()
+    assert beat.pending == 1 and beat.at >= arrived
