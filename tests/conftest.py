@@ -30,11 +30,9 @@ COMPILE_CACHE = os.environ["GROK_MODEL_COMPILE_CACHE"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    import jax
+    from model_service.__main__ import configure_jax  # the cache settings a model service applies
 
-    jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    configure_jax(COMPILE_CACHE)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
