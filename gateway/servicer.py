@@ -7,6 +7,7 @@ status; GetInfo answers what a public client needs, never file paths or backend 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -76,8 +77,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest,  # noqa: N802 (gRPC's name)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        async for message in self._run(request, context, "Generate"):
-            yield message
+        async with contextlib.aclosing(self._run(request, context, "Generate")) as messages:
+            async for message in messages:
+                yield message
 
     async def Chat(self, request: gateway_pb2.ChatRequest,  # noqa: N802
                    context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.ChatResponse]:
@@ -88,10 +90,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         generation = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         prompt = self.template.render_turns(turns, generation)
         generate = gateway_pb2.GenerateRequest(prompt=prompt, sampling=request.sampling)
-        async for message in self._run(generate, context, "Chat", chat=True):
-            yield gateway_pb2.ChatResponse(text=message.text, tokens=message.tokens,
-                                           finish_reason=message.finish_reason, usage=message.usage,
-                                           timings=message.timings, index=message.index)
+        async with contextlib.aclosing(self._run(generate, context, "Chat", chat=True)) as messages:
+            async for message in messages:
+                yield gateway_pb2.ChatResponse(text=message.text, tokens=message.tokens,
+                                               finish_reason=message.finish_reason, usage=message.usage,
+                                               timings=message.timings, index=message.index)
 
     async def Complete(self, request: gateway_pb2.CompleteRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> gateway_pb2.CompleteResponse:
@@ -142,16 +145,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         tokens = {"prompt_tokens": 0, "completion_tokens": 0}
         try:
             remaining(deadline_of(context))
-            async for message in self.pipeline.stream(request, deadline_of(context), request_id, method, chat):
-                if message.finish_reason:
-                    finish = gateway_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_")
-                    tokens["prompt_tokens"] = message.usage.prompt_tokens
-                    tokens["completion_tokens"] += message.usage.completion_tokens
-                yield message
+            # aclosing: a handler closed early cancels its model call now, not at garbage collection.
+            async with contextlib.aclosing(self.pipeline.stream(request, deadline_of(context), request_id, method,
+                                                                chat)) as messages:
+                async for message in messages:
+                    if message.finish_reason:
+                        finish = gateway_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_")
+                        tokens["prompt_tokens"] = message.usage.prompt_tokens
+                        tokens["completion_tokens"] += message.usage.completion_tokens
+                    yield message
         except GatewayError as error:
             code = error.code.name
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # GeneratorExit: the client's cancel reached gRPC while it was sending a message; it closes the
+            # handler's generator instead of cancelling the handler.
             code = cancellation_code(context.time_remaining())
             raise
         except Exception:

@@ -14,6 +14,7 @@ deadline expiry cancel the request, which frees its slot at the next step bounda
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
@@ -246,14 +247,18 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         code = grpc.StatusCode.OK
         spans = GenerateTrace(trace.get_current_span())  # under the call's span (the shared interceptor's)
         try:
-            async for response in self._stream(request, context, rid):
-                spans.observe(response)
-                yield response
+            # aclosing: a handler closed early cancels its request now, not at garbage collection.
+            async with contextlib.aclosing(self._stream(request, context, rid)) as responses:
+                async for response in responses:
+                    spans.observe(response)
+                    yield response
         except SchedulerError as e:
             code = STATUS[e.kind]
             if e.kind is not ErrorKind.CANCELLED:  # a cancelled call's status is the client's already
                 raise  # serving_common.errors.status_of gives its status
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # GeneratorExit: the caller's cancel reached gRPC while it was sending a response; it closes the
+            # handler's generator instead of cancelling the handler.
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception:
