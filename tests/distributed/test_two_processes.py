@@ -90,20 +90,28 @@ def test_process_0_serves_one_mesh_spanning_both_processes(group: Group) -> None
     assert group.follower.proc.poll() is None
 
 
-def test_seeded_golden_requests_reproduce_the_reference_across_two_processes(group: Group) -> None:
-    cases = golden_requests()
-    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-        outputs = list(pool.map(lambda c: generate(group.stub, golden_message(c)), cases))
-    assert outputs == [c["output_ids"] for c in cases]
-
-
-def test_greedy_golden_continuations_reproduce_the_reference_across_two_processes(group: Group) -> None:
+@pytest.fixture(scope="module")
+def golden_answers(group: Group) -> dict[str, list[list[int]]]:
+    """The seeded golden requests and the greedy continuations, sent together: a step of this group waits
+    ~0.2 s in its cross-process collectives whatever its rows, so the two sets share their steps."""
     gold = np.load(GOLDEN / "model_fp32.npz")
-    prompts = [gold[f"p{p}_prompt"].tolist() for p in range(4)]
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        outputs = list(pool.map(lambda p: generate(group.stub, model_pb2.GenerateRequest(
-            token_ids=p, temperature=0.0, max_tokens=24, ignore_eos=True)), prompts))
-    assert outputs == [gold[f"p{p}_greedy_tokens"].tolist() for p in range(4)]
+    seeded = [golden_message(c) for c in golden_requests()]
+    greedy = [model_pb2.GenerateRequest(token_ids=gold[f"p{p}_prompt"].tolist(), temperature=0.0, max_tokens=24,
+                                        ignore_eos=True) for p in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(len(seeded) + len(greedy)) as pool:
+        outputs = list(pool.map(lambda r: generate(group.stub, r), seeded + greedy))
+    return {"seeded": outputs[:len(seeded)], "greedy": outputs[len(seeded):]}
+
+
+def test_seeded_golden_requests_reproduce_the_reference_across_two_processes(
+        golden_answers: dict[str, list[list[int]]]) -> None:
+    assert golden_answers["seeded"] == [c["output_ids"] for c in golden_requests()]
+
+
+def test_greedy_golden_continuations_reproduce_the_reference_across_two_processes(
+        golden_answers: dict[str, list[list[int]]]) -> None:
+    gold = np.load(GOLDEN / "model_fp32.npz")
+    assert golden_answers["greedy"] == [gold[f"p{p}_greedy_tokens"].tolist() for p in range(4)]
 
 
 def test_each_process_reads_only_its_half_of_the_checkpoint(group: Group) -> None:
