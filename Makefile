@@ -57,7 +57,7 @@ proto-baseline: setup  ## accept the current protos as the API baseline `make li
 	npx --no-install buf build -o protos/baseline.binpb
 
 test: setup lint  ## set up, lint the protos, run every test
-	$(PY) -m pytest $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 compose-check: setup  ## docker compose for real: build the image, up --wait, gRPC + HTTP, --scale model=2, multiprocess, down (installs podman when no engine runs)
 	$(PY) scripts/compose_check.py
