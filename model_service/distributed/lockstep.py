@@ -58,21 +58,24 @@ class JaxChannel:
 
 
 def send(channel: Channel, codec: Codec, call: Call) -> Call:
-    """Process 0's side of one call: the header, then the payload it announces. Returns the call as the
+    """Process 0's side of one call: one message with the header and a step's always-present parts (all a
+    decode step needs), then, only when the header announces them, the other parts. Returns the call as the
     followers decode it, which is what process 0 must run too (e.g. its floats rounded to float32)."""
     header = codec.header(call)
     payload = codec.payload(call)
-    channel.broadcast((header,))
-    if payload:
-        channel.broadcast(payload)
+    base = len(codec.base_shapes(header))
+    channel.broadcast((codec.first_message(header, payload[:base]),))
+    if payload[base:]:
+        channel.broadcast(payload[base:])
     return codec.decode(header, payload)
 
 
 def receive(channel: Channel, codec: Codec) -> Call:
     """A follower's side of `send`."""
-    (header,) = channel.broadcast((codec.empty_header(),))
-    empty = codec.empty_payload(header)
-    payload = channel.broadcast(empty) if empty else ()
+    (first,) = channel.broadcast((codec.empty_first_message(),))
+    header, base = codec.split_first_message(first)
+    rest = codec.empty_payload(header)[len(base):]
+    payload = base + (channel.broadcast(rest) if rest else ())
     return codec.decode(header, payload)
 
 

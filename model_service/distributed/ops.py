@@ -7,10 +7,12 @@ before each Engine call process 0 broadcasts it (`Codec.header` / `Codec.payload
 itself included, executes the decoded call on its own `Replica`. Because both sides execute the *decoded*
 call, their engines receive identical arguments by construction.
 
-A step is a header [HEADER_SIZE] (op, call number, rows in use, how many slots start, how many masks, whether
-rows are scored) and then its parts, each a separate broadcast whose shape the header and the engine's
-configuration fix: the rows, the starts (settings, token sets as bitmaps over the vocabulary, the tokens the
-penalties count), the masks (bitmaps), the scored rows.
+A call is one fixed-size message, a header [HEADER_SIZE] (op, call number, rows in use, how many slots start,
+how many masks, whether rows are scored) followed by the parts every step has (the rows, the block tables, the
+draws): a decode step is that one broadcast. Only a step that has them sends its other parts next, in one
+broadcast whose shapes the header and the engine's configuration fix: the starts (settings, token sets as
+bitmaps over the vocabulary, the tokens the penalties count), the masks (bitmaps), the scored rows, the
+speculative chains.
 """
 
 from __future__ import annotations
@@ -92,12 +94,40 @@ class Codec:
     def empty_header(self) -> np.ndarray:
         return np.zeros((HEADER_SIZE,), np.int32)
 
+    def base_shapes(self, header: np.ndarray) -> list[tuple[int, ...]]:
+        """The parts every STEP has (rows, block tables, draws): they travel with the header."""
+        if Op(int(header[Field.OP])) != Op.STEP:
+            return []
+        return [(4, self.rows), (self.slots, self.table_len), (2, self.samples)]
+
+    def first_message(self, header: np.ndarray, base: Sequence[np.ndarray]) -> np.ndarray:
+        """The header and a step's base parts in one fixed-size array (zeros where a call has no parts)."""
+        out = self.empty_first_message()
+        out[:HEADER_SIZE] = header
+        flat = np.concatenate([np.asarray(a, np.int32).ravel() for a in base]) if base else out[:0]
+        out[HEADER_SIZE:HEADER_SIZE + flat.size] = flat
+        return out
+
+    def empty_first_message(self) -> np.ndarray:
+        words = sum(int(np.prod(shape)) for shape in self.base_shapes(np.array([Op.STEP] + [0] * (HEADER_SIZE - 1))))
+        return np.zeros((HEADER_SIZE + words,), np.int32)
+
+    def split_first_message(self, first: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """`first_message`'s header and base parts."""
+        header = np.asarray(first[:HEADER_SIZE], np.int32)
+        parts, at = [], HEADER_SIZE
+        for shape in self.base_shapes(header):
+            n = int(np.prod(shape))
+            parts.append(np.asarray(first[at:at + n], np.int32).reshape(shape))
+            at += n
+        return header, tuple(parts)
+
     def shapes(self, header: np.ndarray) -> list[tuple[int, ...]]:
         """The payload arrays' shapes a header announces (none unless it is a STEP)."""
         if Op(int(header[Field.OP])) != Op.STEP:
             return []
         r, s, w = self.rows, self.slots, self.bitmap_words
-        out = [(4, r), (s, self.table_len), (2, self.samples)]
+        out = self.base_shapes(header)
         if header[Field.STARTS]:
             out += [(s, START_WORDS), (s, 2, w), (s, self.context)]
         if header[Field.MASKS]:

@@ -146,9 +146,9 @@ def test_shutdown_ends_the_follower_loop_cleanly(group: Any) -> None:
 
 
 def keepalives(wire: Wire) -> int:
-    """NOOP headers the leader has sent so far."""
-    headers = [message[0] for message in list(wire.sent) if len(message) == 1]
-    return sum(1 for header in headers if header.shape == (HEADER_SIZE,) and header[0] == Op.NOOP)
+    """NOOP calls the leader has sent so far (each a first message: the header, then zeros)."""
+    firsts = [message[0] for message in list(wire.sent) if len(message) == 1 and message[0].ndim == 1]
+    return sum(1 for first in firsts if first.shape[0] >= HEADER_SIZE and first[0] == Op.NOOP)
 
 
 def test_idle_leader_sends_keepalives_the_follower_receives() -> None:
@@ -272,3 +272,21 @@ def test_receive_reads_exactly_what_send_wrote() -> None:
     send(LeaderEnd(wire), codec, Call(Op.STEP, seq=3, batch=batch))
     got = receive(FollowerEnd(wire), codec)
     assert got.op == Op.STEP and got.seq == 3 and got.batch is not None and same_batch(got.batch, batch)
+
+
+def test_a_decode_step_is_one_broadcast_and_a_step_that_starts_a_slot_two() -> None:
+    """The header travels with the parts every step has; only starts, masks, scores and drafts add a message."""
+    wire, engine = Wire(), RecordingEngine(slots=2, vocab_size=40)
+    codec = codec_for(engine)
+    tables = np.arange(2 * engine.table_len, dtype=np.int32).reshape(2, -1)
+    decode = StepBatch(np.arange(16, dtype=np.int32), np.arange(16) % 2 == 0, np.arange(16, dtype=np.int32),
+                       np.zeros(16, np.int32), 2, tables, np.array([0, 1], np.int32), np.array([0, 1], np.int32))
+    start = dataclasses.replace(decode, starts=(SlotStart(1, 7, SamplingSettings(), (1, 2), ()),))
+    for batch, messages in ((decode, 1), (start, 2)):
+        before = len(wire.sent)
+        send(LeaderEnd(wire), codec, Call(Op.STEP, seq=1, batch=batch))
+        got = receive(FollowerEnd(wire), codec)
+        assert len(wire.sent) - before == messages
+        assert got.batch is not None and same_batch(got.batch, batch)
+    send(LeaderEnd(wire), codec, Call(Op.NOOP, seq=3))
+    assert receive(FollowerEnd(wire), codec) == Call(Op.NOOP, 3) and len(wire.sent[-1]) == 1
