@@ -13,6 +13,7 @@ from grok.model.v1 import model_pb2
 from model_service.metrics import Metrics
 from model_service.requests import Emission, TokenOut
 from model_service.servicer import ModelServicer
+from tests.waiting import wait_until_async
 
 
 class Handle:
@@ -65,7 +66,8 @@ def test_a_generate_closed_after_a_response_counts_as_cancelled_and_cancels_the_
         assert list(first.token_ids) == [7]
         await stream.aclose()  # what gRPC does when the cancel arrives during its send
         cancelled = scheduler.handles[0].cancelled
-        await asyncio.sleep(0.05)  # the server's loop runs on (a generator left behind is finalized now)
+        await wait_until_async(lambda: [r for r in caplog.records if r.msg == "generate finished"],
+                               message="the call never finished")
         return cancelled
 
     with caplog.at_level(logging.INFO, logger="model_service.servicer"):

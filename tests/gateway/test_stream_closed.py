@@ -14,6 +14,7 @@ import pytest
 from gateway.config import GatewayConfig
 from gateway.servicer import GatewayServicer
 from grok.gateway.v1 import gateway_pb2
+from tests.waiting import wait_until_async
 
 
 class Metrics:
@@ -57,7 +58,7 @@ def test_a_stream_closed_after_a_message_counts_as_cancelled_and_closes_the_mode
         await anext(stream)
         await stream.aclose()  # what gRPC does when the cancel arrives during its send
         closed = pipeline.closed
-        await asyncio.sleep(0.05)  # the server's loop runs on (a generator left behind is finalized now)
+        await wait_until_async(lambda: pipeline.metrics.codes, message="the call was never counted")
         return closed
 
     with caplog.at_level(logging.INFO, logger="gateway.servicer"):
