@@ -80,6 +80,8 @@ class Codec:
         self.rows, self.samples, self.slots, self.drafts = rows, samples, slots, drafts
         self.table_len, self.context, self.vocab_size = table_len, context, vocab_size
         self.bitmap_words = -(-vocab_size // 32)
+        self._base = [(4, rows), (slots, table_len), (2, samples)]  # rows, block tables, draws
+        self._first_words = HEADER_SIZE + sum(int(np.prod(shape)) for shape in self._base)
 
     def header(self, call: Call) -> np.ndarray:
         h = np.zeros((HEADER_SIZE,), np.int32)
@@ -91,14 +93,9 @@ class Codec:
             h[Field.SPECULATIVE] = b.sample_chain is not None
         return h
 
-    def empty_header(self) -> np.ndarray:
-        return np.zeros((HEADER_SIZE,), np.int32)
-
     def base_shapes(self, header: np.ndarray) -> list[tuple[int, ...]]:
         """The parts every STEP has (rows, block tables, draws): they travel with the header."""
-        if Op(int(header[Field.OP])) != Op.STEP:
-            return []
-        return [(4, self.rows), (self.slots, self.table_len), (2, self.samples)]
+        return list(self._base) if Op(int(header[Field.OP])) == Op.STEP else []
 
     def first_message(self, header: np.ndarray, base: Sequence[np.ndarray]) -> np.ndarray:
         """The header and a step's base parts in one fixed-size array (zeros where a call has no parts)."""
@@ -109,8 +106,7 @@ class Codec:
         return out
 
     def empty_first_message(self) -> np.ndarray:
-        words = sum(int(np.prod(shape)) for shape in self.base_shapes(np.array([Op.STEP] + [0] * (HEADER_SIZE - 1))))
-        return np.zeros((HEADER_SIZE + words,), np.int32)
+        return np.zeros((self._first_words,), np.int32)
 
     def split_first_message(self, first: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         """`first_message`'s header and base parts."""
