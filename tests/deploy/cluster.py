@@ -10,7 +10,9 @@ publishes not-ready addresses), which is what a `dns:///` client sees when a Dep
 from __future__ import annotations
 
 import pathlib
+import signal
 import socket
+import subprocess
 import time
 from collections.abc import Mapping
 
@@ -92,9 +94,20 @@ class LocalCluster:
         return self.procs[local.pod.name].logs()
 
     def stop(self) -> dict[str, int]:
-        """SIGTERM every pod, newest first; SIGKILL after its terminationGracePeriodSeconds."""
-        for name in reversed(list(self.procs)):
-            if name not in self.exit_codes:
-                grace = float(self.pods[name].pod.spec.get("terminationGracePeriodSeconds", 30))
-                self.exit_codes[name] = self.procs[name].terminate(timeout=grace)
+        """SIGTERM every pod at once (as the kubelet does when their workloads are deleted), then SIGKILL each
+        still running after its terminationGracePeriodSeconds; the exit codes."""
+        running = [name for name in self.procs if name not in self.exit_codes]
+        sent = time.monotonic()
+        for name in running:
+            if self.procs[name].proc.poll() is None:
+                self.procs[name].proc.send_signal(signal.SIGTERM)
+        for name in running:
+            grace = float(self.pods[name].pod.spec.get("terminationGracePeriodSeconds", 30))
+            proc = self.procs[name].proc
+            try:
+                proc.wait(max(0.0, sent + grace - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            self.exit_codes[name] = proc.returncode
         return self.exit_codes

@@ -177,6 +177,9 @@ def test_multiprocess_group_serves_a_completion_through_the_gateway(
         with GatewayClient(gateway_address(running)) as client:
             reply = client.complete("two processes", max_tokens=4, ignore_eos=True, seed=1, timeout=120)
         assert reply.usage.completion_tokens == 4
+        # Deleting the pods SIGTERMs them together: process 0 drains and shuts the group down; none is killed.
+        codes = running.stop()
+        assert codes == {name: 0 for name in codes}, {n: running.logs(running.pods[n])[-2000:] for n in codes if codes[n]}
     finally:
         running.stop()
         dns.close()
