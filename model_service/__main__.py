@@ -218,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     compile_cache = args.compile_cache
     if dist is not None and compile_cache:
-        # JAX writes cache entries only from process 0 and the others' cache keys differ, so a cache cannot
-        # shorten a group's start; it would only let process 0 reach each program's first collective long
-        # before the others (gloo on CPU waits 30 s for a new clique).
+        # A group compiles each program once, on process 0, and sends it to the others (distributed/config.py,
+        # compile_once). A persistent cache cannot join that: JAX writes entries from process 0 only, so on a
+        # restart process 0 would load a program the others wait for in vain.
         logging.getLogger(__name__).warning("--compile-cache is not used by a multi-process replica")
         compile_cache = None
     prepare_process()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from model_service.config import ConfigError, MeshConfig
 
@@ -74,3 +75,57 @@ def initialize(config: DistributedConfig) -> None:
         heartbeat_timeout_seconds=config.heartbeat_timeout)
     log.info("joined the process group", extra={"process_id": jax.process_index(), "devices": jax.device_count(),
                                                  "local_devices": jax.local_device_count()})
+    compile_once(config)
+
+
+# A program that spans the group is compiled by process 0 alone and sent to the others through the coordination
+# service (JAX's share_binary_between_hosts), instead of every process compiling the same program. JAX finds a
+# shared program by its persistent-cache key, so the cache is switched on with a path that is the same string on
+# every process and a threshold no compile reaches (nothing is written there), and on CPU the key's device part is
+# made the same on every process: JAX hashes each process's own view of the CPU topology into it.
+SHARED_PROGRAMS_DIR = "/tmp/grok-model-group-programs"
+NEVER_WRITTEN_SECONDS = 1e9
+
+
+def compile_once(config: DistributedConfig, directory: str = SHARED_PROGRAMS_DIR) -> bool:
+    """Let process 0 compile the group's programs for every process (CPU backends; others keep JAX's default).
+    Every process says whether it can; it is switched on only if all can, so no process waits for a program
+    that process 0 never sends. Returns whether it is on."""
+    import os
+
+    import jax
+    from jax._src import cache_key
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    able = jax.default_backend() == "cpu" and client is not None and hasattr(cache_key, "_hash_accelerator_config")
+    if able:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            able = os.access(directory, os.W_OK)
+        except OSError:
+            able = False
+    if client is None:
+        return False
+    client.key_value_set(f"grok_compile_once/{config.process_id}", "1" if able else "0")
+    everyone = all(client.blocking_key_value_get(f"grok_compile_once/{i}", 300_000) == "1"
+                   for i in range(config.num_processes))
+    if everyone:
+        cache_key._hash_accelerator_config = _same_cpu_topology_everywhere(cache_key._hash_accelerator_config)
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", NEVER_WRITTEN_SECONDS)
+        jax.config.update("jax_share_binary_between_hosts", True)
+    log.info("programs compiled once for the group" if everyone else "every process compiles the group's programs",
+             extra={"process_id": config.process_id})
+    return everyone
+
+
+def _same_cpu_topology_everywhere(hash_topology: Any) -> Any:
+    """JAX's device part of a program's cache key, with CPU devices described by what every process sees alike."""
+    def hash_devices(hash_obj: Any, devices: Any) -> None:
+        flat = list(devices.flat)
+        if flat and all(d.platform == "cpu" for d in flat):
+            hash_obj.update(repr([(d.id, d.process_index, d.device_kind) for d in flat]).encode())
+        else:
+            hash_topology(hash_obj, devices)
+    return hash_devices

@@ -71,3 +71,63 @@ def test_processes_go_on_the_data_axis_when_they_divide_it_else_on_the_model_axi
         default_between_hosts(MeshConfig(1, 8), 3)
     with pytest.raises(ConfigError, match="must divide the mesh"):
         local_mesh_shape(MeshConfig(1, 8), MeshConfig(2, 1))
+
+
+class FakeDevice:
+    def __init__(self, id: int, process_index: int, platform: str = "cpu") -> None:
+        self.id, self.process_index, self.platform, self.device_kind = id, process_index, platform, "cpu"
+
+
+def test_a_programs_device_key_is_the_same_on_every_process_of_a_cpu_group() -> None:
+    """JAX hashes each process's own view of the CPU topology into a program's key; the shared key describes
+    the program's devices alone, so process 1 finds the program process 0 sent."""
+    import hashlib
+
+    import numpy as np
+
+    from model_service.distributed.config import _same_cpu_topology_everywhere
+
+    views = []
+
+    def per_process_view(hash_obj, devices):  # what JAX's own hash does: it differs per process
+        hash_obj.update(str(len(views)).encode())
+
+    for _ in range(2):
+        h = hashlib.sha256()
+        _same_cpu_topology_everywhere(per_process_view)(h, np.array([FakeDevice(i, i // 2) for i in range(4)]))
+        views.append(h.hexdigest())
+    assert views[0] == views[1]
+    other = hashlib.sha256()
+    _same_cpu_topology_everywhere(per_process_view)(other, np.array([FakeDevice(i, 0) for i in range(4)]))
+    assert other.hexdigest() != views[0]  # other devices, another program
+    gpu, fallback = hashlib.sha256(), hashlib.sha256()
+    _same_cpu_topology_everywhere(per_process_view)(gpu, np.array([FakeDevice(0, 0, "gpu")]))
+    per_process_view(fallback, None)
+    assert gpu.hexdigest() == fallback.hexdigest()  # accelerators keep JAX's own key
+
+
+def test_compiling_once_stays_off_unless_every_process_can(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A process that cannot take part (here process 1) turns it off for all: none waits for a program that
+    process 0 would not send."""
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    from model_service.distributed.config import compile_once
+
+    class Store:
+        def __init__(self) -> None:
+            self.values = {"grok_compile_once/1": "0"}
+
+        def key_value_set(self, key: str, value: str) -> None:
+            self.values[key] = value
+
+        def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+            return self.values[key]
+
+    store = Store()
+    jax.devices()  # this process's backend, made before the group's client is faked
+    monkeypatch.setattr(jax_distributed.global_state, "client", store)
+    before = (jax.config.jax_share_binary_between_hosts, jax.config.jax_compilation_cache_dir)
+    assert not compile_once(DistributedConfig("127.0.0.1:1", 2, 0), str(tmp_path / "programs"))
+    assert store.values["grok_compile_once/0"] == "1"  # process 0 could
+    assert (jax.config.jax_share_binary_between_hosts, jax.config.jax_compilation_cache_dir) == before

@@ -88,6 +88,8 @@ def test_process_0_serves_one_mesh_spanning_both_processes(group: Group) -> None
     info = group.stub.GetInfo(model_pb2.GetInfoRequest(), timeout=10)
     assert (info.mesh_data, info.mesh_model, info.device_count) == (1, 8, 8)
     assert group.follower.proc.poll() is None
+    for service in (group.leader, group.follower):  # process 0 compiled the programs; the follower loaded them
+        assert any(r.get("msg") == "programs compiled once for the group" for r in service.log_records())
 
 
 @pytest.fixture(scope="module")
