@@ -115,6 +115,8 @@ def compile_once(config: DistributedConfig, directory: str = SHARED_PROGRAMS_DIR
         jax.config.update("jax_compilation_cache_dir", directory)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", NEVER_WRITTEN_SECONDS)
         jax.config.update("jax_share_binary_between_hosts", True)
+        # a follower waits for each program as long as the group may take to start (JAX's default: 20 minutes)
+        jax.config.update("jax_share_binary_between_hosts_timeout_ms", int(config.startup_timeout * 1000))
     log.info("programs compiled once for the group" if everyone else "every process compiles the group's programs",
              extra={"process_id": config.process_id})
     return everyone
