@@ -9,7 +9,6 @@ the code under test writes) where the code offers one; poll only what has no eve
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -30,16 +29,3 @@ def wait_until(predicate: Callable[[], T], timeout: float = 5.0, interval: float
             raise AssertionError(f"{message() if callable(message) else message} (waited {timeout} s)")
         time.sleep(interval)
 
-
-
-async def wait_until_async(predicate: Callable[[], T], timeout: float = 5.0, interval: float = 0.001,
-                           message: Message = "the condition did not become true") -> T:
-    """`wait_until` inside a running event loop: the loop runs its other tasks between checks."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{message() if callable(message) else message} (waited {timeout} s)")
-        await asyncio.sleep(interval)
