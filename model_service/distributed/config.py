@@ -98,15 +98,15 @@ def compile_once(config: DistributedConfig, directory: str = SHARED_PROGRAMS_DIR
     from jax._src import distributed as jax_distributed
 
     client = jax_distributed.global_state.client
-    able = jax.default_backend() == "cpu" and client is not None and hasattr(cache_key, "_hash_accelerator_config")
+    if client is None:
+        return False
+    able = jax.default_backend() == "cpu" and hasattr(cache_key, "_hash_accelerator_config")
     if able:
         try:
             os.makedirs(directory, exist_ok=True)
             able = os.access(directory, os.W_OK)
         except OSError:
             able = False
-    if client is None:
-        return False
     client.key_value_set(f"grok_compile_once/{config.process_id}", "1" if able else "0")
     everyone = all(client.blocking_key_value_get(f"grok_compile_once/{i}", 300_000) == "1"
                    for i in range(config.num_processes))

@@ -179,7 +179,8 @@ def test_multiprocess_group_serves_a_completion_through_the_gateway(
         assert reply.usage.completion_tokens == 4
         # Deleting the pods SIGTERMs them together: process 0 drains and shuts the group down; none is killed.
         codes = running.stop()
-        assert codes == {name: 0 for name in codes}, {n: running.logs(running.pods[n])[-2000:] for n in codes if codes[n]}
+        failed = {name: running.logs(running.pods[name])[-2000:] for name, code in codes.items() if code}
+        assert codes == {name: 0 for name in codes}, failed
     finally:
         running.stop()
         dns.close()
