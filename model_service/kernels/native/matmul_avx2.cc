@@ -16,6 +16,7 @@ namespace {
 struct Avx2 {
   using Reg = __m256;
   static constexpr int kWidth = 8;
+  static constexpr int kRegs = 16;  // vector registers
   static constexpr int kPerBlock = 2;
   static constexpr int kPanelRows = 6;   // 6 x 2 accumulators + 2 weights + 1 broadcast of 16 registers
   static constexpr int kPanelGroup = 1;
@@ -30,11 +31,6 @@ struct Avx2 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
   static void Prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
-  static Reg LoadWeight(const MatmulArgs& a, int64_t i) {
-    if (a.type == Weight::kInt8) return FromInt8(static_cast<const int8_t*>(a.w) + i);
-    if (a.type == Weight::kBf16) return FromBf16(static_cast<const uint16_t*>(a.w) + i);
-    return _mm256_loadu_ps(static_cast<const float*>(a.w) + i);
-  }
   static Reg Fma(Reg x, Reg w, Reg acc) { return _mm256_fmadd_ps(x, w, acc); }
   static Reg Mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
   static Reg Add(Reg a, Reg b) { return _mm256_add_ps(a, b); }

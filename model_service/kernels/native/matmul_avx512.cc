@@ -16,6 +16,7 @@ namespace {
 struct Avx512 {
   using Reg = __m512;
   static constexpr int kWidth = 16;
+  static constexpr int kRegs = 32;  // vector registers
   static constexpr int kPerBlock = 1;
   static constexpr int kPanelRows = 6;   // 6 x 4 accumulators + 4 weights + 1 broadcast of 32 registers
   static constexpr int kPanelGroup = 4;
@@ -28,11 +29,6 @@ struct Avx512 {
   static Reg FromBf16(const uint16_t* p) {  // a bfloat16 is the high half of the float32 with the same value
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  static Reg LoadWeight(const MatmulArgs& a, int64_t i) {
-    if (a.type == Weight::kInt8) return FromInt8(static_cast<const int8_t*>(a.w) + i);
-    if (a.type == Weight::kBf16) return FromBf16(static_cast<const uint16_t*>(a.w) + i);
-    return _mm512_loadu_ps(static_cast<const float*>(a.w) + i);
   }
   static void Prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
   static Reg Fma(Reg x, Reg w, Reg acc) { return _mm512_fmadd_ps(x, w, acc); }

@@ -1,8 +1,9 @@
 // The rows form of the vector kernel, written once over a small vector interface `V` (AVX-512: one register per 16-column
 // block; AVX2: two). Included by one translation unit per instruction set, each compiled for its target.
 //
-// The listed rows (a.rows) are taken R (<= 4) at a time and column blocks G (<= 4) at a time, so one weight load feeds R fused
-// multiply-adds and G x R independent accumulator chains hide the FMA latency. Neither R nor G changes the
+// The listed rows (a.rows) are taken R (<= 4) at a time and column blocks G (<= 4, fewer where the registers would not
+// hold them) at a time, so one weight load feeds R fused multiply-adds and G x R independent accumulator chains
+// hide the FMA latency. Neither R nor G changes the
 // per-column operation order: acc = fma(x[k], w[k], acc) for k in order within a scale block, then
 // acc * scale, then out + acc over blocks.
 #include "matmul.h"
@@ -10,10 +11,32 @@
 namespace grok {
 namespace body {
 
-template <class V, int R, int G>
+// The weight's values at element i converted to float32 (exact for every type), for a type fixed at compile time
+// so the inner loop has no branch on it.
+template <class V, Weight T>
+inline typename V::Reg Load(const void* w, int64_t i) {
+  if constexpr (T == Weight::kInt8) return V::FromInt8(static_cast<const int8_t*>(w) + i);
+  if constexpr (T == Weight::kBf16) return V::FromBf16(static_cast<const uint16_t*>(w) + i);
+  if constexpr (T == Weight::kF32) return V::Load(static_cast<const float*>(w) + i);
+}
+
+// The most column blocks an R-row tile takes at once: its R x G x kPerBlock accumulators, one block's converted
+// weight (kPerBlock registers) and the R broadcasts must fit in the V::kRegs vector registers with one to
+// spare. A tile that does not fit spills accumulators to the stack, and each spilled chain then waits on a store
+// and a load every k (on AVX2's 16 registers a 1-row x 4-block tile ran at half speed that way).
+template <class V>
+constexpr int MaxGroup(int rows) {
+  for (int g = kGroup; g > 1; --g)
+    if (rows * g * V::kPerBlock + V::kPerBlock + rows <= V::kRegs - 1) return g;
+  return 1;
+}
+
+template <class V, Weight T, int R, int G>
 inline void Tile(const MatmulArgs& a, int64_t row, int64_t block) {
   using Reg = typename V::Reg;
   const int64_t kb = a.k / a.blocks;
+  const float* x[R];
+  for (int r = 0; r < R; ++r) x[r] = a.x + a.rows[row + r] * a.k;
   Reg out[R][G][V::kPerBlock];
   for (int64_t b = 0; b < a.blocks; ++b) {
     Reg acc[R][G][V::kPerBlock];
@@ -21,16 +44,13 @@ inline void Tile(const MatmulArgs& a, int64_t row, int64_t block) {
       for (int g = 0; g < G; ++g)
         for (int h = 0; h < V::kPerBlock; ++h) acc[r][g][h] = V::Zero();
     for (int64_t k = b * kb; k < (b + 1) * kb; ++k) {
-      Reg w[G][V::kPerBlock];
-      for (int g = 0; g < G; ++g) {
-        const int64_t offset = ((block + g) * a.k + k) * kLanes;
-        for (int h = 0; h < V::kPerBlock; ++h) w[g][h] = V::LoadWeight(a, offset + h * V::kWidth);
-      }
-      for (int r = 0; r < R; ++r) {
-        const Reg xr = V::Broadcast(a.x[a.rows[row + r] * a.k + k]);
-        for (int g = 0; g < G; ++g)
-          for (int h = 0; h < V::kPerBlock; ++h) acc[r][g][h] = V::Fma(xr, w[g][h], acc[r][g][h]);
-      }
+      Reg xr[R];
+      for (int r = 0; r < R; ++r) xr[r] = V::Broadcast(x[r][k]);
+      for (int g = 0; g < G; ++g)
+        for (int h = 0; h < V::kPerBlock; ++h) {
+          const Reg w = Load<V, T>(a.w, ((block + g) * a.k + k) * kLanes + h * V::kWidth);
+          for (int r = 0; r < R; ++r) acc[r][g][h] = V::Fma(xr[r], w, acc[r][g][h]);
+        }
     }
     for (int g = 0; g < G; ++g) {
       for (int h = 0; h < V::kPerBlock; ++h) {
@@ -51,28 +71,41 @@ inline void Tile(const MatmulArgs& a, int64_t row, int64_t block) {
       }
 }
 
-template <class V, int R>
+// R rows over `groups` (<= kGroup) column blocks from `block`, at most MaxGroup<V>(R) blocks per tile.
+template <class V, Weight T, int R>
 inline void Rows(const MatmulArgs& a, int64_t row, int64_t block, int64_t groups) {
-  switch (groups) {
-    case 4: Tile<V, R, 4>(a, row, block); break;
-    case 3: Tile<V, R, 3>(a, row, block); break;
-    case 2: Tile<V, R, 2>(a, row, block); break;
-    default: Tile<V, R, 1>(a, row, block); break;
+  constexpr int64_t cap = MaxGroup<V>(R);
+  for (int64_t g0 = 0; g0 < groups; g0 += cap) {
+    switch (groups - g0 < cap ? groups - g0 : cap) {
+      case 4: Tile<V, T, R, 4>(a, row, block + g0); break;
+      case 3: Tile<V, T, R, 3>(a, row, block + g0); break;
+      case 2: Tile<V, T, R, 2>(a, row, block + g0); break;
+      default: Tile<V, T, R, 1>(a, row, block + g0); break;
+    }
+  }
+}
+
+template <class V, Weight T>
+void RunTyped(const MatmulArgs& a, int64_t block_begin, int64_t block_end) {
+  for (int64_t block = block_begin; block < block_end; block += kGroup) {
+    const int64_t groups = block_end - block < kGroup ? block_end - block : kGroup;
+    int64_t row = 0;
+    for (; row + 4 <= a.m; row += 4) Rows<V, T, 4>(a, row, block, groups);
+    switch (a.m - row) {
+      case 3: Rows<V, T, 3>(a, row, block, groups); break;
+      case 2: Rows<V, T, 2>(a, row, block, groups); break;
+      case 1: Rows<V, T, 1>(a, row, block, groups); break;
+      default: break;
+    }
   }
 }
 
 template <class V>
 void Run(const MatmulArgs& a, int64_t block_begin, int64_t block_end) {
-  for (int64_t block = block_begin; block < block_end; block += kGroup) {
-    const int64_t groups = block_end - block < kGroup ? block_end - block : kGroup;
-    int64_t row = 0;
-    for (; row + 4 <= a.m; row += 4) Rows<V, 4>(a, row, block, groups);
-    switch (a.m - row) {
-      case 3: Rows<V, 3>(a, row, block, groups); break;
-      case 2: Rows<V, 2>(a, row, block, groups); break;
-      case 1: Rows<V, 1>(a, row, block, groups); break;
-      default: break;
-    }
+  switch (a.type) {
+    case Weight::kInt8: RunTyped<V, Weight::kInt8>(a, block_begin, block_end); break;
+    case Weight::kBf16: RunTyped<V, Weight::kBf16>(a, block_begin, block_end); break;
+    case Weight::kF32: RunTyped<V, Weight::kF32>(a, block_begin, block_end); break;
   }
 }
 
