@@ -119,12 +119,7 @@ def build(args: argparse.Namespace) -> tuple[Engine, Any, Any]:
             pending.get()
     decode = batch(engine, [(slot, args.prompt_len, None) for slot in range(active)],
                    [(slot, slot) for slot in range(active)])
-    r = engine.max_rows
-    p = engine.max_samples
-    args_ = (decode.tokens, decode.from_last, decode.positions, decode.seq, np.arange(r) < decode.rows,
-             np.int32(-(-decode.rows // engine.tile)), decode.tables, decode.sample_rows, decode.sample_slots,
-             np.zeros(p, np.int32), np.full(p, -1, np.int32), np.full((p, engine.draft_tokens), engine.vocab_size,
-                                                                      np.int32), np.zeros(r, bool), np.zeros(r, np.int32))
+    args_ = engine.run_args(decode)
     return engine, state, args_
 
 

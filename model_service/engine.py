@@ -9,7 +9,9 @@ history), passed in and returned by every call with its buffers donated and its 
 A step runs the rows in tiles of `tile` rows, one after another, through the same program (GrokModel.rows),
 then the final norm and unembedding of the sampled rows only, then the sampler per entry. So a row's bits
 depend only on its own token, position and keys: the same whatever shares its step, however its prompt was
-split over steps, whether its prefix came from the cache. `step` returns before the device finishes: its
+split over steps, whether its prefix came from the cache. A step of few rows (decode of up to every slot) runs
+the same program compiled for `small_rows` rows: the elementwise work between the products scales with the
+program's rows, not the rows in use, and a row's bits are the same in a tile of 8, 16, 32 or 64 rows. `step` returns before the device finishes: its
 `PendingStep` is copied to the host in the background and read with `get()`, so the caller can dispatch the
 next step first and overlap its own work with it.
 
@@ -18,6 +20,7 @@ Public surface: `init_state`, `compile`, `step`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -55,6 +58,22 @@ def accepted_draws(token: jax.Array, used: jax.Array, chain: jax.Array, nxt: jax
     return accepted, accepted & ~continued
 
 
+SMALL_TILES = (8, 16, 32)  # row counts of the few-rows program (tests/model: a row's bits in each equal a 64-row tile's)
+
+
+def small_rows(max_samples: int, tile: int, max_rows: int, row_sums: bool) -> int | None:
+    """Rows of the program for steps of few rows: the least of SMALL_TILES holding a decode row per draw
+    (`max_samples`) in whole tiles, if fewer than `max_rows`. None when no such program pays, or unless the
+    model's rows keep their bits whatever the program's row count (GrokModel.row_sums: XLA's products and
+    reductions choose their form by the shape they meet)."""
+    if not row_sums:
+        return None
+    for rows in SMALL_TILES:
+        if rows >= max_samples and rows % min(tile, rows) == 0 and rows < max_rows:
+            return rows
+    return None
+
+
 class Engine:
     """One step over token rows of up to `slots` sequences of one GrokModel, over a pool of KV blocks."""
 
@@ -71,6 +90,7 @@ class Engine:
         self.max_rows = -(-max(step_tokens or b.step_tokens, slots) // self.tile) * self.tile
         self.draft_tokens = draft_tokens  # speculative decoding: a slot draws at most 1 + this many times a step
         self.max_samples = slots * (1 + draft_tokens)
+        self.small_rows = small_rows(self.max_samples, self.tile, self.max_rows, getattr(model, "row_sums", False))
         self.model_config = cfg
         self.sequence_len = cfg.sequence_len
         self.vocab_size = cfg.vocab_size
@@ -140,8 +160,8 @@ class Engine:
         # drafts, step_batch.py); score / targets [R]
         s, n_slots = state.slots, self.slots
         tokens = jnp.where(from_last, s.last[seq], tokens)
-        h, pools = self.model.rows(params, state.pools, TokenRows(tokens, positions, seq, valid, tables), self.tile,
-                                   tiles)
+        h, pools = self.model.rows(params, state.pools, TokenRows(tokens, positions, seq, valid, tables),
+                                   min(self.tile, tokens.shape[0]), tiles)
         used = sample_slots < n_slots
         slot = jnp.minimum(sample_slots, n_slots - 1)
         logits = self.model.head(params, h[sample_rows], used)  # [P, V]
@@ -160,8 +180,13 @@ class Engine:
         return EngineState(pools, slots), (result, accepted), self._scores(params, h, targets, score)
 
     def _scores(self, params: Any, h: jax.Array, targets: jax.Array, score: jax.Array) -> Scores:
-        """Prompt logprobs of the `score` rows, a tile of rows at a time (only tiles holding one)."""
-        t, r = self.tile, h.shape[0]
+        """Prompt logprobs of the `score` rows, a tile of rows at a time (only tiles holding one). The few-rows
+        program's rows are padded to a whole tile: the log-softmax's sums then have the shape they have in the
+        full program, so a row's logprobs are the same bits in both."""
+        n = h.shape[0]
+        t, r = self.tile, -(-n // self.tile) * self.tile
+        if r > n:
+            h, targets, score = (jnp.pad(a, [(0, r - n)] + [(0, 0)] * (a.ndim - 1)) for a in (h, targets, score))
         k = min(TOP_K, self.vocab_size)
 
         def tile(args: tuple[jax.Array, jax.Array, jax.Array]) -> Scores:
@@ -170,7 +195,7 @@ class Engine:
             return jax.lax.cond(jnp.any(us), lambda: Scores(*self.model.score(params, hs, ts, us, k)), lambda: zeros)
 
         out = jax.lax.map(tile, (h.reshape(r // t, t, -1), targets.reshape(r // t, t), score.reshape(r // t, t)))
-        return Scores(out.logprob.reshape(r), out.top_logprobs.reshape(r, k), out.top_ids.reshape(r, k))
+        return Scores(out.logprob.reshape(r)[:n], out.top_logprobs.reshape(r, k)[:n], out.top_ids.reshape(r, k)[:n])
 
     # ---- host API ---------------------------------------------------------------------------
     def init_state(self) -> EngineState:
@@ -184,20 +209,24 @@ class Engine:
             state = self._start(state, *self._starts(batch.starts))
         if batch.masks:
             state = self._mask(state, *self._masks(batch.masks))
-        r = self.max_rows
+        state, (result, accepted), scores = self._run(self.params, state, *self.run_args(batch))
+        return state, PendingStep(result, scores if batch.score is not None else None, accepted)
+
+    def run_args(self, batch: StepBatch) -> tuple[Any, ...]:
+        """The step program's arguments after (params, state) for `batch`: its rows cut to the program that holds
+        them (`small_rows` or `max_rows`), the tiles they fill, and the defaults of what the batch leaves out."""
+        r = self.small_rows if self.small_rows and batch.rows <= self.small_rows else self.max_rows
         valid = np.arange(r) < batch.rows
-        tiles = np.int32(-(-batch.rows // self.tile))
-        score = batch.score if batch.score is not None else np.zeros(r, bool)
-        targets = batch.targets if batch.targets is not None else np.zeros(r, np.int32)
+        tiles = np.int32(-(-batch.rows // min(self.tile, r)))
+        score = batch.score[:r] if batch.score is not None else np.zeros(r, bool)
+        targets = batch.targets[:r] if batch.targets is not None else np.zeros(r, np.int32)
         p, k = self.max_samples, self.draft_tokens
         chain = batch.sample_chain if batch.sample_chain is not None else np.zeros(p, np.int32)
         nxt = batch.sample_next if batch.sample_next is not None else np.full(p, -1, np.int32)
         pending = batch.sample_pending if batch.sample_pending is not None else np.full((p, k), self.vocab_size,
                                                                                           np.int32)
-        state, (result, accepted), scores = self._run(
-            self.params, state, batch.tokens, batch.from_last, batch.positions, batch.seq, valid, tiles, batch.tables,
-            batch.sample_rows, batch.sample_slots, chain, nxt, pending, score, targets)
-        return state, PendingStep(result, scores if batch.score is not None else None, accepted)
+        return (batch.tokens[:r], batch.from_last[:r], batch.positions[:r], batch.seq[:r], valid, tiles, batch.tables,
+                batch.sample_rows, batch.sample_slots, chain, nxt, pending, score, targets)
 
     def _starts(self, starts: tuple[SlotStart, ...]) -> tuple[Any, ...]:
         """The starting slots as fixed-shape host arrays ([S] entries; unused ones name slot S, dropped)."""
@@ -253,10 +282,11 @@ class Engine:
         batch.sample_slots[0] = 0
         batch = StepBatch(batch.tokens, batch.from_last, batch.positions, batch.seq, 1, tables, batch.sample_rows,
                           batch.sample_slots, np.arange(self.max_rows) == 0, np.zeros(self.max_rows, np.int32))
-        timings["step"] = 0.0
-        begin = time.monotonic()
-        _, pending = self.step(state, batch)
-        pending.get()
-        timings["step"] = time.monotonic() - begin
+        for name, rows in (("step", self.max_rows), ("small_step", self.small_rows)):
+            if rows:  # the full program (a prompt's rows), and the one for a few rows where there is one
+                begin = time.monotonic()
+                state, pending = self.step(state, dataclasses.replace(batch, rows=rows))
+                pending.get()
+                timings[name] = time.monotonic() - begin
         log.info("compiled", extra={k: round(v, 3) for k, v in timings.items()})
         return timings

@@ -88,6 +88,10 @@ class GrokModel:
         self.attention = backend.attention
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
+        # A row's bits independent of how many rows a serving program holds: the native products and per-row
+        # attention compute each row alone, and the sums over a row's features (norms, the router's softmax) take
+        # layers.row_sum's fixed order. One device only (under a mesh the features are sharded).
+        self.row_sums = self.products.native and mesh.size == 1 and self.attention != "batched"
         self._forward = hk.without_apply_rng(hk.transform(functools.partial(forward, cfg, mesh, self.dtype)))
         self._hidden = hk.without_apply_rng(hk.transform(functools.partial(hidden, cfg, mesh, self.dtype)))
         self._head = hk.without_apply_rng(hk.transform(
@@ -156,7 +160,7 @@ class GrokModel:
             out, pools = carry
             part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * tile, tile), rows._replace(tables=None))
             step = Step(part.positions[:, None], None, pools, part.valid, part.seq, rows.tables, self.products,
-                        self.key_chunk, self.attention)
+                        self.key_chunk, self.attention, self.row_sums)
             h, pools = self._hidden.apply(params, part.tokens[:, None], step)
             return jax.lax.dynamic_update_slice_in_dim(out, h[:, 0].astype(out.dtype), i * tile, axis=0), pools
 

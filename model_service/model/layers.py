@@ -151,10 +151,23 @@ def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Pro
     return out.reshape(*lead, -1)
 
 
-def rms_norm(x: Array, scale: Array) -> Array:
-    """RMSNorm computed in float32 (eps 1e-5), returned in x's dtype."""
+def row_sum(x: Array) -> Array:
+    """The sum over the last axis in one fixed order made only of elementwise adds (halve, add, an odd element
+    carried to the next round), so a row's result never depends on the other dims: XLA's reductions choose their
+    order by the whole array's shape, so a row's sum can differ between a program of 8 rows and one of 64."""
+    while x.shape[-1] > 1:
+        n, half = x.shape[-1], x.shape[-1] // 2
+        folded = x[..., :half] + x[..., half:2 * half]
+        x = folded if n % 2 == 0 else jnp.concatenate([folded, x[..., 2 * half:]], axis=-1)
+    return x[..., 0]
+
+
+def rms_norm(x: Array, scale: Array, row_sums: bool = False) -> Array:
+    """RMSNorm computed in float32 (eps 1e-5), returned in x's dtype. `row_sums`: the mean square by `row_sum`
+    (a row's bits then independent of the row count; for one device: under a mesh the features are sharded)."""
     xf = x.astype(jnp.float32)
-    mean_sq = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    sq = jnp.square(xf)
+    mean_sq = row_sum(sq)[..., None] / sq.shape[-1] if row_sums else jnp.mean(sq, axis=-1, keepdims=True)
     return (scale.astype(jnp.float32) * (xf * jax.lax.rsqrt(mean_sq + RMS_EPS))).astype(x.dtype)
 
 

@@ -16,7 +16,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product
+from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product, row_sum
 from model_service.model.packed import PackedWeight
 
 Array = jax.Array
@@ -27,11 +27,17 @@ class Routing(NamedTuple):
     experts: Array  # [M, k] int32
 
 
-def route(x: Array, router_w: "Array | PackedWeight", k: int, products: Products) -> Routing:
-    """Softmax over experts in float32, then the top-k probabilities and their experts. x [M, D], router_w [D, E]."""
+def route(x: Array, router_w: "Array | PackedWeight", k: int, products: Products, row_sums: bool = False) -> Routing:
+    """Softmax over experts in float32, then the top-k probabilities and their experts. x [M, D], router_w [D, E].
+    `row_sums`: the softmax's sum by layers.row_sum (see rms_norm)."""
     w = router_w if isinstance(router_w, PackedWeight) else router_w.astype(jnp.float32).T
     logits = product(x.astype(jnp.float32), w, products)  # [M, E]
-    gates, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if row_sums:  # jax.nn.softmax's formula, its sum in a fixed order
+        e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        probabilities = e / row_sum(e)[:, None]
+    else:
+        probabilities = jax.nn.softmax(logits, axis=-1)
+    gates, experts = jax.lax.top_k(probabilities, k)
     return Routing(gates, experts.astype(jnp.int32))
 
 
@@ -123,7 +129,7 @@ def experts_by_cond(x: Array, routing: Routing, w: ExpertWeights, active: Array 
         hit = routing.experts == e  # [M, k]
         if active is not None:
             hit = hit & active[:, None]
-        gate = jnp.sum(jnp.where(hit, routing.gates, 0.0), axis=-1).astype(x.dtype)  # [M]
+        gate = row_sum(jnp.where(hit, routing.gates, 0.0)).astype(x.dtype)  # [M]
         picked = jnp.any(hit, axis=-1)  # [M]
 
         def run(operands: tuple[Array, Array], e: int = e, gate: Array = gate, picked: Array = picked) -> Array:

@@ -53,10 +53,11 @@ class Step(NamedTuple):
     products: Products = Products.DOT  # static: how token rows meet weights (layers.Products)
     key_chunk: int = 0  # static, paged: keys are attended in chunks of this many positions
     attention: str = "rows"  # static, paged: "rows" (one row at a time) or "batched" (layers.attend_rows)
+    row_sums: bool = False  # static, paged: sums over a row's features in a fixed order (layers.row_sum)
 
 
-def _norm(name: str, x: Array) -> Array:
-    return rms_norm(x, ParamHolder(name).get("scale", (x.shape[-1],)))
+def _norm(name: str, x: Array, step: Step) -> Array:
+    return rms_norm(x, ParamHolder(name).get("scale", (x.shape[-1],)), step.row_sums)
 
 
 def _linear(name: str, x: Array, out: int, step: Step) -> Array:
@@ -114,15 +115,15 @@ class DecoderLayer(hk.Module):
 
     def __call__(self, h: Array, step: Step, cache: KVMemory | None) -> tuple[Array, KVMemory]:
         t = self.cfg.model
-        attn, kv = MultiHeadAttention(self.cfg, self.mesh)(_norm("rms_norm", h), step, cache)
-        h = self._constrain(h + _norm("rms_norm_1", attn))
-        moe_in = _norm("rms_norm_2", h)
+        attn, kv = MultiHeadAttention(self.cfg, self.mesh)(_norm("rms_norm", h, step), step, cache)
+        h = self._constrain(h + _norm("rms_norm_1", attn, step))
+        moe_in = _norm("rms_norm_2", h, step)
         b, n, d = moe_in.shape
         router_w = ParamHolder("router").get("w", (d, t.num_experts))
         with jax.named_scope("router"):
-            routing = route(moe_in.reshape(b * n, d), router_w, t.num_selected_experts, step.products)
+            routing = route(moe_in.reshape(b * n, d), router_w, t.num_selected_experts, step.products, step.row_sums)
         moe_out = MoELayer(t.num_experts, t.ffn_size)(moe_in, routing, step.active, step.products)
-        return self._constrain(h + _norm("rms_norm_3", moe_out)), kv
+        return self._constrain(h + _norm("rms_norm_3", moe_out, step)), kv
 
     def _constrain(self, h: Array) -> Array:
         spec = P(DATA, None, MODEL) if self.cfg.model.shard_activations else P(DATA)

@@ -53,9 +53,10 @@ class RowRunner:
         self._rows, self._head = _JITTED[key]
 
     def run(self, rows: list[Row], valid: list[bool] | None = None, size: int | None = None,
-            tiles: int | None = None) -> np.ndarray:
+            tiles: int | None = None, hidden: bool = False) -> np.ndarray:
         """Logits [len(rows), V] of the rows (padded to `size` rows, default whole tiles); rows not `valid` are
-        padding (they write nothing and get zeros with native products)."""
+        padding (they write nothing and get zeros with native products). `hidden`: their last hidden states
+        [len(rows), D] instead (GrokModel.rows' output, before the head)."""
         n = size or -(-len(rows) // self.tile) * self.tile
         seq, pos, tok = (np.zeros(n, np.int32) for _ in range(3))
         ok = np.zeros(n, bool)
@@ -63,6 +64,8 @@ class RowRunner:
             seq[i], pos[i], tok[i], ok[i] = s, p, t, True if valid is None else valid[i]
         h, self.pools = self._rows(self.params, self.pools, TokenRows(jnp.asarray(tok), jnp.asarray(pos),
                                    jnp.asarray(seq), jnp.asarray(ok), self.tables), tiles)
+        if hidden:
+            return np.asarray(h)[:len(rows)]
         return np.asarray(self._head(self.params, h, jnp.asarray(ok)))[:len(rows)]
 
 

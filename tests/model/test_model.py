@@ -203,3 +203,28 @@ def test_a_row_is_bit_identical_whatever_number_of_tiles_runs(golden_model, prod
     for tiles, logits in results.items():
         np.testing.assert_array_equal(logits[:4 * tiles], results[16][:4 * tiles], err_msg=str(tiles))
         assert not logits[4 * tiles:].any()  # rows past the tiles that ran come out zero
+
+
+def test_a_row_is_bit_identical_in_every_tile_size_a_step_program_runs(golden_model) -> None:
+    """The engine runs steps of few rows in a program of 8, 16 or 32 rows (engine.SMALL_TILES) and the others in
+    64-row tiles: with native products on one device a row's last hidden state (what the engine's head and scores
+    then take in shapes of their own) is the same bits in each, for prompt rows (the 64 rows run as tiles of each
+    size) and decode rows (one tile of each size)."""
+    from model_service.engine import SMALL_TILES
+    from model_service.model import GrokModel
+
+    loaded = golden_model("1,1", "float32")
+    model = GrokModel(loaded.cfg, loaded.model.mesh, jnp.float32, Products.NATIVE)
+    if not model.row_sums:
+        pytest.skip("the native kernels are not built")
+    view = dataclasses.replace(loaded, model=model, params=model.pack_params(loaded.params))
+    prompts = [_prompt(n, loaded.cfg.vocab_size) for n in (5, 11, 3, 14, 7, 9, 2, 12)]
+    prompt_rows = [r for i, p in enumerate(prompts) for r in _rows(i, p)]  # 63 rows
+    decode_rows = [(i, len(p), int(p[0])) for i, p in enumerate(prompts)]  # a next token per sequence
+    results = {}
+    for tile in (*SMALL_TILES, 64):
+        runner = RowRunner(view, 8, tile=tile)
+        results[tile] = (runner.run(prompt_rows, size=64, hidden=True), runner.run(decode_rows, size=tile, hidden=True))
+    for tile, (prompt, decode) in results.items():
+        np.testing.assert_array_equal(prompt, results[64][0], err_msg=f"prompt rows, tiles of {tile}")
+        np.testing.assert_array_equal(decode, results[64][1], err_msg=f"decode rows, a tile of {tile}")
