@@ -9,9 +9,10 @@ history), passed in and returned by every call with its buffers donated and its 
 A step runs the rows in tiles of `tile` rows, one after another, through the same program (GrokModel.rows),
 then the final norm and unembedding of the sampled rows only, then the sampler per entry. So a row's bits
 depend only on its own token, position and keys: the same whatever shares its step, however its prompt was
-split over steps, whether its prefix came from the cache. A step of few rows (decode of up to every slot) runs
-the same program compiled for `small_rows` rows: the elementwise work between the products scales with the
-program's rows, not the rows in use, and a row's bits are the same in a tile of 8, 16, 32 or 64 rows. `step` returns before the device finishes: its
+split over steps, whether its prefix came from the cache. On one device with native products a step of few
+rows (decode of up to every slot) runs the same program compiled for `small_rows` rows: the elementwise work
+between the products scales with the program's rows, not the rows in use, and there a row's bits are the same
+in a program of 8, 16, 32 or 64 rows (GrokModel.row_sums). `step` returns before the device finishes: its
 `PendingStep` is copied to the host in the background and read with `get()`, so the caller can dispatch the
 next step first and overlap its own work with it.
 
