@@ -4,8 +4,8 @@
         [--repo DIR]   # profile another checkout's engine (e.g. the code before a change)
         [--top N]      # also the N costliest ops, each as "category | op name"
 
-The step is the Engine's own compiled step program running a decode batch (every active slot holding a
-request with a 32-token prompt, temperature 0.7, top_p 0.9 unless --greedy). Each XLA thunk's self time (its duration less
+The step is the Engine's own two compiled programs (its rows, then its draws) running a decode batch (every active
+slot holding a request with a 32-token prompt, temperature 0.7, top_p 0.9 unless --greedy). Each XLA thunk's self time (its duration less
 its nested thunks') is summed per category, named from the HLO instruction's op_name metadata
 (the JAX source path), and averaged over --runs steps.
 """
@@ -94,7 +94,7 @@ def self_times(events: list[dict[str, Any]]) -> list[tuple[str, float]]:
 
 
 def build(args: argparse.Namespace) -> tuple[Engine, Any, Any]:
-    """The engine with every active slot's prompt computed, and the decode step's batch (as device arguments)."""
+    """The engine with every active slot's prompt computed, and the decode step's batch."""
     from benchmarks.step import batch  # the same batch layout the step benchmark times
 
     cfg = load_model_config(args.config)
@@ -119,37 +119,56 @@ def build(args: argparse.Namespace) -> tuple[Engine, Any, Any]:
             pending.get()
     decode = batch(engine, [(slot, args.prompt_len, None) for slot in range(active)],
                    [(slot, slot) for slot in range(active)])
-    args_ = engine.run_args(decode)
-    return engine, state, args_
+    return engine, state, decode
 
 
-def profile(args: argparse.Namespace) -> dict[str, Any]:
-    """Profiles the same decode batch again and again (each step writes the same positions: the cost is the
-    same as the step that first wrote them)."""
-    engine, state, batch_args = build(args)
-    step = engine._run.lower(engine.params, state, *batch_args).compile()
-    names = instructions(step.as_text())
+def _traced(program: Any, call: Any, runs: int) -> tuple[dict[str, str], list[tuple[str, float]], list[float]]:
+    """One compiled program's instruction names, its thunks' self times and its wall times over `runs` calls."""
+    names = instructions(program.as_text())
     for _ in range(3):
-        state = jax.block_until_ready(step(engine.params, state, *batch_args)[0])
+        call()
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            for _ in range(args.runs):
-                state = jax.block_until_ready(step(engine.params, state, *batch_args)[0])
+            for _ in range(runs):
+                call()
         trace = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))
     events = trace["traceEvents"]
     thunks = [(n, t) for n, t in self_times(events) if n.removesuffix(".clone") in names]
     wall = [e["dur"] for e in events if e.get("ph") == "X" and e["name"] == "ThunkExecutor::Execute (wait for completion)"]
+    return names, thunks, wall
+
+
+def profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Profiles the same decode batch again and again (each step writes the same positions: the cost is the
+    same as the step that first wrote them), each of the step's two programs (rows, then draws) traced alone."""
+    engine, state, decode = build(args)
+    rows_args, draws_args = engine.run_args(decode)
+    pools, slots = state
+    rows = engine._rows.lower(engine.params, pools, slots.last, *rows_args).compile()
+    h, pools = rows(engine.params, pools, slots.last, *rows_args)
+    draws = engine._draws.lower(engine.params, slots, h, *draws_args).compile()
+
+    def run_rows() -> None:
+        nonlocal h, pools
+        h, pools = jax.block_until_ready(rows(engine.params, pools, slots.last, *rows_args))
+
+    def run_draws() -> None:
+        nonlocal slots
+        slots = jax.block_until_ready(draws(engine.params, slots, h, *draws_args)[0])
+
     totals: collections.Counter[str] = collections.Counter()
-    for name, us in thunks:
-        totals[categorise(name, names)] += us
-    per_step = {k: round(v / args.runs / 1e3, 3) for k, v in totals.most_common()}
     by_op: collections.Counter[str] = collections.Counter()
-    for name, us in thunks:
-        by_op[f"{categorise(name, names)[:12]} | {names[name.removesuffix('.clone')][-100:]} | {name}"] += us
+    wall_ms = 0.0
+    for program, call in ((rows, run_rows), (draws, run_draws)):
+        names, thunks, wall = _traced(program, call, args.runs)
+        wall_ms += float(np.median(wall)) / 1e3 if wall else float("nan")
+        for name, us in thunks:
+            totals[categorise(name, names)] += us
+            by_op[f"{categorise(name, names)[:12]} | {names[name.removesuffix('.clone')][-100:]} | {name}"] += us
+    per_step = {k: round(v / args.runs / 1e3, 3) for k, v in totals.most_common()}
     top = {k: round(v / args.runs / 1e3, 3) for k, v in by_op.most_common(args.top)}
     return {"repo": args.repo, "config": args.config, "batch": args.batch, "active": args.active or args.batch,
-            "sampled": not args.greedy, "runs": args.runs,
-            "step_wall_ms_median": round(float(np.median(wall)) / 1e3, 3) if wall else None,
+            "sampled": not args.greedy, "runs": args.runs, "step_wall_ms_median": round(wall_ms, 3),
             "thunk_ms_per_step": per_step, "thunk_ms_total": round(sum(per_step.values()), 3),
             **({"top_ops_ms_per_step": top} if args.top else {})}
 

@@ -1,4 +1,4 @@
-"""The Engine: one jitted step over a list of token rows, the device state it reads and writes (JetStream's split).
+"""The Engine: one step (two jitted programs) over a list of token rows, and the device state it reads and writes.
 
 The engine never sees a request, a queue or a block allocator: the scheduler owns those and hands the engine
 a `StepBatch` (step_batch.py) per step: token rows (prompt chunks and decode rows mixed), every slot's block
@@ -10,7 +10,8 @@ A step runs the rows in tiles of `tile` rows, one after another, through the sam
 then the final norm and unembedding of the sampled rows only, then the sampler per entry. So a row's bits
 depend only on its own token, position and keys: the same whatever shares its step, however its prompt was
 split over steps, whether its prefix came from the cache. On one device with native products a step of few
-rows (decode of up to every slot) runs the same program compiled for `small_rows` rows: the elementwise work
+rows (decode of up to every slot) runs its rows through the rows program compiled for `small_rows` rows (the
+draws and scores are a second program, compiled once, over the rows padded back): the elementwise work
 between the products scales with the program's rows, not the rows in use, and there a row's bits are the same
 in a program of 8, 16, 32 or 64 rows (GrokModel.row_sums). `step` returns before the device finishes: its
 `PendingStep` is copied to the host in the background and read with `get()`, so the caller can dispatch the
@@ -113,9 +114,15 @@ class Engine:
         self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
         self._start = jax.jit(self._start_impl, **state_out)
         self._mask = jax.jit(self._mask_impl, **state_out)
-        self._run = jax.jit(self._run_impl, donate_argnums=(1,),
-                            in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 14,
-                            out_shardings=(self.state_shardings, None, None))
+        # A step is two programs: the rows (compiled at max_rows and, where there is one, small_rows; the
+        # hidden states come out padded to max_rows) and the draws and scores (compiled once).
+        pools_sh, slots_sh = self.state_shardings
+        self._rows = jax.jit(self._rows_impl, donate_argnums=(1,),
+                             in_shardings=(self.params_shardings, pools_sh, slots_sh.last) + (None,) * 7,
+                             out_shardings=(None, pools_sh))
+        self._draws = jax.jit(self._draws_impl, donate_argnums=(1,),
+                              in_shardings=(self.params_shardings, slots_sh) + (None,) * 8,
+                              out_shardings=(slots_sh, None, None))
 
     # ---- pure functions (jitted above) ------------------------------------------------------
     def _init_impl(self) -> EngineState:
@@ -153,16 +160,23 @@ class Engine:
         return state._replace(slots=s._replace(sampling=s.sampling._replace(
             mask=s.sampling.mask.at[slot].set(masks, mode="drop"))))
 
-    def _run_impl(self, params: Any, state: EngineState, tokens: jax.Array, from_last: jax.Array,
-                  positions: jax.Array, seq: jax.Array, valid: jax.Array, tiles: jax.Array, tables: jax.Array,
-                  sample_rows: jax.Array, sample_slots: jax.Array, chain: jax.Array, nxt: jax.Array,
-                  pending: jax.Array, score: jax.Array, targets: jax.Array) -> tuple[EngineState, Any, Scores]:
-        # rows [R]; tiles [] int32 tiles to run; tables [S, L]; draws [P] (chain / nxt / pending: speculative
-        # drafts, step_batch.py); score / targets [R]
-        s, n_slots = state.slots, self.slots
-        tokens = jnp.where(from_last, s.last[seq], tokens)
-        h, pools = self.model.rows(params, state.pools, TokenRows(tokens, positions, seq, valid, tables),
-                                   min(self.tile, tokens.shape[0]), tiles)
+    def _rows_impl(self, params: Any, pools: Any, last: jax.Array, tokens: jax.Array, from_last: jax.Array,
+                   positions: jax.Array, seq: jax.Array, valid: jax.Array, tiles: jax.Array,
+                   tables: jax.Array) -> tuple[jax.Array, Any]:
+        # rows [R] (max_rows or small_rows); last [S] each slot's last draw; tiles [] int32 tiles to run;
+        # tables [S, L] -> hidden states [max_rows, D] (rows past R zero), the pools
+        r = tokens.shape[0]
+        tokens = jnp.where(from_last, last[seq], tokens)
+        h, pools = self.model.rows(params, pools, TokenRows(tokens, positions, seq, valid, tables),
+                                   min(self.tile, r), tiles)
+        return (jnp.pad(h, ((0, self.max_rows - r), (0, 0))) if r < self.max_rows else h), pools
+
+    def _draws_impl(self, params: Any, s: SlotState, h: jax.Array, sample_rows: jax.Array, sample_slots: jax.Array,
+                    chain: jax.Array, nxt: jax.Array, pending: jax.Array, score: jax.Array,
+                    targets: jax.Array) -> tuple[SlotState, Any, Scores]:
+        # h [max_rows, D]; draws [P] (chain / nxt / pending: speculative drafts, step_batch.py); score / targets
+        # [max_rows]
+        n_slots = self.slots
         used = sample_slots < n_slots
         slot = jnp.minimum(sample_slots, n_slots - 1)
         logits = self.model.head(params, h[sample_rows], used)  # [P, V]
@@ -178,16 +192,11 @@ class Engine:
         at = jnp.where(final, sample_slots, n_slots)  # a slot's last accepted draw sets its key and last token
         slots = SlotState(s.keys.at[at].set(rest, mode="drop"), s.last.at[at].set(result.token, mode="drop"),
                           s.sampling, s.controls, s.history._replace(counts=counts))
-        return EngineState(pools, slots), (result, accepted), self._scores(params, h, targets, score)
+        return slots, (result, accepted), self._scores(params, h, targets, score)
 
     def _scores(self, params: Any, h: jax.Array, targets: jax.Array, score: jax.Array) -> Scores:
-        """Prompt logprobs of the `score` rows, a tile of rows at a time (only tiles holding one). The few-rows
-        program's rows are padded to a whole tile: the log-softmax's sums then have the shape they have in the
-        full program, so a row's logprobs are the same bits in both."""
-        n = h.shape[0]
-        t, r = self.tile, -(-n // self.tile) * self.tile
-        if r > n:
-            h, targets, score = (jnp.pad(a, [(0, r - n)] + [(0, 0)] * (a.ndim - 1)) for a in (h, targets, score))
+        """Prompt logprobs of the `score` rows, a tile of rows at a time (only tiles holding one)."""
+        t, r = self.tile, h.shape[0]
         k = min(TOP_K, self.vocab_size)
 
         def tile(args: tuple[jax.Array, jax.Array, jax.Array]) -> Scores:
@@ -196,7 +205,7 @@ class Engine:
             return jax.lax.cond(jnp.any(us), lambda: Scores(*self.model.score(params, hs, ts, us, k)), lambda: zeros)
 
         out = jax.lax.map(tile, (h.reshape(r // t, t, -1), targets.reshape(r // t, t), score.reshape(r // t, t)))
-        return Scores(out.logprob.reshape(r)[:n], out.top_logprobs.reshape(r, k)[:n], out.top_ids.reshape(r, k)[:n])
+        return Scores(out.logprob.reshape(r), out.top_logprobs.reshape(r, k), out.top_ids.reshape(r, k))
 
     # ---- host API ---------------------------------------------------------------------------
     def init_state(self) -> EngineState:
@@ -210,24 +219,27 @@ class Engine:
             state = self._start(state, *self._starts(batch.starts))
         if batch.masks:
             state = self._mask(state, *self._masks(batch.masks))
-        state, (result, accepted), scores = self._run(self.params, state, *self.run_args(batch))
-        return state, PendingStep(result, scores if batch.score is not None else None, accepted)
+        rows, draws = self.run_args(batch)
+        h, pools = self._rows(self.params, state.pools, state.slots.last, *rows)
+        slots, (result, accepted), scores = self._draws(self.params, state.slots, h, *draws)
+        return EngineState(pools, slots), PendingStep(result, scores if batch.score is not None else None, accepted)
 
-    def run_args(self, batch: StepBatch) -> tuple[Any, ...]:
-        """The step program's arguments after (params, state) for `batch`: its rows cut to the program that holds
-        them (`small_rows` or `max_rows`), the tiles they fill, and the defaults of what the batch leaves out."""
+    def run_args(self, batch: StepBatch) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """The two step programs' arguments for `batch`, after (params, pools, last) and (params, slots, h): the
+        rows cut to the program that holds them (`small_rows` or `max_rows`) and the tiles they fill; the draws,
+        scores and the defaults of what the batch leaves out."""
         r = self.small_rows if self.small_rows and batch.rows <= self.small_rows else self.max_rows
         valid = np.arange(r) < batch.rows
         tiles = np.int32(-(-batch.rows // min(self.tile, r)))
-        score = batch.score[:r] if batch.score is not None else np.zeros(r, bool)
-        targets = batch.targets[:r] if batch.targets is not None else np.zeros(r, np.int32)
+        score = batch.score if batch.score is not None else np.zeros(self.max_rows, bool)
+        targets = batch.targets if batch.targets is not None else np.zeros(self.max_rows, np.int32)
         p, k = self.max_samples, self.draft_tokens
         chain = batch.sample_chain if batch.sample_chain is not None else np.zeros(p, np.int32)
         nxt = batch.sample_next if batch.sample_next is not None else np.full(p, -1, np.int32)
         pending = batch.sample_pending if batch.sample_pending is not None else np.full((p, k), self.vocab_size,
                                                                                           np.int32)
-        return (batch.tokens[:r], batch.from_last[:r], batch.positions[:r], batch.seq[:r], valid, tiles, batch.tables,
-                batch.sample_rows, batch.sample_slots, chain, nxt, pending, score, targets)
+        return ((batch.tokens[:r], batch.from_last[:r], batch.positions[:r], batch.seq[:r], valid, tiles, batch.tables),
+                (batch.sample_rows, batch.sample_slots, chain, nxt, pending, score, targets))
 
     def _starts(self, starts: tuple[SlotStart, ...]) -> tuple[Any, ...]:
         """The starting slots as fixed-shape host arrays ([S] entries; unused ones name slot S, dropped)."""
