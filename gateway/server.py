@@ -19,7 +19,7 @@ from gateway.pipeline import Pipeline
 from gateway.servicer import GatewayServicer
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from serving_common.grpc_server import HealthReporter
-from serving_common.lifecycle import assemble, drain, serve_until_signal
+from serving_common.lifecycle import assemble, drain, freeze_startup_heap, serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
 async def serve(config: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT, then drain: NOT_SERVING, finish in-flight requests, close channels."""
     gateway = await start_gateway(config)
-    log.info("serving", extra={"port": gateway.port, "http_port": gateway.http_port, "tokenizer": config.tokenizer,
+    frozen = freeze_startup_heap()
+    log.info("serving", extra={"port": gateway.port, "frozen_objects": frozen, "http_port": gateway.http_port, "tokenizer": config.tokenizer,
                                "models": list(config.models), "metrics_port": config.metrics_port,
                                "tls": config.tls is not None, "backend_tls": config.backend_tls is not None,
                                "api_keys": len(config.api_keys)})

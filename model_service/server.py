@@ -32,7 +32,7 @@ from model_service.servicer import ModelServicer
 from model_service.structured import GrammarCompiler, Vocabulary
 from model_service.watchdog import Watchdog
 from serving_common.grpc_server import HealthReporter, connection_age_options
-from serving_common.lifecycle import assemble, drain, serve_until_signal
+from serving_common.lifecycle import assemble, drain, freeze_startup_heap, serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,9 @@ class ModelServer:
         if self.config.watchdog_seconds > 0:
             watchdog = Watchdog(self.scheduler, self.health, self.servicer.refuse, self.config.watchdog_seconds)
             self._watchdog = asyncio.create_task(watchdog.run())
+        frozen = freeze_startup_heap()
         await self.health.set(True)
-        log.info("serving", extra={"port": self.port})
+        log.info("serving", extra={"port": self.port, "frozen_objects": frozen})
 
     def _grammars(self, engine: EngineLike) -> GrammarCompiler | None:
         """The structured-output compiler over --tokenizer's vocabulary (None without one: constrained requests

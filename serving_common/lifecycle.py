@@ -11,6 +11,7 @@ thread, close channels). `serve_until_signal` runs it on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
@@ -25,6 +26,16 @@ from serving_common.tls import ServerTLS, bind_port
 log = logging.getLogger(__name__)
 
 Hook = Callable[[], Awaitable[None]]
+
+
+def freeze_startup_heap() -> int:
+    """Collect once, then move every object that survives (what starting the service built: modules, the
+    model, compiled programs) into the collector's permanent generation; returns how many. A full collection
+    while serving then walks only what was made since, instead of stalling every call while it walks the
+    startup heap too (136 ms on the medium model service). Called once a service is about to report SERVING."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 @dataclass(frozen=True)

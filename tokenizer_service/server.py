@@ -9,7 +9,7 @@ import grpc
 
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from serving_common.grpc_server import HealthReporter
-from serving_common.lifecycle import assemble, serve_until_signal
+from serving_common.lifecycle import assemble, freeze_startup_heap, serve_until_signal
 from serving_common.tls import ServerTLS
 from tokenizer_service.servicer import Limits, TokenizerServicer
 from tokenizer_service.tokenizer import Tokenizer
@@ -84,7 +84,8 @@ async def serve(config: TokenizerConfig) -> None:
     (and every DecodeStream of a request already encoded here) to its end (servicer.Workload)."""
     built = build(config)
     await built.server.start()
+    frozen = freeze_startup_heap()
     await built.health.set(True)
-    log.info("serving", extra={"port": built.port, "host": config.host})
+    log.info("serving", extra={"port": built.port, "host": config.host, "frozen_objects": frozen})
     await serve_until_signal(built.server, built.health, config.grace_seconds,
                              before_stop=lambda: built.servicer.work.drain(config.grace_seconds))

@@ -3,6 +3,7 @@ on SIGHUP (the terminal closed) and, through the children themselves, when the l
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -49,6 +50,10 @@ def test_run_stack_serves_streams_a_sample_and_stops_all_three_on_ctrl_c(jax_cac
         without_key = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
                                       f"{launched.http_url}/v1/models"], capture_output=True, text=True, timeout=30)
         assert without_key.stdout == "401"
+        for service in (launched.tokenizer, *launched.models, launched.gateway):  # each froze its startup heap
+            records = [json.loads(line) for line in service.logs().splitlines() if line.startswith("{")]
+            serving = [r for r in records if r.get("msg") == "serving"]
+            assert serving and all(r.get("frozen_objects", 0) > 0 for r in serving), (service.name, serving)
         ports = [launched.ports[name] for name in ("gateway", "tokenizer", "model")]
         assert all(check(f"127.0.0.1:{p}") for p in ports)
         assert launched.stop() == 0
