@@ -206,10 +206,10 @@ def test_a_row_is_bit_identical_whatever_number_of_tiles_runs(golden_model, prod
 
 
 def test_a_row_is_bit_identical_in_every_tile_size_a_step_program_runs(golden_model) -> None:
-    """The engine runs steps of few rows in a program of 8, 16 or 32 rows (engine.SMALL_TILES) and the others in
-    64-row tiles: with native products on one device a row's last hidden state (what the engine's head and scores
-    then take in shapes of their own) is the same bits in each, for prompt rows (the 64 rows run as tiles of each
-    size) and decode rows (one tile of each size)."""
+    """The engine runs a step of few rows in one program of 8, 16 or 32 rows (engine.SMALL_TILES) and the others
+    in the 64-row program: with native products on one device a row's last hidden state (what the engine's head
+    and scores then take in shapes of their own) is the same bits in each, for prompt rows (a first step of 63,
+    and chunks continuing prompts) and decode rows, over the same keys."""
     from model_service.engine import SMALL_TILES
     from model_service.model import GrokModel
 
@@ -219,12 +219,16 @@ def test_a_row_is_bit_identical_in_every_tile_size_a_step_program_runs(golden_mo
         pytest.skip("the native kernels are not built")
     view = dataclasses.replace(loaded, model=model, params=model.pack_params(loaded.params))
     prompts = [_prompt(n, loaded.cfg.vocab_size) for n in (5, 11, 3, 14, 7, 9, 2, 12)]
-    prompt_rows = [r for i, p in enumerate(prompts) for r in _rows(i, p)]  # 63 rows
-    decode_rows = [(i, len(p), int(p[0])) for i, p in enumerate(prompts)]  # a next token per sequence
-    results = {}
-    for tile in (*SMALL_TILES, 64):
-        runner = RowRunner(view, 8, tile=tile)
-        results[tile] = (runner.run(prompt_rows, size=64, hidden=True), runner.run(decode_rows, size=tile, hidden=True))
-    for tile, (prompt, decode) in results.items():
-        np.testing.assert_array_equal(prompt, results[64][0], err_msg=f"prompt rows, tiles of {tile}")
-        np.testing.assert_array_equal(decode, results[64][1], err_msg=f"decode rows, a tile of {tile}")
+    first = RowRunner(view, 8, tile=64)
+    first.run([r for i, p in enumerate(prompts) for r in _rows(i, p)], size=64, hidden=True)  # 63 prompt rows
+    keys = first.pools
+    # The next step: decode rows of sequences 0-3, then chunks of 6 rows continuing sequences 4-7 (28 rows); a
+    # program of t rows takes the first t of them.
+    decode = [(i, len(p), int(p[0])) for i, p in enumerate(prompts[:4])]
+    chunks = [r for i, p in enumerate(prompts[4:], 4) for r in _rows(i, _prompt(6, loaded.cfg.vocab_size), len(p))]
+    step = decode + chunks
+    for tile in SMALL_TILES:
+        small, whole = RowRunner(view, 8, tile=tile), RowRunner(view, 8, tile=64)
+        small.pools = whole.pools = keys
+        np.testing.assert_array_equal(small.run(step[:tile], size=tile, hidden=True),
+                                      whole.run(step[:tile], size=64, hidden=True), err_msg=f"a program of {tile}")
