@@ -15,10 +15,10 @@ struct Scalar {
   using Reg = float;
   using Mask = bool;
   static constexpr int kW = 1;
-  static constexpr int kScoreRegs = 8;
+  static constexpr int kScoreRegs = 4;
   static constexpr int kScoreQueries = 4;  // query vectors per score tile
   static constexpr int kValueAccs = 8;     // accumulator registers per value tile
-  static constexpr int kValueRegs = 4;
+  static constexpr int kValueRegs = 2;
   static constexpr int kTransposeW = 0;  // the key tile is copied element by element
 
   static Reg Zero() { return 0.0f; }
