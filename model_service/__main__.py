@@ -124,8 +124,9 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--products", choices=PRODUCT_CHOICES, default="auto",
                        help="how token rows meet the weights: native (the int8 CPU kernel built with the package: "
                             "float32 on CPU only), native-int8 (native with each row rounded to int8 per 32 values "
-                            "before it meets an int8 weight, as llama.cpp's Q8_0 does: 2-3x faster prompts and "
-                            "batches, results change slightly; opt-in), xla (XLA's own products) or auto (native "
+                            "before it meets an int8 weight, as llama.cpp's Q8_0 does: on CPUs with AVX-512 VNNI 2-3x "
+                            "faster prompts and batches, elsewhere slower than native; results change slightly; "
+                            "opt-in), xla (XLA's own products) or auto (native "
                             "where it can run, else xla; GPUs/TPUs always use XLA's)")
     p.add_env_argument("--buckets", type=bucket_list, default=None,
                        help="no longer used (prompts up to the context are accepted with any settings); accepted "

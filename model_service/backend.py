@@ -23,6 +23,7 @@ No other module asks what the platform is.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,8 @@ from model_service import kernels
 from model_service.config import BACKENDS, PRODUCT_CHOICES
 from model_service.model.layers import Products
 from model_service.model.packed import native_ok
+
+log = logging.getLogger(__name__)
 
 CPU_TILE = 64  # rows per tile on CPU: fewer would stream the weights more often; idle rows cost next to nothing
 CPU_STEP_TOKENS = 64  # token rows per step on CPU (vLLM's max_num_batched_tokens): one tile
@@ -57,8 +60,9 @@ def platform(mesh: Mesh) -> str:
 def choose_products(choice: str, mesh: Mesh, dtype: Any) -> Products:
     """--products on the CPU backend: "xla" (XLA's fused multiply-reduce forms), "native" (the native CPU kernel;
     an error where it cannot run), "native-int8" (native with the rows rounded to int8 before they meet an int8
-    weight: faster prompts and batches, changes results; an opt-in, an error where native cannot run) or "auto"
-    (native in float32 where the kernel loaded and the replica is one process; XLA's forms elsewhere)."""
+    weight: faster prompts and batches on CPUs with AVX-512 VNNI, slower elsewhere, where it logs a warning;
+    changes results; an opt-in, an error where native cannot run) or "auto" (native in float32 where the kernel
+    loaded and the replica is one process; XLA's forms elsewhere)."""
     import jax
 
     if choice not in PRODUCT_CHOICES:
@@ -69,6 +73,10 @@ def choose_products(choice: str, mesh: Mesh, dtype: Any) -> Products:
     # A replica spanning processes keeps XLA's forms under auto: packing reads each whole matrix in every
     # process, where XLA's layouts let each process read only the shards its devices hold.
     if cpu and native_ok(dtype) and (choice.startswith("native") or jax.process_count() == 1):
+        if choice == "native-int8" and not kernels.int8_accelerated():
+            log.warning("--products native-int8 on a CPU without AVX-512 VNNI: its int8 rows multiply int16 pairs "
+                        "there, no faster than float32 (half native's decode rate at Grok-1 width on AVX2), and "
+                        "change results: use --products native")
         return Products.NATIVE_INT8 if choice == "native-int8" else Products.NATIVE
     if choice.startswith("native"):
         raise ValueError(f"--products {choice} needs the CPU platform, --dtype float32 and the native kernels built "

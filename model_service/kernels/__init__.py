@@ -62,6 +62,20 @@ def supported_isas() -> tuple[str, ...]:
     return _load()
 
 
+INT8_FLAGS = ("avx512bw", "avx512vbmi", "avx512_vnni")  # what the fast int8-rows path needs (native/ffi.cc)
+
+
+def int8_accelerated() -> bool:
+    """Whether this CPU runs int8 rows on the AVX-512 VNNI path (/proc/cpuinfo's flags, as the kernel checks
+    them); elsewhere the int8 path multiplies int16 pairs, no faster than the float32 one."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512" in supported_isas() and all(flag in flags for flag in INT8_FLAGS)
+
+
 def default_isa() -> str:
     """GROK_KERNEL_ISA when it names a path this CPU supports, else 'auto' (the fastest)."""
     choice = os.environ.get(ISA_ENV, "auto")
