@@ -94,8 +94,9 @@ async def serve(config: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT, then drain: NOT_SERVING, finish in-flight requests, close channels."""
     gateway = await start_gateway(config)
     frozen = freeze_startup_heap()
-    log.info("serving", extra={"port": gateway.port, "frozen_objects": frozen, "http_port": gateway.http_port, "tokenizer": config.tokenizer,
+    log.info("serving", extra={"port": gateway.port, "http_port": gateway.http_port, "tokenizer": config.tokenizer,
                                "models": list(config.models), "metrics_port": config.metrics_port,
+                               "frozen_objects": frozen,
                                "tls": config.tls is not None, "backend_tls": config.backend_tls is not None,
                                "api_keys": len(config.api_keys)})
     await serve_until_signal(gateway.server, gateway.health, config.grace_seconds,

@@ -126,8 +126,8 @@ def parser() -> EnvArgumentParser:
                             "float32 on CPU only), native-int8 (native with each row rounded to int8 per 32 values "
                             "before it meets an int8 weight, as llama.cpp's Q8_0 does: on CPUs with AVX-512 VNNI 2-3x "
                             "faster prompts and batches, elsewhere slower than native; results change slightly; "
-                            "opt-in), xla (XLA's own products) or auto (native "
-                            "where it can run, else xla; GPUs/TPUs always use XLA's)")
+                            "opt-in), xla (XLA's own products) or auto (native where it can run, else xla; "
+                            "GPUs/TPUs always use XLA's)")
     p.add_env_argument("--buckets", type=bucket_list, default=None,
                        help="no longer used (prompts up to the context are accepted with any settings); accepted "
                             "so that existing deployments start, with a warning")
