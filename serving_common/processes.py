@@ -22,11 +22,59 @@ from serving_common.healthcheck import check
 from serving_common.tls import ChannelTLS
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the child binds it; a race is possible but rare)."""
+PORT_SLICES = 16  # processes that pick ports at once each take theirs from one slice of the range below
+PORT_SLICE_SIZE = 1024
+_picked: dict[int, int] = {}  # slice -> how many ports this process has tried from it
+
+
+def ephemeral_low() -> int:
+    """The lowest port the kernel assigns by itself (to bind(0) and to every outgoing connection)."""
+    try:
+        return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; macOS and Windows start higher still
+
+
+def port_slice() -> int:
+    """This process's slice: a pytest-xdist worker's number (gwN), else one of the upper half by process id."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        return int(worker[2:]) % (PORT_SLICES // 2)
+    return PORT_SLICES // 2 + os.getpid() % (PORT_SLICES // 2)
+
+
+def bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("", port))  # every address: a port another process holds on any of them is taken
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port on this host that is free now and that no one will be handed by the kernel before the child
+    binds it.
+
+    Choosing with bind(0) races: the port is released before the child binds it, and the kernel may give it
+    meanwhile to any outgoing connection or other bind(0) on the box. So the port comes from below the
+    kernel's ephemeral range, from this process's own slice of it (two test workers never pick the same one),
+    in turn, skipping any port that cannot be bound now. Where the ephemeral range leaves no room below it,
+    falls back to bind(0)."""
+    first = ephemeral_low() - PORT_SLICES * PORT_SLICE_SIZE
+    if first < 1024:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    index = port_slice()
+    base = first + index * PORT_SLICE_SIZE
+    start = _picked.setdefault(index, os.getpid() * 7919 % PORT_SLICE_SIZE)  # a restarted worker starts elsewhere
+    for step in range(PORT_SLICE_SIZE):
+        port = base + (start + step) % PORT_SLICE_SIZE
+        if bindable(port):
+            _picked[index] = start + step + 1
+            return port
+    raise RuntimeError(f"no free TCP port in {base}..{base + PORT_SLICE_SIZE - 1}")
 
 
 def start_module(module: str, args: Sequence[str], *, stdout: IO[Any] | int, cwd: pathlib.Path,

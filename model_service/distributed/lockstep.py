@@ -5,7 +5,7 @@ processes. Each call is encoded (ops.Codec: a step is its whole StepBatch, block
 broadcast to the followers through a JAX collective (`JaxChannel`: multihost_utils.broadcast_one_to_all), and
 executed on process 0's own `Replica` while the followers execute the same call on theirs.
 
-A process that dies makes the next collective fail (gloo reports the closed connection at once); one
+A process that dies usually makes the next collective fail (gloo reports the closed connection); one
 that stalls makes it hang. So every call runs on a worker thread and the caller waits at most
 `step_timeout`; either way the group is then broken for good: `on_broken` is called once (the server
 reports NOT_SERVING and exits non-zero so the orchestrator restarts the group) and this and every later

@@ -180,7 +180,8 @@ def assert_group_broken(group: Group, error: grpc.RpcError, seconds: float, boun
 def test_killing_the_follower_fails_the_stream_with_unavailable_and_process_0_exits(group: Group) -> None:
     error, seconds, tokens = stream_then(group, lambda: os.kill(group.follower.proc.pid, signal.SIGKILL))
     assert 2 <= len(tokens) < 100
-    assert_group_broken(group, error, seconds, bound=10.0)
+    # gloo usually reports the closed connection at once; the step timeout is what the group promises
+    assert_group_broken(group, error, seconds, bound=STEP_TIMEOUT + 10)
 
 
 def test_restarted_group_serves_again_and_a_stalled_follower_gives_unavailable(
