@@ -62,18 +62,14 @@ def supported_isas() -> tuple[str, ...]:
     return _load()
 
 
-INT8_FLAGS = ("avx512bw", "avx512vbmi", "avx512_vnni")  # what the fast int8-rows path needs (native/ffi.cc)
-
-
 def int8_accelerated() -> bool:
-    """Whether this CPU runs int8 rows on the AVX-512 VNNI path (/proc/cpuinfo's flags, as the kernel checks
-    them); elsewhere the int8 path multiplies int16 pairs, no faster than the float32 one."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
+    """Whether this CPU runs int8 rows on the AVX-512 VNNI path (the extension's own check); elsewhere the int8
+    path multiplies int16 pairs, no faster than the float32 one. False without the extension."""
+    if not _load():
         return False
-    return "avx512" in supported_isas() and all(flag in flags for flag in INT8_FLAGS)
+    from model_service.kernels import _native  # type: ignore[attr-defined]
+
+    return bool(_native.int8_accelerated())
 
 
 def default_isa() -> str:

@@ -4,6 +4,7 @@ of products (--products) and the pure-XLA fallback when the kernel is disabled."
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -110,6 +111,17 @@ def test_int8_rows_on_a_cpu_without_the_int8_instructions_warn_that_they_are_no_
     with caplog.at_level("WARNING"):
         choose_products("native-int8", mesh, jnp.float32)
     assert not caplog.records
+
+
+def test_the_extension_says_whether_int8_rows_are_accelerated_as_the_cpu_reports() -> None:
+    """The kernel's own check (AVX-512 F/BW/VBMI/VNNI), read back; compared here with Linux's flags."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to compare with")
+    flags = next(line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("flags"))
+    wanted = {"avx512f", "avx512bw", "avx512vbmi", "avx512_vnni"}
+    assert kernels.int8_accelerated() == wanted.issubset(flags)
 
 
 def test_an_isa_forced_by_the_environment_is_used_when_supported(monkeypatch: pytest.MonkeyPatch) -> None:

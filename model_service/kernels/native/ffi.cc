@@ -277,9 +277,15 @@ PyObject* SupportedIsas(PyObject*, PyObject*) {
   return out;
 }
 
+PyObject* Int8Accelerated(PyObject*, PyObject*) {
+  return PyBool_FromLong(grok::QuantUsesAvx512(grok::kAvx512));
+}
+
 PyMethodDef kMethods[] = {
     {"handlers", Handlers, METH_NOARGS, "FFI handler capsules by target name."},
     {"supported_isas", SupportedIsas, METH_NOARGS, "Instruction-set paths this CPU can run, slowest first."},
+    {"int8_accelerated", Int8Accelerated, METH_NOARGS,
+     "Whether int8 rows take the AVX-512 VNNI path on this CPU (elsewhere they are no faster than float32)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native", "grok-serve CPU kernels (XLA FFI).", -1, kMethods};
