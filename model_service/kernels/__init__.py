@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,27 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa
         raise ValueError(f"activations must be one of {tuple(ACTIVATIONS)}, got {activations!r}")
     return jax.ffi.ffi_call("grok_int8_matmul", out, vmap_method="sequential")(
         x, w, scales, rows, activations=np.int64(ACTIVATIONS[activations]), **attrs)
+
+
+def grouped_matmul(x: jax.Array, which: jax.Array, weights: Sequence[jax.Array], scales: Sequence[jax.Array],
+                   n_out: int, isa: str | None = None, threads: int = 0, rows: jax.Array | None = None,
+                   form: str | None = None, activations: str = "float32") -> jax.Array:
+    """Row r of x float32 [M, K] times the int8 packed weight weights[which[r]] (with scales[which[r]]) -> float32
+    [M, n_out], in one call: an MoE layer's (token, expert) pairs, whose experts' column blocks the threads share
+    out together. The weights are of one shape. A row's bits are those of `matmul` with its weight (and the same
+    `rows`, `form` and `activations`), whatever the other rows and weights."""
+    if not available():
+        raise RuntimeError("native kernels are not available (see the log)")
+    if len(weights) != len(scales) or not weights:
+        raise ValueError(f"grouped_matmul: want one scales per weight, got {len(weights)} and {len(scales)}")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {tuple(ACTIVATIONS)}, got {activations!r}")
+    isa, form = isa or default_isa(), form or default_form()
+    out = jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32)
+    rows = jnp.ones((x.shape[0],), jnp.bool_) if rows is None else rows.astype(jnp.bool_)
+    return jax.ffi.ffi_call("grok_grouped_int8_matmul", out, vmap_method="sequential")(
+        x, which.astype(jnp.int32), rows, *weights, *scales, isa=np.int64(ISAS[isa]), threads=np.int64(threads),
+        form=np.int64(FORMS[form]), activations=np.int64(ACTIVATIONS[activations]))
 
 
 def nucleus_threshold(logits: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -16,6 +16,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from model_service import kernels
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product, row_sum
 from model_service.model.packed import PackedWeight
 
@@ -141,6 +142,48 @@ def experts_by_cond(x: Array, routing: Routing, w: ExpertWeights, active: Array 
     return out
 
 
+def grouped_native(w: ExpertWeights) -> bool:
+    """Whether the experts are int8 matrices packed for the native kernel on one device (experts_grouped)."""
+    first = w.linear.experts[0] if isinstance(w.linear, ExpertStack) else None
+    return isinstance(first, PackedWeight) and first.mesh is None and first.packed_scales is not None
+
+
+def experts_grouped(x: Array, routing: Routing, w: ExpertWeights, active: Array, products: Products) -> Array:
+    """experts_by_cond's sum in two native calls instead of a conditional per expert.
+
+    Each (row, selected expert) pair is a row of its own; the first call multiplies every pair by its expert's
+    two input matrices, the second the gated-GELU result by its output matrix (kernels.grouped_matmul), so the
+    threads share the selected experts' weights out among themselves (one row meeting two experts keeps two
+    cores reading). A row's pairs are taken in expert order, each output times its gate rounded to float32, and
+    added to zero in that order; pairs of rows not `active` are not computed (their rows come out zero).
+    """
+    m, k = routing.experts.shape
+    n = len(w.linear.experts)
+    order = jnp.argsort(routing.experts, axis=-1)
+    experts = jnp.take_along_axis(routing.experts, order, axis=-1).reshape(m * k)
+    gates = jnp.take_along_axis(routing.gates, order, axis=-1).astype(x.dtype)  # [M, k]
+    used = jnp.repeat(active, k)  # [M * k]
+    pairs = jnp.repeat(x.astype(jnp.float32), k, axis=0)  # [M * k, D]
+    activations = "int8" if products.int8 else "float32"
+
+    def call(rows: Array, which: Array, mask: Array, stacks: tuple[ExpertStack, ...]) -> Array:
+        weights = [q for stack in stacks for q in stack.experts]
+        return kernels.grouped_matmul(rows, which, [q.packed for q in weights], [q.packed_scales for q in weights],
+                                      weights[0].n, rows=mask, activations=activations)
+
+    both = call(jnp.concatenate([pairs, pairs]), jnp.concatenate([experts, experts + n]),
+                jnp.concatenate([used, used]), (w.linear, w.linear_v)).astype(x.dtype)
+    h = jax.nn.gelu(both[:m * k]) * both[m * k:]
+    y = call(h.astype(jnp.float32), experts, used, (w.linear_1,)).astype(x.dtype).reshape(m, k, -1)
+    # Each gated output rounded on its own before the adds: the barrier keeps XLA from contracting a multiply
+    # and the add after it into one fused multiply-add, which it does or not by how it fuses the program.
+    terms = jax.lax.optimization_barrier(jnp.where(used.reshape(m, k, 1), y * gates[..., None], 0.0))
+    out = jnp.zeros_like(x)
+    for j in range(k):
+        out = out + terms[:, j]
+    return out
+
+
 def pick_tile(m: int, k: int, num_experts: int) -> int:
     """Rows per tile for grouped_experts: ~2x the mean group size as a power of two, between 16 and 64
     (measured on 2 CPU cores: fewer, fuller tiles win until the product itself dominates)."""
@@ -169,6 +212,8 @@ class MoELayer(hk.Module):
         )
         flat = x.reshape(b * t, d)
         if active is not None:  # decode
+            if grouped_native(w):
+                return experts_grouped(flat, routing, w, active.reshape(b * t), products).reshape(b, t, d)
             return experts_by_cond(flat, routing, w, active, products).reshape(b, t, d)
         tile = pick_tile(b * t, routing.experts.shape[-1], e)
         return grouped_experts(flat, routing, w, tile, products).reshape(b, t, d)

@@ -3,6 +3,8 @@
 // grok_int8_matmul(x f32 [M, K], w s8 [NB, K, 16], scales f32 [B, NB*16], rows pred [M]) -> f32 [M, N]
 //   (attribute activations: 0 float32, 1 int8: the rows rounded to int8 first, an opt-in; see matmul.h)
 // grok_f32_matmul (x f32 [M, K], w f32 [NB, K, 16], rows pred [M])                      -> f32 [M, N]
+// grok_grouped_int8_matmul(x f32 [M, K], which s32 [M], rows pred [M], w_0..w_{E-1} s8 [NB, K, 16],
+//   scales_0..scales_{E-1} f32 [B, NB*16]) -> f32 [M, N]: row r times weight which[r] (attributes as above)
 // grok_bf16_matmul(x f32 [M, K], w bf16 [NB, K, 16], rows pred [M])                     -> f32 [M, N]
 // Attributes: isa (0 best available, 1 scalar, 2 AVX2, 3 AVX-512), threads (0: XLA's intra-op pool size),
 // form (0: by the number of marked rows, 1 rows, 2 panel; see matmul.h). The forms and the instruction sets
@@ -88,39 +90,58 @@ Kernel QuantKernelFor(int64_t isa) {
 
 constexpr int64_t kChunkBlocks = 2 * kGroup;  // column blocks per unit of work handed to a thread
 
-// Shared by the caller and the pool tasks; a task that starts after all chunks are claimed returns at once,
-// so the caller only ever waits for chunks some running thread is computing.
-struct Work {
+// One product of a call: its arguments and kernel (a grouped call has one per weight).
+struct Part {
   MatmulArgs args;
   Kernel kernel;
-  int64_t scratch;  // floats of per-thread scratch the kernel needs (0: none)
-  int64_t chunks;
+};
+
+// Shared by the caller and the pool tasks; a task that starts after all chunks are claimed returns at once,
+// so the caller only ever waits for chunks some running thread is computing. A chunk is kChunkBlocks column
+// blocks of one part; the parts' chunks are numbered one after another.
+struct Work {
+  std::vector<Part> parts;
+  std::vector<int64_t> first;  // [parts] the number of the first chunk of each part
+  int64_t scratch = 0;  // floats of per-thread scratch the kernels need (0: none)
+  int64_t chunks = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+
+  void Add(const MatmulArgs& args, Kernel kernel) {
+    parts.push_back({args, kernel});
+    first.push_back(chunks);
+    chunks += (args.nb + kChunkBlocks - 1) / kChunkBlocks;
+  }
 
   void Drain() {
     int64_t c = next.fetch_add(1);
     if (c >= chunks) return;
     std::vector<float> buffer(static_cast<size_t>(scratch));
+    size_t p = 0;
     for (; c < chunks; c = next.fetch_add(1)) {
-      const int64_t begin = c * kChunkBlocks;
-      kernel(args, begin, std::min(begin + kChunkBlocks, args.nb), buffer.data());
+      while (p + 1 < parts.size() && first[p + 1] <= c) ++p;  // chunks are claimed in increasing order
+      const Part& part = parts[p];
+      const int64_t begin = (c - first[p]) * kChunkBlocks;
+      part.kernel(part.args, begin, std::min(begin + kChunkBlocks, part.args.nb), buffer.data());
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-void Execute(const MatmulArgs& args, Kernel kernel, int64_t scratch, int64_t threads, ffi::ThreadPool& pool) {
-  auto work = std::make_shared<Work>();
-  work->args = args;
-  work->kernel = kernel;
-  work->scratch = scratch;
-  work->chunks = (args.nb + kChunkBlocks - 1) / kChunkBlocks;
+void Execute(std::shared_ptr<Work> work, int64_t threads, ffi::ThreadPool& pool) {
+  if (work->chunks == 0) return;
   const int64_t available = std::max<int64_t>(1, pool.num_threads());
   const int64_t want = std::min(threads > 0 ? threads : available, work->chunks);
   for (int64_t t = 1; t < want; ++t) pool.Schedule([work] { work->Drain(); });
   work->Drain();
   while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+}
+
+void Execute(const MatmulArgs& args, Kernel kernel, int64_t scratch, int64_t threads, ffi::ThreadPool& pool) {
+  auto work = std::make_shared<Work>();
+  work->Add(args, kernel);
+  work->scratch = scratch;
+  Execute(work, threads, pool);
 }
 
 ffi::Error Check(int64_t isa, int64_t form, int64_t m, int64_t k, int64_t wk, int64_t n_out, int64_t nb, int64_t blocks) {
@@ -210,6 +231,91 @@ ffi::Error PlainMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w, ffi::Buffer<ff
   return Run(x, w.untyped_data(), wd[0], wd[1], nullptr, 1, type, rows, out, {isa, threads, form}, pool);
 }
 
+// Row r of x times weight which[r] of the E given (an MoE layer's experts: each row is a (token, expert) pair),
+// in one call: the used weights' column blocks are shared out among the threads together, so one row meeting
+// two experts keeps both cores reading. Each row's bits are those of grok_int8_matmul with that weight.
+ffi::Error GroupedInt8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> which, ffi::Buffer<ffi::PRED> rows,
+                             ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::F32> out, int64_t isa,
+                             int64_t threads, int64_t form, int64_t activations, ffi::ThreadPool pool) {
+  if (activations != 0 && activations != 1)
+    return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: activations is 0 (float32) or 1 (int8), got " +
+                                       std::to_string(activations));
+  if (weights.size() < 2 || weights.size() % 2)
+    return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: want E weights [NB, K, 16] then their E scales");
+  const int64_t experts = static_cast<int64_t>(weights.size() / 2);
+  const auto xd = x.dimensions();
+  const int64_t m = xd[0], k = xd[1], n_out = out->dimensions()[1];
+  if (which.element_count() != m || rows.element_count() != m)
+    return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: want one weight index and one row flag per row");
+  std::vector<const int8_t*> ws(experts);
+  std::vector<const float*> ss(experts);
+  int64_t nb = 0, wk = 0, blocks = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    auto w = weights.get<ffi::Buffer<ffi::S8>>(e);
+    auto sc = weights.get<ffi::Buffer<ffi::F32>>(experts + e);
+    if (!w || !sc) return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: weights are int8, scales float32");
+    const auto wd = w->dimensions(), sd = sc->dimensions();
+    if (wd.size() != 3 || wd[2] != kLanes || sd.size() != 2 || sd[1] != wd[0] * kLanes)
+      return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: want each w [NB, K, 16] and scales [B, NB*16]");
+    if (e == 0) {
+      nb = wd[0], wk = wd[1], blocks = sd[0];
+    } else if (wd[0] != nb || wd[1] != wk || sd[0] != blocks) {
+      return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: the weights differ in shape");
+    }
+    ws[e] = w->typed_data();
+    ss[e] = sc->typed_data();
+  }
+  if (ffi::Error e = Check(isa, form, m, k, wk, n_out, nb, blocks); e.failure()) return e;
+  std::vector<std::vector<int64_t>> ids(experts);
+  std::vector<int64_t> all;
+  const bool* on = rows.typed_data();
+  const int32_t* pick = which.typed_data();
+  float* o = out->typed_data();
+  for (int64_t r = 0; r < m; ++r) {
+    if (!on[r]) {
+      std::fill(o + r * n_out, o + (r + 1) * n_out, 0.0f);
+    } else if (pick[r] < 0 || pick[r] >= experts) {
+      return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: row " + std::to_string(r) + " names weight " +
+                                         std::to_string(pick[r]) + " of " + std::to_string(experts));
+    } else {
+      ids[pick[r]].push_back(r);
+      all.push_back(r);
+    }
+  }
+  if (all.empty() || n_out == 0) return ffi::Error::Success();
+  const int64_t best = isa == kBest ? Best() : isa;
+  const int64_t kb = k / blocks, per_block = (kb + kQuantBlock - 1) / kQuantBlock, subs = blocks * per_block;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> c;
+  QuantRows quant{};
+  if (activations == 1) {
+    q.resize(static_cast<size_t>(m * subs * kQuantBlock));
+    d.resize(static_cast<size_t>(m * subs));
+    c.resize(static_cast<size_t>(m * subs));
+    QuantizeFor(best)(x.typed_data(), all.data(), static_cast<int64_t>(all.size()), k, blocks, q.data(), d.data(),
+                      c.data());
+    quant = {q.data(), d.data(), c.data(), subs, per_block};
+  }
+  auto work = std::make_shared<Work>();
+  for (int64_t e = 0; e < experts; ++e) {
+    if (ids[e].empty()) continue;
+    const int64_t count = static_cast<int64_t>(ids[e].size());
+    MatmulArgs args{x.typed_data(), ws[e], ss[e], o, ids[e].data(), count, k, nb, n_out, blocks, Weight::kInt8};
+    if (activations == 1) {
+      args.quant = &quant;
+      work->Add(args, QuantKernelFor(best));
+      work->scratch = std::max(work->scratch, QuantScratch(k, blocks));
+    } else {
+      const bool panel = best != kScalar && form == kPanel;  // int8 weights take the rows form unless asked
+      work->Add(args, KernelFor(best, panel));
+      if (panel) work->scratch = std::max(work->scratch, PanelScratch(count));
+    }
+  }
+  Execute(work, threads, pool);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace grok
 
@@ -219,6 +325,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokInt8Matmul, grok::Int8Matmul,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("form")
+                                  .Attr<int64_t>("activations")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokGroupedInt8Matmul, grok::GroupedInt8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("threads")
@@ -255,8 +374,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokAttentionMath);     // attention.cc
 namespace {
 
 PyObject* Handlers(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N}", "grok_int8_matmul",
+  return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "grok_int8_matmul",
                        PyCapsule_New(reinterpret_cast<void*>(GrokInt8Matmul), nullptr, nullptr),
+                       "grok_grouped_int8_matmul",
+                       PyCapsule_New(reinterpret_cast<void*>(GrokGroupedInt8Matmul), nullptr, nullptr),
                        "grok_f32_matmul", PyCapsule_New(reinterpret_cast<void*>(GrokF32Matmul), nullptr, nullptr),
                        "grok_bf16_matmul", PyCapsule_New(reinterpret_cast<void*>(GrokBf16Matmul), nullptr, nullptr),
                        "grok_nucleus_threshold",
