@@ -146,7 +146,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     pools, slots = state
     rows = engine._rows.lower(engine.params, pools, slots.last, *rows_args).compile()
     h, pools = rows(engine.params, pools, slots.last, *rows_args)
-    draws = engine._draws.lower(engine.params, slots, h, *draws_args).compile()
+    draws = engine._draws.lower(engine.head_params, slots, h, *draws_args).compile()
 
     def run_rows() -> None:
         nonlocal h, pools
@@ -154,7 +154,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
 
     def run_draws() -> None:
         nonlocal slots
-        slots = jax.block_until_ready(draws(engine.params, slots, h, *draws_args)[0])
+        slots = jax.block_until_ready(draws(engine.head_params, slots, h, *draws_args)[0])
 
     totals: collections.Counter[str] = collections.Counter()
     by_op: collections.Counter[str] = collections.Counter()

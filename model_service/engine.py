@@ -110,6 +110,9 @@ class Engine:
                                    Controls(*([replicated] * len(Controls._fields))), History(replicated, replicated))
         self.state_shardings = EngineState(model.pools_shardings(self.num_blocks), slot_shardings)
         self.params_shardings = model.params_shardings(self.params)
+        # The draws read only the language model's own parameters (the table and the final norm): passing them
+        # alone spares each step's second call the handling of every layer's arrays (~500 at medium's size).
+        self.head_params = model.head_params(self.params)
         state_out = dict(donate_argnums=(0,), out_shardings=self.state_shardings)
         self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
         self._start = jax.jit(self._start_impl, **state_out)
@@ -118,10 +121,10 @@ class Engine:
         # hidden states come out padded to max_rows) and the draws and scores (compiled once).
         pools_sh, slots_sh = self.state_shardings
         self._rows = jax.jit(self._rows_impl, donate_argnums=(1,),
-                             in_shardings=(self.params_shardings, pools_sh, slots_sh.last) + (None,) * 7,
+                             in_shardings=(self.params_shardings, pools_sh, slots_sh.last) + (None,) * 2,
                              out_shardings=(None, pools_sh))
         self._draws = jax.jit(self._draws_impl, donate_argnums=(1,),
-                              in_shardings=(self.params_shardings, slots_sh) + (None,) * 8,
+                              in_shardings=(model.params_shardings(self.head_params), slots_sh) + (None,) * 4,
                               out_shardings=(slots_sh, None, None))
 
     # ---- pure functions (jitted above) ------------------------------------------------------
@@ -160,22 +163,25 @@ class Engine:
         return state._replace(slots=s._replace(sampling=s.sampling._replace(
             mask=s.sampling.mask.at[slot].set(masks, mode="drop"))))
 
-    def _rows_impl(self, params: Any, pools: Any, last: jax.Array, tokens: jax.Array, from_last: jax.Array,
-                   positions: jax.Array, seq: jax.Array, valid: jax.Array, tiles: jax.Array,
+    def _rows_impl(self, params: Any, pools: Any, last: jax.Array, packed: jax.Array,
                    tables: jax.Array) -> tuple[jax.Array, Any]:
-        # rows [R] (max_rows or small_rows); last [S] each slot's last draw; tiles [] int32 tiles to run;
+        # packed [6, R] int32 (R: max_rows or small_rows): tokens, from_last, positions, seq, valid, and the tiles to
+        # run in [5, 0] (one host array: each one more costs a transfer per step); last [S] each slot's last draw;
         # tables [S, L] -> hidden states [max_rows, D] (rows past R zero), the pools
+        tokens, from_last, positions, seq, valid = packed[0], packed[1] != 0, packed[2], packed[3], packed[4] != 0
+        tiles = packed[5, 0]
         r = tokens.shape[0]
         tokens = jnp.where(from_last, last[seq], tokens)
         h, pools = self.model.rows(params, pools, TokenRows(tokens, positions, seq, valid, tables),
                                    min(self.tile, r), tiles)
         return (jnp.pad(h, ((0, self.max_rows - r), (0, 0))) if r < self.max_rows else h), pools
 
-    def _draws_impl(self, params: Any, s: SlotState, h: jax.Array, sample_rows: jax.Array, sample_slots: jax.Array,
-                    chain: jax.Array, nxt: jax.Array, pending: jax.Array, score: jax.Array,
-                    targets: jax.Array) -> tuple[SlotState, Any, Scores]:
-        # h [max_rows, D]; draws [P] (chain / nxt / pending: speculative drafts, step_batch.py); score / targets
-        # [max_rows]
+    def _draws_impl(self, params: Any, s: SlotState, h: jax.Array, draws: jax.Array, pending: jax.Array,
+                    scoring: jax.Array) -> tuple[SlotState, Any, Scores]:
+        # h [max_rows, D]; draws [4, P] int32: sample_rows, sample_slots, chain, nxt, with pending [P, K] the
+        # speculative drafts (step_batch.py); scoring [2, max_rows] int32: score (0/1), targets
+        sample_rows, sample_slots, chain, nxt = draws[0], draws[1], draws[2], draws[3]
+        score, targets = scoring[0] != 0, scoring[1]
         n_slots = self.slots
         used = sample_slots < n_slots
         slot = jnp.minimum(sample_slots, n_slots - 1)
@@ -221,7 +227,7 @@ class Engine:
             state = self._mask(state, *self._masks(batch.masks))
         rows, draws = self.run_args(batch)
         h, pools = self._rows(self.params, state.pools, state.slots.last, *rows)
-        slots, (result, accepted), scores = self._draws(self.params, state.slots, h, *draws)
+        slots, (result, accepted), scores = self._draws(self.head_params, state.slots, h, *draws)
         return EngineState(pools, slots), PendingStep(result, scores if batch.score is not None else None, accepted)
 
     def run_args(self, batch: StepBatch) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
@@ -238,8 +244,13 @@ class Engine:
         nxt = batch.sample_next if batch.sample_next is not None else np.full(p, -1, np.int32)
         pending = batch.sample_pending if batch.sample_pending is not None else np.full((p, k), self.vocab_size,
                                                                                           np.int32)
-        return ((batch.tokens[:r], batch.from_last[:r], batch.positions[:r], batch.seq[:r], valid, tiles, batch.tables),
-                (batch.sample_rows, batch.sample_slots, chain, nxt, pending, score, targets))
+        packed = np.zeros((6, r), np.int32)
+        packed[0], packed[1], packed[2], packed[3], packed[4] = (batch.tokens[:r], batch.from_last[:r],
+                                                                 batch.positions[:r], batch.seq[:r], valid)
+        packed[5, 0] = tiles
+        return ((packed, batch.tables),
+                (np.stack([batch.sample_rows, batch.sample_slots, chain, nxt]).astype(np.int32), pending,
+                 np.stack([score, targets]).astype(np.int32)))
 
     def _starts(self, starts: tuple[SlotStart, ...]) -> tuple[Any, ...]:
         """The starting slots as fixed-shape host arrays ([S] entries; unused ones name slot S, dropped)."""

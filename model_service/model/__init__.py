@@ -23,7 +23,7 @@ from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Pools
 from model_service.model.layers import ATTENTION_MODES, Products, QuantizedWeight
 from model_service.model.params import Params, pack_for_native, packable
-from model_service.model.transformer import Step, forward, head, hidden, score
+from model_service.model.transformer import HEAD_SCOPE, Step, forward, head, hidden, score
 from model_service.sharding import DATA, MODEL, params_shardings
 
 __all__ = ["GrokModel", "KVMemory", "Params", "Pools", "Products", "QuantizedWeight", "TokenRows", "choose_products"]
@@ -169,6 +169,10 @@ class GrokModel:
             return one(jnp.int32(0), (out, pools))
         count = r // tile if tiles is None else tiles
         return jax.lax.fori_loop(0, count, one, (out, pools))
+
+    def head_params(self, params: Params) -> Params:
+        """The part of `params` that `head` and `score` read: the language model's table and final norm."""
+        return {module: leaves for module, leaves in params.items() if module.startswith(f"{HEAD_SCOPE}/")}
 
     def head(self, params: Params, h: Array, used: Array | None = None) -> Array:
         """Rows h [P, D] (from `rows`) -> float32 logits [P, V]; rows not `used` get none (zeros, natively)."""

@@ -152,8 +152,11 @@ class LanguageModelParams(NamedTuple):
     norm_scale: Array  # [D]
 
 
+HEAD_SCOPE = "language_model"  # the modules of the table and the final norm
+
+
 def language_model_params(cfg: ModelConfig) -> LanguageModelParams:
-    with hk.name_scope("language_model"):
+    with hk.name_scope(HEAD_SCOPE):
         table = ParamHolder("in_out_embed").get("embeddings", (cfg.vocab_size, cfg.model.emb_size))
         scale = ParamHolder("rms_norm").get("scale", (cfg.model.emb_size,))
     return LanguageModelParams(table, scale)
