@@ -1,8 +1,10 @@
 """The mixture-of-experts block: a float32 router and gated-GELU int8 experts computed only where selected.
 
 Tokens are grouped by expert, and experts nobody selected cost nothing:
-- decode: one conditional per expert, run only if an active row selected it, converting that expert's int8
-  weights once for all rows (the step is bound by weight reads at this size);
+- a step's rows, on one device with native products: every (row, selected expert) pair in two grouped native
+  calls per layer (experts_grouped);
+- a step's rows otherwise: one conditional per expert, run only if an active row selected it, converting that
+  expert's int8 weights once for all rows (the step is bound by weight reads at this size);
 - prefill: the (token, expert) pairs are sorted by expert and cut into tiles of `tile` rows that each belong to
   one expert; a loop runs over the used tiles only, multiplying only routed rows.
 A row adds its experts' outputs in expert order.
