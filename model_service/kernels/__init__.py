@@ -94,12 +94,14 @@ def default_form() -> str:
 
 def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa: str | None = None,
            threads: int = 0, rows: jax.Array | None = None, form: str | None = None,
-           activations: str = "float32") -> jax.Array:
+           activations: str = "float32", fill_unused: bool = True) -> jax.Array:
     """x float32 [M, K] times a packed weight w [NB, K, 16] (int8 with scales [B, NB*16], or float32 or bfloat16
     without) -> float32 [M, n_out], n_out <= NB*16. One device; `threads` 0 uses XLA's intra-op pool.
 
-    `rows` bool [M] (default: all) names the rows to compute; the others come out zero and cost nothing. A
-    computed row's bits are the same whichever other rows are computed, whatever `form` (FORMS) computes it.
+    `rows` bool [M] (default: all) names the rows to compute; the others come out zero and cost nothing (with
+    `fill_unused` False they are not even written: their values are undefined, for a caller that never reads
+    them). A computed row's bits are the same whichever other rows are computed, whatever `form` (FORMS)
+    computes it.
 
     `activations` "int8" (int8 weights only) rounds each row to int8 first, per 32 values of K inside each scale
     block with one step max|x| / 127 (llama.cpp's Q8_0 activations), and multiplies in integers (AVX-512 VNNI
@@ -109,7 +111,8 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa
         raise RuntimeError("native kernels are not available (see the log)")
     isa, form = isa or default_isa(), form or default_form()
     out = jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32)
-    attrs = {"isa": np.int64(ISAS[isa]), "threads": np.int64(threads), "form": np.int64(FORMS[form])}
+    attrs = {"isa": np.int64(ISAS[isa]), "threads": np.int64(threads), "form": np.int64(FORMS[form]),
+             "fill": np.int64(1 if fill_unused else 0)}
     rows = jnp.ones((x.shape[0],), jnp.bool_) if rows is None else rows.astype(jnp.bool_)
     # Under vmap each batch element is its own call: a batched call would have to be one product anyway.
     if scales is None:

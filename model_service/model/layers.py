@@ -110,7 +110,7 @@ def _blocked_dot_rows(x: Array, q: QuantizedWeight) -> Array:
 
 
 def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Products,
-            used: Array | None = None) -> Array:
+            used: Array | None = None, fill_unused: bool = True) -> Array:
     """x [..., K] times a weight (int8 QuantizedWeight, or a float array stored [N, K]) -> [..., N] in x's dtype.
 
     float32 int8 products apply the scales after the reduction (per column, or per row block and then summed
@@ -119,7 +119,8 @@ def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Pro
     (the unembedding a matrix-vector dot); several rows take it only for the wide expert matrices, where
     converting the int8 weight dominates, and dots elsewhere. A PackedWeight always takes the native kernel
     (float32 rows; the result is cast back to x's dtype) and computes only the rows marked `used` (bool over x's leading
-    dims, default all): the others come out zero. XLA's forms ignore `used`.
+    dims, default all): the others come out zero (with `fill_unused` False undefined: for a caller that never
+    reads them). XLA's forms ignore `used`.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
@@ -127,8 +128,8 @@ def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Pro
     if isinstance(w, PackedWeight):
         mask = None if used is None else used.reshape(m)
         int8 = products.int8 and w.packed_scales is not None
-        return packed_product(flat.astype(jnp.float32), w, rows=mask, activations="int8" if int8 else "float32"
-                              ).astype(x.dtype).reshape(*lead, -1)
+        return packed_product(flat.astype(jnp.float32), w, rows=mask, activations="int8" if int8 else "float32",
+                              fill_unused=fill_unused).astype(x.dtype).reshape(*lead, -1)
     if products.native:
         products = Products.FUSED_REDUCE
     fused = products is Products.FUSED_REDUCE and x.dtype == jnp.float32 and m <= FUSED_MAX_ROWS

@@ -191,6 +191,24 @@ def test_only_the_marked_rows_are_computed_and_their_bits_do_not_change(isa: str
         assert np.all(out[~used] == 0), used
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_rows_left_unfilled_do_not_change_the_computed_ones(plain: bool) -> None:
+    """fill_unused=False (the head: a free slot's [V] row is never read) only skips writing zeros."""
+    rng = np.random.default_rng(15)
+    k, n = 8 * 19, 100
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    used = rng.random(9) < 0.5
+    if plain:
+        w, scales = rng.standard_normal((7, k, 16)).astype(np.float32), None
+    else:
+        p = pack_quantized(_weight(rng, k, n, 8), None)
+        w, scales = p.packed, p.packed_scales
+    filled, unfilled = (np.asarray(jax.jit(lambda a, m, f=f: kernels.matmul(a, w, scales, n, rows=m, fill_unused=f))(
+        x, used)) for f in (True, False))
+    np.testing.assert_array_equal(unfilled[used], filled[used])
+    assert not filled[~used].any()
+
+
 def test_float32_weights_honour_the_row_mask() -> None:
     rng = np.random.default_rng(14)
     k, n = 40, 50

@@ -7,10 +7,12 @@
 //   scales_0..scales_{E-1} f32 [B, NB*16]) -> f32 [M, N]: row r times weight which[r] (attributes as above)
 // grok_bf16_matmul(x f32 [M, K], w bf16 [NB, K, 16], rows pred [M])                     -> f32 [M, N]
 // Attributes: isa (0 best available, 1 scalar, 2 AVX2, 3 AVX-512), threads (0: XLA's intra-op pool size),
-// form (0: by the number of marked rows, 1 rows, 2 panel; see matmul.h). The forms and the instruction sets
+// form (0: by the number of marked rows, 1 rows, 2 panel; see matmul.h), fill (not on the grouped target: 1 the
+// rows not marked come out zero, 0 they are left as they are). The forms and the instruction sets
 // give the same bits, so the choice is only about speed.
-// Only the rows whose `rows` entry is true are computed (the others are zero): a decode step's free slots
-// and the rows that did not pick an expert cost nothing. Work is split over column blocks only, so each
+// Only the rows whose `rows` entry is true are computed (the others are zero, or with fill=0 left as they are:
+// the head's free slots, whose [V] rows nobody reads): a decode step's free slots and the rows that did not pick
+// an expert cost nothing. Work is split over column blocks only, so each
 // output element is computed by one thread in one fixed order whatever the thread count or the other rows.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -163,6 +165,7 @@ ffi::Error Check(int64_t isa, int64_t form, int64_t m, int64_t k, int64_t wk, in
 struct Options {
   int64_t isa, threads, form;
   int64_t activations = 0;  // 1: int8 (int8 weights only)
+  int64_t fill = 1;         // 0: rows not computed are left as they are (the caller never reads them)
 };
 
 ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, const float* scales,
@@ -181,7 +184,7 @@ ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, c
   for (int64_t r = 0; r < m; ++r) {
     if (on[r]) {
       ids.push_back(r);
-    } else {
+    } else if (o.fill) {
       std::fill(out->typed_data() + r * n_out, out->typed_data() + (r + 1) * n_out, 0.0f);
     }
   }
@@ -208,7 +211,7 @@ ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, c
 
 ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scales,
                       ffi::Buffer<ffi::PRED> rows, ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads,
-                      int64_t form, int64_t activations, ffi::ThreadPool pool) {
+                      int64_t form, int64_t activations, int64_t fill, ffi::ThreadPool pool) {
   if (activations != 0 && activations != 1)
     return ffi::Error::InvalidArgument("grok_int8_matmul: activations is 0 (float32) or 1 (int8), got " +
                                        std::to_string(activations));
@@ -216,19 +219,19 @@ ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buff
   if (wd.size() != 3 || wd[2] != kLanes || sd.size() != 2 || sd[1] != wd[0] * kLanes)
     return ffi::Error::InvalidArgument("grok_int8_matmul: want w [NB, K, 16] and scales [B, NB*16]");
   return Run(x, w.typed_data(), wd[0], wd[1], scales.typed_data(), sd[0], Weight::kInt8, rows, out,
-             {isa, threads, form, activations}, pool);
+             {isa, threads, form, activations, fill}, pool);
 }
 
 // The unscaled weights (the router, the embedding table) in float32 or bfloat16.
 template <ffi::DataType T>
 ffi::Error PlainMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w, ffi::Buffer<ffi::PRED> rows,
-                       ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads, int64_t form,
+                       ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads, int64_t form, int64_t fill,
                        ffi::ThreadPool pool) {
   const auto wd = w.dimensions();
   if (wd.size() != 3 || wd[2] != kLanes)
     return ffi::Error::InvalidArgument("grok matmul: want a plain weight [NB, K, 16]");
   const Weight type = T == ffi::DataType::BF16 ? Weight::kBf16 : Weight::kF32;
-  return Run(x, w.untyped_data(), wd[0], wd[1], nullptr, 1, type, rows, out, {isa, threads, form}, pool);
+  return Run(x, w.untyped_data(), wd[0], wd[1], nullptr, 1, type, rows, out, {isa, threads, form, 0, fill}, pool);
 }
 
 // Row r of x times weight which[r] of the E given (an MoE layer's experts: each row is a (token, expert) pair),
@@ -330,6 +333,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokInt8Matmul, grok::Int8Matmul,
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("form")
                                   .Attr<int64_t>("activations")
+                                  .Attr<int64_t>("fill")
                                   .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokGroupedInt8Matmul, grok::GroupedInt8Matmul,
@@ -354,6 +358,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokF32Matmul, grok::PlainMatmul<ffi::F32>,
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("form")
+                                  .Attr<int64_t>("fill")
                                   .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokBf16Matmul, grok::PlainMatmul<ffi::BF16>,
@@ -365,6 +370,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokBf16Matmul, grok::PlainMatmul<ffi::BF16>,
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("form")
+                                  .Attr<int64_t>("fill")
                                   .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokNucleusThreshold);  // nucleus.cc
