@@ -94,7 +94,7 @@ def default_form() -> str:
 
 def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa: str | None = None,
            threads: int = 0, rows: jax.Array | None = None, form: str | None = None,
-           activations: str = "float32", fill_unused: bool = True) -> jax.Array:
+           activations: str = "float32", fill_unused: bool = True, multiplier: float = 1.0) -> jax.Array:
     """x float32 [M, K] times a packed weight w [NB, K, 16] (int8 with scales [B, NB*16], or float32 or bfloat16
     without) -> float32 [M, n_out], n_out <= NB*16. One device; `threads` 0 uses XLA's intra-op pool.
 
@@ -106,9 +106,14 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa
     `activations` "int8" (int8 weights only) rounds each row to int8 first, per 32 values of K inside each scale
     block with one step max|x| / 127 (llama.cpp's Q8_0 activations), and multiplies in integers (AVX-512 VNNI
     where the CPU has it): about 4x the multiply-adds per instruction, at the cost of that rounding. Still one
-    fixed order per element: the bits are the same on every instruction set and for any other rows."""
+    fixed order per element: the bits are the same on every instruction set and for any other rows.
+
+    `multiplier` (unscaled weights only) multiplies each computed element once after its sum: the bits of
+    `matmul(...) * float32(multiplier)`, without a pass over the rows not computed."""
     if not available():
         raise RuntimeError("native kernels are not available (see the log)")
+    if multiplier != 1.0 and scales is not None:
+        raise ValueError("matmul: a multiplier is for unscaled (float32 or bfloat16) weights")
     isa, form = isa or default_isa(), form or default_form()
     out = jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32)
     attrs = {"isa": np.int64(ISAS[isa]), "threads": np.int64(threads), "form": np.int64(FORMS[form]),
@@ -119,7 +124,8 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa
         target = _PLAIN_TARGETS.get(jnp.dtype(w.dtype))
         if target is None:
             raise TypeError(f"an unscaled packed weight is float32 or bfloat16, got {w.dtype}")
-        return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w, rows, **attrs)
+        return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w, rows, multiplier=np.float32(multiplier),
+                                                                      **attrs)
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {tuple(ACTIVATIONS)}, got {activations!r}")
     return jax.ffi.ffi_call("grok_int8_matmul", out, vmap_method="sequential")(

@@ -229,28 +229,30 @@ def _row_spec(m: int, mesh: Mesh) -> str | None:
 
 
 def packed_product(x: Array, w: PackedWeight, isa: str | None = None, rows: Array | None = None,
-                   activations: str = "float32", fill_unused: bool = True) -> Array:
+                   activations: str = "float32", fill_unused: bool = True, multiplier: float = 1.0) -> Array:
     """x float32 [M, K] times a PackedWeight -> float32 [M, N], through the native kernel (per shard). `rows`
     bool [M] (default: all): only those rows are computed, the others are zero (undefined with `fill_unused`
-    False); `activations` "int8" rounds the rows to int8 first (kernels.matmul)."""
+    False); `activations` "int8" rounds the rows to int8 first; `multiplier` (an unscaled weight) multiplies
+    each computed element after its sum (kernels.matmul)."""
     scaled = w.packed_scales is not None
     mask = jnp.ones((x.shape[0],), jnp.bool_) if rows is None else rows.astype(jnp.bool_)
     if w.mesh is None:
         return kernels.matmul(x, w.packed, w.packed_scales, w.n, isa, rows=mask, activations=activations,
-                              fill_unused=fill_unused)
+                              fill_unused=fill_unused, multiplier=multiplier)
     operands = (x, mask, w.packed, w.packed_scales) if scaled else (x, mask, w.packed)
     rows_axis, split = _row_spec(x.shape[0], w.mesh), MODEL if w.shards > 1 else None
     if w.split == COLUMNS:
         def columns(xs: Array, ms: Array, ws: Array, ss: Array | None = None) -> Array:
             return kernels.matmul(xs, ws, ss, w.n // w.shards, isa, rows=ms, activations=activations,
-                                  fill_unused=fill_unused)
+                                  fill_unused=fill_unused, multiplier=multiplier)
         specs = (P(rows_axis, None), P(rows_axis), P(split, None, None), P(None, split))
         return shard_map(columns, mesh=w.mesh, in_specs=specs[:len(operands)], out_specs=P(rows_axis, split),
                          check_vma=False)(*operands)
 
     def row_blocks(xs: Array, ms: Array, ws: Array, ss: Array | None = None) -> Array:
         partial = kernels.matmul(xs, ws, ss, w.n, isa, rows=ms, activations=activations, fill_unused=fill_unused)
-        return jax.lax.psum(partial, MODEL) if split else partial
+        total = jax.lax.psum(partial, MODEL) if split else partial
+        return total if multiplier == 1.0 else total * jnp.float32(multiplier)
     specs = (P(rows_axis, split), P(rows_axis), P(None, split, None), P(split, None))
     return shard_map(row_blocks, mesh=w.mesh, in_specs=specs[:len(operands)], out_specs=P(rows_axis, None),
                      check_vma=False)(*operands)

@@ -219,3 +219,28 @@ def test_float32_weights_honour_the_row_mask() -> None:
     out = np.asarray(jax.jit(lambda a, m: kernels.matmul(a, packed, None, n, rows=m))(x, used))
     np.testing.assert_array_equal(out[used], full[used])
     assert np.all(out[~used] == 0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("form", FORMS)
+def test_a_multiplier_gives_the_bits_of_multiplying_the_product_after_it(isa: str, dtype: Any, form: str) -> None:
+    """The unembedding's output multiplier inside the kernel: each computed element times float32(m), exactly as
+    XLA's multiply after the product rounds it; the rows not computed stay zero (or unwritten)."""
+    rng = np.random.default_rng(16)
+    k, n, m = 8 * 37, 16 * 9 + 5, 0.5773502691896257  # a column count inside a block, a chunk boundary
+    w = rng.standard_normal((10, k, 16)).astype(dtype)
+    x = rng.standard_normal((11, k)).astype(np.float32) * 3
+    used = rng.random(11) < 0.6
+    after = np.asarray(jax.jit(lambda a, r: kernels.matmul(a, w, None, n, isa, rows=r, form=form)
+                               * jnp.float32(m))(x, used))
+    inside = np.asarray(jax.jit(lambda a, r: kernels.matmul(a, w, None, n, isa, rows=r, form=form,
+                                                            multiplier=m))(x, used))
+    np.testing.assert_array_equal(inside, after)
+    assert not inside[~used].any()
+    unfilled = np.asarray(jax.jit(lambda a, r: kernels.matmul(a, w, None, n, isa, rows=r, form=form, multiplier=m,
+                                                              fill_unused=False))(x, used))
+    np.testing.assert_array_equal(unfilled[used], after[used])
+    with pytest.raises(ValueError, match="unscaled"):
+        p = pack_quantized(_weight(rng, k, n, 8), None)
+        kernels.matmul(x, p.packed, p.packed_scales, n, isa, multiplier=m)

@@ -9,7 +9,9 @@
 // Attributes: isa (0 best available, 1 scalar, 2 AVX2, 3 AVX-512), threads (0: XLA's intra-op pool size),
 // form (0: by the number of marked rows, 1 rows, 2 panel; see matmul.h), fill (not on the grouped target: 1 the
 // rows not marked come out zero, 0 they are left as they are). The forms and the instruction sets
-// give the same bits, so the choice is only about speed.
+// give the same bits, so the choice is only about speed. The plain targets (f32, bf16) also take `multiplier`
+// (float32): each computed element is multiplied by it once, after its sum, as a float32 multiply after the
+// product would (the unembedding's output multiplier, applied to the computed rows only).
 // Only the rows whose `rows` entry is true are computed (the others are zero, or with fill=0 left as they are:
 // the head's free slots, whose [V] rows nobody reads): a decode step's free slots and the rows that did not pick
 // an expert cost nothing. Work is split over column blocks only, so each
@@ -96,7 +98,18 @@ constexpr int64_t kChunkBlocks = 2 * kGroup;  // column blocks per unit of work 
 struct Part {
   MatmulArgs args;
   Kernel kernel;
+  float multiplier = 1.0f;  // each computed element times this, once, after the kernel wrote it
 };
+
+// Columns [block_begin, block_end) of the computed rows times `multiplier`, while the kernel's output for them
+// is still in cache: one float32 multiply per element, as `out * multiplier` after the product would do.
+void Multiply(const MatmulArgs& a, int64_t block_begin, int64_t block_end, float multiplier) {
+  const int64_t begin = block_begin * kLanes, end = std::min(block_end * kLanes, a.n_out);
+  for (int64_t i = 0; i < a.m; ++i) {
+    float* row = a.out + a.rows[i] * a.n_out;
+    for (int64_t c = begin; c < end; ++c) row[c] *= multiplier;
+  }
+}
 
 // Shared by the caller and the pool tasks; a task that starts after all chunks are claimed returns at once,
 // so the caller only ever waits for chunks some running thread is computing. A chunk is kChunkBlocks column
@@ -109,8 +122,8 @@ struct Work {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  void Add(const MatmulArgs& args, Kernel kernel) {
-    parts.push_back({args, kernel});
+  void Add(const MatmulArgs& args, Kernel kernel, float multiplier = 1.0f) {
+    parts.push_back({args, kernel, multiplier});
     first.push_back(chunks);
     chunks += (args.nb + kChunkBlocks - 1) / kChunkBlocks;
   }
@@ -124,7 +137,9 @@ struct Work {
       while (p + 1 < parts.size() && first[p + 1] <= c) ++p;  // chunks are claimed in increasing order
       const Part& part = parts[p];
       const int64_t begin = (c - first[p]) * kChunkBlocks;
-      part.kernel(part.args, begin, std::min(begin + kChunkBlocks, part.args.nb), buffer.data());
+      const int64_t end = std::min(begin + kChunkBlocks, part.args.nb);
+      part.kernel(part.args, begin, end, buffer.data());
+      if (part.multiplier != 1.0f) Multiply(part.args, begin, end, part.multiplier);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -139,9 +154,10 @@ void Execute(std::shared_ptr<Work> work, int64_t threads, ffi::ThreadPool& pool)
   while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
 }
 
-void Execute(const MatmulArgs& args, Kernel kernel, int64_t scratch, int64_t threads, ffi::ThreadPool& pool) {
+void Execute(const MatmulArgs& args, Kernel kernel, int64_t scratch, int64_t threads, ffi::ThreadPool& pool,
+             float multiplier = 1.0f) {
   auto work = std::make_shared<Work>();
-  work->Add(args, kernel);
+  work->Add(args, kernel, multiplier);
   work->scratch = scratch;
   Execute(work, threads, pool);
 }
@@ -166,6 +182,7 @@ struct Options {
   int64_t isa, threads, form;
   int64_t activations = 0;  // 1: int8 (int8 weights only)
   int64_t fill = 1;         // 0: rows not computed are left as they are (the caller never reads them)
+  float multiplier = 1.0f;  // each computed element times this after its sum (the plain targets)
 };
 
 ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, const float* scales,
@@ -205,7 +222,7 @@ ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, c
   }
   const bool panel = isa != kScalar && (o.form == kPanel ||
                                         (o.form == kAuto && type == Weight::kF32 && count >= kPanelMinRows));
-  Execute(args, KernelFor(isa, panel), panel ? PanelScratch(count) : 0, o.threads, pool);
+  Execute(args, KernelFor(isa, panel), panel ? PanelScratch(count) : 0, o.threads, pool, o.multiplier);
   return ffi::Error::Success();
 }
 
@@ -226,12 +243,13 @@ ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buff
 template <ffi::DataType T>
 ffi::Error PlainMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w, ffi::Buffer<ffi::PRED> rows,
                        ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads, int64_t form, int64_t fill,
-                       ffi::ThreadPool pool) {
+                       float multiplier, ffi::ThreadPool pool) {
   const auto wd = w.dimensions();
   if (wd.size() != 3 || wd[2] != kLanes)
     return ffi::Error::InvalidArgument("grok matmul: want a plain weight [NB, K, 16]");
   const Weight type = T == ffi::DataType::BF16 ? Weight::kBf16 : Weight::kF32;
-  return Run(x, w.untyped_data(), wd[0], wd[1], nullptr, 1, type, rows, out, {isa, threads, form, 0, fill}, pool);
+  return Run(x, w.untyped_data(), wd[0], wd[1], nullptr, 1, type, rows, out,
+             {isa, threads, form, 0, fill, multiplier}, pool);
 }
 
 // Row r of x times weight which[r] of the E given (an MoE layer's experts: each row is a (token, expert) pair),
@@ -359,6 +377,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokF32Matmul, grok::PlainMatmul<ffi::F32>,
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("form")
                                   .Attr<int64_t>("fill")
+                                  .Attr<float>("multiplier")
                                   .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokBf16Matmul, grok::PlainMatmul<ffi::BF16>,
@@ -371,6 +390,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokBf16Matmul, grok::PlainMatmul<ffi::BF16>,
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("form")
                                   .Attr<int64_t>("fill")
+                                  .Attr<float>("multiplier")
                                   .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokNucleusThreshold);  // nucleus.cc
