@@ -39,9 +39,12 @@ def test_each_row_matches_a_float64_reference_of_its_own_weight(isa: str, k: int
         assert np.all(np.abs(out[r] - ref[0]) <= bound[0]), r
 
 
+@pytest.mark.parametrize("form", ["auto", "rows", "panel"])
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_row_has_the_bits_of_the_single_weight_product_whatever_shares_the_call(isa: str, activations: str) -> None:
+def test_a_row_has_the_bits_of_the_single_weight_product_whatever_shares_the_call(isa: str, activations: str,
+                                                                                   form: str) -> None:
+    """Whichever form computes the call (auto takes the panel form from 32 rows of one weight on AVX2)."""
     rng = np.random.default_rng(7)
     k, n, blocks, experts, m = 8 * 40, 90, 8, 5, 37
     _, packed = _packed(rng, experts, k, n, blocks)
@@ -49,14 +52,15 @@ def test_a_row_has_the_bits_of_the_single_weight_product_whatever_shares_the_cal
     x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
     for trial in range(3):
         which = jnp.asarray(rng.integers(0, experts if trial else 1, m).astype(np.int32))  # trial 0: all on one
-        mask = jnp.asarray(rng.random(m) < 0.7)
-        out = np.asarray(kernels.grouped_matmul(x, which, weights, scales, n, isa, rows=mask, activations=activations))
+        mask = jnp.asarray(rng.random(m) < 0.7) if trial else jnp.ones((m,), bool)
+        out = np.asarray(kernels.grouped_matmul(x, which, weights, scales, n, isa, rows=mask, form=form,
+                                                activations=activations))
         for r in range(m):
             if not mask[r]:
                 assert not out[r].any()
                 continue
             alone = kernels.matmul(x, weights[int(which[r])], scales[int(which[r])], n, isa,
-                                   rows=jnp.arange(m) == r, activations=activations)
+                                   rows=jnp.arange(m) == r, form="rows", activations=activations)
             assert np.array_equal(np.asarray(alone)[r], out[r]), (trial, r)
 
 

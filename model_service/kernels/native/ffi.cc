@@ -57,13 +57,25 @@ bool QuantUsesAvx512(int64_t isa) {  // AVX-512 asked for, and the CPU has what 
 
 enum Form : int64_t { kAuto = 0, kRows = 1, kPanel = 2 };
 
-// Where `form` is 0, float32 weights take the panel form from this many marked rows on, everything else the
-// rows form. Measured on a 2-core AMD EPYC (Zen 4, AVX-512), benchmarks/kernels.py --grok: the rows form
-// keeps 4 column blocks of the weight in L2 while every group of 4 rows passes over it, and this CPU
+// Where `form` is 0, float32 weights take the panel form from this many marked rows on; int8 and bfloat16
+// weights the rows form, except on AVX2 from kAvx2PanelMinRows rows (below). Measured on a 2-core AMD EPYC
+// (Zen 4, AVX-512), benchmarks/kernels.py --grok: the rows form keeps 4 column blocks of the weight in L2 while every group of 4 rows passes over it, and this CPU
 // converts int8 and bfloat16 beside its FMAs at no cost, so it runs at 82-91 GFLOP/s per core (about the
 // float32 FMA peak) from 4 rows on; only float32 blocks (1.5 MB per 4 blocks at K = 6,144) outgrow L2 and
 // are read again from memory per 4 rows, where reading them once for every row (the panel form) wins.
 constexpr int64_t kPanelMinRows = 8;
+// AVX2 holds a tile of at most 4 rows x 1 column block in its 16 registers, so the rows form converts each int8
+// or bfloat16 weight once per 4 rows; from this many rows converting a panel once for all of them wins. Measured
+// on a 2-core AMD EPYC (Zen 3, AVX2), int8 K 6,144 x N 8,192, both cores: 16 rows 107 (rows) vs 97 (panel)
+// GFLOP/s, 32 rows 132 vs 131, 48 rows 114 vs 148, 64 rows 135 vs 151, 256 rows 138 vs 150.
+constexpr int64_t kAvx2PanelMinRows = 32;
+
+// The form `auto` takes for `rows` marked rows of a weight of `type` on instruction set `isa`.
+bool AutoPanel(int64_t isa, Weight type, int64_t rows) {
+  if (isa == kScalar) return false;
+  if (type == Weight::kF32) return rows >= kPanelMinRows;
+  return isa == kAvx2 && rows >= kAvx2PanelMinRows;
+}
 
 using Kernel = void (*)(const MatmulArgs&, int64_t, int64_t, float*);
 
@@ -220,8 +232,7 @@ ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, c
     Execute(args, QuantKernelFor(isa), QuantScratch(k, blocks), o.threads, pool);
     return ffi::Error::Success();
   }
-  const bool panel = isa != kScalar && (o.form == kPanel ||
-                                        (o.form == kAuto && type == Weight::kF32 && count >= kPanelMinRows));
+  const bool panel = isa != kScalar && (o.form == kPanel || (o.form == kAuto && AutoPanel(isa, type, count)));
   Execute(args, KernelFor(isa, panel), panel ? PanelScratch(count) : 0, o.threads, pool, o.multiplier);
   return ffi::Error::Success();
 }
@@ -328,7 +339,8 @@ ffi::Error GroupedInt8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> whic
       work->Add(args, QuantKernelFor(best));
       work->scratch = std::max(work->scratch, QuantScratch(k, blocks));
     } else {
-      const bool panel = best != kScalar && form == kPanel;  // int8 weights take the rows form unless asked
+      const bool panel = best != kScalar &&
+                         (form == kPanel || (form == kAuto && AutoPanel(best, Weight::kInt8, count)));
       work->Add(args, KernelFor(best, panel));
       if (panel) work->scratch = std::max(work->scratch, PanelScratch(count));
     }
