@@ -110,7 +110,7 @@ def _blocked_dot_rows(x: Array, q: QuantizedWeight) -> Array:
 
 
 def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Products,
-            used: Array | None = None, fill_unused: bool = True) -> Array:
+            used: Array | None = None, fill_unused: bool = True, multiplier: float = 1.0) -> Array:
     """x [..., K] times a weight (int8 QuantizedWeight, or a float array stored [N, K]) -> [..., N] in x's dtype.
 
     float32 int8 products apply the scales after the reduction (per column, or per row block and then summed
@@ -120,7 +120,9 @@ def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Pro
     converting the int8 weight dominates, and dots elsewhere. A PackedWeight always takes the native kernel
     (float32 rows; the result is cast back to x's dtype) and computes only the rows marked `used` (bool over x's leading
     dims, default all): the others come out zero (with `fill_unused` False undefined: for a caller that never
-    reads them). XLA's forms ignore `used`.
+    reads them). XLA's forms ignore `used`. The result is times `multiplier`, one multiply in x's dtype after the
+    product; a float32 product with an unscaled PackedWeight has the kernel do it (the same bits), on the
+    computed rows only.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
@@ -128,8 +130,10 @@ def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Pro
     if isinstance(w, PackedWeight):
         mask = None if used is None else used.reshape(m)
         int8 = products.int8 and w.packed_scales is not None
-        return packed_product(flat.astype(jnp.float32), w, rows=mask, activations="int8" if int8 else "float32",
-                              fill_unused=fill_unused).astype(x.dtype).reshape(*lead, -1)
+        in_kernel = w.packed_scales is None and x.dtype == jnp.float32
+        out = packed_product(flat.astype(jnp.float32), w, rows=mask, activations="int8" if int8 else "float32",
+                             fill_unused=fill_unused, multiplier=multiplier if in_kernel else 1.0).astype(x.dtype)
+        return (out if in_kernel else _times(out, multiplier)).reshape(*lead, -1)
     if products.native:
         products = Products.FUSED_REDUCE
     fused = products is Products.FUSED_REDUCE and x.dtype == jnp.float32 and m <= FUSED_MAX_ROWS
@@ -149,7 +153,11 @@ def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Pro
             out = _dot_rows(flat, w.weight.astype(x.dtype)) * w.scales[0]
     else:
         out = _blocked_row(flat, w) if m == 1 else _blocked_dot_rows(flat, w)
-    return out.reshape(*lead, -1)
+    return _times(out, multiplier).reshape(*lead, -1)
+
+
+def _times(x: Array, multiplier: float) -> Array:
+    return x if multiplier == 1.0 else x * jnp.asarray(multiplier, x.dtype)
 
 
 def row_sum(x: Array) -> Array:

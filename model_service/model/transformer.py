@@ -28,7 +28,7 @@ from model_service.model.layers import (
     rms_norm,
 )
 from model_service.model.moe import MoELayer, ParamHolder, route
-from model_service.model.packed import PackedWeight, packed_product
+from model_service.model.packed import PackedWeight
 from model_service.sharding import DATA, MODEL, constrain
 
 Array = jax.Array
@@ -176,18 +176,11 @@ def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array, products: Produ
     `fill_unused` False not even written: undefined, for a caller that never reads them)."""
     h = rms_norm(h, lm.norm_scale)
     table = lm.embeddings if isinstance(lm.embeddings, PackedWeight) else lm.embeddings.astype(jnp.float32)
-    if isinstance(table, PackedWeight) and table.packed_scales is None and h.dtype == jnp.float32:
-        # The kernel multiplies each computed logit by the output multiplier (the same float32 multiply), so
-        # the rows not computed (a decode step's free slots) cost no pass over [V].
-        lead, flat = h.shape[:-1], h.reshape(-1, h.shape[-1])
-        mask = None if used is None else used.reshape(flat.shape[0])
-        out = packed_product(flat, table, rows=mask, fill_unused=fill_unused,
-                             multiplier=cfg.output_multiplier_scale)
-        return out.reshape(*lead, -1)
-    out = product(h.astype(jnp.float32), table, products, used, fill_unused)
     if h.dtype != jnp.float32:  # the reference's product and multiplier round to the compute dtype
+        out = product(h.astype(jnp.float32), table, products, used, fill_unused)
         return (out.astype(h.dtype) * jnp.asarray(cfg.output_multiplier_scale, h.dtype)).astype(jnp.float32)
-    return out * jnp.float32(cfg.output_multiplier_scale)
+    # In the product: natively the kernel multiplies only the computed rows (free slots cost no pass over [V]).
+    return product(h, table, products, used, fill_unused, multiplier=cfg.output_multiplier_scale)
 
 
 def forward(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: Step) -> Array:
