@@ -27,9 +27,11 @@ $(VENV)/.serving: pyproject.toml setup.py $(wildcard model_service/kernels/nativ
 	$(PY) -m pip install --progress-bar off -e '.[client]'
 	touch $@
 
+# The test extra's packages, not `pip install -e '.[test]'`, which would build the project (and the kernels) again.
 $(VENV)/.installed: $(VENV)/.serving
 	@echo "make: installing the test tools into $(VENV)"
-	$(PY) -m pip install --progress-bar off -e '.[test]'
+	$(PY) scripts/extra_requirements.py test > $(VENV)/test-requirements.txt
+	$(PY) -m pip install --progress-bar off -r $(VENV)/test-requirements.txt
 	touch $@
 
 node_modules/.installed: package.json package-lock.json

