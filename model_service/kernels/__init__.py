@@ -135,10 +135,11 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa
 def grouped_matmul(x: jax.Array, which: jax.Array, weights: Sequence[jax.Array], scales: Sequence[jax.Array],
                    n_out: int, isa: str | None = None, threads: int = 0, rows: jax.Array | None = None,
                    form: str | None = None, activations: str = "float32") -> jax.Array:
-    """Row r of x float32 [M, K] times the int8 packed weight weights[which[r]] (with scales[which[r]]) -> float32
-    [M, n_out], in one call: an MoE layer's (token, expert) pairs, whose experts' column blocks the threads share
-    out together. The weights are of one shape. A row's bits are those of `matmul` with its weight (and the same
-    `rows`, `form` and `activations`), whatever the other rows and weights."""
+    """Row r of x float32 [M, K] times int8 packed weight which[r] -> float32 [M, n_out], in one call: an MoE layer's
+    (token, expert) pairs, whose experts' column blocks the threads share out together. Each of `weights` is one
+    matrix [NB, K, 16] with scales [B, NB*16], or a stack of them [E, NB, K, 16] with scales [E, B, NB*16]; the
+    matrices are numbered through the list in order, and all are of one shape. A row's bits are those of `matmul`
+    with its weight (and the same `rows`, `form` and `activations`), whatever the other rows and weights."""
     if not available():
         raise RuntimeError("native kernels are not available (see the log)")
     if len(weights) != len(scales) or not weights:

@@ -64,6 +64,38 @@ def test_a_row_has_the_bits_of_the_single_weight_product_whatever_shares_the_cal
             assert np.array_equal(np.asarray(alone)[r], out[r]), (trial, r)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_stacks_of_weights_give_the_bits_of_the_same_weights_in_separate_buffers(isa: str) -> None:
+    """A layer's experts in one buffer [E, NB, K, 16] (and a second stack beside it, as the experts' two input
+    matrices travel): matrix e of the list is the same matrix either way, and so are the bits."""
+    rng = np.random.default_rng(11)
+    k, n, blocks, m = 8 * 24, 70, 8, 23
+    _, first = _packed(rng, 3, k, n, blocks)
+    _, second = _packed(rng, 2, k, n, blocks)
+    separate = first + second
+    stacks = ([jnp.stack([p.packed for p in first]), jnp.stack([p.packed for p in second])],
+              [jnp.stack([p.packed_scales for p in first]), jnp.stack([p.packed_scales for p in second])])
+    mixed = ([stacks[0][0], *(p.packed for p in second)], [stacks[1][0], *(p.packed_scales for p in second)])
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    which = jnp.asarray(rng.integers(0, len(separate), m).astype(np.int32))
+    mask = jnp.asarray(rng.random(m) < 0.8)
+    want = np.asarray(kernels.grouped_matmul(x, which, [p.packed for p in separate],
+                                             [p.packed_scales for p in separate], n, isa, rows=mask))
+    assert len(set(np.asarray(which)[np.asarray(mask)].tolist())) > 2
+    for weights, scales in (stacks, mixed):
+        got = np.asarray(kernels.grouped_matmul(x, which, weights, scales, n, isa, rows=mask))
+        assert np.array_equal(got, want)
+
+
+def test_a_stack_whose_scales_hold_another_count_of_matrices_is_refused() -> None:
+    rng = np.random.default_rng(2)
+    _, packed = _packed(rng, 3, 32, 16, 1)
+    with pytest.raises(Exception, match=r"stack w \[E, NB, K, 16\] with scales \[E, B, NB\*16\]"):
+        jax.block_until_ready(kernels.grouped_matmul(
+            jnp.ones((2, 32), jnp.float32), jnp.asarray([0, 1], jnp.int32), [jnp.stack([p.packed for p in packed])],
+            [jnp.stack([p.packed_scales for p in packed[:2]])], 16))
+
+
 def test_a_row_naming_a_weight_that_is_not_given_is_refused() -> None:
     rng = np.random.default_rng(1)
     _, packed = _packed(rng, 2, 32, 16, 1)

@@ -3,8 +3,9 @@
 // grok_int8_matmul(x f32 [M, K], w s8 [NB, K, 16], scales f32 [B, NB*16], rows pred [M]) -> f32 [M, N]
 //   (attribute activations: 0 float32, 1 int8: the rows rounded to int8 first, an opt-in; see matmul.h)
 // grok_f32_matmul (x f32 [M, K], w f32 [NB, K, 16], rows pred [M])                      -> f32 [M, N]
-// grok_grouped_int8_matmul(x f32 [M, K], which s32 [M], rows pred [M], w_0..w_{E-1} s8 [NB, K, 16],
-//   scales_0..scales_{E-1} f32 [B, NB*16]) -> f32 [M, N]: row r times weight which[r] (attributes as above)
+// grok_grouped_int8_matmul(x f32 [M, K], which s32 [M], rows pred [M], w_0..w_{W-1} s8 [NB, K, 16] or stacks
+//   [E_i, NB, K, 16], scales_0..scales_{W-1} f32 [B, NB*16] or [E_i, B, NB*16]) -> f32 [M, N]: row r times weight
+//   which[r], the matrices numbered through the buffers in order (attributes as above)
 // grok_bf16_matmul(x f32 [M, K], w bf16 [NB, K, 16], rows pred [M])                     -> f32 [M, N]
 // Attributes: isa (0 best available, 1 scalar, 2 AVX2, 3 AVX-512), threads (0: XLA's intra-op pool size),
 // form (0: by the number of marked rows, 1 rows, 2 panel; see matmul.h), fill (not on the grouped target: 1 the
@@ -268,6 +269,8 @@ ffi::Error PlainMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w, ffi::Buffer<ff
 // Row r of x times weight which[r] of the E given (an MoE layer's experts: each row is a (token, expert) pair),
 // in one call: the used weights' column blocks are shared out among the threads together, so one row meeting
 // two experts keeps both cores reading. Each row's bits are those of grok_int8_matmul with that weight.
+// A buffer holds one matrix or a stack of them (a layer's experts in one buffer: a call with fewer buffers
+// costs its program less to launch); matrix e of a stack starts e matrices into it.
 ffi::Error GroupedInt8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> which, ffi::Buffer<ffi::PRED> rows,
                              ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::F32> out, int64_t isa,
                              int64_t threads, int64_t form, int64_t activations, ffi::ThreadPool pool) {
@@ -275,30 +278,38 @@ ffi::Error GroupedInt8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> whic
     return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: activations is 0 (float32) or 1 (int8), got " +
                                        std::to_string(activations));
   if (weights.size() < 2 || weights.size() % 2)
-    return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: want E weights [NB, K, 16] then their E scales");
-  const int64_t experts = static_cast<int64_t>(weights.size() / 2);
+    return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: want W weight buffers then their W scales");
+  const int64_t buffers = static_cast<int64_t>(weights.size() / 2);
   const auto xd = x.dimensions();
   const int64_t m = xd[0], k = xd[1], n_out = out->dimensions()[1];
   if (which.element_count() != m || rows.element_count() != m)
     return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: want one weight index and one row flag per row");
-  std::vector<const int8_t*> ws(experts);
-  std::vector<const float*> ss(experts);
+  std::vector<const int8_t*> ws;
+  std::vector<const float*> ss;
   int64_t nb = 0, wk = 0, blocks = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    auto w = weights.get<ffi::Buffer<ffi::S8>>(e);
-    auto sc = weights.get<ffi::Buffer<ffi::F32>>(experts + e);
+  for (int64_t i = 0; i < buffers; ++i) {
+    auto w = weights.get<ffi::Buffer<ffi::S8>>(i);
+    auto sc = weights.get<ffi::Buffer<ffi::F32>>(buffers + i);
     if (!w || !sc) return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: weights are int8, scales float32");
     const auto wd = w->dimensions(), sd = sc->dimensions();
-    if (wd.size() != 3 || wd[2] != kLanes || sd.size() != 2 || sd[1] != wd[0] * kLanes)
-      return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: want each w [NB, K, 16] and scales [B, NB*16]");
-    if (e == 0) {
-      nb = wd[0], wk = wd[1], blocks = sd[0];
-    } else if (wd[0] != nb || wd[1] != wk || sd[0] != blocks) {
+    const bool stack = wd.size() == 4;  // [E_i, NB, K, 16] with scales [E_i, B, NB*16]
+    const size_t lead = stack ? 1 : 0;
+    if (wd.size() != 3 + lead || sd.size() != 2 + lead || wd[lead + 2] != kLanes ||
+        sd[lead + 1] != wd[lead] * kLanes || (stack && sd[0] != wd[0]))
+      return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: want each w [NB, K, 16] with scales [B, NB*16], "
+                                         "or a stack w [E, NB, K, 16] with scales [E, B, NB*16]");
+    if (i == 0) {
+      nb = wd[lead], wk = wd[lead + 1], blocks = sd[lead];
+    } else if (wd[lead] != nb || wd[lead + 1] != wk || sd[lead] != blocks) {
       return ffi::Error::InvalidArgument("grok_grouped_int8_matmul: the weights differ in shape");
     }
-    ws[e] = w->typed_data();
-    ss[e] = sc->typed_data();
+    const int64_t count = stack ? wd[0] : 1;
+    for (int64_t e = 0; e < count; ++e) {
+      ws.push_back(w->typed_data() + e * nb * wk * kLanes);
+      ss.push_back(sc->typed_data() + e * blocks * nb * kLanes);
+    }
   }
+  const int64_t experts = static_cast<int64_t>(ws.size());
   if (ffi::Error e = Check(isa, form, m, k, wk, n_out, nb, blocks); e.failure()) return e;
   std::vector<std::vector<int64_t>> ids(experts);
   std::vector<int64_t> all;
