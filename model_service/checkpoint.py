@@ -13,6 +13,7 @@ over several processes, no process reads the whole checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -211,9 +212,39 @@ def _placed(spec: TensorSpec, internal: Any, mesh: Mesh, pack: bool, int8_table:
     if not pack:
         return place_leaf(spec, internal, mesh)
     if isinstance(internal, ExpertStack):
-        return ExpertStack(tuple(_placed_expert(spec, e, pack_for_native(spec.module, q, mesh), mesh)
-                                 for e, q in enumerate(internal.experts)))
+        packed = (pack_for_native(spec.module, q, mesh) for q in internal.experts)
+        if mesh.size == 1:
+            return _stacked_experts(spec, packed, len(internal.experts), mesh)
+        return ExpertStack(tuple(_placed_expert(spec, e, q, mesh) for e, q in enumerate(packed)))
     return place_leaf(spec, pack_for_native(spec.module, internal, mesh, int8_table), mesh)
+
+
+def _stacked_experts(spec: TensorSpec, packed: Any, count: int, mesh: Mesh) -> ExpertStack:
+    """The packed experts of one MoE matrix as one stack on the single device (layers.ExpertStack). Each expert is
+    copied into a host stack as it is packed, and the device array is that host memory itself (a CPU device
+    reads host memory: JAX aliases a 64-byte aligned array instead of copying it), so the host holds at most one
+    packed expert besides the stack, and no matrix is ever held twice."""
+    stack: list[np.ndarray] = []
+    template: Any = None
+    for e, q in enumerate(packed):
+        if not stack:
+            stack = [_aligned_empty((count, *a.shape), a.dtype) for a in (q.packed, q.packed_scales)]
+            template = dataclasses.replace(q, packed=None, packed_scales=None)
+        stack[0][e], stack[1][e] = q.packed, q.packed_scales
+        del q
+    base = f"{spec.module}/{spec.name}/experts/0"
+    placed = [jax.device_put(a, NamedSharding(mesh, fit_spec(spec_for_path(f"{base}/{name}"), a.shape, mesh)),
+                             may_alias=True) for name, a in zip(("packed", "packed_scales"), stack)]
+    return ExpertStack((dataclasses.replace(template, packed=placed[0], packed_scales=placed[1]),))
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: Any, align: int = 64) -> np.ndarray:
+    """An uninitialised host array whose data starts on an `align`-byte boundary (what JAX's CPU client needs to
+    use host memory as a device buffer without copying it)."""
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(size + align, np.uint8)
+    offset = -raw.ctypes.data % align
+    return raw[offset:offset + size].view(dtype).reshape(shape)
 
 
 def _placed_expert(spec: TensorSpec, e: int, leaf: Any, mesh: Mesh) -> Any:
@@ -265,8 +296,9 @@ def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int, pack: boo
 def _random_experts(spec: TensorSpec, rng: np.random.Generator, mesh: Mesh, pack: bool) -> ExpertStack:
     """random_leaf's values for an MoE matrix (random_experts), each expert placed before the next is drawn."""
     scales, weights = random_experts(spec, rng)
-    placed = []
-    for e, weight in enumerate(weights):
-        q = QuantizedWeight(weight.swapaxes(-1, -2) if spec.blocks == 1 else weight, scales[e].astype(np.float32))
-        placed.append(_placed_expert(spec, e, pack_for_native(spec.module, q, mesh) if pack else q, mesh))
-    return ExpertStack(tuple(placed))
+    experts = (QuantizedWeight(weight.swapaxes(-1, -2) if spec.blocks == 1 else weight, scales[e].astype(np.float32))
+               for e, weight in enumerate(weights))
+    if pack and mesh.size == 1:
+        return _stacked_experts(spec, (pack_for_native(spec.module, q, mesh) for q in experts), len(scales), mesh)
+    return ExpertStack(tuple(_placed_expert(spec, e, pack_for_native(spec.module, q, mesh) if pack else q, mesh)
+                             for e, q in enumerate(experts)))

@@ -27,7 +27,8 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"multi_head_attention/(query|key|value)/w/scales$", P(None, MODEL)),  # [1, N]
     (r"multi_head_attention/linear/w/weight$", P(MODEL, None)),  # [K=heads*D, D] (row-parallel, not transposed)
     (r"multi_head_attention/linear/w/scales$", P(None, None)),  # [8, D]
-    # MoE matrices are one QuantizedWeight per expert (layers.ExpertStack): paths end experts/<e>/...
+    # MoE matrices are one QuantizedWeight per expert (layers.ExpertStack): paths end experts/<e>/... (packed on
+    # one device: one stack of every expert, at experts/0)
     (r"moe/(linear|linear_v)/w/experts/[0-9]+/weight$", P(MODEL, None)),  # [F, D]
     (r"moe/(linear|linear_v)/w/experts/[0-9]+/scales$", P(None, MODEL)),  # [1, F]
     (r"moe/linear_1/w/experts/[0-9]+/weight$", P(MODEL, None)),  # [F, D] (row-parallel, not transposed)

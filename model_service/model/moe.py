@@ -76,7 +76,7 @@ def _expert_rows(x: Array, w: ExpertWeights, e: int, products: Products, used: A
     computed by native products (zero out); XLA's forms compute every row."""
     def pick(q: ExpertStack | QuantizedWeight | Array) -> Any:
         if isinstance(q, ExpertStack):
-            return q.experts[e]
+            return q.expert(e)
         if isinstance(q, QuantizedWeight):
             return QuantizedWeight(q.weight[e], q.scales[e])
         return jnp.swapaxes(q[e], 0, 1)  # plain [E, K, N] (haiku shape checks) -> [N, K]
@@ -160,7 +160,7 @@ def experts_grouped(x: Array, routing: Routing, w: ExpertWeights, active: Array,
     added to zero in that order; pairs of rows not `active` are not computed (their rows come out zero).
     """
     m, k = routing.experts.shape
-    n = len(w.linear.experts)
+    n = w.linear.count
     order = jnp.argsort(routing.experts, axis=-1)
     experts = jnp.take_along_axis(routing.experts, order, axis=-1).reshape(m * k)
     gates = jnp.take_along_axis(routing.gates, order, axis=-1).astype(x.dtype)  # [M, k]
@@ -169,7 +169,7 @@ def experts_grouped(x: Array, routing: Routing, w: ExpertWeights, active: Array,
     activations = "int8" if products.int8 else "float32"
 
     def call(rows: Array, which: Array, mask: Array, stacks: tuple[ExpertStack, ...]) -> Array:
-        weights = [q for stack in stacks for q in stack.experts]
+        weights = [q for stack in stacks for q in stack.experts]  # a stack's buffers hold its experts in order
         return kernels.grouped_matmul(rows, which, [q.packed for q in weights], [q.packed_scales for q in weights],
                                       weights[0].n, rows=mask, activations=activations)
 

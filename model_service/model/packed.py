@@ -56,9 +56,19 @@ class PackedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """The reference's logical shape [K, N] ([N, K] for the table; haiku checks parameters against it)."""
-        k = self.packed.shape[1]
+        """The reference's logical shape [K, N] ([N, K] for the table; haiku checks parameters against it); of
+        one matrix for a stack of experts."""
+        k = self.packed.shape[-2]
         return (self.n, k) if self.table else (k, self.n)
+
+    @property
+    def stacked(self) -> bool:
+        """A stack of experts' matrices: packed [E, NB, K, 16], packed_scales [E, B, NB*16] (one device)."""
+        return len(self.packed.shape) == 4
+
+    def expert(self, e: int) -> "PackedWeight":
+        """Matrix e of a stack."""
+        return dataclasses.replace(self, packed=self.packed[e], packed_scales=self.packed_scales[e])
 
     def rows_of(self, ids: Array) -> Array:
         """The table's rows for token ids [...] -> [..., K] (the embedding lookup on the packed layout); an int8

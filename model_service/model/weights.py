@@ -4,7 +4,7 @@ neither of those two imports the other for its types."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -43,10 +43,28 @@ class QuantizedWeight(NamedTuple):
 
 class ExpertStack(NamedTuple):
     """An MoE matrix [E, K, N] kept as one QuantizedWeight per expert: separate buffers, because XLA copies a
-    slice of a stacked array before each expert's product (a 1.4 MB copy per expert matrix per step)."""
+    slice of a stacked array before each expert's product (a 1.4 MB copy per expert matrix per step).
 
-    experts: tuple[QuantizedWeight, ...]
+    Packed for the native kernel on one device it is one PackedWeight whose arrays hold all the experts
+    ([E, NB, K, 16] and [E, B, N]): the grouped product reads the experts of a stack in place, and a program
+    taking a layer's experts as 2 buffers per matrix instead of 2 per expert costs less to launch (PjRt handles
+    each argument buffer on every call)."""
+
+    experts: tuple[Any, ...]
+
+    @property
+    def stacked(self) -> bool:
+        """One buffer holds every expert (a PackedWeight whose arrays have a leading expert dim)."""
+        return len(self.experts) == 1 and getattr(self.experts[0], "stacked", False)
+
+    @property
+    def count(self) -> int:
+        return self.experts[0].packed.shape[0] if self.stacked else len(self.experts)
+
+    def expert(self, e: int) -> Any:
+        """Expert e's matrix (of a stack: a slice, which XLA copies; the grouped product reads the stack itself)."""
+        return self.experts[0].expert(e) if self.stacked else self.experts[e]
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (len(self.experts), *self.experts[0].shape)
+        return (self.count, *self.experts[0].shape)

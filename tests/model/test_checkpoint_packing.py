@@ -21,7 +21,7 @@ from model_service.file_arrays import FileArray
 from model_service.model import packed as packing
 from model_service.model.layers import ExpertStack, QuantizedWeight
 from model_service.model.packed import LANES, PackedWeight, pack_quantized, pack_table
-from model_service.model.params import EMBED, random_leaf, tensor_specs
+from model_service.model.params import EMBED, random_leaf, tensor_specs, to_internal
 from model_service.sharding import make_mesh
 from tests.procs import GOLDEN
 
@@ -142,5 +142,15 @@ def test_random_params_equal_a_loaded_checkpoint_of_the_same_random_leaves(tmp_p
         assert isinstance(table, PackedWeight) and table.packed.dtype == jnp.bfloat16
         experts = loaded["transformer/decoder_layer_0/moe/linear"]["w"]
         assert isinstance(experts, ExpertStack) and isinstance(experts.experts[0], PackedWeight)
+        # one device: a matrix kind's experts are one stack (2 buffers, not 2 per expert), each expert the
+        # matrix packed on its own
+        assert experts.stacked and experts.count == TINY.model.num_experts
+        (spec, leaf), = [(spec, leaf) for spec, leaf in zip(tensor_specs(TINY), random_leaves(TINY, seed=21))
+                         if (spec.module, spec.name) == ("transformer/decoder_layer_0/moe/linear", "w")]
+        host = to_internal(spec, leaf, jnp.float32, native=True)
+        for e in range(experts.count):
+            alone = pack_quantized(host.experts[e], None)
+            np.testing.assert_array_equal(np.asarray(experts.expert(e).packed), alone.packed)
+            np.testing.assert_array_equal(np.asarray(experts.expert(e).packed_scales), alone.packed_scales)
     else:
         assert table.dtype == jnp.float32  # the compute dtype where XLA's products read the table
