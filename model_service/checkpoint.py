@@ -18,7 +18,7 @@ import json
 import math
 import pathlib
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -154,8 +154,12 @@ def _check_leaf(spec: TensorSpec, leaf: Any, index: int) -> None:
         raise CheckpointError(f"tensor{index:05d}_000 ({spec.ckpt_path}): checkpoint has {got}, the config expects {want}")
 
 
+def _sharding(shape: tuple[int, ...], mesh: Mesh, path: str) -> NamedSharding:
+    return NamedSharding(mesh, fit_spec(spec_for_path(path), shape, mesh))
+
+
 def _place(arr: np.ndarray | FileArray, mesh: Mesh, path: str) -> jax.Array:
-    sharding = NamedSharding(mesh, fit_spec(spec_for_path(path), arr.shape, mesh))
+    sharding = _sharding(arr.shape, mesh, path)
     source = _read_addressable(arr, sharding) if isinstance(arr, FileArray) else arr
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: source[idx])
 
@@ -207,35 +211,42 @@ def place_leaf(spec: TensorSpec, internal: Any, mesh: Mesh) -> Any:
 def _placed(spec: TensorSpec, internal: Any, mesh: Mesh, pack: bool, int8_table: bool = False) -> Any:
     """One parameter on its devices. With native products each matrix is packed on the host first, straight
     from its source (a checkpoint FileArray is read slab by slab), and an MoE matrix expert by expert, each
-    placed before the next is packed: the host holds at most one packed expert besides what is placed.
+    placed (on one device: into the matrix's stack) before the next is packed: the host holds at most one packed
+    expert besides what is placed.
     `int8_table`: the table rounded to int8 as it is packed (int8 activations, packed.pack_table)."""
     if not pack:
         return place_leaf(spec, internal, mesh)
     if isinstance(internal, ExpertStack):
-        packed = (pack_for_native(spec.module, q, mesh) for q in internal.experts)
-        if mesh.size == 1:
-            return _stacked_experts(spec, packed, len(internal.experts), mesh)
-        return ExpertStack(tuple(_placed_expert(spec, e, q, mesh) for e, q in enumerate(packed)))
+        return _placed_experts(spec, internal.experts, len(internal.experts), mesh, pack)
     return place_leaf(spec, pack_for_native(spec.module, internal, mesh, int8_table), mesh)
 
 
-def _stacked_experts(spec: TensorSpec, packed: Any, count: int, mesh: Mesh) -> ExpertStack:
+def _placed_experts(spec: TensorSpec, experts: Iterable[QuantizedWeight], count: int, mesh: Mesh,
+                    pack: bool) -> ExpertStack:
+    """An MoE matrix's `count` experts on their devices, taken one at a time from `experts`: with native products
+    on one device one stack of them all, else one placed matrix per expert."""
+    if pack and mesh.size == 1:
+        return _stacked_experts(spec, (pack_for_native(spec.module, q, mesh) for q in experts), count, mesh)
+    return ExpertStack(tuple(_placed_expert(spec, e, pack_for_native(spec.module, q, mesh) if pack else q, mesh)
+                             for e, q in enumerate(experts)))
+
+
+def _stacked_experts(spec: TensorSpec, packed: Iterable[Any], count: int, mesh: Mesh) -> ExpertStack:
     """The packed experts of one MoE matrix as one stack on the single device (layers.ExpertStack). Each expert is
     copied into a host stack as it is packed, and the device array is that host memory itself (a CPU device
     reads host memory: JAX aliases a 64-byte aligned array instead of copying it), so the host holds at most one
     packed expert besides the stack, and no matrix is ever held twice."""
-    stack: list[np.ndarray] = []
-    template: Any = None
+    first: Any = None  # the first expert's PackedWeight without its arrays: what the stack's one is like
     for e, q in enumerate(packed):
-        if not stack:
-            stack = [_aligned_empty((count, *a.shape), a.dtype) for a in (q.packed, q.packed_scales)]
-            template = dataclasses.replace(q, packed=None, packed_scales=None)
-        stack[0][e], stack[1][e] = q.packed, q.packed_scales
-        del q
+        if first is None:
+            first = dataclasses.replace(q, packed=None, packed_scales=None)
+            weights = _aligned_empty((count, *q.packed.shape), q.packed.dtype)
+            scales = _aligned_empty((count, *q.packed_scales.shape), q.packed_scales.dtype)
+        weights[e], scales[e] = q.packed, q.packed_scales
     base = f"{spec.module}/{spec.name}/experts/0"
-    placed = [jax.device_put(a, NamedSharding(mesh, fit_spec(spec_for_path(f"{base}/{name}"), a.shape, mesh)),
-                             may_alias=True) for name, a in zip(("packed", "packed_scales"), stack)]
-    return ExpertStack((dataclasses.replace(template, packed=placed[0], packed_scales=placed[1]),))
+    return ExpertStack((dataclasses.replace(
+        first, packed=jax.device_put(weights, _sharding(weights.shape, mesh, f"{base}/packed"), may_alias=True),
+        packed_scales=jax.device_put(scales, _sharding(scales.shape, mesh, f"{base}/packed_scales"), may_alias=True)),))
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: Any, align: int = 64) -> np.ndarray:
@@ -298,7 +309,4 @@ def _random_experts(spec: TensorSpec, rng: np.random.Generator, mesh: Mesh, pack
     scales, weights = random_experts(spec, rng)
     experts = (QuantizedWeight(weight.swapaxes(-1, -2) if spec.blocks == 1 else weight, scales[e].astype(np.float32))
                for e, weight in enumerate(weights))
-    if pack and mesh.size == 1:
-        return _stacked_experts(spec, (pack_for_native(spec.module, q, mesh) for q in experts), len(scales), mesh)
-    return ExpertStack(tuple(_placed_expert(spec, e, pack_for_native(spec.module, q, mesh) if pack else q, mesh)
-                             for e, q in enumerate(experts)))
+    return _placed_experts(spec, experts, len(scales), mesh, pack)
