@@ -183,6 +183,49 @@ def categorical(key: jax.Array, row: jax.Array) -> jax.Array:
     return first_argmax(gumbel_noise(key, row.shape[-1]) + row[0])
 
 
+def _gumbel_at(key: jax.Array, ids: jax.Array) -> jax.Array:
+    """`gumbel_noise(key, n)[ids]` for int32 ids < n, computed for those ids only (partitionable bits only): each
+    value is the same integer hash of (key, id) and the same float steps, whatever else is computed beside it."""
+    b1, b2 = _threefry2x32(key[0], key[1], jnp.zeros(ids.shape, jnp.uint32), ids.astype(jnp.uint32))
+    one = jax.lax.bitcast_convert_type(((b1 ^ b2) >> jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32)
+    tiny = jnp.float32(np.finfo(np.float32).tiny)
+    uniform = jnp.maximum(tiny, (one - jnp.float32(1)) * (jnp.float32(1) - tiny) + tiny)
+    return -jnp.log(-jnp.log(uniform))
+
+
+# The draw among what the filters kept. The filters set what they remove to MASKED_LOGIT (-1e10), where a gumbel value
+# (between about -4.5 and 16) is lost in rounding, so such an entry's noisy value stays -1e10 or below. When the row's
+# largest value is above KEPT_MARGIN, an entry above KEPT_FLOOR beats every entry at or below it whatever their noise,
+# so the argmax over the entries above the floor (in ascending order, so ties still go to the first) is the argmax
+# over the row: the noise is needed for those entries only. A nucleus of top_p 0.9 keeps a few percent of a large
+# vocabulary; the draw then hashes a few thousand counters instead of all of them.
+KEPT_FLOOR = -1e9
+KEPT_MARGIN = -5e8
+KEPT_SIZES = (2048, 8192, 32768)  # the kept entries are drawn among in the smallest list that holds them
+
+
+def categorical_kept(key: jax.Array, row: jax.Array, sizes: tuple[int, ...] = KEPT_SIZES) -> jax.Array:
+    """`categorical(key, row[None])` for one filtered float32 row [V], bit-identical, with the noise computed only for
+    the entries above KEPT_FLOOR when they fit the largest of `sizes` (the native kernel lists them); otherwise, or
+    when the row's largest value is not above KEPT_MARGIN (or is NaN), the whole row's draw."""
+    v = row.shape[-1]
+    sizes = tuple(n for n in sizes if n < v)
+    if not sizes or not jax.config.jax_threefry_partitionable:
+        return categorical(key, row[None])
+    ids, count, top = kernels.values_above(row, KEPT_FLOOR, sizes[-1])
+
+    def among(n: int):
+        def draw() -> jax.Array:
+            some = ids[:n]
+            noisy = _gumbel_at(key, some) + jnp.take(row, some, mode="clip")
+            return some[first_argmax(jnp.where(jnp.arange(n) < count, noisy, -jnp.inf))]
+        return draw
+
+    fits = (top > KEPT_MARGIN) & (count <= sizes[-1])  # False for a NaN top
+    which = jnp.where(fits, jnp.sum(count > jnp.asarray(sizes, jnp.int32)), len(sizes))
+    return jax.lax.switch(which, [among(n) for n in sizes] + [lambda: categorical(key, row[None])])
+
+
 def _sample_active(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array, mask: jax.Array,
                    num_top: jax.Array, extra: SlotControls | None = None, native: bool = False) -> SampleResult:
     """A slot that uses no control runs the reference's steps alone (one condition for all of them: the off path
@@ -245,15 +288,17 @@ def _sample_filtered(
             row, exps = jax.lax.cond(min_p > 0, lambda o: min_p_filter(o[0], o[1], min_p, MASKED_LOGIT),
                                      lambda o: o, (row, exps))
     with jax.named_scope("draw"):
-        drawn = jax.lax.cond(greedy, lambda r: first_argmax(r), lambda r: categorical(key, r[None]), row)
+        sample = (lambda r: categorical_kept(key, r)) if native else (lambda r: categorical(key, r[None]))
+        drawn = jax.lax.cond(greedy, lambda r: first_argmax(r), sample, row)
     with jax.named_scope("probabilities"):
-        probs = exps / jnp.sum(exps)  # [V], softmax of the filtered row
-        k = min(TOP_K, probs.shape[-1])
+        total = jnp.sum(exps)  # the softmax of the filtered row is exps / total, divided where it is read
+        k = min(TOP_K, row.shape[-1])
         top_probs, top_ids = jax.lax.cond(
-            num_top > 0, lambda p: tuple(jax.lax.top_k(p, k)),
-            lambda p: (jnp.zeros((k,), p.dtype), jnp.zeros((k,), jnp.int32)), probs)
+            num_top > 0, lambda e: tuple(jax.lax.top_k(e / total, k)),
+            lambda e: (jnp.zeros((k,), e.dtype), jnp.zeros((k,), jnp.int32)), exps)
     bad = ~jnp.all(jnp.isfinite(raw))
-    return SampleResult(drawn, probs[drawn], top_ids.astype(jnp.int32), top_probs, bad)
+    # The same division as the row's (XLA turns it into a product by 1 / total), computed where it is read.
+    return SampleResult(drawn, (exps / total)[drawn], top_ids.astype(jnp.int32), top_probs, bad)
 
 
 def _biased_and_penalized(logits: jax.Array, extra: SlotControls) -> jax.Array:

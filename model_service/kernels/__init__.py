@@ -173,3 +173,21 @@ def nucleus_threshold(logits: jax.Array, probs: jax.Array, top_p: jax.Array) -> 
     top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), rows)
     return jax.ffi.ffi_call("grok_nucleus_threshold", out, vmap_method="broadcast_all")(
         logits.astype(jnp.float32), probs.astype(jnp.float32), top_p)
+
+
+def values_above(values: jax.Array, floor: float, cap: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per row of values float32 [..., V]: (indices int32 [..., cap], count int32 [...], top float32 [...]).
+
+    `indices` lists, ascending, the positions of the values > floor (the first `cap` of them; entries past `count`
+    are unspecified), `count` how many there are in all (more than `cap` means the list is cut), `top` the row's
+    largest value (NaN if the row holds a NaN). One pass per row; a row's results depend only on that row.
+    """
+    if not available():
+        raise RuntimeError("native kernels are not available (see the log)")
+    if values.ndim < 1 or cap < 1:
+        raise ValueError(f"values_above: want values [..., V] and cap >= 1, got {values.shape} and {cap}")
+    rows = values.shape[:-1]
+    out = (jax.ShapeDtypeStruct(rows + (cap,), jnp.int32), jax.ShapeDtypeStruct(rows, jnp.int32),
+           jax.ShapeDtypeStruct(rows, jnp.float32))
+    return jax.ffi.ffi_call("grok_values_above", out, vmap_method="broadcast_all")(
+        values.astype(jnp.float32), floor=np.float32(floor))

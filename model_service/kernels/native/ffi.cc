@@ -419,13 +419,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokBf16Matmul, grok::PlainMatmul<ffi::BF16>,
                                   .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokNucleusThreshold);  // nucleus.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokValuesAbove);       // nucleus.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokPagedAttention);    // attention.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokAttentionMath);     // attention.cc
 
 namespace {
 
 PyObject* Handlers(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "grok_int8_matmul",
+  return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "grok_int8_matmul",
                        PyCapsule_New(reinterpret_cast<void*>(GrokInt8Matmul), nullptr, nullptr),
                        "grok_grouped_int8_matmul",
                        PyCapsule_New(reinterpret_cast<void*>(GrokGroupedInt8Matmul), nullptr, nullptr),
@@ -433,6 +434,7 @@ PyObject* Handlers(PyObject*, PyObject*) {
                        "grok_bf16_matmul", PyCapsule_New(reinterpret_cast<void*>(GrokBf16Matmul), nullptr, nullptr),
                        "grok_nucleus_threshold",
                        PyCapsule_New(reinterpret_cast<void*>(GrokNucleusThreshold), nullptr, nullptr),
+                       "grok_values_above", PyCapsule_New(reinterpret_cast<void*>(GrokValuesAbove), nullptr, nullptr),
                        "grok_paged_attention", PyCapsule_New(reinterpret_cast<void*>(GrokPagedAttention), nullptr, nullptr),
                        "grok_attention_math", PyCapsule_New(reinterpret_cast<void*>(GrokAttentionMath), nullptr, nullptr));
 }

@@ -19,6 +19,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -208,6 +212,64 @@ ffi::Error NucleusThreshold(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> 
   return ffi::Error::Success();
 }
 
+// One row of grok_values_above: the count of values > floor (the first `cap` of their indices written, ascending), and
+// the largest value in `top` (NaN if the row holds one).
+int64_t RowAbove(const float* x, int64_t v, float floor, int32_t* out, int64_t cap, float& top) {
+  int64_t kept = 0, i = 0;
+  float high = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+#if defined(__SSE2__)
+  // Eight values a step in SSE2 (every x86-64 CPU has it): one comparison mask, and only its set bits are walked.
+  const __m128 f = _mm_set1_ps(floor);
+  __m128 high4 = _mm_set1_ps(high), nan4 = _mm_setzero_ps();
+  for (; i + 8 <= v; i += 8) {
+    const __m128 a = _mm_loadu_ps(x + i), b = _mm_loadu_ps(x + i + 4);
+    high4 = _mm_max_ps(high4, _mm_max_ps(a, b));  // a NaN is caught by the unordered test below
+    nan4 = _mm_or_ps(nan4, _mm_cmpunord_ps(a, b));
+    unsigned m = static_cast<unsigned>(_mm_movemask_ps(_mm_cmpgt_ps(a, f)) | (_mm_movemask_ps(_mm_cmpgt_ps(b, f)) << 4));
+    for (; m != 0; m &= m - 1, ++kept)
+      if (kept < cap) out[kept] = static_cast<int32_t>(i + __builtin_ctz(m));
+  }
+  float lanes[4];
+  _mm_storeu_ps(lanes, high4);
+  for (const float lane : lanes) high = lane > high ? lane : high;
+  nan = _mm_movemask_ps(nan4) != 0;
+#endif
+  for (; i < v; ++i) {
+    nan |= x[i] != x[i];
+    high = x[i] > high ? x[i] : high;
+    if (x[i] > floor && kept++ < cap) out[kept - 1] = static_cast<int32_t>(i);
+  }
+  top = nan ? std::numeric_limits<float>::quiet_NaN() : high;
+  return kept;
+}
+
+// grok_values_above(values f32 [..., V]; attr floor) -> (indices i32 [..., C], count i32 [...], top f32 [...]):
+// per row, the ascending indices of the values > floor (the first C of them; the rest of `indices` is unspecified),
+// how many there are (all of them, so count > C says the list is cut), and the row's largest value (NaN if the row
+// holds one). The sampler draws among the values its filters kept (everything else is -1e10) with these.
+ffi::Error ValuesAbove(ffi::Buffer<ffi::F32> values, float floor, ffi::ResultBuffer<ffi::S32> indices,
+                       ffi::ResultBuffer<ffi::S32> count, ffi::ResultBuffer<ffi::F32> top) {
+  const auto dims = values.dimensions(), idims = indices->dimensions();
+  if (dims.size() < 1 || idims.size() != dims.size() || !std::equal(dims.begin(), dims.end() - 1, idims.begin()))
+    return ffi::Error::InvalidArgument("grok_values_above: indices must be [..., C] over values [..., V]");
+  const int64_t v = dims.back(), cap = idims.back();
+  int64_t rows = 1;
+  for (size_t d = 0; d + 1 < dims.size(); ++d) rows *= dims[d];
+  if (cap < 1 || static_cast<int64_t>(count->element_count()) != rows ||
+      static_cast<int64_t>(top->element_count()) != rows)
+    return ffi::Error::InvalidArgument("grok_values_above: want C >= 1 and one count and one top per row (" +
+                                       std::to_string(rows) + ")");
+  if (v >= (int64_t{1} << 31)) return ffi::Error::InvalidArgument("grok_values_above: V must fit int32");
+  for (int64_t r = 0; r < rows; ++r) {
+    float high;
+    const int64_t kept = RowAbove(values.typed_data() + r * v, v, floor, indices->typed_data() + r * cap, cap, high);
+    count->typed_data()[r] = static_cast<int32_t>(std::min<int64_t>(kept, std::numeric_limits<int32_t>::max()));
+    top->typed_data()[r] = high;
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace grok
 
@@ -216,4 +278,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokNucleusThreshold, grok::NucleusThreshold,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokValuesAbove, grok::ValuesAbove,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("floor")
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
