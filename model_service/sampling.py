@@ -7,8 +7,9 @@ reference's: divide by the temperature, mask disallowed ids with -1e10, nucleus-
 `jax.random.categorical`; the reported probability and top-k alternatives come from the softmax of the
 filtered logits. Temperature 0 is greedy (argmax of the filtered logits; probabilities then use
 temperature 1). Work nobody asked for is skipped: free slots, the nucleus search at top_p 1, the draw
-of a greedy slot, the alternatives of a slot that wants none; one exponential pass serves the nucleus
-search and the reported probabilities.
+of a greedy slot, the alternatives of a slot that wants none, the noise of entries the filters removed
+(with the native kernels: `categorical_kept`); one exponential pass serves the nucleus search and the
+reported probabilities.
 
 The controls of issue 12 (logit_bias, penalties, top-k, min-p: sampling_settings.py for their order) are applied
 when `sample_tokens` gets their per-slot settings, each under its own per-slot condition, so a slot that
