@@ -195,9 +195,9 @@ def _gumbel_at(key: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 # The draw among what the filters kept. The filters set what they remove to MASKED_LOGIT (-1e10), where a gumbel value
-# (between about -4.5 and 16) is lost in rounding, so such an entry's noisy value stays -1e10 or below. When the row's
-# largest value is above KEPT_MARGIN, an entry above KEPT_FLOOR beats every entry at or below it whatever their noise,
-# so the argmax over the entries above the floor (in ascending order, so ties still go to the first) is the argmax
+# (between about -4.5 and 16) is lost in rounding; any entry at or below KEPT_FLOOR stays below -1e9 + 16 with its
+# noise. When the row's largest value is above KEPT_MARGIN, that entry alone, noise included, beats all of them, so
+# the argmax over the entries above the floor (in ascending order, so ties still go to the first) is the argmax
 # over the row: the noise is needed for those entries only. A nucleus of top_p 0.9 keeps a few percent of a large
 # vocabulary; the draw then hashes a few thousand counters instead of all of them.
 KEPT_FLOOR = -1e9
