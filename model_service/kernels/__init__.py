@@ -1,5 +1,5 @@
 """Native CPU kernels called from JAX through XLA's FFI: float32 rows times packed int8 (or float32, or bfloat16)
-weights, and the sampler's nucleus threshold (`nucleus_threshold`).
+weights, and the sampler's nucleus threshold (`nucleus_threshold`) and list of kept entries (`values_above`).
 
 The C++ lives in native/ and is built by `pip install` as the optional extension `_native`. Weights are
 packed [N/16, K, 16] (16 output columns per contiguous stream); each output element is one chain of fused
