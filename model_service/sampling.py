@@ -308,22 +308,23 @@ def _biased_and_penalized(logits: jax.Array, extra: SlotControls) -> jax.Array:
     with jax.named_scope("logit_bias"):
         logits = jax.lax.cond(jnp.any(c.bias_ids < logits.shape[-1]), lambda x: add_bias(x, c.bias_ids, c.bias),
                               lambda x: x, logits)
-    def penalise(x: jax.Array) -> jax.Array:
-        counts = extra.counts  # plus the tokens drawn before this one in the same step (speculative drafts)
+    def penalise(x: jax.Array) -> jax.Array:  # the slot's history rows are read here only, where they are used
+        counts = extra.history.counts[extra.row]  # plus the tokens drawn before this one in the same step (drafts)
         if extra.pending is not None:
             counts = counts.at[extra.pending].add(1, mode="drop")
-        return apply_penalties(x, extra.prompt, counts, c.repetition, c.presence, c.frequency)
+        return apply_penalties(x, extra.history.prompt[extra.row], counts, c.repetition, c.presence, c.frequency)
 
     with jax.named_scope("penalties"):
         return jax.lax.cond(penalized(c), penalise, lambda x: x, logits)
 
 
 class SlotControls(NamedTuple):
-    """One slot's controls and token history (the rows of `Controls` and `History`)."""
+    """One slot's controls (its row of `Controls`) and where its token history is: row `row` of `history`, read only
+    by the penalties (a [V] copy of each per draw otherwise)."""
 
     controls: Controls
-    prompt: jax.Array  # [V] bool
-    counts: jax.Array  # [V] int32
+    history: History  # every slot's: prompt [S, V] bool, counts [S, V] int32
+    row: jax.Array  # [] int32
     pending: jax.Array | None = None  # [K] int32 tokens this draw's history has beyond counts (V: none)
 
 
@@ -362,8 +363,7 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, co
 
     def one(i: jax.Array) -> SampleResult:  # entry i's settings are read only here, inside its used branch
         j = rows[i]
-        extra = None if controls is None else SlotControls(jax.tree.map(lambda a: a[j], controls),
-                                                           history.prompt[j], history.counts[j],
+        extra = None if controls is None else SlotControls(jax.tree.map(lambda a: a[j], controls), history, j,
                                                            None if pending is None else pending[i])
         return _sample_active(keys[i], logits[i], params.temperature[j], params.top_p[j], params.mask[j],
                               params.num_top[j], extra, native)
