@@ -10,7 +10,8 @@ accelerator is how that program computes, and it is all here:
               cost nothing) or one batched computation ("batched");
   tile_rows   rows per pass over the weights (a tile streams each weight once for its rows);
   step_tokens token rows per step (prompt and decode rows together);
-  native_sampling  the sampler's nucleus threshold from the native kernel (one device, native products);
+  native_sampling  the sampler's nucleus threshold and its list of kept entries (the draw's noise for those only)
+              from the native kernels (one device, native products);
   vectorised_sampling  the sampler mapped over a step's draws at once (accelerators) rather than one draw
               after another (CPU: a draw's unused branches then cost nothing).
 
