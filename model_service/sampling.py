@@ -171,11 +171,7 @@ def gumbel_noise(key: jax.Array, n: int) -> jax.Array:
     with XLA's own log. jax's function itself where jax draws its bits another way."""
     if not jax.config.jax_threefry_partitionable:
         return jax.random.gumbel(key, (1, n), jnp.float32)[0]
-    b1, b2 = _threefry2x32(key[0], key[1], jnp.zeros((n,), jnp.uint32), jnp.arange(n, dtype=jnp.uint32))
-    one = jax.lax.bitcast_convert_type(((b1 ^ b2) >> jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32)
-    tiny = jnp.float32(np.finfo(np.float32).tiny)
-    uniform = jnp.maximum(tiny, (one - jnp.float32(1)) * (jnp.float32(1) - tiny) + tiny)
-    return -jnp.log(-jnp.log(uniform))
+    return _gumbel_at(key, jnp.arange(n, dtype=jnp.uint32))
 
 
 def categorical(key: jax.Array, row: jax.Array) -> jax.Array:
@@ -185,8 +181,8 @@ def categorical(key: jax.Array, row: jax.Array) -> jax.Array:
 
 
 def _gumbel_at(key: jax.Array, ids: jax.Array) -> jax.Array:
-    """`gumbel_noise(key, n)[ids]` for int32 ids < n, computed for those ids only (partitionable bits only): each
-    value is the same integer hash of (key, id) and the same float steps, whatever else is computed beside it."""
+    """The gumbel noise of counters `ids` (partitionable bits): `gumbel_noise(key, n)[ids]` for ids < n, computed for
+    those ids only, each value the same integer hash of (key, id) and the same float steps whatever is beside it."""
     b1, b2 = _threefry2x32(key[0], key[1], jnp.zeros(ids.shape, jnp.uint32), ids.astype(jnp.uint32))
     one = jax.lax.bitcast_convert_type(((b1 ^ b2) >> jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32)
     tiny = jnp.float32(np.finfo(np.float32).tiny)
