@@ -45,10 +45,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_env_argument("--slots", type=positive_int, default=4, help="model batch slots")
     p.add_env_argument("--compile-cache", default=".jax_cache", help="JAX compilation cache ('' disables)")
     p.add_env_argument("--host", default="127.0.0.1", help="address the three services bind")
-    p.add_env_argument("--gateway-port", type=port, default=50051, help="gateway gRPC port")
+    p.add_env_argument("--gateway-port", type=port, default=50051, help="gateway gRPC port (0: a free one)")
     p.add_env_argument("--http-port", type=port, default=8000, help="gateway OpenAI-compatible HTTP port (0: off)")
-    p.add_env_argument("--tokenizer-port", type=port, default=50052, help="tokenizer gRPC port")
-    p.add_env_argument("--model-port", type=port, default=50053, help="model gRPC port")
+    p.add_env_argument("--tokenizer-port", type=port, default=50052, help="tokenizer gRPC port (0: a free one)")
+    p.add_env_argument("--model-port", type=port, default=50053, help="model gRPC port (0: a free one)")
     p.add_env_argument("--metrics-port", type=port, default=9090, help="gateway Prometheus port (0: off)")
     p.add_env_argument("--model-metrics-port", type=port, default=9091, help="model Prometheus port (0: off)")
     p.add_env_argument("--prompt", default="The model service",
@@ -165,6 +165,18 @@ def start(args: argparse.Namespace, out: LogGate) -> list[Child]:
 
 
 PORT_FLAGS = ("gateway_port", "http_port", "tokenizer_port", "model_port", "metrics_port", "model_metrics_port")
+GRPC_PORT_FLAGS = ("gateway_port", "tokenizer_port", "model_port")  # 0 picks a free one; for the others 0 is off
+
+
+def choose_free_ports(args: argparse.Namespace) -> None:
+    """Give each gRPC port flag left at 0 a port free now: the gateway must be told where the tokenizer and the
+    model listen before they start, so the launcher picks their ports rather than the services."""
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    for name in GRPC_PORT_FLAGS:
+        if getattr(args, name) == 0:
+            with socket.socket(family) as probe:
+                probe.bind((args.host, 0))
+                setattr(args, name, probe.getsockname()[1])
 PROGRESS_EVERY = 15.0  # seconds between "still waiting" lines
 
 
@@ -278,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, interrupt)
+    choose_free_ports(args)
     if taken := taken_ports(args):  # before anything starts: a SERVING answer must come from this stack
         refuse_taken(taken, args.host, out)
         return 1

@@ -98,12 +98,12 @@ class Launcher:
     """run_stack.py in its own process group (as a terminal runs it), its output collected."""
 
     def __init__(self, jax_cache: str) -> None:
-        self.ports = [free_port() for _ in range(3)]
+        self.ports: list[int] = []  # gateway, tokenizer, model: port 0 asks the launcher for free ones
         self.proc = subprocess.Popen(
             [sys.executable, "scripts/run_stack.py", "--config", str(GOLDEN / "config.json"),
              "--checkpoint", str(GOLDEN / "checkpoint"), "--tokenizer", str(GOLDEN / "tokenizer.model"),
-             "--gateway-port", str(self.ports[0]), "--tokenizer-port", str(self.ports[1]),
-             "--model-port", str(self.ports[2]), "--metrics-port", "0", "--model-metrics-port", "0", "--http-port", "0",
+             "--gateway-port", "0", "--tokenizer-port", "0", "--model-port", "0", "--metrics-port", "0",
+             "--model-metrics-port", "0", "--http-port", "0", "--startup-timeout", "300",
              "--compile-cache", jax_cache, "--max-tokens", "2", "--prompt", "In the beginning"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []
@@ -118,6 +118,9 @@ class Launcher:
             assert self.proc.poll() is None, self.output()[-4000:]
             return "Ctrl-C stops all three" in self.output()
         wait_until(ready, 600, interval=0.2, message=lambda: self.output()[-4000:])
+        started = dict(re.findall(r"started (\w+) \(pid \d+\) for 127\.0\.0\.1:(\d+)", self.output()))
+        self.ports = [int(started[name]) for name in ("gateway", "tokenizer", "model")]
+        assert 0 not in self.ports and all(check(f"127.0.0.1:{p}") for p in self.ports), self.output()[-4000:]
         return [int(pid) for pid in re.findall(r"\(pid (\d+)\)", self.output())]
 
     def cleanup(self, pids: list[int]) -> None:
