@@ -170,13 +170,17 @@ class Pipeline:
             spans.close(progress.prompt_tokens, [], [])
             raise
         spans.model_started(model_stream.replica.address)
+        # The scored prompt comes with the model's first reply: for a one-token prompt it holds no score, and the
+        # prompt's one token is still listed (with no logprob), as every longer prompt's first token is.
+        unscored = request.sampling.HasField("prompt_logprobs")
         try:
             async for reply in model_stream.responses():
                 spans.observe(reply)
                 if not 0 <= reply.index < len(completions) or completions[reply.index].done:
                     continue  # a completion a stop sequence ended: the model's further tokens for it are dropped
                 completion = completions[reply.index]
-                if reply.prompt_logprobs:  # each completion's first message carries the scored prompt
+                if reply.prompt_logprobs or unscored:  # each completion's first message carries the scored prompt
+                    unscored = False
                     scored = await self._scored_prompt(reply, planned.prompt_ids, table, deadline, detokenize)
                     for c in completions:
                         c.scored = list(scored)

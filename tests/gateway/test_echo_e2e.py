@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -11,7 +12,7 @@ from gateway.client import GatewayClient
 from grok.model.v1 import model_pb2
 from grok.tokenizer.v1 import tokenizer_pb2
 from tests.gateway.conftest import Stack, Stubs
-from tests.gateway.http_client import post, sdk
+from tests.gateway.http_client import curl, post, sdk, sse_events
 
 pytestmark = pytest.mark.slow
 
@@ -83,3 +84,24 @@ def test_bad_prompt_logprobs_is_400_naming_it(golden_http_url: str) -> None:
     status, body = post(f"{golden_http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 1,
                                                               "prompt_logprobs": 9})
     assert status == 400 and body["error"]["param"] == "prompt_logprobs"
+
+
+def test_a_one_token_prompt_is_still_listed_first_with_null_logprobs(golden_stack: Stack, golden_stubs: Stubs,
+                                                                    golden_http_url: str) -> None:
+    """A prompt of one token has nothing to score, but echo's logprobs and prompt_logprobs still list it."""
+    ids = list(golden_stubs.tokenizer.Encode(tokenizer_pb2.EncodeRequest(text="the"), timeout=10).token_ids)
+    assert len(ids) == 1
+    with GatewayClient(golden_stack.address, timeout=60) as client:
+        reply = client.complete("the", prompt_logprobs=1, **OPTIONS)
+    assert [p.id for p in reply.prompt_logprobs] == ids and not reply.prompt_logprobs[0].HasField("logprob")
+    request = {"prompt": "the", "echo": True, "logprobs": 1, "prompt_logprobs": 1, **OPTIONS}
+    status, body = post(f"{golden_http_url}/v1/completions", request)
+    assert status == 200, body
+    done = curl(f"{golden_http_url}/v1/completions", "-H", "content-type: application/json", "-d",
+                json.dumps({**request, "stream": True}))
+    chunks = [json.loads(e) for e in sse_events(done.stdout) if e != "[DONE]"]
+    for choices in (body["choices"], [c for chunk in chunks for c in chunk["choices"]]):
+        first = next(c for c in choices if c["logprobs"])
+        assert first["text"].startswith("the") and first["logprobs"]["tokens"][0] == "the", first
+        assert first["logprobs"]["token_logprobs"][0] is None and first["logprobs"]["text_offset"][:2] == [0, 3]
+        assert first["prompt_logprobs"] == [None]
