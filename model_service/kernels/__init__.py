@@ -8,10 +8,10 @@ thread count or the instruction set (batch invariance by construction). The AVX-
 are compiled separately and chosen at run time; GROK_KERNEL_ISA=scalar|avx2|avx512 forces one and
 GROK_KERNEL_ISA=off disables the kernels (the model then uses XLA's products).
 
-Each vector path has two forms with the same bits: "rows" (a few rows: each weight is converted once per 4
-rows, bound by reading the weight) and "panel" (many rows: a cache-resident panel of the weight is converted
-once for every row, bound by arithmetic). "auto" picks by weight type and the number of marked rows (what
-measured fastest, see native/ffi.cc); GROK_KERNEL_FORM=rows|panel forces one (to measure another CPU).
+Each vector path has two forms with the same bits: "rows" (each weight is converted once per tile of 4 rows,
+6 on AVX2) and "panel" (a cache-resident panel of the weight is converted once for every row). "auto" picks by
+weight type and the number of marked rows (what measured fastest, see native/ffi.cc: the panel form for float32
+weights from 8 rows, the rows form otherwise); GROK_KERNEL_FORM=rows|panel forces one (to measure another CPU).
 """
 
 from __future__ import annotations

@@ -59,25 +59,21 @@ bool QuantUsesAvx512(int64_t isa) {  // AVX-512 asked for, and the CPU has what 
 enum Form : int64_t { kAuto = 0, kRows = 1, kPanel = 2 };
 
 // Where `form` is 0, float32 weights take the panel form from this many marked rows on; int8 and bfloat16
-// weights the rows form, except on AVX2 from kAvx2PanelMinRows rows (below). Measured on a 2-core AMD EPYC
-// (Zen 4, AVX-512), benchmarks/kernels.py --grok: the rows form keeps 4 column blocks of the weight in L2
-// while every group of 4 rows passes over it, and this CPU converts int8 and bfloat16 beside its FMAs at no
-// cost, so it runs at 82-91 GFLOP/s per core (about the float32 FMA peak) from 4 rows on; only float32
-// blocks (1.5 MB per 4 blocks at K = 6,144) outgrow L2 and are read again from memory per 4 rows, where
-// reading them once for every row (the panel form) wins.
+// weights always the rows form. Measured on a 2-core AMD EPYC (Zen 4, AVX-512), benchmarks/kernels.py --grok: the
+// rows form keeps 4 column blocks of the weight in L2 while every group of 4 rows passes over it, and this CPU
+// converts int8 and bfloat16 beside its FMAs at no cost, so it runs at 82-91 GFLOP/s per core (about the float32
+// FMA peak) from 4 rows on; only float32 blocks (1.5 MB per 4 blocks at K = 6,144) outgrow L2 and are read again
+// from memory per 4 rows, where reading them once for every row (the panel form) wins.
 constexpr int64_t kPanelMinRows = 8;
-// AVX2 holds a tile of at most 4 rows x 1 column block in its 16 registers, so the rows form converts each
-// int8 or bfloat16 weight once per 4 rows; from this many rows converting a panel once for all of them wins.
-// Measured on a 2-core AMD EPYC (Zen 3, AVX2), int8 K 6,144 x N 8,192, both cores, 15 alternating calls:
-// 48 rows 128 (rows) vs 150 (panel) GFLOP/s, 64 rows 163 vs 171, 128 rows 157 vs 168, 256 rows 155 vs 168;
-// 32 rows about equal, 16 rows the rows form ahead (107 vs 97).
-constexpr int64_t kAvx2PanelMinRows = 32;
+// On AVX2 the rows form takes 6 rows a tile (matmul_body.h): measured on a 2-core AMD EPYC (Zen 3, AVX2), both
+// cores, alternating call by call, int8 K 6,144 x N 8,192: rows 142-160 vs panel 128-154 GFLOP/s at 32 and 64
+// rows, 191 vs 176 at 128, 161 vs 155 at 256; the medium shapes (K 512 / 2,736) within 0.91-1.02x of each other
+// from 32 to 128 rows. (With 4-row tiles the panel form won from 48 rows.)
 
 // The form `auto` takes for `rows` marked rows of a weight of `type` on instruction set `isa`.
 bool AutoPanel(int64_t isa, Weight type, int64_t rows) {
   if (isa == kScalar) return false;
-  if (type == Weight::kF32) return rows >= kPanelMinRows;
-  return isa == kAvx2 && rows >= kAvx2PanelMinRows;
+  return type == Weight::kF32 && rows >= kPanelMinRows;
 }
 
 using Kernel = void (*)(const MatmulArgs&, int64_t, int64_t, float*);

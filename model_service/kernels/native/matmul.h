@@ -34,8 +34,8 @@ struct MatmulArgs {
 // any row count and any column range, so the result of one column of one row never depends on anything
 // else (batch invariance by construction) and the two forms give the same bits.
 //
-// Rows form (one row meets a matrix, bound by reading the weight): each weight element is loaded and
-// converted once per group of up to 4 rows.
+// Rows form (few rows meet a matrix, bound by reading the weight; int8 and bfloat16 weights at any row count):
+// each weight element is loaded and converted once per tile of up to 4 rows (AVX-512) or 6 (AVX2).
 void MatmulScalar(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
 void MatmulAvx2(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
 void MatmulAvx512(const MatmulArgs& a, int64_t block_begin, int64_t block_end);

@@ -18,6 +18,7 @@ struct Avx512 {
   static constexpr int kWidth = 16;
   static constexpr int kRegs = 32;  // vector registers
   static constexpr int kPerBlock = 1;
+  static constexpr int kRowTile = 4;  // rows per tile of the rows form (matmul_body.h)
   static constexpr int kPanelRows = 6;   // 6 x 4 accumulators + 4 weights + 1 broadcast of 32 registers
   static constexpr int kPanelGroup = 4;
   static Reg Zero() { return _mm512_setzero_ps(); }

@@ -1,11 +1,13 @@
 // The rows form of the vector kernel, written once over a small vector interface `V` (AVX-512: one register per 16-column
 // block; AVX2: two). Included by one translation unit per instruction set, each compiled for its target.
 //
-// The listed rows (a.rows) are taken R (<= 4) at a time and column blocks G (<= 4, fewer where the registers would not
-// hold them) at a time, so one weight load feeds R fused multiply-adds and G x R independent accumulator chains
-// hide the FMA latency. Neither R nor G changes the
-// per-column operation order: acc = fma(x[k], w[k], acc) for k in order within a scale block, then
-// acc * scale, then out + acc over blocks.
+// The listed rows (a.rows) are taken R = V::kRowTile at a time (AVX-512: 4, AVX2: 6; the rest in one smaller tile) and
+// column blocks G (<= 4, fewer where the registers would not hold them) at a time, so one weight load feeds R fused
+// multiply-adds and G x R independent accumulator chains hide the FMA latency. A tile of more than 4 rows broadcasts
+// each row's activation just before that row's multiply-adds, so that its R x G x kPerBlock accumulators, the
+// converted weights and one broadcast fit the registers (AVX2: 6 rows x one block = 12 chains in 16 registers,
+// where 4-row tiles held 8). Neither R nor G changes the per-column operation order: acc = fma(x[k], w[k], acc) for
+// k in order within a scale block, then acc * scale, then out + acc over blocks.
 #include "matmul.h"
 
 namespace grok {
@@ -27,7 +29,9 @@ inline typename V::Reg Load(const void* w, int64_t i) {
 template <class V>
 constexpr int MaxGroup(int rows) {
   for (int g = kGroup; g > 1; --g)
-    if (rows * g * V::kPerBlock + V::kPerBlock + rows <= V::kRegs - 1) return g;
+    if (rows > 4 ? rows * g * V::kPerBlock + g * V::kPerBlock + 1 <= V::kRegs - 1
+                 : rows * g * V::kPerBlock + V::kPerBlock + rows <= V::kRegs - 1)
+      return g;
   return 1;
 }
 
@@ -44,13 +48,24 @@ inline void Tile(const MatmulArgs& a, int64_t row, int64_t block) {
       for (int g = 0; g < G; ++g)
         for (int h = 0; h < V::kPerBlock; ++h) acc[r][g][h] = V::Zero();
     for (int64_t k = b * kb; k < (b + 1) * kb; ++k) {
-      Reg xr[R];
-      for (int r = 0; r < R; ++r) xr[r] = V::Broadcast(x[r][k]);
-      for (int g = 0; g < G; ++g)
-        for (int h = 0; h < V::kPerBlock; ++h) {
-          const Reg w = Load<V, T>(a.w, ((block + g) * a.k + k) * kLanes + h * V::kWidth);
-          for (int r = 0; r < R; ++r) acc[r][g][h] = V::Fma(xr[r], w, acc[r][g][h]);
+      if constexpr (R > 4) {  // the block's weights once, then row by row: one broadcast live at a time
+        Reg w[G][V::kPerBlock];
+        for (int g = 0; g < G; ++g)
+          for (int h = 0; h < V::kPerBlock; ++h) w[g][h] = Load<V, T>(a.w, ((block + g) * a.k + k) * kLanes + h * V::kWidth);
+        for (int r = 0; r < R; ++r) {
+          const Reg xr = V::Broadcast(x[r][k]);
+          for (int g = 0; g < G; ++g)
+            for (int h = 0; h < V::kPerBlock; ++h) acc[r][g][h] = V::Fma(xr, w[g][h], acc[r][g][h]);
         }
+      } else {
+        Reg xr[R];
+        for (int r = 0; r < R; ++r) xr[r] = V::Broadcast(x[r][k]);
+        for (int g = 0; g < G; ++g)
+          for (int h = 0; h < V::kPerBlock; ++h) {
+            const Reg w = Load<V, T>(a.w, ((block + g) * a.k + k) * kLanes + h * V::kWidth);
+            for (int r = 0; r < R; ++r) acc[r][g][h] = V::Fma(xr[r], w, acc[r][g][h]);
+          }
+      }
     }
     for (int g = 0; g < G; ++g) {
       for (int h = 0; h < V::kPerBlock; ++h) {
@@ -89,9 +104,13 @@ template <class V, Weight T>
 void RunTyped(const MatmulArgs& a, int64_t block_begin, int64_t block_end) {
   for (int64_t block = block_begin; block < block_end; block += kGroup) {
     const int64_t groups = block_end - block < kGroup ? block_end - block : kGroup;
+    constexpr int R = V::kRowTile;
+    static_assert(R == 4 || R == 6, "the remainder below takes up to 5 rows");
     int64_t row = 0;
-    for (; row + 4 <= a.m; row += 4) Rows<V, T, 4>(a, row, block, groups);
+    for (; row + R <= a.m; row += R) Rows<V, T, R>(a, row, block, groups);
     switch (a.m - row) {
+      case 5: if constexpr (R > 5) Rows<V, T, 5>(a, row, block, groups); break;
+      case 4: if constexpr (R > 4) Rows<V, T, 4>(a, row, block, groups); break;
       case 3: Rows<V, T, 3>(a, row, block, groups); break;
       case 2: Rows<V, T, 2>(a, row, block, groups); break;
       case 1: Rows<V, T, 1>(a, row, block, groups); break;
