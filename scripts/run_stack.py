@@ -177,6 +177,8 @@ def choose_free_ports(args: argparse.Namespace) -> None:
             with socket.socket(family) as probe:
                 probe.bind((args.host, 0))
                 setattr(args, name, probe.getsockname()[1])
+
+
 PROGRESS_EVERY = 15.0  # seconds between "still waiting" lines
 
 
