@@ -170,9 +170,9 @@ class Pipeline:
             spans.close(progress.prompt_tokens, [], [])
             raise
         spans.model_started(model_stream.replica.address)
-        # The scored prompt comes with the model's first reply: for a one-token prompt it holds no score, and the
-        # prompt's one token is still listed (with no logprob), as every longer prompt's first token is.
-        unscored = request.sampling.HasField("prompt_logprobs")
+        # The model scores prompt tokens 1..end: a one-token prompt gets no score list, and its token is still
+        # listed (with no logprob) on the first reply, as every longer prompt's first token is.
+        unscored = request.sampling.HasField("prompt_logprobs") and len(planned.prompt_ids) == 1
         try:
             async for reply in model_stream.responses():
                 spans.observe(reply)

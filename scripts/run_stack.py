@@ -32,7 +32,7 @@ from gateway.client import GatewayClient  # noqa: E402
 from gateway.client.__main__ import stream  # noqa: E402
 from serving_common.flags import EnvArgumentParser, port, positive_int  # noqa: E402
 from serving_common.healthcheck import check  # noqa: E402
-from serving_common.processes import start_module, terminate  # noqa: E402
+from serving_common.processes import free_port, start_module, terminate  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -169,14 +169,11 @@ GRPC_PORT_FLAGS = ("gateway_port", "tokenizer_port", "model_port")  # 0 picks a 
 
 
 def choose_free_ports(args: argparse.Namespace) -> None:
-    """Give each gRPC port flag left at 0 a port free now: the gateway must be told where the tokenizer and the
-    model listen before they start, so the launcher picks their ports rather than the services."""
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    """Give each gRPC port flag left at 0 a free port: the gateway must be told where the tokenizer and the model
+    listen before they start, so the launcher picks their ports rather than the services."""
     for name in GRPC_PORT_FLAGS:
         if getattr(args, name) == 0:
-            with socket.socket(family) as probe:
-                probe.bind((args.host, 0))
-                setattr(args, name, probe.getsockname()[1])
+            setattr(args, name, free_port())
 
 
 PROGRESS_EVERY = 15.0  # seconds between "still waiting" lines

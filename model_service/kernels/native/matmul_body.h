@@ -24,8 +24,9 @@ inline typename V::Reg Load(const void* w, int64_t i) {
 
 // The most column blocks an R-row tile takes at once: its R x G x kPerBlock accumulators, one block's converted
 // weight (kPerBlock registers) and the R broadcasts (a tile of more than 4 rows: all G blocks' weights and one
-// broadcast) must fit in the V::kRegs vector registers with one to spare. A tile that does not fit spills accumulators to the stack, and each spilled chain then waits on a store
-// and a load every k (on AVX2's 16 registers a 1-row x 4-block tile ran at half speed that way).
+// broadcast) must fit in the V::kRegs vector registers with one to spare. A tile that does not fit spills
+// accumulators to the stack, and each spilled chain then waits on a store and a load every k (on AVX2's 16
+// registers a 1-row x 4-block tile ran at half speed that way).
 template <class V>
 constexpr int MaxGroup(int rows) {
   for (int g = kGroup; g > 1; --g)
