@@ -40,6 +40,11 @@ FINISH = {
 }
 
 
+def counted(prompt_tokens: int, completion_tokens: int) -> gateway_pb2.Usage:
+    return gateway_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                             total_tokens=prompt_tokens + completion_tokens)
+
+
 @dataclass
 class Progress:
     """What one request has seen so far (for usage, timings and latency metrics)."""
@@ -52,6 +57,7 @@ class Progress:
     model_timings: model_pb2.Timings = field(default_factory=model_pb2.Timings)
     queue_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    running_usage: bool = False  # every message carries the usage so far, not only each completion's last
 
 
 @dataclass
@@ -130,12 +136,14 @@ class Pipeline:
         self.local_detokenize = local_detokenize
 
     async def stream(self, request: TextRequest, deadline: float | None, request_id: str, method: str,
-                     chat: bool = False) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+                     chat: bool = False, running_usage: bool = False) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """The request's messages. `chat`: the prompt is a rendered conversation; an answer's first space, which
         the model writes to separate it from a prompt ending in "Assistant:", is not part of its text (as
-        OpenAI's and vLLM's chat content starts at its first word)."""
+        OpenAI's and vLLM's chat content starts at its first word). `running_usage`: every message carries the
+        usage so far (the prompt, and the tokens its completion generated up to it), as vLLM's
+        `continuous_usage_stats`; else only each completion's last one."""
         loop = asyncio.get_running_loop()
-        progress = Progress(arrival=loop.time())
+        progress = Progress(arrival=loop.time(), running_usage=running_usage)
         spans = RequestTrace(trace.get_current_span(), request_id, method)  # the call's or the HTTP request's
         with spans.stage("validate"):
             check_request(request, self.limits)
@@ -223,8 +231,10 @@ class Pipeline:
             completion.finish = gateway_pb2.FINISH_REASON_STOP if tail.stopped else FINISH.get(
                 reply.finish_reason, gateway_pb2.FINISH_REASON_LENGTH)
         elif release.tokens or completion.scored:
-            yield completion.decorate(gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens,
-                                                                   index=completion.index))
+            message = gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, index=completion.index)
+            if progress.running_usage:
+                message.usage.CopyFrom(counted(progress.prompt_tokens, completion.completion_tokens))
+            yield completion.decorate(message)
             return
         if completion.done:
             yield completion.decorate(self._last(completion, progress, asyncio.get_running_loop().time()))
@@ -304,8 +314,7 @@ class Pipeline:
             tokenize_seconds=progress.tokenize_seconds, queue_seconds=progress.queue_seconds,
             prefill_seconds=progress.prefill_seconds, mean_step_seconds=progress.model_timings.mean_step_seconds,
             time_to_first_token_seconds=first - progress.arrival, total_seconds=now - progress.arrival)
-        usage = gateway_pb2.Usage(prompt_tokens=progress.prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=progress.prompt_tokens + completion_tokens)
+        usage = counted(progress.prompt_tokens, completion_tokens)
         release = completion.release
         return gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, finish_reason=completion.finish,
                                             usage=usage, timings=timings, index=completion.index)

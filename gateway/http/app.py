@@ -167,10 +167,14 @@ class Routes:
         deadline = loop.time() + self.ctx.timeout_seconds if self.ctx.timeout_seconds else None
         method = "http_chat_completions" if endpoint == "chat" else "http_completions"
         span = request_span(request_id, self.ctx.model_name)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
         source = guarded(request, tracked(self.ctx.pipeline, grpc_request, deadline, request_id, method, span,
-                                           chat=endpoint == "chat", access=access_of(request.scope)))
+                                           chat=endpoint == "chat", access=access_of(request.scope),
+                                           running_usage=continuous))
         shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body),
-                        echo=grpc_request.sampling.echo, prompt_logprobs=body.prompt_logprobs is not None)
+                        echo=grpc_request.sampling.echo, prompt_logprobs=body.prompt_logprobs is not None,
+                        continuous_usage=continuous)
         headers = {"x-request-id": request_id}
         try:
             first = await anext(source)  # errors before the first text still get their HTTP status
@@ -184,7 +188,6 @@ class Routes:
             return Response(status_code=499)
         except StopAsyncIteration:  # the pipeline always ends with a message; a bug if not
             return internal_error(request_id).response()
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = self.events(shaper, first, source, include_usage, endpoint, grpc_request.sampling.n or 1)
         return StreamingResponse(events,
                                  media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
@@ -197,7 +200,7 @@ class Routes:
         lasts = []
         try:
             if endpoint == "chat":
-                yield sse(shaper.role_chunk(include_usage, n))
+                yield sse(shaper.role_chunk(include_usage, n, first.usage.prompt_tokens))
             for chunk in shaper.chunks(first, include_usage):
                 yield sse(chunk)
             lasts += [first] if first.finish_reason else []

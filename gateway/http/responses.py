@@ -58,6 +58,7 @@ class Shaper:
     top_logprobs: int | None  # None: no logprobs in the response
     echo: bool = False  # completions: the prompt's tokens lead each choice's logprobs (its text leads the text)
     prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field goes with each choice (chat: the response)
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     created: int = field(default_factory=lambda: int(time.time()))
     # Characters of each completion's text already sent (completions' text_offset), by completion index.
     text_offsets: dict[int, int] = field(default_factory=dict)
@@ -107,9 +108,11 @@ class Shaper:
         return self.completion_logprobs(tokens, index, prompt if self.echo else ())
 
     def chunk(self, text: str, tokens: Sequence[gateway_pb2.Token], finish: str | None,
-              include_usage: bool, index: int = 0, prompt: Sequence[gateway_pb2.PromptToken] = ()) -> Json:
+              include_usage: bool, index: int = 0, prompt: Sequence[gateway_pb2.PromptToken] = (),
+              counts: gateway_pb2.GenerateResponse | None = None) -> Json:
         """One streamed chunk of completion `index` carrying `text` (and its tokens' logprobs; the scored prompt
-        on its first chunk), or its finish."""
+        on its first chunk), or its finish; `counts`: the message whose usage so far the chunk carries when
+        usage is continuous."""
         logprobs = self._logprobs(tokens, index, prompt) if tokens or (prompt and self.echo) else None
         if self.endpoint == "chat":
             delta = {"content": text} if text or not finish else {}
@@ -121,18 +124,19 @@ class Shaper:
         if prompt and self.prompt_logprobs:
             choice["prompt_logprobs"] = self.vllm_prompt_logprobs(prompt)
         out["choices"] = [choice]
-        if include_usage:
-            out["usage"] = None  # OpenAI: null on every chunk but the final usage chunk
+        if include_usage:  # OpenAI: null on every chunk but the final usage chunk; vLLM's continuous: the counts
+            out["usage"] = usage([counts]) if self.continuous_usage and counts is not None else None
         return out
 
-    def role_chunk(self, include_usage: bool, n: int = 1) -> Json:
+    def role_chunk(self, include_usage: bool, n: int = 1, prompt_tokens: int = 0) -> Json:
         """Chat streams open with the assistant role and empty content (for each of the n choices), as OpenAI's
         do."""
         out = self._envelope("chat.completion.chunk")
         out["choices"] = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None} for i in range(n)]
         if include_usage:
-            out["usage"] = None
+            out["usage"] = ({"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+                            if self.continuous_usage else None)
         return out
 
     def chunks(self, message: gateway_pb2.GenerateResponse, include_usage: bool) -> list[Json]:
@@ -142,9 +146,10 @@ class Shaper:
         # only when its logprob was asked for.
         if message.text or message.prompt_logprobs or (message.tokens and self.top_logprobs is not None):
             out.append(self.chunk(message.text, message.tokens, None, include_usage, message.index,
-                                  message.prompt_logprobs))
+                                  message.prompt_logprobs, message))
         if message.finish_reason:
-            out.append(self.chunk("", [], FINISH[message.finish_reason], include_usage, message.index))
+            out.append(self.chunk("", [], FINISH[message.finish_reason], include_usage, message.index,
+                                  counts=message))
         return out
 
     def usage_chunk(self, lasts: Sequence[gateway_pb2.GenerateResponse]) -> Json:

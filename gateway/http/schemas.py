@@ -18,6 +18,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk also carries the usage so far (prompt, that choice's tokens).
+    continuous_usage_stats: bool = False
 
 
 def lone_surrogate_at(value: Any, path: str = "") -> str | None:

@@ -50,6 +50,29 @@ def test_sdk_streamed_completion_concatenates_to_the_text_and_ends_with_usage(fa
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(fast_stack: Stack) -> None:
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the prompt and its choice's tokens so
+    far; the last chunk the request's usage, as without it."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(sdk(fast_stack.http_url).completions.create(
+        model="grok-1", prompt="xy|hello world", max_tokens=20, stream=True, stream_options=options))
+    counts = [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) for c in chunks]
+    assert counts == [(7, 1, 8), (7, 2, 9), (7, 3, 10), (7, 4, 11), (7, 5, 12), (7, 5, 12)]
+    assert [c.choices[0].text for c in chunks[:4]] == ["hello", " ", "wor", "ld"] and chunks[-1].choices == []
+    chat = list(sdk(fast_stack.http_url).chat.completions.create(
+        model="grok-1", messages=[{"role": "user", "content": "x|hello world"}], max_tokens=4, stream=True,
+        stream_options=options))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    prompt = chat[0].usage.prompt_tokens
+    assert prompt > 0 and all(c.usage.prompt_tokens == prompt for c in chat)
+    assert [c.usage.completion_tokens for c in chat] == [0, 1, 2, 3, 4, 4, 4]
+    # Without include_usage the option is inert, as in vLLM.
+    plain = list(sdk(fast_stack.http_url).completions.create(
+        model="grok-1", prompt="xy|hello world", max_tokens=20, stream=True,
+        stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
+
+
 def test_sdk_chat_completion_renders_the_default_template(fast_stack: Stack) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say|hello"}]
     reply = sdk(fast_stack.http_url).chat.completions.create(model="grok-1", messages=messages, max_tokens=14,
