@@ -58,8 +58,13 @@ lint: setup  ## buf lint + buf breaking against the committed API baseline + sta
 proto-baseline: setup  ## accept the current protos as the API baseline `make lint` checks for breaking changes
 	npx --no-install buf build -o protos/baseline.binpb
 
+# Bytecode is cached (under build/pycache, outside the source tree) even where PYTHONDONTWRITEBYTECODE is set:
+# otherwise every service process a test starts, and each worker's assertion rewriting, compiles the project's
+# sources again. Test files are handed out longest first (tests/conftest.py), not by their number of tests.
 test: setup lint  ## set up, lint the protos, run every test
-	$(PY) -m pytest $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/build/pycache \
+	  $(PY) -m pytest $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) \
+	  $(PYTEST_ARGS)
 
 compose-check: setup  ## docker compose for real: build the image, up --wait, gRPC + HTTP, --scale model=2, multiprocess, down (installs podman when no engine runs)
 	$(PY) scripts/compose_check.py
