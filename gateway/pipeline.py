@@ -74,6 +74,7 @@ class Completion:
     echo: str = ""  # the prompt text, until the completion's first message carries it
     scored: list[gateway_pb2.PromptToken] = field(default_factory=list)  # the scored prompt, until it is sent
     separator: bool = False  # chat: the first text's leading space separates it from the prompt; not content
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, the model's token is not part of it
 
     def decorate(self, message: gateway_pb2.GenerateResponse) -> gateway_pb2.GenerateResponse:
         """Put the echoed prompt and the scored prompt (each once) in front of the completion's next message; drop
@@ -166,7 +167,7 @@ class Pipeline:
                                   else self.tokenizer.detokenizer(deadline, detokenize, planned.prompt_ids),
                                   StopMatcher(request.sampling.stop),
                                   echo=request.prompt if request.sampling.echo else "",
-                                  separator=chat and not request.prompt[-1:].isspace())
+                                  separator=chat and not request.prompt[-1:].isspace(), echo_only=planned.echo_only)
                        for index in range(planned.n)]
         spans.model = spans.start("model")
         try:
@@ -215,6 +216,11 @@ class Pipeline:
                        metadata: Metadata) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """One model reply for `completion`: its text so far, or (when it ends) its last message."""
         self._observe(reply, progress, method)
+        if completion.echo_only:  # the prompt (scored) is the whole answer
+            completion.model_finished = reply.finish_reason != model_pb2.FINISH_REASON_UNSPECIFIED
+            completion.finish = gateway_pb2.FINISH_REASON_LENGTH
+            yield completion.decorate(self._last(completion, progress, asyncio.get_running_loop().time()))
+            return
         before = completion.completion_tokens  # the model's count up to its previous message
         completion.completion_tokens = max(before, reply.completion_tokens)
         if reply.finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN:

@@ -39,8 +39,9 @@ def check_request(request: TextRequest, limits: Limits) -> None:
     if size > limits.max_prompt_bytes:
         raise invalid("prompt", f"{size} bytes is over the limit of {limits.max_prompt_bytes} bytes")
     s = request.sampling
-    if s.HasField("max_tokens") and s.max_tokens < 1:
-        raise invalid("max_tokens", f"must be >= 1 (got {s.max_tokens}); leave it unset for the default")
+    if s.HasField("max_tokens") and s.max_tokens < (0 if s.echo else 1):
+        raise invalid("max_tokens", f"must be >= 1 (got {s.max_tokens}; 0 only with echo, which then answers the "
+                                    "prompt alone); leave it unset for the default")
     if not math.isfinite(s.temperature) or s.temperature < 0:
         raise invalid("temperature", f"must be finite and >= 0 (got {s.temperature}); 0 means greedy")
     if s.HasField("top_p") and not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
@@ -103,8 +104,9 @@ class Plan:
     """What the gateway asks of the model once the prompt is encoded."""
 
     prompt_ids: tuple[int, ...]
-    max_tokens: int
+    max_tokens: int  # what the model generates
     n: int = 1  # completions
+    echo_only: bool = False  # echo with max_tokens 0: the model scores the prompt, its one token is dropped
 
 
 def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoResponse, limits: Limits) -> Plan:
@@ -132,5 +134,7 @@ def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoRes
         if count + s.max_tokens > context:
             raise invalid("max_tokens", f"prompt ({count} tokens) + max_tokens ({s.max_tokens}) is over the "
                           f"model's context of {context} tokens; lower max_tokens to at most {context - count}")
+        if s.max_tokens == 0:  # (with echo) the prompt alone: the model runs its prompt and one token, as vLLM's does
+            return Plan(tuple(prompt_ids), 1, n, echo_only=True)
         return Plan(tuple(prompt_ids), s.max_tokens, n)
     return Plan(tuple(prompt_ids), min(limits.default_max_tokens, context - count), n)

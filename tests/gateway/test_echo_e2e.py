@@ -105,3 +105,28 @@ def test_a_one_token_prompt_is_still_listed_first_with_null_logprobs(golden_stac
         assert first["text"].startswith("the") and first["logprobs"]["tokens"][0] == "the", first
         assert first["logprobs"]["token_logprobs"][0] is None and first["logprobs"]["text_offset"][:2] == [0, 3]
         assert first["prompt_logprobs"] == [None]
+
+
+def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(golden_stack: Stack, golden_stubs: Stubs,
+                                                                golden_http_url: str) -> None:
+    """OpenAI's and vLLM's scoring request: `echo` with `max_tokens: 0` answers the prompt and its logprobs,
+    nothing generated (finish "length", no completion tokens); without echo 0 stays refused."""
+    ids, scores = model_scores(golden_stubs, 1)
+    request = {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0}
+    status, body = post(f"{golden_http_url}/v1/completions", request)
+    assert status == 200, body
+    (choice,) = body["choices"]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["tokens"]) == len(ids) and choice["logprobs"]["token_logprobs"][0] is None
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([t.logprob for t in scores], abs=1e-5)
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    done = curl(f"{golden_http_url}/v1/completions", "-H", "content-type: application/json", "-d",
+                json.dumps({**request, "stream": True}))
+    chunks = [json.loads(e) for e in sse_events(done.stdout) if e != "[DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    with GatewayClient(golden_stack.address, timeout=60) as client:
+        reply = client.complete(PROMPT, echo=True, max_tokens=0)
+    assert reply.text == PROMPT and reply.usage.completion_tokens == 0 and not reply.tokens
+    status, body = post(f"{golden_http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 0})
+    assert status == 400 and body["error"]["param"] == "max_tokens" and "echo" in body["error"]["message"]
