@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -55,10 +56,28 @@ def validation_error(request: Request, error: RequestValidationError) -> JSONRes
                              "'Content-Type: application/json'", param="body").response()
     if first.get("loc") == ("body",):  # no body, or JSON that is not an object
         return ApiError(400, f"the request body must be one JSON object: {first.get('msg')}", param="body").response()
-    path = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(path) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    param = field_path(first.get("loc", ()))
+    # A field of several types fails once per type: say them all ("stop: Input should be a valid string; Input
+    # should be a valid list").
+    reasons = list(dict.fromkeys(str(e.get("msg")) for e in error.errors() if field_path(e.get("loc", ())) == param))
+    message = f"{param}: {'; '.join(reasons)}" if param else str(first.get("msg"))
     return ApiError(400, message, param=param).response()
+
+
+UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|[\w.]+\[.*\])$", re.IGNORECASE)
+
+
+def field_path(loc: Sequence[Any]) -> str | None:
+    """The dotted field of a pydantic error location, without the body prefix and from the first union member tag
+    on (pydantic names the member it tried: ("stop", "list[str]") is the field `stop`)."""
+    path: list[str] = []
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, str) and UNION_MEMBER.match(part):
+            break
+        path.append(str(part))
+    return ".".join(path) or None
 
 
 def is_json(content_type: str) -> bool:

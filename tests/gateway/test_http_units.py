@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 
 import grpc
+import pydantic
 import pytest
+from fastapi.exceptions import RequestValidationError
+from starlette.requests import Request
 
 from gateway.__main__ import parse_config
 from gateway.auth import ApiKeys, load_keys
+from gateway.http.app import validation_error
 from gateway.http.chat import ChatTemplate
 from gateway.http.errors import ApiError, from_status
 from gateway.http.mapping import generate_request
@@ -65,6 +70,28 @@ def test_values_outside_the_proto_ranges_are_400(field: str, value: int) -> None
     with pytest.raises(ApiError) as caught:
         generate_request(CompletionRequest(prompt="x", **{field: value}), "x")
     assert caught.value.status == 400 and caught.value.param == field
+
+
+@pytest.mark.parametrize(("model", "body", "param", "message"), [
+    (CompletionRequest, {"prompt": "x", "stop": 5}, "stop",
+     "stop: Input should be a valid string; Input should be a valid list"),
+    (CompletionRequest, {"prompt": "x", "guided_json": 5}, "guided_json",
+     "guided_json: Input should be a valid dictionary; Input should be a valid string"),
+    (CompletionRequest, {"prompt": "x", "logit_bias": {"1": "a"}}, "logit_bias.1",
+     "logit_bias.1: Input should be a valid number, unable to parse string as a number"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     "messages.0.content: Input should be a valid string; Input should be a valid list"),
+])
+def test_a_field_of_several_types_is_named_as_sent(model: type[pydantic.BaseModel], body: dict, param: str,
+                                                   message: str) -> None:
+    """Pydantic tags each member of a union it tried ("stop.list[str]"); the 400 names the field the client sent
+    and every type it may have."""
+    with pytest.raises(pydantic.ValidationError) as caught:
+        model(**body)
+    error = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in caught.value.errors()], body=body)
+    request = Request({"type": "http", "headers": [(b"content-type", b"application/json")]})
+    reply = json.loads(validation_error(request, error).body)
+    assert reply["error"]["param"] == param and reply["error"]["message"] == message
 
 
 def test_default_template_writes_a_transcript_ending_with_the_assistant_prompt() -> None:
