@@ -52,11 +52,28 @@ class ChatTemplate:
         return cls(source, str(file))
 
     def render_turns(self, turns: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
-                     extra: Mapping[str, Any] | None = None) -> str:
+                     extra: Mapping[str, Any] | None = None, continue_final: bool = False) -> str:
         """The prompt for `turns` ({"role", "content"[, "name"]} each); INVALID_ARGUMENT naming `messages` when
-        the template refuses them (GatewayError: HTTP answers it 400)."""
+        the template refuses them (GatewayError: HTTP answers it 400). `continue_final` (vLLM's and Hugging Face's
+        continue_final_message): the prompt ends with the last message's text, left open for the model to go on
+        with it (what the template writes after that text, e.g. the end of its turn, is cut)."""
         if not turns:
             raise invalid("messages", "must hold at least one message")
+        prompt = self._render(turns, add_generation_prompt and not continue_final, extra)
+        if not continue_final:
+            return prompt
+        final = turns[-1]["content"].strip()
+        if not final:
+            raise invalid("continue_final_message", "the last message has no text to continue; leave it out or "
+                                                     "send add_generation_prompt instead")
+        at = prompt.rfind(final)
+        if at < 0:
+            raise invalid("continue_final_message", "the chat template does not write the last message's text as "
+                                                    "sent, so it cannot be continued")
+        return prompt[:at + len(final)]
+
+    def _render(self, turns: Sequence[Mapping[str, str]], add_generation_prompt: bool,
+                extra: Mapping[str, Any] | None) -> str:
         variables = {**(extra or {}), "messages": [dict(t) for t in turns],
                      "add_generation_prompt": add_generation_prompt, "bos_token": "", "eos_token": ""}
         try:

@@ -27,6 +27,7 @@ from gateway.auth import ApiKeys, tenant_of, tenant_var
 from gateway.errors import GatewayError
 from gateway.http.access import AccessLog, access_of
 from gateway.http.body import MAX_BODY_BYTES, BodyChecks
+from gateway.http.chat import chat_prompt
 from gateway.http.context import HttpContext
 from gateway.http.extras import ExtraRoutes, check_model
 from gateway.http.errors import ApiError, from_gateway
@@ -170,11 +171,14 @@ class Routes:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        prompt = self.ctx.template.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        return await self.respond(request, "chat", body, generate_request(body, prompt))
+        prompt = chat_prompt(self.ctx.template, body)
+        return await self.respond(request, "chat", body, generate_request(body, prompt),
+                                  continues=body.continue_final_message)
 
     async def respond(self, request: Request, endpoint: str, body: SamplingFields,
-                      grpc_request: gateway_pb2.GenerateRequest) -> Response:
+                      grpc_request: gateway_pb2.GenerateRequest, continues: bool = False) -> Response:
+        """`continues`: the prompt ends inside the answer's own text (continue_final_message), so the answer's
+        first space is its content, not the separator after the template's "Assistant:"."""
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
         given = request.headers.get("x-request-id", "")
@@ -189,7 +193,7 @@ class Routes:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
         source = guarded(request, tracked(self.ctx.pipeline, grpc_request, deadline, request_id, method, span,
-                                           chat=endpoint == "chat", access=access_of(request.scope),
+                                           chat=endpoint == "chat" and not continues, access=access_of(request.scope),
                                            running_usage=continuous))
         shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body),
                         echo=grpc_request.sampling.echo, prompt_logprobs=body.prompt_logprobs is not None,

@@ -6,7 +6,7 @@ OpenAI's content may be a string or a list of parts; only text parts are served 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.chat_template import DEFAULT_TEMPLATE, TemplateRefused
 from gateway.chat_template import ChatTemplate as BaseTemplate
@@ -14,7 +14,7 @@ from gateway.errors import GatewayError
 from gateway.http.errors import bad_request, from_gateway
 from gateway.http.schemas import ChatMessage
 
-__all__ = ["DEFAULT_TEMPLATE", "ChatTemplate", "TemplateRefused", "message_text"]
+__all__ = ["DEFAULT_TEMPLATE", "ChatTemplate", "TemplateRefused", "chat_prompt", "message_text"]
 
 
 def message_text(message: ChatMessage, index: int) -> str:
@@ -35,11 +35,34 @@ class ChatTemplate(BaseTemplate):
     """The chat template, rendering OpenAI's message objects."""
 
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
-               extra: Mapping[str, Any] | None = None) -> str:
+               extra: Mapping[str, Any] | None = None, continue_final: bool = False) -> str:
         """The prompt for `messages`; 400 naming `messages` when the template refuses them."""
         turns = [{"role": m.role, "content": message_text(m, i), **({"name": m.name} if m.name else {})}
                  for i, m in enumerate(messages)]
         try:
-            return self.render_turns(turns, add_generation_prompt, extra)
+            return self.render_turns(turns, add_generation_prompt, extra, continue_final)
         except GatewayError as error:
             raise from_gateway(error, "chat") from None
+
+
+class ChatFields(Protocol):
+    """What a chat completion and a /tokenize of messages share."""
+
+    messages: Any
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template: str | None
+    chat_template_kwargs: dict[str, Any] | None
+    model_fields_set: set[str]
+
+
+def chat_prompt(template: ChatTemplate, body: ChatFields) -> str:
+    """The prompt of a chat request's messages, with vLLM's rendering fields."""
+    if body.chat_template is not None:
+        raise bad_request("chat_template", "this server renders every chat with its own template (--chat-template); "
+                                           "a template sent with the request is not used: leave it out")
+    if body.continue_final_message and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+        raise bad_request("add_generation_prompt", "cannot be true with continue_final_message: true (the last "
+                                                   "message is continued, no new turn opened); leave it out")
+    return template.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                           body.continue_final_message)

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import GatewayError
+from gateway.http.chat import chat_prompt
 from gateway.http.context import HttpContext
 from gateway.http.errors import ApiError, bad_request, from_gateway
 from gateway.http.responses import Json
@@ -35,6 +36,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -101,7 +104,7 @@ class ExtraRoutes:
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("messages", "must hold at least one message")
-            text = self.ctx.template.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+            text = chat_prompt(self.ctx.template, body)
         else:
             text = body.prompt or ""
         limit = self.ctx.pipeline.limits.max_prompt_bytes

@@ -139,6 +139,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     # vLLM's chat extras.
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # refused (gateway/http/chat.py): the server's template renders every chat
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -102,3 +102,34 @@ def test_each_request_logs_one_access_line_with_path_status_and_tokens(demo_stac
     assert records("tokenizer") == []
     wait_until(lambda: '"path": "/v1/nothing", "status": 404' in demo_stack.gateway.logs(), 10, interval=0.1,
                message="no access line for the 404")
+
+
+def test_continue_final_message_leaves_the_last_message_open(demo_stack: Launched) -> None:
+    """vLLM's continue_final_message: the prompt ends with the last message's own text (no end of its turn, no new
+    "Assistant:"), and the answer goes on from it exactly as a completion of that prompt does, its first space
+    included."""
+    messages = [{"role": "user", "content": "What does the gateway do?"}, {"role": "assistant", "content": "The"}]
+    fields = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    status, tokenized = call(demo_stack, "/tokenize", {**fields, "return_token_strs": True})
+    assert status == 200 and isinstance(tokenized, dict)
+    prompt = "".join(tokenized["token_strs"])
+    assert prompt.endswith("User: What does the gateway do?\n\nAssistant: The"), prompt
+    status, chat = call(demo_stack, "/v1/chat/completions", {**fields, "max_tokens": 8, "temperature": 0})
+    _, completion = call(demo_stack, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0})
+    assert status == 200 and isinstance(chat, dict) and isinstance(completion, dict)
+    assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
+    assert chat["usage"]["prompt_tokens"] == tokenized["count"]
+    # Without it the template closes the assistant's turn and opens a new one.
+    _, closed = call(demo_stack, "/tokenize", {"messages": messages, "return_token_strs": True})
+    assert isinstance(closed, dict) and "".join(closed["token_strs"]).endswith("Assistant: The\n\nAssistant:")
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+    ({"chat_template": "{{ messages[0]['content'] }}"}, "chat_template"),
+])
+def test_chat_fields_this_server_cannot_honour_are_400(demo_stack: Launched, extra: dict, param: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}], **extra}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, error = call(demo_stack, path, {**body, "max_tokens": 2} if path != "/tokenize" else body)
+        assert status == 400 and isinstance(error, dict) and error["error"]["param"] == param, (path, error)
