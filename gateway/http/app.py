@@ -31,8 +31,8 @@ from gateway.http.chat import chat_prompt
 from gateway.http.context import HttpContext
 from gateway.http.extras import ExtraRoutes, check_model
 from gateway.http.errors import ApiError, from_gateway
-from gateway.http.flow import ClientGone, guarded, request_span, tracked
-from gateway.http.mapping import completion_prompt, generate_request, top_logprobs
+from gateway.http.flow import ClientGone, guarded, merged, request_span, tracked
+from gateway.http.mapping import completion_prompts, generate_request, top_logprobs
 from gateway.http.responses import Json, Shaper
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.http.structured import name_constraint_param
@@ -167,18 +167,21 @@ class Routes:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        return await self.respond(request, "completions", body, generate_request(body, completion_prompt(body)))
+        return await self.respond(request, "completions", body,
+                                  [generate_request(body, prompt) for prompt in completion_prompts(body)])
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         prompt = chat_prompt(self.ctx.template, body)
-        return await self.respond(request, "chat", body, generate_request(body, prompt),
+        return await self.respond(request, "chat", body, [generate_request(body, prompt)],
                                   continues=body.continue_final_message)
 
     async def respond(self, request: Request, endpoint: str, body: SamplingFields,
-                      grpc_request: gateway_pb2.GenerateRequest, continues: bool = False) -> Response:
-        """`continues`: the prompt ends inside the answer's own text (continue_final_message), so the answer's
-        first space is its content, not the separator after the template's "Assistant:"."""
+                      grpc_requests: list[gateway_pb2.GenerateRequest], continues: bool = False) -> Response:
+        """One response for the request's prompts (completions may send several: each runs as a request of its
+        own, their choices follow in the prompts' order). `continues`: the prompt ends inside the answer's own
+        text (continue_final_message), so the answer's first space is its content, not the separator after the
+        template's "Assistant:"."""
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
         given = request.headers.get("x-request-id", "")
@@ -192,12 +195,16 @@ class Routes:
         span = request_span(request_id, self.ctx.model_name)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
-        source = guarded(request, tracked(self.ctx.pipeline, grpc_request, deadline, request_id, method, span,
-                                           chat=endpoint == "chat" and not continues, access=access_of(request.scope),
-                                           running_usage=continuous))
-        shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body),
-                        echo=grpc_request.sampling.echo, prompt_logprobs=body.prompt_logprobs is not None,
-                        continuous_usage=continuous)
+        sampling = grpc_requests[0].sampling
+        n = sampling.n or 1
+        streams = [tracked(self.ctx.pipeline, grpc_request, deadline,
+                           request_id if len(grpc_requests) == 1 else f"{request_id}-{i}", method, span,
+                           chat=endpoint == "chat" and not continues, access=access_of(request.scope),
+                           running_usage=continuous)
+                   for i, grpc_request in enumerate(grpc_requests)]
+        source = guarded(request, merged(streams, n))
+        shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body), echo=sampling.echo,
+                        prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=continuous, n=n)
         headers = {"x-request-id": request_id}
         try:
             first = await anext(source)  # errors before the first text still get their HTTP status
@@ -211,7 +218,7 @@ class Routes:
             return Response(status_code=499)
         except StopAsyncIteration:  # the pipeline always ends with a message; a bug if not
             return internal_error(request_id).response()
-        events = self.events(shaper, first, source, include_usage, endpoint, grpc_request.sampling.n or 1)
+        events = self.events(shaper, first, source, include_usage, endpoint, n)
         return StreamingResponse(events,
                                  media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
 

@@ -5,7 +5,7 @@ label `http_completions` / `http_chat_completions`), fills the request's access 
 and turns an unexpected exception into INTERNAL with the request id, and records the outcome on the request's span
 (`request_span`). `guarded` stops the pipeline as soon as the
 HTTP client goes away, which cancels the model call and frees its slot, also while the client waits
-for a non-streaming response.
+for a non-streaming response. `merged` joins the streams of a completion request's several prompts.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TypeVar
 
 import grpc
@@ -119,3 +119,47 @@ async def guarded(request: Request, source: AsyncIterator[T]) -> AsyncIterator[T
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         await source.aclose()  # type: ignore[attr-defined]
+
+
+def merged(streams: Sequence[AsyncIterator[gateway_pb2.GenerateResponse]],
+           per_prompt: int) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """The messages of a request's prompts (one stream each) as they come, prompt i's completion j renumbered
+    i * per_prompt + j (OpenAI's order of choices). The first error ends every stream and is raised; closing the
+    result closes them all."""
+    if len(streams) == 1:
+        return streams[0]
+    return _merged(streams, per_prompt)
+
+
+async def _merged(streams: Sequence[AsyncIterator[gateway_pb2.GenerateResponse]],
+                  per_prompt: int) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    queue: asyncio.Queue[gateway_pb2.GenerateResponse | BaseException | None] = asyncio.Queue()
+
+    async def pump(offset: int, stream: AsyncIterator[gateway_pb2.GenerateResponse]) -> None:
+        try:
+            async for message in stream:
+                message.index += offset
+                queue.put_nowait(message)
+            queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait(error)
+
+    tasks = [asyncio.ensure_future(pump(i * per_prompt, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]

@@ -86,17 +86,26 @@ def unsupported_features(request: SamplingFields) -> None:
             raise _not_yet("tool_choice", request.tool_choice, 'null, "none" or "auto" (no tools are called)')
 
 
-def completion_prompt(request: CompletionRequest) -> str:
-    """The one text prompt of a completion request (a list holding one string is accepted too)."""
+# Prompts one completion request may hold (OpenAI's list of prompts): each is a request of its own to the model.
+MAX_PROMPTS = 64
+
+
+def completion_prompts(request: CompletionRequest) -> list[str]:
+    """The text prompts of a completion request: one string, or OpenAI's list of them (answered as one request
+    each, their choices in the list's order)."""
     prompt = request.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            if prompt and all(isinstance(p, str) for p in prompt):
-                raise bad_request("prompt", f"{len(prompt)} prompts in one request are not supported yet; "
-                                            "send one request per prompt")
-            raise bad_request("prompt", "token-id prompts are not supported yet; send the prompt as text")
-        prompt = prompt[0]
-    return prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt", "an empty list holds no prompt; send a string or a list of strings")
+    if not all(isinstance(p, str) for p in prompt):
+        raise bad_request("prompt", "token-id prompts are not supported yet; send the prompt as text")
+    if empty := [i for i, p in enumerate(prompt) if not p]:
+        raise bad_request(f"prompt[{empty[0]}]", "must be non-empty")
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request("prompt", f"{len(prompt)} prompts in one request is over the limit of {MAX_PROMPTS}; "
+                                    "split them over several requests")
+    return [str(p) for p in prompt]
 
 
 def top_logprobs(request: SamplingFields) -> int | None:

@@ -40,10 +40,10 @@ def by_text(tops: Sequence[gateway_pb2.TopToken]) -> dict[str, float]:
     return out
 
 
-def usage(lasts: Sequence[gateway_pb2.GenerateResponse]) -> Json:
-    """OpenAI's usage of a request from its completions' last messages: the prompt once, every completion's
-    tokens."""
-    prompt = lasts[0].usage.prompt_tokens if lasts else 0
+def usage(lasts: Sequence[gateway_pb2.GenerateResponse], per_prompt: int = 1) -> Json:
+    """OpenAI's usage of a request from its completions' last messages: each prompt once (completions
+    i * per_prompt .. share prompt i), every completion's tokens."""
+    prompt = sum({m.index // per_prompt: m.usage.prompt_tokens for m in lasts}.values())
     generated = sum(m.usage.completion_tokens for m in lasts)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
@@ -59,6 +59,7 @@ class Shaper:
     echo: bool = False  # completions: the prompt's tokens lead each choice's logprobs (its text leads the text)
     prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field goes with each choice (chat: the response)
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
+    n: int = 1  # completions per prompt (a completion request may hold several prompts)
     created: int = field(default_factory=lambda: int(time.time()))
     # Characters of each completion's text already sent (completions' text_offset), by completion index.
     text_offsets: dict[int, int] = field(default_factory=dict)
@@ -155,7 +156,7 @@ class Shaper:
     def usage_chunk(self, lasts: Sequence[gateway_pb2.GenerateResponse]) -> Json:
         """The extra final chunk `stream_options.include_usage` asks for: no choices, the usage."""
         obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
-        return {**self._envelope(obj), "choices": [], "usage": usage(lasts)}
+        return {**self._envelope(obj), "choices": [], "usage": usage(lasts, self.n)}
 
     def whole(self, messages: Sequence[gateway_pb2.GenerateResponse]) -> Json:
         """The non-streaming response body for a finished stream: one choice per completion index."""
@@ -171,12 +172,13 @@ class Shaper:
             if self.endpoint == "chat":
                 choices.append({"index": index, "message": {"role": "assistant", "content": text},
                                 "logprobs": self._logprobs(tokens, index), "finish_reason": finish})
-            else:
-                choices.append({"index": index, "text": text, "logprobs": self._logprobs(tokens, index, scored),
+            else:  # each completion's first message carries its own prompt's scores
+                own = [p for m in mine for p in m.prompt_logprobs]
+                choices.append({"index": index, "text": text, "logprobs": self._logprobs(tokens, index, own),
                                 "finish_reason": finish})
                 if self.prompt_logprobs:
-                    choices[-1]["prompt_logprobs"] = self.vllm_prompt_logprobs(scored)
+                    choices[-1]["prompt_logprobs"] = self.vllm_prompt_logprobs(own)
         out = self._envelope("chat.completion" if self.endpoint == "chat" else "text_completion")
         if self.endpoint == "chat" and self.prompt_logprobs:
             out["prompt_logprobs"] = self.vllm_prompt_logprobs(scored)
-        return {**out, "choices": choices, "usage": usage(lasts)}
+        return {**out, "choices": choices, "usage": usage(lasts, self.n)}

@@ -73,6 +73,29 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(fast_stack: 
     assert all(c.usage is None for c in plain)
 
 
+def test_a_list_of_prompts_answers_each_in_order(fast_stack: Stack) -> None:
+    """OpenAI's list of prompts: prompt i's completion is choice i, usage counts each prompt and completion;
+    streamed, the chunks name the same indexes (n > 1 on the real model: tests/gateway/test_n_e2e.py)."""
+    client = sdk(fast_stack.http_url)
+    prompts = ["a|one", "bb|two two", "c|three"]
+    singles = [client.completions.create(model="grok-1", prompt=p, max_tokens=20) for p in prompts]
+    reply = client.completions.create(model="grok-1", prompt=prompts, max_tokens=20)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == ["one", "two two", "three"]
+    assert reply.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert reply.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    chunks = list(client.completions.create(model="grok-1", prompt=prompts, max_tokens=20, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] = texts.get(chunk.choices[0].index, "") + chunk.choices[0].text
+    assert texts == {0: "one", 1: "two two", 2: "three"} and len({c.id for c in chunks}) == 1
+    assert chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="grok-1", prompt=["a|x", ""], max_tokens=2)
+    assert caught.value.body["param"] == "prompt[1]"
+
+
 def test_sdk_chat_completion_renders_the_default_template(fast_stack: Stack) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say|hello"}]
     reply = sdk(fast_stack.http_url).chat.completions.create(model="grok-1", messages=messages, max_tokens=14,

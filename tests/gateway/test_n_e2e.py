@@ -72,3 +72,18 @@ def test_openai_chat_with_n_returns_n_messages(golden_http_url: str) -> None:
     assert [c.index for c in reply.choices] == [0, 1]
     assert all(c.message.role == "assistant" and c.finish_reason == "length" for c in reply.choices)
     assert reply.usage.completion_tokens == 8
+
+
+def test_a_list_of_prompts_with_n_gives_each_prompt_n_choices_in_order(golden_stack: Stack,
+                                                                        golden_http_url: str) -> None:
+    """Prompt i's completion j is choice i * n + j, each equal to that prompt's request with seed + j; usage counts
+    each prompt once."""
+    prompts = [PROMPT, "The model service"]
+    options = {"max_tokens": 6, "temperature": 1.0, "seed": 41, "extra_body": {"ignore_eos": True, "top_k": 40}}
+    client = sdk(golden_http_url)
+    reply = client.completions.create(model="grok-1", prompt=prompts, n=2, **options)
+    alone = [client.completions.create(model="grok-1", prompt=p, n=2, **options) for p in prompts]
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert [c.text for c in reply.choices] == [c.text for a in alone for c in a.choices]
+    assert reply.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert reply.usage.completion_tokens == 24
