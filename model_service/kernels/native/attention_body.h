@@ -114,9 +114,17 @@ struct Kernel {
   const T* pv;
   const int32_t* table;
 
-  const T* Row(const T* pool, int64_t head, int64_t pos) const {
-    const int64_t block = table[pos / c.bs];
-    return pool + ((block * c.hkv + head) * c.bs + pos % c.bs) * c.d;
+  // out[i] = the row of key position first + i in `pool` for `head`, i < count (positions from `nkeys` on get
+  // `past`). One division per call, not one per key: a 64-bit division costs more than a key's arithmetic.
+  void Rows(const T* pool, int64_t head, int64_t first, int64_t count, const T** out, const T* past) const {
+    int64_t block = first / c.bs, offset = first % c.bs;
+    for (int64_t i = 0; i < count; ++i) {
+      out[i] = first + i < nkeys ? pool + ((table[block] * c.hkv + head) * c.bs + offset) * c.d : past;
+      if (++offset == c.bs) {
+        offset = 0;
+        ++block;
+      }
+    }
   }
 
   static float ToFloat(T v) {
@@ -141,7 +149,7 @@ struct Kernel {
   // movement: the in-register transposes only make it cheaper.
   void TransposeTile(int64_t head, int64_t t0) {
     const T** rows = x.rows.data();
-    for (int64_t jj = 0; jj < kTile; ++jj) rows[jj] = t0 + jj < nkeys ? Row(pk, head, t0 + jj) : x.zeros.data();
+    Rows(pk, head, t0, kTile, rows, x.zeros.data());
     float* dst = x.kt.data();
     if constexpr (V::kTransposeW > 0) {
       if (c.d % V::kTransposeW == 0) {
@@ -298,7 +306,7 @@ struct Kernel {
       const int64_t c1 = c0 + kChunk < nkeys ? c0 + kChunk : nkeys;
       while (x.lim[first] < c0) ++first;
       for (int64_t hh = 0; hh < it.heads; ++hh) {
-        for (int64_t j = c0; j < c1; ++j) x.rows[j - c0] = Row(pv, it.head + hh, j);
+        Rows(pv, it.head + hh, c0, c1 - c0, x.rows.data(), x.zeros.data());
         for (int64_t i = hh * nv + first; i < (hh + 1) * nv; ++i) {  // w_j = e_j / sum, while in cache
           float* s = x.scores.data() + i * stride;
           const int64_t end = x.lim[i] + 1 < c1 ? x.lim[i] + 1 : c1;
