@@ -350,14 +350,18 @@ def test_sigterm_lets_an_http_stream_finish_then_exits_cleanly(slow_stack: Stack
     http_port = free_port()
     gateway = start_gateway(slow_stack.tokenizer.address, [m.address for m in slow_stack.models], tmp_path,
                             http_port=http_port)
-    gateway.wait_serving(30)
-    # 20 tokens at 50 ms: the stream is still running when SIGTERM arrives.
-    sock = raw_request(http_port, {"prompt": "p|abc", "max_tokens": 20, "ignore_eos": True, "stream": True}, "drain")
-    received = read_until(sock, b"data: ")
-    gateway.proc.send_signal(signal.SIGTERM)
-    received = read_until(sock, b"data: [DONE]", received)
-    sock.close()
-    assert gateway.proc.wait(30) == 0
+    try:
+        gateway.wait_serving(30)
+        # 20 tokens at 50 ms: the stream is still running when SIGTERM arrives.
+        sock = raw_request(http_port, {"prompt": "p|abc", "max_tokens": 20, "ignore_eos": True, "stream": True},
+                           "drain")
+        received = read_until(sock, b"data: ")
+        gateway.proc.send_signal(signal.SIGTERM)
+        received = read_until(sock, b"data: [DONE]", received)
+        sock.close()
+        assert gateway.proc.wait(30) == 0
+    finally:
+        gateway.kill()  # a failure above must not leave the gateway running after the test
     events = [json.loads(e) for e in sse_events(received.decode().split("\r\n\r\n", 1)[1]) if e != "[DONE]"]
     assert "".join(e["choices"][0]["text"] for e in events) == "abc" * 10  # 20 tokens: "ab", "c"
     assert events[-1]["choices"][0]["finish_reason"] == "length"
