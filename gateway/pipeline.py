@@ -75,6 +75,7 @@ class Completion:
     scored: list[gateway_pb2.PromptToken] = field(default_factory=list)  # the scored prompt, until it is sent
     separator: bool = False  # chat: the first text's leading space separates it from the prompt; not content
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone, the model's token is not part of it
+    stop_token: int | None = None  # the stop_token_ids entry the model ended the completion on
 
     def decorate(self, message: gateway_pb2.GenerateResponse) -> gateway_pb2.GenerateResponse:
         """Put the echoed prompt and the scored prompt (each once) in front of the completion's next message; drop
@@ -224,6 +225,7 @@ class Pipeline:
         before = completion.completion_tokens  # the model's count up to its previous message
         completion.completion_tokens = max(before, reply.completion_tokens)
         if reply.finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN:
+            completion.stop_token = reply.token_ids[-1] if reply.token_ids else None
             reply = without_stop_token(reply)
         tokens = await self._tokens(completion, reply, request.sampling, deadline, metadata)
         release = completion.matcher.feed(tokens)
@@ -322,6 +324,11 @@ class Pipeline:
             time_to_first_token_seconds=first - progress.arrival, total_seconds=now - progress.arrival)
         usage = counted(progress.prompt_tokens, completion_tokens)
         release = completion.release
-        return gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, finish_reason=completion.finish,
-                                            usage=usage, timings=timings, index=completion.index)
+        out = gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, finish_reason=completion.finish,
+                                           usage=usage, timings=timings, index=completion.index)
+        if completion.matcher.stopped:
+            out.stop_sequence = completion.matcher.matched
+        elif completion.stop_token is not None:
+            out.stop_token_id = completion.stop_token
+        return out
 

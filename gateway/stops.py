@@ -58,6 +58,7 @@ class StopMatcher:
         self.text = ""  # the whole completion text so far, held-back part included
         self.pending: list[tuple[gateway_pb2.Token, int]] = []  # token, char offset where its text starts
         self.stopped = False
+        self.matched = ""  # the stop sequence that ended the completion
 
     def feed(self, tokens: Sequence[gateway_pb2.Token]) -> Release:
         """Add tokens (their `.text` set) and release what can no longer be part of a stop sequence. Tokens are
@@ -94,6 +95,8 @@ class StopMatcher:
         # the flushed text has no token of its own.
         end = cut if cut >= 0 else len(self.text)
         self.stopped = cut >= 0
+        if self.stopped:
+            self._match(cut)
         return Release([], stopped=self.stopped, extra=self.text[start:end])
 
     def _release_upto(self, safe: int, final: bool = False) -> Release:
@@ -110,8 +113,13 @@ class StopMatcher:
             self.pending.pop(0)
         return Release(released)
 
+    def _match(self, cut: int) -> None:
+        """Remember which stop sequence begins at `cut` (the first listed, when several do)."""
+        self.matched = next(s for s in self.stops if self.text.startswith(s, cut))
+
     def _stop_at(self, cut: int) -> Release:
         """Release the tokens that contributed text before `cut`, the last one trimmed; drop the rest."""
+        self._match(cut)
         released: list[gateway_pb2.Token] = []
         for token, start in self.pending:
             end = start + len(token.text)

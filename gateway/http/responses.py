@@ -40,6 +40,14 @@ def by_text(tops: Sequence[gateway_pb2.TopToken]) -> dict[str, float]:
     return out
 
 
+def stop_reason(last: gateway_pb2.GenerateResponse) -> str | int | None:
+    """vLLM's stop_reason of a completion's last message: the stop sequence or stop token id that ended it, else
+    None (EOS, length)."""
+    if last.stop_sequence:
+        return last.stop_sequence
+    return last.stop_token_id if last.HasField("stop_token_id") else None
+
+
 def usage(lasts: Sequence[gateway_pb2.GenerateResponse], per_prompt: int = 1) -> Json:
     """OpenAI's usage of a request from its completions' last messages: each prompt once (completions
     i * per_prompt .. share prompt i), every completion's tokens."""
@@ -110,10 +118,10 @@ class Shaper:
 
     def chunk(self, text: str, tokens: Sequence[gateway_pb2.Token], finish: str | None,
               include_usage: bool, index: int = 0, prompt: Sequence[gateway_pb2.PromptToken] = (),
-              counts: gateway_pb2.GenerateResponse | None = None) -> Json:
+              message: gateway_pb2.GenerateResponse | None = None) -> Json:
         """One streamed chunk of completion `index` carrying `text` (and its tokens' logprobs; the scored prompt
-        on its first chunk), or its finish; `counts`: the message whose usage so far the chunk carries when
-        usage is continuous."""
+        on its first chunk), or its finish (with vLLM's stop_reason); `message`: the pipeline message it comes
+        from (its usage so far when usage is continuous, its stop reason)."""
         logprobs = self._logprobs(tokens, index, prompt) if tokens or (prompt and self.echo) else None
         if self.endpoint == "chat":
             delta = {"content": text} if text or not finish else {}
@@ -122,11 +130,13 @@ class Shaper:
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             out = self._envelope("text_completion")
+        if finish is not None:
+            choice["stop_reason"] = stop_reason(message) if message is not None else None
         if prompt and self.prompt_logprobs:
             choice["prompt_logprobs"] = self.vllm_prompt_logprobs(prompt)
         out["choices"] = [choice]
         if include_usage:  # OpenAI: null on every chunk but the final usage chunk; vLLM's continuous: the counts
-            out["usage"] = usage([counts]) if self.continuous_usage and counts is not None else None
+            out["usage"] = usage([message]) if self.continuous_usage and message is not None else None
         return out
 
     def role_chunk(self, include_usage: bool, n: int = 1, prompt_tokens: int = 0) -> Json:
@@ -150,7 +160,7 @@ class Shaper:
                                   message.prompt_logprobs, message))
         if message.finish_reason:
             out.append(self.chunk("", [], FINISH[message.finish_reason], include_usage, message.index,
-                                  counts=message))
+                                  message=message))
         return out
 
     def usage_chunk(self, lasts: Sequence[gateway_pb2.GenerateResponse]) -> Json:
@@ -171,11 +181,12 @@ class Shaper:
             lasts.append(mine[-1])
             if self.endpoint == "chat":
                 choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": self._logprobs(tokens, index), "finish_reason": finish})
+                                "logprobs": self._logprobs(tokens, index), "finish_reason": finish,
+                                "stop_reason": stop_reason(mine[-1])})
             else:  # each completion's first message carries its own prompt's scores
                 own = [p for m in mine for p in m.prompt_logprobs]
                 choices.append({"index": index, "text": text, "logprobs": self._logprobs(tokens, index, own),
-                                "finish_reason": finish})
+                                "finish_reason": finish, "stop_reason": stop_reason(mine[-1])})
                 if self.prompt_logprobs:
                     choices[-1]["prompt_logprobs"] = self.vllm_prompt_logprobs(own)
         out = self._envelope("chat.completion" if self.endpoint == "chat" else "text_completion")

@@ -76,6 +76,10 @@ def test_stop_token_ids_end_with_finish_stop_without_the_tokens_text(golden_stac
                                                               temperature=0, extra_body={"ignore_eos": True,
                                                                                          "stop_token_ids": [stop]})
     assert over_http.choices[0].finish_reason == "stop" and over_http.choices[0].text == stopped.text
+    assert over_http.choices[0].model_extra["stop_reason"] == stop  # vLLM's: the id that ended it
+    with GatewayClient(golden_stack.address, timeout=60) as client:
+        streamed = list(client.generate(PROMPT, max_tokens=8, ignore_eos=True, stop_token_ids=[stop]))
+    assert streamed[-1].stop_token_id == stop and not streamed[-1].stop_sequence
 
 
 @pytest.mark.parametrize(("field", "value"), [("top_k", -3), ("min_p", 1.5), ("repetition_penalty", 0.0),

@@ -96,6 +96,23 @@ def test_a_list_of_prompts_answers_each_in_order(fast_stack: Stack) -> None:
     assert caught.value.body["param"] == "prompt[1]"
 
 
+def test_stop_reason_names_the_stop_sequence_that_ended_a_choice(fast_stack: Stack) -> None:
+    """vLLM's stop_reason: the stop sequence (or stop token id) that ended the choice, null for EOS and length;
+    streamed, on the choice's finish chunk."""
+    client = sdk(fast_stack.http_url)
+    stopped = client.completions.create(model="grok-1", prompt="xy|hello world", max_tokens=20, stop=["zz", " wor"])
+    assert stopped.choices[0].text == "hello" and stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].model_extra["stop_reason"] == " wor"
+    eos = client.completions.create(model="grok-1", prompt="xy|hello world", max_tokens=20)
+    assert eos.choices[0].finish_reason == "stop" and eos.choices[0].model_extra["stop_reason"] is None
+    chunks = list(client.completions.create(model="grok-1", prompt="xy|hello world", max_tokens=20, stop=[" wor"],
+                                            stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].model_extra["stop_reason"] == " wor"
+    chat = client.chat.completions.create(model="grok-1", messages=[{"role": "user", "content": "x|hello world"}],
+                                          max_tokens=20, stop=[" wor"])
+    assert chat.choices[0].message.content == "hello" and chat.choices[0].model_extra["stop_reason"] == " wor"
+
+
 def test_sdk_chat_completion_renders_the_default_template(fast_stack: Stack) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say|hello"}]
     reply = sdk(fast_stack.http_url).chat.completions.create(model="grok-1", messages=messages, max_tokens=14,

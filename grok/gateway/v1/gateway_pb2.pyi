@@ -158,7 +158,7 @@ class Timings(_message.Message):
     def __init__(self, tokenize_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., mean_step_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "tokens", "finish_reason", "usage", "timings", "index", "prompt_logprobs")
+    __slots__ = ("text", "tokens", "finish_reason", "usage", "timings", "index", "prompt_logprobs", "stop_sequence", "stop_token_id")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,8 @@ class GenerateResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     text: str
     tokens: _containers.RepeatedCompositeFieldContainer[Token]
     finish_reason: FinishReason
@@ -173,7 +175,9 @@ class GenerateResponse(_message.Message):
     timings: Timings
     index: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptToken]
-    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptToken, _Mapping]]] = ...) -> None: ...
+    stop_sequence: str
+    stop_token_id: int
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptToken, _Mapping]]] = ..., stop_sequence: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class PromptToken(_message.Message):
     __slots__ = ("id", "text", "logprob", "top_tokens")
