@@ -8,7 +8,8 @@ running streams by at most that much, on any machine, and still progresses by at
 Until both estimates exist, prompts get `initial` rows. While a long prompt is computed no step only decodes,
 and the streams grow (their own attention with them): so every REFRESH_EVERY-th such step takes no prompt rows
 and measures the decode step afresh. Without it the estimate stayed at the streams' early length, `per_row`
-absorbed their growth, and the budget sank to its floor (a 6,000-token prompt took 95 s instead of 45).
+absorbed their growth, and the budget sank toward its floor (one 6,000-token prompt took 95 s where other runs of
+the same code took 45).
 
 A row's cost grows with its position: it attends to every key before it. One row at position p costs
 1 + p / key_scale row-equivalents, key_scale being the number of keys whose attention costs as much as a row's

@@ -30,6 +30,17 @@ class Access:
     finish_reason: str = ""
     detail: str = ""  # an error's message
 
+    def generated(self, request_id: str, code: str, detail: str, finish_reason: str, prompt_tokens: int,
+                  completion_tokens: int) -> None:
+        """One generation's outcome. A completion request of several prompts runs one each: their tokens add up,
+        the first failure (else the first outcome) is the request's, the request id is the first one given."""
+        if not self.code or (self.code == "OK" and code != "OK"):
+            self.code, self.detail = code, detail
+        self.request_id = self.request_id or request_id
+        self.finish_reason = self.finish_reason or finish_reason
+        self.prompt_tokens = (self.prompt_tokens or 0) + prompt_tokens or None
+        self.completion_tokens = (self.completion_tokens or 0) + completion_tokens or None
+
 
 def access_of(scope: Scope) -> Access:
     """The request's record (a fresh one when the middleware is not installed, e.g. in unit tests)."""

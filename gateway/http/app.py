@@ -197,10 +197,11 @@ class Routes:
         continuous = include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
         sampling = grpc_requests[0].sampling
         n = sampling.n or 1
+        access = access_of(request.scope)
+        access.request_id = request_id  # one access line for the request, whatever its number of prompts
         streams = [tracked(self.ctx.pipeline, grpc_request, deadline,
                            request_id if len(grpc_requests) == 1 else f"{request_id}-{i}", method, span,
-                           chat=endpoint == "chat" and not continues, access=access_of(request.scope),
-                           running_usage=continuous)
+                           chat=endpoint == "chat" and not continues, access=access, running_usage=continuous)
                    for i, grpc_request in enumerate(grpc_requests)]
         source = guarded(request, merged(streams, n))
         shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body), echo=sampling.echo,

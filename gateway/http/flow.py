@@ -80,9 +80,8 @@ async def tracked(pipeline: Pipeline, request: gateway_pb2.GenerateRequest, dead
         seconds = loop.time() - start
         pipeline.metrics.finished(method, code, finish, seconds)
         if access is not None:
-            access.request_id, access.code, access.detail = request_id, code, detail
-            access.finish_reason = finish if finish != "NONE" else ""
-            access.prompt_tokens, access.completion_tokens = prompt_tokens or None, completion_tokens or None
+            access.generated(request_id, code, detail, finish if finish != "NONE" else "", prompt_tokens,
+                             completion_tokens)
         if span.is_recording():  # a stream that fails after its 200 still shows as failed
             span.set_attribute("grok.code", code)
             if code != "OK":

@@ -104,6 +104,22 @@ def test_each_request_logs_one_access_line_with_path_status_and_tokens(demo_stac
                message="no access line for the 404")
 
 
+def test_a_request_of_several_prompts_logs_one_access_line_with_their_tokens(demo_stack: Launched) -> None:
+    rid = f"access-{uuid.uuid4().hex[:8]}"
+    status, reply = call(demo_stack, "/v1/completions", {"prompt": ["The model service", "The gateway"],
+                                                         "max_tokens": 5}, headers={"x-request-id": rid})
+    assert status == 200 and isinstance(reply, dict) and len(reply["choices"]) == 2
+
+    def lines() -> list[dict]:
+        records = (json.loads(line) for line in demo_stack.gateway.logs().splitlines() if line.startswith("{"))
+        return [r for r in records if r.get("request_id") == rid and r.get("path") == "/v1/completions"]
+
+    wait_until(lines, 10, interval=0.1, message="no access line for the request")
+    (line,) = lines()
+    assert (line["status"], line["prompt_tokens"], line["completion_tokens"]) == (
+        200, reply["usage"]["prompt_tokens"], reply["usage"]["completion_tokens"])
+
+
 def test_continue_final_message_leaves_the_last_message_open(demo_stack: Launched) -> None:
     """vLLM's continue_final_message: the prompt ends with the last message's own text (no end of its turn, no new
     "Assistant:"), and the answer goes on from it exactly as a completion of that prompt does, its first space
