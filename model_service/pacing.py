@@ -5,11 +5,7 @@ streams' inter-token gap is that step's time. `Pacing` keeps two running estimat
 only decodes (`decode`) and the time one prompt row adds (`per_row`), and gives prompts `budget()` rows' worth
 so that a mixed step takes at most (1 + SLOWDOWN) times a decode step: a long prompt entering slows the
 running streams by at most that much, on any machine, and still progresses by at least MIN_ROWS rows a step.
-Until both estimates exist, prompts get `initial` rows. While a long prompt is computed no step only decodes,
-and the streams grow (their own attention with them): so every REFRESH_EVERY-th such step takes no prompt rows
-and measures the decode step afresh. Without it the estimate stayed at the streams' early length, `per_row`
-absorbed their growth, and the budget sank toward its floor (one 6,000-token prompt took 95 s where other runs of
-the same code took 45).
+Until both estimates exist, prompts get `initial` rows.
 
 A row's cost grows with its position: it attends to every key before it. One row at position p costs
 1 + p / key_scale row-equivalents, key_scale being the number of keys whose attention costs as much as a row's
@@ -25,7 +21,6 @@ from model_service.config import ModelConfig
 SLOWDOWN = 0.8  # a mixed step takes at most 1.8x a decode-only step
 MIN_ROWS = 4.0  # prompts progress at least this much per step
 SMOOTHING = 0.25  # weight of the newest measurement in the running estimates
-REFRESH_EVERY = 16  # while prompts are paced, a step decodes alone after this many mixed steps
 
 
 def key_scale(cfg: ModelConfig) -> float:
@@ -55,17 +50,14 @@ class Pacing:
     ceiling: float  # never more than this (the step's rows)
     decode: float | None = None  # seconds of a step that only decodes
     per_row: float | None = None  # seconds a prompt row-equivalent adds to a step
-    mixed: int = 0  # steps that decoded and computed prompt rows since the last one that only decoded
 
     def observe(self, seconds: float, decoding: bool, prompt_cost: float) -> None:
         """A step of `seconds` that decoded (or not) and computed `prompt_cost` row-equivalents of prompt."""
         if not decoding or seconds <= 0:
             return
         if prompt_cost == 0:
-            self.mixed = 0
             self.decode = seconds if self.decode is None else self.decode + SMOOTHING * (seconds - self.decode)
         elif self.decode is not None:
-            self.mixed += 1
             added = max(0.0, seconds - self.decode) / prompt_cost
             self.per_row = added if self.per_row is None else self.per_row + SMOOTHING * (added - self.per_row)
 
@@ -73,7 +65,4 @@ class Pacing:
         """Prompt row-equivalents the next step may take while something decodes."""
         if self.decode is None or not self.per_row:
             return min(self.initial, self.ceiling)
-        if self.mixed >= REFRESH_EVERY:  # this step decodes alone: `decode` follows the streams' current length
-            self.mixed = 0  # once: the step is measured only after the next one is planned
-            return 0.0
         return min(self.ceiling, max(MIN_ROWS, SLOWDOWN * self.decode / self.per_row))

@@ -39,23 +39,3 @@ def test_rows_far_into_a_prompt_cost_more_of_the_budget() -> None:
     assert chunk_rows(95, 100, budget=10, scale=math.inf) == 5  # no further than the prompt's end
     assert chunk_rows(4000, 5000, budget=0.5, scale=1000) == 1  # always at least one
 
-
-def test_while_prompts_are_paced_a_step_decodes_alone_now_and_then_so_the_decode_time_follows_the_streams() -> None:
-    """No step decodes alone while a long prompt is computed beside the streams, so a decode estimate taken
-    before it would stay at the streams' early length while their own steps grow: every REFRESH_EVERY-th paced
-    step takes no prompt rows and measures the decode step afresh."""
-    from model_service.pacing import REFRESH_EVERY
-
-    pacing = Pacing(initial=16, ceiling=512)
-    pacing.observe(0.030, decoding=True, prompt_cost=0)
-    budgets = []
-    for _ in range(3 * REFRESH_EVERY):
-        budget = pacing.budget()
-        budgets.append(budget)
-        if budget == 0:
-            pacing.observe(0.045, decoding=True, prompt_cost=0)  # the streams have grown: 45 ms now
-        else:
-            pacing.observe(0.045 + budget * 0.0005, decoding=True, prompt_cost=budget)
-    assert budgets.count(0) == 2 and budgets[REFRESH_EVERY] == 0
-    assert pacing.decode > 0.035  # moved toward the streams' current 45 ms
-    assert budgets[-1] > budgets[REFRESH_EVERY - 1]  # with the fresher estimate a row's cost is not overstated
