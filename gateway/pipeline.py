@@ -166,7 +166,7 @@ class Pipeline:
         detokenize = spans.metadata(metadata, spans.detokenize)
         completions = [Completion(index, LocalDetokenizer(table, planned.prompt_ids) if table is not None
                                   else self.tokenizer.detokenizer(deadline, detokenize, planned.prompt_ids),
-                                  StopMatcher(request.sampling.stop),
+                                  StopMatcher(request.sampling.stop, request.sampling.include_stop_str_in_output),
                                   echo=request.prompt if request.sampling.echo else "",
                                   separator=chat and not request.prompt[-1:].isspace(), echo_only=planned.echo_only)
                        for index in range(planned.n)]

@@ -2,8 +2,9 @@
 
 The completion text grows token by token. Text that could still turn out to be the start of a stop
 sequence is held back (with the tokens that produced it) until it cannot; once a stop sequence
-appears, the text before it is released and generation ends. Release happens at token granularity so
-that each released message's text is exactly the concatenation of its tokens' texts.
+appears, the text before it (or up to its end, when asked to include it) is released and generation
+ends. Release happens at token granularity so that each released message's text is exactly the
+concatenation of its tokens' texts.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def find_stop(text: str, stops: Sequence[str], start: int) -> int:
 class StopMatcher:
     """Feeds tokens with their text; says which tokens are final and whether a stop sequence was hit."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self.stops = tuple(stops)
+        self.include = include  # the stop sequence that ends the text is the text's (vLLM's include_stop_str_in_output)
         self.longest = max((len(s) for s in self.stops), default=0)
         self.text = ""  # the whole completion text so far, held-back part included
         self.pending: list[tuple[gateway_pb2.Token, int]] = []  # token, char offset where its text starts
@@ -97,6 +99,7 @@ class StopMatcher:
         self.stopped = cut >= 0
         if self.stopped:
             self._match(cut)
+            end = self._end(cut)
         return Release([], stopped=self.stopped, extra=self.text[start:end])
 
     def _release_upto(self, safe: int, final: bool = False) -> Release:
@@ -117,9 +120,16 @@ class StopMatcher:
         """Remember which stop sequence begins at `cut` (the first listed, when several do)."""
         self.matched = next(s for s in self.stops if self.text.startswith(s, cut))
 
+    def _end(self, cut: int) -> int:
+        """Where the text ends when the stop sequence matched at `cut` ends it: before it, or after it with
+        `include`."""
+        return cut + len(self.matched) if self.include else cut
+
     def _stop_at(self, cut: int) -> Release:
-        """Release the tokens that contributed text before `cut`, the last one trimmed; drop the rest."""
+        """Release the tokens that contributed text before the end (`_end`), the last one trimmed; drop the
+        rest."""
         self._match(cut)
+        cut = self._end(cut)
         released: list[gateway_pb2.Token] = []
         for token, start in self.pending:
             end = start + len(token.text)

@@ -113,6 +113,21 @@ def test_stop_reason_names_the_stop_sequence_that_ended_a_choice(fast_stack: Sta
     assert chat.choices[0].message.content == "hello" and chat.choices[0].model_extra["stop_reason"] == " wor"
 
 
+def test_include_stop_str_in_output_returns_the_stop_sequence_that_ended_the_text(fast_stack: Stack) -> None:
+    """vLLM's include_stop_str_in_output: the matched stop sequence ends the text; what followed it does not."""
+    client = sdk(fast_stack.http_url)
+    whole = client.completions.create(model="grok-1", prompt="xy|hello world", max_tokens=20, stop=["zz", " wor"],
+                                      extra_body={"include_stop_str_in_output": True})
+    assert whole.choices[0].text == "hello wor" and whole.choices[0].finish_reason == "stop"
+    assert whole.choices[0].model_extra["stop_reason"] == " wor"
+    chunks = list(client.completions.create(model="grok-1", prompt="xy|hello world", max_tokens=20, stop=[" wor"],
+                                            stream=True, extra_body={"include_stop_str_in_output": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "hello wor"
+    chat = client.chat.completions.create(model="grok-1", messages=[{"role": "user", "content": "x|hello world"}],
+                                          max_tokens=20, stop=[" wor"], extra_body={"include_stop_str_in_output": True})
+    assert chat.choices[0].message.content == "hello wor"
+
+
 def test_sdk_chat_completion_renders_the_default_template(fast_stack: Stack) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say|hello"}]
     reply = sdk(fast_stack.http_url).chat.completions.create(model="grok-1", messages=messages, max_tokens=14,

@@ -101,3 +101,19 @@ def test_empty_token_before_the_stop_is_kept_and_one_at_the_stop_is_dropped() ->
     release = matcher.feed(tokens("a", "", "é!"))
     assert release.stopped
     assert [t.text for t in release.tokens] == ["a"]
+
+
+def test_with_include_the_stop_sequence_ends_the_text_and_what_follows_it_is_dropped() -> None:
+    matcher = StopMatcher(["lo wor"], include=True)
+    released = [matcher.feed([t]) for t in tokens("hel", "lo", " w", "orld!")]
+    assert released[-1].stopped and "".join(r.text for r in released) == "hello wor"  # "ld!" is after the stop
+    inside = StopMatcher(["c"], include=True).feed(tokens("a", "bcd", "e"))
+    assert inside.stopped and inside.text == "abc" and inside.used == 2
+    assert StopMatcher(["c"]).feed(tokens("a", "bcd")).text == "ab"  # the default leaves it out
+
+
+def test_with_include_a_stop_completed_by_the_flushed_tail_is_kept_whole() -> None:
+    matcher = StopMatcher(["xyz"], include=True)
+    assert matcher.feed(tokens("ab", "x")).text == "ab"  # "x" may start the stop: held back
+    final = matcher.finish("yz!")
+    assert final.stopped and final.text == "xyz" and matcher.matched == "xyz"
