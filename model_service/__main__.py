@@ -13,6 +13,7 @@ import sys
 
 from model_service.config import BACKENDS, PRODUCT_CHOICES, ConfigError, MeshConfig
 from model_service.distributed import DistributedConfig
+from model_service.pacing import DEFAULT_SLOWDOWN
 from serving_common import logs, tracing
 from serving_common.flags import EnvArgumentParser, port, positive_int
 from serving_common.tls import add_server_flags, server_tls_from
@@ -107,8 +108,13 @@ def parser() -> EnvArgumentParser:
                             "elsewhere; at least --slots). Prompts of any length up to the context are computed "
                             "over as many steps as they need")
     p.add_env_argument("--prefill-tokens", type=positive_int, default=None,
-                       help="prompt tokens per step while other requests decode (default 32), so a long prompt "
-                            "entering does not stall running streams; with nothing decoding a step is all prompt")
+                       help="fixes the prompt tokens a step takes while other requests decode (default: sized "
+                            "from measured step times, see --decode-slowdown); with nothing decoding a step is all "
+                            "prompt")
+    p.add_env_argument("--decode-slowdown", type=slowdown_factor, default=DEFAULT_SLOWDOWN,
+                       help="while prompts are computed beside running streams, a step takes at most this many "
+                            "times a decode-only step: larger gets long prompts to "
+                            "their first token sooner, smaller keeps running streams smoother")
     p.add_env_argument("--speculative-config", type=speculative_config, default=None,
                        help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": "
                             "4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}: drafts looked up in each "
@@ -172,6 +178,16 @@ def positive_float(raw: str) -> float:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{raw} must be > 0 seconds")
+    return value
+
+
+def slowdown_factor(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+    if not value > 1:
+        raise argparse.ArgumentTypeError(f"{raw} must be > 1 (a mixed step cannot take less than a decode step)")
     return value
 
 
@@ -241,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots,
         backend=args.backend, products=args.products, kv_tokens=args.kv_tokens, kv_memory=args.kv_memory, block_size=args.block_size,
         prefix_caching=args.prefix_caching == "on", step_tokens=args.max_num_batched_tokens,
-        prefill_tokens=args.prefill_tokens, tile_rows=args.tile_rows, speculative=args.speculative_config,
+        prefill_tokens=args.prefill_tokens, decode_slowdown=args.decode_slowdown, tile_rows=args.tile_rows, speculative=args.speculative_config,
         max_queue=args.max_queue, metrics_port=args.metrics_port,
         metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed, tls=tls,
         max_connection_age_seconds=args.max_connection_age_seconds,

@@ -15,6 +15,7 @@ from typing import Any
 
 from model_service.config import MeshConfig, ModelConfig, load_model_config, validate
 from model_service.distributed.config import DistributedConfig
+from model_service.pacing import DEFAULT_SLOWDOWN
 from serving_common.tls import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ class ServerConfig:
     backend: str = "auto"  # auto | cpu | generic: the hardware choices (backend.py)
     products: str = "auto"  # auto | native | xla: how token rows meet the weights on the cpu backend
     step_tokens: int | None = None  # token rows per step (None: engine.choose_shape's default for the platform)
-    prefill_tokens: int | None = None  # prompt rows per step while others decode (None: scheduler.PREFILL_ROWS)
+    prefill_tokens: int | None = None  # prompt rows per step while others decode (None: paced, pacing.py)
+    decode_slowdown: float = DEFAULT_SLOWDOWN  # a mixed step's time over a decode-only step's, at most (pacing.py)
     tile_rows: int | None = None  # rows per pass over the weights (None: the platform's default)
     speculative: Any = None  # speculative.SpeculativeConfig (None: off)
     max_queue: int = 64

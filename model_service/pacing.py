@@ -3,9 +3,12 @@
 A step that decodes running streams and also computes prompt rows takes longer than the decode alone; the
 streams' inter-token gap is that step's time. `Pacing` keeps two running estimates, the time of a step that
 only decodes (`decode`) and the time one prompt row adds (`per_row`), and gives prompts `budget()` rows' worth
-so that a mixed step takes at most (1 + SLOWDOWN) times a decode step: a long prompt entering slows the
-running streams by at most that much, on any machine, and still progresses by at least MIN_ROWS rows a step.
-Until both estimates exist, prompts get `initial` rows.
+so that a mixed step takes at most `slowdown` times a decode step (`--decode-slowdown`): a long prompt entering
+slows the running streams' typical step by at most that much, on any machine, and still progresses by at least
+MIN_ROWS rows a step. Until both estimates exist, prompts get `initial` rows. The factor moves the median gap
+while a long prompt is computed, not the streams' slowest gaps: on a 2-core CPU decode steps alone already
+take 1.4-1.7x their median at the 99th percentile, and a smaller factor only makes the prompt take longer
+(docs/performance.md, "the long prompt").
 
 A row's cost grows with its position: it attends to every key before it. One row at position p costs
 1 + p / key_scale row-equivalents, key_scale being the number of keys whose attention costs as much as a row's
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 from model_service.config import ModelConfig
 
-SLOWDOWN = 0.8  # a mixed step takes at most 1.8x a decode-only step
+DEFAULT_SLOWDOWN = 1.8  # a mixed step takes at most this many times a decode-only step
 MIN_ROWS = 4.0  # prompts progress at least this much per step
 SMOOTHING = 0.25  # weight of the newest measurement in the running estimates
 
@@ -50,6 +53,7 @@ class Pacing:
     ceiling: float  # never more than this (the step's rows)
     decode: float | None = None  # seconds of a step that only decodes
     per_row: float | None = None  # seconds a prompt row-equivalent adds to a step
+    slowdown: float = DEFAULT_SLOWDOWN  # a mixed step's time over a decode-only step's, at most
 
     def observe(self, seconds: float, decoding: bool, prompt_cost: float) -> None:
         """A step of `seconds` that decoded (or not) and computed `prompt_cost` row-equivalents of prompt."""
@@ -65,4 +69,4 @@ class Pacing:
         """Prompt row-equivalents the next step may take while something decodes."""
         if self.decode is None or not self.per_row:
             return min(self.initial, self.ceiling)
-        return min(self.ceiling, max(MIN_ROWS, SLOWDOWN * self.decode / self.per_row))
+        return min(self.ceiling, max(MIN_ROWS, (self.slowdown - 1) * self.decode / self.per_row))

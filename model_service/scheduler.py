@@ -28,7 +28,7 @@ from model_service.engine_api import EngineLike
 from model_service.guided import Guidance
 from model_service.kv_blocks import KVBlocks
 from model_service.loop_state import Heartbeat, InFlight, Running, SchedulerMetrics
-from model_service.pacing import Pacing, key_scale
+from model_service.pacing import DEFAULT_SLOWDOWN, Pacing, key_scale
 from model_service.plan import Chunk, Key, Policy, StepPlan, View, schedule, scored_tokens
 from model_service.speculative import SpeculativeConfig
 from model_service.requests import (
@@ -55,12 +55,13 @@ class Scheduler:
     """Slots and KV blocks over one Engine; `start()` launches the decode thread, `stop()` ends it.
 
     While samples decode, each step gives prompts the row-equivalents pacing.Pacing measures they can take
-    without slowing the streams more than pacing.SLOWDOWN, or exactly `prefill_rows` when given (plan.py);
+    without a step taking more than `slowdown` times a decode-only step, or exactly `prefill_rows` when given (plan.py);
     with nothing decoding, the whole step."""
 
     def __init__(self, engine: EngineLike, max_queue: int, metrics: SchedulerMetrics | None = None,
                  prefill_rows: int | None = None, grammars: GrammarCompiler | None = None,
-                 prefix_caching: bool = True, speculative: SpeculativeConfig | None = None) -> None:
+                 prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
+                 slowdown: float = DEFAULT_SLOWDOWN) -> None:
         self.engine = engine
         self.guidance = Guidance(engine, grammars)  # structured output (constraints)
         self.max_queue = max_queue
@@ -69,7 +70,7 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.speculative = speculative if getattr(engine, "draft_tokens", 0) else None
         self.fixed_prefill = prefill_rows
-        self.pacing = Pacing(float(prefill_rows or INITIAL_PREFILL_ROWS), float(engine.max_rows))
+        self.pacing = Pacing(float(prefill_rows or INITIAL_PREFILL_ROWS), float(engine.max_rows), slowdown=slowdown)
         self.key_scale = key_scale(engine.model_config) if hasattr(engine, "model_config") else float("inf")
         self._cond = threading.Condition()
         self._queue: collections.deque[RequestHandle] = collections.deque()

@@ -112,7 +112,8 @@ class ModelServer:
         engine = await asyncio.to_thread(self._engine_factory)
         grammars = await asyncio.to_thread(self._grammars, engine)
         self.scheduler = Scheduler(engine, self.config.max_queue, self.metrics, self.config.prefill_tokens,
-                                   grammars, self.config.prefix_caching, self.config.speculative)
+                                   grammars, self.config.prefix_caching, self.config.speculative,
+                                   self.config.decode_slowdown)
         await asyncio.to_thread(self.scheduler.start)  # its first engine call may be a collective
         self.servicer.attach(self.scheduler)
         if self.config.watchdog_seconds > 0:

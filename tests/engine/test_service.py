@@ -89,7 +89,7 @@ def test_help_documents_every_flag_and_its_environment_variable() -> None:
                           text=True, timeout=60)
     assert done.returncode == 0
     for flag in ("--checkpoint", "--random-init", "--dtype", "--mesh", "--slots", "--max-num-batched-tokens",
-                 "--prefill-tokens", "--tile-rows", "--max-queue",
+                 "--prefill-tokens", "--decode-slowdown", "--tile-rows", "--max-queue",
                  "--compile-cache", "--metrics-port"):
         assert flag in done.stdout
         assert "GROK_MODEL_" + flag[2:].replace("-", "_").upper() in done.stdout
