@@ -254,10 +254,11 @@ def main(argv: list[str] | None = None) -> int:
 
     config = ServerConfig(
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
-        port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots,
-        backend=args.backend, products=args.products, kv_tokens=args.kv_tokens, kv_memory=args.kv_memory, block_size=args.block_size,
+        port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, backend=args.backend,
+        products=args.products, kv_tokens=args.kv_tokens, kv_memory=args.kv_memory, block_size=args.block_size,
         prefix_caching=args.prefix_caching == "on", step_tokens=args.max_num_batched_tokens,
-        prefill_tokens=args.prefill_tokens, decode_slowdown=args.decode_slowdown, tile_rows=args.tile_rows, speculative=args.speculative_config,
+        prefill_tokens=args.prefill_tokens, decode_slowdown=args.decode_slowdown, tile_rows=args.tile_rows,
+        speculative=args.speculative_config,
         max_queue=args.max_queue, metrics_port=args.metrics_port,
         metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed, tls=tls,
         max_connection_age_seconds=args.max_connection_age_seconds,
