@@ -55,7 +55,7 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self.stops = tuple(stops)
-        self.include = include  # the stop sequence that ends the text is the text's (vLLM's include_stop_str_in_output)
+        self.include = include  # the matched stop sequence ends the text (vLLM's include_stop_str_in_output)
         self.longest = max((len(s) for s in self.stops), default=0)
         self.text = ""  # the whole completion text so far, held-back part included
         self.pending: list[tuple[gateway_pb2.Token, int]] = []  # token, char offset where its text starts

@@ -113,8 +113,8 @@ def parser() -> EnvArgumentParser:
                             "prompt")
     p.add_env_argument("--decode-slowdown", type=slowdown_factor, default=DEFAULT_SLOWDOWN,
                        help="while prompts are computed beside running streams, a step takes at most this many "
-                            "times a decode-only step: larger gets long prompts to "
-                            "their first token sooner, smaller keeps running streams smoother")
+                            "times a decode-only step: larger gets long prompts to their first token sooner, "
+                            "smaller keeps running streams smoother")
     p.add_env_argument("--speculative-config", type=speculative_config, default=None,
                        help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": "
                             "4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}: drafts looked up in each "

@@ -55,8 +55,8 @@ class Scheduler:
     """Slots and KV blocks over one Engine; `start()` launches the decode thread, `stop()` ends it.
 
     While samples decode, each step gives prompts the row-equivalents pacing.Pacing measures they can take
-    without a step taking more than `slowdown` times a decode-only step, or exactly `prefill_rows` when given (plan.py);
-    with nothing decoding, the whole step."""
+    without the step taking more than `slowdown` times a decode-only step, or exactly `prefill_rows` when given
+    (plan.py); with nothing decoding, the whole step."""
 
     def __init__(self, engine: EngineLike, max_queue: int, metrics: SchedulerMetrics | None = None,
                  prefill_rows: int | None = None, grammars: GrammarCompiler | None = None,
