@@ -171,24 +171,23 @@ def parser() -> EnvArgumentParser:
     return p
 
 
-def positive_float(raw: str) -> float:
+def number_above(raw: str, bound: float, unit: str = "") -> float:
+    """A flag's number, refused unless it is over `bound`."""
     try:
         value = float(raw)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{raw} must be > 0 seconds")
+    if not value > bound:
+        raise argparse.ArgumentTypeError(f"{raw} must be > {bound:g}{unit}")
     return value
+
+
+def positive_float(raw: str) -> float:
+    return number_above(raw, 0, " seconds")
 
 
 def slowdown_factor(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
-    if not value > 1:
-        raise argparse.ArgumentTypeError(f"{raw} must be > 1 (a mixed step cannot take less than a decode step)")
-    return value
+    return number_above(raw, 1, " (a mixed step cannot take less than a decode step)")
 
 
 def distributed_config(args: argparse.Namespace) -> DistributedConfig | None:
