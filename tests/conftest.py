@@ -1,7 +1,7 @@
 """Test-wide setup, before JAX is imported anywhere: 8 host CPU devices for the sharding tests, and
 no excess precision so bfloat16 results do not depend on XLA's fusion choices (golden/README.md).
 
-One JAX compilation cache serves the whole run: `make test` runs the suite in two pytest-xdist workers, and the
+One JAX compilation cache serves the whole run: `make test` runs the suite in pytest-xdist workers, and the
 controller makes the cache before it starts them, so the workers, the model services every test starts (through
 GROK_MODEL_COMPILE_CACHE, unless a test passes its own --compile-cache) and the engines built inside the
 test processes all read and write the same programs. A multi-process replica does not use it (the service says
