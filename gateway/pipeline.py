@@ -101,7 +101,8 @@ def model_request(request: TextRequest, planned: Plan, request_id: str) -> model
         ignore_eos=s.ignore_eos, top_logprobs=s.top_logprobs,
         allowed_token_ids=s.allowed_token_ids, blocked_token_ids=s.blocked_token_ids,
         request_id=request_id, n=planned.n, top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias), stop_token_ids=s.stop_token_ids)
+        frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias), stop_token_ids=s.stop_token_ids,
+        min_tokens=s.min_tokens)
     for name in ("top_p", "seed", "repetition_penalty", "prompt_logprobs"):
         if s.HasField(name):
             setattr(out, name, getattr(s, name))
@@ -166,7 +167,8 @@ class Pipeline:
         detokenize = spans.metadata(metadata, spans.detokenize)
         completions = [Completion(index, LocalDetokenizer(table, planned.prompt_ids) if table is not None
                                   else self.tokenizer.detokenizer(deadline, detokenize, planned.prompt_ids),
-                                  StopMatcher(request.sampling.stop, request.sampling.include_stop_str_in_output),
+                                  StopMatcher(request.sampling.stop, request.sampling.include_stop_str_in_output,
+                                              request.sampling.min_tokens),
                                   echo=request.prompt if request.sampling.echo else "",
                                   separator=chat and not request.prompt[-1:].isspace(), echo_only=planned.echo_only)
                        for index in range(planned.n)]

@@ -53,9 +53,12 @@ def find_stop(text: str, stops: Sequence[str], start: int) -> int:
 class StopMatcher:
     """Feeds tokens with their text; says which tokens are final and whether a stop sequence was hit."""
 
-    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False, min_tokens: int = 0) -> None:
         self.stops = tuple(stops)
         self.include = include  # the matched stop sequence ends the text (vLLM's include_stop_str_in_output)
+        # vLLM's min_tokens: a stop sequence ends the text only once it is completed by a token after this many
+        self.min_tokens = min_tokens
+        self.fed = 0  # tokens fed so far
         self.longest = max((len(s) for s in self.stops), default=0)
         self.text = ""  # the whole completion text so far, held-back part included
         self.pending: list[tuple[gateway_pb2.Token, int]] = []  # token, char offset where its text starts
@@ -72,7 +75,10 @@ class StopMatcher:
             previous = len(self.text)
             self.pending.append((token, previous))
             self.text += token.text
-            cut = find_stop(self.text, self.stops, max(0, previous - self.longest + 1)) if self.stops else -1
+            self.fed += 1
+            cut = -1
+            if self.stops and self.fed > self.min_tokens:
+                cut = find_stop(self.text, self.stops, max(0, previous - self.longest + 1))
             if cut >= 0:
                 release = self._stop_at(cut)
                 release.used = used
@@ -89,7 +95,9 @@ class StopMatcher:
             return self._release_upto(len(self.text), final=True)
         start = len(self.text)
         self.text += tail
-        cut = find_stop(self.text, self.stops, max(0, start - self.longest + 1)) if self.stops else -1
+        cut = -1
+        if self.stops and self.fed > self.min_tokens:
+            cut = find_stop(self.text, self.stops, max(0, start - self.longest + 1))
         if self.pending:
             self.pending[-1][0].text += tail
             return self._stop_at(cut) if cut >= 0 else self._release_upto(len(self.text), final=True)

@@ -49,6 +49,10 @@ def check_request(request: TextRequest, limits: Limits) -> None:
     if not 0 <= s.top_logprobs <= limits.max_top_logprobs:
         raise invalid("top_logprobs", f"must be in 0..{limits.max_top_logprobs} (got {s.top_logprobs})")
     check_controls(s)
+    if s.min_tokens < 0:
+        raise invalid("min_tokens", f"must be >= 0 (got {s.min_tokens}); 0 is off")
+    if s.HasField("max_tokens") and s.min_tokens > s.max_tokens:
+        raise invalid("min_tokens", f"must be at most max_tokens ({s.max_tokens}; got {s.min_tokens})")
     check_stops(list(s.stop), limits)
     check_cache_salt(s)
 

@@ -190,14 +190,16 @@ class Engine:
         start = jax.vmap(lambda k, j: jax.lax.fori_loop(0, j, lambda _, kk: split_key(kk)[0], k))(s.keys[slot], chain)
         rest, draw = split_keys(start)
         result = sample_tokens(draw, logits, s.sampling, s.controls, s.history, self.native_sampling, slot, used,
-                               self.model.backend.vectorised_sampling, pending if self.draft_tokens else None)
+                               self.model.backend.vectorised_sampling, pending if self.draft_tokens else None, chain)
         accepted, final = accepted_draws(result.token, used, chain, nxt)
         counted = accepted & penalized(s.controls)[slot]
         counts = jax.lax.cond(jnp.any(counted), lambda c: c.at[sample_slots, result.token].add(
             counted.astype(jnp.int32), mode="drop"), lambda c: c, s.history.counts)
+        # min_tokens: each accepted draw is one fewer the slot's ending ids are barred from
+        min_left = jnp.maximum(s.controls.min_left.at[sample_slots].add(-accepted.astype(jnp.int32), mode="drop"), 0)
         at = jnp.where(final, sample_slots, n_slots)  # a slot's last accepted draw sets its key and last token
         slots = SlotState(s.keys.at[at].set(rest, mode="drop"), s.last.at[at].set(result.token, mode="drop"),
-                          s.sampling, s.controls, s.history._replace(counts=counts))
+                          s.sampling, s.controls._replace(min_left=min_left), s.history._replace(counts=counts))
         return slots, (result, accepted), self._scores(params, h, targets, score)
 
     def _scores(self, params: Any, h: jax.Array, targets: jax.Array, score: jax.Array) -> Scores:
@@ -272,7 +274,7 @@ class Engine:
             prompt_len[i], length[i] = len(st.prompt), len(ids)
             temperature[i], top_p[i], num_top[i] = s.temperature, s.top_p, s.top_logprobs
             mask[i] = build_mask(v, self.pad_id, s.allowed, s.blocked)
-            controls[i] = controls_row(s, v)
+            controls[i] = controls_row(s, v, len(st.drawn))
         stacked = Controls(*(np.concatenate(parts) for parts in zip(*controls)))
         return (slot, seed, drawn, SamplingParams(temperature, top_p, mask, np.ones(n, bool), num_top), stacked,
                 tokens, prompt_len, length)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model_service.sampling_settings import MAX_LOGIT_BIAS, SamplingSettings
+from model_service.sampling_settings import MAX_ENDS, MAX_LOGIT_BIAS, SamplingSettings
 
 
 class Controls(NamedTuple):
@@ -34,6 +34,8 @@ class Controls(NamedTuple):
     frequency: jax.Array  # [B] float32, 0 = off
     bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32, V marks an unused entry
     bias: jax.Array  # [B, MAX_LOGIT_BIAS] float32
+    min_left: jax.Array  # [B] int32, draws still barred from an ending id (min_tokens less the draws made)
+    ends: jax.Array  # [B, MAX_ENDS] int32, the ids min_tokens bars, V marks an unused entry
 
 
 class History(NamedTuple):
@@ -43,16 +45,19 @@ class History(NamedTuple):
     counts: jax.Array  # [B, V] int32, times the token was generated so far
 
 
-def controls_row(c: SamplingSettings, vocab_size: int) -> Controls:
+def controls_row(c: SamplingSettings, vocab_size: int, drawn: int = 0) -> Controls:
     """Host arrays of one request's controls (the control fields of its settings), batch 1 (top_k -1 is stored
-    as 0: both mean off)."""
+    as 0: both mean off), for a sample that has made `drawn` draws already (a preempted one resuming)."""
     ids = np.full((1, MAX_LOGIT_BIAS), vocab_size, np.int32)
     bias = np.zeros((1, MAX_LOGIT_BIAS), np.float32)
     for i, (token, value) in enumerate(c.logit_bias):
         ids[0, i], bias[0, i] = token, value
+    ends = np.full((1, MAX_ENDS), vocab_size, np.int32)
+    ends[0, :len(c.ends)] = c.ends
     f32 = lambda x: np.asarray([x], np.float32)  # noqa: E731
     return Controls(np.asarray([max(c.top_k, 0)], np.int32), f32(c.min_p), f32(c.repetition_penalty),
-                    f32(c.presence_penalty), f32(c.frequency_penalty), ids, bias)
+                    f32(c.presence_penalty), f32(c.frequency_penalty), ids, bias,
+                    np.asarray([max(c.min_tokens - drawn, 0) if c.ends else 0], np.int32), ends)
 
 
 def idle_controls(slots: int, vocab_size: int) -> Controls:
@@ -60,7 +65,8 @@ def idle_controls(slots: int, vocab_size: int) -> Controls:
     return Controls(jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.float32),
                     jnp.ones((slots,), jnp.float32), jnp.zeros((slots,), jnp.float32),
                     jnp.zeros((slots,), jnp.float32), jnp.full((slots, MAX_LOGIT_BIAS), vocab_size, jnp.int32),
-                    jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.float32))
+                    jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.float32), jnp.zeros((slots,), jnp.int32),
+                    jnp.full((slots, MAX_ENDS), vocab_size, jnp.int32))
 
 
 def empty_history(slots: int, vocab_size: int) -> History:
@@ -91,6 +97,12 @@ def record_penalized_tokens(history: History, tokens: jax.Array, active: jax.Arr
     zeroed)."""
     counted = active & penalized(controls)
     return jax.lax.cond(jnp.any(counted), lambda h: record_tokens(h, tokens, counted), lambda h: h, history)
+
+
+def hold_ends(mask: jax.Array, ends: jax.Array) -> jax.Array:
+    """min_tokens: `mask` [V] bool without the ending ids [MAX_ENDS] (V: unused), unless that leaves nothing."""
+    held = mask.at[ends].set(False, mode="drop")
+    return jnp.where(jnp.any(held), held, mask)
 
 
 def add_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:

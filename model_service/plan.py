@@ -32,6 +32,7 @@ from typing import Any
 from model_service.engine_api import StepOutputLike
 from model_service.pacing import chunk_rows
 from model_service.requests import FinishReason, GenerationRequest, TokenOut
+from model_service.sampling_settings import SamplingSettings
 
 Key = tuple[int, int]  # (request ref, sample index): one running sample
 
@@ -211,6 +212,18 @@ def scored_tokens(req: GenerationRequest, out: StepOutputLike, first_row: int, p
         alts = alternatives(out.score_ids[r], [math.exp(float(p)) for p in out.score_logprobs[r][:k]], k)
         out_tokens.append(TokenOut(int(req.prompt[position + i + 1]), math.exp(float(out.logprob[r])), alts))
     return out_tokens
+
+
+def end_ids(req: GenerationRequest, eos_id: int) -> tuple[int, ...]:
+    """The ids whose draw ends the request (finish_reason's EOS and STOP_TOKEN), each once."""
+    return tuple(dict.fromkeys(((eos_id,) if not req.ignore_eos else ()) + req.stop_token_ids))
+
+
+def drawing(req: GenerationRequest, eos_id: int) -> SamplingSettings:
+    """How the request's samples draw on the device: its settings, with the ids min_tokens bars."""
+    if not req.sampling.min_tokens:
+        return req.sampling
+    return dataclasses.replace(req.sampling, ends=end_ids(req, eos_id))
 
 
 def finish_reason(req: GenerationRequest, generated: int, token: int, eos_id: int,

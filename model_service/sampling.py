@@ -11,7 +11,7 @@ of a greedy slot, the alternatives of a slot that wants none, the noise of entri
 (with the native kernels: `categorical_kept`); one exponential pass serves the nucleus search and the
 reported probabilities.
 
-The controls of issue 12 (logit_bias, penalties, top-k, min-p: sampling_settings.py for their order) are applied
+The controls (logit_bias, penalties, top-k, min-p, min_tokens: sampling_settings.py for their order) are applied
 when `sample_tokens` gets their per-slot settings, each under its own per-slot condition, so a slot that
 uses none of them runs exactly the steps above.
 
@@ -33,6 +33,7 @@ from model_service.logits_processing import (
     History,
     add_bias,
     apply_penalties,
+    hold_ends,
     min_p_filter,
     penalized,
     top_k_filter,
@@ -233,7 +234,7 @@ def _sample_active(key: jax.Array, logits: jax.Array, temperature: jax.Array, to
         return _sample_filtered(key, logits, temperature, top_p, mask, num_top, native=native)
     c, v = extra.controls, logits.shape[-1]
     used = (jnp.any(c.bias_ids < v) | penalized(c)
-            | ((c.top_k > 0) & (c.top_k < v)) | (c.min_p > 0))
+            | ((c.top_k > 0) & (c.top_k < v)) | (c.min_p > 0) | extra.barred)
     return jax.lax.cond(used, lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, extra, native),
                         lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, native=native))
 
@@ -251,6 +252,8 @@ def _sample_filtered(
     raw = logits
     if extra is not None:  # bias and penalties act on the raw logits (sampling_settings.py: order of operations)
         logits = _biased_and_penalized(logits, extra)
+        with jax.named_scope("min_tokens"):
+            mask = jax.lax.cond(extra.barred, lambda m: hold_ends(m, extra.controls.ends), lambda m: m, mask)
     greedy = temperature <= 0
     # Greedy requests report probabilities at temperature 1 (proto: Token.probability).
     scale = jnp.where(greedy, jnp.float32(1), temperature).astype(logits.dtype)
@@ -324,6 +327,7 @@ class SlotControls(NamedTuple):
     history: History  # every slot's: prompt [S, V] bool, counts [S, V] int32
     row: jax.Array  # [] int32
     pending: jax.Array | None = None  # [K] int32 tokens this draw's history has beyond counts (V: none)
+    barred: jax.Array | bool = False  # [] bool: min_tokens bars this draw from the slot's ending ids
 
 
 def _idle_result(v: int) -> SampleResult:
@@ -335,7 +339,7 @@ def _idle_result(v: int) -> SampleResult:
 def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, controls: Controls | None = None,
                   history: History | None = None, native: bool = False, index: jax.Array | None = None,
                   used: jax.Array | None = None, vectorised: bool = False,
-                  pending: jax.Array | None = None) -> SampleResult:
+                  pending: jax.Array | None = None, chain: jax.Array | None = None) -> SampleResult:
     """Draw one token per entry. keys [B, 2] (draw keys), logits [B, V] float32.
 
     Entries are processed one after another (a loop, not vmap) so that the per-entry branches are real: an
@@ -351,7 +355,9 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, co
     per-entry function over the entries at once instead: the branches become selects (every entry computes
     both sides), which a wide device runs in parallel; each entry's result is the same function of its row.
     `pending` [B, K] int32 (V: none) are tokens entry i's penalties count beyond its row of `history` (drafts
-    drawn before it in the same step, speculative decoding).
+    drawn before it in the same step, speculative decoding). `chain` [B] int32 (default 0) says which of its slot's
+    draws in this step entry i is (speculative decoding verifies several): min_tokens bars it from the slot's
+    ending ids while that is below the draws the slot has left to bar (`Controls.min_left`).
     """
     assert (controls is None) == (history is None)
     b, v = logits.shape
@@ -361,8 +367,12 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, co
 
     def one(i: jax.Array) -> SampleResult:  # entry i's settings are read only here, inside its used branch
         j = rows[i]
-        extra = None if controls is None else SlotControls(jax.tree.map(lambda a: a[j], controls), history, j,
-                                                           None if pending is None else pending[i])
+        if controls is not None:
+            c = jax.tree.map(lambda a: a[j], controls)
+            extra = SlotControls(c, history, j, None if pending is None else pending[i],
+                                 c.min_left > (0 if chain is None else chain[i]))
+        else:
+            extra = None
         return _sample_active(keys[i], logits[i], params.temperature[j], params.top_p[j], params.mask[j],
                               params.num_top[j], extra, native)
 

@@ -17,6 +17,7 @@ Order of operations on one slot's logits (vLLM's sampler order; the reference's 
   4. top-k (keep logits >= the k-th largest), then the reference's nucleus filter, then min-p (keep
      tokens whose probability is >= min_p x the largest probability);
   5. the draw (or argmax at temperature 0); reported probabilities are the softmax of what is left.
+min_tokens removes the ending ids in step 3, with the mask (vLLM's logits processor sets them to -inf).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from serving_common.limits import (
     PENALTY_LIMIT,
 )
 
-__all__ = ["GREEDY", "LOGIT_BIAS_LIMIT", "MAX_LOGIT_BIAS", "MAX_STOP_TOKEN_IDS", "MAX_TOP_LOGPROBS", "PENALTY_LIMIT",
+MAX_ENDS = MAX_STOP_TOKEN_IDS + 1  # the ids min_tokens bars: EOS and the stop token ids
+
+__all__ = ["GREEDY", "LOGIT_BIAS_LIMIT", "MAX_ENDS", "MAX_LOGIT_BIAS", "MAX_STOP_TOKEN_IDS", "MAX_TOP_LOGPROBS", "PENALTY_LIMIT",
            "SamplingSettings", "build_mask"]
 
 
@@ -54,6 +57,11 @@ class SamplingSettings:
     presence_penalty: float = 0.0  # in [-2, 2]
     frequency_penalty: float = 0.0  # in [-2, 2]
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids unique
+    # vLLM's min_tokens: the first `min_tokens` draws never take one of `ends` (the ids that would end the request:
+    # EOS unless ignore_eos, and stop_token_ids; the scheduler fills them in, plan.end_ids), unless nothing else
+    # may be drawn (a constraint or allowed_token_ids that leave only them).
+    min_tokens: int = 0
+    ends: tuple[int, ...] = ()
 
     @property
     def penalized(self) -> bool:
@@ -62,7 +70,8 @@ class SamplingSettings:
     @property
     def controls_off(self) -> bool:
         """No control beyond the reference's temperature / top_p / mask is used."""
-        return self.top_k in (0, -1) and self.min_p == 0.0 and not self.penalized and not self.logit_bias
+        return (self.top_k in (0, -1) and self.min_p == 0.0 and not self.penalized and not self.logit_bias
+                and not self.min_tokens)
 
 
 GREEDY = SamplingSettings()

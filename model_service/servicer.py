@@ -92,7 +92,7 @@ def to_sampling(msg: model_pb2.GenerateRequest) -> SamplingSettings:
         top_k=msg.top_k, min_p=msg.min_p,
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-        logit_bias=tuple(sorted(msg.logit_bias.items())))
+        logit_bias=tuple(sorted(msg.logit_bias.items())), min_tokens=msg.min_tokens)
 
 
 def _token(t: TokenOut) -> model_pb2.Token:

@@ -18,7 +18,7 @@ from model_service.engine_api import EngineLike
 from model_service.guided import Guidance
 from model_service.kv_blocks import KVBlocks
 from model_service.loop_state import Running
-from model_service.plan import Chunk, Key, Sample, Waiting
+from model_service.plan import Chunk, Key, Sample, Waiting, drawing
 from model_service.requests import Emission, ErrorKind, RequestHandle, SchedulerError
 from model_service.speculative import SpeculativeConfig, propose
 from model_service.step_batch import SlotStart, StepBatch
@@ -148,7 +148,8 @@ class StepBuilder:
             for run in runs:
                 self.kv.release(run.slot)
             raise
-        self._starts.extend(SlotStart(r.slot, r.seed, req.sampling, req.prompt, tuple(r.tokens[len(req.prompt):]))
+        settings = drawing(req, self.engine.eos_id)
+        self._starts.extend(SlotStart(r.slot, r.seed, settings, req.prompt, tuple(r.tokens[len(req.prompt):]))
                             for r in runs)
         return runs
 

@@ -71,6 +71,15 @@ def prompt_problem(req: GenerationRequest, engine: EngineLimits) -> str:
     if req.max_tokens is not None and n + req.max_tokens > engine.sequence_len:
         return (f"max_tokens: prompt ({n}) + max_tokens ({req.max_tokens}) exceeds the context of "
                 f"{engine.sequence_len} tokens")
+    return min_tokens_problem(req.sampling.min_tokens, req.max_tokens)
+
+
+def min_tokens_problem(min_tokens: int, max_tokens: int | None) -> str:
+    """vLLM's bounds of min_tokens: at least 0 and at most max_tokens."""
+    if min_tokens < 0:
+        return f"min_tokens: must be >= 0 (got {min_tokens})"
+    if max_tokens is not None and min_tokens > max_tokens:
+        return f"min_tokens: must be at most max_tokens ({max_tokens}; got {min_tokens})"
     return ""
 
 

@@ -71,8 +71,6 @@ def sampling_controls(request: SamplingFields, out: gateway_pb2.SamplingParams) 
 
 def unsupported_features(request: SamplingFields) -> None:
     """400 for features outside section 2 that this server does not offer (instead of ignoring them)."""
-    if request.min_tokens:
-        raise _not_yet("min_tokens", request.min_tokens, "0")
     if isinstance(request, CompletionRequest) and request.suffix:
         raise _not_yet("suffix", request.suffix, "null")
     if not request.skip_special_tokens:
@@ -155,6 +153,8 @@ def generate_request(request: SamplingFields, prompt: str) -> gateway_pb2.Genera
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     out.stop.extend(stops)
     out.include_stop_str_in_output = request.include_stop_str_in_output
+    _check_int32("min_tokens", request.min_tokens)
+    out.min_tokens = request.min_tokens
     sampling_controls(request, out)
     constraint_fields(request, out)
     if request.cache_salt is not None:

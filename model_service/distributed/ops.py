@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from model_service.sampling_settings import MAX_LOGIT_BIAS, SamplingSettings
+from model_service.sampling_settings import MAX_ENDS, MAX_LOGIT_BIAS, SamplingSettings
 from model_service.step_batch import SlotStart, StepBatch
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,9 @@ class Field(enum.IntEnum):
 
 
 HEADER_SIZE = 7
-START_WORDS = 7 + 6 + 2 * MAX_LOGIT_BIAS  # slot, seed, lengths, reference settings; controls; logit_bias
+_ENDS_AT = 13 + 2 * MAX_LOGIT_BIAS  # where min_tokens, the number of ending ids and the ids start
+# slot, seed, lengths, reference settings; controls; logit_bias; min_tokens and its ending ids
+START_WORDS = _ENDS_AT + 2 + MAX_ENDS
 
 
 @dataclass(frozen=True)
@@ -167,14 +169,16 @@ class Codec:
         for i, st in enumerate(starts):
             c = st.settings
             ids = st.prompt + st.drawn
-            if len(ids) > self.context or len(c.logit_bias) > MAX_LOGIT_BIAS:
-                raise ValueError(f"a start holds at most {self.context} tokens and {MAX_LOGIT_BIAS} logit_bias entries")
+            if len(ids) > self.context or len(c.logit_bias) > MAX_LOGIT_BIAS or len(c.ends) > MAX_ENDS:
+                raise ValueError(f"a start holds at most {self.context} tokens, {MAX_LOGIT_BIAS} logit_bias entries "
+                                 f"and {MAX_ENDS} ending ids")
             words[i, :13] = [st.slot, int(np.array(st.seed, np.uint32).view(np.int32)), len(st.prompt), len(st.drawn),
                              _f32_bits(c.temperature), _f32_bits(c.top_p), c.top_logprobs, c.top_k, _f32_bits(c.min_p),
                              _f32_bits(c.repetition_penalty), _f32_bits(c.presence_penalty),
                              _f32_bits(c.frequency_penalty), len(c.logit_bias)]
             for j, (token, bias) in enumerate(c.logit_bias):
                 words[i, 13 + j], words[i, 13 + MAX_LOGIT_BIAS + j] = token, _f32_bits(bias)
+            words[i, _ENDS_AT:_ENDS_AT + 2 + len(c.ends)] = [c.min_tokens, len(c.ends), *c.ends]
             bitmaps[i, 0] = self._bitmap(self._mask(c.allowed))
             bitmaps[i, 1] = self._bitmap(self._mask(c.blocked))
             tokens[i, :len(ids)] = ids
@@ -218,7 +222,8 @@ class Codec:
                 temperature=_bits_f32(w[4]), top_p=_bits_f32(w[5]), top_logprobs=w[6],
                 allowed=self._ids(bitmaps[i, 0]), blocked=self._ids(bitmaps[i, 1]), top_k=w[7], min_p=_bits_f32(w[8]),
                 repetition_penalty=_bits_f32(w[9]), presence_penalty=_bits_f32(w[10]),
-                frequency_penalty=_bits_f32(w[11]), logit_bias=bias)
+                frequency_penalty=_bits_f32(w[11]), logit_bias=bias, min_tokens=w[_ENDS_AT],
+                ends=tuple(w[_ENDS_AT + 2:_ENDS_AT + 2 + w[_ENDS_AT + 1]]))
             ids = tuple(int(t) for t in tokens[i, :w[2] + w[3]])
             out.append(SlotStart(w[0], int(np.array(w[1], np.int32).view(np.uint32)), settings, ids[:w[2]], ids[w[2]:]))
         return tuple(out)

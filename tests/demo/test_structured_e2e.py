@@ -63,6 +63,13 @@ def test_choice_answer_is_one_of_the_choices(client: GatewayClient) -> None:
     assert texts <= set(CHOICES)
 
 
+def test_min_tokens_does_not_hold_back_the_end_of_a_complete_constraint(client: GatewayClient) -> None:
+    """A choice that is complete leaves only EOS to draw: min_tokens cannot hold it back (nor is the pad drawn)."""
+    reply = client.complete(PROMPT, max_tokens=10, temperature=1.0, seed=1, min_tokens=10,
+                            choice=gateway_pb2.Choices(choices=CHOICES))
+    assert reply.text in CHOICES and reply.finish_reason == gateway_pb2.FINISH_REASON_EOS, reply
+
+
 def test_lark_and_gbnf_grammars_constrain_the_answer(client: GatewayClient) -> None:
     lark = 'start: "route " DIR\nDIR: "left" | "right"'
     gbnf = 'root ::= "step " [0-9] [0-9]?'

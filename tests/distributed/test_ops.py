@@ -49,7 +49,8 @@ def test_scored_rows_survive_encoding() -> None:
 def test_starts_survive_encoding_with_float32_values_token_sets_and_every_control() -> None:
     controls = SamplingSettings(temperature=0.7, top_p=0.95, allowed=(69, 3, 3, 0), blocked=(64, 31, 32),
                                 top_logprobs=6, top_k=40, min_p=0.05, repetition_penalty=1.1, presence_penalty=-0.5,
-                                frequency_penalty=1.9, logit_bias=((69, -100.0), (0, 0.3), (12, 7.25)))
+                                frequency_penalty=1.9, logit_bias=((69, -100.0), (0, 0.3), (12, 7.25)),
+                                min_tokens=9, ends=(2, 70, 5))
     starts = (SlotStart(2, 2**32 - 1, controls, (1, 69, 0, 42), (7, 8)), SlotStart(0, 5, SamplingSettings(), (9,)))
     back = round_trip(Call(Op.STEP, batch=batch(starts=starts))).batch
     assert back is not None
@@ -60,7 +61,8 @@ def test_starts_survive_encoding_with_float32_values_token_sets_and_every_contro
                                           blocked=(31, 32, 64), top_logprobs=6, top_k=40, min_p=f32(0.05),
                                           repetition_penalty=f32(1.1), presence_penalty=-0.5,
                                           frequency_penalty=f32(1.9),
-                                          logit_bias=((69, -100.0), (0, f32(0.3)), (12, 7.25)))
+                                          logit_bias=((69, -100.0), (0, f32(0.3)), (12, 7.25)),
+                                          min_tokens=9, ends=(2, 70, 5))
     assert back.starts[1] == SlotStart(0, 5, SamplingSettings(), (9,))
 
 

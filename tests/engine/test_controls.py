@@ -46,8 +46,13 @@ def np_top_p(row: np.ndarray, top_p: float) -> np.ndarray:
 
 
 def np_distribution(logits: np.ndarray, c: SamplingSettings, temperature: float, top_p: float,
-                    mask: np.ndarray, prompt: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The filtered distribution a slot draws from: controls.py's order of operations, in NumPy."""
+                    mask: np.ndarray, prompt: np.ndarray, counts: np.ndarray, drawn: int = 0) -> np.ndarray:
+    """The filtered distribution a slot draws from after `drawn` draws: sampling_settings.py's order of operations,
+    in NumPy."""
+    if drawn < c.min_tokens:  # vLLM's min_tokens: the ending ids are -inf, unless nothing else is left
+        held = mask.copy()
+        held[list(c.ends)] = False
+        mask = held if held.any() else mask
     x = logits.astype(np.float32).copy()
     for token, bias in c.logit_bias:
         x[token] += np.float32(bias)
@@ -90,6 +95,9 @@ CASES = [
     SamplingSettings(min_p=0.2),
     SamplingSettings(top_k=5, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5,
                      logit_bias=((1, 3.0), (6, -2.0))),
+    SamplingSettings(min_tokens=1, ends=(3, 5)),
+    SamplingSettings(min_tokens=4, ends=(2,), logit_bias=((2, 20.0),), top_k=2),  # the ending id would win
+    SamplingSettings(min_tokens=2, ends=tuple(range(8))),  # only ending ids may be drawn: they still are
 ]
 
 
@@ -186,6 +194,26 @@ def test_a_slot_with_controls_does_not_depend_on_its_neighbours() -> None:
         alone = sample_tokens(keys[i:i + 1], logits[i:i + 1], one(p), one(cs), one(history))
         for a, t in zip(alone, together):
             assert np.array_equal(np.asarray(a)[0], np.asarray(t)[i])
+
+
+def test_min_tokens_bars_the_ending_ids_from_the_draws_before_it_and_no_later_one() -> None:
+    """Entry i is its slot's `chain[i]`-th draw this step; a slot resumed after `drawn` draws bars fewer."""
+    v = 8
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(5, v)).astype(np.float32)
+    logits[:, 6] = 30.0  # greedy takes the ending id 6 whenever it may
+    settings = SamplingSettings(min_tokens=3, ends=(6, 0))
+    slot_rows = [controls_row(settings, v), controls_row(settings, v, drawn=2)]
+    cs = Controls(*(jnp.asarray(np.concatenate(leaves)) for leaves in zip(*slot_rows)))
+    assert np.asarray(cs.min_left).tolist() == [3, 1]
+    index = jnp.asarray([0, 0, 0, 0, 1], jnp.int32)  # slot 0 draws four times this step, slot 1 once
+    chain = jnp.asarray([0, 1, 2, 3, 0], jnp.int32)
+    res = sample_tokens(draw_keys([1] * 5), jnp.asarray(logits), params([0.0, 0.0], [1.0, 1.0], np.ones((2, v), bool)),
+                        cs, empty_history(2, v), index=index, used=jnp.ones(5, bool), chain=chain)
+    tokens = np.asarray(res.token).tolist()
+    assert tokens[3] == 6 and all(t == int(np.argmax(np.where(np.arange(v) % 6 == 0, -np.inf, logits[i])))
+                                  for i, t in enumerate(tokens[:3]))
+    assert tokens[4] == int(np.argmax(np.where(np.arange(v) % 6 == 0, -np.inf, logits[4])))
 
 
 def test_history_counts_each_active_slots_token_and_the_prompt_mask_marks_prompt_ids() -> None:

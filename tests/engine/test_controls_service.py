@@ -84,6 +84,30 @@ def test_stop_token_ids_end_the_stream_with_the_token_included(golden_stub: mode
     assert replies[-1].finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN
 
 
+def test_min_tokens_holds_back_eos_and_stop_token_ids_for_that_many_tokens(
+        golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    eos = 2  # the golden config's
+    plain, _ = collect(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=12,
+                                                                      ignore_eos=True)))
+    stop = plain[1]
+    held, replies = collect(golden_stub.Generate(model_pb2.GenerateRequest(
+        token_ids=PROMPT, max_tokens=12, ignore_eos=True, stop_token_ids=[stop], min_tokens=4)))
+    assert held[0] == plain[0] and stop not in held[:4] and held[1] != plain[1]
+    assert (held[-1] == stop) == (replies[-1].finish_reason == model_pb2.FINISH_REASON_STOP_TOKEN)
+    # EOS, which greedy takes at once here, comes as the 4th token; then the request ends
+    ids, replies = collect(golden_stub.Generate(model_pb2.GenerateRequest(
+        token_ids=PROMPT, max_tokens=10, allowed_token_ids=[77, eos], logit_bias={eos: 100.0}, min_tokens=3)))
+    assert ids == [77, 77, 77, eos] and replies[-1].finish_reason == model_pb2.FINISH_REASON_EOS
+    # nothing but EOS may be drawn: it is (never the pad token), and min_tokens cannot hold it back
+    ids, replies = collect(golden_stub.Generate(model_pb2.GenerateRequest(
+        token_ids=PROMPT, max_tokens=10, temperature=1.0, allowed_token_ids=[eos], min_tokens=5)))
+    assert ids == [eos] and replies[-1].finish_reason == model_pb2.FINISH_REASON_EOS
+    with pytest.raises(grpc.RpcError) as caught:
+        list(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=2, min_tokens=3), timeout=30))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("min_tokens:"), caught.value.details()
+
+
 def test_logit_bias_of_100_makes_greedy_pick_that_token(golden_stub: model_pb2_grpc.ModelServiceStub) -> None:
     ids, _ = collect(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=6, ignore_eos=True,
                                                                     logit_bias={123: 100.0})))
@@ -94,7 +118,7 @@ def test_logit_bias_of_100_makes_greedy_pick_that_token(golden_stub: model_pb2_g
     ({"top_k": -5}, "top_k"), ({"min_p": 2.0}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"presence_penalty": -3.0}, "presence_penalty"), ({"frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"logit_bias": {600: 1.0}}, "logit_bias"), ({"logit_bias": {6: 101.0}}, "logit_bias"),
-    ({"stop_token_ids": [512]}, "stop_token_ids"),
+    ({"stop_token_ids": [512]}, "stop_token_ids"), ({"min_tokens": -1}, "min_tokens"),
 ])
 def test_bad_controls_are_invalid_argument_naming_the_field(golden_stub: model_pb2_grpc.ModelServiceStub,
                                                             fields: dict, field: str) -> None:

@@ -65,7 +65,7 @@ class Counting(SchedulerMetrics):
 
 
 def submit(scheduler: Scheduler, prompt: list[int], seed: int, max_tokens: int, temperature: float = 0.8,
-           top_p: float = 0.95) -> Result:
+           top_p: float = 0.95, **settings: Any) -> Result:
     result = Result()
 
     def emit(e: Emission) -> None:
@@ -74,15 +74,18 @@ def submit(scheduler: Scheduler, prompt: list[int], seed: int, max_tokens: int, 
             result.error, result.finish = e.error, e.finish_reason
             result.done.set()
 
-    scheduler.submit(GenerationRequest("t", tuple(prompt), SamplingSettings(temperature=temperature, top_p=top_p),
-                                       seed=seed, max_tokens=max_tokens, ignore_eos=True), emit)
+    stops = settings.pop("stop_token_ids", ())
+    scheduler.submit(GenerationRequest("t", tuple(prompt), SamplingSettings(temperature=temperature, top_p=top_p,
+                                                                            **settings),
+                                       seed=seed, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stops), emit)
     return result
 
 
-def one_by_one(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int = 12) -> list[list[tuple[int, float]]]:
+def one_by_one(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int = 12,
+               **settings: Any) -> list[list[tuple[int, float]]]:
     out = []
     for i, prompt in enumerate(prompts):
-        r = submit(scheduler, prompt, seed=40 + i, max_tokens=max_tokens)
+        r = submit(scheduler, prompt, seed=40 + i, max_tokens=max_tokens, **settings)
         assert r.done.wait(120) and r.error is None, r.error
         out.append(r.tokens)
     return out
@@ -135,18 +138,22 @@ def test_golden_wide_prompts_with_the_cache_on_and_off_give_identical_seeded_out
 
 def test_preempted_requests_end_exactly_as_they_would_alone(small: Engine, running: Runner) -> None:
     """A pool of 256 tokens for four requests that grow to 85-110 tokens each: admission waits for blocks,
-    running requests are preempted and recomputed, and every request's tokens equal its solo run."""
+    running requests are preempted and recomputed, and every request's tokens equal its solo run. Each has a stop
+    token it favours, held back by min_tokens: a sample resumed after k draws holds it back for the draws left."""
     engine = small
     rng = random.Random(6)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(20, 45))] for _ in range(4)]
+    stop = 77
+    held = {"stop_token_ids": (stop,), "logit_bias": ((stop, 4.0),), "min_tokens": 50}
     metrics = Counting()
     scheduler = running(engine, metrics=metrics)
-    solo = one_by_one(scheduler, prompts, max_tokens=65)
-    together = [submit(scheduler, p, seed=40 + i, max_tokens=65) for i, p in enumerate(prompts)]
+    solo = one_by_one(scheduler, prompts, max_tokens=65, **held)
+    together = [submit(scheduler, p, seed=40 + i, max_tokens=65, **held) for i, p in enumerate(prompts)]
     for r in together:
         assert r.done.wait(300) and r.error is None, r.error
     assert metrics.preemptions > 0
     assert [r.tokens for r in together] == solo
+    assert all(stop not in [t for t, _ in tokens[:50]] for tokens in solo)
     wait_until(lambda: scheduler.kv.usage().used == 0)
 
 

@@ -182,7 +182,7 @@ def repetitive(rng: random.Random, vocab: int, n: int) -> tuple[int, ...]:
 def requests(vocab: int) -> list[GenerationRequest]:
     """Greedy and sampled requests with every kind of control. The first four favour three tokens with a
     logit_bias (the random golden weights write nothing predictable otherwise), so that drafts are accepted as
-    well as rejected."""
+    well as rejected; the fourth's stop token is one of them, held back by min_tokens (drafts of it too)."""
     rng = random.Random(11)
     controls = [SamplingSettings(), SamplingSettings(temperature=0.9, top_p=0.95, top_logprobs=3),
                 SamplingSettings(temperature=1.1, top_k=20, repetition_penalty=1.3, frequency_penalty=0.4),
@@ -193,7 +193,8 @@ def requests(vocab: int) -> list[GenerationRequest]:
         settings = controls[i % 4]
         if i < 4:
             favoured = rng.sample(range(3, vocab), 3)
-            settings = dataclasses.replace(settings, logit_bias=tuple((t, 9.0) for t in favoured))
+            settings = dataclasses.replace(settings, logit_bias=tuple((t, 9.0) for t in favoured),
+                                           min_tokens=4 if i == 3 else 0)
             prompt = tuple(rng.choice(favoured) for _ in range(rng.randrange(12, 30)))
         out.append(GenerationRequest(f"s{i}", prompt, settings, seed=100 + i, max_tokens=rng.randrange(5, 30),
                                      ignore_eos=i % 2 == 0, n=2 if i == 5 else 1,

@@ -82,6 +82,23 @@ def test_stop_token_ids_end_with_finish_stop_without_the_tokens_text(golden_stac
     assert streamed[-1].stop_token_id == stop and not streamed[-1].stop_sequence
 
 
+def test_min_tokens_holds_back_the_stop_token_over_grpc_and_http_as_on_the_model(
+        golden_stack: Stack, golden_stubs: Stubs, golden_http_url: str) -> None:
+    with GatewayClient(golden_stack.address, timeout=60) as client:
+        plain = client.complete(PROMPT, max_tokens=8, ignore_eos=True)
+        stop = plain.tokens[1].id
+        held = client.complete(PROMPT, max_tokens=8, ignore_eos=True, stop_token_ids=[stop], min_tokens=4)
+    direct = [t for r in golden_stubs.model.Generate(model_pb2.GenerateRequest(
+        token_ids=prompt_ids(golden_stubs), max_tokens=8, ignore_eos=True, stop_token_ids=[stop], min_tokens=4),
+        timeout=60) for t in r.token_ids]
+    ids = [t.id for t in held.tokens]
+    assert ids == direct[:len(ids)] and stop not in ids[:4] and ids[1] != stop
+    over_http = sdk(golden_http_url).completions.create(
+        model="grok-1", prompt=PROMPT, max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop], "min_tokens": 4})
+    assert over_http.choices[0].text == held.text
+
+
 @pytest.mark.parametrize(("field", "value"), [("top_k", -3), ("min_p", 1.5), ("repetition_penalty", 0.0),
                                               ("presence_penalty", 2.5), ("frequency_penalty", -9.0),
                                               ("stop_token_ids", [600])])

@@ -171,6 +171,19 @@ def test_stop_sequences_apply_over_http(fast_stack: Stack) -> None:
     assert reply.choices[0].text == "hello " and reply.choices[0].finish_reason == "stop"
 
 
+def test_min_tokens_keeps_a_stop_sequence_from_ending_the_first_tokens(fast_stack: Stack) -> None:
+    # the fake model's tokens here: "hello", " ", "wor", "ld", then the same again
+    url = f"{fast_stack.http_url}/v1/completions"
+    body = {"prompt": "a|hello world", "max_tokens": 10, "stop": "wor", "ignore_eos": True}
+    for min_tokens, text in ((0, "hello "), (2, "hello "), (3, "hello worldhello ")):
+        status, reply = post(url, {**body, "min_tokens": min_tokens})
+        assert status == 200 and reply["choices"][0]["text"] == text, (min_tokens, reply)
+        assert reply["choices"][0]["finish_reason"] == "stop"
+    for bad in (11, -1):
+        status, reply = post(url, {**body, "min_tokens": bad})
+        assert status == 400 and reply["error"]["param"] == "min_tokens", reply
+
+
 def test_best_of_other_than_n_is_refused_naming_it(fast_stack: Stack) -> None:
     status, reply = post(f"{fast_stack.http_url}/v1/completions", {"prompt": "a|b", "max_tokens": 1, "best_of": 2})
     assert status == 400

@@ -117,3 +117,17 @@ def test_with_include_a_stop_completed_by_the_flushed_tail_is_kept_whole() -> No
     assert matcher.feed(tokens("ab", "x")).text == "ab"  # "x" may start the stop: held back
     final = matcher.finish("yz!")
     assert final.stopped and final.text == "xyz" and matcher.matched == "xyz"
+
+
+def test_with_min_tokens_a_stop_completed_by_the_first_tokens_is_text_and_a_later_one_ends_it() -> None:
+    """vLLM's rule: a stop sequence ends the text only when a token after the first min_tokens completes it; one
+    completed earlier stays text (and is not found again), one spanning the boundary counts."""
+    matcher = StopMatcher(["ab"], min_tokens=2)
+    released = [matcher.feed([t]) for t in tokens("xa", "b", "a", "b!")]
+    assert [r.stopped for r in released] == [False, False, False, True]
+    assert "".join(r.text for r in released) == "xab"
+    spanning = StopMatcher(["ab"], min_tokens=2)
+    assert [spanning.feed([t]).stopped for t in tokens("x", "a", "b")] == [False, False, True]
+    tail = StopMatcher(["ab"], min_tokens=1)
+    assert not tail.feed(tokens("a")).stopped
+    assert not tail.finish("b").stopped  # the flush belongs to the first token: still within min_tokens
