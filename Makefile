@@ -8,7 +8,8 @@ PYTEST_ARGS ?=
 # The suite runs in this many pytest-xdist workers, a test file per worker at a time (1: one process, no xdist).
 # Three on the 2-core CI machine: much of the suite waits on services it started (startups, drains, connection
 # ages, step timeouts) and a third worker fills those waits. In place, one after the other on the same box, the
-# same tests took 506 s of pytest in two workers and 478 s in three.
+# same tests took 506 s of pytest in two workers and 478 s in three; on fresh clones (cold caches: the suite is
+# then bound by the two cores) 532 s in two and 533 s in three.
 PYTEST_WORKERS ?= 3
 
 AIPERF_VENV ?= .venv-aiperf

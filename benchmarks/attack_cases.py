@@ -217,6 +217,7 @@ BAD_CONTROLS: list[tuple[str, list[Any]]] = [
     ("repetition_penalty", [0.0, -1.0, math.nan, math.inf, -math.inf]),
     ("presence_penalty", [2.1, -2.1, math.nan]),
     ("frequency_penalty", [2.5, -2.5, math.inf]),
+    ("min_tokens", [-1, Facts.max_tokens + 1, 2**31 - 1]),  # 0..max_tokens (every case asks for max_tokens)
 ]
 # Accepted extremes: each must answer OK with finite probabilities and log-probabilities only.
 EXTREMES: list[tuple[str, dict[str, Any]]] = [
@@ -228,6 +229,7 @@ EXTREMES: list[tuple[str, dict[str, Any]]] = [
     ("repetition-max", {"repetition_penalty": F32_MAX}),
     ("penalties-2", {"presence_penalty": 2.0, "frequency_penalty": 2.0}),
     ("penalties-minus-2", {"presence_penalty": -2.0, "frequency_penalty": -2.0}),
+    ("min-tokens-all", {"min_tokens": Facts.max_tokens}),
     ("logit-bias-100", {"logit_bias": {5: 100.0, 6: -100.0, 7: 100.0}}),
     ("all-extremes", {"temperature": TINY, "top_p": SUBNORMAL, "top_k": 1, "min_p": 1.0, "repetition_penalty": TINY,
                       "presence_penalty": 2.0, "frequency_penalty": -2.0, "logit_bias": {5: 100.0}}),
