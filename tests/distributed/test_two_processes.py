@@ -119,6 +119,16 @@ def test_greedy_golden_continuations_reproduce_the_reference_across_two_processe
     assert golden_answers["greedy"] == [gold[f"p{p}_greedy_tokens"].tolist() for p in range(4)]
 
 
+def test_min_tokens_reaches_both_processes(group: Group) -> None:
+    """The step's starts carry min_tokens and the ids it holds back to the follower: greedy, the golden
+    continuation until its second token, which (a stop token here) is held back."""
+    gold = np.load(GOLDEN / "model_fp32.npz")
+    prompt, plain = gold["p0_prompt"].tolist(), gold["p0_greedy_tokens"].tolist()
+    held = generate(group.stub, model_pb2.GenerateRequest(token_ids=prompt, temperature=0.0, max_tokens=6,
+                                                          ignore_eos=True, stop_token_ids=[plain[1]], min_tokens=3))
+    assert held[0] == plain[0] and plain[1] not in held[:3]
+
+
 def test_each_process_reads_only_its_half_of_the_checkpoint(group: Group) -> None:
     total = sum(f.stat().st_size for f in (GOLDEN / "checkpoint" / "ckpt-0").iterdir())
     reads = {}
