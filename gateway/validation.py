@@ -7,6 +7,7 @@ model's configuration (context length, vocabulary, longest prompt) and fixes max
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,15 +26,18 @@ from serving_common.limits import (  # declared once for both services; the mode
 
 
 class TextRequest(Protocol):
-    """What GenerateRequest and CompleteRequest share: a prompt and one SamplingParams."""
+    """What GenerateRequest and CompleteRequest share: a prompt (as text, or as token ids) and one SamplingParams."""
 
     prompt: str
+    prompt_token_ids: Sequence[int]
     sampling: gateway_pb2.SamplingParams
 
 
 def check_request(request: TextRequest, limits: Limits) -> None:
     """Raise INVALID_ARGUMENT naming the first bad field of `request` (a sampling field by its own name)."""
-    if not request.prompt:
+    if request.prompt and request.prompt_token_ids:
+        raise invalid("prompt_token_ids", "send the prompt as text or as token ids, not both")
+    if not request.prompt and not request.prompt_token_ids:
         raise invalid("prompt", "must be non-empty")
     size = len(request.prompt.encode("utf-8"))
     if size > limits.max_prompt_bytes:
@@ -126,6 +130,9 @@ def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoRes
     if info.slots and n > info.slots:
         raise invalid("n", f"{n} completions is over the model's {info.slots} slots (each completion takes one); "
                       "ask for fewer")
+    if request.prompt_token_ids and not all(0 <= t < vocab for t in request.prompt_token_ids):
+        bad = next(t for t in request.prompt_token_ids if not 0 <= t < vocab)
+        raise invalid("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
     count = len(prompt_ids)
     if count == 0:
         raise invalid("prompt", "encodes to no tokens")

@@ -86,22 +86,25 @@ def unsupported_features(request: SamplingFields) -> None:
 MAX_PROMPTS = 64
 
 
-def completion_prompts(request: CompletionRequest) -> list[str]:
-    """The text prompts of a completion request: one string, or OpenAI's list of them (answered as one request
-    each, their choices in the list's order)."""
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request, as OpenAI's API takes them: a string, a list of strings, a list of
+    token ids, or a list of such lists (each prompt answered as one request, their choices in the list's order)."""
     prompt = request.prompt
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise bad_request("prompt", "an empty list holds no prompt; send a string or a list of strings")
-    if not all(isinstance(p, str) for p in prompt):
-        raise bad_request("prompt", "token-id prompts are not supported yet; send the prompt as text")
-    if empty := [i for i, p in enumerate(prompt) if not p]:
+        raise bad_request("prompt", "an empty list holds no prompt; send a string, a list of strings, a list of "
+                                    "token ids or a list of such lists")
+    prompts: list[str | list[int]] = [list(prompt)] if isinstance(prompt[0], int) else list(prompt)  # type: ignore
+    if empty := [i for i, p in enumerate(prompts) if not p]:
         raise bad_request(f"prompt[{empty[0]}]", "must be non-empty")
-    if len(prompt) > MAX_PROMPTS:
-        raise bad_request("prompt", f"{len(prompt)} prompts in one request is over the limit of {MAX_PROMPTS}; "
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request("prompt", f"{len(prompts)} prompts in one request is over the limit of {MAX_PROMPTS}; "
                                     "split them over several requests")
-    return [str(p) for p in prompt]
+    for p in prompts:
+        for token in p if isinstance(p, list) else ():
+            _check_int32("prompt", token)
+    return prompts
 
 
 def top_logprobs(request: SamplingFields) -> int | None:
@@ -122,8 +125,9 @@ def _check_int32(param: str, value: int | None) -> None:
         raise bad_request(param, f"{value} is out of range")
 
 
-def generate_request(request: SamplingFields, prompt: str) -> gateway_pb2.GenerateRequest:
-    """The gateway request for `prompt` with the sampling fields of `request` (checked first)."""
+def generate_request(request: SamplingFields, prompt: str | list[int]) -> gateway_pb2.GenerateRequest:
+    """The gateway request for `prompt` (text, or token ids) with the sampling fields of `request` (checked
+    first)."""
     section2_sampling(request)
     unsupported_features(request)
     _check_int32("max_tokens", request.max_tokens)
@@ -159,4 +163,6 @@ def generate_request(request: SamplingFields, prompt: str) -> gateway_pb2.Genera
     constraint_fields(request, out)
     if request.cache_salt is not None:
         out.cache_salt = request.cache_salt
+    if isinstance(prompt, list):
+        return gateway_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=out)
     return gateway_pb2.GenerateRequest(prompt=prompt, sampling=out)

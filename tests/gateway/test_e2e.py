@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from gateway.client import GatewayClient
+from gateway.client import GatewayClient, completion_request
 from grok.gateway.v1 import gateway_pb2
 from serving_common.healthcheck import check
 from tests.gateway.conftest import Stack
@@ -51,6 +51,10 @@ def test_golden_request_returns_the_reference_text_and_complete_equals_the_strea
     with GatewayClient(golden_stack.address, timeout=120) as client:
         messages = list(client.generate(case["request"]["prompt"], **golden_options(case)))
         complete = client.complete(case["request"]["prompt"], **golden_options(case))
+        by_ids = completion_request("", **golden_options(case))  # the same prompt as token ids
+        by_ids.prompt_token_ids.extend(case["prompt_ids"])
+        token_prompt = client.stub.Complete(by_ids, timeout=120)
+    assert [t.id for t in token_prompt.tokens] == case["output_ids"] and token_prompt.text == case["output_text"]
     streamed = "".join(m.text for m in messages)
     assert [t.id for m in messages for t in m.tokens] == case["output_ids"]
     assert streamed == case["output_text"]

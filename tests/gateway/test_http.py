@@ -12,11 +12,13 @@ import signal
 import socket
 import urllib.request
 
+import grpc
 import openai
 import pytest
 
 from gateway.http.chat import ChatTemplate
 from gateway.http.schemas import ChatMessage
+from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import Stack, start_gateway
 from tests.gateway.http_client import curl, get, post, sdk, sse_events
 from tests.gateway.test_gateway import outcome_of
@@ -94,6 +96,30 @@ def test_a_list_of_prompts_answers_each_in_order(fast_stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="grok-1", prompt=["a|x", ""], max_tokens=2)
     assert caught.value.body["param"] == "prompt[1]"
+
+
+def test_token_id_prompts_are_answered_as_their_text_is(fast_stack: Stack) -> None:
+    """OpenAI's token prompts: a list of ids, or a list of such lists (one choice each); echo gives their text."""
+    url = fast_stack.http_url
+    ids = [post(f"{url}/tokenize", {"prompt": p})[1]["tokens"] for p in ("a|hello wor", "b|he")]
+    as_text = post(f"{url}/v1/completions", {"prompt": "a|hello wor", "max_tokens": 4, "echo": True})[1]
+    status, as_ids = post(f"{url}/v1/completions", {"prompt": ids[0], "max_tokens": 4, "echo": True})
+    assert status == 200 and as_ids["choices"] == as_text["choices"] and as_ids["usage"] == as_text["usage"]
+    assert as_ids["choices"][0]["text"] == "a|hello worhello wor"
+    status, both = post(f"{url}/v1/completions", {"prompt": ids, "max_tokens": 4})
+    assert status == 200 and [c["text"] for c in both["choices"]] == ["hello wor", "he"]
+    for bad, param in (([512], "prompt"), ([-1], "prompt"), ([ids[0], []], "prompt[1]"), ([2**40], "prompt")):
+        status, reply = post(f"{url}/v1/completions", {"prompt": bad, "max_tokens": 2})
+        assert status == 400 and reply["error"]["param"] == param, (bad, reply)
+    with grpc.insecure_channel(fast_stack.address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        sampling = gateway_pb2.SamplingParams(max_tokens=4)
+        reply = stub.Complete(gateway_pb2.CompleteRequest(prompt_token_ids=ids[1], sampling=sampling), timeout=30)
+        assert reply.text == "he"
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Complete(gateway_pb2.CompleteRequest(prompt="x", prompt_token_ids=ids[1], sampling=sampling),
+                          timeout=30)
+        assert caught.value.details().startswith("prompt_token_ids:")
 
 
 def test_stop_reason_names_the_stop_sequence_that_ended_a_choice(fast_stack: Stack) -> None:

@@ -23,20 +23,24 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_CONTEXT_LENGTH: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling")
+    __slots__ = ("prompt", "sampling", "prompt_token_ids")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     sampling: SamplingParams
-    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("prompt", "sampling")
+    __slots__ = ("prompt", "sampling", "prompt_token_ids")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     sampling: SamplingParams
-    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "top_logprobs", "allowed_token_ids", "blocked_token_ids", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids", "n", "echo", "prompt_logprobs", "json_schema", "regex", "choice", "grammar", "logprobs", "include_stop_str_in_output", "min_tokens", "cache_salt")
