@@ -79,7 +79,7 @@ def test_contract_names() -> None:
     assert model_fields >= {"top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                             "logit_bias", "stop_token_ids"}
     gateway_fields = set(gateway_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
-    assert gateway_fields == {"prompt", "sampling"}
+    assert gateway_fields == {"prompt", "prompt_token_ids", "sampling"}  # the prompt as text or as token ids
     assert gateway_fields == set(gateway_pb2.CompleteRequest.DESCRIPTOR.fields_by_name)
     sampling = gateway_pb2.SamplingParams.DESCRIPTOR.fields_by_name
     assert set(sampling) >= {"max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "top_logprobs",
