@@ -76,9 +76,7 @@ class StopMatcher:
             self.pending.append((token, previous))
             self.text += token.text
             self.fed += 1
-            cut = -1
-            if self.stops and self.fed > self.min_tokens:
-                cut = find_stop(self.text, self.stops, max(0, previous - self.longest + 1))
+            cut = self._find_stop(previous)
             if cut >= 0:
                 release = self._stop_at(cut)
                 release.used = used
@@ -95,9 +93,7 @@ class StopMatcher:
             return self._release_upto(len(self.text), final=True)
         start = len(self.text)
         self.text += tail
-        cut = -1
-        if self.stops and self.fed > self.min_tokens:
-            cut = find_stop(self.text, self.stops, max(0, start - self.longest + 1))
+        cut = self._find_stop(start)
         if self.pending:
             self.pending[-1][0].text += tail
             return self._stop_at(cut) if cut >= 0 else self._release_upto(len(self.text), final=True)
@@ -109,6 +105,13 @@ class StopMatcher:
             self._match(cut)
             end = self._end(cut)
         return Release([], stopped=self.stopped, extra=self.text[start:end])
+
+    def _find_stop(self, added: int) -> int:
+        """Where a stop sequence completed by the text from `added` on begins, or -1 (also while the first
+        `min_tokens` tokens are fed)."""
+        if not self.stops or self.fed <= self.min_tokens:
+            return -1
+        return find_stop(self.text, self.stops, max(0, added - self.longest + 1))
 
     def _release_upto(self, safe: int, final: bool = False) -> Release:
         """Release tokens whose text ends by `safe`; trailing empty-text tokens wait (unless `final`)

@@ -122,17 +122,16 @@ def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoRes
     config = info.config
     vocab, context = config.vocab_size, config.sequence_len
     s = request.sampling
-    for field in ("allowed_token_ids", "blocked_token_ids", "stop_token_ids", "logit_bias"):
-        for token in getattr(s, field):
+    id_fields = ("allowed_token_ids", "blocked_token_ids", "stop_token_ids", "logit_bias")
+    id_lists = [("prompt", request.prompt_token_ids)] + [(field, getattr(s, field)) for field in id_fields]
+    for field, ids in id_lists:
+        for token in ids:
             if not 0 <= token < vocab:
                 raise invalid(field, f"token id {token} is outside the vocabulary [0, {vocab})")
     n = s.n or 1
     if info.slots and n > info.slots:
         raise invalid("n", f"{n} completions is over the model's {info.slots} slots (each completion takes one); "
                       "ask for fewer")
-    if request.prompt_token_ids and not all(0 <= t < vocab for t in request.prompt_token_ids):
-        bad = next(t for t in request.prompt_token_ids if not 0 <= t < vocab)
-        raise invalid("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
     count = len(prompt_ids)
     if count == 0:
         raise invalid("prompt", "encodes to no tokens")
