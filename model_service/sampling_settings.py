@@ -38,8 +38,8 @@ from serving_common.limits import (
 
 MAX_ENDS = MAX_STOP_TOKEN_IDS + 1  # the ids min_tokens bars: EOS and the stop token ids
 
-__all__ = ["GREEDY", "LOGIT_BIAS_LIMIT", "MAX_ENDS", "MAX_LOGIT_BIAS", "MAX_STOP_TOKEN_IDS", "MAX_TOP_LOGPROBS", "PENALTY_LIMIT",
-           "SamplingSettings", "build_mask"]
+__all__ = ["GREEDY", "LOGIT_BIAS_LIMIT", "MAX_ENDS", "MAX_LOGIT_BIAS", "MAX_STOP_TOKEN_IDS", "MAX_TOP_LOGPROBS",
+           "PENALTY_LIMIT", "SamplingSettings", "build_mask"]
 
 
 @dataclass(frozen=True)
