@@ -138,7 +138,9 @@ def parser() -> EnvArgumentParser:
                        help="no longer used (prompts up to the context are accepted with any settings); accepted "
                             "so that existing deployments start, with a warning")
     p.add_env_argument("--max-queue", type=positive_int, default=64, help="waiting-queue capacity")
-    p.add_env_argument("--compile-cache", default=None, help="JAX persistent compilation cache directory")
+    p.add_env_argument("--compile-cache", default=None,
+                       help="JAX persistent compilation cache directory; replicas sharing it that start together "
+                            "compile once (the others wait, then read the programs)")
     p.add_env_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics port (0 = off)")
     p.add_env_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
     p.add_env_argument("--watchdog-seconds", type=float, default=60.0,

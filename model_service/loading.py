@@ -9,10 +9,12 @@ lockstep). `load_engine` never compiles, so the programs are compiled exactly on
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from model_service.compile_lock import compiling_alone
 from model_service.config import MeshConfig, ModelConfig, load_model_config, validate
 from model_service.distributed.config import DistributedConfig
 from model_service.pacing import DEFAULT_SLOWDOWN
@@ -71,10 +73,26 @@ def resolve(config: ServerConfig) -> ModelConfig:
 
 
 def build_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
-    """A single process's Engine: load (or randomly initialise) the weights, build the Engine, compile it."""
+    """A single process's Engine: load (or randomly initialise) the weights, build the Engine, compile it (one
+    process at a time per set of programs in a shared compilation cache: compile_lock.py)."""
+    import jax
+
     engine = load_engine(config, cfg)
-    compile_engine(engine)
+    with compiling_alone(jax.config.jax_compilation_cache_dir, programs_key(config, cfg)):
+        compile_engine(engine)
     return engine
+
+
+# The settings a process's programs depend on (beside the model config and JAX's own flags): two processes
+# that agree on these compile the same programs.
+PROGRAM_SETTINGS = ("dtype", "mesh", "slots", "kv_tokens", "kv_memory", "block_size", "prefix_caching", "backend",
+                    "products", "step_tokens", "tile_rows", "speculative")
+
+
+def programs_key(config: ServerConfig, cfg: ModelConfig) -> str:
+    """Names the programs `config` compiles for `cfg` (equal keys: the same programs; compile_lock.py)."""
+    settings = {name: getattr(config, name) for name in PROGRAM_SETTINGS}
+    return repr((cfg, sorted(settings.items()), os.environ.get("XLA_FLAGS", "")))
 
 
 def compile_engine(engine: Any) -> None:
