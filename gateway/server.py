@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from gateway.auth import ApiKeyInterceptor, ApiKeys
+from gateway.chat_template import ChatTemplate
 from gateway.clients import ModelPool, TokenizerClient
 from gateway.config import GatewayConfig
 from gateway.dependencies import DependencyWatch
-from gateway.http.app import HttpContext, create_app
-from gateway.http.chat import ChatTemplate
-from gateway.http.server import HttpServer
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.servicer import GatewayServicer
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from serving_common.grpc_server import HealthReporter
 from serving_common.lifecycle import assemble, drain, freeze_startup_heap, serve_until_signal
+
+if TYPE_CHECKING:
+    from gateway.http.server import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,12 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     server, health, port = built.server, built.health, built.port
     http = None
     if config.http.port:
-        context = HttpContext(pipeline, health, keys, template, config.http.model_name, config.http.timeout_seconds)
+        from gateway.http.app import HttpContext, create_app  # FastAPI and its models load only for the HTTP API
+        from gateway.http.chat import ChatTemplate as HttpChatTemplate
+        from gateway.http.server import HttpServer
+
+        context = HttpContext(pipeline, health, keys, HttpChatTemplate.of(template), config.http.model_name,
+                              config.http.timeout_seconds)
         http = HttpServer(create_app(context), config.host, config.http.port, config.tls, config.grace_seconds)
     await server.start()
     if http is not None:

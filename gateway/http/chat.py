@@ -34,6 +34,13 @@ def message_text(message: ChatMessage, index: int) -> str:
 class ChatTemplate(BaseTemplate):
     """The chat template, rendering OpenAI's message objects."""
 
+    @classmethod
+    def of(cls, template: BaseTemplate) -> "ChatTemplate":
+        """`template`, already compiled, for OpenAI's message objects."""
+        made = cls.__new__(cls)
+        made.__dict__.update(vars(template))
+        return made
+
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
                extra: Mapping[str, Any] | None = None, continue_final: bool = False) -> str:
         """The prompt for `messages`; 400 naming `messages` when the template refuses them."""
