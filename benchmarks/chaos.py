@@ -41,7 +41,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint", default="demo/checkpoint", help="directory holding ckpt-0/")
     p.add_argument("--tokenizer", default="demo/tokenizer.model", help="SentencePiece model file")
     p.add_argument("--duration", type=float, default=180.0, help="seconds of traffic")
-    p.add_argument("--short", action="store_true", help="CI version: 25 s of traffic, shorter outages")
+    p.add_argument("--short", action="store_true", help="CI version: 15 s of traffic, shorter outages")
     p.add_argument("--slots", type=int, default=2, help="slots per model replica")
     p.add_argument("--max-queue", type=int, default=4, help="waiting queue per model replica")
     p.add_argument("--compile-cache", default=".jax_cache", help="JAX compilation cache shared by the replicas")
@@ -139,7 +139,7 @@ def _path(value: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.short:
-        args.duration = min(args.duration, 25.0)
+        args.duration = min(args.duration, 15.0)
     config = StackConfig(config=_path(args.config), checkpoint=_path(args.checkpoint), tokenizer=_path(args.tokenizer),
                          slots=args.slots, max_queue=args.max_queue,
                          compile_cache=args.compile_cache, grace_seconds=5.0, model_flags=tuple(args.model_flag))

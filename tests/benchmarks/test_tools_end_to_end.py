@@ -91,10 +91,11 @@ def test_compare_of_a_summary_with_itself_is_all_ones(serve_run: tuple[pathlib.P
 
 
 def test_layers_measures_the_same_workload_in_process_on_the_model_service_and_through_the_gateway(
-        tmp_path: pathlib.Path) -> None:
+        tmp_path: pathlib.Path, jax_cache: str) -> None:
     out = tmp_path / "layers.json"
     run = run_tool(["benchmarks.layers", "--stack", "golden", "--concurrency", "1,2", "--input-len", "8",
-                    "--output-len", "5", "--num-prompts", "3", "--runs", "1", "--warmup", "1", "--out", str(out)])
+                    "--output-len", "5", "--num-prompts", "3", "--runs", "1", "--warmup", "1", "--out", str(out),
+                    "--compile-cache", jax_cache])
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     for arm in ("in_process", "model_service", "gateway"):

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 LONG = 100  # tokens: several hundred ms of decoding on the golden model
 CAPACITY = 2 * (2 + 4)  # replicas x (slots + queue)
+CANCEL_STORM_CALLS = 120  # each cancelled within 0.3 s of its start, most of them before their 100 tokens
 SETTLE_CALLS = 6  # OK completions to wait for: about two per "complete" worker, past the calls in flight at a kill
 
 
@@ -68,7 +69,7 @@ def only_expected(traffic: Traffic) -> None:
 def test_cancel_storm_frees_every_slot_and_refuses_no_live_request(stack: LocalStack, seeded: list[Seeded]) -> None:
     outcomes: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
-    calls = iter(range(200))
+    calls = iter(range(CANCEL_STORM_CALLS))
 
     def worker(rng: random.Random) -> None:  # fewer callers than the capacity: no live request may be refused
         with grpc.insecure_channel(stack.gateway.address) as channel:
@@ -95,8 +96,8 @@ def test_cancel_storm_frees_every_slot_and_refuses_no_live_request(stack: LocalS
         t.start()
     for t in threads:
         t.join(300)
-    assert sum(outcomes.values()) == 200 and set(outcomes) <= {"CANCELLED", "OK"}, outcomes
-    assert outcomes["CANCELLED"] > 150
+    assert sum(outcomes.values()) == CANCEL_STORM_CALLS and set(outcomes) <= {"CANCELLED", "OK"}, outcomes
+    assert outcomes["CANCELLED"] > CANCEL_STORM_CALLS * 3 // 4
     assert slots_free(stack, timeout=10)["all_free"]
     assert good_answer(stack.gateway.address, seeded)
 
