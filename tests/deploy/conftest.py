@@ -7,6 +7,7 @@ import pathlib
 import pytest
 
 from tests.deploy.compose import build_context_entries
+from tests.conftest import COMPILE_CACHE
 from tests.procs import ROOT
 
 
@@ -18,3 +19,13 @@ def image_app(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
         if (ROOT / name).exists():
             (app / name).symlink_to(ROOT / name)
     return app
+
+
+def compile_cache_volume() -> pathlib.Path:
+    """The model containers' compile-cache volume (/var/cache/grok), one for the whole run: compose's replicas
+    share it as the named volume makes them, and the Kubernetes pods, with the same settings, read what those
+    compiled (the run's own cache is for programs compiled with the tests' XLA flags; the containers run with
+    none). Inside the run's cache folder, so it goes when that does."""
+    volume = pathlib.Path(COMPILE_CACHE) / "container-volume"
+    volume.mkdir(exist_ok=True)
+    return volume

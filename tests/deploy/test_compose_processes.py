@@ -22,6 +22,7 @@ import pytest
 
 from tests.deploy.compose import (
     COMPOSE_FILE, dockerfile_instructions, image_environment, local_path, localize, resolved_config, stage)
+from tests.deploy.conftest import compile_cache_volume
 from tests.deploy.dns import DnsServer
 from tests.deploy.stack import LocalStack
 from tests.procs import grpcurl
@@ -53,7 +54,8 @@ def stack(config: dict, dns: DnsServer, image_app: pathlib.Path,
     for svc in config["services"].values():
         for volume in svc.get("volumes", []):
             if volume["type"] == "volume":
-                paths[volume["target"]] = volumes / volume["source"]
+                paths[volume["target"]] = (compile_cache_volume() if volume["source"] == "compile-cache"
+                                           else volumes / volume["source"])
     containers = localize(config, paths, dns_authority=f"127.0.0.1:{dns.port}", scale={"model": MODEL_REPLICAS})
     image_env = {k: local_path(v, paths) for k, v in image_environment(dockerfile_instructions()).items()
                  if k != "PATH"}

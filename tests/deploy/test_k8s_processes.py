@@ -25,6 +25,7 @@ import pytest
 from gateway.client import GatewayClient
 from tests.deploy.cluster import LocalCluster
 from tests.deploy.compose import dockerfile_instructions, image_environment, local_path, stage
+from tests.deploy.conftest import compile_cache_volume
 from tests.deploy.dns import DnsServer
 from tests.deploy.k8s import (
     BASE, K8S, Manifests, PodLocalizer, container_ports, render)
@@ -41,7 +42,7 @@ SLACK_SECONDS = 15.0
 
 def local_cluster(manifests: Manifests, image_app: pathlib.Path, tmp: pathlib.Path, dns: DnsServer) -> LocalCluster:
     """Pods of `manifests` on this machine, in a stand-in for the image's /app."""
-    paths = {"/app": image_app, "/var/cache/grok": tmp / "compile-cache"}
+    paths = {"/app": image_app, "/var/cache/grok": compile_cache_volume()}
     ports = {p: free_port() for p in container_ports(manifests)}
     localizer = PodLocalizer(manifests, paths, f"127.0.0.1:{dns.port}", ports)
     instructions = dockerfile_instructions()
