@@ -68,7 +68,8 @@ proto-baseline: setup  ## accept the current protos as the API baseline `make li
 # otherwise every service process a test starts, and each worker's assertion rewriting, compiles the project's
 # sources again. The prefix hides the bytecode pip wrote beside the installed packages, so setup compiles theirs
 # there once (18 s on 2 cores); without it the processes of a fresh clone's first run each compiled jax & co.
-# (3.3 s of a service's start) until one had written them. Test files are handed out longest first (tests/conftest.py), not by their number of tests.
+# (3.3 s of a service's start) until one had written them. Test files are handed out longest first
+# (tests/conftest.py), not by their number of tests.
 test: setup lint  ## set up, lint the protos, run every test
 	env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/build/pycache \
 	  $(PY) -m pytest $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) \

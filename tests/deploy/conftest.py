@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from tests.deploy.compose import build_context_entries
 from tests.conftest import COMPILE_CACHE
+from tests.deploy.compose import build_context_entries
 from tests.procs import ROOT
 
 
