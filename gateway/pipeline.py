@@ -157,9 +157,10 @@ class Pipeline:
                 prompt_ids = await self.tokenizer.encode(request.prompt, deadline, spans.metadata(metadata, encode))
         progress.tokenize_seconds = loop.time() - progress.arrival
         planned = plan(request, prompt_ids, await self.pool.info(deadline), self.limits)
-        echo = request.prompt
-        if request.sampling.echo and request.prompt_token_ids:  # a token prompt is echoed as its text
-            echo = await self.tokenizer.decode(planned.prompt_ids, deadline, metadata)
+        echo = ""
+        if request.sampling.echo:  # a token prompt is echoed as its text
+            echo = (await self.tokenizer.decode(planned.prompt_ids, deadline, metadata) if request.prompt_token_ids
+                    else request.prompt)
         progress.prompt_tokens = len(planned.prompt_ids)
         # Before the model call: a tokenizer that cannot give its table costs no model slot.
         table = await self.tokenizer.piece_table(deadline) if self.local_detokenize else None
@@ -174,7 +175,7 @@ class Pipeline:
                                   else self.tokenizer.detokenizer(deadline, detokenize, planned.prompt_ids),
                                   StopMatcher(request.sampling.stop, request.sampling.include_stop_str_in_output,
                                               request.sampling.min_tokens),
-                                  echo=echo if request.sampling.echo else "",
+                                  echo=echo,
                                   separator=chat and not request.prompt[-1:].isspace(), echo_only=planned.echo_only)
                        for index in range(planned.n)]
         spans.model = spans.start("model")
