@@ -131,6 +131,20 @@ def http_cases(f: Facts) -> list[Case]:
     case("http-chat-top-logprobs-over", "/v1/chat/completions",
          {**chat, "logprobs": True, "top_logprobs": f.max_top_logprobs + 1}, 400)
     case("http-wrong-model", "/v1/completions", {**base, "model": "not-this-one"}, 404)
+    # Fields whose feature the server lacks are refused, never ignored; the ones it has take only valid values.
+    for name, value in [("use_beam_search", True), ("bad_words", ["a"]), ("logits_processors", ["m.f"]),
+                        ("prompt_embeds", "AAAA"), ("guided_whitespace_pattern", " "), ("priority", 1),
+                        ("allowed_token_ids", []), ("skip_special_tokens", False), ("suffix", "x"),
+                        ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
+                        ("truncate_prompt_tokens", f.context + 1), ("truncate_prompt_tokens", 2**31)]:
+        case(f"http-refused-{name}-{json.dumps(value)[:12]}", "/v1/completions", {**base, name: value}, 400)
+    for name, value in [("functions", [{"name": "f", "parameters": {}}]), ("function_call", {"name": "f"}),
+                        ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["audio"]), ("echo", True)]:
+        case(f"http-chat-refused-{name}", "/v1/chat/completions", {**chat, name: value}, 400)
+    case("http-truncate-prompt-tokens", "/v1/completions", {**base, "truncate_prompt_tokens": 1}, 200,
+         tags=("finite",))
+    case("http-token-ids-as-names", "/v1/completions",
+         {**base, "logprobs": f.max_top_logprobs, "return_tokens_as_token_ids": True}, 200, tags=("finite",))
     done.append(Case("http-body-over-4MiB", "gateway-http", declared_too_big("/v1/completions", 5 << 20), 413))
     case("http-ok", "/v1/completions", base, 200, tags=("finite",))
     case("http-chat-ok", "/v1/chat/completions", chat, 200, tags=("finite",))

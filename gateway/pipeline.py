@@ -158,9 +158,9 @@ class Pipeline:
         progress.tokenize_seconds = loop.time() - progress.arrival
         planned = plan(request, prompt_ids, await self.pool.info(deadline), self.limits)
         echo = ""
-        if request.sampling.echo:  # a token prompt is echoed as its text
-            echo = (await self.tokenizer.decode(planned.prompt_ids, deadline, metadata) if request.prompt_token_ids
-                    else request.prompt)
+        if request.sampling.echo:  # a token prompt, or what truncation kept of a prompt, is echoed as its text
+            echo = (await self.tokenizer.decode(planned.prompt_ids, deadline, metadata)
+                    if request.prompt_token_ids or planned.truncated else request.prompt)
         progress.prompt_tokens = len(planned.prompt_ids)
         # Before the model call: a tokenizer that cannot give its table costs no model slot.
         table = await self.tokenizer.piece_table(deadline) if self.local_detokenize else None

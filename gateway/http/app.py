@@ -205,7 +205,8 @@ class Routes:
                    for i, grpc_request in enumerate(grpc_requests)]
         source = guarded(request, merged(streams, n))
         shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body), echo=sampling.echo,
-                        prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=continuous, n=n)
+                        prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=continuous, n=n,
+                        token_ids=body.return_tokens_as_token_ids)
         headers = {"x-request-id": request_id}
         try:
             first = await anext(source)  # errors before the first text still get their HTTP status

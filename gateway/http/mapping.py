@@ -2,13 +2,14 @@
 (and the same validation) as a gRPC request.
 
 Fields the gRPC API has are mapped here (prompt, max_tokens, temperature, top_p, seed, stop,
-ignore_eos, logprobs -> top_logprobs, allowed_token_ids, and issue 12's top_k, min_p, the penalties,
-logit_bias, stop_token_ids). Fields whose feature is still missing are accepted at their default value
-and refused otherwise, in ONE function, `section2_sampling`.
+ignore_eos, logprobs -> top_logprobs, allowed_token_ids, the sampling controls top_k, min_p, the penalties,
+logit_bias, stop_token_ids, and the rest of SamplingParams). Fields whose feature this server lacks are
+accepted at their "off" value and refused otherwise, in one function, `unsupported_features`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from gateway.http.errors import ApiError, bad_request
@@ -21,18 +22,8 @@ INT32_MAX = 2**31 - 1
 
 
 def _not_yet(param: str, value: Any, default: str) -> ApiError:
-    return bad_request(param, f"{value!r} is not supported yet (only {default}); leave it out or use that value")
-
-
-# ------------------------------------------------------------------------------------------------
-# SECTION 2 (issue 12): the sampling controls. Those the model service has are mapped into the gateway's
-# SamplingParams by `sampling_controls`; the ones still missing (listed in `section2_sampling`) accept
-# only the value that means "off".
-# ------------------------------------------------------------------------------------------------
-def section2_sampling(request: SamplingFields) -> None:
-    """Raise 400 naming the first field set to a value that needs a sampling control we lack."""
-    if isinstance(request, CompletionRequest) and request.best_of not in (None, request.n or 1):
-        raise _not_yet("best_of", request.best_of, "null or n (every sample is returned)")
+    shown = json.dumps(value) if value is None or isinstance(value, (bool, int, float)) else repr(value)
+    return bad_request(param, f"{shown} is not supported yet (only {default}); leave it out or use that value")
 
 
 def sampling_controls(request: SamplingFields, out: gateway_pb2.SamplingParams) -> None:
@@ -70,16 +61,41 @@ def sampling_controls(request: SamplingFields, out: gateway_pb2.SamplingParams) 
 
 
 def unsupported_features(request: SamplingFields) -> None:
-    """400 for features outside section 2 that this server does not offer (instead of ignoring them)."""
+    """400 naming the first field set to a value that needs a feature this server does not offer (instead of
+    ignoring it); each field's "off" value passes."""
+    if isinstance(request, CompletionRequest) and request.best_of not in (None, request.n or 1):
+        raise _not_yet("best_of", request.best_of, "null or n (every sample is returned)")
     if isinstance(request, CompletionRequest) and request.suffix:
         raise _not_yet("suffix", request.suffix, "null")
     if not request.skip_special_tokens:
         raise _not_yet("skip_special_tokens", False, "true: control tokens such as EOS never appear in the text")
+    if request.use_beam_search:
+        raise _not_yet("use_beam_search", True, "false: tokens are sampled (or greedy at temperature 0)")
+    if request.bad_words:
+        raise _not_yet("bad_words", "[...]", "none; logit_bias of -100 bars single tokens")
+    if request.logits_processors:
+        raise _not_yet("logits_processors", "[...]", "none")
+    if request.prompt_embeds is not None:
+        raise _not_yet("prompt_embeds", "...", "null: send the prompt as text or token ids")
+    if request.guided_whitespace_pattern is not None:
+        raise _not_yet("guided_whitespace_pattern", request.guided_whitespace_pattern,
+                       "null: JSON constraints allow the JSON grammar's whitespace")
+    if request.priority:
+        raise _not_yet("priority", request.priority, "0: requests are served first come, first served")
+    if request.allowed_token_ids is not None and not request.allowed_token_ids:
+        raise bad_request("allowed_token_ids", "an empty list allows no token; leave it out to allow every token")
     if isinstance(request, ChatCompletionRequest):
-        if request.tools:
-            raise _not_yet("tools", "[...]", "no tools")
+        if request.tools or request.functions:
+            raise _not_yet("tools" if request.tools else "functions", "[...]", "no tools")
         if request.tool_choice not in (None, "none", "auto"):  # with no tools, "auto" and "none" both mean none
             raise _not_yet("tool_choice", request.tool_choice, 'null, "none" or "auto" (no tools are called)')
+        if request.function_call not in (None, "none", "auto"):
+            raise _not_yet("function_call", request.function_call, 'null, "none" or "auto" (no tools are called)')
+        if request.modalities not in (None, ["text"]) or request.audio is not None:
+            raise _not_yet("audio" if request.audio is not None else "modalities",
+                           request.modalities if request.audio is None else "{...}", 'text only: ["text"] or null')
+        if request.echo:
+            raise _not_yet("echo", True, "false: the answer holds the assistant's new text only")
 
 
 # Prompts one completion request may hold (OpenAI's list of prompts): each is a request of its own to the model.
@@ -128,7 +144,6 @@ def _check_int32(param: str, value: int | None) -> None:
 def generate_request(request: SamplingFields, prompt: str | list[int]) -> gateway_pb2.GenerateRequest:
     """The gateway request for `prompt` (text, or token ids) with the sampling fields of `request` (checked
     first)."""
-    section2_sampling(request)
     unsupported_features(request)
     _check_int32("max_tokens", request.max_tokens)
     if isinstance(request, ChatCompletionRequest):
@@ -163,6 +178,9 @@ def generate_request(request: SamplingFields, prompt: str | list[int]) -> gatewa
     constraint_fields(request, out)
     if request.cache_salt is not None:
         out.cache_salt = request.cache_salt
+    if request.truncate_prompt_tokens is not None:
+        _check_int32("truncate_prompt_tokens", request.truncate_prompt_tokens)
+        out.truncate_prompt_tokens = request.truncate_prompt_tokens
     if isinstance(prompt, list):
         return gateway_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=out)
     return gateway_pb2.GenerateRequest(prompt=prompt, sampling=out)

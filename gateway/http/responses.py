@@ -31,12 +31,18 @@ def logprob(value: float) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
 
 
-def by_text(tops: Sequence[gateway_pb2.TopToken]) -> dict[str, float]:
+def token_name(token: gateway_pb2.Token | gateway_pb2.TopToken | gateway_pb2.PromptToken, as_id: bool) -> str:
+    """How logprobs name a token: its text, or vLLM's "token_id:<id>" (return_tokens_as_token_ids), which tells
+    apart tokens that read alike or are no whole character."""
+    return f"token_id:{token.id}" if as_id else token.text
+
+
+def by_text(tops: Sequence[gateway_pb2.TopToken], as_id: bool = False) -> dict[str, float]:
     """OpenAI's {text: logprob} of a step's alternatives; of two that read alike, the more probable (the
     first: they come most probable first)."""
     out: dict[str, float] = {}
     for top in tops:
-        out.setdefault(top.text, logprob(top.logprob))
+        out.setdefault(token_name(top, as_id), logprob(top.logprob))
     return out
 
 
@@ -68,6 +74,7 @@ class Shaper:
     prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field goes with each choice (chat: the response)
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     n: int = 1  # completions per prompt (a completion request may hold several prompts)
+    token_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     created: int = field(default_factory=lambda: int(time.time()))
     # Characters of each completion's text already sent (completions' text_offset), by completion index.
     text_offsets: dict[int, int] = field(default_factory=dict)
@@ -82,14 +89,15 @@ class Shaper:
     def completion_logprobs(self, tokens: Sequence[gateway_pb2.Token], index: int = 0,
                             prompt: Sequence[gateway_pb2.PromptToken] = ()) -> Json:
         """OpenAI's completions logprobs; `prompt` (echo) leads, its first token with null logprobs."""
-        entries = [(p.text, logprob(p.logprob) if p.HasField("logprob") else None,
-                    by_text(p.top_tokens) if p.HasField("logprob") else None) for p in prompt]
-        entries += [(t.text, logprob(t.logprob), by_text(t.top_tokens)) for t in tokens]
-        offsets = []
-        for text, _, _ in entries:
+        as_id = self.token_ids
+        entries = [(p, logprob(p.logprob) if p.HasField("logprob") else None,
+                    by_text(p.top_tokens, as_id) if p.HasField("logprob") else None) for p in prompt]
+        entries += [(t, logprob(t.logprob), by_text(t.top_tokens, as_id)) for t in tokens]
+        offsets = []  # where each token's text starts in the choice's text (with token ids too)
+        for token, _, _ in entries:
             offsets.append(self.text_offsets.get(index, 0))
-            self.text_offsets[index] = offsets[-1] + len(text)
-        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+            self.text_offsets[index] = offsets[-1] + len(token.text)
+        return {"tokens": [token_name(e[0], as_id) for e in entries], "token_logprobs": [e[1] for e in entries],
                 "top_logprobs": [e[2] for e in entries] if self.top_logprobs else None, "text_offset": offsets}
 
     @staticmethod
@@ -100,13 +108,11 @@ class Shaper:
             **{str(top.id): {"logprob": logprob(top.logprob), "decoded_token": top.text} for top in p.top_tokens},
             str(p.id): {"logprob": logprob(p.logprob), "decoded_token": p.text}} for p in prompt]
 
-    @staticmethod
-    def chat_logprobs(tokens: Sequence[gateway_pb2.Token]) -> Json:
-        return {"content": [
-            {"token": t.text, "logprob": logprob(t.logprob), "bytes": list(t.text.encode("utf-8")),
-             "top_logprobs": [{"token": top.text, "logprob": logprob(top.logprob),
-                               "bytes": list(top.text.encode("utf-8"))} for top in t.top_tokens]}
-            for t in tokens]}
+    def chat_logprobs(self, tokens: Sequence[gateway_pb2.Token]) -> Json:
+        def entry(token: gateway_pb2.Token | gateway_pb2.TopToken) -> Json:
+            name = token_name(token, self.token_ids)
+            return {"token": name, "logprob": logprob(token.logprob), "bytes": list(name.encode("utf-8"))}
+        return {"content": [{**entry(t), "top_logprobs": [entry(top) for top in t.top_tokens]} for t in tokens]}
 
     def _logprobs(self, tokens: Sequence[gateway_pb2.Token], index: int = 0,
                   prompt: Sequence[gateway_pb2.PromptToken] = ()) -> Json | None:

@@ -92,6 +92,16 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # prefix-cache isolation (vLLM's); checked by gateway/validation.py
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" instead of their text
+    # vLLM's fields this server refuses unless they mean "off" (mapping.unsupported_features): parsed so that a
+    # request using them is answered 400 instead of having them ignored.
+    use_beam_search: bool = False
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    prompt_embeds: Any = None
+    guided_whitespace_pattern: str | None = None
+    priority: int = 0
     # Structured output (gateway/http/structured.py): OpenAI's, vLLM's, and vLLM's older guided_* fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -137,6 +147,11 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None  # OpenAI's older form of tools: refused as tools are
+    function_call: Any = None
+    modalities: list[str] | None = None  # only ["text"]
+    audio: dict[str, Any] | None = None  # refused: no audio output
+    echo: bool = False  # vLLM's chat echo: refused
     # vLLM's chat extras.
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -219,14 +219,74 @@ def test_best_of_other_than_n_is_refused_naming_it(fast_stack: Stack) -> None:
 @pytest.mark.parametrize("path, field, value", [
     ("/v1/completions", "skip_special_tokens", False), ("/v1/chat/completions", "skip_special_tokens", False),
     ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}})])
+    ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("/v1/completions", "use_beam_search", True), ("/v1/chat/completions", "use_beam_search", True),
+    ("/v1/completions", "bad_words", ["hello"]), ("/v1/completions", "logits_processors", ["a.b"]),
+    ("/v1/completions", "prompt_embeds", "AAAA"), ("/v1/completions", "guided_whitespace_pattern", "[ ]*"),
+    ("/v1/completions", "priority", 5), ("/v1/completions", "allowed_token_ids", []),
+    ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+    ("/v1/chat/completions", "function_call", {"name": "f"}),
+    ("/v1/chat/completions", "modalities", ["text", "audio"]),
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
+    ("/v1/chat/completions", "echo", True)])
 def test_fields_that_would_be_ignored_are_refused_naming_them(fast_stack: Stack, path: str, field: str,
                                                               value: object) -> None:
+    """vLLM's and OpenAI's fields whose feature this server lacks are refused, not ignored; their "off" values
+    are accepted."""
     base = {"prompt": "a|b"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "a|b"}]}
     status, reply = post(f"{fast_stack.http_url}{path}", {**base, "max_tokens": 1, field: value})
     assert status == 400 and reply["error"]["param"] == field, reply
-    for accepted in ({"skip_special_tokens": True}, {"tool_choice": "none"}, {"tool_choice": "auto"}):
-        assert post(f"{fast_stack.http_url}{path}", {**base, "max_tokens": 1, **accepted})[0] == 200
+    accepted = [{"skip_special_tokens": True}, {"use_beam_search": False}, {"bad_words": []}, {"priority": 0},
+                {"logits_processors": None}, {"prompt_embeds": None}, {"guided_whitespace_pattern": None}]
+    if path != "/v1/completions":
+        accepted += [{"tool_choice": "none"}, {"tool_choice": "auto"}, {"functions": []}, {"function_call": "none"},
+                     {"modalities": ["text"]}, {"echo": False}]
+    for off in accepted:
+        assert post(f"{fast_stack.http_url}{path}", {**base, "max_tokens": 1, **off})[0] == 200, off
+
+
+def test_truncate_prompt_tokens_answers_as_the_prompts_last_tokens_would(fast_stack: Stack) -> None:
+    """vLLM's truncate_prompt_tokens keeps the prompt's last k tokens: the answer, usage and echo are those of
+    those k tokens sent as a token prompt; k at or over the prompt's length changes nothing."""
+    url = f"{fast_stack.http_url}/v1/completions"
+    ids = post(f"{fast_stack.http_url}/tokenize", {"prompt": "a|hello wor"})[1]["tokens"]
+    body = {"max_tokens": 4, "echo": True, "logprobs": 1}
+    for k in (1, 2, 4):
+        status, cut = post(url, {**body, "prompt": "a|hello wor", "truncate_prompt_tokens": k})
+        assert status == 200 and cut["usage"]["prompt_tokens"] == k, cut
+        last = post(url, {**body, "prompt": ids[-k:]})[1]
+        assert cut["choices"] == last["choices"], k
+    whole = post(url, {**body, "prompt": "a|hello wor"})[1]
+    for k in (len(ids), 100, -1):
+        assert post(url, {**body, "prompt": "a|hello wor", "truncate_prompt_tokens": k})[1]["choices"] == \
+            whole["choices"], k
+    status, chat = post(f"{fast_stack.http_url}/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "a|hello wor"}], "max_tokens": 2, "truncate_prompt_tokens": 3})
+    assert status == 200 and chat["usage"]["prompt_tokens"] == 3, chat
+    for bad in (0, -2, 129, 2**40):
+        status, reply = post(url, {"prompt": "a|b", "max_tokens": 1, "truncate_prompt_tokens": bad})
+        assert status == 400 and reply["error"]["param"] == "truncate_prompt_tokens", (bad, reply)
+
+
+def test_return_tokens_as_token_ids_names_each_logprobs_token_by_its_id(fast_stack: Stack) -> None:
+    """vLLM's return_tokens_as_token_ids: "token_id:<id>" where the token's text stood, in completions' and chat's
+    logprobs (chat's bytes are those of that name); the text and the offsets into it are unchanged."""
+    url = fast_stack.http_url
+    ids = post(f"{url}/tokenize", {"prompt": "hello wor"})[1]["tokens"]
+    body = {"prompt": "a|hello wor", "max_tokens": 3, "logprobs": 1}
+    plain = post(f"{url}/v1/completions", body)[1]["choices"][0]
+    named = post(f"{url}/v1/completions", {**body, "return_tokens_as_token_ids": True})[1]["choices"][0]
+    assert named["text"] == plain["text"] == "hello wor"
+    assert named["logprobs"]["tokens"] == [f"token_id:{i}" for i in ids]
+    assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    assert named["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    assert [list(top) for top in named["logprobs"]["top_logprobs"]] == [[f"token_id:{i}"] for i in ids]
+    chat = {"messages": [{"role": "user", "content": "a|hello wor"}], "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 1, "return_tokens_as_token_ids": True}
+    content = post(f"{url}/v1/chat/completions", chat)[1]["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{i}" for i in ids]
+    assert all(c["bytes"] == list(c["token"].encode()) and c["top_logprobs"][0]["token"] == c["token"]
+               for c in content)
 
 
 def test_sampling_controls_at_their_defaults_are_accepted(fast_stack: Stack) -> None:

@@ -56,6 +56,8 @@ def bad_field(**fields: object) -> str:
     ({"logit_bias": {3: math.nan}}, "logit_bias"),
     ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
     ({"stop_token_ids": [1] * 65}, "stop_token_ids"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
 ])
 def test_bad_parameter_is_invalid_argument_naming_the_field(fields: dict, field: str) -> None:
     assert bad_field(**fields).startswith(f"{field}:")
@@ -81,6 +83,8 @@ def test_unset_max_tokens_is_default_lowered_to_fit_the_context() -> None:
     ({"stop_token_ids": [100]}, [5], "stop_token_ids"),
     ({"logit_bias": {-1: 1.0}}, [5], "logit_bias"),
     ({"logit_bias": {100: 1.0}}, [5], "logit_bias"),
+    ({"truncate_prompt_tokens": 65}, [5], "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -1}, [5] * 70, "prompt"),  # the context's 64 tokens leave no room to generate
 ])
 def test_plan_rejects_what_does_not_fit_the_model(fields: dict, ids: list[int], field: str) -> None:
     with pytest.raises(GatewayError) as caught:
@@ -91,3 +95,17 @@ def test_plan_rejects_what_does_not_fit_the_model(fields: dict, ids: list[int], 
 
 def test_prompt_plus_max_tokens_equal_to_context_is_allowed() -> None:
     assert plan(generate_request("p", max_tokens=59), [5] * 5, INFO, LIMITS).max_tokens == 59
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens() -> None:
+    """vLLM's truncate_prompt_tokens: the last k tokens (those nearest the completion); a shorter prompt is kept
+    whole; -1 keeps what the context holds; the default max_tokens then follows the kept prompt."""
+    ids = list(range(10, 30))
+    kept = plan(generate_request("p", truncate_prompt_tokens=3), ids, INFO, LIMITS)
+    assert kept.prompt_ids == (27, 28, 29) and kept.truncated and kept.max_tokens == 50
+    whole = plan(generate_request("p", truncate_prompt_tokens=20), ids, INFO, LIMITS)
+    assert whole.prompt_ids == tuple(ids) and not whole.truncated
+    assert plan(generate_request("p", truncate_prompt_tokens=-1), ids, INFO, LIMITS).prompt_ids == tuple(ids)
+    long = plan(generate_request("p", truncate_prompt_tokens=30), [5] * 33 + [6] * 30, INFO, LIMITS)
+    assert long.prompt_ids == (6,) * 30 and long.max_tokens == 34  # 63 tokens would be over the longest prompt
+    check_request(generate_request("p", truncate_prompt_tokens=-1), LIMITS)

@@ -72,7 +72,7 @@ class ModelServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetInfo(self, request, context):
-        """Model configuration, mesh, slots, prefill buckets and dtype.
+        """Model configuration, mesh, slots and dtype.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
