@@ -266,6 +266,13 @@ def test_truncate_prompt_tokens_answers_as_the_prompts_last_tokens_would(fast_st
     for bad in (0, -2, 129, 2**40):
         status, reply = post(url, {"prompt": "a|b", "max_tokens": 1, "truncate_prompt_tokens": bad})
         assert status == 400 and reply["error"]["param"] == "truncate_prompt_tokens", (bad, reply)
+    with grpc.insecure_channel(fast_stack.address) as channel:  # the gRPC API's SamplingParams field
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        cut = stub.Complete(gateway_pb2.CompleteRequest(prompt="a|hello wor", sampling=gateway_pb2.SamplingParams(
+            max_tokens=4, echo=True, truncate_prompt_tokens=2)), timeout=30)
+        last = stub.Complete(gateway_pb2.CompleteRequest(prompt_token_ids=ids[-2:], sampling=gateway_pb2.SamplingParams(
+            max_tokens=4, echo=True)), timeout=30)
+        assert cut.text == last.text and cut.usage.prompt_tokens == 2
 
 
 def test_return_tokens_as_token_ids_names_each_logprobs_token_by_its_id(fast_stack: Stack) -> None:
