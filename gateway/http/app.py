@@ -162,8 +162,7 @@ class Routes:
         return JSONResponse({"status": "SERVING" if serving else "NOT_SERVING"}, status_code=200 if serving else 503)
 
     async def models(self) -> Json:
-        return {"object": "list", "data": [{"id": self.ctx.model_name, "object": "model", "created": 0,
-                                            "owned_by": "grok-serve"}]}
+        return {"object": "list", "data": [await self.ctx.model_card()]}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)

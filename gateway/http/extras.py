@@ -84,7 +84,7 @@ class ExtraRoutes:
     async def model(self, model_id: str) -> Json:
         """The model card, as in /v1/models (the openai package's `models.retrieve`)."""
         self.check_model(model_id)
-        return {"id": self.ctx.model_name, "object": "model", "created": 0, "owned_by": "grok-serve"}
+        return await self.ctx.model_card()
 
     async def version(self) -> Json:
         return {"version": version()}

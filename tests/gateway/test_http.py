@@ -388,6 +388,32 @@ def test_models_lists_the_served_model_and_health_is_open(fast_stack: Stack) -> 
     assert get(f"{fast_stack.http_url}/health") == (200, {"status": "SERVING"})
 
 
+def test_the_model_card_carries_the_context_as_vllms_max_model_len(fast_stack: Stack,
+                                                                    tmp_path: pathlib.Path) -> None:
+    """vLLM's clients read a model's context from /v1/models' `max_model_len`: the model service's sequence_len
+    (the fake's 128), in the list and in the card; while no model service answers, the list still answers, without
+    it."""
+    listed = get(f"{fast_stack.http_url}/v1/models")[1]["data"]
+    card = get(f"{fast_stack.http_url}/v1/models/grok-1")[1]
+    assert listed == [card] and card["max_model_len"] == 128 and card["id"] == card["root"] == "grok-1"
+    http_port = free_port()
+    gateway = start_gateway(fast_stack.tokenizer.address, [f"127.0.0.1:{free_port()}"], tmp_path, http_port=http_port)
+    try:
+        url = f"http://127.0.0.1:{http_port}/v1/models"
+
+        def answered() -> bool:
+            try:
+                return get(url)[0] == 200
+            except OSError:  # not listening yet
+                return False
+        wait_until(answered, 60, message="the gateway's HTTP port never answered")
+        status, models = get(url)
+        assert status == 200 and [m["id"] for m in models["data"]] == ["grok-1"]
+        assert "max_model_len" not in models["data"][0]
+    finally:
+        gateway.terminate()
+
+
 def test_http_requests_are_counted_in_the_gateway_metrics(fast_stack: Stack) -> None:
     args = list(fast_stack.gateway.proc.args)
     metrics = f"http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
