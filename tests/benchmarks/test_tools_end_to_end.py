@@ -7,9 +7,11 @@ as timings.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,6 +19,20 @@ import pytest
 from tests.procs import ROOT
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tools_temp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pathlib.Path]:
+    """The tools leave their logs and work folders in the temporary folder for a user to read; run by the tests
+    they leave them in pytest's, which pytest cleans, instead of /tmp."""
+    folder = tmp_path_factory.mktemp("tools-temp")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    yield folder
+    if before is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = before
 
 
 def run_tool(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
