@@ -21,7 +21,7 @@ class Limits:
     max_stop: int = 8  # --max-stop: stop sequences per request
     max_stop_chars: int = 256  # --max-stop-chars
     default_max_tokens: int = 64  # --default-max-tokens: max_tokens when a request leaves it unset
-    max_top_logprobs: int = MAX_TOP_LOGPROBS  # --max-top-logprobs: may lower, never raise, the device's 8
+    max_top_logprobs: int = MAX_TOP_LOGPROBS  # --max-top-logprobs: may lower, never raise, the device's 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_top_logprobs <= MAX_TOP_LOGPROBS:

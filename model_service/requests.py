@@ -53,7 +53,7 @@ class GenerationRequest:
     # Samples of the prompt, sharing one prefill, each in its own slot; sample i uses seed + i (mod 2**32), as
     # vLLM derives them, so sample i equals a request with that seed (n = 1 is exactly a plain request).
     n: int = 1
-    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives each (0..8)
+    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many alternatives each (0..20)
     constraint: Constraint | None = None  # structured output: what the text must match (structured.py)
     # Prefix-cache isolation: the prompt's blocks are keyed under this salt (kv_blocks.py), so only requests with
     # the same salt share them. The gateway's digest of the caller's API key and cache_salt; b"": unsalted.

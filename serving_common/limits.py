@@ -14,8 +14,8 @@ LOGIT_BIAS_LIMIT = 100.0  # |bias| of one logit_bias entry
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit; the device keeps a [slots, 300] table)
 MAX_STOP_TOKEN_IDS = 64
 # Alternatives per token the device computes (model_service/sampling.TOP_K): the most top_logprobs and
-# prompt_logprobs may ask for.
-MAX_TOP_LOGPROBS = 8
+# prompt_logprobs may ask for (OpenAI's top_logprobs limit, and vLLM's default max_logprobs).
+MAX_TOP_LOGPROBS = 20
 
 # Structured output (model_service/constraint.py checks the first four before any compile).
 MAX_CONSTRAINT_CHARS = 64 * 1024  # schema / regex / grammar text, or the choices together

@@ -151,7 +151,7 @@ def test_an_expired_deadline_reaches_the_model_and_frees_the_slot_early(
     (dict(token_ids=[5], max_tokens=0), "max_tokens"),
     (dict(token_ids=[5], temperature=-1), "temperature"),
     (dict(token_ids=[5], top_p=0), "top_p"),
-    (dict(token_ids=[5], top_logprobs=9), "top_logprobs"),
+    (dict(token_ids=[5], top_logprobs=21), "top_logprobs"),
     (dict(token_ids=[5], blocked_token_ids=[600]), "blocked_token_ids"),
     (dict(token_ids=[5], allowed_token_ids=[0]), "allowed_token_ids"),
 ])

@@ -10,7 +10,7 @@ import pytest
 
 from model_service.logits_processing import Controls, History, controls_row, empty_history, idle_controls, \
     kth_largest, prompt_mask, record_tokens
-from model_service.sampling import SamplingParams, seed_key, split_key
+from model_service.sampling import TOP_K, SamplingParams, seed_key, split_key
 from model_service.sampling import sample_tokens as _sample_tokens
 from model_service.sampling_settings import GREEDY, MAX_LOGIT_BIAS, SamplingSettings
 from model_service.validation import controls_problem
@@ -139,7 +139,7 @@ def test_top_k_and_min_p_on_a_large_vocabulary_match_numpy() -> None:
                         stack_controls(cs, v), empty_history(2, v))
     for i, (c, t, p) in enumerate(zip(cs, [0.9, 1.0], [1.0, 0.95])):
         want = np_distribution(logits[i], c, t, p, mask[i], np.zeros(v, bool), np.zeros(v, np.int32))
-        top = np.sort(want)[::-1][:8]
+        top = np.sort(want)[::-1][:TOP_K]
         np.testing.assert_allclose(np.asarray(res.top_probs[i]), top, rtol=2e-5, atol=1e-7)
         assert want[int(res.token[i])] > 0
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
+from model_service.sampling import TOP_K
 from model_service.sampling_settings import SamplingSettings
 from model_service.engine import Engine
 from tests.engine.conftest import collect
@@ -42,7 +43,7 @@ def test_first_token_distribution_is_numpy_applied_to_the_models_logits(golden_e
     want = np_distribution(model_logits(golden_engine, PROMPT), controls, 0.9, 1.0, mask, prompt_mask,
                            np.zeros(v, np.int32))
     drawn = generate(golden_engine, PROMPT, dataclasses.replace(controls, temperature=0.9, top_logprobs=8), 3, 1)
-    order = np.argsort(-want, kind="stable")[:8]
+    order = np.argsort(-want, kind="stable")[:TOP_K]  # the device computes TOP_K; a request reads its first 8
     np.testing.assert_allclose(drawn.tops[0], want[order], rtol=1e-4, atol=1e-6)
     assert want[drawn.tokens[0]] > 0
 
@@ -145,7 +146,7 @@ def test_prompt_logprobs_are_numpy_log_softmax_of_the_full_forward_pass(golden_e
     assert scored.logprob is not None and scored.score_logprobs is not None and scored.score_ids is not None
     np.testing.assert_allclose(scored.logprob[:n - 1], [want[t, prompt[t + 1]] for t in range(n - 1)], atol=2e-4)
     for t in range(n - 1):
-        order = np.argsort(-want[t], kind="stable")[:8]
+        order = np.argsort(-want[t], kind="stable")[:TOP_K]
         np.testing.assert_allclose(scored.score_logprobs[t], want[t, order], atol=2e-4)
         assert int(scored.score_ids[t, 0]) == int(order[0])
 
@@ -159,5 +160,5 @@ def test_prompt_logprobs_over_grpc_score_every_prompt_token_but_the_first(
     assert all(len(t.top_tokens) == 2 and t.logprob <= 0 for t in scored)
     assert all(abs(np.exp(t.logprob) - t.probability) < 1e-6 for t in scored)
     with pytest.raises(grpc.RpcError) as caught:
-        list(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=1, prompt_logprobs=9)))
+        list(golden_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=1, prompt_logprobs=21)))
     assert caught.value.details().startswith("prompt_logprobs:")

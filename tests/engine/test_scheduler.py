@@ -141,7 +141,7 @@ def test_max_tokens_one_finishes_at_its_prompt_step_without_a_decode_row(sched: 
     (dict(prompt=(5,), temperature=float("nan")), "temperature"),
     (dict(prompt=(5,), top_p=0.0), "top_p"),
     (dict(prompt=(5,), top_p=1.5), "top_p"),
-    (dict(prompt=(5,), top_logprobs=9), "top_logprobs"),
+    (dict(prompt=(5,), top_logprobs=21), "top_logprobs"),
     (dict(prompt=(5,), allowed=(64,)), "allowed_token_ids"),
     (dict(prompt=(5,), blocked=(99,)), "blocked_token_ids"),
     (dict(prompt=(5,), allowed=(0, 3), blocked=(3,)), "blocked_token_ids"),  # only pad left

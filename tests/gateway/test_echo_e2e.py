@@ -82,7 +82,7 @@ def test_openai_prompt_logprobs_in_vllms_format(golden_stubs: Stubs, golden_http
 
 def test_bad_prompt_logprobs_is_400_naming_it(golden_http_url: str) -> None:
     status, body = post(f"{golden_http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 1,
-                                                              "prompt_logprobs": 9})
+                                                              "prompt_logprobs": 21})
     assert status == 400 and body["error"]["param"] == "prompt_logprobs"
 
 
@@ -130,3 +130,18 @@ def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(golden_stack: St
     assert reply.text == PROMPT and reply.usage.completion_tokens == 0 and not reply.tokens
     status, body = post(f"{golden_http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 0})
     assert status == 400 and body["error"]["param"] == "max_tokens" and "echo" in body["error"]["message"]
+
+
+def test_twenty_alternatives_per_token_as_openai_allows(golden_http_url: str, golden_stubs: Stubs) -> None:
+    """OpenAI's top_logprobs goes up to 20 (vLLM's default max_logprobs too): chat lists 20 alternatives per
+    token, most probable first, the drawn token among them at temperature 0; prompt_logprobs takes 20 as well."""
+    status, body = post(f"{golden_http_url}/v1/chat/completions", {
+        "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "temperature": 0, "logprobs": True,
+        "top_logprobs": 20, "ignore_eos": True})
+    assert status == 200, body
+    for entry in body["choices"][0]["logprobs"]["content"]:
+        tops = entry["top_logprobs"]
+        assert len(tops) == 20 and [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert tops[0]["logprob"] == entry["logprob"]  # greedy: the drawn token is the most probable
+    ids, scores = model_scores(golden_stubs, 20)
+    assert len(scores) == len(ids) - 1 and all(len(s.top_tokens) == 20 for s in scores)

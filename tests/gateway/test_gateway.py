@@ -115,7 +115,7 @@ BAD_REQUESTS = [
     ({"prompt": "p|a", "temperature": math.inf}, "temperature"),
     ({"prompt": "p|a", "top_p": 0.0}, "top_p"),
     ({"prompt": "p|a", "top_p": 1.5}, "top_p"),
-    ({"prompt": "p|a", "top_logprobs": 9}, "top_logprobs"),
+    ({"prompt": "p|a", "top_logprobs": 21}, "top_logprobs"),
     ({"prompt": "p|a", "allowed_token_ids": [512]}, "allowed_token_ids"),
     ({"prompt": "p|a", "blocked_token_ids": [-3]}, "blocked_token_ids"),
     ({"prompt": "p|a", "stop": ["a", "b", "c", "d"]}, "stop"),

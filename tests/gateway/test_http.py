@@ -306,13 +306,13 @@ def test_sampling_controls_at_their_defaults_are_accepted(fast_stack: Stack) -> 
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": "", "max_tokens": 1}, "prompt"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "a", "logprobs": 9}, "logprobs"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "temperature": -1}, "temperature"),
     ({"prompt": "a", "stop": ["1", "2", "3", "4"]}, "stop"),
     ({"prompt": "a", "seed": -1}, "seed"),
     ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),
     ({"max_tokens": 1}, "prompt"),
-], ids=["empty-prompt", "max-tokens-0", "logprobs-9", "temperature", "too-many-stops", "seed", "type", "missing"])
+], ids=["empty-prompt", "max-tokens-0", "logprobs-21", "temperature", "too-many-stops", "seed", "type", "missing"])
 def test_bad_field_is_400_with_openai_error_body_naming_it(fast_stack: Stack, body: dict, param: str) -> None:
     status, reply = post(f"{fast_stack.http_url}/v1/completions", body)
     assert status == 400
@@ -356,7 +356,7 @@ def test_a_body_that_is_not_a_json_object_says_so(fast_stack: Stack, body: bytes
 
 
 def test_logprobs_out_of_range_on_completions_names_logprobs_in_message_and_param(fast_stack: Stack) -> None:
-    status, reply = post(f"{fast_stack.http_url}/v1/completions", {"prompt": "a|b", "logprobs": 20})
+    status, reply = post(f"{fast_stack.http_url}/v1/completions", {"prompt": "a|b", "logprobs": 21})
     assert status == 400 and reply["error"]["param"] == "logprobs"
     assert reply["error"]["message"].startswith("logprobs: ") and "top_logprobs" not in reply["error"]["message"]
 

@@ -127,7 +127,7 @@ def test_grpc_statuses_map_to_http_statuses(code: grpc.StatusCode, status: int) 
 
 
 def test_field_named_by_a_grpc_error_becomes_the_openai_param() -> None:
-    assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: must be in 0..8").param == "logprobs"
+    assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: must be in 0..20").param == "logprobs"
     assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: x", "chat").param == "top_logprobs"
     assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "prompt: 300 tokens", "chat").param == "messages"
     assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "stop[2]: must be non-empty").param == "stop"
@@ -135,8 +135,8 @@ def test_field_named_by_a_grpc_error_becomes_the_openai_param() -> None:
 
 
 def test_the_message_names_the_field_as_param_does() -> None:
-    assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: must be in 0..8").message == (
-        "logprobs: must be in 0..8")
+    assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: must be in 0..20").message == (
+        "logprobs: must be in 0..20")
     assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "prompt: 300 tokens", "chat").message == "messages: 300 tokens"
     assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "stop[2]: empty").message == "stop[2]: empty"
 

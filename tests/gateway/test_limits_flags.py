@@ -21,5 +21,5 @@ def test_max_top_logprobs_is_a_flag_that_lowers_the_cap() -> None:
 
 def test_max_top_logprobs_above_the_models_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        parse_config(REQUIRED + ["--max-top-logprobs", "9"])
-    assert "--max-top-logprobs: must be in 0..8" in capsys.readouterr().err
+        parse_config(REQUIRED + ["--max-top-logprobs", "21"])
+    assert "--max-top-logprobs: must be in 0..20" in capsys.readouterr().err

@@ -37,7 +37,7 @@ def bad_field(**fields: object) -> str:
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.01}, "top_p"),
     ({"top_p": math.nan}, "top_p"),
-    ({"top_logprobs": 9}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": -1}, "top_logprobs"),
     ({"stop": ["a", "b", "c"]}, "stop"),
     ({"stop": ["abcde"]}, "stop[0]"),
