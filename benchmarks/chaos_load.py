@@ -23,6 +23,7 @@ import grpc
 from gateway.client import completion_request, generate_request
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from serving_common.errors import details_of
+from serving_common.limits import MAX_TOP_LOGPROBS
 
 BUSY_OR_DOWN = {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}  # allowed for every kind while the stack is attacked
 EXPECTED = {
@@ -158,7 +159,7 @@ class Caller:
         elif broken == "top_p":
             sampling.top_p = self.rng.choice([0.0, 1.5, float("nan")])
         elif broken == "top_logprobs":
-            sampling.top_logprobs = self.rng.choice([-1, 9, 2**31 - 1])
+            sampling.top_logprobs = self.rng.choice([-1, MAX_TOP_LOGPROBS + 1, 2**31 - 1])
         elif broken == "stop":
             sampling.stop.extend([""])
         else:
