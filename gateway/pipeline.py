@@ -160,7 +160,7 @@ class Pipeline:
         echo = ""
         if request.sampling.echo:  # a token prompt, or what truncation kept of a prompt, is echoed as its text
             echo = (await self.tokenizer.decode(planned.prompt_ids, deadline, metadata)
-                    if request.prompt_token_ids or planned.truncated else request.prompt)
+                    if request.prompt_token_ids or len(planned.prompt_ids) < len(prompt_ids) else request.prompt)
         progress.prompt_tokens = len(planned.prompt_ids)
         # Before the model call: a tokenizer that cannot give its table costs no model slot.
         table = await self.tokenizer.piece_table(deadline) if self.local_detokenize else None

@@ -118,7 +118,6 @@ class Plan:
     max_tokens: int  # what the model generates
     n: int = 1  # completions
     echo_only: bool = False  # echo with max_tokens 0: the model scores the prompt, its one token is dropped
-    truncated: bool = False  # truncate_prompt_tokens cut the prompt: prompt_ids are its last tokens
 
 
 def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoResponse, limits: Limits) -> Plan:
@@ -133,13 +132,11 @@ def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoRes
             if not 0 <= token < vocab:
                 raise invalid(field, f"token id {token} is outside the vocabulary [0, {vocab})")
     n = s.n or 1
-    truncated = False
     if s.HasField("truncate_prompt_tokens"):  # vLLM's: the prompt's last k tokens
         keep = context if s.truncate_prompt_tokens == -1 else s.truncate_prompt_tokens
         if keep > context:
             raise invalid("truncate_prompt_tokens", f"{keep} is over the model's context of {context} tokens; "
                                                     "send at most that, or -1 for the context")
-        truncated = len(prompt_ids) > keep
         prompt_ids = prompt_ids[-keep:]
     if info.slots and n > info.slots:
         raise invalid("n", f"{n} completions is over the model's {info.slots} slots (each completion takes one); "
@@ -157,6 +154,6 @@ def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoRes
             raise invalid("max_tokens", f"prompt ({count} tokens) + max_tokens ({s.max_tokens}) is over the "
                           f"model's context of {context} tokens; lower max_tokens to at most {context - count}")
         if s.max_tokens == 0:  # (with echo) the prompt alone: the model runs its prompt and one token, as vLLM's does
-            return Plan(tuple(prompt_ids), 1, n, echo_only=True, truncated=truncated)
-        return Plan(tuple(prompt_ids), s.max_tokens, n, truncated=truncated)
-    return Plan(tuple(prompt_ids), min(limits.default_max_tokens, context - count), n, truncated=truncated)
+            return Plan(tuple(prompt_ids), 1, n, echo_only=True)
+        return Plan(tuple(prompt_ids), s.max_tokens, n)
+    return Plan(tuple(prompt_ids), min(limits.default_max_tokens, context - count), n)

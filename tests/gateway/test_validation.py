@@ -102,9 +102,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens() -> None:
     whole; -1 keeps what the context holds; the default max_tokens then follows the kept prompt."""
     ids = list(range(10, 30))
     kept = plan(generate_request("p", truncate_prompt_tokens=3), ids, INFO, LIMITS)
-    assert kept.prompt_ids == (27, 28, 29) and kept.truncated and kept.max_tokens == 50
+    assert kept.prompt_ids == (27, 28, 29) and kept.max_tokens == 50
     whole = plan(generate_request("p", truncate_prompt_tokens=20), ids, INFO, LIMITS)
-    assert whole.prompt_ids == tuple(ids) and not whole.truncated
+    assert whole.prompt_ids == tuple(ids)
     assert plan(generate_request("p", truncate_prompt_tokens=-1), ids, INFO, LIMITS).prompt_ids == tuple(ids)
     long = plan(generate_request("p", truncate_prompt_tokens=30), [5] * 33 + [6] * 30, INFO, LIMITS)
     assert long.prompt_ids == (6,) * 30 and long.max_tokens == 34  # 63 tokens would be over the longest prompt
