@@ -1,7 +1,7 @@
 """`python -m model_service.run`: one offline completion, like the reference's run.py.
 
-Loads the weights, tokenizes the prompt with SentencePiece (no BOS, as the reference), generates
-through the same Engine and Scheduler the service uses (so sampling, seeds and stop rules are
+Loads the weights exactly as the service does (loading.py), tokenizes the prompt with SentencePiece (no BOS, as
+the reference), generates through the same Engine and Scheduler the service uses (so sampling, seeds and stop rules are
 identical), and prints only the completion text on stdout; logs go to stderr.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+from typing import Any
 
 from model_service.config import ConfigError, MeshConfig
 from serving_common import logs
@@ -36,31 +37,26 @@ def parser() -> EnvArgumentParser:
     return p
 
 
+def load(args: argparse.Namespace) -> Any:
+    """The one-slot Engine of `args`' model, loaded and compiled as the model service does (loading.py: packed for
+    the native products as the weights load, the table kept in the checkpoint's type)."""
+    from model_service import loading
+
+    config = loading.ServerConfig(config=args.config, checkpoint=args.checkpoint, random_init=args.random_init,
+                                  dtype=args.dtype, mesh=MeshConfig.parse(args.mesh), slots=1, max_queue=1)
+    return loading.build_engine(config, loading.resolve(config))
+
+
 def generate(args: argparse.Namespace) -> str:
-    import jax.numpy as jnp
     import sentencepiece
 
-    from model_service import checkpoint
-    from model_service.config import load_model_config, validate
-    from model_service.engine import Engine
-    from model_service.model import GrokModel
     from model_service.requests import Emission, GenerationRequest, SchedulerError
     from model_service.sampling_settings import SamplingSettings
     from model_service.scheduler import Scheduler
-    from model_service.sharding import make_mesh
 
-    if not args.checkpoint and not args.random_init:
-        raise ValueError("no --checkpoint given (pass --random-init to use random weights deliberately)")
-    cfg = load_model_config(args.config)
-    mesh_cfg = MeshConfig.parse(args.mesh)
-    validate(cfg, mesh_cfg)
     tokenizer = sentencepiece.SentencePieceProcessor(model_file=args.tokenizer)
     ids = tokenizer.encode(args.prompt)
-    mesh = make_mesh(mesh_cfg)
-    dtype = jnp.dtype(args.dtype)
-    params = (checkpoint.load_params(args.checkpoint, cfg, mesh, dtype) if args.checkpoint
-              else checkpoint.random_params(cfg, mesh, dtype, 0))
-    engine = Engine(GrokModel(cfg, mesh, dtype), params, cfg, mesh, slots=1)
+    engine = load(args)
     scheduler = Scheduler(engine, max_queue=1)
     out: list[int] = []
     done = threading.Event()

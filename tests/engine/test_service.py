@@ -169,6 +169,27 @@ def test_run_prints_only_the_reference_completion() -> None:
     assert done.stdout == case["output_text"] + "\n"
 
 
+def test_run_holds_the_weights_exactly_as_the_service_does() -> None:
+    """The offline runner loads through the service's path: each weight in the same layout and type (with native
+    products a float32 copy of a bfloat16 table would read twice the bytes a token), nothing held twice."""
+    import argparse
+
+    import jax
+
+    from model_service import loading, run
+
+    args = argparse.Namespace(config=GOLDEN_CONFIG, checkpoint=GOLDEN_CHECKPOINT, random_init=False,
+                              dtype="float32", mesh="1,1")
+    service = loading.load_engine(ServerConfig(config=GOLDEN_CONFIG, checkpoint=GOLDEN_CHECKPOINT, slots=1),
+                                  loading.resolve(ServerConfig(config=GOLDEN_CONFIG, checkpoint=GOLDEN_CHECKPOINT)))
+
+    def layout(params: object) -> list[tuple[str, tuple[int, ...], str]]:
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        return [(jax.tree_util.keystr(path), tuple(leaf.shape), str(leaf.dtype)) for path, leaf in leaves]
+
+    assert layout(run.load(args).params) == layout(service.params)
+
+
 @pytest.fixture(scope="module")
 def fake_loop() -> Iterator[LoopThread]:
     lt = LoopThread()
