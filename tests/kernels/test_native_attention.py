@@ -145,6 +145,20 @@ def test_a_rows_bits_do_not_depend_on_anything_else_in_the_call(isa: str) -> Non
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_a_long_prompt_chunk_split_over_items_keeps_every_rows_bits(isa: str) -> None:
+    # 48 rows of one sequence past 3,000 keys: their scores would outgrow L2 in one item, so the kernel cuts the
+    # chunk into items of fewer rows (each reading the keys again); every row keeps the bits it has alone.
+    c = Case(21, hq=2, hkv=1, d=8, bs=16, s=2, table=200, r=50)
+    c.seq[:48], c.seq[48:] = 0, 1
+    c.limit[:48], c.limit[48:] = 3000 + np.arange(48), [5, 3100]
+    out = _run(c, isa)
+    for r in (0, 19, 20, 21, 40, 47, 48, 49):
+        alone = _run(c, isa, c.q[r:r + 1], c.seq[r:r + 1], c.limit[r:r + 1], threads=1)[0]
+        np.testing.assert_array_equal(_bits(out[r]), _bits(alone), err_msg=f"row {r}")
+        np.testing.assert_allclose(out[r], c.reference(r), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_a_rows_bits_do_not_depend_on_the_thread_count(isa: str) -> None:
     # One decode row and a short chunk: the kernel splits the kv heads into more items as threads grow.
     c = Case(12, hq=8, hkv=4, d=32, bs=16, s=2, table=8, r=5)
