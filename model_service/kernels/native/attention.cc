@@ -8,10 +8,11 @@
 // capped 30 tanh(s / 30), softmax, weighted sum of the values. Unmarked rows are zero and cost nothing.
 // A marked row needs 0 <= limit < L * BS and valid blocks up to its limit; anything else is an error.
 //
-// Work items are (up to kVectorsPerHead / G rows of one sequence, a range of kv heads): the rows of a prompt
-// chunk share each key and value load, and an item reads its heads' adjacent slices of each block together. Each item is computed start to finish by one thread, and an item's arithmetic per
-// row does not depend on the item's other rows (attention_body.h), so a row's bits are the same whatever R,
-// the other rows, the mask, the row order, the grouping or the thread count.
+// Work items are (rows of one sequence, a range of kv heads), sized so that their scores stay in L2 where that
+// moves fewer bytes (VectorsPerItem): the rows of a prompt chunk share each key and value load, and an item reads
+// its heads' adjacent slices of each block together. Each item is computed start to finish by one thread, and an
+// item's arithmetic per row does not depend on the item's other rows (attention_body.h), so a row's bits are the
+// same whatever R, the other rows, the mask, the row order, the grouping or the thread count.
 //
 // grok_attention_math(x f32 [N]) -> f32 [N], attributes fn (0 exp, 1 the cap 30 tanh(x / 30)), isa: the
 // kernel's vectorised functions on their own, for the accuracy tests.
