@@ -1,8 +1,8 @@
 """`python -m model_service.run`: one offline completion, like the reference's run.py.
 
 Loads the weights exactly as the service does (loading.py), tokenizes the prompt with SentencePiece (no BOS, as
-the reference), generates through the same Engine and Scheduler the service uses (so sampling, seeds and stop rules are
-identical), and prints only the completion text on stdout; logs go to stderr.
+the reference), generates through the same Engine and Scheduler the service uses (so sampling, seeds and stop
+rules are identical), and prints only the completion text on stdout; logs go to stderr.
 """
 
 from __future__ import annotations

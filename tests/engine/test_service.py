@@ -171,7 +171,7 @@ def test_run_prints_only_the_reference_completion() -> None:
 
 def test_run_holds_the_weights_exactly_as_the_service_does() -> None:
     """The offline runner loads through the service's path: each weight in the same layout and type (with native
-    products a float32 copy of a bfloat16 table would read twice the bytes a token), nothing held twice."""
+    products a float32 copy of a bfloat16 table would read twice the bytes a token)."""
     import argparse
 
     import jax
@@ -180,8 +180,8 @@ def test_run_holds_the_weights_exactly_as_the_service_does() -> None:
 
     args = argparse.Namespace(config=GOLDEN_CONFIG, checkpoint=GOLDEN_CHECKPOINT, random_init=False,
                               dtype="float32", mesh="1,1")
-    service = loading.load_engine(ServerConfig(config=GOLDEN_CONFIG, checkpoint=GOLDEN_CHECKPOINT, slots=1),
-                                  loading.resolve(ServerConfig(config=GOLDEN_CONFIG, checkpoint=GOLDEN_CHECKPOINT)))
+    config = ServerConfig(config=GOLDEN_CONFIG, checkpoint=GOLDEN_CHECKPOINT, slots=1)
+    service = loading.load_engine(config, loading.resolve(config))
 
     def layout(params: object) -> list[tuple[str, tuple[int, ...], str]]:
         leaves = jax.tree_util.tree_leaves_with_path(params)
