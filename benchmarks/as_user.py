@@ -10,6 +10,10 @@ with no other flag (the defaults a user gets: slots, tiles, step size, pacing), 
 measurements alternate between them; with --llamacpp DIR, llama.cpp (../shared/bench/llamacpp, Q8_0, 2 threads;
 the GGUF that `run.sh DIR [CONFIG]` wrote) runs its 1- and 8-sequence points after each round, and the report
 gives ours / llama.cpp for one stream (its per-stream rate) and for 8 (the aggregate). Run it alone on the box.
+Each run records the prompt tokens the service's prefix cache served (`prompt_tokens_from_cache`, read from its
+/metrics): speed.py sends the same prompts every invocation, so after the first the cache serves their first
+16-token block and a TTFT is that of the prompt's tail. benchmarks.engine's prompts never repeat: its TTFTs are
+whole prompts', as llama.cpp's are.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from typing import Any
 
 from benchmarks import box
@@ -32,6 +37,7 @@ from tests.procs import SHARED, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEED = SHARED / "bench" / "speed.py"
+CACHE_HITS = "grok_model_prefix_cache_hits_total"
 
 
 class Service:
@@ -40,14 +46,24 @@ class Service:
     def __init__(self, repo: pathlib.Path, config: pathlib.Path, log: pathlib.Path, extra: list[str]) -> None:
         self.repo = repo
         self.address = f"127.0.0.1:{free_port()}"
+        self.metrics = f"http://127.0.0.1:{free_port()}/metrics"  # observes only: what the prefix cache served
         self._log = open(log, "wb")
         host, port = self.address.split(":")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(repo)}
         env.pop("XLA_FLAGS", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "model_service", "--config", str(config), "--random-init",
-                                      "--host", host, "--port", port, *extra], cwd=repo, env=env,
+                                      "--host", host, "--port", port, "--metrics-port",
+                                      self.metrics.split(":")[2].split("/")[0], *extra], cwd=repo, env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
         self.start_seconds = round(wait_started(self.proc, self.address, repo, log), 1)
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens the service's prefix cache has served so far."""
+        with urllib.request.urlopen(self.metrics, timeout=10) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith(CACHE_HITS + " "):
+                    return int(float(line.split()[1]))
+        return 0
 
     def close(self) -> None:
         terminate(self.proc, 30.0)
@@ -55,7 +71,10 @@ class Service:
 
 
 def speed(service: Service, streams: int, tokens: int, greedy: bool) -> dict[str, Any]:
-    """One run of the acceptance client against `service`, with the box's load around it."""
+    """One run of the acceptance client against `service`, with the box's load around it and the prompt tokens
+    the prefix cache served (speed.py's prompts repeat from one invocation to the next, so from the second on the
+    cache serves each prompt's first block: a time to first token is then that of the prompt's tail)."""
+    cached = service.cached_tokens()
     watch = box.CpuWatch()
     watch.start()
     run = subprocess.run([sys.executable, str(SPEED), service.address, str(streams), str(tokens)]
@@ -64,7 +83,8 @@ def speed(service: Service, streams: int, tokens: int, greedy: bool) -> dict[str
     shared = watch.stop()
     if run.returncode != 0:
         raise RuntimeError(f"speed.py failed: {run.stderr[-2000:]}")
-    return {**json.loads(run.stdout.strip().splitlines()[-1]), "box": shared.as_dict() if shared else None}
+    return {**json.loads(run.stdout.strip().splitlines()[-1]), "prompt_tokens_from_cache":
+            service.cached_tokens() - cached, "box": shared.as_dict() if shared else None}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -143,14 +143,18 @@ def stream(stub: Any, prompt: list[int], tokens: int, seed: int, mode: str) -> d
 
 
 def measure(address: str, streams: int, args: argparse.Namespace, vocab: int, mode: str, run: int) -> dict:
-    """`streams` simultaneous requests (started together by a barrier); their decode rate and first tokens."""
-    rng = random.Random(1000 * run + streams)
-    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(streams)]
+    """`streams` simultaneous requests (started together by a barrier); their decode rate and first tokens.
+
+    Every request (the warm-up's too) has prompts of its own, drawn from the run, the stream count and the mode:
+    the service's prefix cache (on by default) would otherwise serve a repeated prompt's first blocks, and its
+    time to first token would be that of the prompt's tail, not of a whole prompt as llama.cpp's is."""
+    rng = random.Random(f"{run}/{streams}/{mode}")
+    warm, *prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(streams + 1)]
     results: list[dict[str, float]] = [{} for _ in range(streams)]
     barrier = threading.Barrier(streams)
     with grpc.insecure_channel(address) as channel:
         stub = model_pb2_grpc.ModelServiceStub(channel)
-        stream(stub, prompts[0], 2, 0, mode)  # connect (and compile the constraint) outside the measurement
+        stream(stub, warm, 2, 0, mode)  # connect (and compile the constraint) outside the measurement
 
         def run_one(i: int) -> None:
             barrier.wait()
