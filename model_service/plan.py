@@ -7,22 +7,17 @@ clocks or engine calls here, so the policy is tested as data (tests/engine/test_
 
 Every token is a row; a step spends one budget of rows (the engine's `max_rows`) over, in this order:
   - one row for every running sample whose tokens are all computed but its newest (a decode: the row draws
-    the next token) that was streaming (its first token delivered; a sample yet to deliver one: its request
-    arrived) before the prompts below arrived;
+    the next token);
   - prompt rows of samples still computing theirs, in admission order (a sample of an n > 1 request that
     shares its first sample's prompt blocks only after that sample computed them: `after`);
   - waiting requests in queue order, into the lowest free slots: a request of n samples waits for n free slots,
-    every request for the KV blocks it takes; nothing overtakes the head of the queue;
-  - each other decode takes its row before the first prompt that arrived after its stream began, so a stream
-    yields only to prompts that were waiting before its first token: of a burst of requests arriving together,
-    the prompts that have slots are computed before the burst's first streams draw their second tokens
-    (SGLang's and TGI's prefill first, bounded: a stream is never held back for a prompt that came after it).
-The step's rows are laid out decodes first. Speculative drafts (speculative.py) take only the rows left after
-all of that. While samples decode that were already streaming when the oldest prompt with rows to compute
-arrived, prompt rows get at most `prefill_budget` row-equivalents (pacing.py: a row at position p costs
-1 + p / key_scale, and the scheduler sizes the budget from measured step times, so running streams keep their
-pace while a long prompt enters); otherwise (nothing decodes, or only samples whose first token came after
-that prompt arrived, as in a burst of prompts arriving together) prompts get every row of the step.
+    every request for the KV blocks it takes; nothing overtakes the head of the queue.
+Speculative drafts (speculative.py) take only the rows left after all of that. While samples decode that were
+already streaming (their first token delivered) when the oldest prompt with rows to compute arrived, prompt rows get at most `prefill_budget`
+row-equivalents (pacing.py: a row at position p costs 1 + p / key_scale, and the scheduler sizes the budget from
+measured step times, so running streams keep their pace while a long prompt enters); otherwise (nothing
+decodes, or only samples whose first token came after that prompt arrived, as in a burst of prompts arriving
+together) prompts get every row of the step: a prompt is not held back for streams that came after it.
 Requests that were cancelled or passed their deadline end first, and their slots and blocks serve this very
 step's admissions.
 """
@@ -137,32 +132,18 @@ def schedule(view: View, policy: Policy) -> StepPlan:
     # first sample to compute the blocks they share.
     decoding = [s for s in live if not s.done and s.computed == s.length - 1
                 and (s.after is None or computed.get(s.after, s.shared) >= s.shared)]
+    decodes = [Chunk(s.key, s.length - 1, 1, True) for s in decoding]
     oldest_prompt = min([s.arrived for s in live if not s.done and s.computed < s.length - 1]
                         + [w.arrived for w in view.waiting if not w.ended], default=math.inf)
     paced = any(s.decoding_since < oldest_prompt for s in decoding)  # streams the prompts came after
-    budget = _Budget(policy.max_rows, policy.prefill_budget if paced else float("inf"), policy.key_scale)
-    # A decode ranks by when its stream began (a sample yet to deliver a token: when its request arrived) and
-    # takes its row before the prompts that arrived after that, after those that arrived before.
-    rank = {s.key: s.decoding_since if s.decoding_since < math.inf else s.arrived for s in decoding}
-    pending = sorted(decoding, key=lambda s: rank[s.key])  # stable: admission order among equals
-    granted: set[Key] = set()
-
-    def grant(until: float) -> None:
-        while pending and rank[pending[0].key] <= until and budget.rows > 0:
-            granted.add(pending.pop(0).key)
-            budget.rows -= 1
-
-    chunks: list[Chunk] = []
-    for s in live:
-        if s.computed < s.length - 1:
-            grant(s.arrived)
-            chunks += _prompt_chunks([s], computed, budget)
+    budget = _Budget(policy.max_rows - len(decodes), policy.prefill_budget if paced else float("inf"),
+                     policy.key_scale)
+    chunks = decodes + _prompt_chunks([s for s in live if s.computed < s.length - 1], computed, budget)
     admit: list[Admit] = []
     blocks = view.free_blocks
     for w in view.waiting:
         if w.ended:
             continue
-        grant(w.arrived)
         if budget.rows <= 0 or budget.cost <= 0 or len(free) < len(w.samples) or (
                 blocks is not None and w.blocks > blocks):
             break  # the head waits (for rows, slots or blocks); the queue stays in order
@@ -174,9 +155,6 @@ def schedule(view: View, policy: Policy) -> StepPlan:
         new = [dataclasses.replace(s, slot=slot) for s, slot in zip(w.samples, slots)]
         computed.update((s.key, s.computed) for s in new)
         chunks += _prompt_chunks(new, computed, budget)
-    grant(math.inf)
-    decodes = [Chunk(s.key, s.length - 1, 1, True) for s in decoding if s.key in granted]
-    chunks = decodes + chunks
     drafts = {s.key: s.drafts for s in live if s.drafts}
     for i, c in enumerate(chunks[:len(decodes)]):  # drafts take only the rows nothing else needs
         k = min(drafts.get(c.key, 0), budget.rows)
