@@ -9,9 +9,11 @@ prompt is sent. Reported: the streams' inter-token gaps before it arrived (media
 (p50, p99, max, and p99 over the median before: the promise is <= 2), its time to first token; then, unless
 --no-control, the same streams again without the long prompt over the same tokens of each (their gaps grow
 with their length: the control's median is the fair denominator, `p99_over_control_median`); and whether a
-prompt of exactly context - 1 tokens gets its token and one of context tokens a clear INVALID_ARGUMENT. With
---repo the same runs against other checkouts (e.g. the code before a change; one that refuses the long
-prompt says so).
+prompt of exactly context - 1 tokens gets its token and one of context tokens a clear INVALID_ARGUMENT; last, a
+new prompt of --prompt tokens on the idle service (`ttft_alone_s`). With --repo the same runs against other
+checkouts (e.g. the code before a change; one that refuses the long prompt says so). With --llamacpp DIR,
+llama.cpp (../shared/bench/llamacpp's build and GGUF, 2 threads, batches of 512) computes a prompt of that
+length alone at the same context, after the arms: `alone_over_llamacpp` is ours over its time.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import pathlib
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -31,7 +34,7 @@ from typing import Any
 import grpc
 
 from benchmarks import box
-from benchmarks.engine import MEDIUM, ModelService, print_report
+from benchmarks.engine import MEDIUM, ModelService, llamacpp_gguf, print_report
 from grok.model.v1 import model_pb2, model_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -106,11 +109,15 @@ def run(address: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
                    max((k for k in range(len(s) - 1) if s[k + 1] <= first[0]), default=0)) for s in stamps]
         alone = control(stub, prompts, args.context - 40, ranges) if args.control else []
         edge = limits(stub, args.context, vocab)
+        by_itself: list[float] = []  # a new prompt of the same length on the idle service (nothing cached)
+        sent_alone = time.monotonic()
+        generate(stub, [rng.randrange(3, vocab) for _ in range(args.prompt)], 1, by_itself)
     before = [b - a for s in stamps for a, b in zip(s, s[1:]) if b < sent]
     during = [b - a for s in stamps for a, b in zip(s, s[1:]) if sent <= a and b <= first[0]]
     median_before = statistics.median(before)
     q = statistics.quantiles(during, n=100) if len(during) > 1 else [during[0]] * 99
     out = {"long_prompt_tokens": args.prompt, "ttft_s": round(first[0] - sent, 3),
+           "ttft_alone_s": round(by_itself[0] - sent_alone, 3),
            "gap_median_before_s": round(median_before, 4), "gaps_during": len(during),
            "gap_p50_during_s": round(statistics.median(during), 4), "gap_p99_during_s": round(q[98], 4),
            "gap_max_during_s": round(max(during), 4), "p99_over_median_before": round(q[98] / median_before, 3)}
@@ -147,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-control", dest="control", action="store_false",
                    help="skip the control run (the same streams over the same tokens with no long prompt)")
     p.add_argument("--repo", action="append", default=[], help="LABEL=DIR: another checkout to run too")
+    p.add_argument("--llamacpp", type=pathlib.Path, default=None, metavar="DIR",
+                   help="also time llama.cpp on the same prompt alone (the build and GGUF of "
+                        "../shared/bench/llamacpp/run.sh DIR [CONFIG])")
     p.add_argument("--out", type=pathlib.Path, default=None)
     args = p.parse_args(argv)
     repos = {"now": ROOT, **{r.split("=", 1)[0]: pathlib.Path(r.split("=", 1)[1]).resolve() for r in args.repo}}
@@ -166,8 +176,30 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 service.close()
             print(json.dumps({label: results[label]}), file=sys.stderr, flush=True)
+    if args.llamacpp is not None:
+        results["llamacpp"] = llamacpp_prompt(args.llamacpp, args.config, args.prompt, args.context)
+        for label in repos:
+            if "ttft_alone_s" in results[label]:
+                results[label]["alone_over_llamacpp"] = round(
+                    results[label]["ttft_alone_s"] / results["llamacpp"]["seconds"], 3)
     print_report(results, args.out)
     return 0
+
+
+def llamacpp_prompt(directory: pathlib.Path, config: pathlib.Path, tokens: int, context: int) -> dict[str, Any]:
+    """llama.cpp's time for a prompt of `tokens` alone at `context` (benchmarks/llamacpp_prompt.py, run with the
+    llama.cpp build's interpreter on the GGUF that ../shared/bench/llamacpp/run.sh DIR [CONFIG] wrote)."""
+    python, model = directory / "venv" / "bin" / "python", llamacpp_gguf(directory, config)
+    if not python.exists() or not model.exists():
+        raise FileNotFoundError(f"no llama.cpp build or GGUF in {directory}: run ../shared/bench/llamacpp/run.sh first")
+    watch = box.CpuWatch()
+    watch.start()
+    run = subprocess.run([str(python), str(ROOT / "benchmarks" / "llamacpp_prompt.py"), str(model), str(tokens),
+                          str(context)], capture_output=True, text=True, timeout=3600)
+    shared = watch.stop()
+    if run.returncode != 0:
+        raise RuntimeError(f"llama.cpp's prompt failed ({run.returncode}): {run.stderr[-2000:]}")
+    return {**json.loads(run.stdout.strip().splitlines()[-1]), "box": shared.as_dict() if shared else None}
 
 
 if __name__ == "__main__":
