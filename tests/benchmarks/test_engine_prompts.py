@@ -36,3 +36,18 @@ def test_no_measured_prompt_shares_a_cached_block_with_an_earlier_request(monkey
     assert all(len(p) == 32 for p in sent)
     first_blocks = [p[:BLOCK_SIZE] for p in sent]
     assert len(set(first_blocks)) == len(first_blocks), "a request repeats an earlier one's first KV block"
+
+
+def test_as_user_reads_the_prompt_tokens_the_cache_served_from_the_services_metrics(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import as_user
+
+    page = (b"# HELP grok_model_prefix_cache_hits_total Prompt tokens served from the prefix cache\n"
+            b"# TYPE grok_model_prefix_cache_hits_total counter\n"
+            b"grok_model_prefix_cache_hits_total 48.0\n"
+            b"grok_model_prefix_cache_hits_created 1.7e+09\n")
+    monkeypatch.setattr(as_user.urllib.request, "urlopen", lambda url, timeout: contextlib.nullcontext(
+        type("Page", (), {"read": lambda self: page})()))
+    service = as_user.Service.__new__(as_user.Service)
+    service.metrics = "http://127.0.0.1:1/metrics"
+    assert service.cached_tokens() == 48
