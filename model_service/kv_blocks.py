@@ -79,6 +79,9 @@ class KVBlocks:
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._tables: list[list[int]] = [[] for _ in range(slots)]
+        # per slot: the salt and the hash chain of its sequence's leading blocks registered so far (a prompt is
+        # registered after every chunk; each block is hashed once)
+        self._chains: list[tuple[bytes, list[bytes]]] = [(b"", []) for _ in range(slots)]
         self._array: np.ndarray | None = None  # `table()`, until a table changes
         self.queries = 0
         self.hits = 0
@@ -182,15 +185,21 @@ class KVBlocks:
         if self._tables[slot]:
             self._tables[slot] = []
             self._array = None
+        self._chains[slot] = (b"", [])
 
     def register(self, slot: int, prompt: Sequence[int], computed: int, salt: bytes = b"") -> None:
         """The slot's first `computed` positions hold `prompt`'s tokens: key its full blocks for reuse under
         `salt`. A block whose content another block already holds stays unkeyed (freed when done)."""
         if not self.caching:
             return
-        key = _root(salt)
-        for i, block in enumerate(self._tables[slot][:min(computed, len(prompt)) // self.block_size]):
-            key = _chain(key, prompt[i * self.block_size:(i + 1) * self.block_size])
+        blocks = self._tables[slot][:min(computed, len(prompt)) // self.block_size]
+        known, keys = self._chains[slot]
+        if known != salt:
+            keys = []
+            self._chains[slot] = (salt, keys)
+        for i in range(len(keys), len(blocks)):
+            keys.append(_chain(keys[-1] if keys else _root(salt), prompt[i * self.block_size:(i + 1) * self.block_size]))
+        for block, key in zip(blocks, keys):
             if block in self._key_of or key in self._block_of:
                 continue
             self._key_of[block] = key

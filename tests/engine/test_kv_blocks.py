@@ -106,3 +106,36 @@ def test_with_caching_off_nothing_is_kept_or_reused() -> None:
     kv.register(0, prompt, 30)
     kv.release(0)
     assert kv.assign_prompt(0, prompt, 30) == 0 and kv.usage().cached == 0 and kv.usage().queries == 0
+
+
+def test_a_prompt_registered_chunk_by_chunk_hashes_each_block_once_and_keys_what_one_registration_would(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A long prompt is registered after every chunk the scheduler computes: hashing it again from its first block
+    # each time made a 6,000-token prompt's registrations quadratic (~0.7 ms a step at its end).
+    import model_service.kv_blocks as kv_blocks
+
+    hashed = 0
+    chain = kv_blocks._chain
+
+    def counted(previous: bytes, tokens: object) -> bytes:
+        nonlocal hashed
+        hashed += 1
+        return chain(previous, tokens)  # type: ignore[arg-type]
+
+    prompt = [3 + (i * 7) % 1000 for i in range(1000)]
+    once = KVBlocks(num_blocks=80, block_size=16, slots=2, table_len=64)
+    once.assign_prompt(0, prompt, 1001, reuse=False)
+    once.register(0, prompt, 1000, salt=b"s")
+    monkeypatch.setattr(kv_blocks, "_chain", counted)
+    kv = KVBlocks(num_blocks=80, block_size=16, slots=2, table_len=64)
+    kv.assign_prompt(0, prompt, 1001, reuse=False)
+    for computed in (*range(24, 1000, 24), 1000):
+        kv.register(0, prompt, computed, salt=b"s")
+    assert hashed == 1000 // 16
+    assert kv._key_of == once._key_of and kv._block_of == once._block_of
+    # A new sequence in the slot starts its chain again.
+    kv.release(0)
+    other = [5] * 64
+    kv.assign_prompt(0, other, 65, reuse=False)
+    kv.register(0, other, 64)
+    assert kv.reusable(other + [1]) == 64
