@@ -61,6 +61,9 @@ def _root(salt: bytes) -> bytes:
     return hashlib.blake2b(salt, digest_size=16, person=b"kv-cache-salt").digest() if salt else b""
 
 
+PROMPT_KEYS = 64  # prompts whose block keys KVBlocks keeps between lookups (a queue's worth)
+
+
 class KVBlocks:
     """Block tables for `slots` sequences over a pool of `num_blocks` blocks."""
 
@@ -83,6 +86,9 @@ class KVBlocks:
         # registered after every chunk; each block is hashed once)
         self._chains: list[tuple[bytes, list[bytes]]] = [(b"", []) for _ in range(slots)]
         self._array: np.ndarray | None = None  # `table()`, until a table changes
+        # (salt, tokens) -> their leading blocks' keys as far as looked up: the scheduler asks about every queued
+        # prompt every step, and a long cached prefix would otherwise be hashed again each time
+        self._prompt_keys: OrderedDict[tuple[bytes, tuple[int, ...]], list[bytes]] = OrderedDict()
         self.queries = 0
         self.hits = 0
 
@@ -209,14 +215,29 @@ class KVBlocks:
     def _match(self, tokens: Sequence[int], limit: int, salt: bytes = b"") -> list[int]:
         """Cached blocks holding the prompt's leading full blocks under `salt`, up to `limit` tokens, in order."""
         out: list[int] = []
-        key = _root(salt)
+        keys = self._chain_keys(salt, tokens)
         for i in range(limit // self.block_size):
-            key = _chain(key, tokens[i * self.block_size:(i + 1) * self.block_size])
-            block = self._block_of.get(key)
+            if i == len(keys):  # hashed as far as a lookup needs, once per prompt
+                keys.append(_chain(keys[-1] if keys else _root(salt),
+                                   tokens[i * self.block_size:(i + 1) * self.block_size]))
+            block = self._block_of.get(keys[i])
             if block is None:
                 break
             out.append(block)
         return out
+
+    def _chain_keys(self, salt: bytes, tokens: Sequence[int]) -> list[bytes]:
+        """The keys of `tokens`' leading blocks under `salt` found so far (extended in place by `_match`), kept for
+        the PROMPT_KEYS prompts looked up last."""
+        name = (salt, tokens if isinstance(tokens, tuple) else tuple(tokens))
+        keys = self._prompt_keys.get(name)
+        if keys is None:
+            keys = self._prompt_keys[name] = []
+            if len(self._prompt_keys) > PROMPT_KEYS:
+                self._prompt_keys.popitem(last=False)
+        else:
+            self._prompt_keys.move_to_end(name)
+        return keys
 
     def _take(self, block: int) -> None:
         """One more holder of an existing block."""
