@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
+from model_service import kv_blocks
 from model_service.kv_blocks import KVBlocks, OutOfBlocks
 
 BS = 4
@@ -108,30 +111,41 @@ def test_with_caching_off_nothing_is_kept_or_reused() -> None:
     assert kv.assign_prompt(0, prompt, 30) == 0 and kv.usage().cached == 0 and kv.usage().queries == 0
 
 
+class Hashes:
+    """Counts the block hashes KVBlocks computes once `start()`ed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count, self._monkeypatch = 0, monkeypatch
+
+    def start(self) -> None:
+        chain = kv_blocks._chain
+
+        def counted(previous: bytes, tokens: Sequence[int]) -> bytes:
+            self.count += 1
+            return chain(previous, tokens)
+
+        self._monkeypatch.setattr(kv_blocks, "_chain", counted)
+
+
+@pytest.fixture
+def hashes(monkeypatch: pytest.MonkeyPatch) -> Hashes:
+    return Hashes(monkeypatch)
+
+
 def test_a_prompt_registered_chunk_by_chunk_hashes_each_block_once_and_keys_what_one_registration_would(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        hashes: Hashes) -> None:
     # A long prompt is registered after every chunk the scheduler computes: hashing it again from its first block
     # each time made a 6,000-token prompt's registrations quadratic (~0.7 ms a step at its end).
-    import model_service.kv_blocks as kv_blocks
-
-    hashed = 0
-    chain = kv_blocks._chain
-
-    def counted(previous: bytes, tokens: object) -> bytes:
-        nonlocal hashed
-        hashed += 1
-        return chain(previous, tokens)  # type: ignore[arg-type]
-
     prompt = [3 + (i * 7) % 1000 for i in range(1000)]
     once = KVBlocks(num_blocks=80, block_size=16, slots=2, table_len=64)
     once.assign_prompt(0, prompt, 1001, reuse=False)
     once.register(0, prompt, 1000, salt=b"s")
-    monkeypatch.setattr(kv_blocks, "_chain", counted)
+    hashes.start()
     kv = KVBlocks(num_blocks=80, block_size=16, slots=2, table_len=64)
     kv.assign_prompt(0, prompt, 1001, reuse=False)
     for computed in (*range(24, 1000, 24), 1000):
         kv.register(0, prompt, computed, salt=b"s")
-    assert hashed == 1000 // 16
+    assert hashes.count == 1000 // 16
     assert kv._key_of == once._key_of and kv._block_of == once._block_of
     # A new sequence in the slot starts its chain again.
     kv.release(0)
@@ -141,30 +155,20 @@ def test_a_prompt_registered_chunk_by_chunk_hashes_each_block_once_and_keys_what
     assert kv.reusable(other + [1]) == 64
 
 
-def test_a_queued_prompt_looked_up_every_step_hashes_each_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_queued_prompt_looked_up_every_step_hashes_each_block_once(hashes: Hashes) -> None:
     # Every step the scheduler asks how much of each queued prompt the cache serves and what admitting it costs;
     # hashing a long cached prefix again each time cost ~1.2 ms per queued 4,000-token prompt a step.
-    import model_service.kv_blocks as kv_blocks
-
-    hashed = 0
-    chain = kv_blocks._chain
-
-    def counted(previous: bytes, tokens: object) -> bytes:
-        nonlocal hashed
-        hashed += 1
-        return chain(previous, tokens)  # type: ignore[arg-type]
-
     kv = KVBlocks(num_blocks=200, block_size=16, slots=2, table_len=64)
     shared = [3 + (i * 7) % 1000 for i in range(640)]
     kv.assign_prompt(0, shared + [1], 641, reuse=False)
     kv.register(0, shared + [1], 640)
     kv.release(0)
-    monkeypatch.setattr(kv_blocks, "_chain", counted)
+    hashes.start()
     queued = [tuple(shared + [9, 9, n]) for n in range(3)]
     for _ in range(5):  # five steps
         for prompt in queued:
             assert kv.reusable(prompt) == 640 and kv.cost(prompt, len(prompt) + 1) == 41  # 40 evictable + 1
             assert kv.reusable(prompt, salt=b"other") == 0
-    assert hashed == len(queued) * (640 // 16 + 1)  # each prompt's blocks under "" once, one block under "other"
+    assert hashes.count == len(queued) * (640 // 16 + 1)  # each prompt's blocks under "" once, one block under "other"
     kv.assign_prompt(1, queued[0], len(queued[0]) + 1)  # admitted: it takes the cached blocks
     assert kv.blocks_of(1)[:40] == tuple(kv._block_of[k] for k in kv._chain_keys(b"", queued[0])[:40])
