@@ -61,7 +61,7 @@ def _root(salt: bytes) -> bytes:
     return hashlib.blake2b(salt, digest_size=16, person=b"kv-cache-salt").digest() if salt else b""
 
 
-PROMPT_KEYS = 64  # prompts whose block keys KVBlocks keeps between lookups (a queue's worth)
+PROMPT_KEYS = 64  # prompts whose block keys KVBlocks keeps between lookups (the running and queued ones)
 
 
 class KVBlocks:
@@ -82,12 +82,9 @@ class KVBlocks:
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._tables: list[list[int]] = [[] for _ in range(slots)]
-        # per slot: the salt and the hash chain of its sequence's leading blocks registered so far (a prompt is
-        # registered after every chunk; each block is hashed once)
-        self._chains: list[tuple[bytes, list[bytes]]] = [(b"", []) for _ in range(slots)]
         self._array: np.ndarray | None = None  # `table()`, until a table changes
-        # (salt, tokens) -> their leading blocks' keys as far as looked up: the scheduler asks about every queued
-        # prompt every step, and a long cached prefix would otherwise be hashed again each time
+        # (salt, tokens) -> their leading blocks' keys as far as hashed: the scheduler asks about every queued
+        # prompt every step and registers a prompt after every chunk, so each block is hashed once, not each time
         self._prompt_keys: OrderedDict[tuple[bytes, tuple[int, ...]], list[bytes]] = OrderedDict()
         self.queries = 0
         self.hits = 0
@@ -191,21 +188,15 @@ class KVBlocks:
         if self._tables[slot]:
             self._tables[slot] = []
             self._array = None
-        self._chains[slot] = (b"", [])
 
     def register(self, slot: int, prompt: Sequence[int], computed: int, salt: bytes = b"") -> None:
         """The slot's first `computed` positions hold `prompt`'s tokens: key its full blocks for reuse under
         `salt`. A block whose content another block already holds stays unkeyed (freed when done)."""
         if not self.caching:
             return
-        blocks = self._tables[slot][:min(computed, len(prompt)) // self.block_size]
-        known, keys = self._chains[slot]
-        if known != salt:
-            keys = []
-            self._chains[slot] = (salt, keys)
-        for i in range(len(keys), len(blocks)):
-            keys.append(_chain(keys[-1] if keys else _root(salt), prompt[i * self.block_size:(i + 1) * self.block_size]))
-        for block, key in zip(blocks, keys):
+        keys = self._chain_keys(salt, prompt)
+        for i, block in enumerate(self._tables[slot][:min(computed, len(prompt)) // self.block_size]):
+            key = self._key(keys, prompt, i, salt)
             if block in self._key_of or key in self._block_of:
                 continue
             self._key_of[block] = key
@@ -217,18 +208,23 @@ class KVBlocks:
         out: list[int] = []
         keys = self._chain_keys(salt, tokens)
         for i in range(limit // self.block_size):
-            if i == len(keys):  # hashed as far as a lookup needs, once per prompt
-                keys.append(_chain(keys[-1] if keys else _root(salt),
-                                   tokens[i * self.block_size:(i + 1) * self.block_size]))
-            block = self._block_of.get(keys[i])
+            block = self._block_of.get(self._key(keys, tokens, i, salt))
             if block is None:
                 break
             out.append(block)
         return out
 
+    def _key(self, keys: list[bytes], tokens: Sequence[int], i: int, salt: bytes) -> bytes:
+        """The key of `tokens`' block i under `salt`, extending `keys` (their chain so far) as far as that."""
+        while len(keys) <= i:
+            j = len(keys)
+            block = tokens[j * self.block_size:(j + 1) * self.block_size]
+            keys.append(_chain(keys[-1] if keys else _root(salt), block))
+        return keys[i]
+
     def _chain_keys(self, salt: bytes, tokens: Sequence[int]) -> list[bytes]:
-        """The keys of `tokens`' leading blocks under `salt` found so far (extended in place by `_match`), kept for
-        the PROMPT_KEYS prompts looked up last."""
+        """The keys of `tokens`' leading blocks under `salt` hashed so far (`_key` extends them), kept for the
+        PROMPT_KEYS prompts looked up last."""
         name = (salt, tokens if isinstance(tokens, tuple) else tuple(tokens))
         keys = self._prompt_keys.get(name)
         if keys is None:
