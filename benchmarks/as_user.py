@@ -46,14 +46,15 @@ class Service:
     def __init__(self, repo: pathlib.Path, config: pathlib.Path, log: pathlib.Path, extra: list[str]) -> None:
         self.repo = repo
         self.address = f"127.0.0.1:{free_port()}"
-        self.metrics = f"http://127.0.0.1:{free_port()}/metrics"  # observes only: what the prefix cache served
+        metrics_port = free_port()
+        self.metrics = f"http://127.0.0.1:{metrics_port}/metrics"  # observes only: what the prefix cache served
         self._log = open(log, "wb")
         host, port = self.address.split(":")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(repo)}
         env.pop("XLA_FLAGS", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "model_service", "--config", str(config), "--random-init",
                                       "--host", host, "--port", port, "--metrics-port",
-                                      self.metrics.split(":")[2].split("/")[0], *extra], cwd=repo, env=env,
+                                      str(metrics_port), *extra], cwd=repo, env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
         self.start_seconds = round(wait_started(self.proc, self.address, repo, log), 1)
 

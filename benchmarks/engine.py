@@ -279,8 +279,11 @@ def llamacpp_gguf(directory: pathlib.Path, config: pathlib.Path) -> pathlib.Path
     return directory / f"{config.stem}.gguf"
 
 
-def llamacpp_run(directory: pathlib.Path, mode: str, config: pathlib.Path = MEDIUM) -> dict[str, Any]:
-    """One llama.cpp measurement (a warm-up repetition, then one) of `mode`, as ../shared/bench/llamacpp runs it."""
+def llamacpp_script(directory: pathlib.Path, config: pathlib.Path, script: pathlib.Path, args: list[str],
+                    prefix: str = "") -> dict[str, Any]:
+    """Run `script args` with the llama.cpp build's interpreter in `directory` (../shared/bench/llamacpp, no AMX
+    buffers) on the GGUF of `config` (inserted before `args`), with the box's load around it: the JSON of its last
+    output line starting with `prefix`."""
     python, model = directory / "venv" / "bin" / "python", llamacpp_gguf(directory, config)
     if not python.exists() or not model.exists():
         extra = "" if config.resolve() == MEDIUM.resolve() else f" {config}"
@@ -288,13 +291,18 @@ def llamacpp_run(directory: pathlib.Path, mode: str, config: pathlib.Path = MEDI
                                 f"{directory}{extra}` once (~7 min)")
     watch = box.CpuWatch()
     watch.start()
-    run = subprocess.run([str(python), str(SHARED / "bench" / "llamacpp" / "bench.py"), str(model), "2", mode, "1"],
-                         capture_output=True, text=True, timeout=1800, env={**os.environ, "NO_EXTRA": "1"})
+    run = subprocess.run([str(python), str(script), str(model), *args], capture_output=True, text=True, timeout=3600,
+                         env={**os.environ, "NO_EXTRA": "1"})
     shared = watch.stop()
-    lines = [line for line in run.stdout.splitlines() if line.startswith("MEDIAN ")]
+    lines = [line for line in run.stdout.splitlines() if line.startswith(prefix)]
     if run.returncode != 0 or not lines:
-        raise RuntimeError(f"llama.cpp {mode} failed ({run.returncode}): {run.stderr[-2000:]}")
-    return {**json.loads(lines[-1][len("MEDIAN "):]), "box": shared.as_dict() if shared else None}
+        raise RuntimeError(f"llama.cpp {script.name} {' '.join(args)} failed ({run.returncode}): {run.stderr[-2000:]}")
+    return {**json.loads(lines[-1][len(prefix):]), "box": shared.as_dict() if shared else None}
+
+
+def llamacpp_run(directory: pathlib.Path, mode: str, config: pathlib.Path = MEDIUM) -> dict[str, Any]:
+    """One llama.cpp measurement (a warm-up repetition, then one) of `mode`, as ../shared/bench/llamacpp runs it."""
+    return llamacpp_script(directory, config, SHARED / "bench" / "llamacpp" / "bench.py", ["2", mode, "1"], "MEDIAN ")
 
 
 def beside_llamacpp(anchor: list[dict[str, Any]], ours: dict[str, Any],

@@ -2,7 +2,7 @@
 
     DIR/venv/bin/python benchmarks/llamacpp_prompt.py MODEL.gguf TOKENS CONTEXT   -> one JSON line
 
-The anchor's settings (../shared/bench/llamacpp): 2 threads, no extra (AMX) buffers; the prompt (random token
+The anchor's settings (../shared/bench/llamacpp): 2 threads, no extra (AMX) buffers with NO_EXTRA=1; the prompt (random token
 ids, like ours) in batches of 512 in a context of CONTEXT cells, timed around the evaluation alone after a short
 warm-up. Standalone: it imports llama_cpp only, not this project.
 """
@@ -18,8 +18,10 @@ import llama_cpp
 
 def main() -> None:
     model, tokens, context = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    params = llama_cpp.llama_model_default_params
-    llama_cpp.llama_cpp.llama_model_default_params = llama_cpp.llama_model_default_params = lambda: _no_extra(params())
+    if os.environ.get("NO_EXTRA") == "1":  # as the anchor's bench.py: no AMX buffers
+        params = llama_cpp.llama_model_default_params
+        llama_cpp.llama_cpp.llama_model_default_params = llama_cpp.llama_model_default_params = lambda: _no_extra(
+            params())
     llm = llama_cpp.Llama(model_path=model, n_ctx=context, n_threads=2, n_threads_batch=2, n_batch=512,
                           n_ubatch=512, verbose=False)
     rng = random.Random(11)

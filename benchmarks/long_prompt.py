@@ -24,7 +24,6 @@ import os
 import pathlib
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,7 +33,7 @@ from typing import Any
 import grpc
 
 from benchmarks import box
-from benchmarks.engine import MEDIUM, ModelService, llamacpp_gguf, print_report
+from benchmarks.engine import MEDIUM, ModelService, llamacpp_script, print_report
 from grok.model.v1 import model_pb2, model_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -187,19 +186,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def llamacpp_prompt(directory: pathlib.Path, config: pathlib.Path, tokens: int, context: int) -> dict[str, Any]:
-    """llama.cpp's time for a prompt of `tokens` alone at `context` (benchmarks/llamacpp_prompt.py, run with the
-    llama.cpp build's interpreter on the GGUF that ../shared/bench/llamacpp/run.sh DIR [CONFIG] wrote)."""
-    python, model = directory / "venv" / "bin" / "python", llamacpp_gguf(directory, config)
-    if not python.exists() or not model.exists():
-        raise FileNotFoundError(f"no llama.cpp build or GGUF in {directory}: run ../shared/bench/llamacpp/run.sh first")
-    watch = box.CpuWatch()
-    watch.start()
-    run = subprocess.run([str(python), str(ROOT / "benchmarks" / "llamacpp_prompt.py"), str(model), str(tokens),
-                          str(context)], capture_output=True, text=True, timeout=3600)
-    shared = watch.stop()
-    if run.returncode != 0:
-        raise RuntimeError(f"llama.cpp's prompt failed ({run.returncode}): {run.stderr[-2000:]}")
-    return {**json.loads(run.stdout.strip().splitlines()[-1]), "box": shared.as_dict() if shared else None}
+    """llama.cpp's time for a prompt of `tokens` alone at `context` (benchmarks/llamacpp_prompt.py)."""
+    return llamacpp_script(directory, config, ROOT / "benchmarks" / "llamacpp_prompt.py", [str(tokens), str(context)])
 
 
 if __name__ == "__main__":
