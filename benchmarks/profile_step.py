@@ -39,6 +39,12 @@ from model_service.sharding import make_mesh  # noqa: E402
 from model_service.step_batch import SlotStart  # noqa: E402
 from benchmarks.stack import use_model_xla_flags
 
+try:
+    from model_service.host_memory import huge_pages  # noqa: E402
+except ImportError:  # a --repo checkout from before the service backed its weights with huge pages
+    def huge_pages(tree: Any) -> dict[str, Any]:
+        return {}
+
 # First match wins: (category, regex over an HLO instruction's op_name metadata, or "<opcode> <shape>" when it
 # has none). Patterns cover this code's named scopes and the unscoped names of the code before them.
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -117,6 +123,7 @@ def build(args: argparse.Namespace) -> tuple[Engine, Any, Any]:
             starts = (SlotStart(slot, slot, sampling, tuple(prompt)),) if start == 0 else ()
             state, pending = engine.step(state, batch(engine, rows, draws, starts))
             pending.get()
+    huge_pages(engine.params)  # as the model service does once compiled (--huge-pages on)
     decode = batch(engine, [(slot, args.prompt_len, None) for slot in range(active)],
                    [(slot, slot) for slot in range(active)])
     return engine, state, decode

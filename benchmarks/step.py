@@ -32,6 +32,7 @@ from benchmarks.stack import use_model_xla_flags
 from model_service.checkpoint import random_params
 from model_service.config import PRODUCT_CHOICES, MeshConfig, load_model_config, validate
 from model_service.engine import Engine
+from model_service.host_memory import huge_pages
 from model_service.model import GrokModel, Products, choose_products
 from model_service.sampling_settings import GREEDY, SamplingSettings
 from model_service.sharding import make_mesh
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return time.perf_counter() - start
 
     prefill_compile = step(prefill(0, args.prompts))
+    huge_pages(engine.params)  # as the model service does once compiled (--huge-pages on)
     prefill_times = [step(prefill(0, args.prompts)) for _ in range(args.runs)]
     for first in range(0, slots, args.prompts):  # every slot holds a prompt
         step(prefill(first, min(args.prompts, slots - first)))

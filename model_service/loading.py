@@ -39,6 +39,7 @@ class ServerConfig:
     kv_memory: int | None = None  # or in bytes
     block_size: int = 16  # tokens per KV block
     prefix_caching: bool = True
+    huge_pages: bool = True  # back the weights and the heap with transparent huge pages once compiled (host_memory)
     backend: str = "auto"  # auto | cpu | generic: the hardware choices (backend.py)
     products: str = "auto"  # auto | native | xla: how token rows meet the weights on the cpu backend
     step_tokens: int | None = None  # token rows per step (None: engine.choose_shape's default for the platform)
@@ -80,7 +81,18 @@ def build_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     engine = load_engine(config, cfg)
     with compiling_alone(jax.config.jax_compilation_cache_dir, programs_key(config, cfg)):
         compile_engine(engine)
+    use_huge_pages(config, engine)
     return engine
+
+
+def use_huge_pages(config: ServerConfig, engine: Any) -> None:
+    """With --huge-pages on, back the Engine's weights and the heap with transparent huge pages (call it once the
+    programs have run: their buffers are then in the heap)."""
+    if not config.huge_pages:
+        return
+    from model_service.host_memory import huge_pages
+
+    log.info("huge pages", extra=huge_pages(engine.params))
 
 
 # The settings a process's programs depend on (beside the model config and JAX's own flags): two processes

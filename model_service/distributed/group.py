@@ -16,7 +16,7 @@ from model_service.distributed.config import DistributedConfig
 from model_service.distributed.follower import Watchdog, follow, ignore_sigterm
 from model_service.distributed.lockstep import JaxChannel, LockstepEngine
 from model_service.distributed.ops import Replica, codec_for
-from model_service.loading import ServerConfig, compile_engine, load_engine, resolve
+from model_service.loading import ServerConfig, compile_engine, load_engine, resolve, use_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,11 @@ def leader_engine(config: ServerConfig, model_cfg: ModelConfig, on_broken: Calla
     """Process 0's engine: load this process's shards, then compile everywhere in lockstep (once)."""
     dist = _dist(config)
     verify_same_config(config, model_cfg)
-    engine = LockstepEngine(load_engine(config, model_cfg), JaxChannel(), dist.step_timeout,
-                            dist.startup_timeout, dist.keepalive_seconds, on_broken)
+    inner = load_engine(config, model_cfg)
+    engine = LockstepEngine(inner, JaxChannel(), dist.step_timeout, dist.startup_timeout, dist.keepalive_seconds,
+                            on_broken)
     compile_engine(engine)
+    use_huge_pages(config, inner)
     return engine
 
 
@@ -65,6 +67,7 @@ def run_follower(config: ServerConfig) -> int:
     watchdog.arm(dist.startup_timeout, "loading the weights")
     verify_same_config(config, model_cfg)
     engine = load_engine(config, model_cfg)
+    use_huge_pages(config, engine)  # the weights now; its programs' buffers come with the first call
     log.info("weights loaded; waiting for process 0", extra={"process_id": dist.process_id})
     return follow(Replica(engine), JaxChannel(), codec_for(engine), dist, watchdog)
 

@@ -44,7 +44,8 @@ def golden_message(case: dict[str, Any]) -> model_pb2.GenerateRequest:
 
 def golden_server_config(**overrides: Any) -> ServerConfig:
     base = dict(config=GOLDEN_CONFIG, checkpoint=GOLDEN_CHECKPOINT, host="127.0.0.1", port=0,
-                mesh=MeshConfig(1, 1), slots=SLOTS, max_queue=64)
+                mesh=MeshConfig(1, 1), slots=SLOTS, max_queue=64,
+                huge_pages=False)  # the test process's heap stays as it is; services the tests start use the default
     return ServerConfig(**{**base, **overrides})
 
 

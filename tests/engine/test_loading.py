@@ -46,3 +46,25 @@ def test_process_0_of_a_group_compiles_once_through_the_lockstep_op(monkeypatch:
         assert loaded.compiles == 1 and compiled(caplog) == 1 and broken == []
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["huge-pages-on", "huge-pages-off"])
+def test_build_engine_backs_the_weights_with_huge_pages_after_compiling(monkeypatch: pytest.MonkeyPatch,
+                                                                        on: bool) -> None:
+    from model_service import host_memory
+
+    calls: list[str] = []
+    monkeypatch.setattr(Engine, "compile", lambda self: calls.append("compile") or {"fake": 0.0})
+    monkeypatch.setattr(host_memory, "huge_pages", lambda params: calls.append("huge pages") or {})
+    config = golden_server_config(slots=2, huge_pages=on)
+    build_engine(config, resolve(config))
+    assert calls == (["compile", "huge pages"] if on else ["compile"])
+
+
+def test_the_huge_pages_flag_reaches_the_server_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_service.__main__ import parser
+
+    assert parser().parse_args(["--config", "grok-1"]).huge_pages == "on"
+    assert parser().parse_args(["--config", "grok-1", "--huge-pages", "off"]).huge_pages == "off"
+    monkeypatch.setenv("GROK_MODEL_HUGE_PAGES", "off")
+    assert parser().parse_args(["--config", "grok-1"]).huge_pages == "off"

@@ -61,3 +61,81 @@ def test_decode_steps_do_not_fault_in_fresh_pages(golden: pathlib.Path, slots: i
     faults = json.loads(out.stdout.strip().splitlines()[-1])["faults_per_step"]
     # Kept buffers: a handful of faults per step at most (measured 0-70); unmapped ones: thousands.
     assert faults < 500, f"{faults:.0f} minor page faults per decode step: freed buffers went back to the kernel"
+
+
+# ---- huge pages for the weights and the heap ------------------------------------------------------------------
+
+HUGE = 2 << 20
+
+
+def _thp_usable() -> bool:
+    """Transparent huge pages can be asked for here (not "never"), and the kernel collapses on request (6.1+)."""
+    try:
+        mode = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    release = tuple(int(x) for x in __import__("re").findall(r"\d+", __import__("platform").release())[:2])
+    return "[never]" not in mode and release >= (6, 1)
+
+
+def _huge_bytes_in(lo: int, hi: int) -> int:
+    """AnonHugePages of this process's mappings that overlap [lo, hi) (whole mappings: an upper bound)."""
+    total, inside = 0, False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start < hi and end > lo
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_buffer_ranges_are_the_whole_huge_pages_inside_each_buffer() -> None:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model_service.host_memory import buffer_ranges
+
+    arrays = [jnp.asarray(np.arange(n, dtype=np.float32)) for n in (3 << 20, 1000)]  # 12 MiB, 4 KB
+    spans = buffer_ranges({"a": arrays[0], "b": arrays[1], "not an array": 7})
+    start = arrays[0].unsafe_buffer_pointer()
+    assert len(spans) == 1  # the 4 KB buffer holds no whole huge page
+    lo, hi = spans[0]
+    assert lo % HUGE == 0 and hi % HUGE == 0
+    assert start <= lo < hi <= start + arrays[0].nbytes
+    assert lo - start < HUGE and start + arrays[0].nbytes - hi < HUGE  # nothing whole left out
+
+
+def test_heap_ranges_and_merging(tmp_path: pathlib.Path) -> None:
+    from model_service.host_memory import heap_ranges, merged
+
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "55e1c0a01000-55e1c1000000 rw-p 00000000 00:00 0                          [heap]\n"
+        "55e1c1000000-55e1c1200000 rw-p 00000000 00:00 0                          [heap]\n"
+        "7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n"
+        "7f1000000000-7f1000400000 r--p 00000000 fe:00 5341526                    /usr/lib/libc.so.6\n")
+    start = 0x55e1c0a01000
+    first = (-(-start // HUGE) * HUGE, 0x55e1c1000000)
+    assert heap_ranges(str(maps)) == [first, (0x55e1c1000000, 0x55e1c1200000)]  # anonymous and file maps: no
+    assert merged(heap_ranges(str(maps))) == [(first[0], 0x55e1c1200000)]
+    assert merged([(0, 4), (10, 12), (2, 6), (6, 8)]) == [(0, 8), (10, 12)]
+    assert heap_ranges(str(tmp_path / "missing")) == []
+
+
+def test_huge_pages_back_the_weights_and_keep_their_values() -> None:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model_service.host_memory import buffer_ranges, huge_pages
+
+    values = np.random.default_rng(0).standard_normal(6 << 20).astype(np.float32)  # 24 MiB
+    weights = {"w": jnp.asarray(values)}
+    done = huge_pages(weights)
+    np.testing.assert_array_equal(np.asarray(weights["w"]), values)  # the same bits
+    if not _thp_usable():
+        pytest.skip(f"no transparent huge pages to ask for here ({done})")
+    (lo, hi), = buffer_ranges(weights)
+    assert done["marked_bytes"] >= hi - lo
+    assert _huge_bytes_in(lo, hi) >= (hi - lo) // 2, done  # most of the buffer now in huge pages
