@@ -56,23 +56,14 @@ class Pacing:
     slowdown: float = DEFAULT_SLOWDOWN  # a mixed step's time over a decode-only step's, at most
 
     def observe(self, seconds: float, decoding: bool, prompt_cost: float) -> None:
-        """A step of `seconds` that decoded (or not) and computed `prompt_cost` row-equivalents of prompt. A step
-        of prompt rows alone (a burst of prompts) teaches the cost of a row once a decode step's time is known."""
-        if seconds <= 0:
+        """A step of `seconds` that decoded (or not) and computed `prompt_cost` row-equivalents of prompt."""
+        if not decoding or seconds <= 0:
             return
         if prompt_cost == 0:
-            if decoding:
-                self.decode = seconds if self.decode is None else self.decode + SMOOTHING * (seconds - self.decode)
+            self.decode = seconds if self.decode is None else self.decode + SMOOTHING * (seconds - self.decode)
         elif self.decode is not None:
             added = max(0.0, seconds - self.decode) / prompt_cost
             self.per_row = added if self.per_row is None else self.per_row + SMOOTHING * (added - self.per_row)
-
-    def join_cost(self) -> float:
-        """Prompt row-equivalents that cost as much as a decode step, a step's fixed time (inf until measured):
-        plan.py lets the prompts after a step's first take at most that much."""
-        if self.decode is None or not self.per_row:
-            return float("inf")
-        return self.decode / self.per_row
 
     def budget(self) -> float:
         """Prompt row-equivalents the next step may take while something decodes."""

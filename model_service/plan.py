@@ -18,11 +18,6 @@ row-equivalents (pacing.py: a row at position p costs 1 + p / key_scale, and the
 measured step times, so running streams keep their pace while a long prompt enters); otherwise (nothing
 decodes, or only samples whose first token came after that prompt arrived, as in a burst of prompts arriving
 together) prompts get every row of the step: a prompt is not held back for streams that came after it.
-The prompts after a step's first take at most `join_cost` row-equivalents together, the rows whose cost equals
-a step's fixed time (pacing.py): where a step's time grows with its rows (products bound by arithmetic, as at
-Grok-1's width on a CPU) a second prompt of a burst sharing the first one's step only delays the first one's
-token by what the second's rows cost, while waiting costs the second only that fixed time once; where rows are
-cheap beside the step (a GPU, small models) they still share it.
 Requests that were cancelled or passed their deadline end first, and their slots and blocks serve this very
 step's admissions.
 """
@@ -85,7 +80,6 @@ class Policy:
     max_rows: int  # token rows per step
     prefill_budget: float  # prompt row-equivalents per step while samples decode (pacing.Pacing.budget)
     key_scale: float = float("inf")  # keys whose attention costs one row (pacing.key_scale): position cost
-    join_cost: float = float("inf")  # prompt row-equivalents costing a step's fixed time (pacing.Pacing.join_cost)
 
 
 @dataclass(frozen=True)
@@ -143,7 +137,7 @@ def schedule(view: View, policy: Policy) -> StepPlan:
                         + [w.arrived for w in view.waiting if not w.ended], default=math.inf)
     paced = any(s.decoding_since < oldest_prompt for s in decoding)  # streams the prompts came after
     budget = _Budget(policy.max_rows - len(decodes), policy.prefill_budget if paced else float("inf"),
-                     policy.key_scale, max(1.0, policy.join_cost))
+                     policy.key_scale)
     chunks = decodes + _prompt_chunks([s for s in live if s.computed < s.length - 1], computed, budget)
     admit: list[Admit] = []
     blocks = view.free_blocks
@@ -175,8 +169,6 @@ class _Budget:
     rows: int  # rows left in the step
     cost: float  # prompt row-equivalents left (inf with nothing decoding)
     scale: float  # pacing.key_scale
-    join: float = float("inf")  # what the prompts after the step's first may take together (Policy.join_cost)
-    first: bool = True  # no prompt rows placed yet
 
 
 def _prompt_chunks(samples: list[Sample], computed: dict[Key, int], budget: _Budget) -> list[Chunk]:
@@ -192,9 +184,6 @@ def _prompt_chunks(samples: list[Sample], computed: dict[Key, int], budget: _Bud
         computed[s.key] = s.computed + rows
         budget.rows -= rows
         budget.cost -= rows + (rows * s.computed + rows * (rows - 1) / 2) / budget.scale
-        if budget.first:
-            budget.first = False
-            budget.cost = min(budget.cost, budget.join)
     return out
 
 

@@ -211,7 +211,7 @@ class Scheduler:
         blocks = self.kv.available() - self.builder.growth(self._running.values())  # the decode rows' come first
         budget = float(self.fixed_prefill) if self.fixed_prefill else self.pacing.budget()
         plan = schedule(View(waiting, running, frozenset(self._free), max(0, blocks)),
-                        Policy(self.engine.max_rows, budget, self.key_scale, self.pacing.join_cost()))
+                        Policy(self.engine.max_rows, budget, self.key_scale))
         with self._cond:
             gone = plan.admitted | set(plan.end_waiting)
             self._queue = collections.deque(h for h in self._queue if id(h) not in gone)

@@ -55,12 +55,3 @@ def test_the_slowdown_is_a_flag_and_an_environment_variable_and_must_exceed_one(
     for bad in ("1", "0.5", "fast"):
         with pytest.raises(SystemExit):
             parser().parse_args([*base, "--decode-slowdown", bad])
-
-
-def test_a_burst_s_prompt_only_steps_teach_a_row_s_cost_and_the_join_cost_follows() -> None:
-    pacing = Pacing(initial=16, ceiling=512)
-    assert pacing.join_cost() == math.inf  # nothing measured: prompts of a burst share steps
-    pacing.observe(0.080, decoding=True, prompt_cost=0)  # a decode step: 80 ms
-    pacing.observe(0.080 + 64 * 0.015, decoding=False, prompt_cost=64)  # 64 prompt rows alone, 15 ms each
-    assert pacing.per_row == pytest.approx(0.015)
-    assert pacing.join_cost() == pytest.approx(0.080 / 0.015)  # about 5 rows cost a step's fixed time

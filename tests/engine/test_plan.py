@@ -189,31 +189,3 @@ def test_a_prompt_arriving_after_streams_began_decoding_is_paced() -> None:
     # The same prompt beside a stream that started after it arrived: not held back.
     running = (decoding(7, 0, arrived=0.0, decoding_since=3.0), prefilling(9, 1, 0, 40, arrived=2.0))
     assert [c.rows for c in schedule(view(running=running, free=(2, 3)), POLICY).chunks] == [1, 15]
-
-
-def test_in_a_burst_the_prompts_after_the_first_take_at_most_the_join_cost_together() -> None:
-    burst = (waiting(1, length=32), waiting(2, length=32), waiting(3, length=32))
-    # Rows cost: a 32-row prompt costs 6x a step's fixed time; the second prompt may add 5 row-equivalents.
-    plan = schedule(view(burst), Policy(max_rows=128, prefill_budget=4, join_cost=5))
-    assert plan.chunks == (Chunk((1, 0), 0, 32, True), Chunk((2, 0), 0, 5, False))
-    assert plan.admit == (Admit(1, (0,), (0,)), Admit(2, (1,), (0,)))  # the third waits for the next step
-    # The next step: the second prompt, begun, comes first and takes its rows; the third joins within 5 (the
-    # first prompt's stream came after them: the burst is not paced).
-    running = (decoding(1, 0, 33, decoding_since=1.0), prefilling(2, 1, 5, 32, arrived=0.0))
-    nxt = schedule(view(burst[2:], running=running, free=(2, 3)),
-                   Policy(max_rows=128, prefill_budget=4, join_cost=5))
-    assert nxt.chunks == (Chunk((1, 0), 32, 1, True), Chunk((2, 0), 5, 27, True), Chunk((3, 0), 0, 5, False))
-    # Unmeasured (inf), or rows cheap beside a step's fixed time: the burst shares one step.
-    for policy in (Policy(max_rows=128, prefill_budget=4), Policy(max_rows=128, prefill_budget=4, join_cost=70)):
-        assert [c.rows for c in schedule(view(burst), policy).chunks] == [32, 32, 32]
-
-
-def test_the_join_cost_lets_a_request_s_other_samples_and_a_paced_budget_be() -> None:
-    # n = 2 sharing a 9-token prompt: the second sample's last row joins even with the smallest join cost.
-    plan = schedule(view((waiting(1, length=10, n=2, shared=9),)), Policy(max_rows=64, prefill_budget=4,
-                                                                        join_cost=0.01))
-    assert [(c.key, c.rows) for c in plan.chunks] == [((1, 0), 10), ((1, 1), 1)]
-    # While streams decode the paced budget binds first: unchanged by the join cost.
-    running = (decoding(7, 0, decoding_since=0.0), prefilling(8, 1, 0, 10, arrived=1.0))
-    assert schedule(view(running=running, free=(2, 3)), Policy(16, 4, join_cost=1)).chunks == \
-        schedule(view(running=running, free=(2, 3)), POLICY).chunks
