@@ -139,3 +139,23 @@ def test_huge_pages_back_the_weights_and_keep_their_values() -> None:
     (lo, hi), = buffer_ranges(weights)
     assert done["marked_bytes"] >= hi - lo
     assert _huge_bytes_in(lo, hi) >= (hi - lo) // 2, done  # most of the buffer now in huge pages
+
+
+def test_buffer_ranges_cover_every_shard_of_a_sharded_weight() -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from model_service.host_memory import buffer_ranges
+
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs several host devices (tests/conftest.py forces 8)")
+    mesh = jax.sharding.Mesh(np.array(devices), ("model",))
+    w = jax.device_put(jnp.zeros((len(devices), 3 << 20), jnp.float32), NamedSharding(mesh, PartitionSpec("model")))
+    spans = buffer_ranges(w)
+    assert len(spans) == len(devices)  # one 12 MiB shard per device, each holding whole huge pages
+    for shard in w.addressable_shards:
+        start = shard.data.unsafe_buffer_pointer()
+        assert any(start <= lo < hi <= start + shard.data.nbytes for lo, hi in spans)
