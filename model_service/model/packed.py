@@ -247,9 +247,7 @@ def packed_product(x: Array, w: PackedWeight, isa: str | None = None, rows: Arra
     scaled = w.packed_scales is not None
     mask = jnp.ones((x.shape[0],), jnp.bool_) if rows is None else rows.astype(jnp.bool_)
     if w.mesh is None:
-        import os
-        t = int(os.environ.get("EXP_TABLE_THREADS", "0")) if not scaled else int(os.environ.get("EXP_EXPERT_THREADS", "0"))
-        return kernels.matmul(x, w.packed, w.packed_scales, w.n, isa, threads=t, rows=mask, activations=activations,
+        return kernels.matmul(x, w.packed, w.packed_scales, w.n, isa, rows=mask, activations=activations,
                               fill_unused=fill_unused, multiplier=multiplier)
     operands = (x, mask, w.packed, w.packed_scales) if scaled else (x, mask, w.packed)
     rows_axis, split = _row_spec(x.shape[0], w.mesh), MODEL if w.shards > 1 else None
