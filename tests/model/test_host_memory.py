@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import platform
+import re
 import subprocess
 import sys
 
@@ -68,14 +70,10 @@ def test_decode_steps_do_not_fault_in_fresh_pages(golden: pathlib.Path, slots: i
 HUGE = 2 << 20
 
 
-def _thp_usable() -> bool:
-    """Transparent huge pages can be asked for here (not "never"), and the kernel collapses on request (6.1+)."""
-    try:
-        mode = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
-    release = tuple(int(x) for x in __import__("re").findall(r"\d+", __import__("platform").release())[:2])
-    return "[never]" not in mode and release >= (6, 1)
+def _collapses() -> bool:
+    """The kernel has transparent huge pages and collapses memory on request (MADV_COLLAPSE: Linux 6.1+)."""
+    release = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
+    return pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").exists() and release >= (6, 1)
 
 
 def _huge_bytes_in(lo: int, hi: int) -> int:
@@ -134,8 +132,9 @@ def test_huge_pages_back_the_weights_and_keep_their_values() -> None:
     weights = {"w": jnp.asarray(values)}
     done = huge_pages(weights)
     np.testing.assert_array_equal(np.asarray(weights["w"]), values)  # the same bits
-    if not _thp_usable():
-        pytest.skip(f"no transparent huge pages to ask for here ({done})")
+    if not _collapses():  # a kernel before 6.1, or one without huge pages: the call says so, and goes on
+        assert done["errors"], done
+        return
     (lo, hi), = buffer_ranges(weights)
     assert done["marked_bytes"] >= hi - lo
     assert _huge_bytes_in(lo, hi) >= (hi - lo) // 2, done  # most of the buffer now in huge pages
@@ -149,9 +148,7 @@ def test_buffer_ranges_cover_every_shard_of_a_sharded_weight() -> None:
 
     from model_service.host_memory import buffer_ranges
 
-    devices = jax.devices()
-    if len(devices) < 2:
-        pytest.skip("needs several host devices (tests/conftest.py forces 8)")
+    devices = jax.devices()  # 8 host devices under tests/conftest.py; any number works
     mesh = jax.sharding.Mesh(np.array(devices), ("model",))
     w = jax.device_put(jnp.zeros((len(devices), 3 << 20), jnp.float32), NamedSharding(mesh, PartitionSpec("model")))
     spans = buffer_ranges(w)
