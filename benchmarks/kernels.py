@@ -11,8 +11,9 @@ the two forms call by call and reports the median milliseconds of each and their
 --grok measures the native products alone at Grok-1's shapes (emb 6,144, experts 32,768 wide, 48/8 heads of
 128, vocabulary 131,072), each "before" (the rows form for every row count: the kernel as it was, bit for bit)
 against "after" (the form the kernel picks, `auto`), alternating call by call: the experts' column-parallel
-and row-parallel int8 matrices, the attention's, and the unembedding table in float32 and in bfloat16 (the
-released checkpoint's type; before = the float32 table, the only one there was). ms (median) and GFLOP/s.
+and row-parallel int8 matrices, the attention's, and the unembedding table in float32, in bfloat16 (the
+released checkpoint's type; before = the float32 table, the only one there was) and in 13 bits a value (the
+same bfloat16 values, pack_bf16_in_13; before = the bfloat16 table). ms (median) and GFLOP/s.
 Run it on a quiet machine: it measures wall time. `load` records the 1-minute load average before and after.
 """
 
@@ -33,7 +34,7 @@ import numpy as np
 from model_service import kernels
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product
 from model_service.model.moe import ExpertWeights, _expert_rows
-from model_service.model.packed import LANES, PackedWeight, pack_float, pack_quantized
+from model_service.model.packed import LANES, PackedWeight, pack_bf16_in_13, pack_float, pack_quantized
 from model_service.sampling import _search_threshold_probs
 
 EMB, FFN, VOCAB = 512, 2736, 131072
@@ -105,11 +106,17 @@ def _grok_weights(rng: np.random.Generator) -> dict[str, tuple[jax.Array, jax.Ar
     del host
     out["table_f32"] = (table, None, GROK_EMB, VOCAB)
     out["table_bf16"] = (table.astype(jnp.bfloat16), None, GROK_EMB, VOCAB)
+    # The same bfloat16 values held in 13 bits (pack_bf16_in_13 reads the table [V, D]).
+    rows = np.asarray(out["table_bf16"][0]).transpose(0, 2, 1).reshape(VOCAB, GROK_EMB)
+    held = pack_bf16_in_13(rows)
+    del rows
+    if held is not None:
+        out["table_in_13"] = (jnp.asarray(held[0]), jnp.asarray(held[1]), GROK_EMB, VOCAB)
     return out
 
 
 def _grok_points(rng: np.random.Generator, rows: list[int], runs: int, threads: int,
-                 cpu_time: bool) -> list[dict[str, Any]]:
+                 cpu_time: bool, shapes: list[str] | None = None) -> list[dict[str, Any]]:
     weights = _grok_weights(rng)
     program = jax.jit(kernels.matmul, static_argnames=("n_out", "form", "threads"))
     clock = time.process_time if cpu_time else time.perf_counter
@@ -118,10 +125,16 @@ def _grok_points(rng: np.random.Generator, rows: list[int], runs: int, threads: 
         x = jnp.asarray(rng.standard_normal((m, GROK_EMB), dtype=np.float32))
         x_ffn = jnp.asarray(rng.standard_normal((m, GROK_FFN), dtype=np.float32))
         for name, (w, s, k, n) in weights.items():
-            before = weights["table_f32"][0] if name == "table_bf16" else w
+            if shapes is not None and name not in shapes:
+                continue
+            before = {"table_bf16": weights["table_f32"][0], "table_in_13": weights["table_bf16"][0]}.get(name, w)
             xs = x_ffn if k == GROK_FFN else x
-            fns = {"before": lambda: program(xs, before, s, n_out=n, form="rows", threads=threads),
-                   "after": lambda: program(xs, w, s, n_out=n, form="auto", threads=threads)}
+            if name == "table_in_13":  # before: the bfloat16 table; s is the dictionary
+                fns = {"before": lambda: program(xs, before, None, n_out=n, form="rows", threads=threads),
+                       "after": lambda: program(xs, w, None, n_out=n, form="auto", threads=threads, dictionary=s)}
+            else:
+                fns = {"before": lambda: program(xs, before, s, n_out=n, form="rows", threads=threads),
+                       "after": lambda: program(xs, w, s, n_out=n, form="auto", threads=threads)}
             ms = _interleaved(fns, runs, clock)
             gflop = 2 * m * k * n / 1e9
             points.append({"shape": name, "k": k, "n": n, "rows": m, "before_ms": ms["before"], "after_ms": ms["after"],
@@ -138,7 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     if args.grok:
         load_before = os.getloadavg()[0]
-        points = _grok_points(rng, args.rows, args.runs, args.threads, args.cpu_time)
+        points = _grok_points(rng, args.rows, args.runs, args.threads, args.cpu_time, args.shapes)
         return {"isa": kernels.supported_isas()[-1], "runs": args.runs, "cpus": os.cpu_count(),
                 "threads": args.threads or "all", "clock": "process cpu time" if args.cpu_time else "wall",
                 "load": [round(load_before, 2), round(os.getloadavg()[0], 2)], "points": points}
@@ -173,6 +186,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8], help="e.g. 1,8")
     p.add_argument("--nucleus", action="store_true", help="measure the nucleus threshold instead of the products")
     p.add_argument("--grok", action="store_true", help="the native products alone at Grok-1's shapes, before/after")
+    p.add_argument("--shapes", type=lambda s: s.split(","), default=None,
+                   help="--grok: only these points, e.g. table_bf16,table_in_13 (default: every one)")
     p.add_argument("--threads", type=int, default=0, help="--grok: kernel threads (default 0: XLA's pool, all cores)")
     p.add_argument("--cpu-time", action="store_true",
                    help="--grok: time by process CPU time (with --threads 1: one core's rate even on a busy box; "

@@ -94,7 +94,8 @@ def default_form() -> str:
 
 def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa: str | None = None,
            threads: int = 0, rows: jax.Array | None = None, form: str | None = None,
-           activations: str = "float32", fill_unused: bool = True, multiplier: float = 1.0) -> jax.Array:
+           activations: str = "float32", fill_unused: bool = True, multiplier: float = 1.0,
+           dictionary: jax.Array | None = None) -> jax.Array:
     """x float32 [M, K] times a packed weight w [NB, K, 16] (int8 with scales [B, NB*16], or float32 or bfloat16
     without) -> float32 [M, n_out], n_out <= NB*16. One device; `threads` 0 uses XLA's intra-op pool.
 
@@ -109,7 +110,10 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa
     fixed order per element: the bits are the same on every instruction set and for any other rows.
 
     `multiplier` (unscaled weights only) multiplies each computed element once after its sum: the bits of
-    `matmul(...) * float32(multiplier)`, without a pass over the rows not computed."""
+    `matmul(...) * float32(multiplier)`, without a pass over the rows not computed.
+
+    `dictionary` uint8 [32] with w uint8 [NB, K / 4, 104]: a bfloat16 weight held in 13 bits a value
+    (model.packed.pack_bf16_in_13); the bits of the bfloat16 weight's product."""
     if not available():
         raise RuntimeError("native kernels are not available (see the log)")
     if multiplier != 1.0 and scales is not None:
@@ -120,6 +124,11 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa
              "fill": np.int64(1 if fill_unused else 0)}
     rows = jnp.ones((x.shape[0],), jnp.bool_) if rows is None else rows.astype(jnp.bool_)
     # Under vmap each batch element is its own call: a batched call would have to be one product anyway.
+    if dictionary is not None:
+        if scales is not None or w.dtype != jnp.uint8 or w.ndim != 3 or w.shape[2] != 104:
+            raise TypeError(f"a weight in 13 bits is uint8 [NB, K / 4, 104] without scales, got {w.dtype} {w.shape}")
+        return jax.ffi.ffi_call("grok_bf16_in_13_matmul", out, vmap_method="sequential")(
+            x, w, dictionary.astype(jnp.uint8), rows, multiplier=np.float32(multiplier), **attrs)
     if scales is None:
         target = _PLAIN_TARGETS.get(jnp.dtype(w.dtype))
         if target is None:

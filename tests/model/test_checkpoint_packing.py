@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 
 from model_service import kernels
-from model_service.checkpoint import load_params, random_leaves, random_params, write_checkpoint
+from model_service.checkpoint import load_params, place_leaf, random_leaves, random_params, write_checkpoint
 from model_service.config import MeshConfig, load_model_config
 from model_service.file_arrays import FileArray
 from model_service.model import packed as packing
-from model_service.model.layers import ExpertStack, QuantizedWeight
+from model_service.model import GrokModel
+from model_service.model.layers import ExpertStack, Products, QuantizedWeight
 from model_service.model.packed import LANES, PackedWeight, pack_quantized, pack_table
 from model_service.model.params import EMBED, random_leaf, tensor_specs, to_internal
 from model_service.sharding import make_mesh
@@ -104,7 +105,7 @@ def test_a_quantized_weight_packs_the_same_from_the_file_and_from_memory(tmp_pat
 def test_the_table_keeps_bfloat16_and_its_rows_and_logits_are_those_of_float32() -> None:
     rng = np.random.default_rng(1)
     table = (rng.standard_normal((70, 48)) * 0.02).astype(ml_dtypes.bfloat16)  # [V, D]
-    half, full = pack_table(table, None), pack_table(table.astype(np.float32), None)
+    half, full = pack_table(table, None, in_13_bits=False), pack_table(table.astype(np.float32), None)
     assert half.packed.dtype == ml_dtypes.bfloat16 and full.packed.dtype == np.float32
     assert half.shape == full.shape == (70, 48) and half.table
     ids = jnp.asarray([0, 15, 16, 69])
@@ -139,7 +140,8 @@ def test_random_params_equal_a_loaded_checkpoint_of_the_same_random_leaves(tmp_p
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     table = loaded[EMBED]["embeddings"]
     if pack:
-        assert isinstance(table, PackedWeight) and table.packed.dtype == jnp.bfloat16
+        # the bfloat16 table held in 13 bits a value (its random normal values have fewer than 32 high bytes)
+        assert isinstance(table, PackedWeight) and table.packed.dtype == jnp.uint8 and table.dictionary is not None
         experts = loaded["transformer/decoder_layer_0/moe/linear"]["w"]
         assert isinstance(experts, ExpertStack) and isinstance(experts.experts[0], PackedWeight)
         # one device: a matrix kind's experts are one stack (2 buffers, not 2 per expert), each expert the
@@ -154,3 +156,26 @@ def test_random_params_equal_a_loaded_checkpoint_of_the_same_random_leaves(tmp_p
             np.testing.assert_array_equal(np.asarray(experts.expert(e).packed_scales), alone.packed_scales)
     else:
         assert table.dtype == jnp.float32  # the compute dtype where XLA's products read the table
+
+
+@pytest.mark.parametrize("mesh_shape", ["1,1", "1,2"])
+def test_a_table_in_13_bits_gives_the_logits_of_the_bfloat16_table(mesh_shape: str) -> None:
+    """The whole forward (embedding lookup, layers, unembedding) with the random bfloat16 table held in 13 bits
+    gives the bits it gives with the table held as bfloat16, on one device and with the features split over 2 devices."""
+    if not kernels.available():
+        pytest.skip("native kernels not built")
+    cfg = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, emb_size=64))
+    mesh = make_mesh(MeshConfig.parse(mesh_shape))
+    model = GrokModel(cfg, mesh, jnp.float32, Products.NATIVE)
+    params = random_params(cfg, mesh, jnp.float32, seed=5, pack=True)
+    spec, table = next((s, leaf) for s, leaf in zip(tensor_specs(cfg), random_leaves(cfg, seed=5)) if s.module == EMBED)
+    spread = np.float32(2.0) ** np.arange(-20, 8, 2).astype(np.float32)  # more than 16 high bytes in all
+    table.reshape(-1)[::183][:28] = np.concatenate([spread, -spread]).astype(ml_dtypes.bfloat16)
+    held, half = (place_leaf(spec, pack_table(table, mesh, in_13_bits=bits), mesh) for bits in (True, False))
+    assert held.dictionary is not None and np.count_nonzero(np.asarray(held.dictionary)) > 16
+    assert half.dictionary is None and half.packed.dtype == jnp.bfloat16
+    params_half = {**params, EMBED: {**params[EMBED], "embeddings": half}}
+    params = {**params, EMBED: {**params[EMBED], "embeddings": held}}
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+    forward = jax.jit(model.forward)
+    np.testing.assert_array_equal(np.asarray(forward(params, tokens)), np.asarray(forward(params_half, tokens)))

@@ -7,6 +7,8 @@
 //   [E_i, NB, K, 16], scales_0..scales_{W-1} f32 [B, NB*16] or [E_i, B, NB*16]) -> f32 [M, N]: row r times weight
 //   which[r], the matrices numbered through the buffers in order (attributes as above)
 // grok_bf16_matmul(x f32 [M, K], w bf16 [NB, K, 16], rows pred [M])                     -> f32 [M, N]
+// grok_bf16_in_13_matmul(x f32 [M, K], w u8 [NB, K/4, 104], dictionary u8 [32], rows pred [M]) -> f32 [M, N]
+//   (bfloat16 held in 13 bits a value, see matmul.h; the same bits as grok_bf16_matmul of the same values)
 // Attributes: isa (0 best available, 1 scalar, 2 AVX2, 3 AVX-512), threads (0: XLA's intra-op pool size),
 // form (0: by the number of marked rows, 1 rows, 2 panel; see matmul.h), fill (not on the grouped target: 1 the
 // rows not marked come out zero, 0 they are left as they are). The forms and the instruction sets
@@ -42,7 +44,7 @@ bool Supported(int64_t isa) {
   switch (isa) {
     case kScalar: return true;
     case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case kAvx512: return __builtin_cpu_supports("avx512f");
+    case kAvx512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
     default: return false;
   }
 }
@@ -194,6 +196,7 @@ struct Options {
   int64_t activations = 0;  // 1: int8 (int8 weights only)
   int64_t fill = 1;         // 0: rows not computed are left as they are (the caller never reads them)
   float multiplier = 1.0f;  // each computed element times this after its sum (the plain targets)
+  const uint8_t* dictionary = nullptr;  // a kBf16In13 weight's high bytes
 };
 
 ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, const float* scales,
@@ -219,6 +222,7 @@ ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, c
   if (ids.empty()) return ffi::Error::Success();
   const int64_t count = static_cast<int64_t>(ids.size());
   MatmulArgs args{x.typed_data(), w, scales, out->typed_data(), ids.data(), count, k, nb, n_out, blocks, type};
+  args.dictionary = o.dictionary;
   const int64_t isa = o.isa == kBest ? Best() : o.isa;
   if (o.activations == 1) {
     const int64_t kb = k / blocks, per_block = (kb + kQuantBlock - 1) / kQuantBlock, subs = blocks * per_block;
@@ -231,7 +235,8 @@ ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, c
     Execute(args, QuantKernelFor(isa), QuantScratch(k, blocks), o.threads, pool);
     return ffi::Error::Success();
   }
-  const bool panel = isa != kScalar && (o.form == kPanel || (o.form == kAuto && AutoPanel(isa, type, count)));
+  const bool panel = isa != kScalar && type != Weight::kBf16In13 &&
+                     (o.form == kPanel || (o.form == kAuto && AutoPanel(isa, type, count)));
   Execute(args, KernelFor(isa, panel), panel ? PanelScratch(count) : 0, o.threads, pool, o.multiplier);
   return ffi::Error::Success();
 }
@@ -260,6 +265,18 @@ ffi::Error PlainMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w, ffi::Buffer<ff
   const Weight type = T == ffi::DataType::BF16 ? Weight::kBf16 : Weight::kF32;
   return Run(x, w.untyped_data(), wd[0], wd[1], nullptr, 1, type, rows, out,
              {isa, threads, form, 0, fill, multiplier}, pool);
+}
+
+// The embedding table in bfloat16 held in 13 bits a value (matmul.h): w [NB, K / 4, 104], its dictionary of 32 high
+// bytes. The rows form only (a `form` of panel computes it in the rows form: the same bits).
+ffi::Error Bf16In13Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> dictionary,
+                          ffi::Buffer<ffi::PRED> rows, ffi::ResultBuffer<ffi::F32> out, int64_t isa, int64_t threads,
+                          int64_t form, int64_t fill, float multiplier, ffi::ThreadPool pool) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 3 || wd[2] != kGroup13Bytes || dictionary.element_count() != kDictionary13)
+    return ffi::Error::InvalidArgument("grok_bf16_in_13_matmul: want w [NB, K / 4, 104] and a dictionary of 32 bytes");
+  return Run(x, w.untyped_data(), wd[0], 4 * wd[1], nullptr, 1, Weight::kBf16In13, rows, out,
+             {isa, threads, form, 0, fill, multiplier, dictionary.typed_data()}, pool);
 }
 
 // Row r of x times weight which[r] of the E given (an MoE layer's experts: each row is a (token, expert) pair),
@@ -414,6 +431,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokBf16Matmul, grok::PlainMatmul<ffi::BF16>,
                                   .Attr<float>("multiplier")
                                   .Ctx<ffi::ThreadPool>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrokBf16In13Matmul, grok::Bf16In13Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("form")
+                                  .Attr<int64_t>("fill")
+                                  .Attr<float>("multiplier")
+                                  .Ctx<ffi::ThreadPool>());
+
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokNucleusThreshold);  // nucleus.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokValuesAbove);       // nucleus.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokPagedAttention);    // attention.cc
@@ -422,12 +453,14 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(GrokAttentionMath);     // attention.cc
 namespace {
 
 PyObject* Handlers(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "grok_int8_matmul",
+  return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "grok_int8_matmul",
                        PyCapsule_New(reinterpret_cast<void*>(GrokInt8Matmul), nullptr, nullptr),
                        "grok_grouped_int8_matmul",
                        PyCapsule_New(reinterpret_cast<void*>(GrokGroupedInt8Matmul), nullptr, nullptr),
                        "grok_f32_matmul", PyCapsule_New(reinterpret_cast<void*>(GrokF32Matmul), nullptr, nullptr),
                        "grok_bf16_matmul", PyCapsule_New(reinterpret_cast<void*>(GrokBf16Matmul), nullptr, nullptr),
+                       "grok_bf16_in_13_matmul",
+                       PyCapsule_New(reinterpret_cast<void*>(GrokBf16In13Matmul), nullptr, nullptr),
                        "grok_nucleus_threshold",
                        PyCapsule_New(reinterpret_cast<void*>(GrokNucleusThreshold), nullptr, nullptr),
                        "grok_values_above", PyCapsule_New(reinterpret_cast<void*>(GrokValuesAbove), nullptr, nullptr),

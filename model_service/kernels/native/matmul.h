@@ -11,7 +11,19 @@ constexpr int64_t kGroup = 4;   // column blocks one call of a tile function com
 
 // The element type of a packed weight. Every type converts to float32 exactly (int8 and bfloat16 are subsets
 // of float32), so the product's arithmetic is the same for all of them.
-enum class Weight : int { kInt8, kF32, kBf16 };
+//
+// kBf16In13 is bfloat16 stored in 13 bits a value, exactly: a value's low byte, and a 5-bit index into a
+// dictionary of at most 32 high bytes (sign and 7 of the 8 exponent bits; a table of normally distributed values
+// uses about 30). The weight is [NB, K / 4, kGroup13Bytes]: per column block, per 4 values of k, 64 values in
+// kGroup13Bytes bytes: 64 low bytes, 32 bytes of 4-bit index parts (byte j: position j in its low half, position
+// j + 32 in its high half), 8 bytes of the indexes' fifth bits (bit p of the little-endian 64 bits: position p).
+// Position Position13(t, c) holds k = 4 g + t of column c (the order the AVX-512 unpacking yields).
+enum class Weight : int { kInt8, kF32, kBf16, kBf16In13 };
+constexpr int64_t kGroup13Bytes = 104;
+constexpr int64_t kDictionary13 = 32;  // dictionary entries (high bytes)
+constexpr int64_t Position13(int64_t t, int64_t c) {
+  return 16 * (c / 4) + 2 * (c % 4) + (t % 2) + 8 * (t / 2);
+}
 
 struct QuantRows;  // activations rounded to int8 (below)
 
@@ -26,6 +38,7 @@ struct MatmulArgs {
   int64_t m, k, nb, n_out, blocks;
   Weight type;
   const QuantRows* quant = nullptr;  // the int8 product (Quant*): the rows' int8 activations
+  const uint8_t* dictionary = nullptr;  // kBf16In13: the kDictionary13 high bytes
 };
 
 // Both forms compute the columns of blocks [block_begin, block_end) for every listed row with the same
@@ -35,7 +48,8 @@ struct MatmulArgs {
 // else (batch invariance by construction) and the two forms give the same bits.
 //
 // Rows form (few rows meet a matrix, bound by reading the weight; int8 and bfloat16 weights at any row count):
-// each weight element is loaded and converted once per tile of up to 4 rows (AVX-512) or 6 (AVX2).
+// each weight element is loaded and converted once per tile of up to 4 rows (AVX-512) or 6 (AVX2). kBf16In13
+// weights take this form only (4 values of k of G column blocks unpacked to float32 at a time).
 void MatmulScalar(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
 void MatmulAvx2(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
 void MatmulAvx512(const MatmulArgs& a, int64_t block_begin, int64_t block_end);

@@ -1,11 +1,13 @@
-// AVX-512 path: one 16-float register per packed column block. Compiled for avx512f only inside this
-// file (never -march=native); chosen at run time when the CPU reports avx512f.
+// AVX-512 path: one 16-float register per packed column block. Compiled for avx512f and avx512bw only inside
+// this file (never -march=native); chosen at run time when the CPU reports both.
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx2,fma"))), apply_to = function)
 #elif defined(__GNUC__)
-#pragma GCC target("avx512f,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx2,fma")
 #endif
 #include <immintrin.h>
+
+#include <cstring>
 
 #include "matmul_body.h"
 #include "matmul_panel.h"
@@ -30,6 +32,28 @@ struct Avx512 {
   static Reg FromBf16(const uint16_t* p) {  // a bfloat16 is the high half of the float32 with the same value
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  // One group of a kBf16In13 weight (matmul.h) -> out [4][16] float32: the indexes' 4-bit parts look up both
+  // halves of the dictionary (VPSHUFB), the fifth bits pick one, and unpacking the low bytes with the high ones
+  // gives 32 bfloat16 words per register, whose even and odd words are 16 float32 each.
+  static void Unpack13(const uint8_t* g, const uint8_t* dictionary, float* out) {
+    const __m512i first = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dictionary)));
+    const __m512i second = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dictionary + 16)));
+    const __m512i low = _mm512_loadu_si512(g);
+    const __m256i parts = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 64));
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(parts, nibble)),
+                                             _mm256_and_si256(_mm256_srli_epi16(parts, 4), nibble), 1);
+    uint64_t fifth;
+    std::memcpy(&fifth, g + 96, sizeof fifth);
+    const __m512i high = _mm512_mask_blend_epi8(fifth, _mm512_shuffle_epi8(first, index),
+                                                _mm512_shuffle_epi8(second, index));
+    const __m512i words0 = _mm512_unpacklo_epi8(low, high), words1 = _mm512_unpackhi_epi8(low, high);
+    const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    _mm512_store_si512(out, _mm512_slli_epi32(words0, 16));
+    _mm512_store_si512(out + 16, _mm512_and_si512(words0, odd));
+    _mm512_store_si512(out + 32, _mm512_slli_epi32(words1, 16));
+    _mm512_store_si512(out + 48, _mm512_and_si512(words1, odd));
   }
   static void Prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
   static Reg Fma(Reg x, Reg w, Reg acc) { return _mm512_fmadd_ps(x, w, acc); }

@@ -48,11 +48,12 @@ inline void Tile(const MatmulArgs& a, int64_t row, int64_t block) {
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g)
         for (int h = 0; h < V::kPerBlock; ++h) acc[r][g][h] = V::Zero();
-    for (int64_t k = b * kb; k < (b + 1) * kb; ++k) {
+    // One value of k: weight(g, h) gives register h of column block block + g at that k.
+    const auto step = [&](int64_t k, const auto& weight) __attribute__((always_inline)) {
       if constexpr (R > 4) {  // the block's weights once, then row by row: one broadcast live at a time
         Reg w[G][V::kPerBlock];
         for (int g = 0; g < G; ++g)
-          for (int h = 0; h < V::kPerBlock; ++h) w[g][h] = Load<V, T>(a.w, ((block + g) * a.k + k) * kLanes + h * V::kWidth);
+          for (int h = 0; h < V::kPerBlock; ++h) w[g][h] = weight(g, h);
         for (int r = 0; r < R; ++r) {
           const Reg xr = V::Broadcast(x[r][k]);
           for (int g = 0; g < G; ++g)
@@ -63,10 +64,27 @@ inline void Tile(const MatmulArgs& a, int64_t row, int64_t block) {
         for (int r = 0; r < R; ++r) xr[r] = V::Broadcast(x[r][k]);
         for (int g = 0; g < G; ++g)
           for (int h = 0; h < V::kPerBlock; ++h) {
-            const Reg w = Load<V, T>(a.w, ((block + g) * a.k + k) * kLanes + h * V::kWidth);
+            const Reg w = weight(g, h);
             for (int r = 0; r < R; ++r) acc[r][g][h] = V::Fma(xr[r], w, acc[r][g][h]);
           }
       }
+    };
+    if constexpr (T == Weight::kBf16In13) {  // 4 values of k unpacked to float32 at a time (kb % 4 == 0)
+      alignas(64) float unpacked[G][4 * kLanes];
+      const uint8_t* w = static_cast<const uint8_t*>(a.w);
+      for (int64_t k = b * kb; k < (b + 1) * kb; k += 4) {
+        for (int g = 0; g < G; ++g)
+          V::Unpack13(w + ((block + g) * (a.k / 4) + k / 4) * kGroup13Bytes, a.dictionary, unpacked[g]);
+        for (int64_t t = 0; t < 4; ++t)
+          step(k + t, [&](int g, int h) __attribute__((always_inline)) {
+            return V::Load(unpacked[g] + t * kLanes + h * V::kWidth);
+          });
+      }
+    } else {
+      for (int64_t k = b * kb; k < (b + 1) * kb; ++k)
+        step(k, [&](int g, int h) __attribute__((always_inline)) {
+          return Load<V, T>(a.w, ((block + g) * a.k + k) * kLanes + h * V::kWidth);
+        });
     }
     for (int g = 0; g < G; ++g) {
       for (int h = 0; h < V::kPerBlock; ++h) {
@@ -126,6 +144,7 @@ void Run(const MatmulArgs& a, int64_t block_begin, int64_t block_end) {
     case Weight::kInt8: RunTyped<V, Weight::kInt8>(a, block_begin, block_end); break;
     case Weight::kBf16: RunTyped<V, Weight::kBf16>(a, block_begin, block_end); break;
     case Weight::kF32: RunTyped<V, Weight::kF32>(a, block_begin, block_end); break;
+    case Weight::kBf16In13: RunTyped<V, Weight::kBf16In13>(a, block_begin, block_end); break;
   }
 }
 

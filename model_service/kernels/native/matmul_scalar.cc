@@ -20,6 +20,17 @@ inline float Value(const MatmulArgs& a, int64_t j, int64_t k, int64_t lane) {
       std::memcpy(&v, &bits, sizeof v);
       return v;
     }
+    case Weight::kBf16In13: {  // the low byte and the dictionary's high byte (matmul.h)
+      const uint8_t* g = static_cast<const uint8_t*>(a.w) + (j * (a.k / 4) + k / 4) * kGroup13Bytes;
+      const int64_t p = Position13(k % 4, lane);
+      const int nibble = p < 32 ? g[64 + p] & 15 : g[64 + p - 32] >> 4;
+      const int fifth = (g[96 + p / 8] >> (p % 8)) & 1;
+      const uint32_t bits = (static_cast<uint32_t>(a.dictionary[nibble | fifth << 4]) << 24) |
+                            (static_cast<uint32_t>(g[p]) << 16);
+      float v;
+      std::memcpy(&v, &bits, sizeof v);
+      return v;
+    }
     default: return static_cast<const float*>(a.w)[i];
   }
 }
