@@ -21,6 +21,7 @@ struct Avx2 {
   static constexpr int kRegs = 16;  // vector registers
   static constexpr int kPerBlock = 2;
   static constexpr int kRowTile = 6;  // rows per tile of the rows form (matmul_body.h)
+  static constexpr int kRowTile13 = 6;  // rows per tile for a kBf16In13 weight (unpacked once a tile)
   static constexpr int kPanelRows = 6;   // 6 x 2 accumulators + 2 weights + 1 broadcast of 16 registers
   static constexpr int kPanelGroup = 1;
   static Reg Zero() { return _mm256_setzero_ps(); }

@@ -21,6 +21,7 @@ struct Avx512 {
   static constexpr int kRegs = 32;  // vector registers
   static constexpr int kPerBlock = 1;
   static constexpr int kRowTile = 4;  // rows per tile of the rows form (matmul_body.h)
+  static constexpr int kRowTile13 = 8;  // rows per tile for a kBf16In13 weight (unpacked once a tile)
   static constexpr int kPanelRows = 6;   // 6 x 4 accumulators + 4 weights + 1 broadcast of 32 registers
   static constexpr int kPanelGroup = 4;
   static Reg Zero() { return _mm512_setzero_ps(); }
@@ -40,20 +41,19 @@ struct Avx512 {
     const __m512i first = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dictionary)));
     const __m512i second = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dictionary + 16)));
     const __m512i low = _mm512_loadu_si512(g);
-    const __m256i parts = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 64));
-    const __m256i nibble = _mm256_set1_epi8(15);
-    const __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(parts, nibble)),
-                                             _mm256_and_si256(_mm256_srli_epi16(parts, 4), nibble), 1);
+    // The 32 bytes of index parts in both halves; the upper half shifted down 4 bits: positions 32-63.
+    const __m512i parts = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 64)));
+    const __m512i index = _mm512_and_si512(_mm512_mask_srli_epi16(parts, 0xffff0000u, parts, 4), _mm512_set1_epi8(15));
     uint64_t fifth;
     std::memcpy(&fifth, g + 96, sizeof fifth);
     const __m512i high = _mm512_mask_blend_epi8(fifth, _mm512_shuffle_epi8(first, index),
                                                 _mm512_shuffle_epi8(second, index));
     const __m512i words0 = _mm512_unpacklo_epi8(low, high), words1 = _mm512_unpackhi_epi8(low, high);
     const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-    _mm512_store_si512(out, _mm512_slli_epi32(words0, 16));
-    _mm512_store_si512(out + 16, _mm512_and_si512(words0, odd));
-    _mm512_store_si512(out + 32, _mm512_slli_epi32(words1, 16));
-    _mm512_store_si512(out + 48, _mm512_and_si512(words1, odd));
+    _mm512_storeu_si512(out, _mm512_slli_epi32(words0, 16));
+    _mm512_storeu_si512(out + 16, _mm512_and_si512(words0, odd));
+    _mm512_storeu_si512(out + 32, _mm512_slli_epi32(words1, 16));
+    _mm512_storeu_si512(out + 48, _mm512_and_si512(words1, odd));
   }
   static void Prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
   static Reg Fma(Reg x, Reg w, Reg acc) { return _mm512_fmadd_ps(x, w, acc); }

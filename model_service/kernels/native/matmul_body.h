@@ -123,11 +123,14 @@ template <class V, Weight T>
 void RunTyped(const MatmulArgs& a, int64_t block_begin, int64_t block_end) {
   for (int64_t block = block_begin; block < block_end; block += kGroup) {
     const int64_t groups = block_end - block < kGroup ? block_end - block : kGroup;
-    constexpr int R = V::kRowTile;
-    static_assert(R == 4 || R == 6, "the remainder below takes up to 5 rows");
+    // A kBf16In13 weight is unpacked once per tile of rows: taller tiles unpack it fewer times.
+    constexpr int R = T == Weight::kBf16In13 ? V::kRowTile13 : V::kRowTile;
+    static_assert(R == 4 || R == 6 || R == 8, "the remainder below takes up to 7 rows");
     int64_t row = 0;
     for (; row + R <= a.m; row += R) Rows<V, T, R>(a, row, block, groups);
     switch (a.m - row) {
+      case 7: if constexpr (R > 7) Rows<V, T, 7>(a, row, block, groups); break;
+      case 6: if constexpr (R > 6) Rows<V, T, 6>(a, row, block, groups); break;
       case 5: if constexpr (R > 5) Rows<V, T, 5>(a, row, block, groups); break;
       case 4: if constexpr (R > 4) Rows<V, T, 4>(a, row, block, groups); break;
       case 3: Rows<V, T, 3>(a, row, block, groups); break;
