@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model_service import kernels
+from model_service.host_memory import huge_pages
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product
 from model_service.model.moe import ExpertWeights, _expert_rows
 from model_service.model.packed import LANES, PackedWeight, pack_bf16_in_13, pack_float, pack_quantized
@@ -112,6 +113,7 @@ def _grok_weights(rng: np.random.Generator) -> dict[str, tuple[jax.Array, jax.Ar
     del rows
     if held is not None:
         out["table_in_13"] = (jnp.asarray(held[0]), jnp.asarray(held[1]), GROK_EMB, VOCAB)
+    huge_pages(list(out.values()))  # as the service backs its weights (--huge-pages): reads vary less
     return out
 
 
