@@ -3,8 +3,9 @@
 A PackedWeight holds a matrix as [NB, K, 16]: 16 output columns per contiguous stream, so the kernel reads
 each weight once per step with unit stride while every output element stays one in-order chain over K.
 It replaces the original (every int8 QuantizedWeight, the float32 router and the embedding table, in the type
-the checkpoint stores it: bfloat16 for the released Grok-1, which is held only packed), packed on the host as
-the weights load (params.pack_for_native), slab by slab from the checkpoint file without a second copy.
+the checkpoint stores it: bfloat16 for the released Grok-1, which is held only packed, in 13 bits a value where
+it can be: pack_bf16_in_13), packed on the host as the weights load (params.pack_for_native), slab by slab from
+the checkpoint file without a second copy.
 
 Under a mesh the kernel runs per shard through `shard_map`, split like the weights (sharding.py):
 - column-parallel ("columns": query/key/value, the experts' linear / linear_v, N split over `model`; the

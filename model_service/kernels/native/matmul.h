@@ -49,7 +49,8 @@ struct MatmulArgs {
 //
 // Rows form (few rows meet a matrix, bound by reading the weight; int8 and bfloat16 weights at any row count):
 // each weight element is loaded and converted once per tile of up to 4 rows (AVX-512) or 6 (AVX2). kBf16In13
-// weights take this form only (4 values of k of G column blocks unpacked to float32 at a time).
+// weights take this form only (4 values of k of G column blocks unpacked to float32 at a time, per tile of up
+// to 8 rows on AVX-512).
 void MatmulScalar(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
 void MatmulAvx2(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
 void MatmulAvx512(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
