@@ -98,14 +98,14 @@ def test_every_path_gives_the_bits_of_the_bfloat16_table(isa: str, v: int, d: in
     x = jnp.asarray(rng.standard_normal((14, d)).astype(np.float32))
     ref = np.asarray(x, np.float64) @ table.astype(np.float64).T
     bound = (d + 1) * EPS32 * (np.abs(np.asarray(x, np.float64)) @ np.abs(table.astype(np.float64).T))
-    for m in (1, 2, 5, 7, 8, 11, 14):  # AVX-512 tiles of 8 rows: every remainder from 1 to 7
-        for form in ("rows", "panel"):
-            for threads in (0, 1):
-                got = np.asarray(kernels.matmul(x[:m], held.packed, None, v, isa, threads, form=form,
-                                                dictionary=held.dictionary))
-                want = np.asarray(kernels.matmul(x[:m], half.packed, None, v, isa, threads, form=form))
-                np.testing.assert_array_equal(got, want, err_msg=f"{isa} {m} {form} {threads}")
-                assert np.all(np.abs(got - ref[:m]) <= bound[:m])
+    # AVX-512 tiles of 8 rows: every remainder from 1 to 7, whole tiles, both; then a panel form asked for (the
+    # rows form computes it) and one thread
+    for m, form, threads in [(m, "rows", 0) for m in (1, 2, 3, 4, 5, 6, 7, 8, 14)] + [(11, "panel", 0), (11, "rows", 1)]:
+        got = np.asarray(kernels.matmul(x[:m], held.packed, None, v, isa, threads, form=form,
+                                        dictionary=held.dictionary))
+        want = np.asarray(kernels.matmul(x[:m], half.packed, None, v, isa, threads, form=form))
+        np.testing.assert_array_equal(got, want, err_msg=f"{isa} {m} {form} {threads}")
+        assert np.all(np.abs(got - ref[:m]) <= bound[:m])
 
 
 @pytest.mark.parametrize("isa", ISAS)

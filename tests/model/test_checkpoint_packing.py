@@ -158,14 +158,14 @@ def test_random_params_equal_a_loaded_checkpoint_of_the_same_random_leaves(tmp_p
         assert table.dtype == jnp.float32  # the compute dtype where XLA's products read the table
 
 
-@pytest.mark.parametrize("mesh_shape", ["1,1", "1,2"])
-def test_a_table_in_13_bits_gives_the_logits_of_the_bfloat16_table(mesh_shape: str) -> None:
+def test_a_table_in_13_bits_gives_the_logits_of_the_bfloat16_table() -> None:
     """The whole forward (embedding lookup, layers, unembedding) with the random bfloat16 table held in 13 bits
-    gives the bits it gives with the table held as bfloat16, on one device and with the features split over 2 devices."""
+    gives the bits it gives with the table held as bfloat16, with the features split over 2 devices (one device:
+    tests/kernels/test_native_bf16_in_13.py)."""
     if not kernels.available():
         pytest.skip("native kernels not built")
     cfg = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, emb_size=64))
-    mesh = make_mesh(MeshConfig.parse(mesh_shape))
+    mesh = make_mesh(MeshConfig.parse("1,2"))
     model = GrokModel(cfg, mesh, jnp.float32, Products.NATIVE)
     params = random_params(cfg, mesh, jnp.float32, seed=5, pack=True)
     spec, table = next((s, leaf) for s, leaf in zip(tensor_specs(cfg), random_leaves(cfg, seed=5)) if s.module == EMBED)
