@@ -131,12 +131,10 @@ def _grok_points(rng: np.random.Generator, rows: list[int], runs: int, threads: 
                 continue
             before = {"table_bf16": weights["table_f32"][0], "table_in_13": weights["table_bf16"][0]}.get(name, w)
             xs = x_ffn if k == GROK_FFN else x
-            if name == "table_in_13":  # before: the bfloat16 table; s is the dictionary
-                fns = {"before": lambda: program(xs, before, None, n_out=n, form="rows", threads=threads),
-                       "after": lambda: program(xs, w, None, n_out=n, form="auto", threads=threads, dictionary=s)}
-            else:
-                fns = {"before": lambda: program(xs, before, s, n_out=n, form="rows", threads=threads),
-                       "after": lambda: program(xs, w, s, n_out=n, form="auto", threads=threads)}
+            held = {"dictionary": s} if name == "table_in_13" else {}  # its s is the dictionary, not scales
+            scales = None if held else s
+            fns = {"before": lambda: program(xs, before, scales, n_out=n, form="rows", threads=threads),
+                   "after": lambda: program(xs, w, scales, n_out=n, form="auto", threads=threads, **held)}
             ms = _interleaved(fns, runs, clock)
             gflop = 2 * m * k * n / 1e9
             points.append({"shape": name, "k": k, "n": n, "rows": m, "before_ms": ms["before"], "after_ms": ms["after"],

@@ -31,6 +31,7 @@ ISA_ENV = "GROK_KERNEL_ISA"
 FORM_ENV = "GROK_KERNEL_FORM"
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 LANES = 16  # columns per packed block
+GROUP_13_BYTES, DICTIONARY_13 = 104, 32  # a bfloat16 weight in 13 bits a value: bytes per 4 x 16 values, high bytes
 FORMS = {"auto": 0, "rows": 1, "panel": 2}
 ACTIVATIONS = {"float32": 0, "int8": 1}  # int8: the rows rounded to int8 per 32 values first (an opt-in)
 _PLAIN_TARGETS = {jnp.dtype(jnp.float32): "grok_f32_matmul", jnp.dtype(jnp.bfloat16): "grok_bf16_matmul"}
@@ -125,8 +126,11 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa
     rows = jnp.ones((x.shape[0],), jnp.bool_) if rows is None else rows.astype(jnp.bool_)
     # Under vmap each batch element is its own call: a batched call would have to be one product anyway.
     if dictionary is not None:
-        if scales is not None or w.dtype != jnp.uint8 or w.ndim != 3 or w.shape[2] != 104:
-            raise TypeError(f"a weight in 13 bits is uint8 [NB, K / 4, 104] without scales, got {w.dtype} {w.shape}")
+        if scales is not None or w.dtype != jnp.uint8 or w.ndim != 3 or w.shape[2] != GROUP_13_BYTES:
+            raise TypeError(f"a weight in 13 bits is uint8 [NB, K / 4, {GROUP_13_BYTES}] without scales, got {w.dtype} "
+                            f"{w.shape}")
+        if dictionary.shape != (DICTIONARY_13,):
+            raise TypeError(f"a weight in 13 bits has a dictionary of {DICTIONARY_13} high bytes, got {dictionary.shape}")
         return jax.ffi.ffi_call("grok_bf16_in_13_matmul", out, vmap_method="sequential")(
             x, w, dictionary.astype(jnp.uint8), rows, multiplier=np.float32(multiplier), **attrs)
     if scales is None:

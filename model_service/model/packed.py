@@ -101,8 +101,8 @@ jax.tree_util.register_dataclass(PackedWeight, data_fields=["packed", "packed_sc
 # j + 32 high), 8 bytes of the indexes' fifth bits (little-endian bit p: position p). Value (k = 4 g + t, column c)
 # sits at position POSITIONS_13[t, c], the order the AVX-512 unpacking yields.
 GROUP_13 = 4  # values of k per group
-GROUP_13_BYTES = 104
-DICTIONARY_13 = 32
+GROUP_13_BYTES = kernels.GROUP_13_BYTES
+DICTIONARY_13 = kernels.DICTIONARY_13
 POSITIONS_13 = np.array([[16 * (c // 4) + 2 * (c % 4) + t % 2 + 8 * (t // 2) for c in range(LANES)]
                          for t in range(GROUP_13)], np.int64)  # [t, c]
 
@@ -360,17 +360,17 @@ def packed_product(x: Array, w: PackedWeight, isa: str | None = None, rows: Arra
         return shard_map(columns, mesh=w.mesh, in_specs=specs[:len(operands)], out_specs=P(rows_axis, split),
                          check_vma=False)(*operands)
 
-    if w.dictionary is not None:  # a table in 13 bits: its dictionary takes the scales' place, on every shard
+    held = w.dictionary is not None  # a table in 13 bits: its dictionary (on every shard) in the scales' place
+    if held:
         operands = (x, mask, w.packed, w.dictionary)
 
-    def row_blocks(xs: Array, ms: Array, ws: Array, ss: Array | None = None) -> Array:
-        held = w.dictionary is not None
-        partial = kernels.matmul(xs, ws, None if held else ss, w.n, isa, rows=ms, activations=activations,
-                                 fill_unused=fill_unused, dictionary=ss if held else None)
+    def row_blocks(xs: Array, ms: Array, ws: Array, extra: Array | None = None) -> Array:
+        scales, dictionary = (None, extra) if held else (extra, None)
+        partial = kernels.matmul(xs, ws, scales, w.n, isa, rows=ms, activations=activations,
+                                 fill_unused=fill_unused, dictionary=dictionary)
         total = jax.lax.psum(partial, MODEL) if split else partial
         return total if multiplier == 1.0 else total * jnp.float32(multiplier)
-    specs = (P(rows_axis, split), P(rows_axis), P(None, split, None),
-             P(None) if w.dictionary is not None else P(split, None))
+    specs = (P(rows_axis, split), P(rows_axis), P(None, split, None), P(None) if held else P(split, None))
     return shard_map(row_blocks, mesh=w.mesh, in_specs=specs[:len(operands)], out_specs=P(rows_axis, None),
                      check_vma=False)(*operands)
 

@@ -146,6 +146,6 @@ def test_a_wrong_weight_or_dictionary_is_refused() -> None:
     with pytest.raises(TypeError, match="uint8"):
         kernels.matmul(jnp.zeros((1, 8)), jnp.zeros((1, 2, 104), jnp.int8), None, 16,
                        dictionary=jnp.zeros((32,), jnp.uint8))
-    with pytest.raises(Exception, match="dictionary of 32"):
+    with pytest.raises(TypeError, match="dictionary of 32"):
         jax.block_until_ready(kernels.matmul(jnp.zeros((1, 8)), jnp.zeros((1, 2, 104), jnp.uint8), None, 16,
                                              dictionary=jnp.zeros((16,), jnp.uint8)))
