@@ -12,6 +12,8 @@ Each vector path has two forms with the same bits: "rows" (each weight is conver
 6 on AVX2) and "panel" (a cache-resident panel of the weight is converted once for every row). "auto" picks by
 weight type and the number of marked rows (what measured fastest, see native/ffi.cc: the panel form for float32
 weights from 8 rows, the rows form otherwise); GROK_KERNEL_FORM=rows|panel forces one (to measure another CPU).
+A bfloat16 table is held in 13 bits a value (the same bits, fewer bytes); GROK_KERNEL_TABLE_BITS=16 keeps it in
+bfloat16 (table_in_13_bits).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 
 ISA_ENV = "GROK_KERNEL_ISA"
 FORM_ENV = "GROK_KERNEL_FORM"
+TABLE_BITS_ENV = "GROK_KERNEL_TABLE_BITS"
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 LANES = 16  # columns per packed block
 GROUP_13_BYTES, DICTIONARY_13 = 104, 32  # a bfloat16 weight in 13 bits a value: bytes per 4 x 16 values, high bytes
@@ -91,6 +94,15 @@ def default_form() -> str:
         return choice
     log.warning("%s=%s is not one of %s: using auto", FORM_ENV, choice, tuple(FORMS))
     return "auto"
+
+
+def table_in_13_bits() -> bool:
+    """GROK_KERNEL_TABLE_BITS: 13 (default) holds a bfloat16 table in 13 bits a value (faster for one or two rows
+    a step, slower from about four), 16 keeps it bfloat16; anything else is warned about and taken as 13."""
+    choice = os.environ.get(TABLE_BITS_ENV, "13")
+    if choice not in ("13", "16"):
+        log.warning("%s=%s is not 13 or 16: using 13", TABLE_BITS_ENV, choice)
+    return choice != "16"
 
 
 def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_out: int, isa: str | None = None,

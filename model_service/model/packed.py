@@ -300,13 +300,13 @@ def _pack_int8_table(table: Any, model: int, mesh: Mesh | None) -> PackedWeight:
     return PackedWeight(packed, scales, v, ROWS, shards, mesh, True)
 
 
-def pack_table(table: Any, mesh: Mesh | None, int8: bool = False, in_13_bits: bool = True) -> PackedWeight:
+def pack_table(table: Any, mesh: Mesh | None, int8: bool = False, in_13_bits: bool | None = None) -> PackedWeight:
     """The embedding table [V, D] (numpy or a checkpoint FileArray) -> a PackedWeight of its own type when that
     is bfloat16 (the released checkpoint's: the kernel converts it exactly, so the logits are the bits a float32
     table of the same values gives, from half the bytes), float32 otherwise. Read slab by slab (SLAB_BYTES).
-    A bfloat16 table is held in 13 bits a value where it can be (`in_13_bits`, pack_bf16_in_13: at most 32
-    distinct high bytes, and each model shard's D a multiple of 4): the same values and logits from 19 % fewer
-    bytes read per sampled row.
+    A bfloat16 table is held in 13 bits a value where it can be (`in_13_bits`, default kernels.table_in_13_bits():
+    pack_bf16_in_13 needs at most 32 distinct high bytes and each model shard's D a multiple of 4): the same
+    values and logits from 19 % fewer bytes read per sampled row.
     `int8` (with int8 activations, an opt-in; D a multiple of TABLE_BLOCK): rounded to int8 per TABLE_BLOCK
     values of D, as llama.cpp's Q8_0 output matrix, reading half the bytes of bfloat16 per sampled row."""
     if int8 and int8_table_ok(table.shape[1]):
@@ -318,6 +318,7 @@ def pack_table(table: Any, mesh: Mesh | None, int8: bool = False, in_13_bits: bo
     model = mesh.shape[MODEL] if mesh is not None and mesh.size > 1 else 1
     shards = model if d % model == 0 else 1
     mesh = mesh if mesh is not None and mesh.size > 1 else None
+    in_13_bits = kernels.table_in_13_bits() if in_13_bits is None else in_13_bits
     if in_13_bits and dtype == np.dtype(ml_dtypes.bfloat16) and (d // shards) % GROUP_13 == 0:
         held = pack_bf16_in_13(table)
         if held is not None:

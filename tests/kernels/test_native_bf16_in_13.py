@@ -149,3 +149,13 @@ def test_a_wrong_weight_or_dictionary_is_refused() -> None:
     with pytest.raises(TypeError, match="dictionary of 32"):
         jax.block_until_ready(kernels.matmul(jnp.zeros((1, 8)), jnp.zeros((1, 2, 104), jnp.uint8), None, 16,
                                              dictionary=jnp.zeros((16,), jnp.uint8)))
+
+
+def test_the_variable_keeps_the_table_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = _table(np.random.default_rng(6), 40, 16)
+    monkeypatch.setenv(kernels.TABLE_BITS_ENV, "16")
+    assert pack_table(table, None).dictionary is None
+    monkeypatch.setenv(kernels.TABLE_BITS_ENV, "13")
+    assert pack_table(table, None).dictionary is not None
+    monkeypatch.setenv(kernels.TABLE_BITS_ENV, "12")  # not a choice: warned about, the default
+    assert pack_table(table, None).dictionary is not None
