@@ -103,7 +103,10 @@ def test_each_path_matches_numpy_within_the_float32_bound_and_the_rounding(isa: 
     assert np.all(out[3] == 0)
 
 
-@pytest.mark.parametrize("k,n,blocks", [(8 * 21, 77, 1), (2736, 40, 8), (600, 200, 1), (8 * 13, 33, 8), (192, 70, 6)])
+# Whole sub-blocks (K per scale block a multiple of 32: the AVX-512 path's loop over whole sub-blocks) with 1-4
+# column blocks left for the last tile, and short ones (its general loop), and blocks of one sub-block (a table's).
+@pytest.mark.parametrize("k,n,blocks", [(8 * 21, 77, 1), (2736, 40, 8), (600, 200, 1), (8 * 13, 33, 8), (192, 70, 6),
+                                        (768, 77, 1), (768, 30, 3), (1024, 150, 4), (96, 60, 1)])
 def test_every_path_gives_the_bits_of_the_scalar_path(k: int, n: int, blocks: int) -> None:
     rng = np.random.default_rng(blocks + k)
     q = _weight(rng, k, n, blocks)

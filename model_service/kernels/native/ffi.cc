@@ -100,7 +100,7 @@ QuantizeFn QuantizeFor(int64_t isa) {
 }
 
 Kernel QuantKernelFor(int64_t isa) {
-  if (QuantUsesAvx512(isa)) return QuantAvx512;
+  if (QuantUsesAvx512(isa)) return NoScratch<QuantAvx512>;
   if (isa >= kAvx2 && Supported(kAvx2)) return NoScratch<QuantAvx2>;
   return NoScratch<QuantScalar>;
 }
@@ -232,7 +232,7 @@ ffi::Error Run(ffi::Buffer<ffi::F32> x, const void* w, int64_t nb, int64_t wk, c
     QuantizeFor(isa)(x.typed_data(), ids.data(), count, k, blocks, q.data(), d.data(), c.data());
     const QuantRows quant{q.data(), d.data(), c.data(), subs, per_block};
     args.quant = &quant;
-    Execute(args, QuantKernelFor(isa), QuantScratch(k, blocks), o.threads, pool);
+    Execute(args, QuantKernelFor(isa), 0, o.threads, pool);
     return ffi::Error::Success();
   }
   const bool panel = isa != kScalar && type != Weight::kBf16In13 &&
@@ -363,7 +363,6 @@ ffi::Error GroupedInt8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> whic
     if (activations == 1) {
       args.quant = &quant;
       work->Add(args, QuantKernelFor(best));
-      work->scratch = std::max(work->scratch, QuantScratch(k, blocks));
     } else {
       const bool panel = best != kScalar &&
                          (form == kPanel || (form == kAuto && AutoPanel(best, Weight::kInt8, count)));

@@ -86,11 +86,8 @@ void QuantizeRowsAvx512(const float* x, const int64_t* rows, int64_t m, int64_t 
                         float* d, int32_t* c);  // the same bytes, with the AVX-512 product
 void QuantScalar(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
 void QuantAvx2(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
-// The AVX-512 path needs VNNI and VBMI; `scratch` holds QuantScratch(a) floats for the calling thread alone.
-void QuantAvx512(const MatmulArgs& a, int64_t block_begin, int64_t block_end, float* scratch);
-constexpr int64_t QuantScratch(int64_t k, int64_t blocks) {  // 2 column blocks of one scale block, turned
-  return ((k / blocks + kQuantBlock - 1) / kQuantBlock) * kQuantBlock * 2 * kLanes / 4 + 16;
-}
+// The AVX-512 path needs VNNI and VBMI.
+void QuantAvx512(const MatmulArgs& a, int64_t block_begin, int64_t block_end);
 
 }  // namespace grok
 
