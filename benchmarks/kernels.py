@@ -2,6 +2,7 @@
 
     python -m benchmarks.kernels [--runs 50] [--rows 1,8] [--nucleus]
     python -m benchmarks.kernels --grok [--runs 3] [--rows 1,2,8,32,64,256] [--threads 1 --cpu-time]
+        [--shapes expert_linear,expert_linear_1] [--activations int8]
 
 Points: one whole expert (gelu(x W) * (x V) U, W/V 512x2736 column-parallel int8, U 2736x512 row-parallel
 with 8 block scales) and the float32 unembedding (131072x512), at each row count. Each point alternates
@@ -13,7 +14,9 @@ the two forms call by call and reports the median milliseconds of each and their
 against "after" (the form the kernel picks, `auto`), alternating call by call: the experts' column-parallel
 and row-parallel int8 matrices, the attention's, and the unembedding table in float32, in bfloat16 (the
 released checkpoint's type; before = the float32 table, the only one there was) and in 13 bits a value (the
-same bfloat16 values, pack_bf16_in_13; before = the bfloat16 table). ms (median) and GFLOP/s.
+same bfloat16 values, pack_bf16_in_13; before = the bfloat16 table). ms (median) and GFLOP/s. With
+--activations int8 the int8 matrices' "after" rounds the rows to int8 first (the opt-in `--products native-int8`),
+so the point reads what the int8 product gains over the exact float32 one.
 Run it on a quiet machine: it measures wall time. `load` records the 1-minute load average before and after.
 """
 
@@ -93,13 +96,18 @@ GROK_INT8 = {"expert_linear": (GROK_EMB, GROK_FFN, 1), "expert_linear_1": (GROK_
              "attn_output": (GROK_QKV, GROK_EMB, 8)}
 
 
-def _grok_weights(rng: np.random.Generator) -> dict[str, tuple[jax.Array, jax.Array | None, int, int]]:
-    """name -> (packed weight [N/16, K, 16], scales or None, K, N) on the device, random."""
+def _grok_weights(rng: np.random.Generator,
+                  shapes: list[str] | None = None) -> dict[str, tuple[jax.Array, jax.Array | None, int, int]]:
+    """name -> (packed weight [N/16, K, 16], scales or None, K, N) on the device, random (the table's forms only
+    where `shapes` asks for one of them)."""
     out: dict[str, tuple[jax.Array, jax.Array | None, int, int]] = {}
     for name, (k, n, blocks) in GROK_INT8.items():
         w = rng.integers(-127, 128, (n // LANES, k, LANES), dtype=np.int8)
         s = rng.uniform(0.5, 1.5, (blocks, n)).astype(np.float32) / 127 / np.sqrt(k)
         out[name] = (jnp.asarray(w), jnp.asarray(s), k, n)
+    if shapes is not None and not any(name.startswith("table") for name in shapes):
+        huge_pages(list(out.values()))
+        return out
     host = np.empty((VOCAB // LANES, GROK_EMB, LANES), np.float32)  # 3.2 GB: drawn and scaled in place
     rng.standard_normal(dtype=np.float32, out=host)
     host *= 0.02
@@ -118,9 +126,9 @@ def _grok_weights(rng: np.random.Generator) -> dict[str, tuple[jax.Array, jax.Ar
 
 
 def _grok_points(rng: np.random.Generator, rows: list[int], runs: int, threads: int,
-                 cpu_time: bool, shapes: list[str] | None = None) -> list[dict[str, Any]]:
-    weights = _grok_weights(rng)
-    program = jax.jit(kernels.matmul, static_argnames=("n_out", "form", "threads"))
+                 cpu_time: bool, shapes: list[str] | None = None, activations: str = "float32") -> list[dict[str, Any]]:
+    weights = _grok_weights(rng, shapes)
+    program = jax.jit(kernels.matmul, static_argnames=("n_out", "form", "threads", "activations"))
     clock = time.process_time if cpu_time else time.perf_counter
     points = []
     for m in rows:
@@ -129,10 +137,13 @@ def _grok_points(rng: np.random.Generator, rows: list[int], runs: int, threads: 
         for name, (w, s, k, n) in weights.items():
             if shapes is not None and name not in shapes:
                 continue
-            before = {"table_bf16": weights["table_f32"][0], "table_in_13": weights["table_bf16"][0]}.get(name, w)
+            before = {"table_bf16": "table_f32", "table_in_13": "table_bf16"}.get(name)
+            before = w if before is None else weights[before][0]
             xs = x_ffn if k == GROK_FFN else x
             held = {"dictionary": s} if name == "table_in_13" else {}  # its s is the dictionary, not scales
             scales = None if held else s
+            if name in GROK_INT8:
+                held = {"activations": activations}
             fns = {"before": lambda: program(xs, before, scales, n_out=n, form="rows", threads=threads),
                    "after": lambda: program(xs, w, scales, n_out=n, form="auto", threads=threads, **held)}
             ms = _interleaved(fns, runs, clock)
@@ -151,8 +162,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     if args.grok:
         load_before = os.getloadavg()[0]
-        points = _grok_points(rng, args.rows, args.runs, args.threads, args.cpu_time, args.shapes)
-        return {"isa": kernels.supported_isas()[-1], "runs": args.runs, "cpus": os.cpu_count(),
+        points = _grok_points(rng, args.rows, args.runs, args.threads, args.cpu_time, args.shapes, args.activations)
+        return {"isa": kernels.supported_isas()[-1], "activations": args.activations, "runs": args.runs, "cpus": os.cpu_count(),
                 "threads": args.threads or "all", "clock": "process cpu time" if args.cpu_time else "wall",
                 "load": [round(load_before, 2), round(os.getloadavg()[0], 2)], "points": points}
     if args.nucleus:
@@ -188,6 +199,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grok", action="store_true", help="the native products alone at Grok-1's shapes, before/after")
     p.add_argument("--shapes", type=lambda s: s.split(","), default=None,
                    help="--grok: only these points, e.g. table_bf16,table_in_13 (default: every one)")
+    p.add_argument("--activations", choices=tuple(kernels.ACTIVATIONS), default="float32",
+                   help="--grok: int8 rounds the rows to int8 in the after form of the int8 weights (the opt-in "
+                        "--products native-int8; gflops then count int8 multiply-adds x 2); before stays float32 rows")
     p.add_argument("--threads", type=int, default=0, help="--grok: kernel threads (default 0: XLA's pool, all cores)")
     p.add_argument("--cpu-time", action="store_true",
                    help="--grok: time by process CPU time (with --threads 1: one core's rate even on a busy box; "
