@@ -78,12 +78,12 @@ inline void SubBlock(const MatmulArgs& a, const int64_t* ids, int64_t block, int
   }
 }
 
-// Every sub-block of scale block b whole (K / blocks a multiple of kQuantBlock): SubBlock's sums and float steps
+// The first `whole` sub-blocks of scale block b (each kQuantBlock values of K): SubBlock's sums and float steps
 // for all of them, with each row's and each weight stream's pointers formed once per tile and each sum starting
 // at minus its offset (the same integers), so the loop holds only loads, turns and VPDPBUSD.
 template <int R, int G>
-inline void Whole(const MatmulArgs& a, const int64_t* ids, int64_t block, int64_t b, __m512i transpose,
-                  __m512 (&acc)[R][G]) {
+inline void Whole(const MatmulArgs& a, const int64_t* ids, int64_t block, int64_t b, int64_t whole,
+                  __m512i transpose, __m512 (&acc)[R][G]) {
   const QuantRows& qr = *a.quant;
   const int64_t kb = a.k / a.blocks;
   const int8_t* xs[R];
@@ -99,7 +99,7 @@ inline void Whole(const MatmulArgs& a, const int64_t* ids, int64_t block, int64_
   for (int g = 0; g < G; ++g)
     ws[g] = static_cast<const int8_t*>(a.w) + ((block + g) * a.k + b * kb) * kLanes;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t s = 0; s < qr.per_block; ++s) {
+  for (int64_t s = 0; s < whole; ++s) {
     __m512i sum[R][G];
     for (int r = 0; r < R; ++r) {
       const __m512i start = _mm512_set1_epi32(-cs[r][s]);
@@ -141,13 +141,11 @@ inline void Tile(const MatmulArgs& a, int64_t row, int64_t block, int64_t b, __m
   __m512 acc[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
-  if (qr.per_block * kQuantBlock == kb) {
-    Whole<R, G>(a, ids, block, b, transpose, acc);
-  } else {
-    for (int64_t s = 0; s < qr.per_block; ++s)
-      SubBlock<R, G>(a, ids, block, b * kb + s * kQuantBlock, Min(kQuantBlock, kb - s * kQuantBlock),
-                     b * qr.per_block + s, transpose, acc);
-  }
+  const int64_t whole = kb / kQuantBlock;  // a shorter last sub-block, if any, takes SubBlock's masked loads
+  Whole<R, G>(a, ids, block, b, whole, transpose, acc);
+  if (whole < qr.per_block)
+    SubBlock<R, G>(a, ids, block, b * kb + whole * kQuantBlock, kb - whole * kQuantBlock, b * qr.per_block + whole,
+                   transpose, acc);
   for (int g = 0; g < G; ++g) {
     const int64_t col = (block + g) * kLanes;
     const __mmask16 mask = Valid(a, col);
