@@ -1,7 +1,7 @@
 """The model service as a user starts it, measured with the acceptance checks' own client; prints JSON.
 
     .venv/bin/python -m benchmarks.as_user [--repo before=WORKTREE] [--repo now=.] [--config PATH]
-        [--streams 1,8] [--tokens 128] [--runs 2] [--llamacpp DIR] [--greedy] [--flags '...']
+        [--streams 1,8] [--tokens 128] [--runs 2] [--llamacpp DIR] [--greedy] [--flags '...'] [--cgroup DIR]
 
 Each arm is `python -m model_service --config CONFIG --random-init --host 127.0.0.1 --port P` from its checkout
 with no other flag (the defaults a user gets: slots, tiles, step size, pacing), and each measurement is one run of
@@ -43,7 +43,8 @@ CACHE_HITS = "grok_model_prefix_cache_hits_total"
 class Service:
     """`python -m model_service` from `repo` with default flags (and `extra`), on a free port."""
 
-    def __init__(self, repo: pathlib.Path, config: pathlib.Path, log: pathlib.Path, extra: list[str]) -> None:
+    def __init__(self, repo: pathlib.Path, config: pathlib.Path, log: pathlib.Path, extra: list[str],
+                 cgroup: pathlib.Path | None = None) -> None:
         self.repo = repo
         self.address = f"127.0.0.1:{free_port()}"
         metrics_port = free_port()
@@ -55,7 +56,8 @@ class Service:
         self.proc = subprocess.Popen([sys.executable, "-m", "model_service", "--config", str(config), "--random-init",
                                       "--host", host, "--port", port, "--metrics-port",
                                       str(metrics_port), *extra], cwd=repo, env=env,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     preexec_fn=None if cgroup is None else lambda: join_cgroup(cgroup))
         self.start_seconds = round(wait_started(self.proc, self.address, repo, log), 1)
 
     def cached_tokens(self) -> int:
@@ -69,6 +71,12 @@ class Service:
     def close(self) -> None:
         terminate(self.proc, 30.0)
         self._log.close()
+
+
+def join_cgroup(directory: pathlib.Path) -> None:
+    """Move the calling process into the cgroup `directory` (v2 cgroup.procs, v1 tasks)."""
+    procs = directory / "cgroup.procs"
+    (procs if procs.exists() else directory / "tasks").write_text(str(os.getpid()))
 
 
 def speed(service: Service, streams: int, tokens: int, greedy: bool) -> dict[str, Any]:
@@ -98,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--flags", default="", help="extra model-service flags for every arm (default: none)")
     p.add_argument("--llamacpp", type=pathlib.Path, default=None, metavar="DIR")
+    p.add_argument("--cgroup", type=pathlib.Path, default=None, metavar="DIR",
+                   help="start each arm's service in this cgroup (e.g. one with a CPU limit, as a container's --cpus "
+                        "sets; needs write access to it); llama.cpp and the client stay outside")
     p.add_argument("--out", type=pathlib.Path, default=None)
     args = p.parse_args(argv)
     arms = dict(spec.split("=", 1) for spec in args.repo) or {"now": str(ROOT)}
@@ -107,13 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     machine = {"cpus": os.cpu_count(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
     report: dict[str, Any] = {"machine": machine, "config": str(args.config), "tokens": args.tokens,
                               "mode": "greedy" if args.greedy else "sampled", "flags": args.flags,
+                              "cgroup": None if args.cgroup is None else str(args.cgroup),
                               "arms": {label: str(pathlib.Path(d).resolve()) for label, d in arms.items()}}
     services: dict[str, Service] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for label, repo in arms.items():
                 services[label] = Service(pathlib.Path(repo).resolve(), args.config, pathlib.Path(tmp) / f"{label}.log",
-                                          shlex.split(args.flags))
+                                          shlex.split(args.flags), args.cgroup)
             for service in services.values():
                 speed(service, 1, 4, args.greedy)  # the first request's connection and warm-up, unmeasured
             for _ in range(args.runs):

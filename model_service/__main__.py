@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from model_service.config import BACKENDS, PRODUCT_CHOICES, ConfigError, MeshConfig
 from model_service.distributed import DistributedConfig
 from model_service.pacing import DEFAULT_SLOWDOWN
 from serving_common import logs, tracing
+from serving_common.cpus import CpuBudget, cpu_budget
 from serving_common.flags import EnvArgumentParser, port, positive_int
 from serving_common.tls import add_server_flags, server_tls_from
 
@@ -106,6 +108,10 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--huge-pages", choices=("on", "off"), default="on",
                        help="once loaded and compiled, back the weights and the step's buffers with transparent huge "
                             "pages (Linux; fewer page-table walks for the bytes each token reads)")
+    p.add_env_argument("--threads", type=positive_int, default=None,
+                       help="compute threads (XLA's CPU pool, which the native kernels share; default: the CPUs this "
+                            "process may keep busy, i.e. its CPU affinity capped by a cgroup CPU limit such as "
+                            "docker --cpus or a Kubernetes limits.cpu)")
     p.add_env_argument("--max-num-batched-tokens", type=positive_int, default=None,
                        help="token rows per step, prompt and decode rows together (default: 64 on CPU, 256 "
                             "elsewhere; at least --slots). Prompts of any length up to the context are computed "
@@ -210,12 +216,21 @@ def distributed_config(args: argparse.Namespace) -> DistributedConfig | None:
     return config
 
 
-def prepare_process() -> None:
+def prepare_process(threads: int | None = None) -> CpuBudget:
     """Process-wide settings a model process needs before JAX computes anything: the host allocator keeps
-    the decode step's freed buffers (model_service/host_memory.py)."""
+    the decode step's freed buffers (model_service/host_memory.py), and XLA's CPU thread pool, which the native
+    kernels share, gets `threads` threads, by default the CPUs this process may keep busy (its affinity capped by
+    a cgroup CPU limit: serving_common/cpus.py). XLA sizes that pool from NPROC when it is set, so an NPROC
+    already in the environment is kept unless `threads` is given. Returns the budget it found."""
     from model_service.host_memory import keep_freed_memory
 
     keep_freed_memory()
+    budget = cpu_budget()
+    if threads is not None:
+        os.environ["NPROC"] = str(threads)
+    else:
+        os.environ.setdefault("NPROC", str(budget.threads))
+    return budget
 
 
 def configure_jax(compile_cache: str | None) -> None:
@@ -244,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         # restart process 0 would load a program the others wait for in vain.
         logging.getLogger(__name__).warning("--compile-cache is not used by a multi-process replica")
         compile_cache = None
-    prepare_process()
+    budget = prepare_process(args.threads)
+    logging.getLogger(__name__).info("cpus", extra={"threads": int(os.environ["NPROC"]), "affinity": budget.affinity,
+                                                    "cgroup_limit": budget.quota})
     configure_jax(compile_cache)
     if args.buckets is not None:
         logging.getLogger(__name__).warning("--buckets (GROK_MODEL_BUCKETS) is no longer used and is ignored: "
