@@ -32,6 +32,7 @@ from typing import Any
 
 from benchmarks import box
 from benchmarks.engine import MEDIUM, llamacpp_run, print_report, wait_started
+from serving_common.cpus import cpu_quota
 from serving_common.processes import terminate
 from tests.procs import SHARED, free_port
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     streams = [int(s) for s in args.streams.split(",")]
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {label: {s: [] for s in streams} for label in arms}
     anchor: dict[str, list[dict[str, Any]]] = {"ll1": [], "ll8": []}
-    machine = {"cpus": os.cpu_count(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
+    machine = {"cpus": os.cpu_count(), "cgroup_cpu_limit": cpu_quota(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
     report: dict[str, Any] = {"machine": machine, "config": str(args.config), "tokens": args.tokens,
                               "mode": "greedy" if args.greedy else "sampled", "flags": args.flags,
                               "cgroup": None if args.cgroup is None else str(args.cgroup),

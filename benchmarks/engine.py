@@ -59,6 +59,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 from benchmarks import box
 from grok.model.v1 import model_pb2, model_pb2_grpc
+from serving_common.cpus import cpu_quota
 from serving_common.healthcheck import check
 from serving_common.processes import terminate
 from tests.procs import SHARED, free_port
@@ -356,7 +357,7 @@ def main() -> int:
     arms = arms or {"current": (ROOT, [])}
     vocab = json.loads(args.config.read_text())["vocab_size"]
     report: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
+        "machine": {"cpus": os.cpu_count(), "cgroup_cpu_limit": cpu_quota(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
         "settings": {"config": str(args.config), "tokens": args.tokens, "prompt_len": args.prompt_len,
                      "runs": args.runs, "modes": list(args.modes), "sampled": {"temperature": 0.7, "top_p": 0.9},
                      "checkpoint": str(args.checkpoint) if args.checkpoint else None,
