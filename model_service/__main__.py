@@ -260,8 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(__name__).warning("--compile-cache is not used by a multi-process replica")
         compile_cache = None
     budget = prepare_process(args.threads)
-    logging.getLogger(__name__).info("cpus", extra={"threads": int(os.environ["NPROC"]), "affinity": budget.affinity,
+    threads = int(os.environ["NPROC"])
+    logging.getLogger(__name__).info("cpus", extra={"threads": threads, "affinity": budget.affinity,
                                                     "cgroup_limit": budget.quota})
+    if threads > budget.threads:
+        logging.getLogger(__name__).warning(
+            f"{threads} compute threads for {budget.threads} usable CPUs (affinity {budget.affinity}, cgroup limit "
+            f"{budget.quota}): the threads will wait for each other; leave --threads and NPROC unset to match")
     configure_jax(compile_cache)
     if args.buckets is not None:
         logging.getLogger(__name__).warning("--buckets (GROK_MODEL_BUCKETS) is no longer used and is ignored: "
