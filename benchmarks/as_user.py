@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     streams = [int(s) for s in args.streams.split(",")]
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {label: {s: [] for s in streams} for label in arms}
     anchor: dict[str, list[dict[str, Any]]] = {"ll1": [], "ll8": []}
-    machine = {"cpus": os.cpu_count(), "cgroup_cpu_limit": cpu_quota(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
+    machine = {"cpus": os.cpu_count(), "cgroup_cpu_limit": cpu_quota(),
+               "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
     report: dict[str, Any] = {"machine": machine, "config": str(args.config), "tokens": args.tokens,
                               "mode": "greedy" if args.greedy else "sampled", "flags": args.flags,
                               "cgroup": None if args.cgroup is None else str(args.cgroup),

@@ -357,7 +357,8 @@ def main() -> int:
     arms = arms or {"current": (ROOT, [])}
     vocab = json.loads(args.config.read_text())["vocab_size"]
     report: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "cgroup_cpu_limit": cpu_quota(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
+        "machine": {"cpus": os.cpu_count(), "cgroup_cpu_limit": cpu_quota(),
+                    "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
         "settings": {"config": str(args.config), "tokens": args.tokens, "prompt_len": args.prompt_len,
                      "runs": args.runs, "modes": list(args.modes), "sampled": {"temperature": 0.7, "top_p": 0.9},
                      "checkpoint": str(args.checkpoint) if args.checkpoint else None,

@@ -54,7 +54,8 @@ def machine_info() -> dict[str, Any]:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         mem = 0
-    return {"cpus": os.cpu_count(), "cgroup_cpu_limit": cpu_quota(), "cpu_model": cpu_model(), "memory_gib": round(mem / 2**30, 1),
+    return {"cpus": os.cpu_count(), "cgroup_cpu_limit": cpu_quota(), "cpu_model": cpu_model(),
+            "memory_gib": round(mem / 2**30, 1),
             "load_avg": [round(x, 2) for x in os.getloadavg()], "platform": platform.platform(),
             "python": platform.python_version(), "jax": jax.__version__, "grpcio": grpc.__version__,
             "numpy": numpy.__version__, "jax_backend": os.environ.get("JAX_PLATFORMS", "") or "default"}

@@ -38,11 +38,11 @@ def _mounts(mountinfo: Path) -> list[tuple[str, str, str, set[str]]]:
 def _limit_v2(directory: Path) -> float | None:
     try:
         quota, period = (directory / "cpu.max").read_text().split()[:2]
+        if quota == "max" or int(period) <= 0:
+            return None
+        return int(quota) / int(period)
     except (OSError, ValueError):
         return None
-    if quota == "max" or int(period) <= 0:
-        return None
-    return int(quota) / int(period)
 
 
 def _limit_v1(directory: Path) -> float | None:

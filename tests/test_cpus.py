@@ -86,6 +86,11 @@ def test_unreadable_proc_files_mean_no_limit(tmp_path: Path) -> None:
     assert cpu_quota(tmp_path / "missing", tmp_path / "missing") is None
 
 
+def test_a_malformed_limit_file_is_no_limit(tmp_path: Path) -> None:
+    info, cgroup = v2_tree(tmp_path, "/c", {"c": "lots 100000"})
+    assert cpu_quota(info, cgroup) is None
+
+
 def xla_pool_threads(threads: int | None, env: dict[str, str]) -> int:
     """XLA CPU pool threads of a fresh process that ran prepare_process(threads), then one computation."""
     code = ("import os, jax.numpy as jnp\n"
