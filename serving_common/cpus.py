@@ -3,7 +3,8 @@
 A container's `--cpus 2` or a Kubernetes pod's `limits.cpu: 2` is a quota (cgroup v2 `cpu.max`, v1
 `cpu.cfs_quota_us` over `cpu.cfs_period_us`), not an affinity: every CPU of the host stays visible, so a
 pool sized by the visible CPUs runs more threads than the quota lets run, and the kernel stops all of them
-for the rest of each period once the quota is spent. The limit is read from the cgroup the process is in
+for the rest of each period once the quota is spent. So a pool gets as many threads as the limit, rounded to the
+nearest (at least one), or the affinity's CPUs when fewer. The limit is read from the cgroup the process is in
 and every cgroup above it (the smallest counts), through the mounts listed in /proc/self/mountinfo.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class CpuBudget:
-    threads: int  # threads worth running: the affinity's CPUs, at most the quota (rounded down, at least 1)
+    threads: int  # threads worth running: the affinity's CPUs, at most the quota rounded to the nearest (at least 1)
     affinity: int  # CPUs this process may run on
     quota: float | None  # CPUs' worth of time per period the cgroup allows (None: no limit)
 
@@ -102,5 +103,7 @@ def cpu_budget(mountinfo: Path = Path("/proc/self/mountinfo"), cgroup: Path = Pa
         except (AttributeError, OSError):
             affinity = os.cpu_count() or 1
     quota = cpu_quota(mountinfo, cgroup)
-    threads = affinity if quota is None else max(1, min(affinity, math.floor(quota + 1e-9)))
+    # To the nearest, halves up: on the 2-CPU box one thread beat two under limits of 1.0 and 1.2 CPUs, two beat
+    # one under 1.5 (docs/performance.md, "Under a CPU limit").
+    threads = affinity if quota is None else max(1, min(affinity, math.floor(quota + 0.5)))
     return CpuBudget(threads, affinity, quota)

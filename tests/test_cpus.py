@@ -74,8 +74,9 @@ def test_a_v1_cpu_controller_limit(tmp_path: Path) -> None:
     assert cpu_quota(info, cgroup) is None
 
 
-@pytest.mark.parametrize("quota, affinity, threads", [(1.0, 16, 1), (2.5, 16, 2), (0.5, 16, 1), (8.0, 2, 2)])
-def test_threads_are_the_affinity_capped_by_the_quota_rounded_down(tmp_path: Path, quota: float, affinity: int,
+@pytest.mark.parametrize("quota, affinity, threads", [(1.0, 16, 1), (1.2, 16, 1), (1.5, 16, 2), (2.5, 16, 3),
+                                                     (0.5, 16, 1), (0.2, 16, 1), (8.0, 2, 2)])
+def test_threads_are_the_affinity_capped_by_the_quota_rounded_to_the_nearest(tmp_path: Path, quota: float, affinity: int,
                                                                      threads: int) -> None:
     info, cgroup = v2_tree(tmp_path, "/c", {"c": f"{int(quota * 100000)} 100000"})
     budget = cpu_budget(info, cgroup, affinity=affinity)
