@@ -32,13 +32,30 @@ inline __m512i Transpose() {  // byte i of the result = byte (i % 4) * 16 + i / 
   return _mm512_load_si512(idx);
 }
 
+// Four values of k of a column block's 16 columns as stored, turned and flipped for VPDPBUSD.
+inline __m512i Turn(__m512i raw, __m512i transpose) {
+  return _mm512_xor_si512(_mm512_permutexvar_epi8(transpose, raw), _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
 // Four values of k of column block `block` (len - t of them valid), turned and flipped for VPDPBUSD.
 inline __m512i Turned(const int8_t* w, const MatmulArgs& a, int64_t block, int64_t k, int64_t valid,
                       __m512i transpose) {
   const int8_t* p = w + (block * a.k + k) * kLanes;
   // A short last step reads only its own values of k (the activations past them are zero).
   const __m512i raw = valid >= 4 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ull << (16 * valid)) - 1ull, p);
-  return _mm512_xor_si512(_mm512_permutexvar_epi8(transpose, raw), _mm512_set1_epi8(static_cast<char>(0x80)));
+  return Turn(raw, transpose);
+}
+
+// sum[r][g] += the integer dot of row r's four activations at xs[r] + t with the turned weights wv[g].
+template <int R, int G>
+__attribute__((always_inline)) inline void Dot(const int8_t* const (&xs)[R], int64_t t, const __m512i (&wv)[G],
+                                               __m512i (&sum)[R][G]) {
+  for (int r = 0; r < R; ++r) {
+    int32_t four;
+    std::memcpy(&four, xs[r] + t, sizeof four);
+    const __m512i xv = _mm512_set1_epi32(four);
+    for (int g = 0; g < G; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], wv[g], xv);
+  }
 }
 
 // acc[r][g] += (the exact integer sum of sub-block `sub`, K from k0, `len` values, for row ids[r] and column block
@@ -55,14 +72,8 @@ inline void SubBlock(const MatmulArgs& a, const int64_t* ids, int64_t block, int
   for (int r = 0; r < R; ++r) xs[r] = qr.q + (ids[r] * qr.subs + sub) * kQuantBlock;
   const auto step = [&](int64_t t, int64_t valid) __attribute__((always_inline)) {
     __m512i wv[G];
-    for (int g = 0; g < G; ++g)
-      wv[g] = Turned(w, a, block + g, k0 + t, valid, transpose);
-    for (int r = 0; r < R; ++r) {
-      int32_t four;
-      std::memcpy(&four, xs[r] + t, sizeof four);
-      const __m512i xv = _mm512_set1_epi32(four);
-      for (int g = 0; g < G; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], wv[g], xv);
-    }
+    for (int g = 0; g < G; ++g) wv[g] = Turned(w, a, block + g, k0 + t, valid, transpose);
+    Dot<R, G>(xs, t, wv, sum);
   };
   if (len == kQuantBlock) {  // a whole sub-block: a fixed trip count the compiler unrolls (no copies of sums)
 #pragma GCC unroll 8
@@ -98,7 +109,6 @@ inline void Whole(const MatmulArgs& a, const int64_t* ids, int64_t block, int64_
   const int8_t* ws[G];
   for (int g = 0; g < G; ++g)
     ws[g] = static_cast<const int8_t*>(a.w) + ((block + g) * a.k + b * kb) * kLanes;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t s = 0; s < whole; ++s) {
     __m512i sum[R][G];
     for (int r = 0; r < R; ++r) {
@@ -108,16 +118,8 @@ inline void Whole(const MatmulArgs& a, const int64_t* ids, int64_t block, int64_
 #pragma GCC unroll 8
     for (int64_t t = 0; t < kQuantBlock; t += 4) {
       __m512i wv[G];
-      for (int g = 0; g < G; ++g) {
-        const __m512i raw = _mm512_loadu_si512(ws[g] + (s * kQuantBlock + t) * kLanes);
-        wv[g] = _mm512_xor_si512(_mm512_permutexvar_epi8(transpose, raw), flip);
-      }
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, xs[r] + s * kQuantBlock + t, sizeof four);
-        const __m512i xv = _mm512_set1_epi32(four);
-        for (int g = 0; g < G; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], wv[g], xv);
-      }
+      for (int g = 0; g < G; ++g) wv[g] = Turn(_mm512_loadu_si512(ws[g] + (s * kQuantBlock + t) * kLanes), transpose);
+      Dot<R, G>(xs, s * kQuantBlock + t, wv, sum);
     }
     for (int r = 0; r < R; ++r) {
       const __m512 d = _mm512_set1_ps(ds[r][s]);
@@ -206,6 +208,7 @@ inline void SmallBlocksRows(const MatmulArgs& a, int64_t block, __m512i transpos
 // panel and reading that back: 357 against 300 G multiply-adds a second at 64 rows, both cores).
 template <int G>
 inline void Tiles(const MatmulArgs& a, int64_t block, int64_t b, __m512i transpose) {
+  static_assert(kRows == 4, "the remainder cases below run tiles of up to 4 rows");
   int64_t row = 0;
   for (; a.m - row > kRows; row += kRows) Tile<kRows, G>(a, row, block, b, transpose);
   switch (a.m - row) {
