@@ -140,10 +140,10 @@ def _grok_points(rng: np.random.Generator, rows: list[int], runs: int, threads: 
             before = {"table_bf16": "table_f32", "table_in_13": "table_bf16"}.get(name)
             before = w if before is None else weights[before][0]
             xs = x_ffn if k == GROK_FFN else x
-            held = {"dictionary": s} if name == "table_in_13" else {}  # its s is the dictionary, not scales
-            scales = None if held else s
-            if name in GROK_INT8:
-                held = {"activations": activations}
+            if name == "table_in_13":  # its s is the dictionary, not scales
+                held, scales = {"dictionary": s}, None
+            else:
+                held, scales = ({"activations": activations} if name in GROK_INT8 else {}), s
             fns = {"before": lambda: program(xs, before, scales, n_out=n, form="rows", threads=threads),
                    "after": lambda: program(xs, w, scales, n_out=n, form="auto", threads=threads, **held)}
             ms = _interleaved(fns, runs, clock)
