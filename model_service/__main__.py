@@ -221,7 +221,8 @@ def prepare_process(threads: int | None = None) -> CpuBudget:
     the decode step's freed buffers (model_service/host_memory.py), and XLA's CPU thread pool, which the native
     kernels share, gets `threads` threads, by default the CPUs this process may keep busy (its affinity capped by
     a cgroup CPU limit: serving_common/cpus.py). XLA sizes that pool from NPROC when it is set, so an NPROC
-    already in the environment is kept unless `threads` is given. Returns the budget it found."""
+    already in the environment is kept unless `threads` is given; raises ConfigError when it is not a whole number
+    >= 1. Returns the budget it found."""
     from model_service.host_memory import keep_freed_memory
 
     keep_freed_memory()
@@ -230,6 +231,13 @@ def prepare_process(threads: int | None = None) -> CpuBudget:
         os.environ["NPROC"] = str(threads)
     else:
         os.environ.setdefault("NPROC", str(budget.threads))
+    try:
+        valid = int(os.environ["NPROC"]) >= 1
+    except ValueError:
+        valid = False
+    if not valid:
+        raise ConfigError(f"NPROC={os.environ['NPROC']!r} is not a number of compute threads (a whole number >= 1): "
+                          "set one, or unset it for the CPUs this process may use")
     return budget
 
 
@@ -259,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         # restart process 0 would load a program the others wait for in vain.
         logging.getLogger(__name__).warning("--compile-cache is not used by a multi-process replica")
         compile_cache = None
-    budget = prepare_process(args.threads)
+    try:
+        budget = prepare_process(args.threads)
+    except ConfigError as e:
+        print(f"model_service: {e} (or pass --threads N)", file=sys.stderr)
+        return 2
     threads = int(os.environ["NPROC"])
     logging.getLogger(__name__).info("cpus", extra={"threads": threads, "affinity": budget.affinity,
                                                     "cgroup_limit": budget.quota})

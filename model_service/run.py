@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("model-run", args.log_level)
     from model_service.__main__ import prepare_process
 
-    prepare_process()
+    try:
+        prepare_process()
+    except ConfigError as e:
+        print(f"model_service.run: {e}", file=sys.stderr)
+        return 2
     from model_service.requests import SchedulerError
 
     try:

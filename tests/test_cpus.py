@@ -111,3 +111,14 @@ def test_the_model_process_runs_as_many_compute_threads_as_asked_or_budgeted() -
     assert xla_pool_threads(1, {}) == 1
     assert xla_pool_threads(None, {"NPROC": "3"}) == 3  # XLA's own setting is kept without --threads
     assert xla_pool_threads(None, {}) == cpu_budget().threads
+
+
+@pytest.mark.parametrize("value", ["two", "0", "-1"])
+def test_a_malformed_nproc_stops_the_service_with_a_message_naming_it(value: str) -> None:
+    clean = {k: v for k, v in os.environ.items() if k not in ("NPROC", "XLA_FLAGS")}
+    out = subprocess.run([sys.executable, "-m", "model_service", "--config", str(ROOT / "configs" / "demo.json"),
+                          "--random-init", "--port", "0"], cwd=ROOT, env={**clean, "NPROC": value},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert f"NPROC={value!r}" in out.stderr and "--threads" in out.stderr
