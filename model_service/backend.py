@@ -13,7 +13,12 @@ accelerator is how that program computes, and it is all here:
   native_sampling  the sampler's nucleus threshold and its list of kept entries (the draw's noise for those only)
               from the native kernels (one device, native products);
   vectorised_sampling  the sampler mapped over a step's draws at once (accelerators) rather than one draw
-              after another (CPU: a draw's unused branches then cost nothing).
+              after another (CPU: a draw's unused branches then cost nothing);
+  row_buckets the row counts a step program is compiled for (accelerators: a step runs the least bucket holding
+              its rows, every bucket compiled before serving; CPU: none, its few-rows program is the engine's);
+  one_program a step is one program (rows, draws and scores together; accelerators) rather than two (CPU);
+  exact_f32   float32 products carried to float32 accuracy on a platform whose matrix units multiply float32 in
+              one bfloat16 pass by default (TPU): the faithful mode (layers.Products.EXACT).
 
 `choose_backend("cpu" | "generic" | "auto", ...)`: "cpu" is what a CPU runs best (native products where the
 kernels built, per-row attention, tiles of CPU_TILE rows); "generic" is what an accelerator runs (XLA's
@@ -40,7 +45,11 @@ log = logging.getLogger(__name__)
 
 CPU_TILE = 64  # rows per tile on CPU: fewer would stream the weights more often; idle rows cost next to nothing
 CPU_STEP_TOKENS = 64  # token rows per step on CPU (vLLM's max_num_batched_tokens): one tile
-GENERIC_STEP_TOKENS = 256
+GENERIC_STEP_TOKENS = 512
+# Row counts the accelerator's step is compiled for (below the step's rows, which is always one): decode of up to
+# 16 / 64 streams, a few short prompts. Each is a program compiled before serving; rows are nearly free on a matrix
+# unit until ~128, so few buckets cost little padding.
+GENERIC_ROW_BUCKETS = (16, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,9 @@ class Backend:
     step_tokens: int
     native_sampling: bool
     vectorised_sampling: bool = False
+    row_buckets: tuple[int, ...] = ()
+    one_program: bool = False
+    exact_f32: bool = False
 
 
 def platform(mesh: Mesh) -> str:
@@ -70,7 +82,7 @@ def choose_products(choice: str, mesh: Mesh, dtype: Any) -> Products:
         raise ValueError(f"products must be one of {', '.join(PRODUCT_CHOICES)}, got {choice!r}")
     cpu = platform(mesh) == "cpu"
     if choice == "xla":
-        return Products.FUSED_REDUCE if cpu else Products.DOT
+        return Products.FUSED_REDUCE if cpu else accelerator_products(mesh, dtype)
     # A replica spanning processes keeps XLA's forms under auto: packing reads each whole matrix in every
     # process, where XLA's layouts let each process read only the shards its devices hold.
     if cpu and native_ok(dtype) and (choice.startswith("native") or jax.process_count() == 1):
@@ -82,13 +94,29 @@ def choose_products(choice: str, mesh: Mesh, dtype: Any) -> Products:
     if choice.startswith("native"):
         raise ValueError(f"--products {choice} needs the CPU platform, --dtype float32 and the native kernels built "
                          "(pip install -e . compiles them; the log says why they did not load): use --products xla")
-    return Products.FUSED_REDUCE if cpu else Products.DOT
+    return Products.FUSED_REDUCE if cpu else accelerator_products(mesh, dtype)
+
+
+def accelerator_products(mesh: Mesh, dtype: Any) -> Products:
+    """XLA's dots; in float32 on a TPU, whose matrix unit rounds float32 operands to bfloat16 by default, carried
+    to float32 accuracy (Products.EXACT: the faithful mode)."""
+    return Products.EXACT if jnp.dtype(dtype) == jnp.float32 and platform(mesh) == "tpu" else Products.DOT
+
+
+def row_buckets(step_rows: int, buckets: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The row counts a step program is compiled for: the `buckets` (default GENERIC_ROW_BUCKETS) below
+    `step_rows`, then `step_rows` itself."""
+    chosen = GENERIC_ROW_BUCKETS if buckets is None else buckets
+    if any(b < 1 for b in chosen):
+        raise ValueError(f"row buckets are positive row counts, got {list(chosen)}")
+    return tuple(sorted({b for b in chosen if b < step_rows})) + (step_rows,)
 
 
 def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", slots: int = 1,
-                   step_tokens: int | None = None, tile_rows: int | None = None) -> Backend:
+                   step_tokens: int | None = None, tile_rows: int | None = None,
+                   buckets: tuple[int, ...] | None = None) -> Backend:
     """The backend for `mesh` (see the module docstring); `step_tokens` / `tile_rows` override its shape (a step
-    holds at least one row per slot and whole tiles)."""
+    holds at least one row per slot and whole tiles), `buckets` the accelerator's row buckets."""
     if choice not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
     name = choice if choice != "auto" else ("cpu" if platform(mesh) == "cpu" else "generic")
@@ -103,7 +131,7 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
     else:
         if products.startswith("native"):
             raise ValueError(f"--products {products} runs on the cpu backend only (--backend cpu)")
-        chosen = Products.DOT
+        chosen = accelerator_products(mesh, jnp.dtype(dtype))
         rows = max(step_tokens or GENERIC_STEP_TOKENS, slots)
         tile = min(tile_rows or rows, rows)
         attention = "batched"
@@ -111,4 +139,10 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
         raise ValueError(f"a tile holds at least one row, got {tile}")
     rows = -(-rows // tile) * tile
     native = chosen.native and mesh.size == 1
-    return Backend(name, chosen, attention, tile, rows, native, vectorised_sampling=name == "generic")
+    if name == "cpu":
+        return Backend(name, chosen, attention, tile, rows, native)
+    # A bucket runs in tiles of min(tile, bucket) rows: one at least a tile long is rounded up to whole tiles.
+    fitted = row_buckets(rows, tuple(b if b < tile else -(-b // tile) * tile
+                                     for b in (GENERIC_ROW_BUCKETS if buckets is None else buckets)))
+    return Backend(name, chosen, attention, tile, rows, native, vectorised_sampling=True, row_buckets=fitted,
+                   one_program=True, exact_f32=chosen is Products.EXACT)

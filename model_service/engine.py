@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -126,6 +127,16 @@ class Engine:
         self._draws = jax.jit(self._draws_impl, donate_argnums=(1,),
                               in_shardings=(model.params_shardings(self.head_params), slots_sh) + (None,) * 4,
                               out_shardings=(slots_sh, None, None))
+        # Accelerators: a step is one program (rows, draws and scores), compiled for each of the backend's row
+        # buckets; compile() compiles them all ahead of time and the step then calls those executables only, so a
+        # step whose arguments would need another program fails instead of compiling while serving.
+        self.one_program = b.one_program
+        self.buckets = tuple(x for x in b.row_buckets if x < self.max_rows and x % min(self.tile, x) == 0) + (
+            self.max_rows,) if b.one_program else ()
+        self._program = jax.jit(self._program_impl, donate_argnums=(1,),
+                                in_shardings=(self.params_shardings, self.state_shardings) + (None,) * 5,
+                                out_shardings=(self.state_shardings, None, None))
+        self._compiled: dict[int, Any] = {}
 
     # ---- pure functions (jitted above) ------------------------------------------------------
     def _init_impl(self) -> EngineState:
@@ -168,13 +179,27 @@ class Engine:
         # packed [6, R] int32 (R: max_rows or small_rows): tokens, from_last, positions, seq, valid, and the tiles to
         # run in [5, 0] (one host array: each one more costs a transfer per step); last [S] each slot's last draw;
         # tables [S, L] -> hidden states [max_rows, D] (rows past R zero), the pools
+        h, pools = self._hidden(params, pools, last, packed, tables)
+        r = h.shape[0]
+        return (jnp.pad(h, ((0, self.max_rows - r), (0, 0))) if r < self.max_rows else h), pools
+
+    def _hidden(self, params: Any, pools: Any, last: jax.Array, packed: jax.Array,
+                tables: jax.Array) -> tuple[jax.Array, Any]:
         tokens, from_last, positions, seq, valid = packed[0], packed[1] != 0, packed[2], packed[3], packed[4] != 0
         tiles = packed[5, 0]
         r = tokens.shape[0]
         tokens = jnp.where(from_last, last[seq], tokens)
-        h, pools = self.model.rows(params, pools, TokenRows(tokens, positions, seq, valid, tables),
-                                   min(self.tile, r), tiles)
-        return (jnp.pad(h, ((0, self.max_rows - r), (0, 0))) if r < self.max_rows else h), pools
+        return self.model.rows(params, pools, TokenRows(tokens, positions, seq, valid, tables), min(self.tile, r),
+                               tiles)
+
+    def _program_impl(self, params: Any, state: EngineState, packed: jax.Array, tables: jax.Array,
+                      draws: jax.Array, pending: jax.Array, scoring: jax.Array) -> tuple[EngineState, Any, Scores]:
+        # One program a step (accelerators): the rows of one bucket [R], then the draws and the scores of those rows
+        # (scoring [2, R]); the hidden states never leave the device and are never padded.
+        h, pools = self._hidden(params, state.pools, state.slots.last, packed, tables)
+        slots, drawn, scores = self._draws_impl(self.model.head_params(params), state.slots, h, draws, pending,
+                                                scoring)
+        return EngineState(pools, slots), drawn, scores
 
     def _draws_impl(self, params: Any, s: SlotState, h: jax.Array, draws: jax.Array, pending: jax.Array,
                     scoring: jax.Array) -> tuple[SlotState, Any, Scores]:
@@ -204,7 +229,8 @@ class Engine:
 
     def _scores(self, params: Any, h: jax.Array, targets: jax.Array, score: jax.Array) -> Scores:
         """Prompt logprobs of the `score` rows, a tile of rows at a time (only tiles holding one)."""
-        t, r = self.tile, h.shape[0]
+        r = h.shape[0]
+        t = min(self.tile, r)
         k = min(TOP_K, self.vocab_size)
 
         def tile(args: tuple[jax.Array, jax.Array, jax.Array]) -> Scores:
@@ -228,6 +254,10 @@ class Engine:
         if batch.masks:
             state = self._mask(state, *self._masks(batch.masks))
         rows, draws = self.run_args(batch)
+        if self.one_program:
+            program = self._compiled.get(rows[0].shape[1], self._program)
+            state, (result, accepted), scores = program(self.params, state, *rows, *draws)
+            return state, PendingStep(result, scores if batch.score is not None else None, accepted)
         h, pools = self._rows(self.params, state.pools, state.slots.last, *rows)
         slots, (result, accepted), scores = self._draws(self.head_params, state.slots, h, *draws)
         return EngineState(pools, slots), PendingStep(result, scores if batch.score is not None else None, accepted)
@@ -236,11 +266,12 @@ class Engine:
         """The two step programs' arguments for `batch`, after (params, pools, last) and (params, slots, h): the
         rows cut to the program that holds them (`small_rows` or `max_rows`) and the tiles they fill; the draws,
         scores and the defaults of what the batch leaves out."""
-        r = self.small_rows if self.small_rows and batch.rows <= self.small_rows else self.max_rows
+        r = self.rows_for(batch.rows)
         valid = np.arange(r) < batch.rows
         tiles = np.int32(-(-batch.rows // min(self.tile, r)))
-        score = batch.score if batch.score is not None else np.zeros(self.max_rows, bool)
-        targets = batch.targets if batch.targets is not None else np.zeros(self.max_rows, np.int32)
+        scored = r if self.one_program else self.max_rows  # the draws program reads hidden states padded or not
+        score = batch.score[:scored] if batch.score is not None else np.zeros(scored, bool)
+        targets = batch.targets[:scored] if batch.targets is not None else np.zeros(scored, np.int32)
         p, k = self.max_samples, self.draft_tokens
         chain = batch.sample_chain if batch.sample_chain is not None else np.zeros(p, np.int32)
         nxt = batch.sample_next if batch.sample_next is not None else np.full(p, -1, np.int32)
@@ -253,6 +284,13 @@ class Engine:
         return ((packed, batch.tables),
                 (np.stack([batch.sample_rows, batch.sample_slots, chain, nxt]).astype(np.int32), pending,
                  np.stack([score, targets]).astype(np.int32)))
+
+    def rows_for(self, rows: int) -> int:
+        """The rows of the program that runs a step of `rows` token rows: the least bucket holding them
+        (accelerators), small_rows where it holds them (CPU), else max_rows."""
+        if self.one_program:
+            return next(b for b in self.buckets if b >= rows)
+        return self.small_rows if self.small_rows and rows <= self.small_rows else self.max_rows
 
     def _starts(self, starts: tuple[SlotStart, ...]) -> tuple[Any, ...]:
         """The starting slots as fixed-shape host arrays ([S] entries; unused ones name slot S, dropped)."""
@@ -308,11 +346,28 @@ class Engine:
         batch.sample_slots[0] = 0
         batch = StepBatch(batch.tokens, batch.from_last, batch.positions, batch.seq, 1, tables, batch.sample_rows,
                           batch.sample_slots, np.arange(self.max_rows) == 0, np.zeros(self.max_rows, np.int32))
-        for name, rows in (("step", self.max_rows), ("small_step", self.small_rows)):
+        if self.one_program:
+            timings["bucket_programs"] = self._compile_buckets(state, batch)
+        programs = (("step", self.buckets[0]),) if self.one_program else (("step", self.max_rows),
+                                                                          ("small_step", self.small_rows))
+        for name, rows in programs:
             if rows:  # the full program (a prompt's rows), and the one for a few rows where there is one
                 begin = time.monotonic()
                 state, pending = self.step(state, dataclasses.replace(batch, rows=rows))
                 pending.get()
                 timings[name] = time.monotonic() - begin
-        log.info("compiled", extra={k: round(v, 3) for k, v in timings.items()})
+        log.info("compiled", extra={k: round(v, 3) for k, v in timings.items()} | {"buckets": list(self.buckets)})
         return timings
+
+    def _compile_buckets(self, state: EngineState, batch: StepBatch) -> float:
+        """Compile the step program for every row bucket, the compilations side by side (XLA compiles outside
+        Python's lock, one core each), and keep the executables: `step` calls only these from then on.
+        Returns the seconds it took."""
+        begin = time.monotonic()
+        lowered = {}
+        for r in self.buckets:  # tracing is Python's: one after another
+            rows, draws = self.run_args(dataclasses.replace(batch, rows=r))
+            lowered[r] = self._program.lower(self.params, state, *rows, *draws)
+        with ThreadPoolExecutor(max_workers=len(lowered)) as pool:
+            self._compiled = dict(zip(lowered, pool.map(lambda program: program.compile(), lowered.values())))
+        return time.monotonic() - begin

@@ -7,6 +7,7 @@ paged KV pools), `head` / `score` (a step's rows to logits / prompt log-probabil
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -151,6 +152,19 @@ class GrokModel:
         independent by construction), however a prompt is split over steps and whatever shares its step. Keys a
         row reads must be written by rows earlier in the step or in the same tile. `tiles` (traced, default all)
         runs only the first tiles; the rest of the rows come out zero."""
+        with self.precision():
+            return self._rows(params, pools, rows, tile, tiles)
+
+    def precision(self) -> contextlib.AbstractContextManager[None]:
+        """The matmul precision the network's programs are traced under: with Products.EXACT (float32 on a matrix
+        unit that rounds float32 operands to bfloat16) every dot not carried exactly by layers.product runs at
+        XLA's highest precision; otherwise XLA's default."""
+        if self.products is Products.EXACT:
+            return jax.default_matmul_precision("highest")
+        return contextlib.nullcontext()
+
+    def _rows(self, params: Params, pools: Pools, rows: TokenRows, tile: int,
+              tiles: Array | None) -> tuple[Array, Pools]:
         r = rows.tokens.shape[0]
         if r % tile:
             raise ValueError(f"{r} token rows do not fill whole tiles of {tile}")
@@ -176,19 +190,22 @@ class GrokModel:
 
     def head(self, params: Params, h: Array, used: Array | None = None) -> Array:
         """Rows h [P, D] (from `rows`) -> float32 logits [P, V]; rows not `used` get none (zeros, natively)."""
-        return self._head.apply(params, h, used)
+        with self.precision():
+            return self._head.apply(params, h, used)
 
     def score(self, params: Params, h: Array, targets: Array, used: Array, k: int) -> tuple[Array, Array, Array]:
         """Rows h [C, D] and the token following each, targets [C] -> (its log-probability [C], the k largest
         log-probabilities [C, k] and their ids [C, k]) from the raw logits (prompt logprobs)."""
-        return self._score.apply(params, h, targets, used, k)
+        with self.precision():
+            return self._score.apply(params, h, targets, used, k)
 
     def forward(self, params: Params, tokens: Array) -> Array:
         """Full pass without memory: tokens [B, T] -> logits [B, T, V] float32 (pad keys masked)."""
         n = tokens.shape[1]
         positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], tokens.shape)
         mask = jnp.tril(jnp.ones((n, n), bool))[None] & (tokens != self.cfg.pad_token)[:, None, :]
-        return self._forward.apply(params, tokens, Step(positions, mask, products=self.products))
+        with self.precision():
+            return self._forward.apply(params, tokens, Step(positions, mask, products=self.products))
 
     def params_shardings(self, params: Params) -> Any:
         return params_shardings(params, self.mesh)

@@ -40,6 +40,11 @@ class Products(enum.Enum):
       once for all rows and beats its dot, which materialises a float32 copy of the weight first, by ~8x at
       decode sizes. More rows (long prompts) use dot_general, which blocks for caches.
     DOT: one dot_general per product (dequantised first), where vendor matrix kernels are the fast path.
+    EXACT (accelerators, float32): DOT carried to float32 accuracy on a matrix unit that multiplies in bfloat16
+      (TPU): an int8 weight is exact in bfloat16, so the rows are split into three bfloat16 parts whose sum is the
+      float32 row (split_rows) and all three meet the widened weight in one product with float32 accumulation,
+      the scales after; every other product in the program runs at XLA's highest precision
+      (GrokModel.precision). The faithful mode, at ~1x the reads of bfloat16 where a step is bound by them.
 
     NATIVE (CPU, float32): the expert matrices are packed at load (packed.PackedWeight) and multiplied by the
       native kernel (model_service.kernels), whose rows are independent of each other by construction; every
@@ -56,6 +61,7 @@ class Products(enum.Enum):
 
     FUSED_REDUCE = "fused_reduce"
     DOT = "dot"
+    EXACT = "exact"
     NATIVE = "native"
     NATIVE_INT8 = "native_int8"
 
@@ -99,6 +105,41 @@ def _dot_rows(x: Array, w: Array, transposed: bool = True) -> Array:
     return jnp.einsum("mk,nk->mn" if transposed else "mk,kn->mn", x, w.astype(x.dtype))
 
 
+def split_rows(x: Array) -> Array:
+    """float32 x [M, K] -> [3, M, K] bfloat16 parts (hi, mid, lo) whose float32 sum is x to float32's precision:
+    each part carries the next 8 bits of the significand."""
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    return jnp.stack([hi, mid, lo])
+
+
+def _exact_rows(x: Array, w: Array, spec: str) -> Array:
+    """float32 rows x [M, ...] times a weight exact in bfloat16 (int8 values, a bfloat16 table), as one product of
+    the three bfloat16 parts of the rows with float32 accumulation, the parts' results added smallest first.
+    `spec` is the einsum of one part (its first operand's leading axis is the rows)."""
+    parts = jnp.einsum("p" + spec.replace("->", "->p"), split_rows(x), w.astype(jnp.bfloat16),
+                       preferred_element_type=jnp.float32, precision=jax.lax.Precision.DEFAULT)
+    return parts[0] + (parts[1] + parts[2])
+
+
+def _exact_product(x: Array, w: "QuantizedWeight | Array") -> Array:
+    """Products.EXACT's product of float32 rows x [M, K]: int8 weights (and bfloat16 ones) through _exact_rows,
+    float32 weights [N, K] at the highest precision."""
+    if not isinstance(w, QuantizedWeight):
+        if w.dtype == jnp.bfloat16:
+            return _exact_rows(x, w, "mk,nk->mn")
+        return jnp.einsum("mk,nk->mn", x, w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
+    if w.transposed:
+        return _exact_rows(x, w.weight, "mk,nk->mn") * w.scales[0]
+    k, n = w.weight.shape
+    blocks = w.blocks
+    partial = _exact_rows(x.reshape(-1, blocks, k // blocks), w.weight.reshape(blocks, k // blocks, n),
+                          "mbk,bkn->bmn")  # [blocks, M, N]
+    return jnp.sum(partial * w.scales[:, None, :], axis=0)
+
+
 def _blocked_dot_rows(x: Array, q: QuantizedWeight) -> Array:
     """Several rows times a row-parallel int8 [K, N]: one dot per scale block with the converted block, then
     the block scales and a sum over blocks."""
@@ -136,6 +177,8 @@ def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Pro
         return (out if in_kernel else _times(out, multiplier)).reshape(*lead, -1)
     if products.native:
         products = Products.FUSED_REDUCE
+    if products is Products.EXACT and x.dtype == jnp.float32:
+        return _times(_exact_product(flat, w), multiplier).reshape(*lead, -1)
     fused = products is Products.FUSED_REDUCE and x.dtype == jnp.float32 and m <= FUSED_MAX_ROWS
     if not fused:
         if isinstance(w, QuantizedWeight):

@@ -175,7 +175,15 @@ def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array, products: Produ
     h's leading dims: a decode step's free slots) need no logits; native products skip them (zeros, or with
     `fill_unused` False not even written: undefined, for a caller that never reads them)."""
     h = rms_norm(h, lm.norm_scale)
-    table = lm.embeddings if isinstance(lm.embeddings, PackedWeight) else lm.embeddings.astype(jnp.float32)
+    stored = lm.embeddings
+    if products in (Products.DOT, Products.EXACT) and not isinstance(stored, PackedWeight):
+        # A matrix unit: the table as stored meets the rows with float32 accumulation (a float32 copy of a bfloat16
+        # table would be written and read again every step); EXACT splits float32 rows (layers.product).
+        if h.dtype == jnp.float32:
+            return product(h, stored, products, multiplier=cfg.output_multiplier_scale)
+        out = jnp.einsum("...k,nk->...n", h, stored.astype(h.dtype), preferred_element_type=jnp.float32)
+        return (out.astype(h.dtype) * jnp.asarray(cfg.output_multiplier_scale, h.dtype)).astype(jnp.float32)
+    table = stored if isinstance(stored, PackedWeight) else stored.astype(jnp.float32)
     if h.dtype != jnp.float32:  # the reference's product and multiplier round to the compute dtype
         out = product(h.astype(jnp.float32), table, products, used, fill_unused)
         return (out.astype(h.dtype) * jnp.asarray(cfg.output_multiplier_scale, h.dtype)).astype(jnp.float32)

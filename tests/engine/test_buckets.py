@@ -1,0 +1,67 @@
+"""The accelerator's step (the generic backend, here on CPU): one program a step, compiled before serving for each
+row bucket; a step runs the least bucket holding its rows, and serving compiles nothing more."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import pytest
+
+from model_service.backend import row_buckets
+from model_service.engine import Engine
+from model_service.loading import build_engine, resolve
+from tests.engine.conftest import Runner, golden_requests, golden_server_config
+from tests.engine.drive import serve_all
+from tests.engine.test_engine_golden import golden_request
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+
+
+@pytest.fixture(scope="module")
+def compiled() -> Engine:
+    config = golden_server_config(backend="generic", slots=4, step_tokens=64)
+    engine = build_engine(config, resolve(config))
+    engine.compile()
+    return engine
+
+
+@pytest.fixture
+def compilations() -> Iterator[list[str]]:
+    seen: list[str] = []
+
+    def listen(event: str, seconds: float, **kwargs: object) -> None:
+        if event == COMPILE_EVENT:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_row_buckets_are_the_ones_below_the_step_then_the_step() -> None:
+    assert row_buckets(512) == (16, 64, 128, 512)
+    assert row_buckets(64) == (16, 64)
+    assert row_buckets(8) == (8,)
+    assert row_buckets(100, (32, 8, 32)) == (8, 32, 100)
+    with pytest.raises(ValueError, match="positive"):
+        row_buckets(64, (0,))
+
+
+def test_a_step_runs_the_least_bucket_holding_its_rows(compiled: Engine) -> None:
+    assert compiled.one_program and compiled.buckets == (16, 64)
+    assert [compiled.rows_for(n) for n in (1, 16, 17, 64)] == [16, 16, 64, 64]
+    assert sorted(compiled._compiled) == [16, 64]  # every bucket compiled ahead of serving
+
+
+def test_serving_after_compile_compiles_no_program(compiled: Engine, running: Runner,
+                                                   compilations: list[str]) -> None:
+    cases = golden_requests()
+    results = serve_all(running(compiled), [golden_request(c, i) for i, c in enumerate(cases)])
+    assert results == [c["output_ids"] for c in cases]
+    assert compilations == [], f"{len(compilations)} programs compiled while serving"
+
+
+def test_the_guard_sees_a_compilation(compilations: list[str]) -> None:
+    jax.jit(lambda x: x * 3 + 1)(jax.numpy.arange(7))  # a program never compiled before in this process
+    assert compilations
