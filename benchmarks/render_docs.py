@@ -42,7 +42,10 @@ def loader(measured: pathlib.Path) -> Loader:
     def load(name: str) -> dict[str, Any] | None:
         if name not in cache:
             path = measured / name
-            cache[name] = json.loads(path.read_text()) if path.exists() else None
+            try:
+                cache[name] = json.loads(path.read_text()) if path.exists() else None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not JSON ({e})") from e
         return cache[name]
     return load
 
@@ -197,6 +200,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--measured", type=pathlib.Path, default=MEASURED, help="folder of the JSON files")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 when the page is out of date")
     args = p.parse_args(argv)
+    try:
+        return _run(args)
+    except (KeyError, TypeError, ValueError) as e:  # a row naming what its JSON lacks, a page without a block
+        print(f"benchmarks.render_docs: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.check:
         names = stale(args.page, args.measured)
         if names:

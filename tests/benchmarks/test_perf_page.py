@@ -69,11 +69,19 @@ def test_rendering_rewrites_only_the_marked_blocks_and_twice_changes_nothing(tmp
     assert render_docs.main(["--check", "--page", str(page)]) == 0
 
 
-def test_a_page_without_a_block_is_refused_by_name(tmp_path: pathlib.Path) -> None:
+def test_a_page_without_a_block_is_refused_by_name(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
     page = tmp_path / "page.md"
     page.write_text(MARKED.replace(render_docs.end("TPU"), ""))
-    with pytest.raises(ValueError, match="BEGIN TPU"):
-        render_docs.main(["--page", str(page)])
+    assert render_docs.main(["--page", str(page)]) == 2
+    assert "the page has no <!-- BEGIN TPU" in capsys.readouterr().err
+
+
+def test_a_json_without_a_rows_number_is_named(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "step-tpu-v5e-medium-b1.json").write_text(json.dumps({"decode_step_ms": 6.9}))
+    page = tmp_path / "page.md"
+    page.write_text(MARKED)
+    assert render_docs.main(["--page", str(page), "--measured", str(tmp_path)]) == 2
+    assert "step-tpu-v5e-medium-b1.json has no decode_tokens_per_s" in capsys.readouterr().err
 
 
 def make_command(item: Row | Change) -> list[str]:
