@@ -17,7 +17,7 @@ AIPERF_VENV ?= .venv-aiperf
 .PHONY: setup run demo demo-check protos proto-baseline lint test compose-check bench bench-docs bench-engine clean help
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
+	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
 
 setup: $(VENV)/.installed node_modules/.installed  ## create .venv with the pinned packages and the test tools, install buf
 
@@ -91,8 +91,83 @@ $(AIPERF_VENV)/.installed:
 	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0 sentencepiece==0.2.3
 	touch $@
 
-bench-engine: setup  ## the decode-speed points of docs/performance.md through the model service over gRPC, medium config (JSON)
-	$(PY) -m benchmarks.engine --runs 3
+# docs/performance.md: each row names the target that measures it again, with the arguments its JSON was measured
+# with. JSON goes to BENCH_OUT (ignored by git); to publish one, copy it into benchmarks/measured/, point the row at it
+# (benchmarks/perf_rows.py) and `make bench-page`. The configs are ../shared/bench's. LLAMACPP=DIR runs llama.cpp
+# beside ours (`bash ../shared/bench/llamacpp/run.sh DIR [CONFIG]` builds it, ~7 min; the rows' ratios need it),
+# BEFORE=DIR alternates another checkout with this one, BENCH_ARGS goes last (its flags win). Run them alone on the box.
+BENCH_OUT ?= benchmarks/measured/local
+LLAMACPP ?=
+BEFORE ?=
+BENCH_ARGS ?=
+CGROUP ?=
+BENCH_ARMS = $(if $(BEFORE),--repo before=$(BEFORE)) --repo now=.
+BENCH_LLAMACPP = $(if $(LLAMACPP),--llamacpp $(LLAMACPP))
+SPEC_K8 = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+.PHONY: bench-page bench-cpu-medium bench-cpu-medium-engine bench-cpu-medium-slots bench-cpu-long-prompt \
+  bench-cpu-grok1-width bench-cpu-grok1-width-int8 bench-cpu-grok1-width-int8-burst bench-cpu-limit \
+  bench-cpu-speculative bench-cpu-activation-error bench-tpu
+
+bench-page:  ## rewrite docs/performance.md's tables from the JSON in benchmarks/measured (no measuring)
+	$(PY) -m benchmarks.render_docs
+
+bench-cpu-medium: setup  ## medium as a user starts it, speed.py 1 and 8 streams
+	$(PY) -m benchmarks.as_user $(BENCH_ARMS) --runs 3 $(BENCH_LLAMACPP) --out $(BENCH_OUT)/as-user-medium.json $(BENCH_ARGS)
+
+bench-cpu-medium-engine: setup  ## medium over gRPC: one prompt and 8 simultaneous prompts' first tokens, 1 and 8 streams
+	$(PY) -m benchmarks.engine $(BENCH_ARMS) --runs 2 --modes sampled --points slots1_stream1,slots8_streams8 \
+	  $(BENCH_LLAMACPP) --out $(BENCH_OUT)/engine-medium.json $(BENCH_ARGS)
+
+bench-cpu-medium-slots: setup  ## medium over gRPC: 1 stream on 1 and on 16 slots, 8 streams, sampled and greedy
+	$(PY) -m benchmarks.engine $(BENCH_ARMS) --runs 2 --modes sampled,greedy $(BENCH_LLAMACPP) \
+	  --out $(BENCH_OUT)/engine-medium-slots.json $(BENCH_ARGS)
+
+bench-engine: bench-cpu-medium-slots  ## the same as bench-cpu-medium-slots
+
+bench-cpu-long-prompt: setup  ## medium at context 8,192: a 6,000-token prompt beside 7 streams, and alone
+	$(PY) -m benchmarks.long_prompt $(if $(BEFORE),--repo before=$(BEFORE)) $(BENCH_LLAMACPP) \
+	  --out $(BENCH_OUT)/long-prompt.json $(BENCH_ARGS)
+
+bench-cpu-grok1-width: setup  ## Grok-1 width (one layer, ~8 GB a service): 1 and 8 streams, prompts, memory
+	$(PY) -m benchmarks.engine --grok1-width $(BENCH_ARMS) --runs 1 --tokens 32 $(BENCH_LLAMACPP) \
+	  --out $(BENCH_OUT)/engine-grok1-width.json $(BENCH_ARGS)
+
+bench-cpu-grok1-width-int8: setup  ## the same with --products native-int8 (the opt-in that changes results)
+	GROK_MODEL_PRODUCTS=native-int8 $(PY) -m benchmarks.engine --grok1-width $(BENCH_ARMS) --runs 1 --tokens 32 \
+	  $(BENCH_LLAMACPP) --out $(BENCH_OUT)/engine-grok1-width-int8.json $(BENCH_ARGS)
+
+bench-cpu-grok1-width-int8-burst: setup  ## --products native-int8: 8 simultaneous prompts, two runs
+	GROK_MODEL_PRODUCTS=native-int8 $(PY) -m benchmarks.engine --grok1-width $(BENCH_ARMS) --points slots8_streams8 \
+	  --runs 2 --tokens 32 $(BENCH_LLAMACPP) --out $(BENCH_OUT)/engine-grok1-width-int8-burst.json $(BENCH_ARGS)
+
+bench-cpu-limit: setup  ## medium under a CPU limit: CGROUP=DIR, a cgroup with a quota that you may write to
+	$(if $(CGROUP),,$(error CGROUP=DIR is required: a cgroup with a CPU quota, e.g. /sys/fs/cgroup/cpu/q1))
+	$(PY) -m benchmarks.as_user $(BENCH_ARMS) --runs 3 --cgroup $(CGROUP) --out $(BENCH_OUT)/as-user-medium-cpu-limit.json \
+	  $(BENCH_ARGS)
+
+bench-cpu-speculative: setup  ## speculative decoding on and off: the demo model's continue prompts, medium
+	$(PY) -m benchmarks.speculative --runs 2 --workloads continue,medium --spec $(SPEC_K8) \
+	  --out $(BENCH_OUT)/speculative.json $(BENCH_ARGS)
+
+bench-cpu-activation-error: setup  ## --products native-int8 against the reference's logits on the golden sets
+	mkdir -p $(BENCH_OUT)
+	$(PY) -m benchmarks.activation_error $(BENCH_ARGS) > $(BENCH_OUT)/activation-error.json
+
+# On the TPU host (no venv, no TCP sockets there; ../shared/device/README.md): in process, one JSON per invocation
+# (benchmarks.step prints it last),
+#   bash .device/on-device.sh make bench-tpu PY=python3
+bench-tpu:  ## the engine's step on the chip, bfloat16: medium and Grok-1 width, 1/8/64 streams, 8 prompts
+	mkdir -p $(BENCH_OUT)
+	set -o pipefail; $(PY) -m benchmarks.step --config ../shared/bench/medium.json --dtype bfloat16 --batch 1 $(BENCH_ARGS) \
+	  | tail -n 1 > $(BENCH_OUT)/step-tpu-v5e-medium-b1.json
+	set -o pipefail; $(PY) -m benchmarks.step --config ../shared/bench/medium.json --dtype bfloat16 --batch 8 --prompts 8 $(BENCH_ARGS) \
+	  | tail -n 1 > $(BENCH_OUT)/step-tpu-v5e-medium-b8.json
+	set -o pipefail; $(PY) -m benchmarks.step --config ../shared/bench/medium.json --dtype bfloat16 --batch 64 $(BENCH_ARGS) \
+	  | tail -n 1 > $(BENCH_OUT)/step-tpu-v5e-medium-b64.json
+	set -o pipefail; $(PY) -m benchmarks.step --config ../shared/bench/grok1-width-1layer.json --dtype bfloat16 --batch 1 $(BENCH_ARGS) \
+	  | tail -n 1 > $(BENCH_OUT)/step-tpu-v5e-grok1-width-b1.json
+	set -o pipefail; $(PY) -m benchmarks.step --config ../shared/bench/grok1-width-1layer.json --dtype bfloat16 --batch 8 --prompts 8 $(BENCH_ARGS) \
+	  | tail -n 1 > $(BENCH_OUT)/step-tpu-v5e-grok1-width-b8.json
 
 clean:  ## remove build outputs (not the venv)
 	rm -rf .pytest_cache build *.egg-info

@@ -104,6 +104,6 @@ def cpu_budget(mountinfo: Path = Path("/proc/self/mountinfo"), cgroup: Path = Pa
             affinity = os.cpu_count() or 1
     quota = cpu_quota(mountinfo, cgroup)
     # To the nearest, halves up: on the 2-CPU box one thread beat two under limits of 1.0 and 1.2 CPUs, two beat
-    # one under 1.5 (docs/performance.md, "Under a CPU limit").
+    # one under 1.5 (benchmarks/measured/as-user-medium-cpu-limit-*.json, and docs/performance.md in git history).
     threads = affinity if quota is None else max(1, min(affinity, math.floor(quota + 0.5)))
     return CpuBudget(threads, affinity, quota)
