@@ -24,7 +24,7 @@ import json
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -108,6 +108,11 @@ def prompts_point(d: Driver, count: int, length: int, runs: int) -> dict[str, An
             "draws": count, "steps": steps, "kv_tokens": count * length, "keys_seen": count * length * (length + 1) / 2}
 
 
+def fill_slots(d: Driver, length: int) -> None:
+    """A prompt of `length` tokens in every slot that holds none yet (unmeasured): each can then decode."""
+    d.run(d.prompt_batches({s: d.tokens(length) for s in range(d.engine.slots) if d.position[s] == 0}))
+
+
 def decode_point(d: Driver, streams: int, runs: int) -> dict[str, Any]:
     slots = list(range(streams))
     held: list[int] = []
@@ -158,13 +163,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                    "products": getattr(getattr(backend, "products", None), "value", None)},
         "points": []}
     d = Driver(engine, args.seed)
+    todo: list[Callable[[], dict[str, Any] | None]] = []
     if count:
-        out["points"].append(prompts_point(d, count, length, args.prompt_runs))
-    d.run(d.prompt_batches({s: d.tokens(args.decode_prompt) for s in range(slots) if d.position[s] == 0}))
-    for n in streams:
-        out["points"].append(decode_point(d, n, args.runs))
+        todo.append(lambda: prompts_point(d, count, length, args.prompt_runs))
+    todo.append(lambda: fill_slots(d, args.decode_prompt))
+    todo += [lambda n=n: decode_point(d, n, args.runs) for n in streams]
     if args.long_prompt:
-        out["points"].append(long_point(d, args.long_prompt, args.long_runs))
+        todo.append(lambda: long_point(d, args.long_prompt, args.long_runs))
+    out["errors"] = []
+    for point in todo:
+        try:
+            result = point()
+        except Exception as e:  # noqa: BLE001 - a point that fails (out of memory, say) is reported, the rest run
+            out["errors"].append(f"{type(e).__name__}: {str(e)[:500]}")
+            continue
+        if result is not None:
+            out["points"].append(result)
     out["device"] = device_facts()
     return out
 

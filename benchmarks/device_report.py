@@ -34,6 +34,7 @@ def failures(programs: Sequence[Mapping[str, Any]]) -> list[str]:
         where = f"{prog['name']} ({prog['arm']})"
         if prog.get("error"):
             out.append(f"{where}: {prog['error']}")
+        out += [f"{where}: {e}" for e in prog.get("result", {}).get("errors", [])]
         for case in prog.get("result", {}).get("cases", []):
             if case.get("pass") is False:
                 out.append(f"{where}: parity {case['set']} {case['dtype']} failed: "

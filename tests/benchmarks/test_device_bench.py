@@ -129,3 +129,23 @@ def test_bad_flags_stop_with_a_message(argv: list[str], message: str, capsys: py
     with pytest.raises(SystemExit) as stop:
         device.parse(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_default_run_plans_parity_and_three_configs_and_notes_a_missing_golden_set(tmp_path: pathlib.Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "golden").symlink_to(GOLDEN)
+    (shared / "bench").symlink_to(SHARED / "bench")
+    args, arms = device.parse(["--shared", str(shared)])
+    programs, notes, configs = device.plan(args, tmp_path)
+    assert arms == {"now": ROOT}
+    assert [p.name for p in programs] == ["parity/golden", "points/medium/bfloat16", "points/grok1-1layer/bfloat16",
+                                          "points/grok1-2layer/bfloat16"]
+    assert len(notes) == 1 and "golden_wide" in notes[0]
+    two = json.loads(pathlib.Path(configs["grok1-2layer"]["ran_from"]).read_text())
+    assert two["model"]["num_layers"] == 2 and two["sequence_len"] == 2176 == configs["medium"]["sequence_len"]
+    points = programs[1].args
+    assert points[points.index("--streams") + 1] == "1,8,64" and points[points.index("--long-prompt") + 1] == "2048"
+    quick, _ = device.parse(["--quick", "--shared", str(shared)])
+    assert [p.name for p in device.plan(quick, tmp_path)[0]] == ["parity/golden", "points/medium/bfloat16",
+                                                                 "points/grok1-1layer/bfloat16"]
