@@ -112,13 +112,15 @@ def plan(args: argparse.Namespace, tmp: pathlib.Path) -> tuple[list[Program], li
             source, overrides = config_spec(specs[point], args.shared)
             path = derived_config(source, overrides, args.long_prompt, tmp, point)
             configs[point] = {"source": str(source), "overrides": overrides, "ran_from": str(path),
-                              "sequence_len": json.loads(path.read_text())["sequence_len"]}
+                              "sequence_len": json.loads(path.read_text())["sequence_len"],
+                              "config": json.loads(path.read_text())}
             for dtype in args.dtype:
                 programs.append(Program(f"points/{point}/{dtype}", "points", HERE / "device_points.py", (
                     "--config", str(path), "--dtype", dtype, "--streams", ",".join(map(str, args.streams)),
                     "--prompt-rows", args.prompt_rows, "--long-prompt", str(args.long_prompt),
                     "--decode-prompt", str(args.decode_prompt), "--runs", str(args.runs),
-                    "--prompt-runs", str(args.prompt_runs), "--long-runs", str(args.long_runs)),
+                    "--prompt-runs", str(args.prompt_runs), "--long-runs", str(args.long_runs),
+                    "--backend", args.backend),
                     meta=(("config", point), ("dtype", dtype))))
     return programs, notes, configs
 
@@ -182,6 +184,7 @@ def assemble(args: argparse.Namespace, arms: dict[str, pathlib.Path], runs: list
         "arms": {a: {"dir": str(d), "git": results.git_info(d)} for a, d in arms.items()},
         "settings": {"points": args.points, "dtypes": args.dtype, "streams": args.streams,
                      "prompt_rows": args.prompt_rows, "long_prompt": args.long_prompt, "runs": args.runs,
+                     "backend": args.backend,
                      "bandwidth_bytes_per_s": args.bandwidth, "peak_flops": args.peak_flops,
                      "peak_note": device_bounds.PEAK_NOTE, "f32_atol": args.f32_atol,
                      "jax_platforms": os.environ.get("JAX_PLATFORMS", ""),
@@ -230,6 +233,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=None, help="timed decode steps a point (default 10)")
     p.add_argument("--prompt-runs", type=int, default=5)
     p.add_argument("--long-runs", type=int, default=3)
+    p.add_argument("--backend", default="auto", help="the points' engine backend, as the model service's "
+                   "--backend (auto: the platform's; generic on CPU runs the accelerators' step)")
     p.add_argument("--f32-atol", type=float, default=1e-4, help="float32 parity's logit bound (the tests' 1e-4)")
     p.add_argument("--bandwidth", type=float, default=device_bounds.HBM_BYTES_PER_S, help="bytes/s of the bound")
     p.add_argument("--peak-flops", type=float, default=device_bounds.PEAK_FLOPS, help="FLOP/s of the bound")
@@ -286,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{len(runs)}/{total}] {program.name} ({arm}): {r['seconds']} s"
                       + (f" FAILED: {r['error']}\n{r.get('stderr_tail', '')[-1500:]}" if "error" in r else ""),
                       file=sys.stderr, flush=True)
-    report = assemble(args, arms, runs, notes, configs)
+        report = assemble(args, arms, runs, notes, configs)  # reads the derived configs: before they go
     plat = (report["device"] or {}).get("platform", "unknown")
     out = args.out or ROOT / "benchmarks" / "measured" / f"device-{plat}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
     results.write_json(out, report)
