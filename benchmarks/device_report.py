@@ -74,6 +74,17 @@ def summary(report: Mapping[str, Any]) -> str:
     for g in report["groups"]:
         lines.append(f"compile {g['config']:<13} {g['dtype']:<9} [{g['arm']}] {g['compile_total_s']:.1f} s "
                      f"{g['compile_s']}")
+    for run in report["activation_error"]:
+        for result in run["results"]:
+            for variant, rows in result.items():
+                if not isinstance(rows, dict):
+                    continue
+                prompts = [r for r in rows.values() if isinstance(r, dict)]
+                text = rows.get("skipped") or (
+                    f"greedy agree {sum(r['greedy_agree'] for r in prompts)}/{sum(r['steps'] for r in prompts)}, "
+                    f"max |logit error| {max(r['max_logit_error'] for r in prompts):.3g}, "
+                    f"max KL {max(r['kl_max'] for r in prompts):.3g}")
+                lines.append(f"activation_error {result['set']:<12} {variant:<12} [{run['arm']}] {text}")
     for row in report.get("comparison", []):
         lines.append(f"compare {row['config']:<13} {row['dtype']:<9} {row['point']:<14} "
                      + "  ".join(f"{a} {ms:.3f} ms" for a, ms in row["ms"].items())
