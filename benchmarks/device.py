@@ -106,6 +106,9 @@ def plan(args: argparse.Namespace, tmp: pathlib.Path) -> tuple[list[Program], li
                                          "--f32-atol", str(args.f32_atol)), PARITY_XLA_FLAGS))
         elif point == "activation_error":
             sets = ",".join(s for s in args.sets if (args.shared / s / "config.json").exists())
+            if not sets:
+                notes.append(f"activation_error: skipped, none of {args.sets} is under {args.shared}")
+                continue
             programs.append(Program("activation_error", "activation_error", HERE / "activation_error.py",
                                     ("--sets", sets, "--shared", str(args.shared))))
         else:
@@ -258,6 +261,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, pathlib
     args.long_prompt = args.long_prompt if args.long_prompt is not None else (0 if quick else 2048)
     args.runs = args.runs or (5 if quick else 10)
     args.dtype = args.dtype.split(",")
+    args.shared = args.shared.resolve()  # the programs run in each checkout's folder
     args.parity_dtypes = args.parity_dtypes.split(",")
     if bad := [c for c in args.config if "=" not in c]:
         p.error(f"--config takes NAME=PATH, got {bad[0]!r}")
