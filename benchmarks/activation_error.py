@@ -1,15 +1,18 @@
-"""What rounding the rows to int8 (--products native-int8) costs in fidelity, on the recorded reference outputs;
-print JSON.
+"""What the fast modes cost in fidelity, on the recorded reference outputs: bfloat16 compute and, on CPU,
+int8 rows (--products native-int8); print JSON.
 
     python -m benchmarks.activation_error [--sets golden,golden_wide] [--shared ../shared]
+        [--variants float32,bfloat16,native-int8]
 
 For each golden set (../shared/golden, ../shared/golden_wide: checkpoints in the released format with the
-reference's logits recorded at every greedy step of two prompts), the model runs teacher-forced over each prompt
-and the reference's greedy continuation with the default products (native, float32 rows) and with native-int8,
-and each step's logits are compared with the reference's: how many greedy tokens agree, the largest logit error
-(absolute, and over the reference logits' standard deviation), the mean and largest KL divergence of the
-softmax (reference || ours, nats), and the smallest top-2 margin of the reference (a flip is expected only where
-the margin is below the logit error).
+reference's float32 logits recorded at every greedy step of its prompts), the model runs teacher-forced over each
+prompt and the reference's greedy continuation in each variant, and each step's logits are compared with the
+reference's: how many greedy tokens agree, the largest logit error (absolute, and over the reference logits'
+standard deviation), the mean and largest KL divergence of the softmax (reference || ours, nats), and the smallest
+top-2 margin of the reference (a flip is expected only where the margin is below the logit error). Variants:
+"float32" and "bfloat16" (the platform's default products in that compute dtype: native on a CPU where the kernels
+built, XLA's dots on an accelerator) and "native-int8" (float32 with int8 rows; CPU only: elsewhere it is left
+out with a note). Runs on any platform (on the TPU host through benchmarks.device --points activation_error).
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ import numpy as np
 
 from model_service.checkpoint import load_params
 from model_service.config import MeshConfig, load_model_config
-from model_service.model import GrokModel, Products
+from model_service.model import GrokModel, choose_products
 from model_service.sharding import make_mesh
 
-PRODUCTS = {"native": Products.NATIVE, "native-int8": Products.NATIVE_INT8}
+VARIANTS = {"float32": ("float32", "auto"), "bfloat16": ("bfloat16", "auto"), "native-int8": ("float32", "native-int8")}
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -50,16 +53,23 @@ def compare(ours: np.ndarray, ref: np.ndarray, greedy: np.ndarray) -> dict[str, 
             "min_reference_top2_margin": float((top2[:, 1] - top2[:, 0]).min())}
 
 
-def measure(golden: pathlib.Path) -> dict[str, Any]:
+def measure(golden: pathlib.Path, variants: list[str]) -> dict[str, Any]:
     cfg = load_model_config(str(golden / "config.json"))
     mesh = make_mesh(MeshConfig(1, 1))
     recorded = np.load(golden / "model_fp32.npz")
     out: dict[str, Any] = {"set": golden.name}
-    for name, products in PRODUCTS.items():
-        model = GrokModel(cfg, mesh, jnp.float32, products)
-        params = load_params(str(golden / "checkpoint"), cfg, mesh, jnp.float32, pack=True, int8_table=products.int8)
+    for name in variants:
+        dtype, choice = VARIANTS[name]
+        try:
+            products = choose_products(choice, mesh, jnp.dtype(dtype))
+        except ValueError as e:  # native-int8 where the CPU kernels cannot run (an accelerator)
+            out[name] = {"skipped": str(e)}
+            continue
+        model = GrokModel(cfg, mesh, jnp.dtype(dtype), products)
+        params = load_params(str(golden / "checkpoint"), cfg, mesh, jnp.dtype(dtype), pack=products.native,
+                             int8_table=products.int8)
         forward = jax.jit(model.forward)
-        rows = {}
+        rows: dict[str, Any] = {"dtype": dtype, "products": products.value}
         for p in ("p0", "p1"):
             prompt, greedy = recorded[f"{p}_prompt"], recorded[f"{p}_greedy_tokens"]
             tokens = np.concatenate([prompt, greedy[:-1]]).astype(np.int32)[None]
@@ -73,9 +83,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sets", default="golden,golden_wide")
     p.add_argument("--shared", default=str(pathlib.Path(__file__).resolve().parents[1].parent / "shared"))
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {', '.join(VARIANTS)}")
     args = p.parse_args(argv)
-    results = [measure(pathlib.Path(args.shared) / name) for name in args.sets.split(",")]
-    print(json.dumps({"benchmark": "activation_error", "results": results}, indent=1))
+    variants = args.variants.split(",")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        p.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    results = [measure(pathlib.Path(args.shared) / name, variants) for name in args.sets.split(",")]
+    print(json.dumps({"benchmark": "activation_error", "platform": jax.devices()[0].platform,
+                      "device_kind": jax.devices()[0].device_kind, "results": results}, indent=1))
 
 
 if __name__ == "__main__":
