@@ -156,10 +156,12 @@ class GrokModel:
             return self._rows(params, pools, rows, tile, tiles)
 
     def precision(self) -> contextlib.AbstractContextManager[None]:
-        """The matmul precision the network's programs are traced under: with Products.EXACT (float32 on a matrix
-        unit that rounds float32 operands to bfloat16) every dot not carried exactly by layers.product runs at
-        XLA's highest precision; otherwise XLA's default."""
-        if self.products is Products.EXACT:
+        """The matmul precision the network's programs are traced under: with XLA's dots (Products.DOT, EXACT) a
+        float32 dot not carried exactly by layers.product (attention in float32, the router in either dtype) runs
+        at XLA's highest precision, as the reference's float32 does (a TPU's default would round its operands to
+        bfloat16: the router then picks other experts); bfloat16 dots are one pass at any setting. The CPU's own
+        forms keep XLA's default."""
+        if self.products in (Products.DOT, Products.EXACT):
             return jax.default_matmul_precision("highest")
         return contextlib.nullcontext()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +20,11 @@ STEPS = 24
 # steps and the level 90 % of steps stay under. Tighter than 0.3 so that a drift in the decode path shows.
 BF16_STEP_MEDIAN = 0.05
 BF16_STEP_MOST = 0.1
+# float32 logits against the reference's (recorded on a CPU): 1e-4 on CPU. On a TPU the faithful mode
+# (Products.EXACT) carries every product to float32 accuracy, but its sums run in another order and its
+# transcendentals differ in the last bits: measured up to 1.7e-4 on a v5e (golden dense pass, JAX 0.10.2); the
+# bound is 5e-4. Greedy ids must be identical on every platform.
+F32_ATOL = 1e-4 if jax.default_backend() == "cpu" else 5e-4
 
 
 def _padded(prompt: np.ndarray) -> np.ndarray:
@@ -61,13 +67,13 @@ def test_float32_prefill_full_logits_and_greedy_match_reference(golden_model, go
     for p in PROMPTS:
         n = len(gold[f"p{p}_prompt"])
         last = prefilled[p]
-        np.testing.assert_allclose(last, gold[f"p{p}_prefill_last_logits"], atol=1e-4, rtol=0)
-        np.testing.assert_allclose(full[p, :n], gold[f"p{p}_full_logits"], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(last, gold[f"p{p}_prefill_last_logits"], atol=F32_ATOL, rtol=0)
+        np.testing.assert_allclose(full[p, :n], gold[f"p{p}_full_logits"], atol=F32_ATOL, rtol=0)
         first.append(last.argmax())
     tokens, logits = _decode_batch(loaded, gold, runner, np.array(first))
     for p in PROMPTS:
         np.testing.assert_array_equal(tokens[p], gold[f"p{p}_greedy_tokens"], err_msg=f"prompt {p}")
-        np.testing.assert_allclose(logits[p], gold[f"p{p}_step_logits"][1:], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(logits[p], gold[f"p{p}_step_logits"][1:], atol=F32_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
