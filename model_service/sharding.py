@@ -7,6 +7,7 @@ not divide a dimension falls back to replicating that dimension, so every mesh t
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model_service.config import ConfigError, MeshConfig
+
+log = logging.getLogger(__name__)
 
 DATA = "data"
 MODEL = "model"
@@ -68,9 +71,23 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None,
         raise ConfigError(f"mesh {mesh_cfg.data},{mesh_cfg.model} needs {mesh_cfg.size} devices but only "
                           f"{len(devices)} are visible (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     shape = (mesh_cfg.data, mesh_cfg.model)
-    if mesh_cfg.size == len(devices):
-        return Mesh(mesh_utils.create_device_mesh(shape, devices), (DATA, MODEL))
-    return Mesh(np.array(devices[: mesh_cfg.size]).reshape(shape), (DATA, MODEL))
+    grid = along_links(shape, devices) if mesh_cfg.size == len(devices) else None
+    if grid is None:
+        grid = np.array(devices[: mesh_cfg.size]).reshape(shape)
+    return Mesh(grid, (DATA, MODEL))
+
+
+def along_links(shape: tuple[int, int], devices: Sequence[Any]) -> np.ndarray | None:
+    """mesh_utils.create_device_mesh's layout of every device (on a TPU slice: along its ICI torus, splitting a
+    torus axis over two mesh axes where the shape needs it, e.g. 2,8 on a 4x4 slice); None for a shape it
+    cannot lay out, whose caller keeps the devices' own order."""
+    for split in (False, True):
+        try:
+            return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=split)
+        except (ValueError, NotImplementedError, AssertionError) as e:
+            error = e
+    log.warning("the mesh is not laid along the device links", extra={"shape": list(shape), "error": str(error)})
+    return None
 
 
 def local_mesh_shape(mesh_cfg: MeshConfig, between_hosts: MeshConfig) -> MeshConfig:
@@ -122,8 +139,10 @@ def multihost_grid(mesh_cfg: MeshConfig, between_hosts: MeshConfig, devices: Seq
         raise ConfigError(f"mesh {mesh_cfg.data},{mesh_cfg.model} has {mesh_cfg.size} devices but the job has "
                           f"{len(devices)}: a multi-process mesh spans every device (on CPU set XLA_FLAGS="
                           "--xla_force_host_platform_device_count=N per process)")
-    if kind == "slice":
-        return mesh_utils.create_device_mesh((mesh_cfg.data, mesh_cfg.model), devices)
+    grid = along_links((mesh_cfg.data, mesh_cfg.model), devices) if kind == "slice" else None
+    if grid is not None:
+        return grid
+    kind = "processes" if kind == "slice" else kind
     granules = len({d.slice_index if kind == "slices" else d.process_index for d in devices})
     if kind == "slices" and between_hosts.size != granules:
         between_hosts = default_between_hosts(mesh_cfg, granules)
@@ -136,7 +155,8 @@ def multihost_grid(mesh_cfg: MeshConfig, between_hosts: MeshConfig, devices: Seq
                           f"processes needs {local.size} devices per process but the processes have "
                           f"{len(devices) / granules:g} (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     return mesh_utils.create_hybrid_device_mesh((local.data, local.model), (between_hosts.data, between_hosts.model),
-                                                devices=devices, process_is_granule=kind == "processes")
+                                                devices=devices, process_is_granule=kind == "processes",
+                                                allow_split_physical_axes=True)
 
 
 def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:

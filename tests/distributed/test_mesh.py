@@ -4,6 +4,7 @@ over the data-center network, and CPU processes, are hybrid meshes whose blocks 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,3 +82,18 @@ def test_a_single_process_mesh_over_every_device_uses_them_all_in_order() -> Non
     mesh = make_mesh(MeshConfig(1, jax.device_count()))
     assert list(mesh.devices.flat) == jax.devices()
     assert np.asarray(mesh.devices).shape == (1, jax.device_count())
+
+
+def test_a_shape_the_torus_does_not_hold_whole_splits_a_torus_axis() -> None:
+    """2,8 on a 4x4 slice: no torus axis holds 8 chips, so one is split over both mesh axes."""
+    devices = tpu_slice()
+    grid = multihost_grid(MeshConfig(2, 8), MeshConfig(4, 1), devices)
+    assert grid.tolist() == mesh_utils.create_device_mesh((2, 8), devices, allow_split_physical_axes=True).tolist()
+    assert [{d.coords[1] // 2 for d in row} for row in grid] == [{0}, {1}]  # each row: one half of the torus
+
+
+def test_devices_the_torus_layout_cannot_place_keep_one_block_per_host(caplog: pytest.LogCaptureFixture) -> None:
+    holed = [dataclasses.replace(d, coords=(d.coords[0], d.coords[1] + (d.coords[1] >= 2), 0)) for d in tpu_slice()]
+    grid = multihost_grid(MeshConfig(4, 4), MeshConfig(4, 1), holed)
+    assert [{d.process_index for d in row} for row in grid] == [{0}, {1}, {2}, {3}]
+    assert "not laid along the device links" in caplog.text
