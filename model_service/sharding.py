@@ -7,6 +7,7 @@ not divide a dimension falls back to replicating that dimension, so every mesh t
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model_service.config import ConfigError, MeshConfig
+
+log = logging.getLogger(__name__)
 
 DATA = "data"
 MODEL = "model"
@@ -58,7 +61,8 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None,
               between_hosts: MeshConfig | None = None) -> Mesh:
     """A (data, model) mesh with Auto axis types over the first data*model devices.
 
-    When JAX spans several processes (jax.distributed), pass `between_hosts`: see `make_multihost_mesh`.
+    A mesh over every device is laid out by mesh_utils.create_device_mesh (on a TPU slice: along its ICI
+    torus). When JAX spans several processes (jax.distributed), pass `between_hosts`: see `make_multihost_mesh`.
     """
     if between_hosts is not None and jax.process_count() > 1:
         return make_multihost_mesh(mesh_cfg, between_hosts)
@@ -66,8 +70,24 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None,
     if mesh_cfg.size > len(devices):
         raise ConfigError(f"mesh {mesh_cfg.data},{mesh_cfg.model} needs {mesh_cfg.size} devices but only "
                           f"{len(devices)} are visible (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    grid = np.array(devices[: mesh_cfg.size]).reshape(mesh_cfg.data, mesh_cfg.model)
+    shape = (mesh_cfg.data, mesh_cfg.model)
+    grid = along_links(shape, devices) if mesh_cfg.size == len(devices) else None
+    if grid is None:
+        grid = np.array(devices[: mesh_cfg.size]).reshape(shape)
     return Mesh(grid, (DATA, MODEL))
+
+
+def along_links(shape: tuple[int, int], devices: Sequence[Any]) -> np.ndarray | None:
+    """mesh_utils.create_device_mesh's layout of every device (on a TPU slice: along its ICI torus, splitting a
+    torus axis over two mesh axes where the shape needs it, e.g. 2,8 on a 4x4 slice); None for a shape it
+    cannot lay out, whose caller keeps the devices' own order."""
+    for split in (False, True):
+        try:
+            return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=split)
+        except (ValueError, NotImplementedError, AssertionError) as e:
+            error = e
+    log.warning("the mesh is not laid along the device links", extra={"shape": list(shape), "error": str(error)})
+    return None
 
 
 def local_mesh_shape(mesh_cfg: MeshConfig, between_hosts: MeshConfig) -> MeshConfig:
@@ -90,21 +110,53 @@ def default_between_hosts(mesh_cfg: MeshConfig, processes: int) -> MeshConfig:
 
 
 def make_multihost_mesh(mesh_cfg: MeshConfig, between_hosts: MeshConfig) -> Mesh:
-    """The global mesh of a multi-process JAX job, like the reference's make_mesh(local_mesh_config,
-    between_hosts_config): each process's devices form one block of shape `local_mesh_shape`, and the blocks
-    are tiled `between_hosts.data` x `between_hosts.model` in process order, so collectives inside a block stay
-    on one host."""
+    """The global mesh of a multi-process JAX job over every device of the job: see `multihost_grid`."""
+    return Mesh(multihost_grid(mesh_cfg, between_hosts, jax.devices()), (DATA, MODEL))
+
+
+def joined_by(devices: Sequence[Any]) -> str:
+    """How a multi-process job's devices are connected: "slice" (one TPU slice: every chip on the same ICI
+    network, whatever host it hangs off), "slices" (TPU slices joined over the data-center network) or
+    "processes" (hosts joined by a network: CPU processes over gloo, GPU hosts)."""
+    if all(d.platform == "tpu" for d in devices):
+        return "slice" if len({getattr(d, "slice_index", 0) for d in devices}) == 1 else "slices"
+    return "processes"
+
+
+def multihost_grid(mesh_cfg: MeshConfig, between_hosts: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
+    """[data, model] devices of a multi-process job.
+
+    One TPU slice is one mesh over all its devices, laid along its ICI torus (mesh_utils.create_device_mesh):
+    its hosts are not network hops, so they need not own blocks. Slices over the data-center network, and
+    processes joined by a network, are the granules of a hybrid mesh (like the reference's
+    make_mesh(local_mesh_config, between_hosts_config)): each granule's devices form one block and the
+    blocks are tiled in granule order, so collectives inside a block stay off the slow network. Processes
+    tile as `between_hosts` says; slices as it says when there are as many slices as processes, else as
+    `default_between_hosts` spreads them.
+    """
+    kind = joined_by(devices)
+    if mesh_cfg.size != len(devices):
+        raise ConfigError(f"mesh {mesh_cfg.data},{mesh_cfg.model} has {mesh_cfg.size} devices but the job has "
+                          f"{len(devices)}: a multi-process mesh spans every device (on CPU set XLA_FLAGS="
+                          "--xla_force_host_platform_device_count=N per process)")
+    grid = along_links((mesh_cfg.data, mesh_cfg.model), devices) if kind == "slice" else None
+    if grid is not None:
+        return grid
+    kind = "processes" if kind == "slice" else kind
+    granules = len({d.slice_index if kind == "slices" else d.process_index for d in devices})
+    if kind == "slices" and between_hosts.size != granules:
+        between_hosts = default_between_hosts(mesh_cfg, granules)
     local = local_mesh_shape(mesh_cfg, between_hosts)
-    if between_hosts.size != jax.process_count():
+    if between_hosts.size != granules:
         raise ConfigError(f"between-hosts layout {between_hosts.data},{between_hosts.model} has "
-                          f"{between_hosts.size} blocks but the job has {jax.process_count()} processes")
-    if local.size != jax.local_device_count():
+                          f"{between_hosts.size} blocks but the job has {granules} processes")
+    if local.size * granules != len(devices):
         raise ConfigError(f"mesh {mesh_cfg.data},{mesh_cfg.model} over {between_hosts.data},{between_hosts.model} "
-                          f"processes needs {local.size} devices per process but this process has "
-                          f"{jax.local_device_count()} (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    grid = mesh_utils.create_hybrid_device_mesh((local.data, local.model), (between_hosts.data, between_hosts.model),
-                                                devices=jax.devices(), process_is_granule=True)
-    return Mesh(grid, (DATA, MODEL))
+                          f"processes needs {local.size} devices per process but the processes have "
+                          f"{len(devices) / granules:g} (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    return mesh_utils.create_hybrid_device_mesh((local.data, local.model), (between_hosts.data, between_hosts.model),
+                                                devices=devices, process_is_granule=kind == "processes",
+                                                allow_split_physical_axes=True)
 
 
 def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:

@@ -16,10 +16,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from model_service.distributed.config import EXIT_GROUP_BROKEN, DistributedConfig
 from model_service.distributed.lockstep import Channel, is_runtime_failure, receive
-from model_service.distributed.ops import Codec, Op, Replica
+from model_service.distributed.ops import Call, Codec, Op, Replica
+from model_service.engine_api import PendingStepLike
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +64,13 @@ class Watchdog:
 
 def follow(replica: Replica, channel: Channel, codec: Codec, config: DistributedConfig,
            watchdog: Watchdog) -> int:
-    """Replay calls until SHUTDOWN (returns 0) or until the group breaks (returns EXIT_GROUP_BROKEN)."""
+    """Replay calls until SHUTDOWN (returns 0) or until the group breaks (returns EXIT_GROUP_BROKEN).
+
+    A step is dispatched and then the previous one is waited for (within the step bound: a stalled peer
+    shows there), so this process reads the next call while its devices still run the last one."""
     expected = 0
     wait = config.startup_timeout  # process 0 sends the first call (COMPILE) once its weights are loaded
+    previous: PendingStepLike | None = None
     while True:
         watchdog.arm(wait, "the next call from process 0")
         try:
@@ -76,25 +82,49 @@ def follow(replica: Replica, channel: Channel, codec: Codec, config: Distributed
             log.error("diverged from process 0", extra={"expected_seq": expected, "got_seq": call.seq})
             return EXIT_GROUP_BROKEN
         expected += 1
+        bound = config.startup_timeout if call.op == Op.COMPILE else config.step_timeout
+        watchdog.arm(bound, call.op.name)
+        result = _run(replica, call)
+        if result is _FAILED:
+            return EXIT_GROUP_BROKEN
+        if previous is not None and not _finished(previous):
+            return EXIT_GROUP_BROKEN
+        previous = result[1] if call.op == Op.STEP and result is not None else None
         if call.op == Op.SHUTDOWN:
             watchdog.disarm()
             log.info("process 0 shut the group down")
             return 0
-        bound = config.startup_timeout if call.op == Op.COMPILE else config.step_timeout
-        watchdog.arm(bound, call.op.name)
-        try:
-            result = replica.run(call)
-            if call.op == Op.STEP:
-                result[1].get()  # within the bound: a stalled peer shows here
-        except Exception as e:
-            if is_runtime_failure(e):
-                log.error("a lockstep call failed", extra={"op": call.op.name, "error": str(e)[:500]})
-                return EXIT_GROUP_BROKEN
-            # Bad arguments fail on every process alike; process 0 reports them to the request.
-            log.warning("call refused here as on process 0", extra={"op": call.op.name, "error": str(e)[:500]})
         if call.op == Op.COMPILE:
             log.info("compiled; following process 0")
         wait = config.follower_wait
+
+
+_FAILED = object()
+
+
+def _run(replica: Replica, call: Call) -> Any:
+    """Dispatch `call`; _FAILED when the group is broken, None when this process refused it as process 0 did."""
+    try:
+        return replica.run(call)
+    except Exception as e:
+        if is_runtime_failure(e):
+            log.error("a lockstep call failed", extra={"op": call.op.name, "error": str(e)[:500]})
+            return _FAILED
+        # Bad arguments fail on every process alike; process 0 reports them to the request.
+        log.warning("call refused here as on process 0", extra={"op": call.op.name, "error": str(e)[:500]})
+        return None
+
+
+def _finished(pending: PendingStepLike) -> bool:
+    """Wait for a dispatched step; False when it failed at run time (the group is broken)."""
+    try:
+        pending.get()
+    except Exception as e:
+        if is_runtime_failure(e):
+            log.error("a lockstep step failed", extra={"error": str(e)[:500]})
+            return False
+        log.warning("step refused here as on process 0", extra={"error": str(e)[:500]})
+    return True
 
 
 def ignore_sigterm() -> None:

@@ -14,7 +14,8 @@ import numpy as np
 from model_service.config import ConfigError, ModelConfig, model_config_to_dict
 from model_service.distributed.config import DistributedConfig
 from model_service.distributed.follower import Watchdog, follow, ignore_sigterm
-from model_service.distributed.lockstep import JaxChannel, LockstepEngine
+from model_service.distributed.link import FollowerLink, KeyValue, LeaderLink, connect_follower, open_leader
+from model_service.distributed.lockstep import Channel, LockstepEngine
 from model_service.distributed.ops import Replica, codec_for
 from model_service.loading import ServerConfig, compile_engine, load_engine, resolve, use_huge_pages
 
@@ -50,8 +51,9 @@ def leader_engine(config: ServerConfig, model_cfg: ModelConfig, on_broken: Calla
     """Process 0's engine: load this process's shards, then compile everywhere in lockstep (once)."""
     dist = _dist(config)
     verify_same_config(config, model_cfg)
+    channel = leader_channel(dist)
     inner = load_engine(config, model_cfg)
-    engine = LockstepEngine(inner, JaxChannel(), dist.step_timeout, dist.startup_timeout, dist.keepalive_seconds,
+    engine = LockstepEngine(inner, channel, dist.step_timeout, dist.startup_timeout, dist.keepalive_seconds,
                             on_broken)
     compile_engine(engine)
     use_huge_pages(config, inner)
@@ -66,10 +68,39 @@ def run_follower(config: ServerConfig) -> int:
     watchdog = Watchdog()
     watchdog.arm(dist.startup_timeout, "loading the weights")
     verify_same_config(config, model_cfg)
+    channel = follower_channel(dist)
     engine = load_engine(config, model_cfg)
     use_huge_pages(config, engine)  # the weights now; its programs' buffers come with the first call
     log.info("weights loaded; waiting for process 0", extra={"process_id": dist.process_id})
-    return follow(Replica(engine), JaxChannel(), codec_for(engine), dist, watchdog)
+    return follow(Replica(engine), channel, codec_for(engine), dist, watchdog)
+
+
+# Every process has just passed verify_same_config together, so the followers connect at once.
+CONNECT_SECONDS = 300.0
+
+
+def leader_channel(dist: DistributedConfig) -> Channel:
+    """Process 0's end of the lockstep link (link.py), once every follower has connected."""
+    link: LeaderLink = open_leader(_store(), dist.coordinator, dist.num_processes,
+                                   min(CONNECT_SECONDS, dist.startup_timeout))
+    return link
+
+
+def follower_channel(dist: DistributedConfig) -> Channel:
+    link: FollowerLink = connect_follower(_store(), dist.coordinator, dist.process_id,
+                                          min(CONNECT_SECONDS, dist.startup_timeout))
+    return link
+
+
+def _store() -> KeyValue:
+    """jax.distributed's coordination service, which every process of the group has joined."""
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized: join the group first (distributed.initialize)")
+    store: KeyValue = client
+    return store
 
 
 def _dist(config: ServerConfig) -> DistributedConfig:

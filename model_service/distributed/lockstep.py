@@ -1,14 +1,18 @@
-"""Process 0's Engine for a multi-process replica: broadcast each call, then run it, within a time bound.
+"""Process 0's Engine for a multi-process replica: send each call, then run it, within a time bound.
 
 `LockstepEngine` has the Engine's interface (init_state, compile, step), so the scheduler drives it unaware of
 processes. Each call is encoded (ops.Codec: a step is its whole StepBatch, block tables included, one message),
-broadcast to the followers through a JAX collective (`JaxChannel`: multihost_utils.broadcast_one_to_all), and
-executed on process 0's own `Replica` while the followers execute the same call on theirs.
+sent to the followers (link.py: one socket per follower; process 0 writes and goes on) and executed on
+process 0's own `Replica` while the followers execute the same call on theirs.
 
-A process that dies usually makes the next collective fail (gloo reports the closed connection); one
-that stalls makes it hang. So every call runs on a worker thread and the caller waits at most
-`step_timeout`; either way the group is then broken for good: `on_broken` is called once (the server
-reports NOT_SERVING and exits non-zero so the orchestrator restarts the group) and this and every later
+A step is dispatched, not waited for: `step` returns as on one process, and the scheduler plans and dispatches
+the next step while this one runs, then asks for its tokens. Its host arrays are fetched on a thread of their
+own, so `get()` can be bounded.
+
+A process that dies makes the next send or the step's collectives fail (gloo reports the closed connection);
+one that stalls makes the step hang. So every call runs on a worker thread, every step's result is waited for
+at most `step_timeout`, and either way the group is then broken for good: `on_broken` is called once (the
+server reports NOT_SERVING and exits non-zero so the orchestrator restarts the group) and this and every later
 call raise `GroupBroken`, which the scheduler reports to the requests as UNAVAILABLE. While the scheduler
 is idle a keep-alive no-op runs every few seconds, so a lost process is noticed without traffic.
 """
@@ -43,18 +47,9 @@ class GroupBroken(SchedulerError):
 
 
 class Channel(Protocol):
-    """A collective that returns process 0's arrays on every process (followers pass zeros of the same shapes)."""
+    """Process 0's arrays on every process (followers pass zeros of the same shapes); link.py's ends."""
 
     def broadcast(self, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]: ...
-
-
-class JaxChannel:
-    """Broadcast through JAX's own collectives over every device of the job (gloo on CPU, NCCL on GPUs)."""
-
-    def broadcast(self, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-        from jax.experimental import multihost_utils
-
-        return tuple(np.asarray(a) for a in multihost_utils.broadcast_one_to_all(arrays))
 
 
 def send(channel: Channel, codec: Codec, call: Call) -> Call:
@@ -84,10 +79,10 @@ class _Worker:
     interrupted; a daemon thread does not keep the process from exiting (concurrent.futures joins its
     workers at exit)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "lockstep") -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = \
             queue.SimpleQueue()
-        threading.Thread(target=self._run, name="lockstep", daemon=True).start()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -104,6 +99,16 @@ class _Worker:
                 future.set_result(fn())
             except BaseException as e:  # handed to the waiting caller
                 future.set_exception(e)
+
+
+class _BoundedPending:
+    """A step dispatched on every process (PendingStepLike); `get()` waits for it at most the step timeout."""
+
+    def __init__(self, engine: "LockstepEngine", future: concurrent.futures.Future[Any], seq: int) -> None:
+        self._engine, self._future, self._seq = engine, future, seq
+
+    def get(self) -> Any:
+        return self._engine._wait_step(self._future, self._seq)
 
 
 def is_runtime_failure(error: BaseException) -> bool:
@@ -128,6 +133,7 @@ class LockstepEngine:
         self._on_broken = on_broken
         self._lock = threading.Lock()  # one call at a time, in one order for every process
         self._worker = _Worker()
+        self._fetcher = _Worker("lockstep-fetch")  # waits for dispatched steps, so _worker can dispatch the next
         self._seq = 0
         self._broken: str | None = None
         self._broken_lock = threading.Lock()
@@ -182,6 +188,7 @@ class LockstepEngine:
                 pass
         self._broken = self._broken or "the group was shut down"
         self._worker.stop()
+        self._fetcher.stop()
 
     # ---- internals --------------------------------------------------------------------------
     def _check_state(self, state: Any) -> None:
@@ -211,19 +218,32 @@ class LockstepEngine:
         try:
             sent = send(self._channel, self._codec, call)
         except Exception as e:
-            raise self._break(f"broadcasting {call.op.name} failed: {e}") from e
+            raise self._break(f"sending {call.op.name} failed: {e}") from e
         try:
             result = self._replica.run(sent)
-            if sent.op == Op.STEP:
-                # Wait for the step here, within the time bound: its cross-process collectives are where a dead
-                # peer shows (gloo fails at once). A multi-process step is therefore not overlapped with the
-                # delivery of the previous one, as it is on one process.
-                result[1].get()
-            return result
         except Exception as e:
             if is_runtime_failure(e):
                 raise self._break(f"{call.op.name} failed: {e}") from e
             raise
+        if sent.op == Op.STEP:
+            state, pending = result
+            return state, _BoundedPending(self, self._fetcher.submit(pending.get), sent.seq)
+        return result
+
+    def _wait_step(self, future: concurrent.futures.Future[Any], seq: int) -> Any:
+        """A step's host arrays, waited for at most step_timeout: its cross-process collectives are where a
+        dead peer shows (gloo fails at once) and where a stalled one hangs."""
+        try:
+            return future.result(self._step_timeout)
+        except concurrent.futures.TimeoutError:
+            raise self._break(f"STEP {seq} did not finish within {self._step_timeout:g} s: a process stalled") \
+                from None
+        except Exception as e:
+            if is_runtime_failure(e):
+                raise self._break(f"STEP {seq} failed: {e}") from e
+            raise
+        finally:
+            self._last_call = time.monotonic()
 
     def _break(self, reason: str) -> GroupBroken:
         first = False

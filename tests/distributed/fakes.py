@@ -7,6 +7,7 @@ import dataclasses
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -119,3 +120,26 @@ class Collector:
         self.error = emission.error
         if emission.finish_reason is not None or emission.error is not None:
             self.done.set()
+
+
+class GatedPending:
+    """A step still running on the device: `get()` waits until the gate opens (like a step whose
+    cross-process collectives wait for a peer)."""
+
+    def __init__(self, inner: Any, gate: threading.Event) -> None:
+        self.inner, self.gate = inner, gate
+
+    def get(self) -> Any:
+        self.gate.wait()
+        return self.inner.get()
+
+
+@dataclass
+class GatedEngine(RecordingEngine):
+    """RecordingEngine whose steps finish only once `gate` is set (dispatch itself returns at once)."""
+
+    gate: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def step(self, state: Any, batch: StepBatch) -> tuple[Any, GatedPending]:
+        state, pending = super().step(state, batch)
+        return state, GatedPending(pending, self.gate)

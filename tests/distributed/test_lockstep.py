@@ -27,6 +27,8 @@ from tests.distributed.fakes import (
     Collector,
     DeadPeer,
     FollowerEnd,
+    GatedEngine,
+    GatedPending,
     LeaderEnd,
     RecordingEngine,
     SwitchableChannel,
@@ -49,20 +51,28 @@ def dist_config(**kw: Any) -> DistributedConfig:
                                 "step_timeout": STEP_TIMEOUT, "startup_timeout": 5.0, **kw})
 
 
-class FollowerThread:
-    """A follower's loop on a thread, with a watchdog that records instead of ending the test process."""
+class FollowerThreadOn:
+    """A follower's loop on a thread over `channel`, with a watchdog that records instead of ending the test
+    process."""
 
-    def __init__(self, engine: RecordingEngine, wire: Wire) -> None:
+    def __init__(self, engine: RecordingEngine, channel: Any) -> None:
         self.engine = engine
         self.expired: list[int] = []
         self.watchdog = Watchdog(on_expiry=self.expired.append)
         self.code: int | None = None
         codec = codec_for(engine)
-        self.thread = threading.Thread(target=self._run, args=(codec, wire), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(codec, channel), daemon=True)
         self.thread.start()
 
-    def _run(self, codec: Codec, wire: Wire) -> None:
-        self.code = follow(Replica(self.engine), FollowerEnd(wire), codec, dist_config(), self.watchdog)
+    def _run(self, codec: Codec, channel: Any) -> None:
+        self.code = follow(Replica(self.engine), channel, codec, dist_config(), self.watchdog)
+
+
+class FollowerThread(FollowerThreadOn):
+    """A follower over the in-memory wire."""
+
+    def __init__(self, engine: RecordingEngine, wire: Wire) -> None:
+        super().__init__(engine, FollowerEnd(wire))
 
 
 @pytest.fixture()
@@ -290,3 +300,72 @@ def test_a_decode_step_is_one_broadcast_and_a_step_that_starts_a_slot_two() -> N
         assert got.batch is not None and same_batch(got.batch, batch)
     send(LeaderEnd(wire), codec, Call(Op.NOOP, seq=3))
     assert receive(FollowerEnd(wire), codec) == Call(Op.NOOP, 3) and len(wire.sent[-1]) == 1
+
+
+def decode_batch(engine: RecordingEngine) -> StepBatch:
+    from model_service.step_batch import empty_batch
+
+    return empty_batch(engine.max_rows, engine.max_samples, np.zeros((engine.slots, engine.table_len), np.int32))
+
+
+def test_process_0_dispatches_steps_without_waiting_for_them_to_finish() -> None:
+    """As on one process, the scheduler dispatches the next step while this one runs; only get() waits."""
+    wire, broken = Wire(), []
+    inner = GatedEngine()
+    engine = lockstep(inner, LeaderEnd(wire), broken)
+    engine.compile()
+    state = engine.init_state()
+    began = time.monotonic()
+    state, first = engine.step(state, decode_batch(inner))
+    state, second = engine.step(state, decode_batch(inner))
+    assert time.monotonic() - began < STEP_TIMEOUT / 2 and len(inner.steps) == 2
+    inner.gate.set()
+    assert first.get().token.shape == second.get().token.shape == (inner.max_samples,)
+    assert broken == []
+    engine.close()
+
+
+def test_a_dispatched_step_that_never_finishes_breaks_the_group_within_the_step_timeout() -> None:
+    broken: list[str] = []
+    inner = GatedEngine()
+    engine = lockstep(inner, SwitchableChannel(), broken)
+    engine.compile()
+    _, pending = engine.step(engine.init_state(), decode_batch(inner))
+    began = time.monotonic()
+    with pytest.raises(GroupBroken):
+        pending.get()
+    assert STEP_TIMEOUT - 0.1 < time.monotonic() - began < STEP_TIMEOUT + 1
+    assert len(broken) == 1 and "STEP 2 did not finish" in broken[0] and "stalled" in broken[0]
+    inner.gate.set()
+
+
+def test_a_follower_dispatches_the_next_step_while_its_last_one_still_runs() -> None:
+    wire = Wire()
+    follower = FollowerThread(GatedEngine(), wire)
+    codec, leader = codec_for(follower.engine), LeaderEnd(wire)
+    batch = decode_batch(follower.engine)
+    for seq, op in enumerate((Op.INIT, Op.STEP, Op.STEP)):
+        send(leader, codec, Call(op, seq=seq, batch=batch if op == Op.STEP else None))
+    wait_until(lambda: len(follower.engine.steps) == 2, message="the follower waited for its first step")
+    follower.engine.gate.set()
+    send(leader, codec, Call(Op.SHUTDOWN, seq=3))
+    follower.thread.join(5)
+    assert follower.code == 0 and follower.expired == []
+
+
+def test_a_follower_whose_step_fails_at_run_time_leaves_the_group() -> None:
+    import jax
+
+    class Failing(GatedPending):
+        def get(self) -> Any:
+            raise jax.errors.JaxRuntimeError("gloo: connection closed by peer")
+
+    wire = Wire()
+    follower = FollowerThread(GatedEngine(), wire)
+    follower.engine.step = lambda state, batch: (state, Failing(None, follower.engine.gate))  # type: ignore[method-assign]
+    codec, leader = codec_for(follower.engine), LeaderEnd(wire)
+    batch = decode_batch(follower.engine)
+    for seq, op in enumerate((Op.INIT, Op.STEP, Op.NOOP)):
+        send(leader, codec, Call(op, seq=seq, batch=batch if op == Op.STEP else None))
+    follower.thread.join(5)
+    assert follower.code == EXIT_GROUP_BROKEN

@@ -95,6 +95,12 @@ def test_process_0_serves_one_mesh_spanning_both_processes(group: Group) -> None
         assert any(r.get("msg") == "programs compiled once for the group" for r in service.log_records())
 
 
+def test_the_plans_travel_over_the_lockstep_link(group: Group) -> None:
+    """Process 0 sends each step's plan over a socket to the follower (no device broadcast before a step)."""
+    for service in (group.leader, group.follower):
+        assert any(r.get("msg") == "lockstep link open" for r in service.log_records())
+
+
 @pytest.fixture(scope="module")
 def golden_answers(group: Group) -> dict[str, list[list[int]]]:
     """The seeded golden requests and the greedy continuations, sent together: a step of this group waits

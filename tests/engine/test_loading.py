@@ -36,7 +36,7 @@ def test_process_0_of_a_group_compiles_once_through_the_lockstep_op(monkeypatch:
     loaded = RecordingEngine()
     monkeypatch.setattr(group, "load_engine", lambda *args: loaded)
     monkeypatch.setattr(group, "verify_same_config", lambda *args: None)  # needs jax.distributed
-    monkeypatch.setattr(group, "JaxChannel", SwitchableChannel)  # a broadcast to nobody
+    monkeypatch.setattr(group, "leader_channel", lambda dist: SwitchableChannel())  # a broadcast to nobody
     config = golden_server_config(distributed=DistributedConfig("127.0.0.1:1", 2, 0))
     cfg = resolve(config)
     broken: list[Any] = []
