@@ -64,7 +64,8 @@ def backend_tls(args: argparse.Namespace) -> ChannelTLS | None:
     return tls
 
 
-def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
+def build_parser() -> EnvArgumentParser:
+    """Every gateway flag (scripts/run_stack.py passes them through by these names)."""
     parser = EnvArgumentParser(env_prefix="GROK_GATEWAY", prog="python -m gateway",
                                description="The public text API in front of the tokenizer and model services.")
     parser.add_env_argument("--tokenizer", required=True, help="tokenizer service HOST:PORT")
@@ -98,6 +99,11 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     add_http_flags(parser)
     add_security_flags(parser)
     tracing.add_flag(parser)
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     models = split_models(str(args.model))
     http = HttpConfig(port=args.http_port, model_name=args.served_model_name, chat_template=args.chat_template,

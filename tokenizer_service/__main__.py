@@ -27,7 +27,8 @@ def _non_negative_float(raw: str) -> float:
     return value
 
 
-def parse_args(argv: Sequence[str] | None = None) -> TokenizerConfig:
+def build_parser() -> EnvArgumentParser:
+    """Every tokenizer-service flag (scripts/run_stack.py passes them through by these names)."""
     parser = EnvArgumentParser(env_prefix="GROK_TOKENIZER", prog="python -m tokenizer_service",
                                description="gRPC tokenizer service (SentencePiece encode/decode, streaming detokenizer).")
     parser.add_env_argument("--model", required=True, help="path of the SentencePiece .model file")
@@ -45,6 +46,11 @@ def parse_args(argv: Sequence[str] | None = None) -> TokenizerConfig:
                             help="most ids per Decode call or DecodeStream message")
     add_server_flags(parser)
     tracing.add_flag(parser)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TokenizerConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     tls = server_tls_from(parser, args)
     return TokenizerConfig(tls=tls, model_path=args.model, host=args.host, port=args.port,

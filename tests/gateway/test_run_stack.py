@@ -27,10 +27,12 @@ pytestmark = pytest.mark.slow
 
 def test_run_stack_serves_streams_a_sample_and_stops_all_three_on_ctrl_c(jax_cache: str) -> None:
     """With an API key set, the sample, every command the launcher prints and docs/security.md's API-key examples
-    work as written."""
+    work as written; the services' own flags reach them (scripts/stack_flags.py)."""
     launched = Launched(["--config", str(GOLDEN / "config.json"), "--checkpoint", str(GOLDEN / "checkpoint"),
                          "--tokenizer", str(GOLDEN / "tokenizer.model"), "--compile-cache", jax_cache,
-                         "--max-tokens", "6", "--prompt", "In the beginning"], env={"GROK_STACK_API_KEY": "sk-mykey"})  # docs/security.md's key
+                         "--max-tokens", "6", "--prompt", "In the beginning", "--served-model-name", "golden-mini",
+                         "--model-log-level", "debug"],
+                        env={"GROK_STACK_API_KEY": "sk-mykey"})  # docs/security.md's key
     try:
         launched.wait_ready()
         output = launched.output()
@@ -50,6 +52,11 @@ def test_run_stack_serves_streams_a_sample_and_stops_all_three_on_ctrl_c(jax_cac
         without_key = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
                                       f"{launched.http_url}/v1/models"], capture_output=True, text=True, timeout=30)
         assert without_key.stdout == "401"
+        models = subprocess.run(["curl", "-s", f"{launched.http_url}/v1/models", "-H", "authorization: Bearer sk-mykey"],
+                                capture_output=True, text=True, timeout=30)
+        assert [m["id"] for m in json.loads(models.stdout)["data"]] == ["golden-mini"]  # --served-model-name
+        assert '"level": "debug"' in launched.models[0].logs()  # --model-log-level: the model's alone
+        assert '"level": "debug"' not in launched.gateway.logs()
         for service in (launched.tokenizer, *launched.models, launched.gateway):  # each froze its startup heap
             records = [json.loads(line) for line in service.logs().splitlines() if line.startswith("{")]
             serving = [r for r in records if r.get("msg") == "serving"]
