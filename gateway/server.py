@@ -71,7 +71,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     tokenizer = TokenizerClient(config.tokenizer, config.tokenizer_retries, config.backend_tls,
                                 prefetch_pieces=config.detokenize == "local")
     pool = ModelPool(config.models, config.backend_tls)
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(config.model_metrics, config.http.model_name)
     pipeline = Pipeline(tokenizer, pool, config.limits, metrics, local_detokenize=config.detokenize == "local")
     servicer = GatewayServicer(pipeline, config, template)
     built = assemble("gateway", SERVICE_NAME,

@@ -163,9 +163,13 @@ def start(args: argparse.Namespace, out: LogGate) -> list[Child]:
                             "--metrics-port", str(args.model_metrics_port), *cache, *level,
                             *service_args(args, passes, "model")], out)
     model.address = f"{host}:{args.model_port}"
+    # The gateway's /metrics (HTTP API and --metrics-port) carries the model's series too.
+    url_host = f"[{host}]" if ":" in host else host
+    model_metrics = (["--model-metrics", f"http://{url_host}:{args.model_metrics_port}/metrics"]
+                     if args.model_metrics_port else [])
     gateway = Child("gateway", ["gateway", "--tokenizer", tokenizer.address, "--model", model.address,
                                 "--host", host, "--port", str(args.gateway_port), "--http-port", str(args.http_port),
-                                "--metrics-port", str(args.metrics_port), *level,
+                                "--metrics-port", str(args.metrics_port), *level, *model_metrics,
                                 *service_args(args, passes, "gateway")], out,
                     env={"GROK_GATEWAY_API_KEY": args.api_key} if args.api_key else None)  # not on a command line
     gateway.address = f"{host}:{args.gateway_port}"

@@ -48,7 +48,7 @@ MANAGED: dict[str, frozenset[str]] = {
                             "--host", "--port", "--log-level"}),  # --host, --tokenizer-port, --log-level
     "model": frozenset({"--config", "--checkpoint", "--tokenizer", "--dtype", "--mesh", "--slots", "--compile-cache",
                         "--host", "--port", "--metrics-port", "--log-level"}),  # --model-port, --model-metrics-port
-    "gateway": frozenset({"--tokenizer", "--model",  # the two services' addresses
+    "gateway": frozenset({"--tokenizer", "--model", "--model-metrics",  # the model's addresses (gRPC, metrics)
                           "--host", "--port", "--http-port", "--metrics-port", "--log-level",  # --gateway-port
                           "--api-key"}),  # --api-key (passed in the environment, not on a command line)
 }
