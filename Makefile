@@ -27,6 +27,7 @@ $(VENV)/.serving: pyproject.toml setup.py $(wildcard model_service/kernels/nativ
 	@echo "make: installing the serving packages into $(VENV) (once; a few minutes on a fresh machine)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar off --upgrade pip
+	@echo "make: installing grok-serve itself, which compiles its native int8 kernels (C++): pip shows no progress meanwhile"
 	$(PY) -m pip install --progress-bar off -e '.[client]'
 	touch $@
 

@@ -104,6 +104,7 @@ def build_parser() -> EnvArgumentParser:
     parser.add_env_argument("--grace-seconds", type=float, default=10.0,
                             help="on SIGTERM, how long in-flight requests may finish")
     parser.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    logs.add_flag(parser)
     parser.add_env_argument("--detokenize", default="remote", choices=list(DETOKENIZE_MODES),
                             help="where generated ids become text: 'remote', a DecodeStream call to the tokenizer "
                                  "service per request, or 'local', the same incremental detokenizer in the gateway "
@@ -130,7 +131,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         return GatewayConfig(tokenizer=args.tokenizer, models=models, host=args.host, port=args.port,
                              metrics_port=args.metrics_port, model_metrics=metrics_urls(args.model_metrics),
                              grace_seconds=args.grace_seconds,
-                             log_level=args.log_level, limits=limits, http=http, detokenize=args.detokenize,
+                             log_level=args.log_level, log_format=args.log_format, limits=limits, http=http, detokenize=args.detokenize,
                              api_keys=load_keys(args.api_key, args.api_key_file),
                              tls=server_tls(args.tls_cert, args.tls_key), backend_tls=backend_tls(args),
                              otlp_endpoint=args.otlp_endpoint)
@@ -141,7 +142,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
-    logs.configure("gateway", config.log_level)
+    logs.configure("gateway", config.log_level, config.log_format)
     tracing.configure("gateway", config.otlp_endpoint)
     try:
         asyncio.run(serve(config))

@@ -52,6 +52,7 @@ class GatewayConfig:
     model_metrics: tuple[str, ...] = ()
     grace_seconds: float = 10.0
     log_level: str = "info"
+    log_format: str = "auto"  # serving_common.logs: text on a terminal, else JSON
     limits: Limits = Limits()
     http: HttpConfig = HttpConfig()
     # Keys callers must present (`authorization: Bearer KEY`); empty: no authentication. Never logged.

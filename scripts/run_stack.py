@@ -32,6 +32,7 @@ from gateway.client import GatewayClient  # noqa: E402
 from gateway.client.__main__ import stream  # noqa: E402
 from serving_common.flags import EnvArgumentParser, port, positive_int  # noqa: E402
 from serving_common.healthcheck import check  # noqa: E402
+from serving_common.logs import resolve_format  # noqa: E402
 from serving_common.processes import free_port, start_module, terminate  # noqa: E402
 from scripts.stack_flags import PassThrough, add_service_flags, service_args  # noqa: E402
 
@@ -57,6 +58,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_env_argument("--max-tokens", type=positive_int, default=48, help="tokens of the sample completion")
     p.add_env_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for SERVING")
     p.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_env_argument("--log-format", default="auto", choices=["auto", "text", "json"],
+                       help="the three services' log lines: text, JSON, or auto (text when this terminal shows them)")
     p.add_env_argument("--api-key", default="", help="require 'authorization: Bearer KEY' at the gateway "
                        "(the sample and the commands printed send it)")
     passes = add_service_flags(p)
@@ -149,7 +152,8 @@ def client_key(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
 
 
 def start(args: argparse.Namespace, out: LogGate) -> list[Child]:
-    host, level = args.host, ["--log-level", args.log_level]
+    log_format = resolve_format(args.log_format, sys.stdout)  # the services write into a pipe: decide here
+    host, level = args.host, ["--log-level", args.log_level, "--log-format", log_format]
     passes: tuple[PassThrough, ...] = args.passes
     tokenizer = Child("tokenizer", ["tokenizer_service", "--model", args.tokenizer, "--host", host,
                                     "--port", str(args.tokenizer_port), *level,

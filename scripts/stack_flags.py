@@ -45,11 +45,13 @@ def _gateway_parser() -> argparse.ArgumentParser:
 # given a prefixed form, so one service can log more than the others.
 MANAGED: dict[str, frozenset[str]] = {
     "tokenizer": frozenset({"--model",  # --tokenizer (the SentencePiece file)
-                            "--host", "--port", "--log-level"}),  # --host, --tokenizer-port, --log-level
+                            "--host", "--port", "--log-level", "--log-format"}),  # --host, --tokenizer-port
     "model": frozenset({"--config", "--checkpoint", "--tokenizer", "--dtype", "--mesh", "--slots", "--compile-cache",
-                        "--host", "--port", "--metrics-port", "--log-level"}),  # --model-port, --model-metrics-port
+                        "--host", "--port", "--metrics-port",  # --model-port, --model-metrics-port
+                        "--log-level", "--log-format"}),
     "gateway": frozenset({"--tokenizer", "--model", "--model-metrics",  # the model's addresses (gRPC, metrics)
-                          "--host", "--port", "--http-port", "--metrics-port", "--log-level",  # --gateway-port
+                          "--host", "--port", "--http-port", "--metrics-port",  # --gateway-port
+                          "--log-level", "--log-format",
                           "--api-key"}),  # --api-key (passed in the environment, not on a command line)
 }
 PREFIXED_EVEN_IF_MANAGED = frozenset({"--log-level"})
