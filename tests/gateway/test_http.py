@@ -10,6 +10,7 @@ import json
 import pathlib
 import signal
 import socket
+import time
 import urllib.request
 
 import grpc
@@ -412,6 +413,7 @@ def test_the_model_card_carries_the_context_as_vllms_max_model_len(fast_stack: S
     listed = get(f"{fast_stack.http_url}/v1/models")[1]["data"]
     card = get(f"{fast_stack.http_url}/v1/models/grok-1")[1]
     assert listed == [card] and card["max_model_len"] == 128 and card["id"] == card["root"] == "grok-1"
+    assert 0 < time.time() - card["created"] < 3600  # when the gateway started, as Unix seconds (not 0)
     http_port = free_port()
     gateway = start_gateway(fast_stack.tokenizer.address, [f"127.0.0.1:{free_port()}"], tmp_path, http_port=http_port)
     try:
