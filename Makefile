@@ -84,7 +84,7 @@ test: setup lint  ## set up, lint the protos, run every test (7-15 min on 2 core
 test-fast: setup  ## the quick subset: test files that took at most 5 s each in the recorded run, not the end-to-end ones
 	$(PYTEST_RUN) --max-file-seconds $(FAST_FILE_SECONDS) -m "not slow" $(PYTEST_ARGS)
 
-compose-check: setup  ## docker compose for real: build the image, up --wait, gRPC + HTTP, --scale model=2, multiprocess, down (installs podman when no engine runs)
+compose-check: setup  ## docker compose for real: build the image, up --wait, gRPC + HTTP, --scale model=2, multiprocess, down (when no engine runs and root: installs podman, writes /etc/containers/containers.conf if absent, starts podman's API service, saying so first)
 	$(PY) scripts/compose_check.py
 
 bench: setup $(AIPERF_VENV)/.installed  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer, three-client cross-check -> benchmarks/measured/local/quick
