@@ -5,7 +5,8 @@ the services' own argparse parsers (tokenizer_service/__main__.py, model_service
 so a flag added to a service is accepted here with no change:
 
 - by its own name, `--kv-tokens 4096`, when that name is not one of the launcher's own flags; a name several
-  services take (`--otlp-endpoint`, `--grace-seconds`, `--tls-cert` ...) goes to each of them;
+  services take (`--otlp-endpoint`, `--grace-seconds`, `--tls-cert` ...) goes to each of them, unless its value
+  must differ per service (a port or a unix socket: OWN_PER_SERVICE), which has only the prefixed form;
 - by `--<service>-<flag>` (`--model-grace-seconds 30`, `--tokenizer-max-tokens 4096`, `--gateway-log-level
   debug`), to that one service only, after the plain forms (so it wins). This is the only form of a service flag
   whose plain name is the launcher's own (`--max-tokens`, `--startup-timeout`).
@@ -55,6 +56,8 @@ MANAGED: dict[str, frozenset[str]] = {
                           "--api-key"}),  # --api-key (passed in the environment, not on a command line)
 }
 PREFIXED_EVEN_IF_MANAGED = frozenset({"--log-level"})
+# Flags naming what one process listens on: shared by several services, one value for all would collide.
+OWN_PER_SERVICE = re.compile(r"-(port|uds|socket)$")
 BUILDERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "tokenizer": _tokenizer_parser, "model": _model_parser, "gateway": _gateway_parser}
 COMMANDS = {"tokenizer": "python -m tokenizer_service", "model": "python -m model_service",
@@ -142,8 +145,8 @@ def add_service_flags(parser: argparse.ArgumentParser) -> tuple[PassThrough, ...
         "the services' flags", "Passed on to the service(s) in brackets; each is also accepted as --SERVICE-FLAG "
         "(e.g. --model-grace-seconds), for that one service only. See docs/running.md.")
     for option, services in takers.items():
-        if option in own:
-            continue  # the launcher's own flag of that name: the service's is reachable only by its prefixed form
+        if option in own or (len(services) > 1 and OWN_PER_SERVICE.search(option)):
+            continue  # reachable only by its prefixed form: the launcher's own name, or one value per service
         found = [actions[service][option] for service in services]
         dest = _add(plain, option, found, services, shown=True)
         passes.append(PassThrough(dest, option, option, tuple(services), _is_switch(found[0]), prefixed=False))
@@ -153,7 +156,9 @@ def add_service_flags(parser: argparse.ArgumentParser) -> tuple[PassThrough, ...
             if option in MANAGED[service] and option not in PREFIXED_EVEN_IF_MANAGED:
                 continue
             prefixed = f"--{service}-{option[2:]}"
-            shown = option in own or option in MANAGED[service]  # no plain form reaches this service's flag
+            plain = option not in own and option not in MANAGED[service] and not (
+                len(takers.get(option, [])) > 1 and OWN_PER_SERVICE.search(option))
+            shown = not plain  # shown in --help where no plain form reaches this service's flag
             dest = _add(group, prefixed, [action], [service], shown)
             passes.append(PassThrough(dest, prefixed, option, (service,), _is_switch(action), prefixed=True))
     return tuple(passes)

@@ -117,3 +117,22 @@ def test_docs_running_md_make_run_examples_parse_as_written(tmp_path: pathlib.Pa
         if "--speculative-config" in argv:
             spec = service_args(args, args.passes, "model")
             assert json.loads(spec[spec.index("--speculative-config") + 1])["method"] == "ngram"
+
+
+def test_a_socket_flag_several_services_take_has_only_per_service_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One path for two services' listening sockets would collide: `--uds` on the tokenizer and the model is
+    `--tokenizer-uds` / `--model-uds`; the gateway's own `--http-uds` keeps its plain name."""
+    def with_flag(build: object, flag: str) -> object:
+        def parser() -> argparse.ArgumentParser:
+            p = build()  # type: ignore[operator]
+            p.add_argument(flag, default=None, help="listen on this unix socket too")
+            return p
+        return parser
+
+    for service, flag in (("tokenizer", "--uds"), ("model", "--uds"), ("gateway", "--http-uds")):
+        monkeypatch.setitem(stack_flags.BUILDERS, service, with_flag(stack_flags.BUILDERS[service], flag))
+    passed = given(["--tokenizer-uds", "/tmp/t.sock", "--model-uds", "/tmp/m.sock", "--http-uds", "/tmp/h.sock"])
+    assert passed == {"tokenizer": ["--uds", "/tmp/t.sock"], "model": ["--uds", "/tmp/m.sock"],
+                      "gateway": ["--http-uds", "/tmp/h.sock"]}
+    with pytest.raises(SystemExit):
+        parse_args(["--uds", "/tmp/both.sock"])
