@@ -14,7 +14,7 @@ PYTEST_WORKERS ?= 3
 
 AIPERF_VENV ?= .venv-aiperf
 
-.PHONY: setup run demo demo-check protos proto-baseline lint test compose-check bench bench-docs bench-engine clean help
+.PHONY: setup run demo demo-check protos proto-baseline lint test test-fast compose-check bench bench-docs bench-engine clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
@@ -27,6 +27,7 @@ $(VENV)/.serving: pyproject.toml setup.py $(wildcard model_service/kernels/nativ
 	@echo "make: installing the serving packages into $(VENV) (once; a few minutes on a fresh machine)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar off --upgrade pip
+	@echo "make: installing grok-serve itself, which compiles its native int8 kernels (C++): pip shows no progress meanwhile"
 	$(PY) -m pip install --progress-bar off -e '.[client]'
 	touch $@
 
@@ -70,12 +71,20 @@ proto-baseline: setup  ## accept the current protos as the API baseline `make li
 # there once (18 s on 2 cores); without it the processes of a fresh clone's first run each compiled jax & co.
 # (3.3 s of a service's start) until one had written them. Test files are handed out longest first
 # (tests/conftest.py), not by their number of tests.
-test: setup lint  ## set up, lint the protos, run every test
-	env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/build/pycache \
-	  $(PY) -m pytest $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) \
-	  $(PYTEST_ARGS)
+# Both print the run's estimate from tests/file_seconds.json as they start, then progress by that recorded time
+# every 10 % (pytest's own percentage counts tests, which the longest-first order front-loads with few of them).
+PYTEST_RUN = env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/build/pycache \
+	  $(PY) -m pytest $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+FAST_FILE_SECONDS ?= 5
 
-compose-check: setup  ## docker compose for real: build the image, up --wait, gRPC + HTTP, --scale model=2, multiprocess, down (installs podman when no engine runs)
+test: setup lint  ## set up, lint the protos, run every test (7-15 min on 2 cores: README.md, "Tests")
+	$(PYTEST_RUN) $(PYTEST_ARGS)
+
+# The end-to-end files (marked slow) are left out even when short: they share stacks that another file starts.
+test-fast: setup  ## the quick subset: test files that took at most 5 s each in the recorded run, not the end-to-end ones
+	$(PYTEST_RUN) --max-file-seconds $(FAST_FILE_SECONDS) -m "not slow" $(PYTEST_ARGS)
+
+compose-check: setup  ## docker compose for real: build the image, up --wait, gRPC + HTTP, --scale model=2, multiprocess, down (when no engine runs and root: installs podman, writes /etc/containers/containers.conf if absent, starts podman's API service, saying so first)
 	$(PY) scripts/compose_check.py
 
 bench: setup $(AIPERF_VENV)/.installed  ## quick benchmarks (minutes): gateway sweep, layer split, roofline, tokenizer, three-client cross-check -> benchmarks/measured/local/quick

@@ -24,6 +24,15 @@ def split_models(value: str) -> tuple[str, ...]:
     return tuple(m.strip() for m in value.split(",") if m.strip())
 
 
+def metrics_urls(value: str) -> tuple[str, ...]:
+    """--model-metrics: comma-separated http(s) URLs."""
+    urls = tuple(u.strip() for u in value.split(",") if u.strip())
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--model-metrics: {url!r} is not an http:// URL (e.g. http://127.0.0.1:9091/metrics)")
+    return urls
+
+
 def add_http_flags(parser: EnvArgumentParser) -> None:
     parser.add_env_argument("--http-port", type=port, default=8000,
                             help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, "
@@ -64,7 +73,8 @@ def backend_tls(args: argparse.Namespace) -> ChannelTLS | None:
     return tls
 
 
-def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
+def build_parser() -> EnvArgumentParser:
+    """Every gateway flag (scripts/run_stack.py passes them through by these names)."""
     parser = EnvArgumentParser(env_prefix="GROK_GATEWAY", prog="python -m gateway",
                                description="The public text API in front of the tokenizer and model services.")
     parser.add_env_argument("--tokenizer", required=True, help="tokenizer service HOST:PORT")
@@ -76,6 +86,10 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                             help="address to listen on, gRPC, HTTP and metrics (0.0.0.0: every interface)")
     parser.add_env_argument("--port", type=port, default=50051, help="gRPC port (0 picks a free one)")
     parser.add_env_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics port (0 disables)")
+    parser.add_env_argument("--model-metrics", default="",
+                            help="the model replicas' Prometheus URLs, comma-separated (http://HOST:PORT/metrics; "
+                                 "a name resolving to several addresses is scraped at each): their series join the "
+                                 "gateway's /metrics, on --metrics-port and the HTTP API (docs/metrics.md)")
     defaults = Limits()  # each limit's default is declared once, in gateway/config.py
     parser.add_env_argument("--default-max-tokens", type=positive_int, default=defaults.default_max_tokens,
                             help="max_tokens of requests that leave it unset")
@@ -90,6 +104,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_env_argument("--grace-seconds", type=float, default=10.0,
                             help="on SIGTERM, how long in-flight requests may finish")
     parser.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    logs.add_flag(parser)
     parser.add_env_argument("--detokenize", default="remote", choices=list(DETOKENIZE_MODES),
                             help="where generated ids become text: 'remote', a DecodeStream call to the tokenizer "
                                  "service per request, or 'local', the same incremental detokenizer in the gateway "
@@ -98,6 +113,11 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     add_http_flags(parser)
     add_security_flags(parser)
     tracing.add_flag(parser)
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     models = split_models(str(args.model))
     http = HttpConfig(port=args.http_port, model_name=args.served_model_name, chat_template=args.chat_template,
@@ -109,8 +129,9 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         if args.http_timeout < 0:
             raise ValueError("--http-timeout: must be >= 0 seconds (0: no limit)")
         return GatewayConfig(tokenizer=args.tokenizer, models=models, host=args.host, port=args.port,
-                             metrics_port=args.metrics_port, grace_seconds=args.grace_seconds,
-                             log_level=args.log_level, limits=limits, http=http, detokenize=args.detokenize,
+                             metrics_port=args.metrics_port, model_metrics=metrics_urls(args.model_metrics),
+                             grace_seconds=args.grace_seconds,
+                             log_level=args.log_level, log_format=args.log_format, limits=limits, http=http, detokenize=args.detokenize,
                              api_keys=load_keys(args.api_key, args.api_key_file),
                              tls=server_tls(args.tls_cert, args.tls_key), backend_tls=backend_tls(args),
                              otlp_endpoint=args.otlp_endpoint)
@@ -121,7 +142,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
-    logs.configure("gateway", config.log_level)
+    logs.configure("gateway", config.log_level, config.log_format)
     tracing.configure("gateway", config.otlp_endpoint)
     try:
         asyncio.run(serve(config))

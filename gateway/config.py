@@ -48,8 +48,11 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0
+    # The model replicas' /metrics URLs: their series join the gateway's /metrics (gateway/replica_metrics.py).
+    model_metrics: tuple[str, ...] = ()
     grace_seconds: float = 10.0
     log_level: str = "info"
+    log_format: str = "auto"  # serving_common.logs: text on a terminal, else JSON
     limits: Limits = Limits()
     http: HttpConfig = HttpConfig()
     # Keys callers must present (`authorization: Bearer KEY`); empty: no authentication. Never logged.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,7 +72,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     tokenizer = TokenizerClient(config.tokenizer, config.tokenizer_retries, config.backend_tls,
                                 prefetch_pieces=config.detokenize == "local")
     pool = ModelPool(config.models, config.backend_tls)
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(config.model_metrics, config.http.model_name)
     pipeline = Pipeline(tokenizer, pool, config.limits, metrics, local_detokenize=config.detokenize == "local")
     servicer = GatewayServicer(pipeline, config, template)
     built = assemble("gateway", SERVICE_NAME,
@@ -86,7 +87,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
         from gateway.http.server import HttpServer
 
         context = HttpContext(pipeline, health, keys, HttpChatTemplate.of(template), config.http.model_name,
-                              config.http.timeout_seconds)
+                              config.http.timeout_seconds, int(time.time()))
         http = HttpServer(create_app(context), config.host, config.http.port, config.tls, config.grace_seconds)
     await server.start()
     if http is not None:

@@ -163,6 +163,7 @@ def parser() -> EnvArgumentParser:
                        help="how long calls in flight may go on after that GOAWAY (default: no limit)")
     p.add_env_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level")
+    logs.add_flag(p)
     add_server_flags(p)
     tracing.add_flag(p)
     p.add_env_argument("--coordinator", default=None,
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     tls = server_tls_from(p, args)
-    logs.configure("model", args.log_level)
+    logs.configure("model", args.log_level, args.log_format)
     try:
         dist = distributed_config(args)
     except ConfigError as e:

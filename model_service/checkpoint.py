@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from model_service.config import ModelConfig
 from model_service.file_arrays import FileArray
 from model_service.model.params import Params, TensorSpec, pack_for_native, random_experts, random_leaf, set_leaf, \
-    tensor_specs, to_checkpoint, to_internal
+    tensor_specs, to_internal
 from model_service.model.weights import ExpertStack, QuantizedWeight
 from model_service.sharding import fit_spec, path_to_str, spec_for_path
 from model_service.tensor_file import (  # noqa: F401 - CheckpointError and read_tensor are this module's API too
@@ -106,12 +106,6 @@ def write_checkpoint(out_dir: pathlib.Path | str, cfg: ModelConfig, leaves: Any,
         if progress:
             progress(i + 1, len(specs))
     (pathlib.Path(out_dir) / "manifest.json").write_text(json.dumps({"tensors": manifest}, indent=1))
-
-
-def save_params(params: Params, cfg: ModelConfig, out_dir: pathlib.Path | str) -> None:
-    """Write in-memory params back in the released format."""
-    leaves = (to_checkpoint(s, params[s.module][s.name]) for s in tensor_specs(cfg))
-    write_checkpoint(out_dir, cfg, leaves)
 
 
 # ---- loading onto the mesh ----

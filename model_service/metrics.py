@@ -6,12 +6,12 @@ The scheduler reports slots, queue depth, step durations, tokens and finish reas
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from model_service.kv_blocks import KVUsage
 from model_service.loop_state import SchedulerMetrics
 from model_service.requests import FinishReason
-from serving_common.metrics_server import serve_metrics
+from serving_common.metrics_server import new_registry, serve_metrics
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -20,7 +20,7 @@ class Metrics(SchedulerMetrics):
     """The model service's metrics; `serve(port)` exposes them on /metrics."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = new_registry()
         r = self.registry
         self.active_slots = Gauge("grok_model_active_slots", "Batch slots holding a request", registry=r)
         self.queue_depth = Gauge("grok_model_queue_depth", "Requests waiting for a slot", registry=r)

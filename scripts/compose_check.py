@@ -10,8 +10,10 @@ unchanged:
 3. `--profile multiprocess up --wait`: the two-process replica (model-leader + model-worker) serves too;
 4. `stop`: every container exits 0 (SIGTERM drains), then `down --volumes`.
 
-It runs as its own compose project (`grok-serve-check`) on free host ports, so a user's own project and
-ports are left alone; the image is tagged `grok-serve:compose-check`. Exits non-zero at the first failure,
+It runs as its own compose project (`grok-serve-check-<pid>`, one per run, so that two checks on one host do not
+collide) on free host ports, so a user's own project and ports are left alone; the image is tagged
+`grok-serve:compose-check`. When no engine runs and it is root, it says what it will change on the machine
+(podman's packages, /etc/containers/containers.conf, podman's API service) before it changes anything. Exits non-zero at the first failure,
 after taking the project down; prints each phase's wall time.
 """
 
@@ -36,7 +38,12 @@ from scripts.container_engine import (  # noqa: E402
     Engine, HealthRunner, base_image, find_engine, needs_health_runner, say, start_podman)
 from serving_common.processes import free_port  # noqa: E402
 
-PROJECT = "grok-serve-check"
+PROJECT_PREFIX = "grok-serve-check"
+
+
+def project_name(pid: int | None = None) -> str:
+    """This run's compose project: its own containers, networks and volumes, whatever else runs on the host."""
+    return f"{PROJECT_PREFIX}-{os.getpid() if pid is None else pid}"
 IMAGE = "grok-serve:compose-check"
 PROMPT = "The model service"
 
@@ -59,8 +66,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 class Compose:
     """The Compose binary on this project, with the engine's DOCKER_HOST and the check's published ports."""
 
-    def __init__(self, binary: str, engine: Engine) -> None:
-        self.binary = binary
+    def __init__(self, binary: str, engine: Engine, project: str) -> None:
+        self.binary, self.project = binary, project
         self.ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
         self.env = {**os.environ, "DOCKER_HOST": engine.docker_host, "GROK_IMAGE": IMAGE,
                     "GROK_GATEWAY_PUBLISHED_PORT": str(self.ports["grpc"]),
@@ -68,7 +75,7 @@ class Compose:
                     "GROK_GATEWAY_METRICS_PUBLISHED_PORT": str(self.ports["metrics"])}
 
     def __call__(self, *args: str, capture: bool = False, timeout: float = 1800) -> str:
-        cmd = [self.binary, "-p", PROJECT, "-f", str(ROOT / "docker-compose.yml"), *args]
+        cmd = [self.binary, "-p", self.project, "-f", str(ROOT / "docker-compose.yml"), *args]
         say("$ docker compose " + " ".join(cmd[5:]))
         done = subprocess.run(cmd, cwd=ROOT, env=self.env, text=True, timeout=timeout,
                               stdout=subprocess.PIPE if capture else None)
@@ -210,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
     start = time.monotonic()
+    project = project_name()
+    say(f"compose project {project}")
     engine = find_engine()
     if engine is not None:
         say(f"using the {engine.kind} engine that already runs at {engine.docker_host} (left as it is)")
@@ -217,8 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = start_podman(work)
     if needs_health_runner(engine):
         say("no systemd: this check runs the containers' health checks every 5 s (podman's timers need systemd)")
-        engine.runner = HealthRunner(PROJECT)
-    compose = Compose(args.compose, engine)
+        engine.runner = HealthRunner(project)
+    compose = Compose(args.compose, engine, project)
     code = 0
     try:
         with phase("image build", times):
@@ -229,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 step()
     except (Failed, subprocess.TimeoutExpired, OSError) as error:
         say(f"FAILED: {error}")
-        subprocess.run([args.compose, "-p", PROJECT, "-f", str(ROOT / "docker-compose.yml"), "--profile",
+        subprocess.run([args.compose, "-p", project, "-f", str(ROOT / "docker-compose.yml"), "--profile",
                         "multiprocess", "logs", "--tail", "40"], cwd=ROOT, env=compose.env)
         code = 1
     finally:

@@ -138,12 +138,28 @@ def podman_settings() -> str:
             'runtime = "runc"\n')
 
 
+def planned_changes(podman: str | None = None, conf: pathlib.Path | None = None) -> list[str]:
+    """What `start_podman` will change on this machine, in order, to be said before any of it is done."""
+    podman = podman if podman is not None else (shutil.which("podman") or "")
+    conf = conf or CONTAINERS_CONF
+    changes = []
+    if not podman:
+        changes.append(f"install Debian packages ({' '.join(PODMAN_PACKAGES)}) with apt-get")
+        if not conf.exists():
+            changes.append(f"write {conf} (podman's settings for a machine without systemd; an existing file is "
+                           "never changed)")
+    changes.append(f"start podman's Docker API service on {PODMAN_SOCKET} (stopped when the check ends)")
+    return changes
+
+
 def start_podman(log_dir: pathlib.Path) -> Engine:
     """Install podman when missing (root only), configure it when unconfigured, start its Docker API service."""
     if os.geteuid() != 0:
         sys.exit("compose-check: no container engine answers (DOCKER_HOST, /var/run/docker.sock, "
                  f"{PODMAN_SOCKET}); start Docker or podman's API service, or run as root to let this "
                  "check install podman")
+    say("no container engine answers here, so this check will change this machine:\n"
+        + "".join(f"  - {change}\n" for change in planned_changes()).rstrip("\n"))
     if not shutil.which("podman"):
         apt_install(PODMAN_PACKAGES, "a container engine: none runs here")
         if not CONTAINERS_CONF.exists():

@@ -32,7 +32,9 @@ from gateway.client import GatewayClient  # noqa: E402
 from gateway.client.__main__ import stream  # noqa: E402
 from serving_common.flags import EnvArgumentParser, port, positive_int  # noqa: E402
 from serving_common.healthcheck import check  # noqa: E402
+from serving_common.logs import resolve_format  # noqa: E402
 from serving_common.processes import free_port, start_module, terminate  # noqa: E402
+from scripts.stack_flags import PassThrough, add_service_flags, service_args  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -56,9 +58,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_env_argument("--max-tokens", type=positive_int, default=48, help="tokens of the sample completion")
     p.add_env_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for SERVING")
     p.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_env_argument("--log-format", default="auto", choices=["auto", "text", "json"],
+                       help="the three services' log lines: text, JSON, or auto (text when this terminal shows them)")
     p.add_env_argument("--api-key", default="", help="require 'authorization: Bearer KEY' at the gateway "
                        "(the sample and the commands printed send it)")
-    return p.parse_args(argv)
+    passes = add_service_flags(p)
+    args = p.parse_args(argv)
+    args.passes = passes
+    return args
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -128,12 +135,14 @@ class Child:
 
 def client_key(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str:
     """The key the sample and the printed commands send: --api-key, else one the gateway reads from its own
-    variables (GROK_GATEWAY_API_KEY, GROK_GATEWAY_API_KEY_FILE) in this environment, else none."""
+    variables (GROK_GATEWAY_API_KEY, GROK_GATEWAY_API_KEY_FILE) in this environment or from --api-key-file,
+    else none."""
     if args.api_key:
         return args.api_key
     if keys := environ.get("GROK_GATEWAY_API_KEY", ""):
         return keys.split(",")[0].strip()
-    if key_file := environ.get("GROK_GATEWAY_API_KEY_FILE", ""):
+    if key_file := (getattr(args, "gateway_api_key_file", "") or getattr(args, "api_key_file", "")
+                    or environ.get("GROK_GATEWAY_API_KEY_FILE", "")):
         try:
             lines = pathlib.Path(key_file).read_text().splitlines()
         except OSError:
@@ -143,20 +152,29 @@ def client_key(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
 
 
 def start(args: argparse.Namespace, out: LogGate) -> list[Child]:
-    host, level = args.host, ["--log-level", args.log_level]
+    log_format = resolve_format(args.log_format, sys.stdout)  # the services write into a pipe: decide here
+    host, level = args.host, ["--log-level", args.log_level, "--log-format", log_format]
+    passes: tuple[PassThrough, ...] = args.passes
     tokenizer = Child("tokenizer", ["tokenizer_service", "--model", args.tokenizer, "--host", host,
-                                    "--port", str(args.tokenizer_port), *level], out)
+                                    "--port", str(args.tokenizer_port), *level,
+                                    *service_args(args, passes, "tokenizer")], out)
     tokenizer.address = f"{host}:{args.tokenizer_port}"
     cache = ["--compile-cache", args.compile_cache] if args.compile_cache else []
     # --tokenizer: the model service then serves structured output (constraints are compiled over its pieces).
     model = Child("model", ["model_service", "--config", args.config, "--checkpoint", args.checkpoint,
                             "--tokenizer", args.tokenizer, "--dtype", args.dtype, "--mesh", args.mesh,
                             "--slots", str(args.slots), "--host", host, "--port", str(args.model_port),
-                            "--metrics-port", str(args.model_metrics_port), *cache, *level], out)
+                            "--metrics-port", str(args.model_metrics_port), *cache, *level,
+                            *service_args(args, passes, "model")], out)
     model.address = f"{host}:{args.model_port}"
+    # The gateway's /metrics (HTTP API and --metrics-port) carries the model's series too.
+    url_host = f"[{host}]" if ":" in host else host
+    model_metrics = (["--model-metrics", f"http://{url_host}:{args.model_metrics_port}/metrics"]
+                     if args.model_metrics_port else [])
     gateway = Child("gateway", ["gateway", "--tokenizer", tokenizer.address, "--model", model.address,
                                 "--host", host, "--port", str(args.gateway_port), "--http-port", str(args.http_port),
-                                "--metrics-port", str(args.metrics_port), *level], out,
+                                "--metrics-port", str(args.metrics_port), *level, *model_metrics,
+                                *service_args(args, passes, "gateway")], out,
                     env={"GROK_GATEWAY_API_KEY": args.api_key} if args.api_key else None)  # not on a command line
     gateway.address = f"{host}:{args.gateway_port}"
     for child in (tokenizer, model, gateway):

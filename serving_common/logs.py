@@ -1,15 +1,17 @@
-"""Structured logging: one JSON object per line on stderr, tagged with the current request id and, when a
-traced call is running, its trace id."""
+"""Logging on stderr, tagged with the current request id and, when a traced call is running, its trace id:
+one JSON object per line for log collectors, or one readable line for a person (`--log-format text|json`;
+`auto`, the default, is text when stderr is a terminal)."""
 
 from __future__ import annotations
 
+import argparse
 import contextvars
 import json
 import logging
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Any, TextIO
 
 from opentelemetry import trace
 
@@ -20,6 +22,52 @@ _RESERVED = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 # TPU, that it could not load libtpu while picking a backend. Their warnings (a GPU found but no CUDA-enabled
 # jaxlib, say) still show; --log-level debug shows everything.
 QUIET_LIBRARIES = ("jax", "jaxlib")
+
+
+LOG_FORMATS = ("auto", "text", "json")
+
+
+def add_flag(parser: argparse.ArgumentParser) -> None:
+    """--log-format (and its GROK_<SERVICE>_LOG_FORMAT variable on an EnvArgumentParser)."""
+    add = getattr(parser, "add_env_argument", parser.add_argument)
+    add("--log-format", choices=LOG_FORMATS, default="auto",
+        help="log lines as JSON objects (for log collectors) or as text for a person; auto: text when stderr is "
+             "a terminal, else JSON")
+
+
+def resolve_format(log_format: str, stream: TextIO) -> str:
+    """'text' or 'json': auto becomes text on a terminal."""
+    if log_format == "auto":
+        try:
+            return "text" if stream.isatty() else "json"
+        except (AttributeError, ValueError):
+            return "json"
+    return log_format
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The record's extra fields (`logger.info(msg, extra={...})`)."""
+    return {key: value for key, value in vars(record).items()
+            if key not in _RESERVED and key != "request_id" and not key.startswith("_")}
+
+
+class TextFormatter(logging.Formatter):
+    """`06:48:23.120 INFO  gateway  request  method=Complete code=OK  [rid 3f2a...]`: one line a person reads."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
+        fields = " ".join(f"{key}={value}" for key, value in _fields(record).items())
+        rid = getattr(record, "request_id", None) or request_id_var.get()
+        line = f"{stamp} {record.levelname:<7} {self.service}  {record.getMessage()}"
+        line += f"  {fields}" if fields else ""
+        line += f"  [request {rid}]" if rid and rid != "-" else ""
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
 
 
 class JsonFormatter(logging.Formatter):
@@ -41,18 +89,18 @@ class JsonFormatter(logging.Formatter):
         span = trace.get_current_span().get_span_context()
         if span.is_valid:
             entry["trace_id"] = format(span.trace_id, "032x")
-        for key, value in vars(record).items():
-            if key not in _RESERVED and key != "request_id" and not key.startswith("_"):
-                entry[key] = value
+        entry.update(_fields(record))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
 
 
-def configure(service: str, level: str = "info") -> None:
-    """Send every log record to stderr as JSON. Called once from a service's __main__."""
+def configure(service: str, level: str = "info", log_format: str = "json") -> None:
+    """Send every log record to stderr, as JSON or text (`auto`: text on a terminal). Called once from a
+    service's __main__."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(service))
+    text = resolve_format(log_format, sys.stderr) == "text"
+    handler.setFormatter(TextFormatter(service) if text else JsonFormatter(service))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -16,6 +16,9 @@ import tempfile
 
 import pytest
 
+from tests.progress import TimedProgress, fast_files, file_of
+from tests.reference import missing_reference
+
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
@@ -40,6 +43,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--record-file-seconds", metavar="PATH",
                      help="write each test file's seconds in this run as JSON to PATH (tests/file_seconds.json "
                           "orders the next runs)")
+    parser.addoption("--max-file-seconds", type=float, default=None, metavar="S",
+                     help="run only the test files that took at most S seconds in the recorded run "
+                          "(tests/file_seconds.json; `make test-fast`)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -47,10 +53,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     at a time, so a long file handed out last would keep one worker busy while the other idles; xdist's own
     reorder (most tests first) put the few long end-to-end files last. A file not in the table counts as one
     second."""
-    try:
-        seconds = json.loads(FILE_SECONDS.read_text())
-    except (OSError, ValueError):
+    seconds = recorded_seconds()
+    if not seconds:
         return
+    limit = config.getoption("--max-file-seconds")
+    if limit is not None:
+        keep = fast_files({file_of(item.nodeid) for item in items}, seconds, limit)
+        config.hook.pytest_deselected(items=[item for item in items if file_of(item.nodeid) not in keep])
+        items[:] = [item for item in items if file_of(item.nodeid) in keep]
+    if not hasattr(config, "workerinput"):  # one process runs them all (no xdist)
+        _progress(config).plan(item.nodeid for item in items)
     first_seen: dict[str, int] = {}
     for index, item in enumerate(items):
         first_seen.setdefault(item.nodeid.split("::")[0], index)
@@ -58,11 +70,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                  first_seen[item.nodeid.split("::")[0]]))
 
 
+def recorded_seconds() -> dict[str, float]:
+    try:
+        return json.loads(FILE_SECONDS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 _file_seconds: collections.Counter[str] = collections.Counter()
+
+
+def _progress(config: pytest.Config) -> TimedProgress:
+    """The controller's progress by recorded time (tests/progress.py), written on the terminal."""
+    if not hasattr(config, "_timed_progress"):
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        write = (lambda line: reporter.write_line(f"test time: {line}")) if reporter else (lambda line: None)
+        config._timed_progress = TimedProgress(recorded_seconds(), write)  # type: ignore[attr-defined]
+    return config._timed_progress  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
+    """The controller learns the run's tests from the first worker that collected them."""
+    config = node.config  # type: ignore[attr-defined]
+    workers = min(int(getattr(config.option, "numprocesses", 1) or 1), os.cpu_count() or 1)
+    _progress(config).plan(ids, workers)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _file_seconds[report.nodeid.split("::")[0]] += report.duration
+    if report.when == "teardown" and _config is not None and not hasattr(_config, "workerinput"):
+        _progress(_config).finished(report.nodeid)
+
+
+_config: pytest.Config | None = None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test that reads the reference fixtures (../shared) fails at once, naming them, when they are missing."""
+    if (problem := missing_reference(item)) is not None:
+        pytest.fail(problem, pytrace=False)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -73,6 +120,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    global _config
+    _config = config
     from model_service.__main__ import configure_jax  # the cache settings a model service applies
 
     configure_jax(COMPILE_CACHE)

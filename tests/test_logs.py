@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import re
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -45,3 +48,52 @@ def test_debug_level_shows_jax_info_too(restore_logging: None, capsys: pytest.Ca
     logs.configure("model", "debug")
     logging.getLogger("jax._src.xla_bridge").info("Unable to initialize backend 'tpu': no libtpu.so")
     assert [r["logger"] for r in records(capsys)] == ["jax._src.xla_bridge"]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_auto_writes_text_on_a_terminal_and_json_elsewhere(restore_logging: None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    logs.configure("gateway", "info", "auto")
+    logging.getLogger("gateway.servicer").info("request", extra={"method": "Complete", "code": "OK"})
+    line = terminal.getvalue().strip()
+    assert not line.startswith("{")
+    assert re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3} INFO +gateway  request  method=Complete code=OK", line), line
+    pipe = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", pipe)
+    logs.configure("gateway", "info", "auto")
+    logging.getLogger("gateway.servicer").info("request", extra={"method": "Complete"})
+    assert json.loads(pipe.getvalue())["method"] == "Complete"
+
+
+def test_log_format_forces_either_on_any_stream(restore_logging: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    logs.configure("model", "info", "json")
+    logging.getLogger("model_service").info("serving")
+    assert json.loads(terminal.getvalue())["msg"] == "serving"
+    pipe = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", pipe)
+    logs.configure("model", "info", "text")
+    token = logs.request_id_var.set("rid-7")
+    try:
+        logging.getLogger("model_service").warning("slow step")
+    finally:
+        logs.request_id_var.reset(token)
+    assert pipe.getvalue().rstrip().endswith("WARNING model  slow step  [request rid-7]")
+
+
+def test_every_service_takes_log_format() -> None:
+    from gateway.__main__ import parse_config
+    from model_service.__main__ import parser
+    from tokenizer_service.__main__ import parse_args
+
+    assert parse_args(["--model", "m.model", "--log-format", "text"]).log_format == "text"
+    assert parse_config(["--tokenizer", "t:1", "--model", "m:2", "--log-format", "json"]).log_format == "json"
+    assert parser().parse_args(["--config", "c", "--log-format", "text"]).log_format == "text"
+    assert parser().parse_args(["--config", "c"]).log_format == "auto"

@@ -27,7 +27,8 @@ def _non_negative_float(raw: str) -> float:
     return value
 
 
-def parse_args(argv: Sequence[str] | None = None) -> TokenizerConfig:
+def build_parser() -> EnvArgumentParser:
+    """Every tokenizer-service flag (scripts/run_stack.py passes them through by these names)."""
     parser = EnvArgumentParser(env_prefix="GROK_TOKENIZER", prog="python -m tokenizer_service",
                                description="gRPC tokenizer service (SentencePiece encode/decode, streaming detokenizer).")
     parser.add_env_argument("--model", required=True, help="path of the SentencePiece .model file")
@@ -43,19 +44,25 @@ def parse_args(argv: Sequence[str] | None = None) -> TokenizerConfig:
     parser.add_env_argument("--max-batch", type=positive_int, default=256, help="most texts per EncodeBatch")
     parser.add_env_argument("--max-tokens", type=positive_int, default=1 << 20,
                             help="most ids per Decode call or DecodeStream message")
+    logs.add_flag(parser)
     add_server_flags(parser)
     tracing.add_flag(parser)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TokenizerConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     tls = server_tls_from(parser, args)
     return TokenizerConfig(tls=tls, model_path=args.model, host=args.host, port=args.port,
                            grace_seconds=args.grace_seconds, max_text_bytes=args.max_text_bytes,
-                           max_batch=args.max_batch, max_tokens=args.max_tokens, log_level=args.log_level,
+                           max_batch=args.max_batch, max_tokens=args.max_tokens, log_level=args.log_level, log_format=args.log_format,
                            otlp_endpoint=args.otlp_endpoint)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
-    logs.configure("tokenizer", config.log_level)
+    logs.configure("tokenizer", config.log_level, config.log_format)
     tracing.configure("tokenizer", config.otlp_endpoint)
     try:
         asyncio.run(serve(config))

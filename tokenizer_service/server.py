@@ -32,6 +32,7 @@ class TokenizerConfig:
     max_batch: int = 256
     max_tokens: int = 1 << 20
     log_level: str = "info"
+    log_format: str = "auto"  # serving_common.logs: text on a terminal, else JSON
     tls: ServerTLS | None = None  # TLS, and mutual TLS when it names a client CA
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (serving_common.tracing); None: off
 

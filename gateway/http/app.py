@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -32,7 +33,8 @@ from gateway.http.context import HttpContext
 from gateway.http.extras import ExtraRoutes, check_model
 from gateway.http.errors import ApiError, from_gateway
 from gateway.http.flow import ClientGone, guarded, merged, request_span, tracked
-from gateway.http.mapping import completion_prompts, generate_request, top_logprobs
+from gateway.http.mapping import (completion_prompts, generate_request, ignored_fields, ignored_warning,
+                                  top_logprobs)
 from gateway.http.responses import Json, Shaper
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.http.structured import name_constraint_param
@@ -206,7 +208,7 @@ class Routes:
         shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body), echo=sampling.echo,
                         prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=continuous, n=n,
                         token_ids=body.return_tokens_as_token_ids)
-        headers = {"x-request-id": request_id}
+        headers = {"x-request-id": request_id, **self.ignored(body)}
         try:
             first = await anext(source)  # errors before the first text still get their HTTP status
             if not body.stream:
@@ -222,6 +224,16 @@ class Routes:
         events = self.events(shaper, first, source, include_usage, endpoint, n)
         return StreamingResponse(events,
                                  media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
+
+    @staticmethod
+    def ignored(body: SamplingFields) -> dict[str, str]:
+        """Fields of the body that neither API has: logged (as vLLM logs them) and named in a Warning header."""
+        if not (ignored := ignored_fields(body)):
+            return {}
+        logging.getLogger("gateway.http").warning(
+            f"The following fields were present in the request but ignored: {sorted(ignored)}",
+            extra={"ignored_fields": sorted(ignored), "did_you_mean": {k: v for k, v in ignored.items() if v}})
+        return {"warning": ignored_warning(ignored)}
 
     async def events(self, shaper: Shaper, first: gateway_pb2.GenerateResponse,
                      source: AsyncIterator[gateway_pb2.GenerateResponse], include_usage: bool,

@@ -23,12 +23,13 @@ class HttpContext:
     template: ChatTemplate
     model_name: str
     timeout_seconds: float  # 0: no server-side deadline
+    created: int  # the model card's `created`: when this gateway started (Unix seconds)
 
     async def model_card(self) -> dict[str, Any]:
         """The served model as vLLM's /v1/models lists it: with `max_model_len`, the context the model service
         reports (cached by the gateway after its first answer), once one has answered; a model list must answer
         while the model service still starts, so then the card goes without it."""
-        card: dict[str, Any] = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "grok-serve",
+        card: dict[str, Any] = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "grok-serve",
                                 "root": self.model_name, "parent": None}
         try:
             loop = asyncio.get_running_loop()

@@ -90,7 +90,8 @@ class ExtraRoutes:
         return {"version": version()}
 
     async def metrics(self) -> Response:
-        registry = self.ctx.pipeline.metrics.registry
+        metrics = self.ctx.pipeline.metrics  # the whole deployment's; no prefix-cache figures to key holders
+        registry = metrics.tenant_exposition if self.ctx.keys.enabled else metrics.exposition
         return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
     def _deadline(self) -> float | None:

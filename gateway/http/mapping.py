@@ -4,11 +4,14 @@
 Fields the gRPC API has are mapped here (prompt, max_tokens, temperature, top_p, seed, stop,
 ignore_eos, logprobs -> top_logprobs, allowed_token_ids, the sampling controls top_k, min_p, the penalties,
 logit_bias, stop_token_ids, and the rest of SamplingParams). Fields whose feature this server lacks are
-accepted at their "off" value and refused otherwise, in one function, `unsupported_features`.
+accepted at their "off" value and refused otherwise, in one function, `unsupported_features`. Fields neither
+API has (a misspelled `"temprature"`) are ignored, as OpenAI-compatible servers do, but named: `ignored_fields`
+gives the response's `Warning` header and the gateway's log line.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 from typing import Any
 
@@ -96,6 +99,32 @@ def unsupported_features(request: SamplingFields) -> None:
                            request.modalities if request.audio is None else "{...}", 'text only: ["text"] or null')
         if request.echo:
             raise _not_yet("echo", True, "false: the answer holds the assistant's new text only")
+
+
+MAX_NAMED_FIELDS = 8  # in one Warning header; the log line has them all
+MAX_FIELD_CHARS = 64
+
+
+def ignored_fields(request: SamplingFields) -> dict[str, str | None]:
+    """The body's top-level fields the API does not have, each with the known field it is closest to (a likely
+    misspelling: temprature -> temperature) or None."""
+    known = list(type(request).model_fields)
+    return {name: next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.75)), None)
+            for name in sorted(request.model_extra or {})}
+
+
+def _printable(name: str) -> str:
+    """A field name as a header may carry it: ASCII, no quotes or backslashes, not too long."""
+    shown = json.dumps(name[:MAX_FIELD_CHARS])[1:-1].replace('\\"', "'").replace("\\", "/")
+    return shown + ("..." if len(name) > MAX_FIELD_CHARS else "")
+
+
+def ignored_warning(ignored: dict[str, str | None]) -> str:
+    """The `Warning` header (RFC 7234's 299, "miscellaneous persistent warning") naming the ignored fields."""
+    named = [f"{_printable(name)} (did you mean {close}?)" if close else _printable(name)
+             for name, close in list(ignored.items())[:MAX_NAMED_FIELDS]]
+    more = f" and {len(ignored) - MAX_NAMED_FIELDS} more" if len(ignored) > MAX_NAMED_FIELDS else ""
+    return f'299 grok-serve "unknown fields ignored: {", ".join(named)}{more}"'
 
 
 # Prompts one completion request may hold (OpenAI's list of prompts): each is a request of its own to the model.

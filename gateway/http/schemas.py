@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI-compatible API as pydantic models: OpenAI's field names, types and
-defaults, plus the extra sampling fields vLLM accepts. Unknown fields are ignored, as OpenAI-compatible
-servers do, so clients that send newer fields keep working.
+defaults, plus the extra sampling fields vLLM accepts. Unknown top-level fields are ignored, as
+OpenAI-compatible servers do, so clients that send newer fields keep working; they are kept aside
+(`model_extra`) so that the response and the log can name them (mapping.ignored_fields).
 
 Whether a field's value can be served is decided in `mapping.py`, not here: these models only parse.
 """
@@ -56,7 +57,7 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
 class SamplingFields(BaseModel):
     """Fields both endpoints share (OpenAI's, then vLLM's extras) with their documented defaults."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept in model_extra and only named, never used
 
     @model_validator(mode="before")
     @classmethod

@@ -3,8 +3,10 @@
 Every wait is bounded. A follower leaves with EXIT_GROUP_BROKEN when process 0 is gone (its collective
 fails), when the calls stop arriving (process 0 stalled: the watchdog ends the process, since a thread
 blocked inside a collective cannot be interrupted), or when the calls skip a number (diverged). It leaves
-with 0 when process 0 sends SHUTDOWN. SIGTERM alone does not stop it: process 0 drains its streams and then
-shuts the whole group down; if that never comes, the orchestrator's kill ends it.
+with 0 when process 0 sends SHUTDOWN. On SIGTERM it goes on following for a while, since process 0, signalled
+at the same time (a Kubernetes deletion), drains its streams and then shuts the whole group down; if that does
+not come within `--grace-seconds` + FOLLOWER_SHUTDOWN_MARGIN (`docker compose down` stops the follower first),
+it leaves with 0 on its own, like every other service on SIGTERM.
 """
 
 from __future__ import annotations
@@ -127,8 +129,26 @@ def _finished(pending: PendingStepLike) -> bool:
     return True
 
 
-def ignore_sigterm() -> None:
-    """Process 0 decides when the group stops (it drains first); see the module docstring."""
-    def note(signum: int, frame: object) -> None:
-        log.info("SIGTERM: waiting for process 0 to shut the group down")
-    signal.signal(signal.SIGTERM, note)
+# Seconds a follower waits past the drain time for process 0's SHUTDOWN (its drain ends, then it broadcasts).
+FOLLOWER_SHUTDOWN_MARGIN = 5.0
+
+
+def stop_on_sigterm(grace_seconds: float, on_expiry: Callable[[int], None] = exit_now) -> None:
+    """On SIGTERM, leave with 0 after `grace_seconds` + FOLLOWER_SHUTDOWN_MARGIN unless process 0 shuts the
+    group down first (see the module docstring). A timer thread leaves: the main thread may be blocked in a
+    collective, which no signal interrupts."""
+    def leave_later(signum: int, frame: object) -> None:
+        wait = grace_seconds + FOLLOWER_SHUTDOWN_MARGIN
+        log.info("SIGTERM: following until process 0 shuts the group down, leaving in at most "
+                 f"{wait:.0f} s", extra={"leave_after_seconds": wait})
+
+        def leave() -> None:
+            log.info("SIGTERM: process 0 did not shut the group down in time; leaving")
+            on_expiry(0)
+
+        timer = threading.Timer(wait, leave)
+        timer.daemon = True
+        timer.start()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one timer: a second SIGTERM changes nothing
+
+    signal.signal(signal.SIGTERM, leave_later)

@@ -13,7 +13,7 @@ import numpy as np
 
 from model_service.config import ConfigError, ModelConfig, model_config_to_dict
 from model_service.distributed.config import DistributedConfig
-from model_service.distributed.follower import Watchdog, follow, ignore_sigterm
+from model_service.distributed.follower import Watchdog, follow, stop_on_sigterm
 from model_service.distributed.link import FollowerLink, KeyValue, LeaderLink, connect_follower, open_leader
 from model_service.distributed.lockstep import Channel, LockstepEngine
 from model_service.distributed.ops import Replica, codec_for
@@ -63,7 +63,7 @@ def leader_engine(config: ServerConfig, model_cfg: ModelConfig, on_broken: Calla
 def run_follower(config: ServerConfig) -> int:
     """A follower's whole life: load, then replay process 0's calls (the first compiles); its exit code."""
     dist = _dist(config)
-    ignore_sigterm()
+    stop_on_sigterm(config.grace_seconds)
     model_cfg = resolve(config)
     watchdog = Watchdog()
     watchdog.arm(dist.startup_timeout, "loading the weights")

@@ -137,19 +137,6 @@ def pack_for_native(module: str, leaf: Any, mesh: Any, int8_table: bool = False)
     return pack_float(np.asarray(leaf), mesh)
 
 
-def to_checkpoint(spec: TensorSpec, leaf: Any) -> Any:
-    """An in-memory leaf -> the released layout (numpy array, or (int8 weight, bfloat16 scales))."""
-    if spec.quantized:
-        if isinstance(leaf, ExpertStack):
-            leaf = QuantizedWeight(np.stack([np.asarray(q.weight) for q in leaf.experts]),
-                                   np.stack([np.asarray(q.scales) for q in leaf.experts]))
-        weight = np.asarray(leaf.weight)
-        if leaf.transposed:
-            weight = np.swapaxes(weight, -1, -2)
-        return np.ascontiguousarray(weight), np.asarray(leaf.scales).astype(ml_dtypes.bfloat16)
-    return np.asarray(leaf, np.float32)
-
-
 EMB_STD = 0.002
 _TABLE_ROWS = 4096  # rows of the random table drawn at a time (a float32 slab, not the whole table)
 

@@ -5,6 +5,7 @@ access line each request logs."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 import uuid
@@ -74,10 +75,21 @@ def test_tokenize_refuses_a_body_with_both_or_neither_text(demo_stack: Launched)
 
 
 def test_version_and_metrics_on_the_http_port(demo_stack: Launched) -> None:
+    """/metrics on the HTTP port is the whole stack's (make run): the gateway's series, the model replica's, vLLM's
+    names beside ours, and no `_created` series."""
     status, version = call(demo_stack, "/version")
     assert status == 200 and isinstance(version, dict) and version["version"]
+    assert call(demo_stack, "/v1/completions", {"prompt": "The model service", "max_tokens": 3})[0] == 200
     status, metrics = call(demo_stack, "/metrics")
     assert status == 200 and isinstance(metrics, str) and "grok_gateway_requests_total" in metrics
+    model = f'replica="127.0.0.1:{demo_stack.ports["model-metrics"]}"'
+    assert f"grok_gateway_model_metrics_up{{{model}}} 1.0" in metrics
+    for name in ("grok_model_active_slots", "grok_model_kv_cache_usage_perc", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert re.search(rf"^{name}{{.*{model}", metrics, re.M), name
+    for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:generation_tokens_total", "vllm:e2e_request"):
+        assert re.search(rf"^{name}.*model_name=", metrics, re.M), name
+    assert "_created" not in metrics
 
 
 def test_each_request_logs_one_access_line_with_path_status_and_tokens(demo_stack: Launched) -> None:

@@ -76,3 +76,45 @@ def test_podman_settings_keep_this_machines_open_file_limit() -> None:
     settings = podman_settings()
     assert f'"nofile={hard}:{hard}"' in settings or hard == resource.RLIM_INFINITY
     assert 'runtime = "runc"' in settings and 'cgroup_manager = "cgroupfs"' in settings
+
+
+def test_the_changes_to_this_machine_are_listed_before_any_is_made(tmp_path: pathlib.Path) -> None:
+    from scripts.container_engine import CONTAINERS_CONF, planned_changes
+
+    conf = tmp_path / "containers.conf"
+    fresh = planned_changes(podman="", conf=conf)
+    assert len(fresh) == 3
+    assert "apt-get" in fresh[0] and str(conf) in fresh[1] and "podman's Docker API service" in fresh[2]
+    conf.write_text("# the operator's own\n")
+    assert not any(str(conf) in change for change in planned_changes(podman="", conf=conf))  # never overwritten
+    installed = planned_changes(podman="/usr/bin/podman", conf=conf)
+    assert len(installed) == 1 and "API service" in installed[0]
+    assert str(CONTAINERS_CONF) == "/etc/containers/containers.conf"
+
+
+def test_start_podman_says_what_it_will_change_before_changing_anything(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """As root with no podman: the first thing it does is list the changes (the install is stopped right there)."""
+    class Stop(Exception):
+        pass
+
+    def no_install(packages: list[str], why: str) -> None:
+        raise Stop
+    monkeypatch.setattr(container_engine.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(container_engine.shutil, "which", lambda name: None)
+    monkeypatch.setattr(container_engine, "CONTAINERS_CONF", tmp_path / "containers.conf")
+    monkeypatch.setattr(container_engine, "apt_install", no_install)
+    with pytest.raises(Stop):
+        container_engine.start_podman(tmp_path)
+    out = capsys.readouterr().out
+    assert "this check will change this machine" in out and "containers.conf" in out and "API service" in out
+    assert not (tmp_path / "containers.conf").exists()
+
+
+def test_each_run_is_its_own_compose_project() -> None:
+    from scripts.compose_check import Compose, project_name
+    from scripts.container_engine import Engine
+
+    assert project_name(101) != project_name(102) and project_name().startswith("grok-serve-check-")
+    compose = Compose("/bin/echo", Engine("unix:///nowhere.sock", "docker"), project_name(101))
+    assert compose("ps", capture=True).split()[:2] == ["-p", "grok-serve-check-101"]

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from model_service.checkpoint import CheckpointError, encode_tensor, load_params, read_tensor, save_params
+from model_service.checkpoint import CheckpointError, encode_tensor, load_params, read_tensor
 from model_service.config import MeshConfig
 from model_service.file_arrays import FileArray
 from model_service.model.params import tensor_specs
@@ -78,10 +78,10 @@ def test_lazy_load_equals_eager_placement(tmp_path: pathlib.Path) -> None:
 
 def load_params_eagerly(tmp_path: pathlib.Path, mesh: jax.sharding.Mesh) -> object:
     """Write TINY's random params, then place fully read numpy leaves (the loader before lazy reads)."""
-    from model_service.checkpoint import place_leaf, random_params
+    from model_service.checkpoint import place_leaf, random_leaves, write_checkpoint
     from model_service.model.params import set_leaf, to_internal
 
-    save_params(jax.device_get(random_params(TINY, make_mesh(MeshConfig()), jnp.float32, 5)), TINY, tmp_path)
+    write_checkpoint(tmp_path, TINY, random_leaves(TINY, seed=5))
     params: dict = {}
     for i, spec in enumerate(tensor_specs(TINY)):
         leaf = read_tensor(tmp_path / "ckpt-0" / f"tensor{i:05d}_000")

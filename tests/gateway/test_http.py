@@ -10,6 +10,7 @@ import json
 import pathlib
 import signal
 import socket
+import time
 import urllib.request
 
 import grpc
@@ -185,10 +186,26 @@ def test_curl_streams_sse_data_events_ending_with_done(fast_stack: Stack) -> Non
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}  # ab | hello
 
 
-def test_unknown_fields_are_ignored(fast_stack: Stack) -> None:
+def test_unknown_fields_are_ignored_and_named_in_a_warning_header_and_a_log_line(fast_stack: Stack) -> None:
+    """As vLLM: answered as if absent, and logged; here also a Warning header the client sees."""
     status, reply = post(f"{fast_stack.http_url}/v1/completions",
                          {"prompt": "a|hello", "max_tokens": 1, "no_such_field": {"x": 1}, "metadata": "m"})
     assert status == 200 and reply["choices"][0]["text"] == "hello"
+    done = curl("-i", f"{fast_stack.http_url}/v1/chat/completions", "-H", "content-type: application/json",
+                "-H", "x-request-id: typo-1", "-d", json.dumps({"messages": [{"role": "user", "content": "a|hi"}],
+                                                               "temprature": 0, "max_tokens": 1}))
+    head = done.stdout.split("\r\n\r\n", 1)[0].lower()
+    assert " 200 " in head.splitlines()[0]
+    assert 'warning: 299 grok-serve "unknown fields ignored: temprature (did you mean temperature?)"' in head
+    def logged() -> list[dict]:
+        return [r for r in fast_stack.gateway.log_records() if r.get("ignored_fields") == ["temprature"]]
+    wait_until(lambda: bool(logged()), 10, message="no log line names the ignored field")
+    (record,) = logged()
+    assert record["level"] == "warning" and record["request_id"] == "typo-1"
+    assert record["did_you_mean"] == {"temprature": "temperature"} and "temprature" in record["msg"]
+    known = curl("-i", f"{fast_stack.http_url}/v1/completions", "-H", "content-type: application/json",
+                 "-d", json.dumps({"prompt": "a|hi", "max_tokens": 1, "temperature": 0, "top_k": 1}))
+    assert "warning:" not in known.stdout.split("\r\n\r\n", 1)[0].lower()
 
 
 def test_stop_sequences_apply_over_http(fast_stack: Stack) -> None:
@@ -396,6 +413,7 @@ def test_the_model_card_carries_the_context_as_vllms_max_model_len(fast_stack: S
     listed = get(f"{fast_stack.http_url}/v1/models")[1]["data"]
     card = get(f"{fast_stack.http_url}/v1/models/grok-1")[1]
     assert listed == [card] and card["max_model_len"] == 128 and card["id"] == card["root"] == "grok-1"
+    assert 0 < time.time() - card["created"] < 3600  # when the gateway started, as Unix seconds (not 0)
     http_port = free_port()
     gateway = start_gateway(fast_stack.tokenizer.address, [f"127.0.0.1:{free_port()}"], tmp_path, http_port=http_port)
     try:

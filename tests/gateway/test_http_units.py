@@ -202,3 +202,17 @@ def test_nesting_depth_counts_levels_without_recursing_and_ignores_brackets_in_s
     assert too_deep(b"[" * MAX_NESTING + b"]" * MAX_NESTING) is None
     many_flat = b"[" + b"[]," * 1000 + b"[]]"
     assert nesting_depth(many_flat) == 2 and too_deep(many_flat) is None
+
+
+def test_ignored_fields_are_named_with_the_field_they_most_likely_misspell() -> None:
+    from gateway.http.mapping import MAX_NAMED_FIELDS, ignored_fields, ignored_warning
+
+    request = CompletionRequest.model_validate({"prompt": "hi", "temprature": 0.1, "max_tokns": 3, "zzz": 1,
+                                                "temperature": 0.5})
+    assert ignored_fields(request) == {"max_tokns": "max_tokens", "temprature": "temperature", "zzz": None}
+    assert generate_request(request, "hi").sampling.temperature == pytest.approx(0.5)  # the known one is used
+    assert ignored_fields(CompletionRequest(prompt="hi", top_k=3)) == {}
+    header = ignored_warning({'a"b\\é' + "x" * 100: None, **{f"f{i}": None for i in range(MAX_NAMED_FIELDS)}})
+    header.encode("ascii")  # a header value
+    assert header.startswith('299 grok-serve "unknown fields ignored: a\'b/') and header.endswith(' and 1 more"')
+    assert header.count('"') == 2

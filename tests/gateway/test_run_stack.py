@@ -27,10 +27,12 @@ pytestmark = pytest.mark.slow
 
 def test_run_stack_serves_streams_a_sample_and_stops_all_three_on_ctrl_c(jax_cache: str) -> None:
     """With an API key set, the sample, every command the launcher prints and docs/security.md's API-key examples
-    work as written."""
+    work as written; the services' own flags reach them (scripts/stack_flags.py)."""
     launched = Launched(["--config", str(GOLDEN / "config.json"), "--checkpoint", str(GOLDEN / "checkpoint"),
                          "--tokenizer", str(GOLDEN / "tokenizer.model"), "--compile-cache", jax_cache,
-                         "--max-tokens", "6", "--prompt", "In the beginning"], env={"GROK_STACK_API_KEY": "sk-mykey"})  # docs/security.md's key
+                         "--max-tokens", "6", "--prompt", "In the beginning", "--served-model-name", "golden-mini",
+                         "--model-log-level", "debug"],
+                        env={"GROK_STACK_API_KEY": "sk-mykey"})  # docs/security.md's key
     try:
         launched.wait_ready()
         output = launched.output()
@@ -50,6 +52,11 @@ def test_run_stack_serves_streams_a_sample_and_stops_all_three_on_ctrl_c(jax_cac
         without_key = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
                                       f"{launched.http_url}/v1/models"], capture_output=True, text=True, timeout=30)
         assert without_key.stdout == "401"
+        models = subprocess.run(["curl", "-s", f"{launched.http_url}/v1/models", "-H", "authorization: Bearer sk-mykey"],
+                                capture_output=True, text=True, timeout=30)
+        assert [m["id"] for m in json.loads(models.stdout)["data"]] == ["golden-mini"]  # --served-model-name
+        assert '"level": "debug"' in launched.models[0].logs()  # --model-log-level: the model's alone
+        assert '"level": "debug"' not in launched.gateway.logs()
         for service in (launched.tokenizer, *launched.models, launched.gateway):  # each froze its startup heap
             records = [json.loads(line) for line in service.logs().splitlines() if line.startswith("{")]
             serving = [r for r in records if r.get("msg") == "serving"]
@@ -90,6 +97,8 @@ def test_make_run_passes_its_args_to_the_launcher_and_installs_only_what_serving
     installs = [line for line in lines if "pip install" in line]
     assert installs and not any(" -q" in line for line in installs), installs
     assert any("'.[client]'" in line for line in installs) and not any("test]" in line for line in installs)
+    build = next(i for i, line in enumerate(lines) if "-e '.[client]'" in line)  # the silent kernel compile
+    assert "compiles its native int8 kernels (C++): pip shows no progress" in lines[build - 1], lines[build - 2:build + 1]
     assert not any("npm" in line for line in lines)
     assert lines[-1].endswith("scripts/run_stack.py --http-port 8080 --slots 2")
 
@@ -97,14 +106,14 @@ def test_make_run_passes_its_args_to_the_launcher_and_installs_only_what_serving
 class Launcher:
     """run_stack.py in its own process group (as a terminal runs it), its output collected."""
 
-    def __init__(self, jax_cache: str) -> None:
+    def __init__(self, jax_cache: str, extra: tuple[str, ...] = ()) -> None:
         self.ports: list[int] = []  # gateway, tokenizer, model: port 0 asks the launcher for free ones
         self.proc = subprocess.Popen(
             [sys.executable, "scripts/run_stack.py", "--config", str(GOLDEN / "config.json"),
              "--checkpoint", str(GOLDEN / "checkpoint"), "--tokenizer", str(GOLDEN / "tokenizer.model"),
              "--gateway-port", "0", "--tokenizer-port", "0", "--model-port", "0", "--metrics-port", "0",
              "--model-metrics-port", "0", "--http-port", "0", "--startup-timeout", "300",
-             "--compile-cache", jax_cache, "--max-tokens", "2", "--prompt", "In the beginning"],
+             "--compile-cache", jax_cache, "--max-tokens", "2", "--prompt", "In the beginning", *extra],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)  # type: ignore[arg-type]
@@ -141,11 +150,16 @@ def alive(pid: int) -> bool:
 
 
 def test_closing_the_terminal_sighup_stops_all_three_services(jax_cache: str) -> None:
-    launcher = Launcher(jax_cache)
+    """(With --log-format text: the three services' lines are text, not JSON.)"""
+    launcher = Launcher(jax_cache, ("--log-format", "text"))
     pids: list[int] = []
     try:
         pids = launcher.wait_serving()
         assert len(pids) == 3
+        for name in ("tokenizer", "model", "gateway"):
+            lines = [line for line in launcher.output().splitlines() if line.startswith(f"[{name}] ")]
+            assert lines and all(re.match(r"\[\w+\] \d\d:\d\d:\d\d\.\d{3} [A-Z]+ ", line) for line in lines
+                                 if not line.startswith(f"[{name}]  ")), lines[:5]
         os.killpg(launcher.proc.pid, signal.SIGHUP)  # what the terminal sends its process group
         launcher.proc.wait(60)
         wait_until(lambda: not any(alive(pid) for pid in pids), 30, interval=0.2,
