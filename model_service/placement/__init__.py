@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from model_service.config import ConfigError, ModelConfig
 from model_service.model.params import EMBED, TensorSpec, tensor_specs
+from model_service.sampling_settings import MAX_ENDS, MAX_LOGIT_BIAS
 from model_service.sharding import DATA, MODEL, POOL_SPEC, fit_spec, spec_for_path
 
 if TYPE_CHECKING:
@@ -38,7 +39,6 @@ DEVICE_MEMORY = {"v5e": 16 * GB, "v6e": 32 * GB, "v5p": 95 * GB, "h100": 80 * GB
 ITEMSIZE = {"bfloat16": 2, "float32": 4}
 GENERIC_STEP_TOKENS, CPU_STEP_TOKENS = 256, 64  # backend.py's token rows a step (generic / cpu)
 KEY_CHUNK, BLOCK_SIZE = 128, 16  # model/__init__.py: key positions per attention chunk, positions per KV block
-MAX_LOGIT_BIAS, MAX_ENDS = 300, 32  # logits_processing.py's per-slot table sizes (checked by a test)
 
 
 @dataclass(frozen=True)
