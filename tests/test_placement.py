@@ -133,3 +133,12 @@ def test_model_service_refuses_a_layout_that_does_not_fit_before_loading() -> No
     assert "does not fit its devices" in done.stderr and "kv pool" in done.stderr
     assert "loading weights" not in done.stderr and "weights ready" not in done.stderr
     assert time.monotonic() - start < 60
+
+
+def test_device_kinds_have_the_documented_memory_and_cpu_splits_the_host() -> None:
+    memory = {kind: Devices.parse(f"{kind}-2").memory for kind in ("v5e", "v6e", "v5p", "h100")}
+    assert memory == {"v5e": 16 * GB, "v6e": 32 * GB, "v5p": 95 * GB, "h100": 80 * GB}
+    from model_service.placement import host_memory
+
+    assert Devices.parse("cpu-4").memory == host_memory() // 4
+    assert Devices.parse("cpu-4", memory=10**9).memory == 10**9
