@@ -40,7 +40,7 @@ def shard_bytes(tree: Any) -> dict[int, int]:
 
 def device_memory() -> tuple[int, str]:
     """One device's memory as JAX reports it (`bytes_limit`), on CPU the host's split over its devices."""
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     stats = device.memory_stats()
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]), device.platform
@@ -48,7 +48,7 @@ def device_memory() -> tuple[int, str]:
 
 
 def in_use() -> dict[str, int] | None:
-    stats = jax.devices()[0].memory_stats()
+    stats = jax.local_devices()[0].memory_stats()
     return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats} if stats else None
 
 

@@ -357,7 +357,7 @@ def check_service(config: ServerConfig) -> Placement:
 
     cfg = load_model_config(config.config)
     work = _service_workload(config, cfg, kv_blocks)
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     cpu = device.platform == "cpu"
     memory = stats["bytes_limit"] if stats and "bytes_limit" in stats else host_memory() // jax.local_device_count()
