@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from benchmarks.placement_check import check
+from benchmarks.placement_check import WEIGHT_PARTS, check, shard_bytes
 from model_service import backend, model, sampling_settings
 from model_service.config import GROK_1, ConfigError, MeshConfig, load_model_config
-from model_service.loading import ServerConfig
+from model_service.loading import ServerConfig, load_engine
 from model_service.placement import (GB, Devices, Layout, Workload, candidate_layouts, check_service, choose,
                                      max_layers, place)
 from model_service.placement.__main__ import main
@@ -37,6 +37,20 @@ def test_prediction_is_the_bytes_each_device_holds_after_loading(config, mesh, d
     for part in ("weights", "kv pool", "slot state"):
         assert set(reported[part]) == set(range(mesh.size)), part
         assert set(reported[part].values()) == {predicted[part]}, (part, predicted[part], reported[part])
+
+
+@pytest.mark.parametrize(("config", "mesh"), [(GOLDEN / "config.json", MeshConfig(2, 4)),
+                                             (MEDIUM, MeshConfig(1, 8))])
+def test_with_native_cpu_products_the_startup_prediction_bounds_the_packed_weights(config, mesh) -> None:
+    """float32 on CPU packs the weights for the native kernel and keeps the table in the checkpoint's bfloat16
+    (in 13 bits where it can): the startup check counts it as bfloat16, an upper bound within 10 %."""
+    server = ServerConfig(config=str(config), checkpoint=None, random_init=True, dtype="float32", mesh=mesh, slots=2)
+    predicted = check_service(server)
+    engine = load_engine(server, load_model_config(str(config)))
+    assert engine.model.products.native, "the native kernels did not load"
+    bound = sum(predicted.part(name) for name in WEIGHT_PARTS)
+    held = shard_bytes(engine.params)
+    assert len(held) == mesh.size and all(0.9 * bound <= b <= bound for b in held.values()), (bound, held)
 
 
 def run_cli(*args: str) -> tuple[int, str]:

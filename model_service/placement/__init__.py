@@ -22,7 +22,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from model_service.config import ConfigError, ModelConfig
 from model_service.model.params import EMBED, TensorSpec, tensor_specs
@@ -113,6 +113,9 @@ class Workload:
     block_size: int = BLOCK_SIZE
     step_tokens: int | None = None  # token rows a step (None: the backend's default)
     draft_tokens: int = 0  # speculative drafts a slot verifies per step
+    # Bytes a table value takes (None: the compute dtype's). Native CPU products keep the checkpoint's bfloat16
+    # (2; held in 13 bits where the values allow it, so 2 is an upper bound).
+    table_itemsize: float | None = None
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,8 @@ def _per_device(shape: tuple[int, ...], path: str, layout: Layout) -> int:
     return math.prod(dim // (axes[e] if e else 1) for dim, e in zip(shape, entries))
 
 
-def _leaves(spec: TensorSpec, dtype: str) -> Iterator[tuple[str, str, tuple[int, ...], int, int]]:
+def _leaves(spec: TensorSpec, dtype: str, table_itemsize: float | None = None
+            ) -> Iterator[tuple[str, str, tuple[int, ...], float, int]]:
     """(part, path, shape, itemsize, copies) of the in-memory arrays params.to_internal makes of a leaf: int8
     matrices column-parallel transposed [N, K], float32 scales [blocks, N], one pair per expert; the table in the
     compute dtype; everything else float32."""
@@ -211,19 +215,19 @@ def _leaves(spec: TensorSpec, dtype: str) -> Iterator[tuple[str, str, tuple[int,
         yield kind, f"{path}/weight", weight, 1, copies
         yield "scales", f"{path}/scales", (spec.blocks, n), 4, copies
     elif spec.module == EMBED:
-        yield "table", base, spec.shape, ITEMSIZE[dtype], 1
+        yield "table", base, spec.shape, table_itemsize or ITEMSIZE[dtype], 1
     else:
         yield "router and norms", base, spec.shape, 4, 1
 
 
-def weight_bytes(cfg: ModelConfig, layout: Layout, dtype: str) -> dict[str, int]:
+def weight_bytes(cfg: ModelConfig, layout: Layout, dtype: str, table_itemsize: float | None = None) -> dict[str, int]:
     """Bytes per device of each weight part: experts (int8), attention (int8), scales, router and norms, table."""
     totals = {"experts": 0, "attention": 0, "scales": 0, "router and norms": 0, "table": 0}
     per_group = -(-cfg.model.num_experts // layout.expert)  # experts each expert group holds
     for spec in tensor_specs(cfg):
-        for part, path, shape, itemsize, copies in _leaves(spec, dtype):
+        for part, path, shape, itemsize, copies in _leaves(spec, dtype, table_itemsize):
             held = per_group if copies > 1 else 1
-            totals[part] += held * _per_device(shape, path, layout) * itemsize
+            totals[part] += int(held * _per_device(shape, path, layout) * itemsize)
     return totals
 
 
@@ -293,7 +297,7 @@ def place(cfg: ModelConfig, devices: Devices, layout: Layout, work: Workload) ->
         problems.append(f"mesh {layout} needs {layout.size} devices, {devices.name} has {devices.count}")
     if work.dtype not in ITEMSIZE:
         raise ConfigError(f"dtype must be one of {sorted(ITEMSIZE)}, got {work.dtype!r}")
-    w = weight_bytes(cfg, layout, work.dtype)
+    w = weight_bytes(cfg, layout, work.dtype, work.table_itemsize)
     per_token = kv_per_token(cfg, layout, work.dtype, work.block_size)
     pool = (pool_blocks(cfg, work) + 1) * work.block_size * per_token  # + the scratch block
     group = f"experts a group: {-(-cfg.model.num_experts // layout.expert)}"
@@ -303,7 +307,8 @@ def place(cfg: ModelConfig, devices: Devices, layout: Layout, work: Workload) ->
                                           "over expert and data"),
         Part("scales", w["scales"], "float32 scales of the int8 matrices"),
         Part("router and norms", w["router and norms"], "float32, replicated"),
-        Part("table", w["table"], f"{work.dtype} [vocab, emb], emb split over model"),
+        Part("table", w["table"], f"{'bfloat16 as stored' if work.table_itemsize else work.dtype} [vocab, emb], "
+                                  "emb split over model"),
         Part("kv pool", pool, f"{work.dtype}, KV heads split over model, replicated over data and expert "
                               f"(today's pool spec)"),
         Part("slot state", slot_state_bytes(cfg, work), "per-slot sampling state, replicated"),
@@ -356,8 +361,8 @@ def check_service(config: ServerConfig) -> Placement:
     from model_service.loading import kv_blocks
 
     cfg = load_model_config(config.config)
-    work = _service_workload(config, cfg, kv_blocks)
     device = jax.local_devices()[0]
+    work = _service_workload(config, cfg, kv_blocks, _native_products(config, device))
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     cpu = device.platform == "cpu"
     memory = stats["bytes_limit"] if stats and "bytes_limit" in stats else host_memory() // jax.local_device_count()
@@ -372,8 +377,24 @@ def check_service(config: ServerConfig) -> Placement:
                       f"`python -m model_service.placement` computes layouts that fit")
 
 
-def _service_workload(config: ServerConfig, cfg: ModelConfig, kv_blocks: Callable[..., int | None]) -> Workload:
+def _service_workload(config: ServerConfig, cfg: ModelConfig, kv_blocks: Callable[..., int | None],
+                      native: bool) -> Workload:
     blocks = kv_blocks(config, cfg, ITEMSIZE.get(config.dtype, 4))
     drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
     return Workload(config.dtype, config.slots, None if blocks is None else blocks * config.block_size,
-                    config.block_size, config.step_tokens, drafts)
+                    config.block_size, config.step_tokens, drafts, 2.0 if native else None)
+
+
+def _native_products(config: ServerConfig, device: Any) -> bool:
+    """Whether the service will pack its weights for the native CPU kernel (backend.choose_products' choice)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from model_service.backend import choose_products
+
+    if device.platform != "cpu" or config.backend == "generic":
+        return False
+    try:
+        return choose_products(config.products, Mesh(np.array([device]), ("one",)), config.dtype).native
+    except ValueError:
+        return False  # a choice that cannot run: the service refuses it itself, with its own message
