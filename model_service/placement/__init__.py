@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from jax.sharding import PartitionSpec
+
 from model_service.config import ConfigError, ModelConfig
 from model_service.model.params import EMBED, TensorSpec, tensor_specs
 from model_service.sampling_settings import MAX_ENDS, MAX_LOGIT_BIAS
@@ -191,12 +193,13 @@ class _Axes:
         self.shape = {DATA: layout.data, MODEL: layout.model}
 
 
-def _per_device(shape: tuple[int, ...], path: str, layout: Layout) -> int:
-    """Elements of one device's shard of an array at `path`, split as the partition rules split it."""
-    spec = fit_spec(spec_for_path(path), shape, _Axes(layout))  # type: ignore[arg-type]
-    axes = _Axes(layout).shape
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    return math.prod(dim // (axes[e] if e else 1) for dim, e in zip(shape, entries))
+def _shard_elements(shape: tuple[int, ...], spec: PartitionSpec, layout: Layout) -> int:
+    """Elements of one device's shard of an array `spec` splits, as the service's shardings split it (fit_spec:
+    an axis that does not divide its dimension leaves it whole)."""
+    axes = _Axes(layout)
+    fitted = fit_spec(spec, shape, axes)  # type: ignore[arg-type]
+    entries = list(fitted) + [None] * (len(shape) - len(fitted))
+    return math.prod(dim // (axes.shape[e] if e else 1) for dim, e in zip(shape, entries))
 
 
 def _leaves(spec: TensorSpec, dtype: str, table_itemsize: float | None = None
@@ -227,7 +230,7 @@ def weight_bytes(cfg: ModelConfig, layout: Layout, dtype: str, table_itemsize: f
     for spec in tensor_specs(cfg):
         for part, path, shape, itemsize, copies in _leaves(spec, dtype, table_itemsize):
             held = per_group if copies > 1 else 1
-            totals[part] += int(held * _per_device(shape, path, layout) * itemsize)
+            totals[part] += int(held * _shard_elements(shape, spec_for_path(path), layout) * itemsize)
     return totals
 
 
@@ -236,14 +239,8 @@ def kv_per_token(cfg: ModelConfig, layout: Layout, dtype: str, block_size: int =
     it divides them (sharding.POOL_SPEC), replicated over data and expert."""
     t = cfg.model
     block = (1, t.num_kv_heads, block_size, t.key_size)
-    per_block = _split(block, layout) * ITEMSIZE[dtype]
+    per_block = _shard_elements(block, POOL_SPEC, layout) * ITEMSIZE[dtype]
     return t.num_layers * 2 * per_block // block_size
-
-
-def _split(shape: tuple[int, ...], layout: Layout) -> int:
-    spec = fit_spec(POOL_SPEC, shape, _Axes(layout))  # type: ignore[arg-type]
-    axes = _Axes(layout).shape
-    return math.prod(dim // (axes[e] if e else 1) for dim, e in zip(shape, list(spec) + [None] * len(shape)))
 
 
 def pool_blocks(cfg: ModelConfig, work: Workload) -> int:
