@@ -156,3 +156,12 @@ def test_device_kinds_have_the_documented_memory_and_cpu_splits_the_host() -> No
 
     assert Devices.parse("cpu-4").memory == host_memory() // 4
     assert Devices.parse("cpu-4", memory=10**9).memory == 10**9
+
+
+def test_chip_check_script_runs_on_cpu_and_loads_the_layers_the_tool_says_fit(capsys: pytest.CaptureFixture) -> None:
+    from benchmarks.placement_check import main as check_main
+
+    assert check_main(["--config", str(GOLDEN / "config.json"), "--layers", "auto", "--slots", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layers"] == 2  # all of golden's: the host holds them easily
+    assert report["reported_shards"]["weights"] == {"0": report["predicted"]["weights"]}
