@@ -6,9 +6,9 @@ Prints JSON.
 
     python -m benchmarks.placement_check --config grok-1 --layers auto --dtype bfloat16 --slots 8 [--compile]
 
-`--layers auto`: as many layers of the config's width as the placement tool says fit the mesh. `--compile` also
-runs the engine's programs once (a real step) and reports the peak bytes beside the predicted total with the
-step's temporaries.
+`--layers auto`: as many layers of the config's width as the placement tool says fit the mesh. `--temporaries`
+compiles the step's two programs and reports XLA's temporaries beside the tool's estimate; `--compile` also runs
+the engine's programs once (a real step) and reports the peak bytes beside the predicted total.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ from collections import Counter
 from typing import Any
 
 import jax
+import numpy as np
 
 from model_service.config import MeshConfig, ModelConfig, load_model_config
 from model_service.loading import ServerConfig, load_engine
-from model_service.placement import Devices, Layout, Placement, Workload, host_memory, max_layers, place
+from model_service.placement import (GENERIC_STEP_TOKENS, Devices, Layout, Placement, Workload, host_memory,
+                                     max_layers, place)
+from model_service.step_batch import empty_batch
 
 WEIGHT_PARTS = ("experts", "attention", "scales", "router and norms", "table")
 
@@ -58,10 +61,22 @@ def predict(cfg: ModelConfig, mesh: MeshConfig, work: Workload) -> Placement:
     return place(cfg, devices, Layout(mesh.data, 1, mesh.model), work)
 
 
+def compiled_temporaries(engine: Any, state: Any) -> dict[str, int]:
+    """XLA's own temporaries of a full step's two programs on this platform (compiled, not run:
+    `memory_analysis().temp_size_in_bytes`)."""
+    tables = np.full((engine.slots, engine.table_len), engine.num_blocks, np.int32)
+    batch = dataclasses.replace(empty_batch(engine.max_rows, engine.max_samples, tables), rows=engine.max_rows)
+    rows, draws = engine.run_args(batch)
+    h = jax.ShapeDtypeStruct((engine.max_rows, engine.model_config.model.emb_size), engine.model.dtype)
+    programs = {"rows": engine._rows.lower(engine.params, state.pools, state.slots.last, *rows),
+                "draws": engine._draws.lower(engine.head_params, state.slots, h, *draws)}
+    return {name: int(lowered.compile().memory_analysis().temp_size_in_bytes) for name, lowered in programs.items()}
+
+
 def check(cfg: ModelConfig, mesh: MeshConfig, dtype: str, slots: int, kv_tokens: int | None = None,
-          compile_step: bool = False) -> dict[str, Any]:
+          compile_step: bool = False, temporaries: bool = False) -> dict[str, Any]:
     """Load `cfg` with random weights on `mesh`, make the engine's state, and compare per device."""
-    work = Workload(dtype, slots, kv_tokens)
+    work = Workload(dtype, slots, kv_tokens, step_tokens=GENERIC_STEP_TOKENS)  # the generic backend's step
     predicted = predict(cfg, mesh, work)
     before = in_use()
     server = ServerConfig(config="", checkpoint=None, random_init=True, dtype=dtype, mesh=mesh, slots=slots,
@@ -81,6 +96,10 @@ def check(cfg: ModelConfig, mesh: MeshConfig, dtype: str, slots: int, kv_tokens:
     if before is not None and after is not None:
         grown = after["bytes_in_use"] - before["bytes_in_use"]
         report["reported_memory_stats"] = {"bytes_in_use_grown": grown, **after, "held_over_predicted": grown / held}
+    if temporaries:
+        compiled = compiled_temporaries(engine, state)
+        report["temporaries"] = {"predicted": predicted.part("temporaries"), "compiled": compiled,
+                                 "compiled_over_predicted": max(compiled.values()) / predicted.part("temporaries")}
     if compile_step:
         report["after_step"] = step_peak(engine, predicted)
     return report
@@ -108,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--slots", type=int, default=1)
     p.add_argument("--kv-tokens", type=int, default=None)
+    p.add_argument("--temporaries", action="store_true",
+                   help="also compile the step's two programs and report XLA's temporaries beside the estimate")
     p.add_argument("--compile", action="store_true", help="also run one step and report the peak")
     args = p.parse_args(argv)
     cfg = load_model_config(args.config)
-    work = Workload(args.dtype, args.slots, args.kv_tokens)
+    work = Workload(args.dtype, args.slots, args.kv_tokens, step_tokens=GENERIC_STEP_TOKENS)
     if args.layers == "auto":
         layers = max_layers(cfg, predict(cfg, args.mesh, work).devices, Layout(args.mesh.data, 1, args.mesh.model),
                             work)
@@ -121,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         layers = int(args.layers)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
-    report = check(cfg, args.mesh, args.dtype, args.slots, args.kv_tokens, args.compile)
+    report = check(cfg, args.mesh, args.dtype, args.slots, args.kv_tokens, args.compile, args.temporaries)
     print(json.dumps(report, indent=1))
     return 0
 

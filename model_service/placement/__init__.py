@@ -259,21 +259,25 @@ def slot_state_bytes(cfg: ModelConfig, work: Workload) -> int:
 
 
 def temporary_bytes(cfg: ModelConfig, layout: Layout, work: Workload, cpu: bool = False) -> int:
-    """An estimate of a step's largest live buffers per device: the rows' activations, one attention chunk's
-    gathered keys/values and float32 scores, one expert's hidden rows and its three matrices widened to the
-    compute dtype (XLA writes a widened copy of an int8 weight before its product), and the float32 logits of
-    the step's draws (with two same-sized sampler buffers) and of a tile of scored rows."""
+    """An estimate of a step's largest live buffers per device: the larger of its two programs' (they run one
+    after the other). The rows program: the rows' activations, one attention chunk's gathered keys and values
+    with three float32 score buffers, one expert's hidden rows and its three matrices widened to the compute
+    dtype (XLA writes a widened copy of an int8 weight before its product), the rows split over data. The draws
+    program: the float32 logits of the draws (three buffers) and four float32 [rows, vocab] buffers of the scored
+    rows' logprobs. On one device XLA-CPU's compiled temporaries were 0.94-0.98 of this (golden, medium); with
+    a model axis less (tests/test_placement.py), so it is an upper bound there."""
     t, size = cfg.model, ITEMSIZE[work.dtype]
     rows = max(work.step_tokens or (CPU_STEP_TOKENS if cpu else GENERIC_STEP_TOKENS), work.slots)
     m = layout.model if t.num_kv_heads % layout.model == 0 else 1
     q_heads, kv_heads, f = t.num_q_heads // m, t.num_kv_heads // m, t.ffn_size // m
     chunk = min(KEY_CHUNK, cfg.sequence_len)
-    activations = rows * (4 * t.emb_size + (q_heads + 2 * kv_heads) * t.key_size) * size
-    attention = rows * chunk * (2 * kv_heads * t.key_size * size + q_heads * 4)
-    expert = rows * 3 * f * size + 3 * f * t.emb_size * size
+    shard = -(-rows // layout.data)  # the rows program splits its rows over data (sharding.constrain)
+    activations = shard * (4 * t.emb_size + (q_heads + 2 * kv_heads) * t.key_size) * size
+    attention = shard * chunk * (2 * kv_heads * t.key_size * size + 3 * q_heads * 4)
+    expert = shard * 3 * f * size + 3 * f * t.emb_size * size
     draws = work.slots * (1 + work.draft_tokens)
-    logits = 3 * draws * cfg.vocab_size * 4 + rows * cfg.vocab_size * 4
-    return activations + attention + expert + logits
+    logits = 3 * draws * cfg.vocab_size * 4 + 4 * rows * cfg.vocab_size * 4
+    return max(activations + attention + expert, logits)
 
 
 def layout_problems(cfg: ModelConfig, layout: Layout) -> list[str]:
@@ -310,7 +314,7 @@ def place(cfg: ModelConfig, devices: Devices, layout: Layout, work: Workload) ->
                               f"(today's pool spec)"),
         Part("slot state", slot_state_bytes(cfg, work), "per-slot sampling state, replicated"),
         Part("temporaries", temporary_bytes(cfg, layout, work, devices.kind == "cpu"),
-             "estimate: a step's activations, widened expert matrices, float32 logits"),
+             "estimate: the larger of a step's two programs (rows; draws and scores)"),
     )
     return Placement(devices, layout, parts, per_token, cfg.sequence_len, work.block_size, tuple(problems))
 
@@ -378,8 +382,9 @@ def _service_workload(config: ServerConfig, cfg: ModelConfig, kv_blocks: Callabl
                       native: bool) -> Workload:
     blocks = kv_blocks(config, cfg, ITEMSIZE.get(config.dtype, 4))
     drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    step_tokens = config.step_tokens or (GENERIC_STEP_TOKENS if config.backend == "generic" else None)
     return Workload(config.dtype, config.slots, None if blocks is None else blocks * config.block_size,
-                    config.block_size, config.step_tokens, drafts, 2.0 if native else None)
+                    config.block_size, step_tokens, drafts, 2.0 if native else None)
 
 
 def _native_products(config: ServerConfig, device: Any) -> bool:
