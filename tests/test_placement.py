@@ -83,7 +83,7 @@ def test_a_layout_that_does_not_fit_exits_1_with_the_numbers() -> None:
 
 def test_no_layout_of_a_v5e_16_holds_grok1_and_the_closest_is_shown() -> None:
     code, out = run_cli("--preset", "grok-1", "--devices", "v5e-16")
-    assert code == 1 and "mesh 1,2,8" in out
+    assert code == 1 and "mesh data,expert,model = 1,2,8" in out
 
 
 def test_default_layout_is_the_smallest_replica_that_fits() -> None:

@@ -174,9 +174,9 @@ class Placement:
             return "; ".join(self.problems)
         if self.left >= 0:
             return ""
-        listed = ", ".join(f"{p.name} {p.bytes / GB:.2f}" for p in self.parts if p.bytes)
-        return (f"{self.used / GB:.2f} GB a device ({listed}) exceeds the {self.devices.memory / GB:.2f} GB of one "
-                f"{self.devices.kind} device by {-self.left / GB:.2f} GB on mesh {self.layout}")
+        listed = ", ".join(f"{p.name} {size_text(p.bytes)}" for p in self.parts if p.bytes)
+        return (f"{size_text(self.used)} a device ({listed}) exceeds the {size_text(self.devices.memory)} of one "
+                f"{self.devices.kind} device by {size_text(-self.left)} on mesh data,expert,model = {self.layout}")
 
     def to_dict(self) -> dict[str, object]:
         return {"devices": self.devices.name, "device_memory": self.devices.memory, "mesh": str(self.layout),
@@ -184,6 +184,14 @@ class Placement:
                 "per_device": {p.name: p.bytes for p in self.parts}, "notes": {p.name: p.note for p in self.parts},
                 "used": self.used, "left": self.left, "fits": self.fits, "problems": list(self.problems),
                 "kv_per_token": self.kv_per_token, "max_sequences": self.max_sequences, "context": self.context}
+
+
+def size_text(n: int) -> str:
+    """Bytes in decimal GB from 0.1 GB, else MB from 0.1 MB, else kB."""
+    for unit, scale in (("GB", GB), ("MB", 10**6)):
+        if abs(n) >= scale // 10:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1000:.1f} kB"
 
 
 class _Axes:
@@ -371,10 +379,9 @@ def check_service(config: ServerConfig) -> Placement:
     p = place(cfg, devices, Layout(config.mesh.data, 1, config.mesh.model), work)
     if p.problems or p.fits:
         return p  # a layout that cannot run at all is validate()'s to refuse, with its own message
-    smaller = max(0, p.max_sequences)
     raise ConfigError(f"the model does not fit its devices: {p.reason()}. Use more devices (a larger model axis), "
-                      f"fewer --slots or a smaller --kv-tokens (the pool holds {smaller} full "
-                      f"{p.context:,}-token sequences beside the rest), or --dtype bfloat16; "
+                      f"fewer --slots or a smaller --kv-tokens (beside the rest there is room for {p.max_sequences:,} "
+                      f"full {p.context:,}-token sequences), or --dtype bfloat16; "
                       f"`python -m model_service.placement` computes layouts that fit")
 
 
