@@ -60,6 +60,14 @@ def test_every_grok1_kubernetes_overlay_fits_its_devices_on_a_mesh_that_runs_tod
         assert p.max_sequences >= 8, name  # the pool of 8 full contexts, with room to spare
 
 
+def test_the_gpu_multihost_overlays_48_gb_gpus_fit_too() -> None:
+    """Its comment says 80 GB or 48 GB GPUs: the 48 GB ones hold the same layout."""
+    assert "48 GB" in (ROOT / "deploy/k8s/overlays/grok1-gpu-multihost/kustomization.yaml").read_text()
+    server = next(p for name, p in k8s_grok1_layouts().items() if name == "grok1-gpu-multihost")
+    work = Workload("bfloat16", 8)
+    assert place(load_model_config("grok-1"), Devices("gpu", 8, 48 * 10**9), server.layout, work).fits
+
+
 def test_grok1_compose_file_fits_its_gpus() -> None:
     model = resolved_config(COMPOSE_FILE, GROK1_FILE)["services"]["model"]
     count = sum(d["count"] for d in model["deploy"]["resources"]["reservations"]["devices"])
