@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         layers = max_layers(cfg, predict(cfg, args.mesh, work).devices, Layout(args.mesh.data, 1, args.mesh.model),
                             work)
         if layers < 1:
-            print(json.dumps({"error": "not even one layer fits", "prediction": predict(cfg, args.mesh, work).to_dict()}))
+            prediction = predict(cfg, args.mesh, work).to_dict()
+            print(json.dumps({"error": "not even one layer fits", "prediction": prediction}))
             return 1
     else:
         layers = int(args.layers)

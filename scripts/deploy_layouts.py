@@ -46,8 +46,8 @@ def table() -> str:
              f"table); keys and values take {place(GROK_1, Devices('any', 1, 0), Layout(), WORK).kv_per_token // 1024}"
              f" KiB a token over all devices in bfloat16. Per device, with 8 slots of 8,192 tokens:",
              "",
-             "| devices | mesh data,expert,model | mesh available today | weights | KV a token | full 8,192-token sequences that "
-             "fit | used with 8 slots | left |",
+             "| devices | mesh data,expert,model | mesh available today | weights | KV a token | full 8,192-token "
+             "sequences that fit | used with 8 slots | left |",
              "|---|---|---|---|---|---|---|---|"]
     for p in layouts():
         weights = sum(p.part(name) for name in WEIGHT_PARTS)

@@ -46,13 +46,14 @@ def _parser() -> argparse.ArgumentParser:
         except ConfigError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
-    p = argparse.ArgumentParser(prog="python -m model_service.placement", description=__doc__.split("\n\n")[0].removeprefix("`python -m model_service.placement`: "))
+    about = __doc__.split("\n\n")[0].removeprefix("`python -m model_service.placement`: ")
+    p = argparse.ArgumentParser(prog="python -m model_service.placement", description=about)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help="a model preset (grok-1)")
     source.add_argument("--config", help="a model config JSON file (golden/config.json's layout)")
     p.add_argument("--devices", required=True, help="KIND-N: v5e-N, v6e-N, v5p-N, h100-N or cpu-N")
-    p.add_argument("--memory", type=_size, default=None, help="memory of one device (e.g. 16GB; cpu default: "
-                                                                   "this host's memory split N ways)")
+    p.add_argument("--memory", type=_size, default=None,
+                   help="memory of one device (e.g. 16GB; cpu default: this host's memory split N ways)")
     p.add_argument("--dtype", choices=sorted(ITEMSIZE), default="bfloat16", help="compute dtype")
     p.add_argument("--slots", type=positive_int, default=8, help="sequences decoded at once")
     p.add_argument("--context", type=positive_int, default=None, help="tokens a sequence may hold (default: the "
