@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         max_connection_age_grace_seconds=args.max_connection_age_grace_seconds, distributed=dist,
         watchdog_seconds=args.watchdog_seconds, tokenizer=args.tokenizer)
     try:
+        from model_service.placement import check_service
+
+        check_service(config)  # refuse a layout that does not fit, with the numbers, before loading anything
         if dist is not None and not dist.is_leader:
             from model_service.distributed.group import run_follower
 

@@ -1,0 +1,409 @@
+"""Where a model's bytes go on each device, computed before anything loads: weights, table, KV pool, slot state
+and a step's temporaries per device, for a device kind and count and a (data, expert, model) layout.
+
+The weights are the in-memory leaves `checkpoint.load_params` places (int8 matrices, float32 scales, the table
+in the compute dtype, float32 router and norms) split as `sharding.PARAM_RULES` split them, so the prediction is
+the loaded arrays' own bytes (tests/test_placement.py checks it against `addressable_shards` on CPU meshes and
+benchmarks/placement_check.py against the chip). The KV pool follows `sharding.POOL_SPEC`: KV heads split over
+`model`, replicated over `data` (and `expert`). Temporaries are an estimate of a step's largest buffers.
+
+The expert axis is the planned layout (issue 62): each expert's matrices on one expert group (num_experts /
+expert of them), split over `model` inside it; attention, table and KV over `model` only. The service runs
+today only layouts with expert = 1 (`Placement.runs_today`).
+
+    python -m model_service.placement --preset grok-1 --devices v5e-32 --dtype bfloat16 --slots 8 --context 8192
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jax.sharding import PartitionSpec
+
+from model_service.config import ConfigError, ModelConfig
+from model_service.model.params import EMBED, TensorSpec, tensor_specs
+from model_service.sampling_settings import MAX_ENDS, MAX_LOGIT_BIAS
+from model_service.sharding import DATA, MODEL, POOL_SPEC, fit_spec, spec_for_path
+
+if TYPE_CHECKING:
+    from model_service.loading import ServerConfig
+
+GB = 10**9
+# Memory of one device of each kind, decimal GB as the vendors state it (the chips' own limit is a little higher:
+# a v5e reports 15.7 GiB = 16.9 GB to JAX).
+DEVICE_MEMORY = {"v5e": 16 * GB, "v6e": 32 * GB, "v5p": 95 * GB, "h100": 80 * GB}
+ITEMSIZE = {"bfloat16": 2, "float32": 4}
+GENERIC_STEP_TOKENS, CPU_STEP_TOKENS = 256, 64  # backend.py's token rows a step (generic / cpu)
+KEY_CHUNK, BLOCK_SIZE = 128, 16  # model/__init__.py: key positions per attention chunk, positions per KV block
+
+
+@dataclass(frozen=True)
+class Devices:
+    """`count` devices of `kind` with `memory` bytes each."""
+
+    kind: str
+    count: int
+    memory: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.count}"
+
+    @classmethod
+    def parse(cls, text: str, memory: int | None = None) -> "Devices":
+        """"v5e-32", "h100-8", "cpu-8" (cpu: the host's memory split N ways, unless `memory` gives it)."""
+        match = re.fullmatch(r"(v5e|v6e|v5p|h100|cpu)-([0-9]+)", text.strip().lower())
+        if not match or int(match.group(2)) < 1:
+            raise ConfigError(f"--devices must be KIND-N with KIND one of v5e, v6e, v5p, h100, cpu and N >= 1 "
+                              f"(e.g. v5e-32), got {text!r}")
+        kind, count = match.group(1), int(match.group(2))
+        if memory is None:
+            memory = DEVICE_MEMORY[kind] if kind != "cpu" else host_memory() // count
+        return cls(kind, count, memory)
+
+
+def host_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A mesh: `data` replicas x `expert` groups x `model` shards."""
+
+    data: int = 1
+    expert: int = 1
+    model: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.data * self.expert * self.model
+
+    @property
+    def runs_today(self) -> bool:
+        """The service's mesh has data and model axes only (sharding.make_mesh): expert = 1."""
+        return self.expert == 1
+
+    def __str__(self) -> str:
+        return f"{self.data},{self.expert},{self.model}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        """"DATA,EXPERT,MODEL", or "DATA,MODEL" (expert 1, as the service's --mesh)."""
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise ConfigError(f"--mesh must be DATA,EXPERT,MODEL or DATA,MODEL with positive integers (e.g. 1,4,8 "
+                              f"or 1,8), got {text!r}")
+        values = [int(p) for p in parts]
+        return cls(values[0], 1, values[1]) if len(values) == 2 else cls(*values)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the service is asked to hold beside the weights: slots, the KV pool and a step's rows (a sequence's
+    context is the model config's sequence_len)."""
+
+    dtype: str = "bfloat16"
+    slots: int = 8
+    kv_tokens: int | None = None  # KV pool size in tokens (None: every slot a full context)
+    block_size: int = BLOCK_SIZE
+    step_tokens: int | None = None  # token rows a step (None: the backend's default)
+    draft_tokens: int = 0  # speculative drafts a slot verifies per step
+    # Bytes a table value takes (None: the compute dtype's). Native CPU products keep the checkpoint's bfloat16
+    # (2; held in 13 bits where the values allow it, so 2 is an upper bound).
+    table_itemsize: float | None = None
+
+
+@dataclass(frozen=True)
+class Part:
+    """One kind of bytes on every device of the layout."""
+
+    name: str
+    bytes: int
+    note: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A layout's bytes per device and whether they fit."""
+
+    devices: Devices
+    layout: Layout
+    parts: tuple[Part, ...]
+    kv_per_token: int  # KV bytes per token per device (keys and values, every layer)
+    context: int  # tokens a sequence may hold (the config's sequence_len)
+    block_size: int  # tokens per KV block
+    problems: tuple[str, ...] = ()  # why the layout cannot run at all (axes that do not divide)
+
+    @property
+    def used(self) -> int:
+        return sum(p.bytes for p in self.parts)
+
+    @property
+    def left(self) -> int:
+        return self.devices.memory - self.used
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems and self.left >= 0
+
+    @property
+    def runs_today(self) -> bool:
+        return self.layout.runs_today
+
+    def part(self, name: str) -> int:
+        return next(p.bytes for p in self.parts if p.name == name)
+
+    @property
+    def max_sequences(self) -> int:
+        """Full-context sequences a KV pool could hold in what is left beside everything else (pool included;
+        the pool's scratch block counted)."""
+        room = self.left + self.part("kv pool")
+        block = self.block_size * self.kv_per_token
+        return max(0, (room // block - 1) // -(-self.context // self.block_size)) if block else 0
+
+    def reason(self) -> str:
+        """Why it does not fit, in numbers ('' when it does)."""
+        if self.problems:
+            return "; ".join(self.problems)
+        if self.left >= 0:
+            return ""
+        listed = ", ".join(f"{p.name} {size_text(p.bytes)}" for p in self.parts if p.bytes)
+        return (f"{size_text(self.used)} a device ({listed}) exceeds the {size_text(self.devices.memory)} of one "
+                f"{self.devices.kind} device by {size_text(-self.left)} on mesh data,expert,model = {self.layout}")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"devices": self.devices.name, "device_memory": self.devices.memory, "mesh": str(self.layout),
+                "mesh_axes": ["data", "expert", "model"], "runs_today": self.runs_today,
+                "per_device": {p.name: p.bytes for p in self.parts}, "notes": {p.name: p.note for p in self.parts},
+                "used": self.used, "left": self.left, "fits": self.fits, "problems": list(self.problems),
+                "kv_per_token": self.kv_per_token, "max_sequences": self.max_sequences, "context": self.context}
+
+
+def size_text(n: int) -> str:
+    """Bytes in decimal GB from 0.1 GB, else MB from 0.1 MB, else kB."""
+    for unit, scale in (("GB", GB), ("MB", 10**6)):
+        if abs(n) >= scale // 10:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1000:.1f} kB"
+
+
+class _Axes:
+    """The mesh shape fit_spec reads (`mesh.shape[axis]`), without devices."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.shape = {DATA: layout.data, MODEL: layout.model}
+
+
+def _shard_elements(shape: tuple[int, ...], spec: PartitionSpec, layout: Layout) -> int:
+    """Elements of one device's shard of an array `spec` splits, as the service's shardings split it (fit_spec:
+    an axis that does not divide its dimension leaves it whole)."""
+    axes = _Axes(layout)
+    fitted = fit_spec(spec, shape, axes)  # type: ignore[arg-type]
+    entries = list(fitted) + [None] * (len(shape) - len(fitted))
+    return math.prod(dim // (axes.shape[e] if e else 1) for dim, e in zip(shape, entries))
+
+
+def _leaves(spec: TensorSpec, dtype: str, table_itemsize: float | None = None
+            ) -> Iterator[tuple[str, str, tuple[int, ...], float, int]]:
+    """(part, path, shape, itemsize, copies) of the in-memory arrays params.to_internal makes of a leaf: int8
+    matrices column-parallel transposed [N, K], float32 scales [blocks, N], one pair per expert; the table in the
+    compute dtype; everything else float32."""
+    base = f"{spec.module}/{spec.name}"
+    if spec.quantized:
+        k, n = spec.shape[-2:]
+        weight = (n, k) if spec.blocks == 1 else (k, n)
+        experts = len(spec.shape) == 3
+        path = f"{base}/experts/0" if experts else base
+        kind = "experts" if experts else "attention"
+        copies = spec.shape[0] if experts else 1
+        yield kind, f"{path}/weight", weight, 1, copies
+        yield "scales", f"{path}/scales", (spec.blocks, n), 4, copies
+    elif spec.module == EMBED:
+        yield "table", base, spec.shape, table_itemsize or ITEMSIZE[dtype], 1
+    else:
+        yield "router and norms", base, spec.shape, 4, 1
+
+
+def weight_bytes(cfg: ModelConfig, layout: Layout, dtype: str, table_itemsize: float | None = None) -> dict[str, int]:
+    """Bytes per device of each weight part: experts (int8), attention (int8), scales, router and norms, table."""
+    totals = {"experts": 0, "attention": 0, "scales": 0, "router and norms": 0, "table": 0}
+    per_group = -(-cfg.model.num_experts // layout.expert)  # experts each expert group holds
+    for spec in tensor_specs(cfg):
+        for part, path, shape, itemsize, copies in _leaves(spec, dtype, table_itemsize):
+            held = per_group if copies > 1 else 1
+            totals[part] += int(held * _shard_elements(shape, spec_for_path(path), layout) * itemsize)
+    return totals
+
+
+def kv_per_token(cfg: ModelConfig, layout: Layout, dtype: str, block_size: int = BLOCK_SIZE) -> int:
+    """KV bytes a token takes on each device: keys and values of every layer, KV heads split over `model` when
+    it divides them (sharding.POOL_SPEC), replicated over data and expert."""
+    t = cfg.model
+    block = (1, t.num_kv_heads, block_size, t.key_size)
+    per_block = _shard_elements(block, POOL_SPEC, layout) * ITEMSIZE[dtype]
+    return t.num_layers * 2 * per_block // block_size
+
+
+def pool_blocks(cfg: ModelConfig, work: Workload) -> int:
+    """The pool's blocks (the engine's: --kv-tokens, else every slot a full context), without the scratch block."""
+    if work.kv_tokens is not None:
+        return -(-work.kv_tokens // work.block_size)
+    return work.slots * -(-cfg.sequence_len // work.block_size)
+
+
+def slot_state_bytes(cfg: ModelConfig, work: Workload) -> int:
+    """engine_state.SlotState on every device (replicated): per slot a mask, prompt flags and draw counts over
+    the vocabulary ([S, V] bool, bool, int32), its key, sampling settings and controls."""
+    v = cfg.vocab_size
+    per_slot = (v + v + 4 * v) + 8 + 4 + (4 + 4 + 1 + 4) + (5 * 4 + MAX_LOGIT_BIAS * 8 + 4 + MAX_ENDS * 4)
+    return work.slots * per_slot
+
+
+def temporary_bytes(cfg: ModelConfig, layout: Layout, work: Workload, cpu: bool = False) -> int:
+    """An estimate of a step's largest live buffers per device: the larger of its two programs' (they run one
+    after the other). The rows program: the rows' activations, one attention chunk's gathered keys and values
+    with three float32 score buffers, one expert's hidden rows and its three matrices widened to the compute
+    dtype (XLA writes a widened copy of an int8 weight before its product), the rows split over data. The draws
+    program: the float32 logits of the draws (three buffers) and four float32 [rows, vocab] buffers of the scored
+    rows' logprobs. On one device XLA-CPU's compiled temporaries were 0.94-0.98 of this (golden, medium); with
+    a model axis less (tests/test_placement.py), so it is an upper bound there."""
+    t, size = cfg.model, ITEMSIZE[work.dtype]
+    rows = max(work.step_tokens or (CPU_STEP_TOKENS if cpu else GENERIC_STEP_TOKENS), work.slots)
+    m = layout.model if t.num_kv_heads % layout.model == 0 else 1
+    q_heads, kv_heads, f = t.num_q_heads // m, t.num_kv_heads // m, t.ffn_size // m
+    chunk = min(KEY_CHUNK, cfg.sequence_len)
+    shard = -(-rows // layout.data)  # the rows program splits its rows over data (sharding.constrain)
+    activations = shard * (4 * t.emb_size + (q_heads + 2 * kv_heads) * t.key_size) * size
+    attention = shard * chunk * (2 * kv_heads * t.key_size * size + 3 * q_heads * 4)
+    expert = shard * 3 * f * size + 3 * f * t.emb_size * size
+    draws = work.slots * (1 + work.draft_tokens)
+    logits = 3 * draws * cfg.vocab_size * 4 + 4 * rows * cfg.vocab_size * 4
+    return max(activations + attention + expert, logits)
+
+
+def layout_problems(cfg: ModelConfig, layout: Layout) -> list[str]:
+    """Why `layout` cannot hold `cfg` at all (the service's validate() for model; experts per expert group)."""
+    t, problems = cfg.model, []
+    if t.num_kv_heads % layout.model or t.num_q_heads % layout.model:
+        problems.append(f"the model axis ({layout.model}) must divide num_kv_heads ({t.num_kv_heads}) and "
+                        f"num_q_heads ({t.num_q_heads})")
+    if t.num_experts % layout.expert:
+        problems.append(f"the expert axis ({layout.expert}) must divide num_experts ({t.num_experts})")
+    return problems
+
+
+def place(cfg: ModelConfig, devices: Devices, layout: Layout, work: Workload) -> Placement:
+    """The bytes per device of `cfg` on `layout` over `devices` (which must hold the layout)."""
+    problems = layout_problems(cfg, layout)
+    if layout.size > devices.count:
+        problems.append(f"mesh {layout} needs {layout.size} devices, {devices.name} has {devices.count}")
+    if work.dtype not in ITEMSIZE:
+        raise ConfigError(f"dtype must be one of {sorted(ITEMSIZE)}, got {work.dtype!r}")
+    w = weight_bytes(cfg, layout, work.dtype, work.table_itemsize)
+    per_token = kv_per_token(cfg, layout, work.dtype, work.block_size)
+    pool = (pool_blocks(cfg, work) + 1) * work.block_size * per_token  # + the scratch block
+    group = f"experts a group: {-(-cfg.model.num_experts // layout.expert)}"
+    parts = (
+        Part("experts", w["experts"], f"int8, {group}, hidden dim split over model ({layout.model})"),
+        Part("attention", w["attention"], f"int8 q/k/v/o, heads split over model ({layout.model}), replicated "
+                                          "over expert and data"),
+        Part("scales", w["scales"], "float32 scales of the int8 matrices"),
+        Part("router and norms", w["router and norms"], "float32, replicated"),
+        Part("table", w["table"], f"{'bfloat16 as stored' if work.table_itemsize else work.dtype} [vocab, emb], "
+                                  "emb split over model"),
+        Part("kv pool", pool, f"{work.dtype}, KV heads split over model, replicated over data and expert "
+                              f"(today's pool spec)"),
+        Part("slot state", slot_state_bytes(cfg, work), "per-slot sampling state, replicated"),
+        Part("temporaries", temporary_bytes(cfg, layout, work, devices.kind == "cpu"),
+             "estimate: the larger of a step's two programs (rows; draws and scores)"),
+    )
+    return Placement(devices, layout, parts, per_token, cfg.sequence_len, work.block_size, tuple(problems))
+
+
+def candidate_layouts(cfg: ModelConfig, count: int) -> list[Layout]:
+    """Layouts over exactly `count` devices, smallest replica (expert x model) first; at equal size expert = 1
+    (what runs today) first, then fewer expert groups."""
+    t = cfg.model
+    found = [Layout(count // (x * m), x, m) for x in range(1, t.num_experts + 1) for m in range(1, t.num_kv_heads + 1)
+             if not t.num_experts % x and not t.num_kv_heads % m and not t.num_q_heads % m and not count % (x * m)]
+    return sorted(found, key=lambda lay: (lay.expert * lay.model, lay.expert, lay.data))
+
+
+def choose(cfg: ModelConfig, devices: Devices, work: Workload, layout: Layout | None = None) -> Placement:
+    """`layout`'s placement, or the smallest layout over all the devices that fits (else the one closest to it)."""
+    if layout is not None:
+        return place(cfg, devices, layout, work)
+    tried = [place(cfg, devices, lay, work) for lay in candidate_layouts(cfg, devices.count)]
+    if not tried:
+        raise ConfigError(f"no layout of {devices.count} devices divides the model's experts and heads")
+    return next((p for p in tried if p.fits), max(tried, key=lambda p: p.left))
+
+
+def max_layers(cfg: ModelConfig, devices: Devices, layout: Layout, work: Workload) -> int:
+    """The most layers of `cfg`'s width that fit `layout` (0: not even one)."""
+    best = 0
+    for layers in range(1, cfg.model.num_layers + 1):
+        if not place(with_layers(cfg, layers), devices, layout, work).fits:
+            break
+        best = layers
+    return best
+
+
+def with_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
+
+
+def check_service(config: ServerConfig) -> Placement:
+    """Refuse, before anything loads, a model service whose weights, pool and step do not fit its devices: raises
+    ConfigError with the numbers. Device memory is what JAX reports (`bytes_limit`), on CPU the host's memory
+    shared by this process's devices."""
+    import jax
+
+    from model_service.config import load_model_config
+    from model_service.loading import kv_blocks
+
+    cfg = load_model_config(config.config)
+    device = jax.local_devices()[0]
+    work = _service_workload(config, cfg, kv_blocks, _native_products(config, device))
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    cpu = device.platform == "cpu"
+    memory = stats["bytes_limit"] if stats and "bytes_limit" in stats else host_memory() // jax.local_device_count()
+    devices = Devices("cpu" if cpu else device.platform, config.mesh.size, memory)
+    p = place(cfg, devices, Layout(config.mesh.data, 1, config.mesh.model), work)
+    if p.problems or p.fits:
+        return p  # a layout that cannot run at all is validate()'s to refuse, with its own message
+    raise ConfigError(f"the model does not fit its devices: {p.reason()}. Use more devices (a larger model axis), "
+                      f"fewer --slots or a smaller --kv-tokens (beside the rest there is room for {p.max_sequences:,} "
+                      f"full {p.context:,}-token sequences), or --dtype bfloat16; "
+                      f"`python -m model_service.placement` computes layouts that fit")
+
+
+def _service_workload(config: ServerConfig, cfg: ModelConfig, kv_blocks: Callable[..., int | None],
+                      native: bool) -> Workload:
+    blocks = kv_blocks(config, cfg, ITEMSIZE.get(config.dtype, 4))
+    drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    step_tokens = config.step_tokens or (GENERIC_STEP_TOKENS if config.backend == "generic" else None)
+    return Workload(config.dtype, config.slots, None if blocks is None else blocks * config.block_size,
+                    config.block_size, step_tokens, drafts, 2.0 if native else None)
+
+
+def _native_products(config: ServerConfig, device: Any) -> bool:
+    """Whether the service will pack its weights for the native CPU kernel (backend.choose_products' choice)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from model_service.backend import choose_products
+
+    if device.platform != "cpu" or config.backend == "generic":
+        return False
+    try:
+        return choose_products(config.products, Mesh(np.array([device]), ("one",)), config.dtype).native
+    except ValueError:
+        return False  # a choice that cannot run: the service refuses it itself, with its own message
