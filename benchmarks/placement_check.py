@@ -62,11 +62,14 @@ def predict(cfg: ModelConfig, mesh: MeshConfig, work: Workload) -> Placement:
 
 
 def compiled_temporaries(engine: Any, state: Any) -> dict[str, int]:
-    """XLA's own temporaries of a full step's two programs on this platform (compiled, not run:
+    """XLA's own temporaries of a full step's programs (two on CPU, one on accelerators) on this platform (compiled, not run:
     `memory_analysis().temp_size_in_bytes`)."""
     tables = np.full((engine.slots, engine.table_len), engine.num_blocks, np.int32)
     batch = dataclasses.replace(empty_batch(engine.max_rows, engine.max_samples, tables), rows=engine.max_rows)
     rows, draws = engine.run_args(batch)
+    if engine.one_program:  # accelerators: one program a step (its largest bucket is the step's rows)
+        step = engine._program.lower(engine.params, state, *rows, *draws)
+        return {"step": int(step.compile().memory_analysis().temp_size_in_bytes)}
     h = jax.ShapeDtypeStruct((engine.max_rows, engine.model_config.model.emb_size), engine.model.dtype)
     programs = {"rows": engine._rows.lower(engine.params, state.pools, state.slots.last, *rows),
                 "draws": engine._draws.lower(engine.head_params, state.slots, h, *draws)}

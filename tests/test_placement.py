@@ -121,11 +121,11 @@ def test_one_v5e_holds_two_layers_of_grok1_width() -> None:
 
 
 def test_constants_are_the_engines() -> None:
-    assert (backend.GENERIC_STEP_TOKENS, backend.CPU_STEP_TOKENS) == (256, 64)
     assert (model.KEY_CHUNK, model.BLOCK_SIZE) == (128, 16)
     from model_service import placement
 
-    assert (placement.GENERIC_STEP_TOKENS, placement.CPU_STEP_TOKENS) == (256, 64)
+    assert (placement.GENERIC_STEP_TOKENS, placement.CPU_STEP_TOKENS) == (backend.GENERIC_STEP_TOKENS,
+                                                                         backend.CPU_STEP_TOKENS)
     assert (placement.KEY_CHUNK, placement.BLOCK_SIZE) == (model.KEY_CHUNK, model.BLOCK_SIZE)
     assert placement.MAX_ENDS == sampling_settings.MAX_ENDS
 
@@ -177,3 +177,4 @@ def test_estimated_temporaries_bound_xlas_compiled_ones(config, mesh, dtype, low
     report = check(load_model_config(str(config)), mesh, dtype, 8, temporaries=True)
     ratio = report["temporaries"]["compiled_over_predicted"]
     assert low <= ratio <= 1.0, report["temporaries"]
+
