@@ -13,7 +13,12 @@ accelerator is how that program computes, and it is all here:
   native_sampling  the sampler's nucleus threshold and its list of kept entries (the draw's noise for those only)
               from the native kernels (one device, native products);
   vectorised_sampling  the sampler mapped over a step's draws at once (accelerators) rather than one draw
-              after another (CPU: a draw's unused branches then cost nothing).
+              after another (CPU: a draw's unused branches then cost nothing);
+  moe         how the experts run (model/moe.py, model/grouped.py): "cond" (CPU: the native grouped product, or a
+              conditional per expert; experts one buffer each), "pallas" (one TPU device: the Pallas grouped
+              product over expert-sorted rows, int8 widened in its tiles) or "ragged" (other single devices: XLA's
+              ragged_dot over the same stacked experts). The grouped forms load the experts stacked
+              (weights.GroupedWeight); a generic mesh of several devices keeps "cond".
 
 `choose_backend("cpu" | "generic" | "auto", ...)`: "cpu" is what a CPU runs best (native products where the
 kernels built, per-row attention, tiles of CPU_TILE rows); "generic" is what an accelerator runs (XLA's
@@ -52,6 +57,12 @@ class Backend:
     step_tokens: int
     native_sampling: bool
     vectorised_sampling: bool = False
+    moe: str = "cond"
+
+    @property
+    def stacked_experts(self) -> bool:
+        """Whether the experts load stacked, one int8 buffer per matrix (weights.GroupedWeight)."""
+        return self.moe != "cond"
 
 
 def platform(mesh: Mesh) -> str:
@@ -111,4 +122,14 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
         raise ValueError(f"a tile holds at least one row, got {tile}")
     rows = -(-rows // tile) * tile
     native = chosen.native and mesh.size == 1
-    return Backend(name, chosen, attention, tile, rows, native, vectorised_sampling=name == "generic")
+    return Backend(name, chosen, attention, tile, rows, native, vectorised_sampling=name == "generic",
+                   moe=choose_moe(name, mesh))
+
+
+def choose_moe(name: str, mesh: Mesh) -> str:
+    """Backend.moe for backend `name` on `mesh`: the Pallas kernel where it runs (one TPU device), XLA's grouped
+    form on other single devices; per-expert conditionals on CPU and on generic meshes of several devices (the
+    kernel runs on one device's experts)."""
+    if name == "cpu" or mesh.size > 1:
+        return "cond"
+    return "pallas" if platform(mesh) == "tpu" else "ragged"

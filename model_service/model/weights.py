@@ -68,3 +68,27 @@ class ExpertStack(NamedTuple):
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.count, *self.experts[0].shape)
+
+
+class GroupedWeight(NamedTuple):
+    """An MoE matrix with every expert in one int8 buffer, in the checkpoint's layout, for the grouped products
+    of the generic backend (model/grouped.py): each expert's matrix read in place, never sliced or copied.
+
+    `weight` int8 [E, K, N]; `scales` [E, blocks, N] float32: one block for column-parallel matrices (moe linear
+    and linear_v), 8 consecutive row blocks of K for the row-parallel one (linear_1)."""
+
+    weight: Array  # int8 [E, K, N]
+    scales: Array  # [E, blocks, N]
+
+    @property
+    def blocks(self) -> int:
+        return self.scales.shape[-2]
+
+    @property
+    def count(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The reference's logical shape [E, K, N] (haiku checks parameters against it)."""
+        return tuple(self.weight.shape)
