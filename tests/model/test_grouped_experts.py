@@ -158,7 +158,8 @@ def test_one_row_and_every_row_on_one_expert(mode):
         x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
         gates = jnp.asarray(rng.uniform(0.1, 0.5, (m, 2)), jnp.float32)
         want = experts_by_cond(x, Routing(gates, experts), per_expert, None, Products.DOT)
-        got = experts_sorted(x, experts, gates, GroupedExperts(*stacked), None, mode)
+        got = jax.jit(lambda x, experts, gates: experts_sorted(x, experts, gates, GroupedExperts(*stacked), None,
+                                                              mode))(x, experts, gates)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-6 * np.abs(want).max())
 
 
