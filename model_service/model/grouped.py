@@ -82,15 +82,15 @@ def grouped_product(rows: Array, q: GroupedWeight, group_sizes: Array, mode: str
 
 
 def experts_sorted(x: Array, experts: Array, gates: Array, w: GroupedExperts, active: Array | None,
-                   mode: str) -> Array:
+                   mode: str, tiling: Tiling = TILING) -> Array:
     """sum_k gate_k * expert_k(x) for every row of x [M, D] (experts, gates [M, k]); rows not `active` [M]
-    (None: all active) compute nothing and come out zero."""
+    (None: all active) compute nothing and come out zero. `tiling`: the kernel's tiles (fitted to each matrix)."""
     m, k = experts.shape
     pairs = sort_pairs(experts, gates, active, w.linear.count)
     rows = x[pairs.order // k]  # [P, D] sorted by expert
-    a = grouped_product(rows, w.linear, pairs.group_sizes, mode)
-    b = grouped_product(rows, w.linear_v, pairs.group_sizes, mode)
-    y = grouped_product(jax.nn.gelu(a) * b, w.linear_1, pairs.group_sizes, mode)  # [P, D]
+    a = grouped_product(rows, w.linear, pairs.group_sizes, mode, tiling)
+    b = grouped_product(rows, w.linear_v, pairs.group_sizes, mode, tiling)
+    y = grouped_product(jax.nn.gelu(a) * b, w.linear_1, pairs.group_sizes, mode, tiling)  # [P, D]
     y = y[pairs.inverse].reshape(m, k, -1)  # pair order: row-major, a row's experts in expert order
     # Rows of inactive pairs may hold anything (the kernel never writes them): select, never multiply, them away.
     # The barrier keeps XLA from contracting a gate's multiply and the add after it (experts_by_cond's roundings).
