@@ -80,10 +80,13 @@ def test_bfloat16_grouped_product_rounds_like_the_reference(rows, sizes, k, n, b
     out = grouped_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(weight), jnp.asarray(scales), jnp.asarray(sizes),
                          fit_tiling(rows, k, n, blocks, SMALL), interpret=True)
     assert out.dtype == jnp.bfloat16
-    want = _reference(x, weight, scales, sizes, bf16=True)
+    want = _bf16_values(_reference(x, weight, scales, sizes, bf16=True).astype(np.float32))
     used = sizes.sum()
-    # Only the output's own rounding to bfloat16 (and float32 accumulation) separates the two.
-    np.testing.assert_allclose(np.asarray(out, np.float32)[:used], want[:used], rtol=2 ** -8, atol=1e-6)
+    got = np.asarray(out, np.float32)[:used]
+    # Only the float32 accumulation's order separates the two before the output's rounding to bfloat16: the
+    # rounded values agree (a weight scaled after the dot instead of per element agrees on ~60 % of them).
+    np.testing.assert_allclose(got, want[:used], rtol=2 ** -8, atol=0)
+    assert np.mean(got == want[:used]) >= 0.99
 
 
 def test_the_plan_visits_each_groups_row_tiles_once_in_group_order():

@@ -93,7 +93,7 @@ def _tile_product(x_ref: pl.Ref, w_ref: pl.Ref, scale: Array, tk: int) -> Array:
             wd = (w.astype(jnp.float32) * scale).astype(jnp.bfloat16)  # bf16(int8) * bf16(scale), rounded once
             part = _dot(x, wd)
         else:
-            wb = w.astype(jnp.bfloat16)  # exact
+            wb = w.astype(jnp.float32).astype(jnp.bfloat16)  # exact (through float32: v5e has no bf16 VPU)
             hi, mid, lo = _split3(x.astype(jnp.float32))
             part = _dot(lo, wb) + _dot(mid, wb) + _dot(hi, wb)
         total = part if total is None else total + part
