@@ -40,7 +40,7 @@ from model_service.model.weights import GroupedWeight
 
 WIDTHS = {"grok1": (6144, 32768, 8, 2), "medium": (512, 2736, 8, 2), "small": (256, 688, 8, 2)}  # d, f, E, k
 MEDIUM = pathlib.Path("../shared/bench/medium.json")  # checked against WIDTHS["medium"] where present
-TILINGS = ((128, 1024, 2048), (128, 512, 1024), (128, 2048, 1024), (128, 512, 4096))
+TILINGS = ((128, 1024, 2048), (128, 512, 1024), (64, 1024, 2048), (128, 2048, 2048))  # (tm, tk, tn)
 MATRICES = ((0, 1, 1), (0, 1, 1), (1, 0, 8))  # (K is f?, N is f?, scale blocks): linear, linear_v, linear_1
 
 
