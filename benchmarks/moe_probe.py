@@ -59,8 +59,9 @@ def _matrix(key: jax.Array, e: int, k: int, n: int, blocks: int) -> tuple[jax.Ar
 def stacked_experts(key: jax.Array, d: int, f: int, e: int) -> GroupedExperts:
     out = []
     for i, (k, n, blocks) in enumerate(_shapes(d, f)):
-        make = jax.jit(lambda kk, k=k, n=n, blocks=blocks: jax.vmap(
-            lambda j: _matrix(kk, j, k, n, blocks))(jnp.arange(e)))
+        # lax.map: one expert's temporaries at a time (a vmap would hold [E, K, N] int32 bits: 6.4 GB at Grok-1)
+        make = jax.jit(lambda kk, k=k, n=n, blocks=blocks: jax.lax.map(
+            lambda j: _matrix(kk, j, k, n, blocks), jnp.arange(e)))
         out.append(GroupedWeight(*make(jax.random.fold_in(key, i))))
     return GroupedExperts(*out)
 

@@ -87,13 +87,13 @@ def _tile_product(x_ref: pl.Ref, w_ref: pl.Ref, scale: Array, tk: int) -> Array:
     total = None
     for s in range(0, tk, SUB_ROWS):
         width = min(SUB_ROWS, tk - s)
-        w = w_ref[s:s + width, :]  # int8 [width, tn]
+        w = w_ref[s:s + width, :].astype(jnp.int32).astype(jnp.float32)  # int8 [width, tn], widened exactly
         x = x_ref[:, s:s + width]
         if x.dtype == jnp.bfloat16:
-            wd = (w.astype(jnp.float32) * scale).astype(jnp.bfloat16)  # bf16(int8) * bf16(scale), rounded once
+            wd = (w * scale).astype(jnp.bfloat16)  # bf16(int8) * bf16(scale): the exact product rounded once
             part = _dot(x, wd)
         else:
-            wb = w.astype(jnp.float32).astype(jnp.bfloat16)  # exact (through float32: v5e has no bf16 VPU)
+            wb = w.astype(jnp.bfloat16)  # exact
             hi, mid, lo = _split3(x.astype(jnp.float32))
             part = _dot(lo, wb) + _dot(mid, wb) + _dot(hi, wb)
         total = part if total is None else total + part
@@ -108,9 +108,10 @@ def _kernel(offsets: pl.Ref, group: pl.Ref, tile: pl.Ref, x_ref: pl.Ref, w_ref: 
     scales = s_ref[...].astype(jnp.bfloat16).astype(jnp.float32)  # [B, tn]: the reference's bf16(scale)
     if blocks == 1:
         scale = scales
-    else:  # the tile lies in one row block (tk divides K / B)
-        block = jax.lax.div(kk * tk, block_rows)  # non-negative: no floor correction (and no sign op)
-        pick = jax.lax.broadcasted_iota(jnp.int32, scales.shape, 0) == block
+    else:  # the tile lies in one row block (tk divides K / B): block b holds K tiles b * per .. (b + 1) * per - 1
+        per = block_rows // tk
+        b = jax.lax.broadcasted_iota(jnp.int32, scales.shape, 0)
+        pick = (b * per <= kk) & (kk < (b + 1) * per)  # no scalar division on the chip's scalar unit
         scale = jnp.sum(jnp.where(pick, scales, 0.0), axis=0, keepdims=True)
     bf16 = x_ref.dtype == jnp.bfloat16
 
@@ -131,7 +132,8 @@ def _kernel(offsets: pl.Ref, group: pl.Ref, tile: pl.Ref, x_ref: pl.Ref, w_ref: 
         mine = (row >= offsets[g]) & (row < offsets[g + 1])
         # A row tile shared by two groups is visited once per group in a row: the block stays in VMEM between
         # the visits, each writing only its own group's rows.
-        out_ref[...] = jnp.where(mine, acc.astype(out_ref.dtype), out_ref[...])
+        kept = out_ref[...].astype(jnp.float32)  # selected in float32, as megablox does (v5e has no bf16 VPU)
+        out_ref[...] = jnp.where(mine, acc.astype(out_ref.dtype).astype(jnp.float32), kept).astype(out_ref.dtype)
 
 
 def _check(x: Array, weight: Array, scales: Array, tiling: Tiling) -> None:
