@@ -22,7 +22,7 @@ from model_service import kv_memory
 from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Pools
 from model_service.model.layers import ATTENTION_MODES, Products, QuantizedWeight
-from model_service.model.params import Params, pack_for_native, packable, stack_experts, stackable
+from model_service.model.params import Params, experts_layout, pack_for_native, packable, relayout
 from model_service.model.transformer import HEAD_SCOPE, Step, forward, head, hidden, score
 from model_service.sharding import DATA, MODEL, params_shardings
 
@@ -103,13 +103,14 @@ class GrokModel:
     def pack_params(self, params: Params) -> Params:
         """`params` laid out for this model's backend, each changed leaf a copy placed like a loaded one: with
         native products the packable leaves (params.packable) packed for the kernel; with stacked experts
-        (Backend.stacked_experts) each MoE matrix's experts in one buffer (params.stack_experts). Trees already
-        laid out come back as they are."""
+        (Backend.stacked_experts) each MoE matrix's experts in one buffer, as the grouped form reads it
+        (params.experts_layout). Trees already laid out come back as they are."""
         if self.products.native:
             change, convert = packable, lambda module, leaf: pack_for_native(module, leaf, self.mesh,
                                                                              self.products.int8)
         elif self.backend.stacked_experts:
-            change, convert = stackable, lambda module, leaf: stack_experts(leaf)
+            change, convert = (lambda module, leaf: relayout(leaf, self.moe),
+                               lambda module, leaf: experts_layout(leaf, self.moe))
         else:
             return params
         out: Params = {}

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from model_service.kernels.tpu.grouped_matmul import Tiling, fit_tiling, grouped_matmul
 from model_service.model.weights import GroupedWeight
@@ -67,10 +68,50 @@ def dequantize_stacked(q: GroupedWeight, dtype: jnp.dtype) -> Array:
     return w.reshape(e, k, n)
 
 
+ALIGN = 128  # rows of a row block the kernel's K tiles need (its tiles divide it; lanes of the rows' tiles)
+
+
+def pads(q: GroupedWeight, mode: str) -> bool:
+    """Whether kernel_layout changes q for `mode`."""
+    per = q.weight.shape[1] // q.blocks
+    return mode in ("pallas", "pallas_interpret") and not q.rows and q.blocks > 1 and per % ALIGN != 0
+
+
+def kernel_layout(q: GroupedWeight, mode: str) -> GroupedWeight:
+    """q as `mode` reads it best: for the Pallas kernel a row-parallel matrix whose row blocks are not a multiple
+    of ALIGN rows has each padded with zero rows once (host numpy or device arrays), which the kernel would
+    otherwise copy on every call (medium's linear_1: blocks of 342 rows). Anything else comes back as it is."""
+    if not pads(q, mode):
+        return q
+    e, k, n = q.weight.shape
+    per = k // q.blocks
+    xp = np if isinstance(q.weight, np.ndarray) else jnp
+    padded = xp.pad(q.weight.reshape(e, q.blocks, per, n), ((0, 0), (0, 0), (0, -per % ALIGN), (0, 0)))
+    return GroupedWeight(padded.reshape(e, -1, n), q.scales, rows=k)
+
+
+def logical_weight(q: GroupedWeight) -> GroupedWeight:
+    """q without kernel_layout's padding (the checkpoint's [E, K, N])."""
+    if not q.rows:
+        return q
+    e, k, n = q.weight.shape
+    per = q.rows // q.blocks
+    return GroupedWeight(q.weight.reshape(e, q.blocks, k // q.blocks, n)[:, :, :per].reshape(e, q.rows, n), q.scales)
+
+
+def _pad_rows_like(x: Array, q: GroupedWeight) -> Array:
+    """Rows x [P, K] with zero columns where kernel_layout padded q's row blocks."""
+    if not q.rows:
+        return x
+    per, padded = q.rows // q.blocks, q.weight.shape[1] // q.blocks
+    return jnp.pad(x.reshape(x.shape[0], q.blocks, per), ((0, 0), (0, 0), (0, padded - per))).reshape(x.shape[0], -1)
+
+
 def grouped_product(rows: Array, q: GroupedWeight, group_sizes: Array, mode: str,
                     tiling: Tiling = TILING) -> Array:
     """Sorted rows [P, K] times their groups' matrices -> [P, N] in rows' dtype (rows past the groups: undefined
     with the kernel, zero with ragged_dot)."""
+    rows = _pad_rows_like(rows, q)
     if mode == "ragged":
         precision = jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32 else None  # TPU: not one bf16 pass
         return jax.lax.ragged_dot(rows, dequantize_stacked(q, rows.dtype), group_sizes, precision=precision)

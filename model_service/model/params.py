@@ -14,11 +14,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from model_service.config import ModelConfig
+from model_service.model.grouped import kernel_layout, logical_weight, pads
 from model_service.model.layers import ExpertStack, QuantizedWeight
 from model_service.model.weights import GroupedWeight
 from model_service.model.packed import PackedWeight, pack_experts, pack_float, pack_quantized, pack_table
@@ -147,6 +149,19 @@ def stackable(module: str, leaf: Any) -> bool:
     return isinstance(leaf, ExpertStack) and isinstance(leaf.experts[0], QuantizedWeight)
 
 
+def relayout(leaf: Any, moe: str) -> bool:
+    """Whether experts_layout changes `leaf`."""
+    return stackable("", leaf) or (isinstance(leaf, GroupedWeight) and pads(leaf, moe))
+
+
+def experts_layout(leaf: Any, moe: str) -> Any:
+    """An MoE matrix (per-expert or stacked) as the grouped form `moe` reads it (stack_experts, then
+    grouped.kernel_layout); other leaves unchanged."""
+    if stackable("", leaf):
+        leaf = stack_experts(leaf)
+    return kernel_layout(leaf, moe) if isinstance(leaf, GroupedWeight) else leaf
+
+
 def stack_experts(leaf: ExpertStack) -> GroupedWeight:
     """An MoE matrix's per-expert QuantizedWeights (host arrays) -> one GroupedWeight [E, K, N] in the
     checkpoint's layout (to_internal(stacked=True)'s form)."""
@@ -157,7 +172,8 @@ def stack_experts(leaf: ExpertStack) -> GroupedWeight:
 def to_checkpoint(spec: TensorSpec, leaf: Any) -> Any:
     """An in-memory leaf -> the released layout (numpy array, or (int8 weight, bfloat16 scales))."""
     if spec.quantized and isinstance(leaf, GroupedWeight):
-        return np.ascontiguousarray(np.asarray(leaf.weight)), np.asarray(leaf.scales).astype(ml_dtypes.bfloat16)
+        leaf = logical_weight(jax.tree.map(np.asarray, leaf))
+        return np.ascontiguousarray(leaf.weight), np.asarray(leaf.scales).astype(ml_dtypes.bfloat16)
     if spec.quantized:
         if isinstance(leaf, ExpertStack):
             leaf = QuantizedWeight(np.stack([np.asarray(q.weight) for q in leaf.experts]),

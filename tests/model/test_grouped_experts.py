@@ -13,7 +13,7 @@ from jax import export
 from model_service.backend import choose_backend
 from model_service.config import MeshConfig
 from model_service.kernels.tpu.grouped_matmul import Tiling, fit_tiling, grouped_matmul, plan
-from model_service.model.grouped import GroupedExperts, experts_sorted, sort_pairs
+from model_service.model.grouped import GroupedExperts, experts_sorted, kernel_layout, logical_weight, sort_pairs
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight
 from model_service.model.moe import ExpertWeights, Routing, experts_by_cond
 from model_service.model.weights import GroupedWeight
@@ -183,3 +183,23 @@ def test_the_backend_chooses_the_experts_form():
     generic = choose_backend("generic", one, jnp.float32)
     assert generic.moe == "ragged" and generic.stacked_experts  # CPU: XLA's form (the kernel needs a TPU)
     assert choose_backend("generic", eight, jnp.float32).moe == "cond"
+
+
+def test_row_blocks_padded_once_for_the_kernel_give_the_same_experts():
+    """kernel_layout pads linear_1's row blocks (here 43 rows each) once; the rows meet zero columns there."""
+    rng = np.random.default_rng(9)
+    e, d, f, m = 4, 64, 344, 6
+    _, stacked = _experts(rng, e, d, f)
+    padded = tuple(kernel_layout(q, "pallas") for q in stacked)
+    assert padded[:2] == stacked[:2]  # column-parallel: nothing to pad
+    assert padded[2].weight.shape == (e, 8 * 128, d) and padded[2].shape == (e, f, d) and padded[2].rows == f
+    back = logical_weight(padded[2])
+    np.testing.assert_array_equal(np.asarray(back.weight), np.asarray(stacked[2].weight))
+    assert kernel_layout(stacked[2], "ragged") is stacked[2]
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    gates, experts = _routing(rng, m, e, 2)
+    run = jax.jit(lambda x, w, mode: experts_sorted(x, experts, gates, GroupedExperts(*w), None, mode),
+                  static_argnums=2)
+    want = np.asarray(run(x, stacked, "ragged"))
+    for mode in ("pallas_interpret", "ragged"):
+        np.testing.assert_allclose(np.asarray(run(x, padded, mode)), want, rtol=0, atol=2e-6 * np.abs(want).max())
