@@ -10,7 +10,10 @@ How the grouped product runs is the backend's choice (backend.Backend.moe):
   "pallas"            the Pallas TPU kernel (kernels/tpu/grouped_matmul.py): int8 stays int8 in HBM and is
                       widened inside the kernel's tiles;
   "pallas_interpret"  the same kernel in Pallas interpret mode (tests on CPU);
-  "ragged"            XLA's jax.lax.ragged_dot over the dequantised experts (CPU, and meshes: XLA's own form).
+  "ragged"            XLA's jax.lax.ragged_dot over the dequantised experts (other single devices: CI's generic
+                      backend on CPU).
+For the kernel a row-parallel matrix whose row blocks its tiles cannot divide is padded once when the engine
+lays out its parameters (kernel_layout), not on every call.
 """
 
 from __future__ import annotations
