@@ -203,3 +203,24 @@ def test_row_blocks_padded_once_for_the_kernel_give_the_same_experts():
     want = np.asarray(run(x, stacked, "ragged"))
     for mode in ("pallas_interpret", "ragged"):
         np.testing.assert_allclose(np.asarray(run(x, padded, mode)), want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+@pytest.mark.skipif(jax.default_backend() != "tpu", reason="the compiled kernel needs a TPU (CPU runs it interpreted)")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("k,n,blocks", [(1024, 2048, 1), (4096, 1024, 8)])
+def test_the_compiled_kernel_on_tpu_matches_the_reference(dtype, k, n, blocks):
+    rng = np.random.default_rng(k + blocks)
+    sizes = np.array([40, 0, 3, 0, 0, 70, 1, 0], np.int32)  # 128 rows: empty groups, a one-row group, a tail
+    weight, scales = _matrix(rng, len(sizes), k, n, blocks)
+    x = rng.standard_normal((128, k)).astype(np.float32)
+    out = grouped_matmul(jnp.asarray(x, dtype), jnp.asarray(weight), jnp.asarray(scales), jnp.asarray(sizes),
+                         fit_tiling(128, k, n, blocks, Tiling(64, 512, 1024)))
+    used = sizes.sum()
+    got = np.asarray(out, np.float32)[:used]
+    if dtype == jnp.float32:
+        want = _reference(x, weight, scales, sizes, bf16=False)[:used]
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    else:
+        want = _bf16_values(_reference(x, weight, scales, sizes, bf16=True).astype(np.float32))[:used]
+        np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=0)
+        assert np.mean(got == want) >= 0.99
