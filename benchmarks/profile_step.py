@@ -108,7 +108,7 @@ def build(args: argparse.Namespace) -> tuple[Engine, Any, Any]:
     model = GrokModel(cfg, mesh, jnp.float32)
     # Packed as the model service packs them: with native products the table stays bfloat16, as drawn.
     params = random_params(cfg, mesh, jnp.float32, 0, pack=model.products.native,
-                           int8_table=model.products.int8)
+                           int8_table=model.products.int8, stacked=model.backend.stacked_experts)
     engine = Engine(model, params, cfg, mesh, args.batch)
     state = engine.init_state()
     rng = np.random.default_rng(0)

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = GrokModel(cfg, mesh, dtype, choose_products(args.products, mesh, dtype))
     params, load_s = _timed(lambda: jax.block_until_ready(
         random_params(cfg, mesh, dtype, args.seed, pack=model.products.native,
-                      int8_table=model.products.int8)))
+                      int8_table=model.products.int8, stacked=model.backend.stacked_experts)))
     slots = max(args.batch, args.prompts)
     engine = Engine(model, params, cfg, mesh, slots, step_tokens=args.step_tokens or max(
         args.prompts * args.prompt_len, slots), tile=args.tile)

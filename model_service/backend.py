@@ -19,6 +19,11 @@ accelerator is how that program computes, and it is all here:
   one_program a step is one program (rows, draws and scores together; accelerators) rather than two (CPU);
   exact_f32   float32 products carried to float32 accuracy on a platform whose matrix units multiply float32 in
               one bfloat16 pass by default (TPU): the faithful mode (layers.Products.EXACT).
+  moe         how the experts run (model/moe.py, model/grouped.py): "cond" (CPU: the native grouped product, or a
+              conditional per expert; experts one buffer each), "pallas" (one TPU device: the Pallas grouped
+              product over expert-sorted rows, int8 widened in its tiles) or "ragged" (other single devices: XLA's
+              ragged_dot over the same stacked experts). The grouped forms load the experts stacked
+              (weights.GroupedWeight); a generic mesh of several devices keeps "cond".
 
 `choose_backend("cpu" | "generic" | "auto", ...)`: "cpu" is what a CPU runs best (native products where the
 kernels built, per-row attention, tiles of CPU_TILE rows); "generic" is what an accelerator runs (XLA's
@@ -64,6 +69,12 @@ class Backend:
     row_buckets: tuple[int, ...] = ()
     one_program: bool = False
     exact_f32: bool = False
+    moe: str = "cond"
+
+    @property
+    def stacked_experts(self) -> bool:
+        """Whether the experts load stacked, one int8 buffer per matrix (weights.GroupedWeight)."""
+        return self.moe != "cond"
 
 
 def platform(mesh: Mesh) -> str:
@@ -140,9 +151,18 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
     rows = -(-rows // tile) * tile
     native = chosen.native and mesh.size == 1
     if name == "cpu":
-        return Backend(name, chosen, attention, tile, rows, native)
+        return Backend(name, chosen, attention, tile, rows, native, moe=choose_moe(name, mesh))
     # A bucket runs in tiles of min(tile, bucket) rows: one at least a tile long is rounded up to whole tiles.
     fitted = row_buckets(rows, tuple(b if b < tile else -(-b // tile) * tile
                                      for b in (GENERIC_ROW_BUCKETS if buckets is None else buckets)))
     return Backend(name, chosen, attention, tile, rows, native, vectorised_sampling=True, row_buckets=fitted,
-                   one_program=True, exact_f32=chosen is Products.EXACT)
+                   one_program=True, exact_f32=chosen is Products.EXACT, moe=choose_moe(name, mesh))
+
+
+def choose_moe(name: str, mesh: Mesh) -> str:
+    """Backend.moe for backend `name` on `mesh`: the Pallas kernel where it runs (one TPU device), XLA's grouped
+    form on other single devices; per-expert conditionals on CPU and on generic meshes of several devices (the
+    kernel runs on one device's experts)."""
+    if name == "cpu" or mesh.size > 1:
+        return "cond"
+    return "pallas" if platform(mesh) == "tpu" else "ragged"

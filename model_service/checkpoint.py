@@ -259,10 +259,10 @@ def _placed_expert(spec: TensorSpec, e: int, leaf: Any, mesh: Mesh) -> Any:
 
 
 def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progress: Progress | None = None,
-                pack: bool = False, int8_table: bool = False) -> Params:
+                pack: bool = False, int8_table: bool = False, stacked: bool = False) -> Params:
     """Read `<ckpt_dir>/ckpt-0` into sharded device arrays, one tensor at a time (`pack`: the matrices packed
     for native products, as GrokModel.pack_params would, and the table kept in the checkpoint's type, or with
-    `int8_table` rounded to int8)."""
+    `int8_table` rounded to int8; `stacked`: each MoE matrix's experts in one buffer, Backend.stacked_experts)."""
     specs = tensor_specs(cfg)
     ckpt = pathlib.Path(ckpt_dir) / "ckpt-0"
     _check_layout(ckpt, specs)
@@ -270,7 +270,8 @@ def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progres
     for i, spec in enumerate(specs):
         leaf = read_tensor(ckpt / f"tensor{i:05d}_000", lazy=True, max_bytes=tensor_max_bytes(spec), root=ckpt)
         _check_leaf(spec, leaf, i)
-        set_leaf(params, spec, _placed(spec, to_internal(spec, leaf, dtype, native=pack), mesh, pack, int8_table))
+        internal = to_internal(spec, leaf, dtype, native=pack, stacked=stacked)
+        set_leaf(params, spec, _placed(spec, internal, mesh, pack, int8_table))
         if progress:
             progress(i + 1, len(specs))
     return params
@@ -283,13 +284,16 @@ def random_leaves(cfg: ModelConfig, seed: int) -> Any:
 
 
 def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int, pack: bool = False,
-                  int8_table: bool = False) -> Params:
+                  int8_table: bool = False, stacked: bool = False) -> Params:
     """Random int8-quantized weights, laid out and sharded exactly like a loaded checkpoint of
-    `random_leaves(cfg, seed)`; an MoE matrix is drawn, converted and placed one expert at a time."""
+    `random_leaves(cfg, seed)`; an MoE matrix is drawn, converted and placed one expert at a time (`stacked`:
+    drawn whole and placed as one buffer, as load_params(stacked=True))."""
     rng = np.random.default_rng(seed)
     params: Params = {}
     for spec in tensor_specs(cfg):
-        if spec.quantized and len(spec.shape) == 3:
+        if spec.quantized and len(spec.shape) == 3 and stacked:
+            internal = place_leaf(spec, to_internal(spec, random_leaf(spec, cfg, rng), dtype, stacked=True), mesh)
+        elif spec.quantized and len(spec.shape) == 3:
             internal = _random_experts(spec, rng, mesh, pack)
         else:
             internal = _placed(spec, to_internal(spec, random_leaf(spec, cfg, rng), dtype, native=pack), mesh, pack,

@@ -138,14 +138,15 @@ def load_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     int8_table = model.products.int8  # and the table rounded to int8 with int8 activations
     log.info("backend", extra={"backend": backend.name, "products": backend.products.value,
                                "attention": backend.attention, "tile_rows": backend.tile_rows,
-                               "step_tokens": backend.step_tokens})
+                               "step_tokens": backend.step_tokens, "moe": backend.moe})
     start = time.monotonic()
     if config.checkpoint:
         params = checkpoint.load_params(config.checkpoint, cfg, mesh, dtype, progress=_progress, pack=pack,
-                                        int8_table=int8_table)
+                                        int8_table=int8_table, stacked=backend.stacked_experts)
     else:
         log.warning("serving RANDOM weights (--random-init): outputs are noise")
-        params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed, pack=pack, int8_table=int8_table)
+        params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed, pack=pack, int8_table=int8_table,
+                                          stacked=backend.stacked_experts)
     log.info("weights ready", extra={"seconds": round(time.monotonic() - start, 2), "process_id": jax.process_index(),
                                      "bytes_read": _bytes_read() - read_before})
     blocks = kv_blocks(config, cfg, dtype.itemsize)

@@ -36,6 +36,10 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"moe/(linear|linear_v)/w/experts/[0-9]+/scales$", P(None, MODEL)),  # [1, F]
     (r"moe/linear_1/w/experts/[0-9]+/weight$", P(MODEL, None)),  # [F, D] (row-parallel, not transposed)
     (r"moe/linear_1/w/experts/[0-9]+/scales$", P(None, None)),  # [8, D]
+    # The generic backend's stacked experts (weights.GroupedWeight, the checkpoint's [E, K, N] layout)
+    (r"moe/(linear|linear_v)/w/(weight|scales)$", P(None, None, MODEL)),  # [E, D, F] / [E, 1, F]
+    (r"moe/linear_1/w/weight$", P(None, MODEL, None)),  # [E, F, D]
+    (r"moe/linear_1/w/scales$", P(None, None, None)),  # [E, 8, D]
     # The same matrices packed for the native kernel (packed.PackedWeight): [S*NB, K, 16] / [blocks, S*NB*16].
     (r"(multi_head_attention/(query|key|value)/w|moe/(linear|linear_v)/w/experts/[0-9]+)/packed$",
      P(MODEL, None, None)),  # columns (N) split

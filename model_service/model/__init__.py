@@ -23,7 +23,7 @@ from model_service import kv_memory
 from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Pools
 from model_service.model.layers import ATTENTION_MODES, Products, QuantizedWeight
-from model_service.model.params import Params, pack_for_native, packable
+from model_service.model.params import Params, experts_layout, pack_for_native, packable, relayout
 from model_service.model.transformer import HEAD_SCOPE, Step, forward, head, hidden, score
 from model_service.sharding import DATA, MODEL, params_shardings
 
@@ -87,6 +87,7 @@ class GrokModel:
         self.key_chunk = min(key_chunk, -(-cfg.sequence_len // block_size) * block_size)
         self.table_len = -(-cfg.sequence_len // self.key_chunk) * self.key_chunk // block_size  # entries per slot
         self.attention = backend.attention
+        self.moe = backend.moe
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
         # A row's bits independent of how many rows a serving program holds: the native products and per-row
@@ -101,17 +102,24 @@ class GrokModel:
             lambda h, targets, used, k: score(cfg, h, targets, used, self.products, k)))
 
     def pack_params(self, params: Params) -> Params:
-        """With native products: the same tree with its packable leaves (params.packable) packed for the kernel,
-        each a packed copy placed like a loaded one; packed trees come back as they are. Otherwise `params`."""
-        if not self.products.native:
+        """`params` laid out for this model's backend, each changed leaf a copy placed like a loaded one: with
+        native products the packable leaves (params.packable) packed for the kernel; with stacked experts
+        (Backend.stacked_experts) each MoE matrix's experts in one buffer, as the grouped form reads it
+        (params.experts_layout). Trees already laid out come back as they are."""
+        if self.products.native:
+            change, convert = packable, lambda module, leaf: pack_for_native(module, leaf, self.mesh,
+                                                                             self.products.int8)
+        elif self.backend.stacked_experts:
+            change, convert = (lambda module, leaf: relayout(leaf, self.moe),
+                               lambda module, leaf: experts_layout(leaf, self.moe))
+        else:
             return params
         out: Params = {}
         for module, leaves in params.items():
             out[module] = dict(leaves)
             for name, leaf in leaves.items():
-                if packable(module, leaf):
-                    host = {module: {name: pack_for_native(module, jax.tree.map(np.asarray, leaf), self.mesh,
-                                                           self.products.int8)}}
+                if change(module, leaf):
+                    host = {module: {name: convert(module, jax.tree.map(np.asarray, leaf))}}
                     out[module][name] = jax.device_put(host, params_shardings(host, self.mesh))[module][name]
         return out
 
@@ -176,7 +184,7 @@ class GrokModel:
             out, pools = carry
             part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * tile, tile), rows._replace(tables=None))
             step = Step(part.positions[:, None], None, pools, part.valid, part.seq, rows.tables, self.products,
-                        self.key_chunk, self.attention, self.row_sums)
+                        self.key_chunk, self.attention, self.row_sums, self.moe)
             h, pools = self._hidden.apply(params, part.tokens[:, None], step)
             return jax.lax.dynamic_update_slice_in_dim(out, h[:, 0].astype(out.dtype), i * tile, axis=0), pools
 
@@ -207,7 +215,7 @@ class GrokModel:
         positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], tokens.shape)
         mask = jnp.tril(jnp.ones((n, n), bool))[None] & (tokens != self.cfg.pad_token)[:, None, :]
         with self.precision():
-            return self._forward.apply(params, tokens, Step(positions, mask, products=self.products))
+            return self._forward.apply(params, tokens, Step(positions, mask, products=self.products, moe=self.moe))
 
     def params_shardings(self, params: Params) -> Any:
         return params_shardings(params, self.mesh)

@@ -8,6 +8,8 @@ Tokens are grouped by expert, and experts nobody selected cost nothing:
 - prefill: the (token, expert) pairs are sorted by expert and cut into tiles of `tile` rows that each belong to
   one expert; a loop runs over the used tiles only, multiplying only routed rows.
 A row adds its experts' outputs in expert order.
+Those are the CPU backend's forms (backend.Backend.moe "cond"); the generic backend's (stacked experts, one grouped
+product per matrix, for a step's rows and prefill alike) are in grouped.py.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import jax
 import jax.numpy as jnp
 
 from model_service import kernels
+from model_service.model.grouped import GROUPED_MOE, GroupedExperts, experts_sorted
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product, row_sum
 from model_service.model.packed import PackedWeight
+from model_service.model.weights import GroupedWeight
 
 Array = jax.Array
 
@@ -203,8 +207,11 @@ class MoELayer(hk.Module):
         self.num_experts = num_experts
         self.ffn_size = ffn_size
 
-    def __call__(self, x: Array, routing: Routing, active: Array | None, products: Products) -> Array:
-        """x [B, T, D] -> [B, T, D]. `active` [B] bool (decode only: T == 1, active given) masks free slots' rows."""
+    def __call__(self, x: Array, routing: Routing, active: Array | None, products: Products,
+                 moe: str = "cond") -> Array:
+        """x [B, T, D] -> [B, T, D]. `active` [B] bool (decode only: T == 1, active given) masks free slots' rows.
+        `moe`: the backend's form (backend.Backend.moe): "cond" the CPU's, one of grouped.GROUPED_MOE the
+        generic backend's over stacked experts."""
         b, t, d = x.shape
         e, f = self.num_experts, self.ffn_size
         w = ExpertWeights(
@@ -213,6 +220,16 @@ class MoELayer(hk.Module):
             ParamHolder("linear_1").get("w", (e, f, d)),
         )
         flat = x.reshape(b * t, d)
+        if moe in GROUPED_MOE:
+            if not all(isinstance(q, GroupedWeight) for q in w):
+                raise ValueError(f"moe {moe!r} multiplies stacked experts (weights.GroupedWeight): load them with "
+                                 "checkpoint.load_params(..., stacked=True) or lay them out with "
+                                 "GrokModel.pack_params")
+            rows_active = None if active is None else active.reshape(b * t)
+            out = experts_sorted(flat, routing.experts, routing.gates, GroupedExperts(*w), rows_active, moe)
+            return out.reshape(b, t, d)
+        if moe != "cond":
+            raise ValueError(f"moe must be 'cond' or one of {GROUPED_MOE}, got {moe!r}")
         if active is not None:  # decode
             if grouped_native(w):
                 return experts_grouped(flat, routing, w, active.reshape(b * t), products).reshape(b, t, d)

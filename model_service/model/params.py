@@ -14,12 +14,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from model_service.config import ModelConfig
+from model_service.model.grouped import kernel_layout, logical_weight, pads
 from model_service.model.layers import ExpertStack, QuantizedWeight
+from model_service.model.weights import GroupedWeight
 from model_service.model.packed import PackedWeight, pack_experts, pack_float, pack_quantized, pack_table
 
 Params = dict[str, dict[str, Any]]
@@ -90,13 +93,17 @@ def quantize(w: np.ndarray, blocks: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scale.reshape(*lead, blocks, n)
 
 
-def to_internal(spec: TensorSpec, leaf: Any, dtype: Any, native: bool = False) -> Any:
+def to_internal(spec: TensorSpec, leaf: Any, dtype: Any, native: bool = False, stacked: bool = False) -> Any:
     """A checkpoint leaf (numpy, or (weight, scales) for int8) -> its in-memory numpy form. `native`: the leaf
-    is about to be packed for native products, which read a bfloat16 table as it is stored (exactly)."""
+    is about to be packed for native products, which read a bfloat16 table as it is stored (exactly). `stacked`:
+    an MoE matrix stays one [E, K, N] array in the checkpoint's layout (weights.GroupedWeight, the generic
+    backend's grouped products) instead of one matrix per expert."""
     # Only views, swapaxes and astype here: a checkpoint leaf may be a file_arrays.FileArray whose bytes are
     # read later, device shard by device shard (the copy into device memory makes the layout contiguous).
     if spec.quantized:
         weight, scales = leaf
+        if stacked and "/moe/" in spec.module + "/":
+            return GroupedWeight(weight, scales.astype(np.float32))
         if spec.blocks == 1:
             weight = weight.swapaxes(-1, -2)
         if "/moe/" in spec.module + "/":
@@ -135,6 +142,31 @@ def pack_for_native(module: str, leaf: Any, mesh: Any, int8_table: bool = False)
     if module == EMBED:
         return pack_table(leaf, mesh, int8_table)
     return pack_float(np.asarray(leaf), mesh)
+
+
+def stackable(module: str, leaf: Any) -> bool:
+    """Whether `leaf` is an MoE matrix held one QuantizedWeight per expert (what stack_experts takes)."""
+    return isinstance(leaf, ExpertStack) and isinstance(leaf.experts[0], QuantizedWeight)
+
+
+def relayout(leaf: Any, moe: str) -> bool:
+    """Whether experts_layout changes `leaf`."""
+    return stackable("", leaf) or (isinstance(leaf, GroupedWeight) and pads(leaf, moe))
+
+
+def experts_layout(leaf: Any, moe: str) -> Any:
+    """An MoE matrix (per-expert or stacked) as the grouped form `moe` reads it (stack_experts, then
+    grouped.kernel_layout); other leaves unchanged."""
+    if stackable("", leaf):
+        leaf = stack_experts(leaf)
+    return kernel_layout(leaf, moe) if isinstance(leaf, GroupedWeight) else leaf
+
+
+def stack_experts(leaf: ExpertStack) -> GroupedWeight:
+    """An MoE matrix's per-expert QuantizedWeights (host arrays) -> one GroupedWeight [E, K, N] in the
+    checkpoint's layout (to_internal(stacked=True)'s form)."""
+    weights = [np.swapaxes(q.weight, -1, -2) if q.transposed else q.weight for q in leaf.experts]
+    return GroupedWeight(np.stack(weights), np.stack([np.asarray(q.scales, np.float32) for q in leaf.experts]))
 
 
 EMB_STD = 0.002

@@ -54,6 +54,7 @@ class Step(NamedTuple):
     key_chunk: int = 0  # static, paged: keys are attended in chunks of this many positions
     attention: str = "rows"  # static, paged: "rows" (one row at a time) or "batched" (layers.attend_rows)
     row_sums: bool = False  # static, paged: sums over a row's features in a fixed order (layers.row_sum)
+    moe: str = "cond"  # static: how the experts run (backend.Backend.moe)
 
 
 def _norm(name: str, x: Array, step: Step) -> Array:
@@ -122,7 +123,7 @@ class DecoderLayer(hk.Module):
         router_w = ParamHolder("router").get("w", (d, t.num_experts))
         with jax.named_scope("router"):
             routing = route(moe_in.reshape(b * n, d), router_w, t.num_selected_experts, step.products, step.row_sums)
-        moe_out = MoELayer(t.num_experts, t.ffn_size)(moe_in, routing, step.active, step.products)
+        moe_out = MoELayer(t.num_experts, t.ffn_size)(moe_in, routing, step.active, step.products, step.moe)
         return self._constrain(h + _norm("rms_norm_3", moe_out, step)), kv
 
     def _constrain(self, h: Array) -> Array:

@@ -4,6 +4,7 @@ neither of those two imports the other for its types."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -68,3 +69,35 @@ class ExpertStack(NamedTuple):
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.count, *self.experts[0].shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedWeight:
+    """An MoE matrix with every expert in one int8 buffer, in the checkpoint's layout, for the grouped products
+    of the generic backend (model/grouped.py): each expert's matrix read in place, never sliced or copied.
+
+    `weight` int8 [E, K, N]; `scales` [E, blocks, N] float32: one block for column-parallel matrices (moe linear
+    and linear_v), 8 consecutive row blocks of K for the row-parallel one (linear_1). `rows` (static): 0, or the
+    logical K when each row block of `weight` is padded with zero rows to a length the TPU kernel's tiles divide
+    (grouped.kernel_layout; the weight is then [E, blocks * padded, N])."""
+
+    weight: Array  # int8 [E, K, N] (or [E, blocks * padded, N])
+    scales: Array  # [E, blocks, N]
+    rows: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.scales.shape[-2]
+
+    @property
+    def count(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The reference's logical shape [E, K, N] (haiku checks parameters against it)."""
+        e, k, n = self.weight.shape
+        return (e, self.rows or k, n)
+
+
+jax.tree_util.register_dataclass(GroupedWeight, data_fields=["weight", "scales"], meta_fields=["rows"])

@@ -1,0 +1,146 @@
+"""The generic backend's experts: one grouped product per matrix over expert-sorted (row, expert) pairs.
+
+Every (row, selected expert) pair of a step is a row of its own; the pairs are sorted by expert (pairs of rows
+not `active` after every group, so they select no expert work), and each of the three matrices is one grouped
+product over the stacked experts (weights.GroupedWeight, int8 [E, K, N]): linear and linear_v, the gated GELU,
+then linear_1. The outputs are put back in pair order and each row adds its experts' outputs times their gates
+in expert order, as moe.experts_by_cond does. Only the experts some active row selected are read.
+
+How the grouped product runs is the backend's choice (backend.Backend.moe):
+  "pallas"            the Pallas TPU kernel (kernels/tpu/grouped_matmul.py): int8 stays int8 in HBM and is
+                      widened inside the kernel's tiles;
+  "pallas_interpret"  the same kernel in Pallas interpret mode (tests on CPU);
+  "ragged"            XLA's jax.lax.ragged_dot over the dequantised experts (other single devices: CI's generic
+                      backend on CPU).
+For the kernel a row-parallel matrix whose row blocks its tiles cannot divide is padded once when the engine
+lays out its parameters (kernel_layout), not on every call.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model_service.kernels.tpu.grouped_matmul import Tiling, fit_tiling, grouped_matmul
+from model_service.model.weights import GroupedWeight
+
+Array = jax.Array
+
+GROUPED_MOE = ("pallas", "pallas_interpret", "ragged")
+TILING = Tiling(rows=128, k=1024, n=2048)  # the kernel's default tiles (benchmarks/moe_probe.py measures others)
+
+
+class GroupedExperts(NamedTuple):
+    linear: GroupedWeight  # gelu branch [E, D, F]
+    linear_v: GroupedWeight  # linear branch [E, D, F]
+    linear_1: GroupedWeight  # output [E, F, D], 8 row-block scales
+
+
+class Pairs(NamedTuple):
+    """A step's (row, expert) pairs sorted by expert."""
+
+    order: Array  # [P] pair index (row * k + j) of each sorted position
+    inverse: Array  # [P] sorted position of each pair
+    group_sizes: Array  # [E] int32 active pairs per expert (inactive pairs come after every group)
+    gates: Array  # [M, k] each row's gates, its experts in expert order
+    used: Array  # [M, k] bool: the pair belongs to an active row
+
+
+def sort_pairs(experts: Array, gates: Array, active: Array | None, num_experts: int) -> Pairs:
+    """experts, gates [M, k] (routing) and active [M] bool (None: every row) -> the pairs sorted by expert."""
+    m, k = experts.shape
+    within = jnp.argsort(experts, axis=-1)  # a row's experts in expert order: the order its outputs are added
+    experts = jnp.take_along_axis(experts, within, axis=-1)
+    gates = jnp.take_along_axis(gates, within, axis=-1)
+    used = jnp.ones((m, k), bool) if active is None else jnp.broadcast_to(active[:, None], (m, k))
+    key = jnp.where(used, experts, num_experts).reshape(m * k)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m * k, dtype=jnp.int32))
+    sizes = jnp.sum(key[None, :] == jnp.arange(num_experts, dtype=key.dtype)[:, None], axis=1).astype(jnp.int32)
+    return Pairs(order, inverse, sizes, gates, used)
+
+
+def dequantize_stacked(q: GroupedWeight, dtype: jnp.dtype) -> Array:
+    """dtype(int8) * dtype(scale) for every expert: [E, K, N] (the reference's dequantisation)."""
+    e, k, n = q.weight.shape
+    b = q.blocks
+    w = q.weight.astype(dtype).reshape(e, b, k // b, n) * q.scales[:, :, None, :].astype(dtype)
+    return w.reshape(e, k, n)
+
+
+ALIGN = 128  # rows of a row block the kernel's K tiles need (its tiles divide it; lanes of the rows' tiles)
+
+
+def pads(q: GroupedWeight, mode: str) -> bool:
+    """Whether kernel_layout changes q for `mode`."""
+    per = q.weight.shape[1] // q.blocks
+    return mode in ("pallas", "pallas_interpret") and not q.rows and q.blocks > 1 and per % ALIGN != 0
+
+
+def kernel_layout(q: GroupedWeight, mode: str) -> GroupedWeight:
+    """q as `mode` reads it best: for the Pallas kernel a row-parallel matrix whose row blocks are not a multiple
+    of ALIGN rows has each padded with zero rows once (host numpy or device arrays), which the kernel would
+    otherwise copy on every call (medium's linear_1: blocks of 342 rows). Anything else comes back as it is."""
+    if not pads(q, mode):
+        return q
+    e, k, n = q.weight.shape
+    per = k // q.blocks
+    xp = np if isinstance(q.weight, np.ndarray) else jnp
+    padded = xp.pad(q.weight.reshape(e, q.blocks, per, n), ((0, 0), (0, 0), (0, -per % ALIGN), (0, 0)))
+    return GroupedWeight(padded.reshape(e, -1, n), q.scales, rows=k)
+
+
+def logical_weight(q: GroupedWeight) -> GroupedWeight:
+    """q without kernel_layout's padding (the checkpoint's [E, K, N])."""
+    if not q.rows:
+        return q
+    e, k, n = q.weight.shape
+    per = q.rows // q.blocks
+    return GroupedWeight(q.weight.reshape(e, q.blocks, k // q.blocks, n)[:, :, :per].reshape(e, q.rows, n), q.scales)
+
+
+def _pad_rows_like(x: Array, q: GroupedWeight) -> Array:
+    """Rows x [P, K] with zero columns where kernel_layout padded q's row blocks."""
+    if not q.rows:
+        return x
+    per, padded = q.rows // q.blocks, q.weight.shape[1] // q.blocks
+    return jnp.pad(x.reshape(x.shape[0], q.blocks, per), ((0, 0), (0, 0), (0, padded - per))).reshape(x.shape[0], -1)
+
+
+def grouped_product(rows: Array, q: GroupedWeight, group_sizes: Array, mode: str,
+                    tiling: Tiling = TILING) -> Array:
+    """Sorted rows [P, K] times their groups' matrices -> [P, N] in rows' dtype (rows past the groups: undefined
+    with the kernel, zero with ragged_dot)."""
+    rows = _pad_rows_like(rows, q)
+    if mode == "ragged":
+        precision = jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32 else None  # TPU: not one bf16 pass
+        return jax.lax.ragged_dot(rows, dequantize_stacked(q, rows.dtype), group_sizes, precision=precision)
+    if mode not in ("pallas", "pallas_interpret"):
+        raise ValueError(f"grouped experts run as one of {GROUPED_MOE}, got {mode!r}")
+    p, k = rows.shape
+    fitted = fit_tiling(p, k, q.weight.shape[-1], q.blocks, tiling)
+    return grouped_matmul(rows, q.weight, q.scales, group_sizes, fitted, interpret=mode == "pallas_interpret")
+
+
+def experts_sorted(x: Array, experts: Array, gates: Array, w: GroupedExperts, active: Array | None,
+                   mode: str, tiling: Tiling = TILING) -> Array:
+    """sum_k gate_k * expert_k(x) for every row of x [M, D] (experts, gates [M, k]); rows not `active` [M]
+    (None: all active) compute nothing and come out zero. `tiling`: the kernel's tiles (fitted to each matrix)."""
+    m, k = experts.shape
+    pairs = sort_pairs(experts, gates, active, w.linear.count)
+    rows = x[pairs.order // k]  # [P, D] sorted by expert
+    a = grouped_product(rows, w.linear, pairs.group_sizes, mode, tiling)
+    b = grouped_product(rows, w.linear_v, pairs.group_sizes, mode, tiling)
+    y = grouped_product(jax.nn.gelu(a) * b, w.linear_1, pairs.group_sizes, mode, tiling)  # [P, D]
+    y = y[pairs.inverse].reshape(m, k, -1)  # pair order: row-major, a row's experts in expert order
+    # Rows of inactive pairs may hold anything (the kernel never writes them): select, never multiply, them away.
+    # The barrier keeps XLA from contracting a gate's multiply and the add after it (experts_by_cond's roundings).
+    terms = jax.lax.optimization_barrier(jnp.where(pairs.used[..., None], y * pairs.gates.astype(x.dtype)[..., None],
+                                                   0.0))
+    out = jnp.zeros_like(x)
+    for j in range(k):
+        out = out + terms[:, j]
+    return out
