@@ -123,7 +123,7 @@ def plan(args: argparse.Namespace, tmp: pathlib.Path) -> tuple[list[Program], li
                     "--prompt-rows", args.prompt_rows, "--long-prompt", str(args.long_prompt),
                     "--decode-prompt", str(args.decode_prompt), "--runs", str(args.runs),
                     "--prompt-runs", str(args.prompt_runs), "--long-runs", str(args.long_runs),
-                    "--backend", args.backend),
+                    "--backend", args.backend, "--moe", args.moe),
                     meta=(("config", point), ("dtype", dtype))))
     return programs, notes, configs
 
@@ -187,7 +187,7 @@ def assemble(args: argparse.Namespace, arms: dict[str, pathlib.Path], runs: list
         "arms": {a: {"dir": str(d), "git": results.git_info(d)} for a, d in arms.items()},
         "settings": {"points": args.points, "dtypes": args.dtype, "streams": args.streams,
                      "prompt_rows": args.prompt_rows, "long_prompt": args.long_prompt, "runs": args.runs,
-                     "backend": args.backend,
+                     "backend": args.backend, "moe": args.moe,
                      "bandwidth_bytes_per_s": args.bandwidth, "peak_flops": args.peak_flops,
                      "peak_note": device_bounds.PEAK_NOTE, "f32_atol": args.f32_atol,
                      "jax_platforms": os.environ.get("JAX_PLATFORMS", ""),
@@ -236,6 +236,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=None, help="timed decode steps a point (default 10)")
     p.add_argument("--prompt-runs", type=int, default=5)
     p.add_argument("--long-runs", type=int, default=3)
+    p.add_argument("--moe", default="auto", help="the points' experts, as the model service's --moe")
     p.add_argument("--backend", default="auto", help="the points' engine backend, as the model service's "
                    "--backend (auto: the platform's; generic on CPU runs the accelerators' step)")
     p.add_argument("--f32-atol", type=float, default=1e-4, help="float32 parity's logit bound (the tests' 1e-4)")

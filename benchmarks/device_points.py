@@ -29,12 +29,13 @@ from typing import Any, Callable
 import numpy as np
 
 
-def build(config: str, dtype: str, slots: int, seed: int, backend: str = "auto") -> tuple[Any, float]:
+def build(config: str, dtype: str, slots: int, seed: int, backend: str = "auto",
+          moe: str = "auto") -> tuple[Any, float]:
     """The model service's engine for `config` with random weights, and the seconds its weights took."""
     from model_service.loading import ServerConfig, load_engine, resolve
 
     server = ServerConfig(config=config, checkpoint=None, random_init=True, dtype=dtype, slots=slots,
-                          random_seed=seed, backend=backend)
+                          random_seed=seed, backend=backend, moe=moe)
     start = time.perf_counter()
     engine = load_engine(server, resolve(server))
     import jax
@@ -150,7 +151,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     streams = [int(s) for s in args.streams.split(",") if s]
     count, length = (int(x) for x in args.prompt_rows.split("x")) if args.prompt_rows else (0, 0)
     slots = max(streams + [count, 1])
-    engine, init_s = build(args.config, args.dtype, slots, args.seed, args.backend)
+    engine, init_s = build(args.config, args.dtype, slots, args.seed, args.backend, args.moe)
     begin = time.perf_counter()
     compiled = engine.compile()
     compile_s = time.perf_counter() - begin
@@ -196,6 +197,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--long-runs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="auto", help="as the model service's --backend (auto: the platform's)")
+    p.add_argument("--moe", default="auto", help="as the model service's --moe (auto: the backend's choice)")
     return p
 
 

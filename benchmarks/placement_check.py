@@ -79,7 +79,7 @@ def compiled_temporaries(engine: Any, state: Any) -> dict[str, int]:
 def check(cfg: ModelConfig, mesh: MeshConfig, dtype: str, slots: int, kv_tokens: int | None = None,
           compile_step: bool = False, temporaries: bool = False) -> dict[str, Any]:
     """Load `cfg` with random weights on `mesh`, make the engine's state, and compare per device."""
-    work = Workload(dtype, slots, kv_tokens, step_tokens=GENERIC_STEP_TOKENS)  # the generic backend's step
+    work = Workload(dtype, slots, kv_tokens, step_tokens=GENERIC_STEP_TOKENS, one_program=True)  # the generic step
     predicted = predict(cfg, mesh, work)
     before = in_use()
     server = ServerConfig(config="", checkpoint=None, random_init=True, dtype=dtype, mesh=mesh, slots=slots,

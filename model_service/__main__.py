@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from model_service.config import BACKENDS, PRODUCT_CHOICES, ConfigError, MeshConfig
+from model_service.config import BACKENDS, MOE_CHOICES, PRODUCT_CHOICES, ConfigError, MeshConfig
 from model_service.distributed import DistributedConfig
 from model_service.pacing import DEFAULT_SLOWDOWN
 from serving_common import logs, tracing
@@ -136,6 +136,11 @@ def parser() -> EnvArgumentParser:
                        help="the hardware choices: cpu (native products, per-row attention, small tiles), generic "
                             "(XLA's dot products, batched attention, one tile per step: what a GPU or TPU runs) or "
                             "auto (cpu on a CPU, generic elsewhere)")
+    p.add_env_argument("--moe", choices=MOE_CHOICES, default="auto",
+                       help="how the generic backend runs the experts: pallas (the grouped int8 kernel, one TPU "
+                            "device), ragged (XLA's ragged_dot over expert-sorted rows, the experts widened), cond (a "
+                            "conditional per expert) or auto (pallas on one TPU, ragged on other single devices, "
+                            "cond on meshes and on the cpu backend)")
     p.add_env_argument("--products", choices=PRODUCT_CHOICES, default="auto",
                        help="how token rows meet the weights: native (the int8 CPU kernel built with the package: "
                             "float32 on CPU only), native-int8 (native with each row rounded to int8 per 32 values "
@@ -294,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
         port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, backend=args.backend,
-        products=args.products, kv_tokens=args.kv_tokens, kv_memory=args.kv_memory, block_size=args.block_size,
+        moe=args.moe, products=args.products, kv_tokens=args.kv_tokens, kv_memory=args.kv_memory, block_size=args.block_size,
         prefix_caching=args.prefix_caching == "on", huge_pages=args.huge_pages == "on",
         step_tokens=args.max_num_batched_tokens, prefill_tokens=args.prefill_tokens,
         decode_slowdown=args.decode_slowdown, tile_rows=args.tile_rows,

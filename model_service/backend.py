@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from model_service import kernels
-from model_service.config import BACKENDS, PRODUCT_CHOICES
+from model_service.config import BACKENDS, MOE_CHOICES, PRODUCT_CHOICES
 from model_service.model.layers import Products
 from model_service.model.packed import native_ok
 
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 CPU_TILE = 64  # rows per tile on CPU: fewer would stream the weights more often; idle rows cost next to nothing
 CPU_STEP_TOKENS = 64  # token rows per step on CPU (vLLM's max_num_batched_tokens): one tile
-GENERIC_STEP_TOKENS = 512
+GENERIC_STEP_TOKENS = 1024
 # Row counts the accelerator's step is compiled for (below the step's rows, which is always one): decode of up to
 # 16 / 64 streams, a few short prompts. Each is a program compiled before serving; rows are nearly free on a matrix
 # unit until ~128, so few buckets cost little padding.
@@ -125,9 +125,10 @@ def row_buckets(step_rows: int, buckets: tuple[int, ...] | None = None) -> tuple
 
 def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", slots: int = 1,
                    step_tokens: int | None = None, tile_rows: int | None = None,
-                   buckets: tuple[int, ...] | None = None) -> Backend:
+                   buckets: tuple[int, ...] | None = None, moe: str = "auto") -> Backend:
     """The backend for `mesh` (see the module docstring); `step_tokens` / `tile_rows` override its shape (a step
-    holds at least one row per slot and whole tiles), `buckets` the accelerator's row buckets."""
+    holds at least one row per slot and whole tiles), `buckets` the accelerator's row buckets, `moe` how the
+    generic backend runs the experts (choose_moe)."""
     if choice not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
     name = choice if choice != "auto" else ("cpu" if platform(mesh) == "cpu" else "generic")
@@ -151,18 +152,28 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
     rows = -(-rows // tile) * tile
     native = chosen.native and mesh.size == 1
     if name == "cpu":
-        return Backend(name, chosen, attention, tile, rows, native, moe=choose_moe(name, mesh))
+        return Backend(name, chosen, attention, tile, rows, native, moe=choose_moe(name, mesh, moe))
     # A bucket runs in tiles of min(tile, bucket) rows: one at least a tile long is rounded up to whole tiles.
     fitted = row_buckets(rows, tuple(b if b < tile else -(-b // tile) * tile
                                      for b in (GENERIC_ROW_BUCKETS if buckets is None else buckets)))
     return Backend(name, chosen, attention, tile, rows, native, vectorised_sampling=True, row_buckets=fitted,
-                   one_program=True, exact_f32=chosen is Products.EXACT, moe=choose_moe(name, mesh))
+                   one_program=True, exact_f32=chosen is Products.EXACT, moe=choose_moe(name, mesh, moe))
 
 
-def choose_moe(name: str, mesh: Mesh) -> str:
+def choose_moe(name: str, mesh: Mesh, choice: str = "auto") -> str:
     """Backend.moe for backend `name` on `mesh`: the Pallas kernel where it runs (one TPU device), XLA's grouped
     form on other single devices; per-expert conditionals on CPU and on generic meshes of several devices (the
-    kernel runs on one device's experts)."""
-    if name == "cpu" or mesh.size > 1:
+    kernel runs on one device's experts). `choice` (--moe) other than auto asks for one on the generic backend."""
+    if choice not in MOE_CHOICES:
+        raise ValueError(f"--moe must be one of {', '.join(MOE_CHOICES)}, got {choice!r}")
+    if name == "cpu":
+        return "cond"
+    if choice != "auto":
+        if choice != "cond" and mesh.size > 1:
+            raise ValueError(f"--moe {choice} runs on one device; a mesh of {mesh.size} devices takes --moe cond")
+        if choice == "pallas" and platform(mesh) != "tpu":
+            raise ValueError("--moe pallas runs on a TPU (its kernel compiles for one); use --moe ragged here")
+        return choice
+    if mesh.size > 1:
         return "cond"
     return "pallas" if platform(mesh) == "tpu" else "ragged"

@@ -14,6 +14,7 @@ from typing import Any
 # The model service's hardware choices (backend.py makes them; --backend / --products name them).
 BACKENDS = ("auto", "cpu", "generic")
 PRODUCT_CHOICES = ("auto", "native", "native-int8", "xla")
+MOE_CHOICES = ("auto", "pallas", "ragged", "cond")  # how the generic backend runs the experts (backend.choose_moe)
 
 
 class ConfigError(ValueError):

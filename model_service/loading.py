@@ -41,6 +41,7 @@ class ServerConfig:
     prefix_caching: bool = True
     huge_pages: bool = True  # back the weights and the heap with transparent huge pages once compiled (host_memory)
     backend: str = "auto"  # auto | cpu | generic: the hardware choices (backend.py)
+    moe: str = "auto"  # auto | pallas | ragged | cond: how the generic backend runs the experts (backend.choose_moe)
     products: str = "auto"  # auto | native | xla: how token rows meet the weights on the cpu backend
     step_tokens: int | None = None  # token rows per step (None: engine.choose_shape's default for the platform)
     prefill_tokens: int | None = None  # prompt rows per step while others decode (None: paced, pacing.py)
@@ -97,7 +98,7 @@ def use_huge_pages(config: ServerConfig, engine: Any) -> None:
 
 # The settings a process's programs depend on (beside the model config and JAX's own flags): two processes
 # that agree on these compile the same programs.
-PROGRAM_SETTINGS = ("dtype", "mesh", "slots", "kv_tokens", "kv_memory", "block_size", "prefix_caching", "backend",
+PROGRAM_SETTINGS = ("dtype", "mesh", "slots", "kv_tokens", "kv_memory", "block_size", "prefix_caching", "backend", "moe",
                     "products", "step_tokens", "tile_rows", "speculative")
 
 
@@ -132,7 +133,7 @@ def load_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     read_before = _bytes_read()
     dtype = jnp.dtype(config.dtype)
     backend = choose_backend(config.backend, mesh, dtype, config.products, config.slots, config.step_tokens,
-                             config.tile_rows)
+                             config.tile_rows, moe=config.moe)
     model = GrokModel(cfg, mesh, dtype, block_size=config.block_size, backend=backend)
     pack = model.products.native  # matrices packed for the kernel as they load
     int8_table = model.products.int8  # and the table rounded to int8 with int8 activations

@@ -39,7 +39,7 @@ GB = 10**9
 # a v5e reports 15.7 GiB = 16.9 GB to JAX).
 DEVICE_MEMORY = {"v5e": 16 * GB, "v6e": 32 * GB, "v5p": 95 * GB, "h100": 80 * GB}
 ITEMSIZE = {"bfloat16": 2, "float32": 4}
-GENERIC_STEP_TOKENS, CPU_STEP_TOKENS = 512, 64  # backend.py's token rows a step (generic / cpu; a test keeps them equal)
+GENERIC_STEP_TOKENS, CPU_STEP_TOKENS = 1024, 64  # backend.py's token rows a step (generic / cpu; a test keeps them equal)
 KEY_CHUNK, BLOCK_SIZE = 128, 16  # model/__init__.py: key positions per attention chunk, positions per KV block
 
 
@@ -118,6 +118,9 @@ class Workload:
     # Bytes a table value takes (None: the compute dtype's). Native CPU products keep the checkpoint's bfloat16
     # (2; held in 13 bits where the values allow it, so 2 is an upper bound).
     table_itemsize: float | None = None
+    # The step is one program holding its rows' and its draws' temporaries at once (the generic backend:
+    # accelerators, or --backend generic); None: the backend's default on the devices (generic off CPU).
+    one_program: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -266,14 +269,24 @@ def slot_state_bytes(cfg: ModelConfig, work: Workload) -> int:
     return work.slots * per_slot
 
 
-def temporary_bytes(cfg: ModelConfig, layout: Layout, work: Workload, cpu: bool = False) -> int:
+def widened_experts(cfg: ModelConfig, layout: Layout, kind: str, work: Workload) -> int:
+    """Experts whose matrices a step widens to the compute dtype at once (backend.choose_moe): none with the Pallas
+    kernel (one TPU: it widens tiles), all of them with XLA's ragged_dot (other single devices, generic step), one
+    at a time with a conditional per expert (meshes, the CPU backend)."""
+    if layout.size > 1 or not (kind != "cpu" or work.one_program):
+        return 1
+    return 0 if kind in ("v5e", "v6e", "v5p") else cfg.model.num_experts
+
+
+def temporary_bytes(cfg: ModelConfig, layout: Layout, work: Workload, cpu: bool = False, widened: int = 1) -> int:
     """An estimate of a step's largest live buffers per device: the larger of its two programs' (they run one
     after the other). The rows program: the rows' activations, one attention chunk's gathered keys and values
     with three float32 score buffers, one expert's hidden rows and its three matrices widened to the compute
     dtype (XLA writes a widened copy of an int8 weight before its product), the rows split over data. The draws
     program: the float32 logits of the draws (three buffers) and four float32 [rows, vocab] buffers of the scored
     rows' logprobs. On one device XLA-CPU's compiled temporaries were 0.94-0.98 of this (golden, medium); with
-    a model axis less (tests/test_placement.py), so it is an upper bound there."""
+    a model axis less (tests/test_placement.py), so it is an upper bound there. The accelerators' step is one
+    program holding both parts at once (engine.py), so there they add up."""
     t, size = cfg.model, ITEMSIZE[work.dtype]
     rows = max(work.step_tokens or (CPU_STEP_TOKENS if cpu else GENERIC_STEP_TOKENS), work.slots)
     m = layout.model if t.num_kv_heads % layout.model == 0 else 1
@@ -282,10 +295,13 @@ def temporary_bytes(cfg: ModelConfig, layout: Layout, work: Workload, cpu: bool 
     shard = -(-rows // layout.data)  # the rows program splits its rows over data (sharding.constrain)
     activations = shard * (4 * t.emb_size + (q_heads + 2 * kv_heads) * t.key_size) * size
     attention = shard * chunk * (2 * kv_heads * t.key_size * size + 3 * q_heads * 4)
-    expert = shard * 3 * f * size + 3 * f * t.emb_size * size
+    expert = shard * 3 * f * size + widened * 3 * f * t.emb_size * size
+    if widened != 1:  # the grouped forms: every (row, expert) pair's input, output and gated output at once
+        expert += 3 * shard * t.num_selected_experts * t.emb_size * size
     draws = work.slots * (1 + work.draft_tokens)
     logits = 3 * draws * cfg.vocab_size * 4 + 4 * rows * cfg.vocab_size * 4
-    return max(activations + attention + expert, logits)
+    one_program = (not cpu) if work.one_program is None else work.one_program
+    return activations + attention + expert + logits if one_program else max(activations + attention + expert, logits)
 
 
 def layout_problems(cfg: ModelConfig, layout: Layout) -> list[str]:
@@ -321,7 +337,8 @@ def place(cfg: ModelConfig, devices: Devices, layout: Layout, work: Workload) ->
         Part("kv pool", pool, f"{work.dtype}, KV heads split over model, replicated over data and expert "
                               f"(today's pool spec)"),
         Part("slot state", slot_state_bytes(cfg, work), "per-slot sampling state, replicated"),
-        Part("temporaries", temporary_bytes(cfg, layout, work, devices.kind == "cpu"),
+        Part("temporaries", temporary_bytes(cfg, layout, work, devices.kind == "cpu",
+                                            widened_experts(cfg, layout, devices.kind, work)),
              "estimate: the larger of a step's two programs (rows; draws and scores)"),
     )
     return Placement(devices, layout, parts, per_token, cfg.sequence_len, work.block_size, tuple(problems))
@@ -391,7 +408,8 @@ def _service_workload(config: ServerConfig, cfg: ModelConfig, kv_blocks: Callabl
     drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
     step_tokens = config.step_tokens or (GENERIC_STEP_TOKENS if config.backend == "generic" else None)
     return Workload(config.dtype, config.slots, None if blocks is None else blocks * config.block_size,
-                    config.block_size, step_tokens, drafts, 2.0 if native else None)
+                    config.block_size, step_tokens, drafts, 2.0 if native else None,
+                    True if config.backend == "generic" else None)
 
 
 def _native_products(config: ServerConfig, device: Any) -> bool:
