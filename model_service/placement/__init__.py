@@ -339,7 +339,7 @@ def place(cfg: ModelConfig, devices: Devices, layout: Layout, work: Workload) ->
         Part("slot state", slot_state_bytes(cfg, work), "per-slot sampling state, replicated"),
         Part("temporaries", temporary_bytes(cfg, layout, work, devices.kind == "cpu",
                                             widened_experts(cfg, layout, devices.kind, work)),
-             "estimate: the larger of a step's two programs (rows; draws and scores)"),
+             "estimate: a step's rows, draws and scores (one program off CPU; the larger of two on it)"),
     )
     return Placement(devices, layout, parts, per_token, cfg.sequence_len, work.block_size, tuple(problems))
 
