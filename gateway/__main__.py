@@ -12,7 +12,7 @@ from gateway.auth import load_keys
 from gateway.config import DETOKENIZE_MODES, GatewayConfig, HttpConfig, Limits
 from gateway.server import serve
 from serving_common import logs, tracing
-from serving_common.flags import EnvArgumentParser, port, positive_int
+from serving_common.flags import EnvArgumentParser, add_uds_flag, port, positive_int
 from serving_common.tls import ChannelTLS, server_tls
 
 
@@ -28,6 +28,8 @@ def add_http_flags(parser: EnvArgumentParser) -> None:
     parser.add_env_argument("--http-port", type=port, default=8000,
                             help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, "
                                  "/v1/models, /health); 0 disables it")
+    add_uds_flag(parser, "--http-uds", "serve the HTTP API on this unix socket file instead of --http-port "
+                 "(curl --unix-socket PATH); created owner-only (0600), removed at exit; an existing file is refused")
     parser.add_env_argument("--served-model-name", default="grok-1",
                             help="model id of the HTTP API (/v1/models; requests naming another model get 404)")
     parser.add_env_argument("--chat-template", default=None,
@@ -67,14 +69,15 @@ def backend_tls(args: argparse.Namespace) -> ChannelTLS | None:
 def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser = EnvArgumentParser(env_prefix="GROK_GATEWAY", prog="python -m gateway",
                                description="The public text API in front of the tokenizer and model services.")
-    parser.add_env_argument("--tokenizer", required=True, help="tokenizer service HOST:PORT")
+    parser.add_env_argument("--tokenizer", required=True, help="tokenizer service HOST:PORT or unix:PATH")
     parser.add_env_argument("--model", required=True,
-                            help="model service HOST:PORT, or several comma-separated replicas; a DNS name "
-                                 "resolving to several addresses, or an ipv4:A:P,B:P target, is balanced "
+                            help="model service HOST:PORT or unix:PATH, or several comma-separated replicas; a DNS "
+                                 "name resolving to several addresses, or an ipv4:A:P,B:P target, is balanced "
                                  "round-robin by gRPC")
     parser.add_env_argument("--host", default="127.0.0.1",
                             help="address to listen on, gRPC, HTTP and metrics (0.0.0.0: every interface)")
     parser.add_env_argument("--port", type=port, default=50051, help="gRPC port (0 picks a free one)")
+    add_uds_flag(parser)
     parser.add_env_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics port (0 disables)")
     defaults = Limits()  # each limit's default is declared once, in gateway/config.py
     parser.add_env_argument("--default-max-tokens", type=positive_int, default=defaults.default_max_tokens,
@@ -100,7 +103,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     tracing.add_flag(parser)
     args = parser.parse_args(argv)
     models = split_models(str(args.model))
-    http = HttpConfig(port=args.http_port, model_name=args.served_model_name, chat_template=args.chat_template,
+    http = HttpConfig(port=args.http_port, uds=args.http_uds, model_name=args.served_model_name, chat_template=args.chat_template,
                       timeout_seconds=args.http_timeout)
     try:
         limits = Limits(max_prompt_bytes=args.max_prompt_bytes, max_stop=args.max_stop,
@@ -108,7 +111,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                         max_top_logprobs=args.max_top_logprobs)
         if args.http_timeout < 0:
             raise ValueError("--http-timeout: must be >= 0 seconds (0: no limit)")
-        return GatewayConfig(tokenizer=args.tokenizer, models=models, host=args.host, port=args.port,
+        return GatewayConfig(tokenizer=args.tokenizer, models=models, host=args.host, port=args.port, uds=args.uds,
                              metrics_port=args.metrics_port, grace_seconds=args.grace_seconds,
                              log_level=args.log_level, limits=limits, http=http, detokenize=args.detokenize,
                              api_keys=load_keys(args.api_key, args.api_key_file),
