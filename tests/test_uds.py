@@ -17,7 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving_common import uds
 from serving_common.grpc_server import SERVING
+from serving_common.healthcheck import check
 from serving_common.lifecycle import assemble
+from serving_common.tls import ChannelTLS, ServerTLS
+from tests.certs import make_pki
 from tests.procs import GOLDEN, Service
 
 
@@ -135,3 +138,26 @@ def test_tokenizer_service_refuses_a_stale_socket_by_name(short_dir: pathlib.Pat
     assert "--uds" in logs and str(path) in logs and "stale socket file" in logs, logs
     assert "Traceback" not in logs
     assert stat.S_ISSOCK(os.lstat(path).st_mode)
+
+
+def test_mutual_tls_on_a_unix_socket(short_dir: pathlib.Path) -> None:
+    """TLS works on a socket file as on a port. A unix: target has no host name (gRPC checks the certificate against
+    the path), so a client names the certificate's host (--tls-server-name); without it the handshake fails, and
+    mutual TLS still refuses a client without a certificate."""
+    pki = make_pki(short_dir)
+    path = short_dir / "tls.sock"
+    tls = ServerTLS(str(pki.server_cert), str(pki.server_key), str(pki.ca))
+
+    async def run() -> tuple[bool, ...]:
+        built = assemble("test", "grpc.health.v1.Health", lambda server: None, "127.0.0.1", 0, tls, uds=str(path))
+        await built.server.start()
+        await built.health.set(True)
+        named = ChannelTLS(str(pki.ca), str(pki.client_cert), str(pki.client_key), server_name="localhost")
+        unnamed = ChannelTLS(str(pki.ca), str(pki.client_cert), str(pki.client_key))
+        anonymous = ChannelTLS(str(pki.ca), server_name="localhost")
+        results = await asyncio.gather(*(asyncio.to_thread(check, uds.target(str(path)), "", 5.0, tls)
+                                         for tls in (named, unnamed, anonymous)))
+        await built.server.stop(0)
+        return tuple(results)
+
+    assert asyncio.run(run()) == (True, False, False)
