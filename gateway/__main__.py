@@ -24,6 +24,13 @@ def split_models(value: str) -> tuple[str, ...]:
     return tuple(m.strip() for m in value.split(",") if m.strip())
 
 
+def non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{raw} is negative: use 0 or more")
+    return value
+
+
 def add_http_flags(parser: EnvArgumentParser) -> None:
     parser.add_env_argument("--http-port", type=port, default=8000,
                             help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, "
@@ -98,6 +105,10 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                                  "service per request, or 'local', the same incremental detokenizer in the gateway "
                                  "over the piece table it fetches from the tokenizer service (fewer messages per "
                                  "token; see docs/benchmarks.md)")
+    parser.add_env_argument("--model-streams", type=non_negative_int, default=1,
+                            help="GenerateMany streams to each model replica, shared by its requests: a decode step's "
+                                 "tokens for all of them in one message (0: one Generate call per request, the "
+                                 "older protocol; a replica without GenerateMany gets that anyway)")
     add_http_flags(parser)
     add_security_flags(parser)
     tracing.add_flag(parser)
@@ -116,7 +127,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                              log_level=args.log_level, limits=limits, http=http, detokenize=args.detokenize,
                              api_keys=load_keys(args.api_key, args.api_key_file),
                              tls=server_tls(args.tls_cert, args.tls_key), backend_tls=backend_tls(args),
-                             otlp_endpoint=args.otlp_endpoint)
+                             otlp_endpoint=args.otlp_endpoint, model_streams=args.model_streams)
     except ValueError as error:
         parser.error(str(error))
         raise

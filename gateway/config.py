@@ -66,6 +66,8 @@ class GatewayConfig:
     # "local" (the same detokenizer in the gateway, over the piece table fetched from that service).
     detokenize: str = "remote"
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (serving_common.tracing); None: off
+    # GenerateMany streams to each model replica that its requests share (0: a Generate call per request).
+    model_streams: int = 1
 
     def __post_init__(self) -> None:
         if not self.tokenizer:

@@ -138,6 +138,7 @@ class ModelServer:
         return grammars
 
     async def drain(self) -> None:
+        self.servicer.drain()
         if self.scheduler is not None:
             self.scheduler.close()
 

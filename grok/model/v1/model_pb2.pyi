@@ -145,6 +145,55 @@ class GenerateResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[Token]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: StartRequest
+    cancel: int
+    def __init__(self, start: _Optional[_Union[StartRequest, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
+
+class StartRequest(_message.Message):
+    __slots__ = ("id", "request", "timeout_seconds", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: GenerateRequest
+    timeout_seconds: float
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[RequestUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ...) -> None: ...
+
+class RequestUpdate(_message.Message):
+    __slots__ = ("id", "responses", "ended", "code", "message", "status_details")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    ended: bool
+    code: int
+    message: str
+    status_details: bytes
+    def __init__(self, id: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., ended: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., status_details: _Optional[bytes] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
