@@ -3,7 +3,8 @@
 Presets name the two configurations the project reports (docs/benchmarks.md):
 - `golden`: ../shared/golden (tiny Grok-1 architecture, its checkpoint and its 512-piece tokenizer);
 - `medium`: ../shared/bench/medium.json (Grok-1 architecture scaled down, vocabulary 131,072) with
-  random int8 weights and the real Grok-1 tokenizer from ../shared/grok1-tokenizer.
+  random int8 weights and the real Grok-1 tokenizer from ../shared/grok1-tokenizer;
+- `demo`: the embedded demo model `make run` serves (configs/demo.json, demo/), in the repository.
 Each service runs as `python -m <service>` exactly as deployed, on free ports, or (`uds_dir`) on unix socket
 files in that directory (`--uds`, `--http-uds`: the way the stack runs on a host without TCP); logs go to files.
 """
@@ -51,7 +52,10 @@ def preset(name: str, slots: int = 8, compile_cache: str | None = None) -> Stack
         return StackSpec("medium", str(SHARED / "bench" / "medium.json"),
                          str(SHARED / "grok1-tokenizer" / "tokenizer.model"), None, slots,
                          compile_cache=compile_cache)
-    raise ValueError(f"unknown stack preset {name!r}: golden or medium")
+    if name == "demo":
+        return StackSpec("demo", str(ROOT / "configs" / "demo.json"), str(ROOT / "demo" / "tokenizer.model"),
+                         str(ROOT / "demo" / "checkpoint"), slots, compile_cache=compile_cache)
+    raise ValueError(f"unknown stack preset {name!r}: golden, medium or demo")
 
 
 class Process:
@@ -161,11 +165,13 @@ def start_stack(spec: StackSpec, log_dir: pathlib.Path, timeout: float = 1800.0,
 
 
 def start_gateway(tokenizer: str, model: str, log_dir: pathlib.Path, source: pathlib.Path = ROOT,
-                  timeout: float = 120.0, env: dict[str, str] | None = None) -> Process:
+                  timeout: float = 120.0, env: dict[str, str] | None = None,
+                  endpoint: Endpoint | None = None) -> Process:
     """A gateway in front of running services, run from the source tree `source` (another checkout's
-    code, e.g. the main branch, to measure a change against it in one invocation), with `env` added."""
+    code, e.g. the main branch, to measure a change against it in one invocation), with `env` added;
+    listening on `endpoint` (default: a free TCP port)."""
     gateway = Process("gateway", ["--tokenizer", tokenizer, "--model", model], log_dir, cwd=source,
-                      env={"PYTHONPATH": str(source), **GATEWAY_ENV, **(env or {})})
+                      env={"PYTHONPATH": str(source), **GATEWAY_ENV, **(env or {})}, endpoint=endpoint)
     try:
         gateway.wait_serving(timeout)
     except BaseException:

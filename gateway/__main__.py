@@ -100,11 +100,11 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_env_argument("--grace-seconds", type=float, default=10.0,
                             help="on SIGTERM, how long in-flight requests may finish")
     parser.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_env_argument("--detokenize", default="remote", choices=list(DETOKENIZE_MODES),
-                            help="where generated ids become text: 'remote', a DecodeStream call to the tokenizer "
-                                 "service per request, or 'local', the same incremental detokenizer in the gateway "
-                                 "over the piece table it fetches from the tokenizer service (fewer messages per "
-                                 "token; see docs/benchmarks.md)")
+    parser.add_env_argument("--detokenize", default="local", choices=list(DETOKENIZE_MODES),
+                            help="where generated ids become text: 'local', the tokenizer service's incremental "
+                                 "detokenizer run in the gateway over the piece table it fetches from that service "
+                                 "(no message per token; see docs/benchmarks.md), or 'remote', a DecodeStream call "
+                                 "to the tokenizer service per request")
     parser.add_env_argument("--model-streams", type=non_negative_int, default=1,
                             help="GenerateMany streams to each model replica, shared by its requests: a decode step's "
                                  "tokens for all of them in one message (0: one Generate call per request, the "

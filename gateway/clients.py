@@ -248,17 +248,32 @@ class Replica:
     outstanding: int = 0
     serving: bool = False  # set by the health watch
     lanes: Lanes | None = None  # its GenerateMany streams (None: a Generate call per request)
+    serves_many: bool | None = None  # its GetInfo announced GenerateMany (None: not asked yet)
 
-    def call(self, request: model_pb2.GenerateRequest, deadline: float | None,
-             metadata: Metadata) -> grpc.aio.UnaryStreamCall | ManyCall:
-        if self.lanes is not None:
+    async def call(self, request: model_pb2.GenerateRequest, deadline: float | None,
+                   metadata: Metadata) -> grpc.aio.UnaryStreamCall | ManyCall:
+        if self.lanes is not None and self.serves_many is None:
+            self.serves_many = await self._announces_many(deadline)
+        if self.lanes is not None and self.serves_many:
             return self.lanes.start(request, deadline, metadata)
         return self.stub.Generate(request, timeout=remaining(deadline), metadata=metadata)
+
+    async def _announces_many(self, deadline: float | None) -> bool | None:
+        """Whether the replica serves GenerateMany, as its GetInfo says (an older version says nothing: a Generate
+        call per request); None when it did not answer (asked again next time; this request uses Generate)."""
+        try:
+            info = await self.stub.GetInfo(model_pb2.GetInfoRequest(), timeout=remaining(deadline))
+        except grpc.aio.AioRpcError:
+            return None
+        if not info.generate_many:
+            log.warning("model replica does not serve GenerateMany (an older version?): a Generate call per request",
+                        extra={"replica": self.address})
+        return info.generate_many
 
     async def first(self, request: model_pb2.GenerateRequest, deadline: float | None,
                     metadata: Metadata) -> tuple[grpc.aio.UnaryStreamCall | ManyCall, object]:
         """Start the request here and read its first response (AioRpcError as the call raised it)."""
-        call = self.call(request, deadline, metadata)
+        call = await self.call(request, deadline, metadata)
         try:
             return call, await call.read()
         except grpc.aio.AioRpcError as error:
@@ -267,11 +282,10 @@ class Replica:
         except BaseException:
             call.cancel()
             raise
-        if self.lanes is not None:  # the first of the requests that were on its stream to find out
-            log.warning("model replica has no GenerateMany (an older version?): a Generate call per request",
+        if self.serves_many:  # the first of the requests that were on its stream to find out
+            log.warning("model replica has no GenerateMany after all: a Generate call per request",
                         extra={"replica": self.address})
-            self.lanes.close()
-            self.lanes = None
+            self.serves_many = False  # the replica ended the stream: every request on it gets UNIMPLEMENTED too
         return await self.first(request, deadline, metadata)
 
 

@@ -62,9 +62,9 @@ class GatewayConfig:
     health_retry_seconds: float = 0.5
     # Tokenizer calls are retried on UNAVAILABLE this many times (cheap, idempotent calls).
     tokenizer_retries: int = 2
-    # Where generated ids become text: "remote" (the tokenizer service's DecodeStream, per request) or
-    # "local" (the same detokenizer in the gateway, over the piece table fetched from that service).
-    detokenize: str = "remote"
+    # Where generated ids become text: "local" (the tokenizer service's detokenizer run in the gateway, over the
+    # piece table fetched from that service: no message per token) or "remote" (its DecodeStream, per request).
+    detokenize: str = "local"
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (serving_common.tracing); None: off
     # GenerateMany streams to each model replica that its requests share (0: a Generate call per request).
     model_streams: int = 1

@@ -24,7 +24,7 @@ import collections
 import ipaddress
 import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import grpc
 
@@ -132,7 +132,11 @@ class Lane:
         self.opened_at = asyncio.get_running_loop().time()
         self.retiring = False
         self.closed = False
-        self.call = stub.GenerateMany(self._messages())
+        # Written by one task of ours, not from a request iterator: a write that finds the call ended (a replica
+        # without GenerateMany ends it at once) then fails here alone, instead of turning the call's status
+        # into gRPC's INTERNAL "Internal error from Core".
+        self.call = stub.GenerateMany()
+        self.writer = asyncio.create_task(self._write())
         self.reader = asyncio.create_task(self._read())
 
     @property
@@ -141,9 +145,13 @@ class Lane:
             self.retire()
         return not self.closed and not self.retiring
 
-    async def _messages(self) -> AsyncIterator[model_pb2.GenerateManyRequest]:
-        while (message := await self.outgoing.get()) is not _CLOSE:
-            yield message  # type: ignore[misc]
+    async def _write(self) -> None:
+        try:
+            while (message := await self.outgoing.get()) is not _CLOSE:
+                await self.call.write(message)
+            await self.call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as error:
+            log.debug("model stream write failed", extra={"replica": self.address, "error": str(error)})
 
     def start(self, request: model_pb2.GenerateRequest, deadline: float | None,
               metadata: Sequence[tuple[str, str]]) -> ManyCall:
@@ -199,6 +207,7 @@ class Lane:
     def close(self) -> None:
         self.closed = True
         self.call.cancel()
+        self.writer.cancel()
         self.reader.cancel()
 
 

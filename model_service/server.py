@@ -56,7 +56,7 @@ def make_info(config: ServerConfig, cfg: ModelConfig) -> model_pb2.GetInfoRespon
         mesh_data=config.mesh.data, mesh_model=config.mesh.model, slots=config.slots,
         dtype=config.dtype, max_queue=config.max_queue,
         checkpoint=config.checkpoint or "", random_weights=not config.checkpoint,
-        platform=devices[0].platform if devices else "", device_count=len(devices))
+        platform=devices[0].platform if devices else "", device_count=len(devices), generate_many=True)
 
 
 class ModelServer:

@@ -11,6 +11,7 @@ import os
 import pathlib
 import re
 import socket
+import shutil
 import stat
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import pytest
 
 from gateway.client import GatewayClient
 from serving_common.processes import unix_endpoint
-from tests.procs import GOLDEN, ROOT, Service
+from tests.procs import GOLDEN, ROOT, Service, grpcurl
 from tests.waiting import wait_until
 
 
@@ -175,3 +176,21 @@ def test_stopped_services_remove_their_sockets() -> None:
             codes = [gateway.terminate(), service.terminate()]
         assert codes == [0, 0], gateway.logs()
         assert not [p.name for p in directory.iterdir() if p.name.endswith(".sock")]
+
+
+def test_health_reflection_and_curl_reach_the_sockets(stack: UnixStack) -> None:
+    """What docs/running.md shows: the healthcheck CLI on unix:PATH, grpcurl -unix (reflection) and
+    curl --unix-socket."""
+    model_path = stack.model.address.removeprefix("unix:")
+    health = subprocess.run([sys.executable, "-m", "serving_common.healthcheck", stack.model.address], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert health.returncode == 0 and health.stdout.strip() == "SERVING", health
+    listed = grpcurl("-plaintext", "-unix", model_path, "list")
+    assert listed.returncode == 0 and "grok.model.v1.ModelService" in listed.stdout, listed
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    done = subprocess.run(["curl", "-s", "--unix-socket", stack.http_uds, "http://localhost/v1/completions", "-H",
+                           "content-type: application/json", "-d",
+                           '{"model": "grok-1", "prompt": "The", "max_tokens": 3}'],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and json.loads(done.stdout)["usage"]["completion_tokens"] >= 1, done

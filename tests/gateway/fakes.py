@@ -115,15 +115,14 @@ def continuation(prompt: list[int]) -> list[int]:
 
 
 class FakeModel(model_pb2_grpc.ModelServiceServicer):
-    """Generate, and GenerateMany over the same requests (model_service.many, as the real service serves it)
-    unless `legacy` (an older service without it)."""
+    """Generate, and GenerateMany over the same requests (model_service.many, as the real service serves it)."""
 
     def __init__(self, slots: int, delay: float, group: int = 1, legacy: bool = False) -> None:
+        self.legacy = legacy  # as an older version: no GenerateMany, and GetInfo does not announce it
         self.free = slots
         self.slots = slots
         self.delay = delay
         self.group = group
-        self.legacy = legacy
         self.draining = asyncio.Event()  # never set: the fake does not drain
 
     async def Generate(self, request: model_pb2.GenerateRequest,
@@ -136,8 +135,6 @@ class FakeModel(model_pb2_grpc.ModelServiceServicer):
 
     async def GenerateMany(self, request_iterator: AsyncIterator[model_pb2.GenerateManyRequest],
                            context: Context) -> AsyncIterator[model_pb2.GenerateManyResponse]:
-        if self.legacy:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         log.info("many stream opened")
         stream = ManyStream(lambda request, timeout, trace_context: self._request(request), self.draining)
         async for message in stream.messages(request_iterator):
@@ -188,7 +185,24 @@ class FakeModel(model_pb2_grpc.ModelServiceServicer):
     async def GetInfo(self, request: model_pb2.GetInfoRequest, context: Context) -> model_pb2.GetInfoResponse:
         return model_pb2.GetInfoResponse(
             config=model_pb2.ModelConfig(vocab_size=VOCAB, pad_token=0, eos_token=EOS, sequence_len=CONTEXT),
-            slots=self.slots, prefill_buckets=[32, 64], dtype="float32", random_weights=True, platform="fake")
+            slots=self.slots, prefill_buckets=[32, 64], dtype="float32", random_weights=True, platform="fake",
+            generate_many=not self.legacy)
+
+
+def add_model(model: FakeModel, server: grpc.aio.Server, legacy: bool) -> None:
+    """The fake's ModelService; `legacy`: without GenerateMany, which gRPC then answers UNIMPLEMENTED itself,
+    as a model service of an older version does."""
+    if not legacy:
+        model_pb2_grpc.add_ModelServiceServicer_to_server(model, server)
+        return
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            model.Generate, request_deserializer=model_pb2.GenerateRequest.FromString,
+            response_serializer=model_pb2.GenerateResponse.SerializeToString),
+        "GetInfo": grpc.unary_unary_rpc_method_handler(
+            model.GetInfo, request_deserializer=model_pb2.GetInfoRequest.FromString,
+            response_serializer=model_pb2.GetInfoResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("grok.model.v1.ModelService", handlers),))
 
 
 async def serve(kind: str, port: int, slots: int, delay: float, legacy: bool, group: int = 1) -> None:
@@ -197,7 +211,7 @@ async def serve(kind: str, port: int, slots: int, delay: float, legacy: bool, gr
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(FakeTokenizer(legacy), server)
         name = "grok.tokenizer.v1.TokenizerService"
     else:
-        model_pb2_grpc.add_ModelServiceServicer_to_server(FakeModel(slots, delay, group, legacy), server)
+        add_model(FakeModel(slots, delay, group, legacy), server, legacy)
         name = "grok.model.v1.ModelService"
     health = add_health_and_reflection(server, [name])
     bound = bind(server, "127.0.0.1", port)

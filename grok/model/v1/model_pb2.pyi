@@ -235,7 +235,7 @@ class ModelConfig(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., pad_token: _Optional[int] = ..., eos_token: _Optional[int] = ..., sequence_len: _Optional[int] = ..., embedding_init_scale: _Optional[float] = ..., output_multiplier_scale: _Optional[float] = ..., embedding_multiplier_scale: _Optional[float] = ..., emb_size: _Optional[int] = ..., widening_factor: _Optional[float] = ..., key_size: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_layers: _Optional[int] = ..., attn_output_multiplier: _Optional[float] = ..., num_experts: _Optional[int] = ..., num_selected_experts: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("config", "mesh_data", "mesh_model", "slots", "prefill_buckets", "dtype", "max_queue", "checkpoint", "random_weights", "platform", "device_count")
+    __slots__ = ("config", "mesh_data", "mesh_model", "slots", "prefill_buckets", "dtype", "max_queue", "checkpoint", "random_weights", "platform", "device_count", "generate_many")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     MESH_DATA_FIELD_NUMBER: _ClassVar[int]
     MESH_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class GetInfoResponse(_message.Message):
     RANDOM_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_MANY_FIELD_NUMBER: _ClassVar[int]
     config: ModelConfig
     mesh_data: int
     mesh_model: int
@@ -258,4 +259,5 @@ class GetInfoResponse(_message.Message):
     random_weights: bool
     platform: str
     device_count: int
-    def __init__(self, config: _Optional[_Union[ModelConfig, _Mapping]] = ..., mesh_data: _Optional[int] = ..., mesh_model: _Optional[int] = ..., slots: _Optional[int] = ..., prefill_buckets: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., max_queue: _Optional[int] = ..., checkpoint: _Optional[str] = ..., random_weights: _Optional[bool] = ..., platform: _Optional[str] = ..., device_count: _Optional[int] = ...) -> None: ...
+    generate_many: bool
+    def __init__(self, config: _Optional[_Union[ModelConfig, _Mapping]] = ..., mesh_data: _Optional[int] = ..., mesh_model: _Optional[int] = ..., slots: _Optional[int] = ..., prefill_buckets: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., max_queue: _Optional[int] = ..., checkpoint: _Optional[str] = ..., random_weights: _Optional[bool] = ..., platform: _Optional[str] = ..., device_count: _Optional[int] = ..., generate_many: _Optional[bool] = ...) -> None: ...
