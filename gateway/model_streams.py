@@ -68,13 +68,21 @@ class ManyCall:
     def __init__(self, lane: Lane, request_id: int, deadline: float | None) -> None:
         self.lane = lane
         self.id = request_id
-        self.deadline = deadline  # the event loop's clock
         self.items: collections.deque[model_pb2.GenerateResponse] = collections.deque()
         self.end: grpc.aio.AioRpcError | None = None
         self.ended = False
         self._waiter: asyncio.Future[None] | None = None
+        # One timer for the deadline (the event loop's clock), not one per read.
+        self._timer = None if deadline is None else asyncio.get_running_loop().call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        if not self.ended:
+            self.fail(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            self.lane.cancel(self.id)
 
     def _wake(self) -> None:
+        if self.ended and self._timer is not None:
+            self._timer.cancel()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -101,11 +109,7 @@ class ManyCall:
                 return grpc.aio.EOF
             self._waiter = asyncio.get_running_loop().create_future()
             try:
-                timeout = None if self.deadline is None else self.deadline - asyncio.get_running_loop().time()
-                await asyncio.wait_for(self._waiter, timeout)
-            except asyncio.TimeoutError:
-                self.cancel()
-                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                await self._waiter
             finally:
                 self._waiter = None
         return self.items.popleft()
