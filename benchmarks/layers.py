@@ -27,6 +27,9 @@ against it in one invocation:
 
     python -m benchmarks.layers --stack demo --uds --per-call-gateway --concurrency 8,64 --runs 3
 
+On an accelerator one process at a time holds the device: `--in-process-apart` measures the in-process
+engine after the stack stopped (its runs then not interleaved with the others').
+
 Targets (issue 9): the gateway's output throughput at concurrency 8 >= 0.97x in-process and its TTFT p50
 <= in-process + 2 ms. `stack_targets` (issue 63): the gateway >= 0.9x in-process at concurrency 8 and 64,
 and the services' host CPU (tokenizer, model, gateway; not the client) <= 0.4 ms per generated token.
@@ -86,6 +89,7 @@ class LayersConfig:
     local_gateway: bool = False  # also measure a gateway with --detokenize local
     uds: bool = False  # every service on unix socket files instead of TCP ports
     per_call_gateway: bool = False  # also measure a gateway on the earlier protocol (a call per request)
+    in_process_apart: bool = False  # the in-process arm after the stack stopped (an accelerator has one owner)
 
     def __post_init__(self) -> None:
         if self.baseline_gateway and self.baseline_stack:
@@ -236,16 +240,20 @@ def targets(ratio_table: dict[str, dict[str, float]]) -> dict[str, Any]:
             "ttft_met": row["gateway_ttft_p50_extra_ms"] <= TTFT_TARGET_MS}
 
 
-async def _run(config: LayersConfig, spec: StackSpec, address: str, model_address: str,
+async def _run(config: LayersConfig, spec: StackSpec, address: str | None, model_address: str | None,
                scheduler: Any, baselines: dict[str, str], pids: dict[str, int]) -> dict[str, Any]:
+    """The runs of every arm given: the in-process engine (`scheduler`), the stack (`address`), the baselines."""
     cutter = PromptCutter(spec.tokenizer)
     requests = build(WorkloadSpec("fixed", config.input_len, config.output_len, config.num_prompts,
                                   seed=config.seed), cutter)
     warm = build(WorkloadSpec("fixed", config.input_len, config.output_len, config.warmup, seed=config.seed + 1),
                  cutter)
-    senders = {"in_process": InProcessSender(scheduler, config.temperature),
-               "model_service": ModelSender(model_address, config.temperature),
-               "gateway": GatewaySender(address, config.temperature)}
+    senders: dict[str, Sender] = {}
+    if scheduler is not None:
+        senders["in_process"] = InProcessSender(scheduler, config.temperature)
+    if address is not None and model_address is not None:
+        senders["model_service"] = ModelSender(model_address, config.temperature)
+        senders["gateway"] = GatewaySender(address, config.temperature)
     if "model_service" in baselines:
         senders["model_service_baseline"] = ModelSender(baselines["model_service"], config.temperature)
     if "gateway_local" in baselines:
@@ -255,10 +263,13 @@ async def _run(config: LayersConfig, spec: StackSpec, address: str, model_addres
     if "gateway_per_call" in baselines:
         senders["gateway_per_call"] = GatewaySender(baselines["gateway_per_call"], config.temperature)
     try:
-        runs = await measure_arms(config, senders, requests, warm, pids)
+        return await measure_arms(config, senders, requests, warm, pids)
     finally:
         for send in senders.values():
             await send.close()
+
+
+def _report(config: LayersConfig, spec: StackSpec, runs: dict[str, Any]) -> dict[str, Any]:
     arms = {arm: {point: metrics.aggregate(rs) for point, rs in by_point.items()} for arm, by_point in runs.items()}
     table = ratios(arms)
     return {"benchmark": "layers", "config": asdict(config), "stack": asdict(spec), **results.provenance(),
@@ -307,11 +318,12 @@ def run(config: LayersConfig) -> dict[str, Any]:
             pids.update(gateway_baseline=baseline_stack.gateway.proc.pid,
                         model_service_baseline=baseline_stack.model.proc.pid,
                         tokenizer_service_baseline=baseline_stack.tokenizer.proc.pid)
-        begin = time.monotonic()
-        scheduler = in_process_scheduler(spec)
-        startup["in_process_engine_warm_cache_s"] = time.monotonic() - begin  # same programs, now cached
-        report = asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler, baselines, pids))
-        return {**report, "startup": startup}
+        scheduler = None
+        if not config.in_process_apart:
+            begin = time.monotonic()
+            scheduler = in_process_scheduler(spec)
+            startup["in_process_engine_warm_cache_s"] = time.monotonic() - begin  # same programs, now cached
+        runs = asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler, baselines, pids))
     finally:
         for gateway in (baseline_gateway, local_gateway, per_call_gateway):
             if gateway is not None:
@@ -319,6 +331,12 @@ def run(config: LayersConfig) -> dict[str, Any]:
         if baseline_stack is not None:
             baseline_stack.close()
         stack.close()
+    if config.in_process_apart:  # the stack has let go of the accelerator: the engine in this process now
+        begin = time.monotonic()
+        scheduler = in_process_scheduler(spec)
+        startup["in_process_engine_warm_cache_s"] = time.monotonic() - begin
+        runs.update(asyncio.run(_run(config, spec, None, None, scheduler, {}, {"benchmark": os.getpid()})))
+    return {**_report(config, spec, runs), "startup": startup}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -348,6 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_env_argument("--per-call-gateway", action="store_true",
                        help="also measure a gateway on the earlier internal protocol (--model-streams 0 "
                             "--detokenize remote) as arm gateway_per_call")
+    p.add_env_argument("--in-process-apart", action="store_true",
+                       help="measure the in-process engine after the stack stopped instead of interleaved with it: "
+                            "on an accelerator (a TPU chip) one process at a time can hold the device")
     p.add_env_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     use_model_xla_flags()
@@ -356,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           runs=args.runs, warmup=args.warmup, seed=args.seed, temperature=args.temperature,
                           slots=args.slots, compile_cache=args.compile_cache, baseline_gateway=args.baseline_gateway,
                           baseline_stack=args.baseline_stack, local_gateway=args.local_gateway, uds=args.uds,
-                          per_call_gateway=args.per_call_gateway)
+                          per_call_gateway=args.per_call_gateway, in_process_apart=args.in_process_apart)
     report = run(config)
     if args.out:
         results.write_json(pathlib.Path(args.out), report)
