@@ -38,6 +38,9 @@ CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
+# A GenerateMany message carries a step of every request on the stream (with alternatives and scored prompts,
+# megabytes at 64 streams): gRPC's default 4 MiB receive limit would end the stream, and every request on it.
+MODEL_CHANNEL_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.max_receive_message_length", 1 << 30))
 
 # How long fetching the piece table may take, whatever the deadline of the request that needed it
 # first (later requests use it too): the Grok-1 vocabulary is ~1.5 MB, built in ~0.6 s the first time.
@@ -334,7 +337,7 @@ class ModelPool:
         self._info: model_pb2.GetInfoResponse | None = None
 
     def _replica(self, address: str, tls: ChannelTLS | None) -> Replica:
-        channel = secure_channel(address, tls, CHANNEL_OPTIONS)
+        channel = secure_channel(address, tls, MODEL_CHANNEL_OPTIONS)
         stub = model_pb2_grpc.ModelServiceStub(channel)
         return Replica(address, channel, stub, lanes=Lanes(stub, address, self.streams) if self.streams else None)
 
