@@ -27,8 +27,9 @@ class HttpSender:
     """POST /v1/completions with `stream: true` and usage; records every event that carries a choice."""
 
     def __init__(self, host: str, port: int, temperature: float = 0.0, top_p: float = 1.0,
-                 timeout: float = 3600.0) -> None:
+                 timeout: float = 3600.0, uds: str | None = None) -> None:
         self.host, self.port = host, port
+        self.uds = uds  # the gateway's --http-uds socket file instead of host:port
         self.temperature, self.top_p, self.timeout = temperature, top_p, timeout
 
     def body(self, request: BenchRequest) -> bytes:
@@ -49,7 +50,8 @@ class HttpSender:
         """Nothing to release: each request has its own connection."""
 
     async def _stream(self, request: BenchRequest, result: HttpResult) -> None:
-        reader, writer = await asyncio.open_connection(self.host, self.port)
+        reader, writer = await (asyncio.open_unix_connection(self.uds) if self.uds
+                                else asyncio.open_connection(self.host, self.port))
         try:
             body = self.body(request)
             writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"

@@ -19,8 +19,20 @@ the other checkout and adds two arms, `model_service_baseline` and `gateway_base
 processes in the CPU table: a change to any of the services measured against its base in one invocation.
 `--local-gateway` adds a `gateway_local` arm: a second gateway from this tree that detokenizes in-process
 (`--detokenize local`) in front of the same services, beside the default remote DecodeStream gateway.
+`--uds` runs every service on unix socket files (`--uds`: the way the stack runs on a host without TCP) and
+`--per-call-gateway` adds a `gateway_per_call` arm: a second gateway from this tree on the earlier internal
+protocol (`--model-streams 0 --detokenize remote`: a Generate call per request, a DecodeStream round trip per
+model message) in front of the same services, so the GenerateMany hop and local detokenization are measured
+against it in one invocation:
+
+    python -m benchmarks.layers --stack demo --uds --per-call-gateway --concurrency 8,64 --runs 3
+
+On an accelerator one process at a time holds the device: `--in-process-apart` measures the in-process
+engine after the stack stopped (its runs then not interleaved with the others').
+
 Targets (issue 9): the gateway's output throughput at concurrency 8 >= 0.97x in-process and its TTFT p50
-<= in-process + 2 ms.
+<= in-process + 2 ms. `stack_targets` (issue 63): the gateway >= 0.9x in-process at concurrency 8 and 64,
+and the services' host CPU (tokenizer, model, gateway; not the client) <= 0.4 ms per generated token.
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ from benchmarks.stack import (
 )
 from benchmarks.workload import BenchRequest, PromptCutter, WorkloadSpec, build
 from serving_common.flags import EnvArgumentParser, positive_int
+from serving_common.processes import unix_endpoint
 
 ARMS = ("in_process", "model_service", "gateway")
 THROUGHPUT_TARGET = 0.97  # gateway / in-process output throughput at concurrency 8
@@ -74,6 +87,9 @@ class LayersConfig:
     baseline_gateway: str | None = None  # source tree of a second gateway to compare with
     baseline_stack: str | None = None  # source tree of a second whole stack to compare with
     local_gateway: bool = False  # also measure a gateway with --detokenize local
+    uds: bool = False  # every service on unix socket files instead of TCP ports
+    per_call_gateway: bool = False  # also measure a gateway on the earlier protocol (a call per request)
+    in_process_apart: bool = False  # the in-process arm after the stack stopped (an accelerator has one owner)
 
     def __post_init__(self) -> None:
         if self.baseline_gateway and self.baseline_stack:
@@ -194,6 +210,25 @@ def ratios(arms: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, fl
     return out
 
 
+STACK_THROUGHPUT_TARGET = 0.9  # issue 63: gateway / in-process at concurrency 8 and 64
+STACK_CPU_TARGET_MS = 0.4  # issue 63: host CPU of all services per generated token
+SERVICES = ("tokenizer_service", "model_service", "gateway")
+
+
+def stack_targets(arms: dict[str, dict[str, dict[str, Any]]], ratio_table: dict[str, dict[str, float]],
+                  gateway_arm: str = "gateway") -> dict[str, Any]:
+    """Issue 63's targets for `gateway_arm`: throughput ratio per point, and the services' CPU per token
+    (the processes' medians summed; the benchmark process, client and in-process engine, left out)."""
+    out: dict[str, Any] = {"throughput_target": STACK_THROUGHPUT_TARGET, "cpu_target_ms": STACK_CPU_TARGET_MS}
+    for point, row in ratio_table.items():
+        median = arms[gateway_arm][point]["median"]
+        cpu = sum(median.get(f"cpu_ms_per_token_{name}", 0.0) for name in SERVICES)
+        out[point] = {"throughput_ratio": row[f"{gateway_arm}_throughput_ratio"],
+                      "throughput_met": row[f"{gateway_arm}_throughput_ratio"] >= STACK_THROUGHPUT_TARGET,
+                      "services_cpu_ms_per_token": cpu, "cpu_met": cpu <= STACK_CPU_TARGET_MS}
+    return out
+
+
 def targets(ratio_table: dict[str, dict[str, float]]) -> dict[str, Any]:
     row = ratio_table.get("c8")
     if row is None:
@@ -205,44 +240,56 @@ def targets(ratio_table: dict[str, dict[str, float]]) -> dict[str, Any]:
             "ttft_met": row["gateway_ttft_p50_extra_ms"] <= TTFT_TARGET_MS}
 
 
-async def _run(config: LayersConfig, spec: StackSpec, address: str, model_address: str,
+async def _run(config: LayersConfig, spec: StackSpec, address: str | None, model_address: str | None,
                scheduler: Any, baselines: dict[str, str], pids: dict[str, int]) -> dict[str, Any]:
+    """The runs of every arm given: the in-process engine (`scheduler`), the stack (`address`), the baselines."""
     cutter = PromptCutter(spec.tokenizer)
     requests = build(WorkloadSpec("fixed", config.input_len, config.output_len, config.num_prompts,
                                   seed=config.seed), cutter)
     warm = build(WorkloadSpec("fixed", config.input_len, config.output_len, config.warmup, seed=config.seed + 1),
                  cutter)
-    senders = {"in_process": InProcessSender(scheduler, config.temperature),
-               "model_service": ModelSender(model_address, config.temperature),
-               "gateway": GatewaySender(address, config.temperature)}
+    senders: dict[str, Sender] = {}
+    if scheduler is not None:
+        senders["in_process"] = InProcessSender(scheduler, config.temperature)
+    if address is not None and model_address is not None:
+        senders["model_service"] = ModelSender(model_address, config.temperature)
+        senders["gateway"] = GatewaySender(address, config.temperature)
     if "model_service" in baselines:
         senders["model_service_baseline"] = ModelSender(baselines["model_service"], config.temperature)
     if "gateway_local" in baselines:
         senders["gateway_local"] = GatewaySender(baselines["gateway_local"], config.temperature)
     if "gateway" in baselines:
         senders["gateway_baseline"] = GatewaySender(baselines["gateway"], config.temperature)
+    if "gateway_per_call" in baselines:
+        senders["gateway_per_call"] = GatewaySender(baselines["gateway_per_call"], config.temperature)
     try:
-        runs = await measure_arms(config, senders, requests, warm, pids)
+        return await measure_arms(config, senders, requests, warm, pids)
     finally:
         for send in senders.values():
             await send.close()
+
+
+def _report(config: LayersConfig, spec: StackSpec, runs: dict[str, Any]) -> dict[str, Any]:
     arms = {arm: {point: metrics.aggregate(rs) for point, rs in by_point.items()} for arm, by_point in runs.items()}
     table = ratios(arms)
     return {"benchmark": "layers", "config": asdict(config), "stack": asdict(spec), **results.provenance(),
             "workload": f"fixed-in{config.input_len}-out{config.output_len}", "arms": arms, "ratios": table,
-            "targets": targets(table)}
+            "targets": targets(table), "stack_targets": stack_targets(arms, table),
+            "transport": "unix sockets" if config.uds else "tcp", "load_average": os.getloadavg()}
 
 
 def run(config: LayersConfig) -> dict[str, Any]:
     cache = config.compile_cache or tempfile.mkdtemp(prefix="bench-jax-cache-")
     spec = preset(config.stack, config.slots or max(config.concurrency), cache)
     logs = pathlib.Path(tempfile.mkdtemp(prefix="bench-logs-"))
+    sockets = pathlib.Path(tempfile.mkdtemp(prefix="grok-", dir="/tmp")) if config.uds else None  # paths <= 107 B
     begin = time.monotonic()
-    stack = start_stack(spec, logs)
+    stack = start_stack(spec, logs, uds_dir=sockets)
     startup = {"stack_to_serving_s": time.monotonic() - begin}  # the model compiles into an empty cache
     baseline_gateway: Process | None = None
     baseline_stack: RunningStack | None = None
     local_gateway: Process | None = None
+    per_call_gateway: Process | None = None
     try:
         pids = {"benchmark": os.getpid(), "model_service": stack.model.proc.pid,
                 "tokenizer_service": stack.tokenizer.proc.pid, "gateway": stack.gateway.proc.pid}
@@ -254,33 +301,48 @@ def run(config: LayersConfig) -> dict[str, Any]:
             pids["gateway_baseline"] = baseline_gateway.proc.pid
         if config.local_gateway:
             local_gateway = start_gateway(stack.tokenizer.address, stack.model.address, logs, ROOT,
-                                          env={"GROK_GATEWAY_DETOKENIZE": "local"})
+                                          env={"GROK_GATEWAY_DETOKENIZE": "local"},
+                                          endpoint=None if sockets is None else unix_endpoint(sockets, "gw-local"))
             baselines["gateway_local"] = local_gateway.address
             pids["gateway_local"] = local_gateway.proc.pid
+        if config.per_call_gateway:
+            per_call_gateway = start_gateway(
+                stack.tokenizer.address, stack.model.address, logs, ROOT,
+                env={"GROK_GATEWAY_MODEL_STREAMS": "0", "GROK_GATEWAY_DETOKENIZE": "remote"},
+                endpoint=None if sockets is None else unix_endpoint(sockets, "gateway-per-call"))
+            baselines["gateway_per_call"] = per_call_gateway.address
+            pids["gateway_per_call"] = per_call_gateway.proc.pid
         if config.baseline_stack:
             baseline_stack = start_stack(spec, logs, source=pathlib.Path(config.baseline_stack).resolve())
             baselines.update(gateway=baseline_stack.address, model_service=baseline_stack.model.address)
             pids.update(gateway_baseline=baseline_stack.gateway.proc.pid,
                         model_service_baseline=baseline_stack.model.proc.pid,
                         tokenizer_service_baseline=baseline_stack.tokenizer.proc.pid)
-        begin = time.monotonic()
-        scheduler = in_process_scheduler(spec)
-        startup["in_process_engine_warm_cache_s"] = time.monotonic() - begin  # same programs, now cached
-        report = asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler, baselines, pids))
-        return {**report, "startup": startup}
+        scheduler = None
+        if not config.in_process_apart:
+            begin = time.monotonic()
+            scheduler = in_process_scheduler(spec)
+            startup["in_process_engine_warm_cache_s"] = time.monotonic() - begin  # same programs, now cached
+        runs = asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler, baselines, pids))
     finally:
-        for gateway in (baseline_gateway, local_gateway):
+        for gateway in (baseline_gateway, local_gateway, per_call_gateway):
             if gateway is not None:
                 gateway.stop()
         if baseline_stack is not None:
             baseline_stack.close()
         stack.close()
+    if config.in_process_apart:  # the stack has let go of the accelerator: the engine in this process now
+        begin = time.monotonic()
+        scheduler = in_process_scheduler(spec)
+        startup["in_process_engine_warm_cache_s"] = time.monotonic() - begin
+        runs.update(asyncio.run(_run(config, spec, None, None, scheduler, {}, {"benchmark": os.getpid()})))
+    return {**_report(config, spec, runs), "startup": startup}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = EnvArgumentParser(env_prefix="GROK_BENCH", prog="python -m benchmarks.layers",
                           description=__doc__.split("\n\n")[0])
-    p.add_env_argument("--stack", default="golden", choices=["golden", "medium"], help="preset stack")
+    p.add_env_argument("--stack", default="golden", choices=["golden", "medium", "demo"], help="preset stack")
     p.add_env_argument("--concurrency", default="1,8", help="closed-loop points, comma-separated")
     p.add_env_argument("--input-len", type=positive_int, default=32, help="prompt tokens")
     p.add_env_argument("--output-len", type=positive_int, default=32, help="generated tokens (ignore_eos)")
@@ -299,6 +361,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_env_argument("--local-gateway", action="store_true",
                        help="also measure a gateway that detokenizes in-process (--detokenize local) as arm "
                             "gateway_local")
+    p.add_env_argument("--uds", action="store_true",
+                       help="run every service on unix socket files (--uds) instead of TCP ports")
+    p.add_env_argument("--per-call-gateway", action="store_true",
+                       help="also measure a gateway on the earlier internal protocol (--model-streams 0 "
+                            "--detokenize remote) as arm gateway_per_call")
+    p.add_env_argument("--in-process-apart", action="store_true",
+                       help="measure the in-process engine after the stack stopped instead of interleaved with it: "
+                            "on an accelerator (a TPU chip) one process at a time can hold the device")
     p.add_env_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     use_model_xla_flags()
@@ -306,7 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
                           runs=args.runs, warmup=args.warmup, seed=args.seed, temperature=args.temperature,
                           slots=args.slots, compile_cache=args.compile_cache, baseline_gateway=args.baseline_gateway,
-                          baseline_stack=args.baseline_stack, local_gateway=args.local_gateway)
+                          baseline_stack=args.baseline_stack, local_gateway=args.local_gateway, uds=args.uds,
+                          per_call_gateway=args.per_call_gateway, in_process_apart=args.in_process_apart)
     report = run(config)
     if args.out:
         results.write_json(pathlib.Path(args.out), report)

@@ -12,7 +12,7 @@ from gateway.auth import load_keys
 from gateway.config import DETOKENIZE_MODES, GatewayConfig, HttpConfig, Limits
 from gateway.server import serve
 from serving_common import logs, tracing
-from serving_common.flags import EnvArgumentParser, port, positive_int
+from serving_common.flags import EnvArgumentParser, add_uds_flag, port, positive_int
 from serving_common.tls import ChannelTLS, server_tls
 
 
@@ -33,10 +33,19 @@ def metrics_urls(value: str) -> tuple[str, ...]:
     return urls
 
 
+def non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{raw} is negative: use 0 or more")
+    return value
+
+
 def add_http_flags(parser: EnvArgumentParser) -> None:
     parser.add_env_argument("--http-port", type=port, default=8000,
                             help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, "
                                  "/v1/models, /health); 0 disables it")
+    add_uds_flag(parser, "--http-uds", "serve the HTTP API on this unix socket file instead of --http-port "
+                 "(curl --unix-socket PATH); created owner-only (0600), removed at exit; an existing file is refused")
     parser.add_env_argument("--served-model-name", default="grok-1",
                             help="model id of the HTTP API (/v1/models; requests naming another model get 404)")
     parser.add_env_argument("--chat-template", default=None,
@@ -77,14 +86,15 @@ def build_parser() -> EnvArgumentParser:
     """Every gateway flag (scripts/run_stack.py passes them through by these names)."""
     parser = EnvArgumentParser(env_prefix="GROK_GATEWAY", prog="python -m gateway",
                                description="The public text API in front of the tokenizer and model services.")
-    parser.add_env_argument("--tokenizer", required=True, help="tokenizer service HOST:PORT")
+    parser.add_env_argument("--tokenizer", required=True, help="tokenizer service HOST:PORT or unix:PATH")
     parser.add_env_argument("--model", required=True,
-                            help="model service HOST:PORT, or several comma-separated replicas; a DNS name "
-                                 "resolving to several addresses, or an ipv4:A:P,B:P target, is balanced "
+                            help="model service HOST:PORT or unix:PATH, or several comma-separated replicas; a DNS "
+                                 "name resolving to several addresses, or an ipv4:A:P,B:P target, is balanced "
                                  "round-robin by gRPC")
     parser.add_env_argument("--host", default="127.0.0.1",
                             help="address to listen on, gRPC, HTTP and metrics (0.0.0.0: every interface)")
     parser.add_env_argument("--port", type=port, default=50051, help="gRPC port (0 picks a free one)")
+    add_uds_flag(parser)
     parser.add_env_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics port (0 disables)")
     parser.add_env_argument("--model-metrics", default="",
                             help="the model replicas' Prometheus URLs, comma-separated (http://HOST:PORT/metrics; "
@@ -105,11 +115,15 @@ def build_parser() -> EnvArgumentParser:
                             help="on SIGTERM, how long in-flight requests may finish")
     parser.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     logs.add_flag(parser)
-    parser.add_env_argument("--detokenize", default="remote", choices=list(DETOKENIZE_MODES),
-                            help="where generated ids become text: 'remote', a DecodeStream call to the tokenizer "
-                                 "service per request, or 'local', the same incremental detokenizer in the gateway "
-                                 "over the piece table it fetches from the tokenizer service (fewer messages per "
-                                 "token; see docs/benchmarks.md)")
+    parser.add_env_argument("--detokenize", default="local", choices=list(DETOKENIZE_MODES),
+                            help="where generated ids become text: 'local', the tokenizer service's incremental "
+                                 "detokenizer run in the gateway over the piece table it fetches from that service "
+                                 "(no message per token; see docs/benchmarks.md), or 'remote', a DecodeStream call "
+                                 "to the tokenizer service per request")
+    parser.add_env_argument("--model-streams", type=non_negative_int, default=1,
+                            help="GenerateMany streams to each model replica, shared by its requests: a decode step's "
+                                 "tokens for all of them in one message (0: one Generate call per request, the "
+                                 "older protocol; a replica without GenerateMany gets that anyway)")
     add_http_flags(parser)
     add_security_flags(parser)
     tracing.add_flag(parser)
@@ -120,7 +134,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     models = split_models(str(args.model))
-    http = HttpConfig(port=args.http_port, model_name=args.served_model_name, chat_template=args.chat_template,
+    http = HttpConfig(port=args.http_port, uds=args.http_uds, model_name=args.served_model_name, chat_template=args.chat_template,
                       timeout_seconds=args.http_timeout)
     try:
         limits = Limits(max_prompt_bytes=args.max_prompt_bytes, max_stop=args.max_stop,
@@ -128,13 +142,14 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                         max_top_logprobs=args.max_top_logprobs)
         if args.http_timeout < 0:
             raise ValueError("--http-timeout: must be >= 0 seconds (0: no limit)")
-        return GatewayConfig(tokenizer=args.tokenizer, models=models, host=args.host, port=args.port,
+        return GatewayConfig(tokenizer=args.tokenizer, models=models, host=args.host, port=args.port, uds=args.uds,
                              metrics_port=args.metrics_port, model_metrics=metrics_urls(args.model_metrics),
                              grace_seconds=args.grace_seconds,
-                             log_level=args.log_level, log_format=args.log_format, limits=limits, http=http, detokenize=args.detokenize,
+                             log_level=args.log_level, log_format=args.log_format, limits=limits, http=http,
+                             detokenize=args.detokenize,
                              api_keys=load_keys(args.api_key, args.api_key_file),
                              tls=server_tls(args.tls_cert, args.tls_key), backend_tls=backend_tls(args),
-                             otlp_endpoint=args.otlp_endpoint)
+                             otlp_endpoint=args.otlp_endpoint, model_streams=args.model_streams)
     except ValueError as error:
         parser.error(str(error))
         raise

@@ -4,6 +4,9 @@ Each model address gets its own channel with gRPC's round_robin policy, so one D
 to several replicas (docker compose --scale) is spread by gRPC itself; across the listed addresses the
 gateway picks the replica with the fewest requests in flight, preferring those whose health is
 SERVING, and moves on to the next one when a replica answers UNAVAILABLE before its first token.
+Requests to a replica ride on its GenerateMany streams (gateway.model_streams: a step's tokens for all of
+them in one message); with `streams=0`, or to a replica that does not implement GenerateMany (an older
+version), each request is its own Generate call.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import grpc
 
 from gateway.detokenize import Decoded, bad_table, piece_table
 from gateway.errors import GatewayError, down, from_finished_call, from_upstream
+from gateway.model_streams import Lanes, ManyCall
 from serving_common.tls import ChannelTLS, secure_channel
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -34,6 +38,9 @@ CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
+# A GenerateMany message carries a step of every request on the stream (with alternatives and scored prompts,
+# megabytes at 64 streams): gRPC's default 4 MiB receive limit would end the stream, and every request on it.
+MODEL_CHANNEL_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.max_receive_message_length", 1 << 30))
 
 # How long fetching the piece table may take, whatever the deadline of the request that needed it
 # first (later requests use it too): the Grok-1 vocabulary is ~1.5 MB, built in ~0.6 s the first time.
@@ -243,12 +250,52 @@ class Replica:
     stub: model_pb2_grpc.ModelServiceStub
     outstanding: int = 0
     serving: bool = False  # set by the health watch
+    lanes: Lanes | None = None  # its GenerateMany streams (None: a Generate call per request)
+    serves_many: bool | None = None  # its GetInfo announced GenerateMany (None: not asked yet)
+
+    async def call(self, request: model_pb2.GenerateRequest, deadline: float | None,
+                   metadata: Metadata) -> grpc.aio.UnaryStreamCall | ManyCall:
+        if self.lanes is not None and self.serves_many is None:
+            self.serves_many = await self._announces_many(deadline)
+        if self.lanes is not None and self.serves_many:
+            return self.lanes.start(request, deadline, metadata)
+        return self.stub.Generate(request, timeout=remaining(deadline), metadata=metadata)
+
+    async def _announces_many(self, deadline: float | None) -> bool | None:
+        """Whether the replica serves GenerateMany, as its GetInfo says (an older version says nothing: a Generate
+        call per request); None when it did not answer (asked again next time; this request uses Generate)."""
+        try:
+            info = await self.stub.GetInfo(model_pb2.GetInfoRequest(), timeout=remaining(deadline))
+        except grpc.aio.AioRpcError:
+            return None
+        if not info.generate_many:
+            log.warning("model replica does not serve GenerateMany (an older version?): a Generate call per request",
+                        extra={"replica": self.address})
+        return info.generate_many
+
+    async def first(self, request: model_pb2.GenerateRequest, deadline: float | None,
+                    metadata: Metadata) -> tuple[grpc.aio.UnaryStreamCall | ManyCall, object]:
+        """Start the request here and read its first response (AioRpcError as the call raised it)."""
+        call = await self.call(request, deadline, metadata)
+        try:
+            return call, await call.read()
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.UNIMPLEMENTED or not isinstance(call, ManyCall):
+                raise
+        except BaseException:
+            call.cancel()
+            raise
+        if self.serves_many:  # the first of the requests that were on its stream to find out
+            log.warning("model replica has no GenerateMany after all: a Generate call per request",
+                        extra={"replica": self.address})
+            self.serves_many = False  # the replica ended the stream: every request on it gets UNIMPLEMENTED too
+        return await self.first(request, deadline, metadata)
 
 
 class ModelStream:
     """An open model Generate stream whose first response was already read."""
 
-    def __init__(self, replica: Replica, call: grpc.aio.UnaryStreamCall, first: object) -> None:
+    def __init__(self, replica: Replica, call: grpc.aio.UnaryStreamCall | ManyCall, first: object) -> None:
         self.replica = replica
         self.call = call
         self.first = first
@@ -283,15 +330,16 @@ class ModelStream:
 class ModelPool:
     """The model replicas: least outstanding requests among healthy ones, failover on UNAVAILABLE."""
 
-    def __init__(self, addresses: Sequence[str], tls: ChannelTLS | None = None) -> None:
+    def __init__(self, addresses: Sequence[str], tls: ChannelTLS | None = None, streams: int = 1) -> None:
+        self.streams = streams  # GenerateMany streams per replica (0: a Generate call per request)
         self.replicas = [self._replica(a, tls) for a in addresses]
         self._turn = itertools.count()
         self._info: model_pb2.GetInfoResponse | None = None
 
-    @staticmethod
-    def _replica(address: str, tls: ChannelTLS | None) -> Replica:
-        channel = secure_channel(address, tls, CHANNEL_OPTIONS)
-        return Replica(address, channel, model_pb2_grpc.ModelServiceStub(channel))
+    def _replica(self, address: str, tls: ChannelTLS | None) -> Replica:
+        channel = secure_channel(address, tls, MODEL_CHANNEL_OPTIONS)
+        stub = model_pb2_grpc.ModelServiceStub(channel)
+        return Replica(address, channel, stub, lanes=Lanes(stub, address, self.streams) if self.streams else None)
 
     def order(self) -> list[Replica]:
         """Replicas to try, best first: SERVING, connected, fewest in flight; ties rotate."""
@@ -326,10 +374,10 @@ class ModelPool:
         problems: list[str] = []
         busy: GatewayError | None = None
         for replica in self.order():
-            call = replica.stub.Generate(request, timeout=remaining(deadline), metadata=metadata)
+            remaining(deadline)  # DEADLINE_EXCEEDED before starting anything when it passed
             replica.outstanding += 1
             try:
-                first = await call.read()
+                call, first = await replica.first(request, deadline, metadata)
             except grpc.aio.AioRpcError as error:
                 replica.outstanding -= 1
                 if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -342,7 +390,6 @@ class ModelPool:
                 continue
             except BaseException:
                 replica.outstanding -= 1
-                call.cancel()
                 raise
             return ModelStream(replica, call, first)
         if busy is not None:
@@ -351,4 +398,7 @@ class ModelPool:
         raise down("model", f"none of its {len(self.replicas)} replica(s) accepted the request")
 
     async def close(self) -> None:
+        for replica in self.replicas:
+            if replica.lanes is not None:
+                replica.lanes.close()
         await asyncio.gather(*(r.channel.close() for r in self.replicas))

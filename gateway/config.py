@@ -34,6 +34,7 @@ class HttpConfig:
     """The OpenAI-compatible HTTP API (gateway/http/)."""
 
     port: int = 8000  # 0: no HTTP API
+    uds: str | None = None  # listen on this unix socket file instead of the TCP port
     model_name: str = "grok-1"  # the id /v1/models lists and requests may name
     chat_template: str | None = None  # Jinja2 file; None: gateway/templates/chat_default.jinja
     timeout_seconds: float = 600.0  # server-side deadline of an HTTP request; 0: none
@@ -47,6 +48,7 @@ class GatewayConfig:
     models: tuple[str, ...]
     host: str = "127.0.0.1"
     port: int = 50051
+    uds: str | None = None  # the gRPC API on this unix socket file instead of host:port
     metrics_port: int = 0
     # The model replicas' /metrics URLs: their series join the gateway's /metrics (gateway/replica_metrics.py).
     model_metrics: tuple[str, ...] = ()
@@ -63,15 +65,18 @@ class GatewayConfig:
     health_retry_seconds: float = 0.5
     # Tokenizer calls are retried on UNAVAILABLE this many times (cheap, idempotent calls).
     tokenizer_retries: int = 2
-    # Where generated ids become text: "remote" (the tokenizer service's DecodeStream, per request) or
-    # "local" (the same detokenizer in the gateway, over the piece table fetched from that service).
-    detokenize: str = "remote"
+    # Where generated ids become text: "local" (the tokenizer service's detokenizer run in the gateway, over the
+    # piece table fetched from that service: no message per token) or "remote" (its DecodeStream, per request).
+    detokenize: str = "local"
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (serving_common.tracing); None: off
+    # GenerateMany streams to each model replica that its requests share (0: a Generate call per request).
+    model_streams: int = 1
 
     def __post_init__(self) -> None:
         if not self.tokenizer:
-            raise ValueError("--tokenizer: the tokenizer service address is required (HOST:PORT)")
+            raise ValueError("--tokenizer: the tokenizer service address is required (HOST:PORT or unix:PATH)")
         if self.detokenize not in DETOKENIZE_MODES:
             raise ValueError(f"--detokenize: {self.detokenize!r} is not one of {', '.join(DETOKENIZE_MODES)}")
         if not self.models or any(not m for m in self.models):
-            raise ValueError("--model: at least one model service address is required (HOST:PORT[,HOST:PORT...])")
+            raise ValueError("--model: at least one model service address is required (HOST:PORT or unix:PATH, "
+                             "comma-separated for several)")

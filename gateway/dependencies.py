@@ -50,6 +50,7 @@ class DependencyWatch:
     def _set_replica(self, replica: Replica, up: bool) -> None:
         if up and not replica.serving:
             self.pool.forget_info()  # a replica (re)started: its GetInfo may have changed
+            replica.serves_many = None  # and its version: ask again whether it serves GenerateMany
         replica.serving = up
 
     async def _watch(self, channel: grpc.aio.Channel, name: str, set_status: Callable[[bool], None]) -> None:

@@ -5,14 +5,16 @@ Either way every text is a text in context: a completion's detokenizer first rea
 the very start of a text, and `prompt text + completion text == decode(prompt ids + completion ids)`;
 an alternative's text is what it would have added in the chosen token's place (docs/api.md).
 
-- remote (the default, the documented architecture): a DecodeStream call to the tokenizer service per
-  request, one message each way per model message (`gateway.clients.Detokenizer`);
-- local (`--detokenize local`): the incremental detokenizer the tokenizer service runs
+- remote (`--detokenize remote`): a DecodeStream call to the tokenizer service per request, one message
+  each way per model message (`gateway.clients.Detokenizer`);
+- local (the default): the incremental detokenizer the tokenizer service runs
   (`serving_common.detokenizer.StreamDecoder`), run in the gateway over the vocabulary's piece table,
   fetched once from the tokenizer service (GetPieces) and fetched again whenever that service comes
   back after being down (it may serve another model then). The gateway never reads the tokenizer
   file. Same code over the same facts gives the same text; what goes away is two gRPC messages per
   model message in the gateway and all of the tokenizer service's per-token work (docs/benchmarks.md).
+  The tokenizer service stays the owner of tokenization: it encodes every prompt and it alone measures
+  the facts the table holds (from its SentencePiece model).
 """
 
 from __future__ import annotations

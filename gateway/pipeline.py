@@ -3,8 +3,8 @@
 `Pipeline.stream` yields the GatewayService's GenerateResponse messages; Complete concatenates them.
 Errors are raised as GatewayError (the shared interceptor turns them into statuses); whatever way the request
 ends, the model call and the detokenizer stream are cancelled, which frees the model's slot. Ids become
-text through the tokenizer service's DecodeStream, or in-process over its piece table with
-`--detokenize local` (gateway.detokenize: the same detokenizer, the same text). Each stage is a span
+text in-process over the tokenizer service's piece table (the default), or through its DecodeStream with
+`--detokenize remote` (gateway.detokenize: the same detokenizer, the same text). Each stage is a span
 of the request's trace (gateway.request_trace), and the calls carry its context to the services.
 """
 

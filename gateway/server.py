@@ -71,24 +71,25 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     template = ChatTemplate.load(config.http.chat_template)  # a bad template stops the start, naming the flag
     tokenizer = TokenizerClient(config.tokenizer, config.tokenizer_retries, config.backend_tls,
                                 prefetch_pieces=config.detokenize == "local")
-    pool = ModelPool(config.models, config.backend_tls)
+    pool = ModelPool(config.models, config.backend_tls, config.model_streams)
     metrics = GatewayMetrics(config.model_metrics, config.http.model_name)
     pipeline = Pipeline(tokenizer, pool, config.limits, metrics, local_detokenize=config.detokenize == "local")
     servicer = GatewayServicer(pipeline, config, template)
     built = assemble("gateway", SERVICE_NAME,
                      lambda server: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server),
                      config.host, config.port, config.tls,
-                     interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else ())
+                     interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else (), uds=config.uds)
     server, health, port = built.server, built.health, built.port
     http = None
-    if config.http.port:
+    if config.http.port or config.http.uds:
         from gateway.http.app import HttpContext, create_app  # FastAPI and its models load only for the HTTP API
         from gateway.http.chat import ChatTemplate as HttpChatTemplate
         from gateway.http.server import HttpServer
 
         context = HttpContext(pipeline, health, keys, HttpChatTemplate.of(template), config.http.model_name,
                               config.http.timeout_seconds, int(time.time()))
-        http = HttpServer(create_app(context), config.host, config.http.port, config.tls, config.grace_seconds)
+        http = HttpServer(create_app(context), config.host, config.http.port, config.tls, config.grace_seconds,
+                          uds=config.http.uds)
     await server.start()
     if http is not None:
         await http.start()
@@ -102,7 +103,9 @@ async def serve(config: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT, then drain: NOT_SERVING, finish in-flight requests, close channels."""
     gateway = await start_gateway(config)
     frozen = freeze_startup_heap()
-    log.info("serving", extra={"port": gateway.port, "http_port": gateway.http_port, "tokenizer": config.tokenizer,
+    where = {"uds": config.uds} if config.uds else {"port": gateway.port}
+    where |= {"http_uds": config.http.uds} if config.http.uds else {"http_port": gateway.http_port}
+    log.info("serving", extra={**where, "tokenizer": config.tokenizer,
                                "models": list(config.models), "metrics_port": config.metrics_port,
                                "frozen_objects": frozen,
                                "tls": config.tls is not None, "backend_tls": config.backend_tls is not None,

@@ -17,7 +17,7 @@ from model_service.distributed import DistributedConfig
 from model_service.pacing import DEFAULT_SLOWDOWN
 from serving_common import logs, tracing
 from serving_common.cpus import CpuBudget, cpu_budget
-from serving_common.flags import EnvArgumentParser, port, positive_int
+from serving_common.flags import EnvArgumentParser, add_uds_flag, port, positive_int
 from serving_common.tls import add_server_flags, server_tls_from
 
 
@@ -90,6 +90,7 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--host", default="127.0.0.1",
                        help="address to bind, gRPC and metrics (0.0.0.0: every interface; no authentication)")
     p.add_env_argument("--port", type=port, default=50053, help="gRPC port (0 picks a free one)")
+    add_uds_flag(p)
     p.add_env_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     p.add_env_argument("--mesh", type=mesh, default="1,1", help="device mesh DATA,MODEL (e.g. 1,8)")
     p.add_env_argument("--slots", type=positive_int, default=8,
@@ -298,8 +299,9 @@ def main(argv: list[str] | None = None) -> int:
 
     config = ServerConfig(
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
-        port=args.port, dtype=args.dtype, mesh=args.mesh, slots=args.slots, backend=args.backend,
-        moe=args.moe, products=args.products, kv_tokens=args.kv_tokens, kv_memory=args.kv_memory, block_size=args.block_size,
+        port=args.port, uds=args.uds, dtype=args.dtype, mesh=args.mesh, slots=args.slots, backend=args.backend,
+        moe=args.moe, products=args.products, kv_tokens=args.kv_tokens, kv_memory=args.kv_memory,
+        block_size=args.block_size,
         prefix_caching=args.prefix_caching == "on", huge_pages=args.huge_pages == "on",
         step_tokens=args.max_num_batched_tokens, prefill_tokens=args.prefill_tokens,
         decode_slowdown=args.decode_slowdown, tile_rows=args.tile_rows,

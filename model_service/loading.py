@@ -32,6 +32,7 @@ class ServerConfig:
     random_init: bool = False
     host: str = "127.0.0.1"
     port: int = 50053
+    uds: str | None = None  # listen on this unix socket file instead of host:port (serving_common.uds)
     dtype: str = "float32"
     mesh: MeshConfig = MeshConfig()
     slots: int = 8  # the most sequences decoded at once

@@ -56,7 +56,7 @@ def make_info(config: ServerConfig, cfg: ModelConfig) -> model_pb2.GetInfoRespon
         mesh_data=config.mesh.data, mesh_model=config.mesh.model, slots=config.slots,
         dtype=config.dtype, max_queue=config.max_queue,
         checkpoint=config.checkpoint or "", random_weights=not config.checkpoint,
-        platform=devices[0].platform if devices else "", device_count=len(devices))
+        platform=devices[0].platform if devices else "", device_count=len(devices), generate_many=True)
 
 
 class ModelServer:
@@ -70,7 +70,8 @@ class ModelServer:
         built = assemble("model", SERVICE_NAME,
                          lambda server: model_pb2_grpc.add_ModelServiceServicer_to_server(self.servicer, server),
                          config.host, config.port, config.tls, options=connection_age_options(
-                             config.max_connection_age_seconds, config.max_connection_age_grace_seconds))
+                             config.max_connection_age_seconds, config.max_connection_age_grace_seconds),
+                         uds=config.uds)
         self.grpc = built.server
         self.health: HealthReporter = built.health
         self.port = built.port
@@ -106,7 +107,11 @@ class ModelServer:
         await self.grpc.start()
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
-        log.info("started, loading", extra={"port": self.port})
+        log.info("started, loading", extra=self.where())
+
+    def where(self) -> dict[str, object]:
+        """Where it listens, for its log lines."""
+        return {"uds": self.config.uds} if self.config.uds else {"port": self.port}
 
     async def load(self) -> None:
         engine = await asyncio.to_thread(self._engine_factory)
@@ -121,7 +126,7 @@ class ModelServer:
             self._watchdog = asyncio.create_task(watchdog.run())
         frozen = freeze_startup_heap()
         await self.health.set(True)
-        log.info("serving", extra={"port": self.port, "frozen_objects": frozen})
+        log.info("serving", extra={**self.where(), "frozen_objects": frozen})
 
     def _grammars(self, engine: EngineLike) -> GrammarCompiler | None:
         """The structured-output compiler over --tokenizer's vocabulary (None without one: constrained requests
@@ -133,6 +138,7 @@ class ModelServer:
         return grammars
 
     async def drain(self) -> None:
+        self.servicer.drain()
         if self.scheduler is not None:
             self.scheduler.close()
 

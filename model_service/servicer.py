@@ -19,19 +19,21 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 from opentelemetry import trace
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from model_service.generate_trace import GenerateTrace
+from model_service.many import ManyStream
 from model_service.metrics import Metrics
 from model_service.requests import (
     Emission,
     ErrorKind,
     FinishReason,
     GenerationRequest,
+    RequestHandle,
     SchedulerError,
     Timings,
     TokenOut,
@@ -39,11 +41,13 @@ from model_service.requests import (
 from model_service.constraint import Constraint, ConstraintKind
 from model_service.sampling_settings import SamplingSettings
 from model_service.scheduler import Scheduler
-from serving_common.errors import STATUS, invalid_argument
+from serving_common import tracing
+from serving_common.errors import STATUS, invalid_argument, status_of
 from serving_common.logs import new_request_id, request_id_too_long, request_id_var
 
 log = logging.getLogger(__name__)
 
+GENERATE_METHOD = "/grok.model.v1.ModelService/Generate"
 FINISH = {
     FinishReason.LENGTH: model_pb2.FINISH_REASON_LENGTH,
     FinishReason.EOS: model_pb2.FINISH_REASON_EOS,
@@ -221,6 +225,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         self.scheduler: Scheduler | None = None
         self.unavailable: str | None = None  # set by the watchdog while the decode loop is stalled
         self._relay: EmissionRelay | None = None
+        self.draining = asyncio.Event()  # set by drain(): GenerateMany streams end once their requests did
 
     def _relay_for(self, loop: asyncio.AbstractEventLoop) -> EmissionRelay:
         """The relay of the loop serving the calls (made on the first call: the loop is known then)."""
@@ -241,14 +246,58 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
 
     async def Generate(self, request: model_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[model_pb2.GenerateResponse]:
+        rid = new_request_id(given=request.request_id) if request.request_id else request_id_var.get()
+        on_handle: Callable[[RequestHandle], None] = lambda handle: context.add_done_callback(lambda _: handle.cancel())
+        # Under the call's span (the shared interceptor's).
+        async with contextlib.aclosing(self._generate(request, context.time_remaining(), rid,
+                                                      trace.get_current_span(), on_handle)) as responses:
+            async for response in responses:
+                yield response
+
+    async def GenerateMany(self, request_iterator: AsyncIterator[model_pb2.GenerateManyRequest],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[model_pb2.GenerateManyResponse]:
+        stream = ManyStream(self._one, self.draining)
+        async with contextlib.aclosing(stream.messages(request_iterator)) as messages:
+            async for message in messages:
+                yield message
+
+    async def _one(self, request: model_pb2.GenerateRequest, time_remaining: float | None,
+                   trace_context: Mapping[str, str]) -> AsyncIterator[model_pb2.GenerateResponse]:
+        """One request of a GenerateMany stream, in its own task: its own request id and its own span, named as
+        a Generate call's (the gateway's trace looks the same either way)."""
+        rid = new_request_id(given=request.request_id)
+        request_id_var.set(rid)  # this task's logs
+        span = tracing.start_call(GENERATE_METHOD, tuple(trace_context.items()), rid)
+        code, message = grpc.StatusCode.OK, ""
+        try:
+            async with contextlib.aclosing(self._generate(request, time_remaining, rid, span)) as responses:
+                async for response in responses:
+                    yield response
+        except BaseException as error:
+            status = status_of(error) if isinstance(error, Exception) else None
+            code = status.code if status is not None else (
+                grpc.StatusCode.CANCELLED if isinstance(error, (asyncio.CancelledError, GeneratorExit))
+                else grpc.StatusCode.INTERNAL)
+            message = status.message if status is not None else ""
+            raise
+        finally:
+            tracing.end_call(span, code, message)
+
+    def drain(self) -> None:
+        """The service drains: GenerateMany streams end once their requests did."""
+        self.draining.set()
+
+    async def _generate(self, request: model_pb2.GenerateRequest, time_remaining: float | None, rid: str,
+                        span: trace.Span, on_handle: Callable[[RequestHandle], None] | None = None
+                        ) -> AsyncIterator[model_pb2.GenerateResponse]:
+        """One request's responses (Generate's, or one of a GenerateMany stream's), its log line and metrics."""
         if (problem := request_id_too_long(request.request_id)) is not None:
             raise invalid_argument("request_id", problem)
-        rid = new_request_id(given=request.request_id) if request.request_id else request_id_var.get()
         code = grpc.StatusCode.OK
-        spans = GenerateTrace(trace.get_current_span())  # under the call's span (the shared interceptor's)
+        spans = GenerateTrace(span)
         try:
             # aclosing: a handler closed early cancels its request now, not at garbage collection.
-            async with contextlib.aclosing(self._stream(request, context, rid)) as responses:
+            async with contextlib.aclosing(self._stream(request, time_remaining, rid, on_handle)) as responses:
                 async for response in responses:
                     spans.observe(response)
                     yield response
@@ -270,19 +319,20 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             log.info("generate finished", extra={"request_id": rid, "code": code.name,
                                                  "prompt_tokens": len(request.token_ids)})
 
-    async def _stream(self, request: model_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-                      rid: str) -> AsyncIterator[model_pb2.GenerateResponse]:
+    async def _stream(self, request: model_pb2.GenerateRequest, time_remaining: float | None, rid: str,
+                      on_handle: Callable[[RequestHandle], None] | None) -> AsyncIterator[model_pb2.GenerateResponse]:
         scheduler = self.scheduler
         if scheduler is None:
             raise SchedulerError(ErrorKind.UNAVAILABLE, "the model is still loading or compiling; retry shortly")
         if self.unavailable is not None:
             raise SchedulerError(ErrorKind.UNAVAILABLE, self.unavailable)
         sink = self._relay_for(asyncio.get_running_loop()).sink()
-        domain = to_request(request, rid, context.time_remaining())
+        domain = to_request(request, rid, time_remaining)
         scheduler.validate(domain)  # the cheap checks first: a bad request waits for no compile
         grammar = await scheduler.guidance.compile_async(domain)  # off the loop and the decode thread
         handle = scheduler.submit(domain, sink.emit, grammar=grammar)
-        context.add_done_callback(lambda _: handle.cancel())
+        if on_handle is not None:
+            on_handle(handle)
         open_samples = domain.n
         try:
             while True:

@@ -37,6 +37,15 @@ class EnvArgumentParser(argparse.ArgumentParser):
         return self.add_argument(flag, **kwargs)
 
 
+UDS_HELP = ("listen on this unix socket file instead of --host/--port (clients dial unix:PATH); created "
+            "owner-only (0600), removed at exit; an existing file at PATH is refused, never replaced")
+
+
+def add_uds_flag(parser: EnvArgumentParser, flag: str = "--uds", help_text: str = UDS_HELP) -> None:
+    """`--uds PATH` (vLLM's and uvicorn's name): the service listens on a unix socket (serving_common.uds)."""
+    parser.add_env_argument(flag, default=None, metavar="PATH", help=help_text)
+
+
 def parse_bool(raw: str, name: str) -> bool:
     value = raw.strip().lower()
     if value in {"1", "true", "yes", "on"}:

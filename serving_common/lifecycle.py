@@ -49,13 +49,14 @@ class Assembled:
 
 def assemble(service: str, full_name: str, register: Callable[[grpc.aio.Server], None], host: str, port: int,
              tls: ServerTLS | None, *, options: Sequence[tuple[str, Any]] = (),
-             interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> Assembled:
+             interceptors: Sequence[grpc.aio.ServerInterceptor] = (), uds: str | None = None) -> Assembled:
     """The server of `service` ("model": named in INTERNAL messages) serving `full_name`, which
-    `register` adds; port 0 picks a free one."""
+    `register` adds; port 0 picks a free one. `uds`: listen on that unix socket file instead of
+    host:port (serving_common.uds; the port is then 0)."""
     server = new_server(service, options, interceptors)
     register(server)
     health = add_health_and_reflection(server, [full_name])
-    return Assembled(server, health, bind_port(server, host, port, tls))
+    return Assembled(server, health, bind_port(server, host, port, tls, uds))
 
 
 async def drain(server: grpc.aio.Server, health: HealthReporter, grace: float | None,

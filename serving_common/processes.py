@@ -3,7 +3,9 @@
 `start_module` runs `python -m MODULE` (optionally under serving_common.with_parent, so the kernel
 SIGTERMs it when the launcher dies, and in its own session, so a terminal's Ctrl-C reaches only the
 launcher); `wait_serving` polls its grpc.health.v1 until SERVING; `terminate` stops it the way an
-orchestrator does: SIGTERM, then SIGKILL after a grace period. `free_port` picks a port for it.
+orchestrator does: SIGTERM, then SIGKILL after a grace period. `free_port` picks a port for it;
+`tcp_endpoint` / `unix_endpoint` give a child's listening flags and the address clients dial, on a TCP port or
+on a unix socket file (`--uds`, serving_common.uds).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import IO, Any
 
 from serving_common.healthcheck import check
@@ -75,6 +78,27 @@ def free_port() -> int:
             _picked[index] = start + step + 1
             return port
     raise RuntimeError(f"no free TCP port in {base}..{base + PORT_SLICE_SIZE - 1}")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a child service listens: the flags that say so, the address clients dial, a name for its files."""
+
+    address: str  # "127.0.0.1:PORT" or "unix:PATH"
+    args: tuple[str, ...]  # ("--host", H, "--port", P) or ("--uds", PATH)
+    label: str  # the port or the socket's file name (log file names)
+
+
+def tcp_endpoint(port: int | None = None, host: str = "127.0.0.1") -> Endpoint:
+    """HOST:PORT, a free port unless given."""
+    port = port or free_port()
+    return Endpoint(f"{host}:{port}", ("--host", host, "--port", str(port)), str(port))
+
+
+def unix_endpoint(directory: pathlib.Path, name: str) -> Endpoint:
+    """The socket file `directory/name.sock` (a short directory: a socket path has at most 107 bytes)."""
+    path = str(directory / f"{name}.sock")
+    return Endpoint(f"unix:{path}", ("--uds", path), f"{name}.sock")
 
 
 def start_module(module: str, args: Sequence[str], *, stdout: IO[Any] | int, cwd: pathlib.Path,

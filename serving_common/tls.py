@@ -19,6 +19,7 @@ import grpc
 
 from serving_common.flags import EnvArgumentParser
 from serving_common.grpc_server import bind
+from serving_common.uds import SocketFile, check_free, owner_only, target
 
 
 def read_pem(path: str, flag: str) -> bytes:
@@ -112,8 +113,14 @@ def check_key_pair(cert: str, key: str) -> None:
                          f"({error.reason or error})") from None
 
 
-def bind_port(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None) -> int:
-    """Bind `host:port`, with TLS when `tls` is set; the port actually bound (port 0 picks a free one)."""
+def bind_port(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None, uds: str | None = None) -> int:
+    """Bind `host:port`, with TLS when `tls` is set; the port actually bound (port 0 picks a free one).
+
+    `uds`: bind that unix socket file instead (serving_common.uds: never over an existing file, owner-only,
+    removed at exit) and return 0."""
+    if uds is not None:
+        bind_socket_file(server, uds, tls)
+        return 0
     if tls is None:
         return bind(server, host, port)
     try:
@@ -123,6 +130,21 @@ def bind_port(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | No
     if bound == 0:
         raise OSError(f"could not bind {host}:{port} (in use, or the address is not on this machine)")
     return bound
+
+
+def bind_socket_file(server: grpc.aio.Server, path: str, tls: ServerTLS | None, flag: str = "--uds") -> SocketFile:
+    """Bind the unix socket `path` (checked first: gRPC itself would replace any socket there)."""
+    check_free(path, flag)
+    credentials = tls.grpc_credentials() if tls is not None else None
+    try:
+        with owner_only():
+            if credentials is None:
+                server.add_insecure_port(target(path))
+            else:
+                server.add_secure_port(target(path), credentials)
+    except RuntimeError:
+        raise OSError(f"{flag}: could not bind {path!r}") from None
+    return SocketFile.created(path)
 
 
 def secure_channel(address: str, tls: ChannelTLS | None,

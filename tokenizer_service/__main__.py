@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from serving_common import logs, tracing
-from serving_common.flags import EnvArgumentParser, port, positive_int
+from serving_common.flags import EnvArgumentParser, add_uds_flag, port, positive_int
 from serving_common.tls import add_server_flags, server_tls_from
 from tokenizer_service.server import DEFAULT_PORT, TokenizerConfig, serve
 
@@ -35,6 +35,7 @@ def build_parser() -> EnvArgumentParser:
     parser.add_env_argument("--host", default="127.0.0.1",
                             help="address to listen on (0.0.0.0: every interface; the service has no authentication)")
     parser.add_env_argument("--port", type=port, default=DEFAULT_PORT, help="TCP port (0 picks a free one)")
+    add_uds_flag(parser)
     parser.add_env_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                             help="JSON log level")
     parser.add_env_argument("--grace-seconds", type=_non_negative_float, default=10.0,
@@ -54,7 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TokenizerConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     tls = server_tls_from(parser, args)
-    return TokenizerConfig(tls=tls, model_path=args.model, host=args.host, port=args.port,
+    return TokenizerConfig(tls=tls, model_path=args.model, host=args.host, port=args.port, uds=args.uds,
                            grace_seconds=args.grace_seconds, max_text_bytes=args.max_text_bytes,
                            max_batch=args.max_batch, max_tokens=args.max_tokens, log_level=args.log_level, log_format=args.log_format,
                            otlp_endpoint=args.otlp_endpoint)

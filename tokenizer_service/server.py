@@ -27,6 +27,7 @@ class TokenizerConfig:
     model_path: str
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
+    uds: str | None = None  # listen on this unix socket file instead of host:port
     grace_seconds: float = 10.0
     max_text_bytes: int = 1 << 20
     max_batch: int = 256
@@ -67,7 +68,8 @@ def build(config: TokenizerConfig) -> BuiltServer:
     servicer = TokenizerServicer(tokenizer, config.limits)
     built = assemble("tokenizer", SERVICE_NAME,
                      lambda server: tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server),
-                     config.host, config.port, config.tls, options=[("grpc.max_receive_message_length", limit)])
+                     config.host, config.port, config.tls, options=[("grpc.max_receive_message_length", limit)],
+                     uds=config.uds)
     log.info("tokenizer loaded", extra={"model_path": tokenizer.path, "vocab_size": tokenizer.vocab_size,
                                         "model_sha256": tokenizer.sha256})
     return BuiltServer(built.server, built.port, built.health, servicer)
@@ -87,6 +89,7 @@ async def serve(config: TokenizerConfig) -> None:
     await built.server.start()
     frozen = freeze_startup_heap()
     await built.health.set(True)
-    log.info("serving", extra={"port": built.port, "host": config.host, "frozen_objects": frozen})
+    where = {"uds": config.uds} if config.uds else {"port": built.port, "host": config.host}
+    log.info("serving", extra={**where, "frozen_objects": frozen})
     await serve_until_signal(built.server, built.health, config.grace_seconds,
                              before_stop=lambda: built.servicer.work.drain(config.grace_seconds))

@@ -4,6 +4,7 @@
         for message in client.generate("Hello", max_tokens=16):
             print(message.text, end="", flush=True)
 
+`address` is any gRPC target: HOST:PORT, or `unix:PATH` for a gateway started with `--uds PATH`.
 Errors surface as grpc.RpcError with the gateway's status code and message. `request_id` is sent as
 the `x-request-id` metadata the services log (one is generated when it is empty). `api_key` is sent
 as `authorization: Bearer KEY` (gateways started with --api-key); `tls_ca` (a PEM CA file) makes the

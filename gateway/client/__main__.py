@@ -22,7 +22,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = EnvArgumentParser(env_prefix="GROK_CLIENT", prog="python -m gateway.client",
                                description="Stream a completion from the gateway.")
     parser.add_argument("prompt", help="the prompt text")
-    parser.add_env_argument("--address", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    parser.add_env_argument("--address", default="127.0.0.1:50051", help="gateway HOST:PORT, or unix:PATH (its --uds socket)")
     parser.add_argument("--max-tokens", type=positive_int, default=None, help="tokens to generate (server default)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from gateway.http.slow_clients import BODY_SECONDS, HEADER_SECONDS, guarded
 from serving_common.tls import ServerTLS
+from serving_common.uds import SocketFile, bind_unix
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,16 @@ class HttpServer:
     """One uvicorn server on one socket; `start`, then `begin_shutdown` + `wait_stopped`."""
 
     def __init__(self, app: FastAPI, host: str, port: int, tls: ServerTLS | None, grace_seconds: float,
-                 header_seconds: float = HEADER_SECONDS, body_seconds: float = BODY_SECONDS) -> None:
-        self.socket = bind_socket(host, port)
-        self.port: int = self.socket.getsockname()[1]
+                 header_seconds: float = HEADER_SECONDS, body_seconds: float = BODY_SECONDS,
+                 uds: str | None = None) -> None:
+        self.uds = uds  # a unix socket file instead of host:port (serving_common.uds); the port is then 0
+        self.socket_file: SocketFile | None = None
+        if uds is not None:
+            self.socket, self.socket_file = bind_unix(uds, "--http-uds")
+            self.port = 0
+        else:
+            self.socket = bind_socket(host, port)
+            self.port = self.socket.getsockname()[1]
         self.tls = tls
         tls_options = {}
         if tls is not None:
@@ -67,7 +75,8 @@ class HttpServer:
         self.server.lifespan = self.config.lifespan_class(self.config)
         await self.server.startup(sockets=[self.socket])
         self._main = asyncio.create_task(self.server.main_loop())
-        log.info("http serving", extra={"port": self.port, "tls": self.tls is not None})
+        where = {"uds": self.uds} if self.uds else {"port": self.port}
+        log.info("http serving", extra={**where, "tls": self.tls is not None})
 
     def begin_shutdown(self) -> None:
         """Stop accepting connections now; in-flight requests go on (see `wait_stopped`)."""
@@ -79,6 +88,8 @@ class HttpServer:
         if self._main is not None:
             await self._main
         await self.server.shutdown(sockets=[self.socket])
+        if self.socket_file is not None:
+            self.socket_file.remove()
 
     async def wait_stopped(self) -> None:
         """Wait until every in-flight request finished (or the grace period cancelled it)."""

@@ -130,6 +130,25 @@ def test_layers_measures_the_same_workload_in_process_on_the_model_service_and_t
                                               "total")} <= set(costs)
 
 
+def test_layers_on_unix_sockets_with_the_per_call_gateway_and_the_engine_apart(
+        tmp_path: pathlib.Path, jax_cache: str) -> None:
+    """Issue 63's measurement on a tiny case: the demo stack on socket files, the earlier-protocol gateway as an
+    arm, the in-process engine after the stack stopped, and the targets computed per point."""
+    out = tmp_path / "layers_uds.json"
+    run = run_tool(["benchmarks.layers", "--stack", "demo", "--uds", "--per-call-gateway", "--in-process-apart",
+                    "--concurrency", "2", "--input-len", "8", "--output-len", "4", "--num-prompts", "2", "--runs", "1",
+                    "--warmup", "1", "--out", str(out), "--compile-cache", jax_cache])
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["transport"] == "unix sockets"
+    for arm in ("in_process", "model_service", "gateway", "gateway_per_call"):
+        median = report["arms"][arm]["c2"]["median"]
+        assert median["completed"] == 2 and median["failed"] == 0 and median["total_output_tokens"] == 8, arm
+    targets = report["stack_targets"]["c2"]
+    assert targets["throughput_ratio"] == report["ratios"]["c2"]["gateway_throughput_ratio"]
+    assert targets["services_cpu_ms_per_token"] >= 0 and isinstance(targets["cpu_met"], bool)
+
+
 def test_crosscheck_runs_the_same_workload_with_every_client_against_one_stack(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "crosscheck.json"
     run = run_tool(["benchmarks.crosscheck", "--stack", "golden", "--concurrency", "2", "--num-prompts", "4",

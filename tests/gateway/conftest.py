@@ -23,12 +23,16 @@ def start_fake(kind: str, log_dir: pathlib.Path, *args: str, port: int | None = 
 
 
 def start_gateway(tokenizer: str, models: Sequence[str], log_dir: pathlib.Path, *args: str,
-                  http_port: int = 0, env: dict[str, str] | None = None) -> Service:
-    """The gateway process; its HTTP API only when `http_port` is given (the default 8000 may be taken)."""
+                  http_port: int = 0, env: dict[str, str] | None = None, detokenize: str | None = "remote") -> Service:
+    """The gateway process; its HTTP API only when `http_port` is given (the default 8000 may be taken).
+
+    `detokenize`: remote unless told, as the fake tokenizer (fakes.py) serves no piece table for the gateway's
+    default, local (and tests of the remote path say so); None: the gateway's default. `args` may override it."""
     port = free_port()
+    mode = ["--detokenize", detokenize] if detokenize else []
     return Service("gateway", ["--tokenizer", tokenizer, "--model", ",".join(models), "--host", "127.0.0.1",
-                               "--port", str(port), "--http-port", str(http_port), *args], port, log_dir=log_dir,
-                   env=env)
+                               "--port", str(port), "--http-port", str(http_port), *mode, *args], port,
+                   log_dir=log_dir, env=env)
 
 
 @dataclass
@@ -128,7 +132,7 @@ def start_golden_stack(log_dir: pathlib.Path, cache: str, replica_args: Sequence
     """Real tokenizer, real golden model replicas (one per `replica_args`), real gateway; SERVING when returned."""
     tokenizer = golden_tokenizer(log_dir, *TOKENIZER_LIMITS)
     models = [golden_model(log_dir, cache, *args) for args in replica_args]
-    gateway = start_gateway(tokenizer.address, [m.address for m in models], log_dir, *gateway_args)
+    gateway = start_gateway(tokenizer.address, [m.address for m in models], log_dir, *gateway_args, detokenize=None)
     stack = Stack(tokenizer, models, gateway)
     try:
         for service in (tokenizer, *models, gateway):
@@ -162,7 +166,7 @@ def golden_http_url(golden_stack: Stack, tmp_path_factory: pytest.TempPathFactor
     """A second gateway on the golden stack's backends with the HTTP API on; its base URL."""
     port = free_port()
     gateway = start_gateway(golden_stack.tokenizer.address, [m.address for m in golden_stack.models],
-                            tmp_path_factory.mktemp("golden_http"), http_port=port)
+                            tmp_path_factory.mktemp("golden_http"), http_port=port, detokenize=None)
     try:
         gateway.wait_serving(120)
         yield f"http://127.0.0.1:{port}"

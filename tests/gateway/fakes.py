@@ -28,6 +28,8 @@ import grpc
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from serving_common import logs
+from model_service.many import ManyStream
+from serving_common.errors import ServiceError
 from serving_common.grpc_server import add_health_and_reflection, bind
 
 log = logging.getLogger("fake")
@@ -113,18 +115,36 @@ def continuation(prompt: list[int]) -> list[int]:
 
 
 class FakeModel(model_pb2_grpc.ModelServiceServicer):
-    def __init__(self, slots: int, delay: float, group: int = 1) -> None:
+    """Generate, and GenerateMany over the same requests (model_service.many, as the real service serves it)."""
+
+    def __init__(self, slots: int, delay: float, group: int = 1, legacy: bool = False) -> None:
+        self.legacy = legacy  # as an older version: no GenerateMany, and GetInfo does not announce it
         self.free = slots
         self.slots = slots
         self.delay = delay
         self.group = group
+        self.draining = asyncio.Event()  # never set: the fake does not drain
 
     async def Generate(self, request: model_pb2.GenerateRequest,
                        context: Context) -> AsyncIterator[model_pb2.GenerateResponse]:
+        try:
+            async for reply in self._request(request):
+                yield reply
+        except ServiceError as error:
+            await context.abort(error.code, error.message)
+
+    async def GenerateMany(self, request_iterator: AsyncIterator[model_pb2.GenerateManyRequest],
+                           context: Context) -> AsyncIterator[model_pb2.GenerateManyResponse]:
+        log.info("many stream opened")
+        stream = ManyStream(lambda request, timeout, trace_context: self._request(request), self.draining)
+        async for message in stream.messages(request_iterator):
+            yield message
+
+    async def _request(self, request: model_pb2.GenerateRequest) -> AsyncIterator[model_pb2.GenerateResponse]:
         if not request.token_ids or len(request.token_ids) + request.max_tokens > CONTEXT:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: over the context")
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: over the context")
         if self.free == 0:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: retry later")
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: retry later")
         self.free -= 1
         log.info("request started", extra={"rid": request.request_id})
         outcome = "cancelled"
@@ -165,7 +185,24 @@ class FakeModel(model_pb2_grpc.ModelServiceServicer):
     async def GetInfo(self, request: model_pb2.GetInfoRequest, context: Context) -> model_pb2.GetInfoResponse:
         return model_pb2.GetInfoResponse(
             config=model_pb2.ModelConfig(vocab_size=VOCAB, pad_token=0, eos_token=EOS, sequence_len=CONTEXT),
-            slots=self.slots, prefill_buckets=[32, 64], dtype="float32", random_weights=True, platform="fake")
+            slots=self.slots, prefill_buckets=[32, 64], dtype="float32", random_weights=True, platform="fake",
+            generate_many=not self.legacy)
+
+
+def add_model(model: FakeModel, server: grpc.aio.Server, legacy: bool) -> None:
+    """The fake's ModelService; `legacy`: without GenerateMany, which gRPC then answers UNIMPLEMENTED itself,
+    as a model service of an older version does."""
+    if not legacy:
+        model_pb2_grpc.add_ModelServiceServicer_to_server(model, server)
+        return
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            model.Generate, request_deserializer=model_pb2.GenerateRequest.FromString,
+            response_serializer=model_pb2.GenerateResponse.SerializeToString),
+        "GetInfo": grpc.unary_unary_rpc_method_handler(
+            model.GetInfo, request_deserializer=model_pb2.GetInfoRequest.FromString,
+            response_serializer=model_pb2.GetInfoResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("grok.model.v1.ModelService", handlers),))
 
 
 async def serve(kind: str, port: int, slots: int, delay: float, legacy: bool, group: int = 1) -> None:
@@ -174,7 +211,7 @@ async def serve(kind: str, port: int, slots: int, delay: float, legacy: bool, gr
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(FakeTokenizer(legacy), server)
         name = "grok.tokenizer.v1.TokenizerService"
     else:
-        model_pb2_grpc.add_ModelServiceServicer_to_server(FakeModel(slots, delay, group), server)
+        add_model(FakeModel(slots, delay, group, legacy), server, legacy)
         name = "grok.model.v1.ModelService"
     health = add_health_and_reflection(server, [name])
     bound = bind(server, "127.0.0.1", port)
@@ -191,7 +228,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--group", type=int, default=1, help="model: tokens per message")
-    parser.add_argument("--legacy", action="store_true", help="tokenizer: ignore DecodeStream's newer fields")
+    parser.add_argument("--legacy", action="store_true",
+                        help="tokenizer: ignore DecodeStream's newer fields; model: no GenerateMany")
     args = parser.parse_args()
     logs.configure(f"fake-{args.kind}", "info")
     asyncio.run(serve(args.kind, args.port, args.slots, args.delay, args.legacy, args.group))

@@ -145,6 +145,55 @@ class GenerateResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[Token]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: StartRequest
+    cancel: int
+    def __init__(self, start: _Optional[_Union[StartRequest, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
+
+class StartRequest(_message.Message):
+    __slots__ = ("id", "request", "timeout_seconds", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: GenerateRequest
+    timeout_seconds: float
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[RequestUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ...) -> None: ...
+
+class RequestUpdate(_message.Message):
+    __slots__ = ("id", "responses", "ended", "code", "message", "status_details")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    ended: bool
+    code: int
+    message: str
+    status_details: bytes
+    def __init__(self, id: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., ended: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., status_details: _Optional[bytes] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -186,7 +235,7 @@ class ModelConfig(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., pad_token: _Optional[int] = ..., eos_token: _Optional[int] = ..., sequence_len: _Optional[int] = ..., embedding_init_scale: _Optional[float] = ..., output_multiplier_scale: _Optional[float] = ..., embedding_multiplier_scale: _Optional[float] = ..., emb_size: _Optional[int] = ..., widening_factor: _Optional[float] = ..., key_size: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_layers: _Optional[int] = ..., attn_output_multiplier: _Optional[float] = ..., num_experts: _Optional[int] = ..., num_selected_experts: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("config", "mesh_data", "mesh_model", "slots", "prefill_buckets", "dtype", "max_queue", "checkpoint", "random_weights", "platform", "device_count")
+    __slots__ = ("config", "mesh_data", "mesh_model", "slots", "prefill_buckets", "dtype", "max_queue", "checkpoint", "random_weights", "platform", "device_count", "generate_many")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     MESH_DATA_FIELD_NUMBER: _ClassVar[int]
     MESH_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +247,7 @@ class GetInfoResponse(_message.Message):
     RANDOM_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_MANY_FIELD_NUMBER: _ClassVar[int]
     config: ModelConfig
     mesh_data: int
     mesh_model: int
@@ -209,4 +259,5 @@ class GetInfoResponse(_message.Message):
     random_weights: bool
     platform: str
     device_count: int
-    def __init__(self, config: _Optional[_Union[ModelConfig, _Mapping]] = ..., mesh_data: _Optional[int] = ..., mesh_model: _Optional[int] = ..., slots: _Optional[int] = ..., prefill_buckets: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., max_queue: _Optional[int] = ..., checkpoint: _Optional[str] = ..., random_weights: _Optional[bool] = ..., platform: _Optional[str] = ..., device_count: _Optional[int] = ...) -> None: ...
+    generate_many: bool
+    def __init__(self, config: _Optional[_Union[ModelConfig, _Mapping]] = ..., mesh_data: _Optional[int] = ..., mesh_model: _Optional[int] = ..., slots: _Optional[int] = ..., prefill_buckets: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., max_queue: _Optional[int] = ..., checkpoint: _Optional[str] = ..., random_weights: _Optional[bool] = ..., platform: _Optional[str] = ..., device_count: _Optional[int] = ..., generate_many: _Optional[bool] = ...) -> None: ...

@@ -43,6 +43,11 @@ class ModelServiceStub:
                 request_serializer=grok_dot_model_dot_v1_dot_model__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=grok_dot_model_dot_v1_dot_model__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/grok.model.v1.ModelService/GenerateMany',
+                request_serializer=grok_dot_model_dot_v1_dot_model__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=grok_dot_model_dot_v1_dot_model__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/grok.model.v1.ModelService/GetInfo',
                 request_serializer=grok_dot_model_dot_v1_dot_model__pb2.GetInfoRequest.SerializeToString,
@@ -71,6 +76,22 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateMany(self, request_iterator, context):
+        """Many Generate requests over one stream (the gateway keeps one open per
+        replica): every message in starts or cancels a request of the stream;
+        every message out carries what every request of the stream produced
+        since the previous message (normally one decode step: one message a step
+        for all of them) and the end of each request that ended. Each request
+        behaves as its own Generate call: the same responses, the same errors (as
+        its end status), its own deadline (`timeout_seconds`), cancelled by a
+        `cancel` message or when the stream ends. Once the service drains, a
+        stream ends (OK) as soon as its requests did; new requests get
+        UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Model configuration, mesh, slots and dtype.
         """
@@ -85,6 +106,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=grok_dot_model_dot_v1_dot_model__pb2.GenerateRequest.FromString,
                     response_serializer=grok_dot_model_dot_v1_dot_model__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=grok_dot_model_dot_v1_dot_model__pb2.GenerateManyRequest.FromString,
+                    response_serializer=grok_dot_model_dot_v1_dot_model__pb2.GenerateManyResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -123,6 +149,33 @@ class ModelService:
             '/grok.model.v1.ModelService/Generate',
             grok_dot_model_dot_v1_dot_model__pb2.GenerateRequest.SerializeToString,
             grok_dot_model_dot_v1_dot_model__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/grok.model.v1.ModelService/GenerateMany',
+            grok_dot_model_dot_v1_dot_model__pb2.GenerateManyRequest.SerializeToString,
+            grok_dot_model_dot_v1_dot_model__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
