@@ -380,8 +380,10 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, co
         res = jax.lax.cond(draws[i], one, lambda _: _idle_result(v), i)
         return jax.tree.map(lambda all_, r: all_.at[i].set(r), out, res)
 
-    if vectorised:
-        return jax.vmap(lambda i: jax.lax.cond(draws[i], one, lambda _: _idle_result(v), i))(jnp.arange(b))
+    if vectorised:  # one batched computation per stage, each only when a draw uses it (sampling_vectorised.py)
+        from model_service.sampling_vectorised import sample_batched
+
+        return sample_batched(keys, logits, params, controls, history, rows, draws, pending, chain)
     zeros = jax.tree.map(lambda r: jnp.zeros((b,) + r.shape, r.dtype), _idle_result(v))
     # Entries after the last used one are idle: the loop stops there (a step of one draw on a many-slot engine
     # runs one iteration, not one per slot).
