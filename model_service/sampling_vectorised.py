@@ -50,9 +50,8 @@ from model_service.sampling import (
     categorical,
     first_argmax,
 )
-CANDIDATES = 256  # entries kept per row by the two-stage top-k (a nucleus or top-k within them skips the search)
+CANDIDATES = 1024  # entries kept per row by the two-stage top-k (a nucleus or top-k within them skips the search)
 DIRECT_TOP_K = 8192  # up to this row length lax.top_k runs on the row itself
-INT32_MIN = -(2**31)
 
 
 def monotone_keys(x: jax.Array) -> jax.Array:
@@ -67,6 +66,12 @@ def _unsigned_keys(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(monotone_keys(x), jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
+def _from_unsigned_keys(keys: jax.Array) -> jax.Array:
+    """The float32 values of `_unsigned_keys`."""
+    sign = jnp.uint32(0x80000000)
+    return jax.lax.bitcast_convert_type(jnp.where(keys >= sign, keys ^ sign, ~keys), jnp.float32)
+
+
 def chunk_size(v: int, m: int) -> int:
     """The chunk of the two-stage top-k: about sqrt(v / m) (balances the chunk maxima against the candidates)."""
     c = 8
@@ -75,24 +80,24 @@ def chunk_size(v: int, m: int) -> int:
     return c
 
 
-def top_candidates(keys: jax.Array, m: int) -> jax.Array:
-    """The ids of the m largest keys of each row of keys [B, V] int32, largest first, ties lower id first: exactly
-    `lax.top_k(keys, m)[1]`, without a top-k over the whole row when V is large. [B, m] int32.
+def top_candidates(x: jax.Array, m: int) -> jax.Array:
+    """The ids of the m largest values of each row of x [B, V] float32, largest first, ties lower id first: exactly
+    `lax.top_k(x, m)[1]`, without a top-k over the whole row when V is large. [B, m] int32.
 
     A chunk's largest entry (by value, then lower id) ranks the chunk; each of the m largest entries lies in one
     of the m best-ranked chunks (otherwise m chunks each hold a larger entry). Those chunks, in id order, hold m*c
     entries; their top-k is the row's, ties going to the lower id as lax.top_k's do."""
-    b, v = keys.shape
+    b, v = x.shape
     c = chunk_size(v, m)
     n = -(-v // c)
     if v <= DIRECT_TOP_K or n < m:
-        return jax.lax.top_k(keys, m)[1].astype(jnp.int32)
-    padded = jnp.pad(keys, ((0, 0), (0, n * c - v)), constant_values=INT32_MIN)  # pads come last: never chosen first
+        return jax.lax.top_k(x, m)[1].astype(jnp.int32)
+    padded = jnp.pad(x, ((0, 0), (0, n * c - v)), constant_values=-jnp.inf)  # pads come last: never chosen first
     chunks = jnp.max(padded.reshape(b, n, c), axis=-1)  # [B, n]
     best = jnp.sort(jax.lax.top_k(chunks, m)[1], axis=-1)  # [B, m] chunk ids, ascending
     ids = (best[:, :, None] * c + jnp.arange(c, dtype=best.dtype)).reshape(b, m * c)  # [B, m*c] ascending
     at = jax.lax.top_k(jnp.take_along_axis(padded, ids, axis=1), m)[1]  # [B, m]
-    return jnp.take_along_axis(ids, at, axis=1).astype(jnp.int32)
+    return jnp.minimum(jnp.take_along_axis(ids, at, axis=1), v - 1).astype(jnp.int32)  # a pad only on a NaN row
 
 
 def _take(x: jax.Array, ids: jax.Array) -> jax.Array:
@@ -102,9 +107,10 @@ def _take(x: jax.Array, ids: jax.Array) -> jax.Array:
 
 def kth_values(row: jax.Array, k: jax.Array, on: jax.Array) -> jax.Array:
     """logits_processing.kth_largest of each row [B, V] for k [B] (rows with `on`): from the candidates when
-    k <= CANDIDATES, by the search otherwise. [B]."""
+    k <= CANDIDATES (where -0.0 and +0.0 tie: either may stand for the other, the same kept set), by the search
+    otherwise. [B]."""
     m = min(CANDIDATES, row.shape[-1])
-    vals = jnp.take_along_axis(row, top_candidates(monotone_keys(row), m), axis=1)  # [B, m] largest first
+    vals = jnp.take_along_axis(row, top_candidates(row, m), axis=1)  # [B, m] largest first
     fast = _take(vals, jnp.clip(k - 1, 0, m - 1))
     slow = on & (k > m)
     return jax.lax.cond(jnp.any(slow), lambda: jnp.where(slow, jax.vmap(kth_largest)(row, k), fast), lambda: fast)
@@ -119,9 +125,10 @@ def nucleus_thresholds(row: jax.Array, probs: jax.Array, top_p: jax.Array, on: j
     search's own masked sum, so the decisions and the threshold are the search's. Other rows: the search."""
     b, v = row.shape
     m = min(CANDIDATES, v)
-    keys = _unsigned_keys(row)  # [B, V]
-    ids = top_candidates(monotone_keys(row), m)  # [B, m]
-    cand = jnp.take_along_axis(keys, ids, axis=1)  # [B, m] uint32, descending
+    # -0.0 keyed as +0.0 (the value 0 one key): the kept set, `row >= threshold`, is the same either way, and the
+    # candidates (lax.top_k's order, where -0.0 == +0.0) are then in key order once their keys are sorted.
+    keys = _unsigned_keys(jnp.where(row == 0, jnp.float32(0), row))  # [B, V]
+    cand = jnp.sort(jnp.take_along_axis(keys, top_candidates(row, m), axis=1), axis=-1)[:, ::-1]  # [B, m] descending
     target = 1 - top_p
 
     def reaches(at: jax.Array) -> jax.Array:  # [B] uint32 -> [B] bool: the mass at or below `at` reaches target
@@ -138,7 +145,7 @@ def nucleus_thresholds(row: jax.Array, probs: jax.Array, top_p: jax.Array, on: j
 
     steps = max(1, (m - 1).bit_length())
     lo, _ = jax.lax.fori_loop(0, steps, probe, (jnp.zeros((b,), jnp.int32), jnp.full((b,), m - 1, jnp.int32)))
-    fast = _take(row, _take(ids, lo))
+    fast = _from_unsigned_keys(_take(cand, lo))
     slow = on & ~inside
     return jax.lax.cond(jnp.any(slow), lambda: jnp.where(slow, jax.vmap(_search_threshold_probs)(row, probs, top_p),
                                                          fast), lambda: fast)
@@ -158,7 +165,7 @@ def draw_tokens(keys: jax.Array, row: jax.Array, sampled: jax.Array) -> jax.Arra
     fits = (jnp.max(row, axis=-1) > KEPT_MARGIN) & (jnp.sum(row > KEPT_FLOOR, axis=-1) <= m)  # False for NaN
 
     def listed() -> jax.Array:
-        ids = top_candidates(monotone_keys(row), m)  # [B, m]
+        ids = top_candidates(row, m)  # [B, m]
         vals = jnp.take_along_axis(row, ids, axis=1)
         noisy = jnp.where(vals > KEPT_FLOOR, jax.vmap(_gumbel_at)(keys, ids) + vals, -jnp.inf)
         best = jnp.max(noisy, axis=-1, keepdims=True)
@@ -173,7 +180,7 @@ def draw_tokens(keys: jax.Array, row: jax.Array, sampled: jax.Array) -> jax.Arra
 def alternatives(probs: jax.Array) -> tuple[jax.Array, jax.Array]:
     """lax.top_k(probs, TOP_K) of each row [B, V] of probabilities (>= 0: their float order is their keys')."""
     k = min(TOP_K, probs.shape[-1])
-    ids = top_candidates(monotone_keys(probs), k)
+    ids = top_candidates(probs, k)
     return jnp.take_along_axis(probs, ids, axis=1), ids
 
 
