@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model_service.engine import Engine
+from model_service.loading import build_engine, resolve
 from model_service.logits_processing import History, idle_controls, kth_largest
 from model_service.sampling import (
     KEPT_FLOOR,
@@ -29,6 +31,9 @@ from model_service.sampling_vectorised import (
     nucleus_thresholds,
     top_candidates,
 )
+
+from tests.engine.conftest import Runner, golden_server_config
+from tests.engine.test_speculative import SPEC, requests, serve
 
 LARGE = 16384 + 37  # above the sort's and lax.top_k's sizes, not a whole number of chunks
 
@@ -157,3 +162,21 @@ def test_a_greedy_step_does_no_sampling_work() -> None:
     work = {"while", "scan", "top_k", "sort", "cond", "scatter-add", "shift_left"}  # searches, top-k, controls, noise
     assert not greedy & work, greedy & work
     assert {"scan", "top_k", "cond"} <= sampled
+
+
+def test_the_generic_backend_draws_the_cpu_backends_tokens_with_every_control_drafts_and_n(
+        golden_engine: Engine, running: Runner) -> None:
+    """Greedy and seeded requests with every control, n = 2, min_tokens and speculative drafts (verified draws: the
+    penalties' pending drafts, min_tokens's chain) through the scheduler: the same tokens on both backends."""
+    config = golden_server_config(backend="generic", slots=4, speculative=SPEC)
+    generic = build_engine(config, resolve(config))
+    assert generic.model.backend.vectorised_sampling and not golden_engine.model.backend.vectorised_sampling
+    reqs = requests(generic.vocab_size)
+    cpu, on = running(golden_engine), running(generic, speculative=SPEC)
+    for group in (reqs[:3], reqs[3:6], reqs[6:]):
+        want, got = serve(cpu, group), serve(on, group)
+        assert [{i: [t[0] for t in o.tokens] for i, o in r.items()} for r in got] == \
+            [{i: [t[0] for t in o.tokens] for i, o in r.items()} for r in want]
+        for r_got, r_want in zip(got, want):
+            for i, o in r_got.items():  # probabilities within the two backends' logits' rounding
+                np.testing.assert_allclose([t[1] for t in o.tokens], [t[1] for t in r_want[i].tokens], rtol=1e-4)
