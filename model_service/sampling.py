@@ -351,9 +351,9 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, co
     `kernels.nucleus_threshold` instead of XLA's search: the same threshold except where a float32 sum lands
     within rounding of 1 - top_p. `index` [B] int32 (default: entry i) names the row of `params`, `controls`
     and `history` that entry i draws with (the engine's per-slot settings); `used` [B] bool (default:
-    params.active at that row) says which entries draw at all. `vectorised` (accelerators) maps the same
-    per-entry function over the entries at once instead: the branches become selects (every entry computes
-    both sides), which a wide device runs in parallel; each entry's result is the same function of its row.
+    params.active at that row) says which entries draw at all. `vectorised` (accelerators, `native` unused) computes
+    every entry at once instead, one stage at a time, each stage only when some entry uses it (a greedy step
+    is one masked argmax per entry; sampling_vectorised.py): each entry's token is the same function of its row.
     `pending` [B, K] int32 (V: none) are tokens entry i's penalties count beyond its row of `history` (drafts
     drawn before it in the same step, speculative decoding). `chain` [B] int32 (default 0) says which of its slot's
     draws in this step entry i is (speculative decoding verifies several): min_tokens bars it from the slot's
