@@ -35,6 +35,7 @@ from model_service.sampling_vectorised import (
 from tests.engine.conftest import Runner, golden_server_config
 from tests.engine.test_speculative import SPEC, requests, serve
 
+SAMPLE = jax.jit(sample_tokens, static_argnames=("vectorised",))  # arguments, not constants: XLA folds constants
 LARGE = 16384 + 37  # above the sort's and lax.top_k's sizes, not a whole number of chunks
 
 
@@ -129,14 +130,14 @@ def test_each_draw_gets_the_per_draw_samplers_token(v: int) -> None:
 
     def run(vectorised: bool, controlled: bool) -> Any:
         extra = (controls, history) if controlled else (None, None)
-        return jax.jit(lambda: sample_tokens(keys(8), logits, params, *extra, index=index, used=used,
-                                             vectorised=vectorised, pending=pending, chain=chain))()
+        return SAMPLE(keys(8), logits, params, *extra, index=index, used=used, vectorised=vectorised,
+                      pending=pending, chain=chain)
 
     for controlled in (False, True):
         want, got = run(False, controlled), run(True, controlled)
-        assert np.array_equal(np.asarray(got.token), np.asarray(want.token))
-        assert np.array_equal(np.asarray(got.top_ids), np.asarray(want.top_ids))
-        assert np.array_equal(np.asarray(got.bad), np.asarray(want.bad))
+        for field in ("token", "top_ids", "bad"):
+            assert np.array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field))), field
+        # Probabilities: the same values, summed over [B, V] here and over [V] one draw at a time there.
         np.testing.assert_allclose(np.asarray(got.prob), np.asarray(want.prob), rtol=1e-6, atol=0)
         np.testing.assert_allclose(np.asarray(got.top_probs), np.asarray(want.top_probs), rtol=1e-6, atol=0)
         assert int(got.token[6]) == 0 and float(got.prob[6]) == 0  # the entry that does not draw
@@ -180,3 +181,23 @@ def test_the_generic_backend_draws_the_cpu_backends_tokens_with_every_control_dr
         for r_got, r_want in zip(got, want):
             for i, o in r_got.items():  # probabilities within the two backends' logits' rounding
                 np.testing.assert_allclose([t[1] for t in o.tokens], [t[1] for t in r_want[i].tokens], rtol=1e-4)
+
+
+@pytest.mark.parametrize("v", [512, LARGE])
+def test_a_draws_result_is_the_same_bits_whatever_else_its_step_asks_for(v: int) -> None:
+    """A greedy draw alone (the greedy step), beside a sampled draw, and beside a draw with every control: the same
+    token, probability and alternatives, bit for bit; likewise a nucleus draw beside greedy or controlled ones."""
+    params, controls, history = _settings(v)
+    logits = rows(np.random.default_rng(5), [4.0] * 7, v)
+
+    def run(entries: list[int]) -> Any:
+        index = jnp.asarray(entries, jnp.int32)
+        return SAMPLE(keys(len(entries)), logits[index], params, controls, history, index=index, vectorised=True)
+
+    for entry, others in ((0, [2, 3]), (2, [0, 3]), (1, [4, 5])):
+        alone = run([entry, entry])
+        for other in others:
+            beside = run([entry, other])
+            for field in ("token", "prob", "top_ids", "top_probs", "bad"):
+                a, b = np.asarray(getattr(alone, field))[0], np.asarray(getattr(beside, field))[0]
+                assert a.tobytes() == b.tobytes(), (entry, other, field, a, b)
