@@ -245,9 +245,18 @@ def _result(draws: jax.Array, token: jax.Array, probs: jax.Array, top: tuple[jax
 
 
 def _greedy(logits: jax.Array, mask: jax.Array, draws: jax.Array) -> SampleResult:
-    """A step whose draws all take the argmax and report nothing but its probability (at temperature 1)."""
-    row, exps = _tempered(logits, jnp.ones(logits.shape[:1], logits.dtype), mask)
-    return _result(draws, jax.vmap(first_argmax)(row), _probs(exps), None, logits)
+    """A step whose draws all take the argmax and report nothing but its probability (at temperature 1): reductions
+    over the masked row, nothing [B, V] stored. The argmax's exponential is exp(0) = 1, so its probability is
+    1 / the sum, the division `_probs` makes there."""
+    b, k = logits.shape[0], min(TOP_K, logits.shape[-1])
+    row = jnp.where(mask, jnp.clip(logits, -FLOAT32_MAX, FLOAT32_MAX), MASKED_LOGIT)  # logits / 1, as `_tempered`
+    top = jnp.max(row, axis=-1, keepdims=True)
+    total = jnp.sum(jnp.exp(row - top), axis=-1)
+    token = jax.vmap(first_argmax)(row)
+    prob = jnp.exp(_take(row, token) - top[:, 0]) / total
+    out = (token, prob, jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32),
+           ~jnp.all(jnp.isfinite(logits), axis=-1))
+    return SampleResult(*_where(draws, out, tuple(jnp.zeros_like(a) for a in out)))
 
 
 def _sampled(keys: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array, num_top: jax.Array,
