@@ -35,7 +35,7 @@ from model_service.logits_processing import (
     min_p_filter,
     penalized,
 )
-from model_service.sampling import (
+from model_service.sampling_ops import (
     FLOAT32_MAX,
     KEPT_FLOOR,
     KEPT_MARGIN,
