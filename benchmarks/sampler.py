@@ -1,6 +1,7 @@
 """The vectorised sampler (what accelerators run) before and after issue 61, at the Grok-1 vocabulary; print JSON.
 
     python -m benchmarks.sampler [--vocab 131072] [--draws 1,8,64] [--runs 20] [--cases greedy,sampled,...]
+        [--candidates N]
 
 "before" maps the per-draw sampler over the draws (`jax.vmap` of sampling._sample_active: every branch runs for
 every draw, as sample_tokens(vectorised=True) did); "after" is sample_tokens(vectorised=True) now
@@ -12,7 +13,9 @@ their ratio and whether the tokens of every call were equal. Cases:
   flat       temperature 1.0, top_p 0.95 on flat logits (normal(0, 0.5): the nucleus is most of the vocabulary)
   logprobs   greedy with 5 alternatives
   top_k      temperature 0.8, top_k 50, repetition_penalty 1.1
-Runs on any platform (CPU in CI); on the TPU chip the same command. Wall time: run it on a quiet machine.
+--candidates sets sampling_vectorised.CANDIDATES for "after" (the two-stage top-k's size: larger keeps more nuclei
+off the search, at a larger top-k), to choose it on the chip. Runs on any platform (CPU in CI); on the TPU chip the
+same command. Wall time: run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model_service import sampling_vectorised
 from model_service.logits_processing import Controls, History, idle_controls
 from model_service.sampling import (
     SampleResult,
@@ -110,14 +114,19 @@ def main() -> None:
     parser.add_argument("--draws", default="1,8,64")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--candidates", type=int, default=sampling_vectorised.CANDIDATES)
     a = parser.parse_args()
+    if a.candidates < 1:
+        parser.error(f"--candidates must be at least 1, got {a.candidates}")
+    sampling_vectorised.CANDIDATES = a.candidates  # read when "after" is traced
     cases = a.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         parser.error(f"unknown case(s) {unknown}: choose from {', '.join(CASES)}")
     points = [point(c, int(d), a.vocab, a.runs) for d in a.draws.split(",") for c in cases]
     print(json.dumps({"platform": jax.devices()[0].platform, "device": str(jax.devices()[0].device_kind),
-                      "jax": jax.__version__, "load": os.getloadavg()[0], "points": points}, indent=1))
+                      "jax": jax.__version__, "load": os.getloadavg()[0], "candidates": a.candidates,
+                      "points": points}, indent=1))
 
 
 if __name__ == "__main__":

@@ -201,3 +201,12 @@ def test_a_draws_result_is_the_same_bits_whatever_else_its_step_asks_for(v: int)
             for field in ("token", "prob", "top_ids", "top_probs", "bad"):
                 a, b = np.asarray(getattr(alone, field))[0], np.asarray(getattr(beside, field))[0]
                 assert a.tobytes() == b.tobytes(), (entry, other, field, a, b)
+
+
+def test_the_benchmark_draws_the_same_tokens_before_and_after() -> None:
+    """benchmarks/sampler.py's points (the mapped sampler against this one) run and agree on every token."""
+    from benchmarks.sampler import CASES, point
+
+    for case in CASES:
+        p = point(case, 3, LARGE, runs=1)
+        assert p["tokens_equal"] and p["before_ms"] > 0 and p["after_ms"] > 0, p
