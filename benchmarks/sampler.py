@@ -104,8 +104,8 @@ def point(case: str, draws: int, vocab: int, runs: int) -> dict[str, Any]:
             times[name].append((time.perf_counter() - start) * 1e3)
     before, after = (statistics.median(times[n]) for n in ("before", "after"))
     return {"case": case, "draws": draws, "vocab": vocab, "before_ms": round(before, 3), "after_ms": round(after, 3),
-            "speedup": round(before / after, 2), "tokens_equal": bool(np.array_equal(tokens["before"], tokens["after"])),
-            "first_call_s": compile_s}
+            "speedup": round(before / after, 2), "first_call_s": compile_s,
+            "tokens_equal": bool(np.array_equal(tokens["before"], tokens["after"]))}
 
 
 def main() -> None:

@@ -1,10 +1,12 @@
 """The sampler of a whole step's draws at once, for accelerators (`Backend.vectorised_sampling`).
 
 Each draw's result is the same function of its row as the per-draw sampler of sampling.py (`_sample_active`, what
-the CPU runs one draw after another): the same token for the same key, the same probabilities. What differs is
-what a step computes. Mapping the per-draw function over the draws turns its branches into selects, so every
-draw ran both samplers, both threshold searches, the noise and the alternatives. Here each stage is one batched
-computation over the step's draws under one `lax.cond` over the whole step, decided on the device:
+the CPU runs one draw after another): the same token for the same key, the same probabilities up to the rounding of
+a sum over the step's rows at once rather than over one row, and the same bits whatever else the step asks for
+(tests/engine/test_sampling_vectorised.py). What differs is what a step computes. Mapping the per-draw function
+over the draws turned its branches into selects, so every draw ran both samplers, both threshold searches, the
+noise and the alternatives. Here each stage is one batched computation over the step's draws under one `lax.cond`
+over the whole step, decided on the device:
 
 - no draw of the step samples (temperature 0, top_p 1, no alternatives, no control): one masked argmax per row
   and its probability, nothing else;
@@ -14,13 +16,15 @@ computation over the step's draws under one `lax.cond` over the whole step, deci
 Large vocabularies are never sorted. The `CANDIDATES` largest entries of a row come from a two-stage top-k (the
 largest entry of each chunk, the chunks holding the largest, the largest among those: `top_candidates`), exact
 with the order and ties of `lax.top_k`. From them: top-k's k-th largest value directly (k <= CANDIDATES); the
-nucleus threshold by a bisection over the candidates (8 probes instead of 32 over the value range, each probe
-the same masked sum as sampling.py's search, so the same threshold); the draw's noise for the kept entries only
-when they are all candidates (as sampling.categorical_kept). A row outside those cases takes sampling.py's own
-search or full draw, under a cond that runs only when some row needs it.
+nucleus threshold by a bisection over the candidates (1 + log2(CANDIDATES) probes instead of 32 over the value
+range, each probe the same masked sum as sampling_ops's search, so the same threshold); the draw's noise for the
+kept entries only when they are all candidates (as sampling_ops.categorical_kept). A row outside those cases takes
+sampling_ops's own search or full draw, under a cond that runs only when some row needs it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +54,7 @@ from model_service.sampling_ops import (
     categorical,
     first_argmax,
 )
+
 CANDIDATES = 1024  # entries kept per row by the two-stage top-k (a nucleus or top-k within them skips the search)
 DIRECT_TOP_K = 8192  # up to this row length lax.top_k runs on the row itself
 
@@ -62,7 +67,7 @@ def monotone_keys(x: jax.Array) -> jax.Array:
 
 
 def _unsigned_keys(x: jax.Array) -> jax.Array:
-    """sampling._search_threshold_probs's uint32 keys of x (the same order as `monotone_keys`)."""
+    """sampling_ops._search_threshold_probs's uint32 keys of x (the same order as `monotone_keys`)."""
     return jax.lax.bitcast_convert_type(monotone_keys(x), jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
@@ -117,7 +122,7 @@ def kth_values(row: jax.Array, k: jax.Array, on: jax.Array) -> jax.Array:
 
 
 def nucleus_thresholds(row: jax.Array, probs: jax.Array, top_p: jax.Array, on: jax.Array) -> jax.Array:
-    """sampling._search_threshold_probs of each row [B, V] with its softmax probs [B, V] and top_p [B]: the
+    """sampling_ops._search_threshold_probs of each row [B, V] with its softmax probs [B, V] and top_p [B]: the
     smallest value whose mass at or below it reaches 1 - top_p. [B].
 
     That value is a candidate unless the mass below the smallest candidate already reaches it; then a
@@ -152,9 +157,9 @@ def nucleus_thresholds(row: jax.Array, probs: jax.Array, top_p: jax.Array, on: j
 
 
 def draw_tokens(keys: jax.Array, row: jax.Array, sampled: jax.Array) -> jax.Array:
-    """sampling.categorical of each filtered row [B, V] with its key [B, 2] (rows with `sampled`). [B] int32.
+    """sampling_ops.categorical of each filtered row [B, V] with its key [B, 2] (rows with `sampled`). [B] int32.
 
-    As sampling.categorical_kept: when a row's largest value is above KEPT_MARGIN, only its entries above
+    As sampling_ops.categorical_kept: when a row's largest value is above KEPT_MARGIN, only its entries above
     KEPT_FLOOR can win; when they are at most CANDIDATES they are all candidates, and the noise is computed for
     the candidates alone (the same hash of (key, id), the same float steps), the first maximum taken by id."""
     b, v = row.shape
@@ -189,7 +194,10 @@ def _where(on: jax.Array, new: tuple[jax.Array, ...], old: tuple[jax.Array, ...]
     return tuple(jnp.where(on.reshape(on.shape + (1,) * (n.ndim - 1)), n, o) for n, o in zip(new, old))
 
 
-def _when(flag: jax.Array, on: jax.Array, stage, operands: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+Stage = Callable[..., tuple[jax.Array, ...]]
+
+
+def _when(flag: jax.Array, on: jax.Array, stage: Stage, operands: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """`stage(*operands)` for the rows with `on`, computed only when some row with `flag` has it."""
     return jax.lax.cond(jnp.any(flag & on), lambda o: _where(on, stage(*o), o), lambda o: o, operands)
 
