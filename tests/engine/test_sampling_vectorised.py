@@ -143,16 +143,18 @@ def test_each_draw_gets_the_per_draw_samplers_token(v: int) -> None:
         assert int(got.token[6]) == 0 and float(got.prob[6]) == 0  # the entry that does not draw
 
 
-def _primitives(jaxpr: Any) -> set[str]:
+def _primitives(jaxpr: Any, into_conds: bool = True) -> set[str]:
+    """The primitives a jaxpr runs, with those of its sub-jaxprs (of its conds' branches too, unless not into_conds)."""
     names = set()
     for eqn in jaxpr.eqns:
         names.add(eqn.primitive.name)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            names |= _primitives(sub)
+        if into_conds or eqn.primitive.name != "cond":
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                names |= _primitives(sub, into_conds)
     return names
 
 
-def test_a_greedy_step_does_no_sampling_work() -> None:
+def test_a_greedy_step_does_no_sampling_work_and_each_stage_runs_under_its_own_condition() -> None:
     v = LARGE
     params, controls, history = _settings(v)
     logits = jnp.zeros((4, v), jnp.float32)
@@ -163,6 +165,10 @@ def test_a_greedy_step_does_no_sampling_work() -> None:
     work = {"while", "scan", "top_k", "sort", "cond", "scatter-add", "shift_left"}  # searches, top-k, controls, noise
     assert not greedy & work, greedy & work
     assert {"scan", "top_k", "cond"} <= sampled
+    # In a sampling step, each stage sits under a cond of its own: nothing but selects and cheap reductions run for a
+    # stage no draw uses (the searches, the top-k's, the noise, the controls' scatters).
+    outside = _primitives(step.params["branches"][1].jaxpr, into_conds=False)
+    assert not outside & work - {"cond"}, outside & work
 
 
 def test_the_generic_backend_draws_the_cpu_backends_tokens_with_every_control_drafts_and_n(
