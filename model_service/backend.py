@@ -12,7 +12,7 @@ accelerator is how that program computes, and it is all here:
   step_tokens token rows per step (prompt and decode rows together);
   native_sampling  the sampler's nucleus threshold and its list of kept entries (the draw's noise for those only)
               from the native kernels (one device, native products);
-  vectorised_sampling  the sampler mapped over a step's draws at once (accelerators) rather than one draw
+  vectorised_sampling  the sampler over a step's draws at once, stage by stage (accelerators) rather than one draw
               after another (CPU: a draw's unused branches then cost nothing);
   row_buckets the row counts a step program is compiled for (accelerators: a step runs the least bucket holding
               its rows, every bucket compiled before serving; CPU: none, its few-rows program is the engine's);

@@ -13,6 +13,7 @@ from model_service.loading import build_engine, resolve
 from model_service.requests import GenerationRequest
 from tests.engine.conftest import Runner, golden_requests, golden_sampling, golden_server_config
 from tests.engine.drive import generate, serve_all
+from tests.model.conftest import skip_without_devices
 
 
 def run_alone(engine: Engine, case: dict[str, Any], slot: int, chunk: int | None = None) -> list[int]:
@@ -55,6 +56,7 @@ def test_a_prompt_of_context_minus_one_tokens_gets_its_token(golden_engine: Engi
 @pytest.fixture(scope="module")
 def sharded_engine() -> Engine:
     """The golden engine on a (data=2, model=4) mesh of the 8 host devices tests/conftest.py forces."""
+    skip_without_devices(MeshConfig(2, 4))
     config = golden_server_config(mesh=MeshConfig(2, 4), slots=4)
     return build_engine(config, resolve(config))
 
