@@ -106,3 +106,9 @@ def test_sockets_left_by_a_killed_service_are_removed_a_listening_one_kept(short
         assert sorted(os.listdir(directory)) == ["gateway.sock"]  # still listening: kept, and the directory too
     os.unlink(directory / "gateway.sock")
     assert remove_left_sockets(args, created_directory=True) == [] and not directory.exists()
+
+
+def test_the_directory_from_the_environment(monkeypatch: pytest.MonkeyPatch, short_dir: pathlib.Path) -> None:
+    monkeypatch.setenv("GROK_STACK_UDS_DIR", str(short_dir))
+    args = parse_args([])
+    assert listener(args, "tokenizer").address == f"unix:{short_dir}/tokenizer.sock" and args.metrics_port == 0
