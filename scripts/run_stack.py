@@ -1,5 +1,8 @@
 """Run the whole stack on this machine: tokenizer, model and gateway on 127.0.0.1 (what `make run` calls).
 
+With --uds-dir DIR they listen on unix socket files in DIR instead and no TCP port is opened
+(scripts/stack_endpoints.py).
+
 Starts the three services (the embedded demo by default: demo/tokenizer.model, configs/demo.json,
 demo/checkpoint; --config/--checkpoint/--tokenizer/--dtype/--mesh select real weights), waits
 until each is SERVING, streams one sample completion through the client, prints grpcurl commands to try,
@@ -34,6 +37,9 @@ from serving_common.flags import EnvArgumentParser, port, positive_int  # noqa: 
 from serving_common.healthcheck import check  # noqa: E402
 from serving_common.logs import resolve_format  # noqa: E402
 from serving_common.processes import free_port, start_module, terminate  # noqa: E402
+from scripts.stack_endpoints import (Listener, add_socket_flags, listener, port_unused,  # noqa: E402
+                                     prepare_directory, remove_directory, remove_left_sockets,
+                                     resolve_socket_flags, unusable_sockets)
 from scripts.stack_flags import PassThrough, add_service_flags, service_args  # noqa: E402
 
 
@@ -51,8 +57,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_env_argument("--http-port", type=port, default=8000, help="gateway OpenAI-compatible HTTP port (0: off)")
     p.add_env_argument("--tokenizer-port", type=port, default=50052, help="tokenizer gRPC port (0: a free one)")
     p.add_env_argument("--model-port", type=port, default=50053, help="model gRPC port (0: a free one)")
-    p.add_env_argument("--metrics-port", type=port, default=9090, help="gateway Prometheus port (0: off)")
-    p.add_env_argument("--model-metrics-port", type=port, default=9091, help="model Prometheus port (0: off)")
+    p.add_env_argument("--metrics-port", type=port, default=None,
+                       help="gateway Prometheus port (0: off; if not given 9090, off with --uds-dir)")
+    p.add_env_argument("--model-metrics-port", type=port, default=None,
+                       help="model Prometheus port (0: off; if not given 9091, off with --uds-dir)")
+    add_socket_flags(p)
     p.add_env_argument("--prompt", default="The model service",
                        help="prompt of the sample completion")
     p.add_env_argument("--max-tokens", type=positive_int, default=48, help="tokens of the sample completion")
@@ -65,6 +74,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     passes = add_service_flags(p)
     args = p.parse_args(argv)
     args.passes = passes
+    resolve_socket_flags(args)
     return args
 
 
@@ -155,30 +165,32 @@ def start(args: argparse.Namespace, out: LogGate) -> list[Child]:
     log_format = resolve_format(args.log_format, sys.stdout)  # the services write into a pipe: decide here
     host, level = args.host, ["--log-level", args.log_level, "--log-format", log_format]
     passes: tuple[PassThrough, ...] = args.passes
-    tokenizer = Child("tokenizer", ["tokenizer_service", "--model", args.tokenizer, "--host", host,
-                                    "--port", str(args.tokenizer_port), *level,
+    where = {name: listener(args, name) for name in ("tokenizer", "model", "gateway", "http")}
+    tokenizer = Child("tokenizer", ["tokenizer_service", "--model", args.tokenizer, *where["tokenizer"].args, *level,
                                     *service_args(args, passes, "tokenizer")], out)
-    tokenizer.address = f"{host}:{args.tokenizer_port}"
+    tokenizer.address = where["tokenizer"].address
     cache = ["--compile-cache", args.compile_cache] if args.compile_cache else []
     # --tokenizer: the model service then serves structured output (constraints are compiled over its pieces).
     model = Child("model", ["model_service", "--config", args.config, "--checkpoint", args.checkpoint,
                             "--tokenizer", args.tokenizer, "--dtype", args.dtype, "--mesh", args.mesh,
-                            "--slots", str(args.slots), "--host", host, "--port", str(args.model_port),
+                            "--slots", str(args.slots), *where["model"].args,
                             "--metrics-port", str(args.model_metrics_port), *cache, *level,
                             *service_args(args, passes, "model")], out)
-    model.address = f"{host}:{args.model_port}"
+    model.address = where["model"].address
     # The gateway's /metrics (HTTP API and --metrics-port) carries the model's series too.
     url_host = f"[{host}]" if ":" in host else host
     model_metrics = (["--model-metrics", f"http://{url_host}:{args.model_metrics_port}/metrics"]
                      if args.model_metrics_port else [])
     gateway = Child("gateway", ["gateway", "--tokenizer", tokenizer.address, "--model", model.address,
-                                "--host", host, "--port", str(args.gateway_port), "--http-port", str(args.http_port),
+                                *where["gateway"].args, *where["http"].args, "--host", host,  # --host: /metrics
                                 "--metrics-port", str(args.metrics_port), *level, *model_metrics,
                                 *service_args(args, passes, "gateway")], out,
                     env={"GROK_GATEWAY_API_KEY": args.api_key} if args.api_key else None)  # not on a command line
-    gateway.address = f"{host}:{args.gateway_port}"
+    gateway.address = where["gateway"].address
     for child in (tokenizer, model, gateway):
         out.write(f"run_stack: started {child.name} (pid {child.proc.pid}) for {child.address}\n")
+    if where["http"].on_socket:
+        out.write(f"run_stack: the gateway's HTTP API listens on {where['http'].address}\n")
     return [tokenizer, model, gateway]
 
 
@@ -190,7 +202,7 @@ def choose_free_ports(args: argparse.Namespace) -> None:
     """Give each gRPC port flag left at 0 a free port: the gateway must be told where the tokenizer and the model
     listen before they start, so the launcher picks their ports rather than the services."""
     for name in GRPC_PORT_FLAGS:
-        if getattr(args, name) == 0:
+        if getattr(args, name) == 0 and not port_unused(args, name):
             setattr(args, name, free_port())
 
 
@@ -212,7 +224,7 @@ def can_bind(host: str, number: int) -> bool:
 def taken_ports(args: argparse.Namespace) -> list[str]:
     """The stack's ports that something else listens on already, each as its flag and number."""
     return [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in PORT_FLAGS
-            if getattr(args, name) and not can_bind(args.host, getattr(args, name))]
+            if getattr(args, name) and not port_unused(args, name) and not can_bind(args.host, getattr(args, name))]
 
 
 def refuse_taken(taken: list[str], host: str, out: TextIO) -> None:
@@ -261,36 +273,38 @@ def tool(name: str, fallback: pathlib.Path) -> str:
         return str(fallback)
 
 
-def try_commands(args: argparse.Namespace, address: str) -> list[str]:
-    """The commands `make run` suggests, runnable as printed (with the API key's header when one is set)."""
+def try_commands(args: argparse.Namespace, gateway: Listener, http: Listener) -> list[str]:
+    """The commands `make run` suggests, runnable as printed (with the API key's header when one is set); on unix
+    sockets grpcurl's -unix and curl's --unix-socket forms."""
     python, grpcurl = tool("python", pathlib.Path(sys.executable)), tool("grpcurl", ROOT / ".venv" / "bin" / "grpcurl")
     secret = client_key(args)
     key = ["--api-key", secret] if secret else []
     header = ["-H", f"authorization: Bearer {secret}"] if secret else []
     body = json.dumps({"prompt": args.prompt, "sampling": {"max_tokens": args.max_tokens}})
-    commands = [[python, "-m", "gateway.client", args.prompt, "--max-tokens", "32", "--address", address, *key],
-                [grpcurl, "-plaintext", *header, "-d", body, address, "grok.gateway.v1.GatewayService/Generate"],
-                [grpcurl, "-plaintext", *header, address, "list"]]
-    if args.http_port:
-        url = f"http://{args.host}:{args.http_port}/v1"
+    target = ["-unix", gateway.path] if gateway.path else [gateway.address]
+    commands = [[python, "-m", "gateway.client", args.prompt, "--max-tokens", "32", "--address", gateway.address, *key],
+                [grpcurl, "-plaintext", *header, "-d", body, *target, "grok.gateway.v1.GatewayService/Generate"],
+                [grpcurl, "-plaintext", *header, *target, "list"]]
+    if http.address:
+        via, url = (["--unix-socket", http.path], "http://localhost/v1") if http.path else ([], f"{http.address}/v1")
         json_header = ["-H", "content-type: application/json", *header]
         completion = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens, "stream": True})
         chat = json.dumps({"messages": [{"role": "user", "content": "What does the gateway do?"}],
                            "temperature": 0, "max_tokens": 64})
-        commands += [["curl", "-sN", f"{url}/completions", *json_header, "-d", completion],
-                     ["curl", "-s", f"{url}/chat/completions", *json_header, "-d", chat]]
+        commands += [["curl", "-sN", *via, f"{url}/completions", *json_header, "-d", completion],
+                     ["curl", "-s", *via, f"{url}/chat/completions", *json_header, "-d", chat]]
     return [shlex.join(command) for command in commands]
 
 
-def sample(args: argparse.Namespace, address: str, out: TextIO) -> int:
+def sample(args: argparse.Namespace, gateway: Listener, http: Listener, out: TextIO) -> int:
     out.write(f"\nrun_stack: sample completion of {args.prompt!r} (streamed as it arrives):\n")
     request = argparse.Namespace(prompt=args.prompt, max_tokens=args.max_tokens, temperature=0.0, top_p=None,
                                  seed=None, stop=[], ignore_eos=False, top_k=None, min_p=None,
                                  repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
                                  timeout=600.0, quiet=False)
-    with GatewayClient(address, api_key=client_key(args) or None) as client:
+    with GatewayClient(gateway.address, api_key=client_key(args) or None) as client:
         code = stream(client, request, out, out)
-    out.write("\nrun_stack: try it yourself:\n" + "".join(f"  {c}\n" for c in try_commands(args, address))
+    out.write("\nrun_stack: try it yourself:\n" + "".join(f"  {c}\n" for c in try_commands(args, gateway, http))
               + "run_stack: serving; Ctrl-C stops all three services.\n")
     out.flush()
     return code
@@ -311,6 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if taken := taken_ports(args):  # before anything starts: a SERVING answer must come from this stack
         refuse_taken(taken, args.host, out)
         return 1
+    created = prepare_directory(args)
+    if unusable := unusable_sockets(args):  # in use, stale or not a socket: never taken over
+        say(out, "".join(f"run_stack: {problem}\n" for problem in unusable) + "run_stack: nothing was started\n")
+        remove_directory(args, created)
+        return 1
     logs = LogGate(out)
     children = start(args, logs)
     code = 0
@@ -320,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             logs.hold()
             try:
-                code = sample(args, children[-1].address, out)
+                code = sample(args, listener(args, "gateway"), listener(args, "http"), out)
             finally:
                 logs.release()
         if code == 0 and not stop.is_set():
@@ -339,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             returncode = child.stop()
             say(out, f"run_stack: {child.name} exited with {returncode}\n")
             code = code or (0 if returncode == 0 else 1)
+        for path in remove_left_sockets(args, created):
+            say(out, f"run_stack: removed {path}, left by a service that did not stop cleanly\n")
     return code
 
 

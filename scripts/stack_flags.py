@@ -11,8 +11,8 @@ so a flag added to a service is accepted here with no change:
   debug`), to that one service only, after the plain forms (so it wins). This is the only form of a service flag
   whose plain name is the launcher's own (`--max-tokens`, `--startup-timeout`).
 
-The flags the launcher sets itself (addresses, ports, the model files, the API key) keep their launcher names:
-see MANAGED. Values are checked with the service's own type and choices before anything starts, then passed on
+The flags the launcher sets itself (addresses, ports, unix sockets, the model files, the API key) keep their
+launcher names: see MANAGED. Values are checked with the service's own type and choices before anything starts, then passed on
 exactly as written.
 """
 
@@ -46,12 +46,14 @@ def _gateway_parser() -> argparse.ArgumentParser:
 # given a prefixed form, so one service can log more than the others.
 MANAGED: dict[str, frozenset[str]] = {
     "tokenizer": frozenset({"--model",  # --tokenizer (the SentencePiece file)
-                            "--host", "--port", "--log-level", "--log-format"}),  # --host, --tokenizer-port
+                            "--host", "--port", "--uds",  # --host, --tokenizer-port, --tokenizer-uds / --uds-dir
+                            "--log-level", "--log-format"}),
     "model": frozenset({"--config", "--checkpoint", "--tokenizer", "--dtype", "--mesh", "--slots", "--compile-cache",
-                        "--host", "--port", "--metrics-port",  # --model-port, --model-metrics-port
+                        "--host", "--port", "--uds", "--metrics-port",  # --model-port, --model-uds, --model-metrics-port
                         "--log-level", "--log-format"}),
     "gateway": frozenset({"--tokenizer", "--model", "--model-metrics",  # the model's addresses (gRPC, metrics)
                           "--host", "--port", "--http-port", "--metrics-port",  # --gateway-port
+                          "--uds", "--http-uds",  # --gateway-uds, --http-uds / --uds-dir (scripts/stack_endpoints.py)
                           "--log-level", "--log-format",
                           "--api-key"}),  # --api-key (passed in the environment, not on a command line)
 }

@@ -14,6 +14,7 @@ import pytest
 
 from scripts import stack_flags
 from scripts.run_stack import client_key, parse_args
+from scripts.stack_endpoints import listener
 from scripts.stack_flags import MANAGED, PREFIXED_EVEN_IF_MANAGED, service_actions, service_args
 from tests.procs import ROOT
 
@@ -63,15 +64,15 @@ def test_every_flag_of_every_service_is_accepted_unless_the_launcher_sets_it() -
 
 def test_a_flag_added_to_a_service_comes_through_without_a_change_to_the_launcher(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    def model_with_uds() -> argparse.ArgumentParser:
+    def model_with_knob() -> argparse.ArgumentParser:
         from model_service.__main__ import parser
 
         p = parser()
-        p.add_argument("--uds", default=None, help="also listen on this unix socket")
+        p.add_argument("--new-knob", default=None, help="a flag the launcher has never heard of")
         return p
 
-    monkeypatch.setitem(stack_flags.BUILDERS, "model", model_with_uds)
-    assert given(["--uds", "/tmp/m.sock"])["model"] == ["--uds", "/tmp/m.sock"]
+    monkeypatch.setitem(stack_flags.BUILDERS, "model", model_with_knob)
+    assert given(["--new-knob", "7"])["model"] == ["--new-knob", "7"]
 
 
 def test_a_bad_value_is_refused_with_the_service_s_own_message_before_anything_starts() -> None:
@@ -113,6 +114,9 @@ def test_docs_running_md_make_run_examples_parse_as_written(tmp_path: pathlib.Pa
         launched = done.stdout.splitlines()[-1]
         argv = shlex.split(launched.split("scripts/run_stack.py", 1)[1])
         args = parse_args(argv)
+        if args.uds_dir:  # the launcher's own: every listener on a socket file there
+            assert listener(args, "gateway").args == ("--uds", f"{args.uds_dir}/gateway.sock"), example
+            continue
         assert any(service_args(args, args.passes, s) for s in ("tokenizer", "model", "gateway")), example
         if "--speculative-config" in argv:
             spec = service_args(args, args.passes, "model")
@@ -120,8 +124,9 @@ def test_docs_running_md_make_run_examples_parse_as_written(tmp_path: pathlib.Pa
 
 
 def test_a_socket_flag_several_services_take_has_only_per_service_forms(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One path for two services' listening sockets would collide: `--uds` on the tokenizer and the model is
-    `--tokenizer-uds` / `--model-uds`; the gateway's own `--http-uds` keeps its plain name."""
+    """One path for two services' listening sockets would collide: a socket flag the tokenizer and the model both
+    take is `--tokenizer-FLAG` / `--model-FLAG` only; one only the gateway takes keeps its plain name. (`--uds` and
+    `--http-uds` themselves are the launcher's: tests/test_stack_endpoints.py.)"""
     def with_flag(build: object, flag: str) -> object:
         def parser() -> argparse.ArgumentParser:
             p = build()  # type: ignore[operator]
@@ -129,10 +134,12 @@ def test_a_socket_flag_several_services_take_has_only_per_service_forms(monkeypa
             return p
         return parser
 
-    for service, flag in (("tokenizer", "--uds"), ("model", "--uds"), ("gateway", "--http-uds")):
+    for service, flag in (("tokenizer", "--admin-socket"), ("model", "--admin-socket"),
+                          ("gateway", "--debug-socket")):
         monkeypatch.setitem(stack_flags.BUILDERS, service, with_flag(stack_flags.BUILDERS[service], flag))
-    passed = given(["--tokenizer-uds", "/tmp/t.sock", "--model-uds", "/tmp/m.sock", "--http-uds", "/tmp/h.sock"])
-    assert passed == {"tokenizer": ["--uds", "/tmp/t.sock"], "model": ["--uds", "/tmp/m.sock"],
-                      "gateway": ["--http-uds", "/tmp/h.sock"]}
+    passed = given(["--tokenizer-admin-socket", "/tmp/t.sock", "--model-admin-socket", "/tmp/m.sock",
+                    "--debug-socket", "/tmp/d.sock"])
+    assert passed == {"tokenizer": ["--admin-socket", "/tmp/t.sock"], "model": ["--admin-socket", "/tmp/m.sock"],
+                      "gateway": ["--debug-socket", "/tmp/d.sock"]}
     with pytest.raises(SystemExit):
-        parse_args(["--uds", "/tmp/both.sock"])
+        parse_args(["--admin-socket", "/tmp/both.sock"])

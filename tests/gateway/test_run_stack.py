@@ -9,8 +9,10 @@ import pathlib
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 
 import pytest
@@ -20,6 +22,7 @@ from serving_common.healthcheck import check
 from tests.demo.launcher import Launched
 from tests.demo.test_readme import code_blocks, on_stack, shell_commands
 from tests.procs import GOLDEN, ROOT, free_port, grpcurl_path
+from tests.test_uds_stack import inet_sockets
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -106,13 +109,15 @@ def test_make_run_passes_its_args_to_the_launcher_and_installs_only_what_serving
 class Launcher:
     """run_stack.py in its own process group (as a terminal runs it), its output collected."""
 
-    def __init__(self, jax_cache: str, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, jax_cache: str, extra: tuple[str, ...] = (), tcp: bool = True) -> None:
         self.ports: list[int] = []  # gateway, tokenizer, model: port 0 asks the launcher for free ones
+        self.tcp = tcp  # False: no port flags at all (extra has --uds-dir)
+        ports = ["--gateway-port", "0", "--tokenizer-port", "0", "--model-port", "0", "--metrics-port", "0",
+                 "--model-metrics-port", "0", "--http-port", "0"] if tcp else []
         self.proc = subprocess.Popen(
             [sys.executable, "scripts/run_stack.py", "--config", str(GOLDEN / "config.json"),
              "--checkpoint", str(GOLDEN / "checkpoint"), "--tokenizer", str(GOLDEN / "tokenizer.model"),
-             "--gateway-port", "0", "--tokenizer-port", "0", "--model-port", "0", "--metrics-port", "0",
-             "--model-metrics-port", "0", "--http-port", "0", "--startup-timeout", "300",
+             *ports, "--startup-timeout", "300",
              "--compile-cache", jax_cache, "--max-tokens", "2", "--prompt", "In the beginning", *extra],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []
@@ -127,6 +132,8 @@ class Launcher:
             assert self.proc.poll() is None, self.output()[-4000:]
             return "Ctrl-C stops all three" in self.output()
         wait_until(ready, 600, interval=0.2, message=lambda: self.output()[-4000:])
+        if not self.tcp:
+            return [int(pid) for pid in re.findall(r"\(pid (\d+)\)", self.output())]
         started = dict(re.findall(r"started (\w+) \(pid \d+\) for 127\.0\.0\.1:(\d+)", self.output()))
         self.ports = [int(started[name]) for name in ("gateway", "tokenizer", "model")]
         assert 0 not in self.ports and all(check(f"127.0.0.1:{p}") for p in self.ports), self.output()[-4000:]
@@ -167,6 +174,44 @@ def test_closing_the_terminal_sighup_stops_all_three_services(jax_cache: str) ->
         assert not any(check(f"127.0.0.1:{p}", timeout=0.5) for p in launcher.ports)
     finally:
         launcher.cleanup(pids)
+
+
+def test_uds_dir_serves_on_socket_files_only_and_ctrl_c_removes_them(jax_cache: str) -> None:
+    """`--uds-dir DIR` (make run ARGS="--uds-dir /tmp/grok"): the three services on DIR's socket files, health and
+    the sample over them, no TCP or UDP socket in any of the four processes (metrics off by default), every printed
+    command works as printed, and Ctrl-C stops all three and removes the files and the directory it made."""
+    with tempfile.TemporaryDirectory(prefix="grok-run", dir="/tmp") as name:  # short: a socket path has <= 107 bytes
+        directory = pathlib.Path(name) / "grok"  # the launcher creates it
+        launcher = Launcher(jax_cache, ("--uds-dir", str(directory)), tcp=False)
+        pids: list[int] = []
+        try:
+            pids = launcher.wait_serving()
+            output = launcher.output()
+            assert len(pids) == 3 and "[finish: length; tokens: 8 prompt + 2 completion" in output, output[-3000:]
+            for service in ("tokenizer", "model", "gateway"):
+                assert f"run_stack: {service} is SERVING on unix:{directory}/{service}.sock" in output
+            files = sorted(p.name for p in directory.iterdir())
+            assert files == ["gateway.sock", "http.sock", "model.sock", "tokenizer.sock"]
+            assert all(stat.S_ISSOCK(os.lstat(directory / f).st_mode) for f in files)
+            assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+            for pid in (*pids, launcher.proc.pid):
+                assert inet_sockets(pid) == [], (pid, launcher.output()[-3000:])
+            commands = re.findall(r"^  (.+)$", output.split("run_stack: try it yourself:\n", 1)[1], re.M)
+            assert len(commands) == 5 and "127.0.0.1" not in "".join(commands), commands
+            assert all("-unix" in c for c in commands[1:3]) and all("--unix-socket" in c for c in commands[3:])
+            for command in commands:
+                done = subprocess.run(["bash", "-c", command.replace("grpcurl ", f"{grpcurl_path()} ", 1)
+                                       if command.startswith("grpcurl ") else command],
+                                      cwd=ROOT, capture_output=True, text=True, timeout=120)
+                assert done.returncode == 0 and done.stdout.strip() and '{"error"' not in done.stdout, (command, done)
+            os.killpg(launcher.proc.pid, signal.SIGINT)  # Ctrl-C in its terminal
+            assert launcher.proc.wait(90) == 0, launcher.output()[-3000:]
+        finally:
+            launcher.cleanup(pids)
+        output = launcher.output()
+        for service in ("gateway", "model", "tokenizer"):
+            assert f"run_stack: {service} exited with 0" in output
+        assert not directory.exists(), list(directory.iterdir())
 
 
 def test_services_exit_when_their_launcher_is_killed(jax_cache: str) -> None:
