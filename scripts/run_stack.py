@@ -44,7 +44,8 @@ from scripts.stack_flags import PassThrough, add_service_flags, service_args  # 
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = EnvArgumentParser(env_prefix="GROK_STACK", prog="scripts/run_stack.py", description=__doc__.split("\n")[0])
+    p = EnvArgumentParser(env_prefix="GROK_STACK", prog="scripts/run_stack.py", description=__doc__.split("\n")[0],
+                          allow_abbrev=False)  # a service flag mistyped is an error, never another flag
     p.add_env_argument("--config", default="configs/demo.json", help="model preset or config JSON")
     p.add_env_argument("--checkpoint", default="demo/checkpoint", help="directory holding ckpt-0/")
     p.add_env_argument("--tokenizer", default="demo/tokenizer.model", help="SentencePiece model file")

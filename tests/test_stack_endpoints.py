@@ -112,3 +112,12 @@ def test_the_directory_from_the_environment(monkeypatch: pytest.MonkeyPatch, sho
     monkeypatch.setenv("GROK_STACK_UDS_DIR", str(short_dir))
     args = parse_args([])
     assert listener(args, "tokenizer").address == f"unix:{short_dir}/tokenizer.sock" and args.metrics_port == 0
+
+
+def test_a_shortened_flag_is_an_error_not_another_flag() -> None:
+    """`--uds X` is no launcher flag (the services' --uds is --tokenizer-uds / --model-uds / --gateway-uds): it must
+    not be read as --uds-dir X."""
+    from scripts.run_stack import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--uds", "/tmp/x.sock"])
