@@ -126,6 +126,12 @@ def test_grpc_statuses_map_to_http_statuses(code: grpc.StatusCode, status: int) 
     assert from_status(code, "something went wrong").status == status
 
 
+def test_statuses_that_mean_later_carry_retry_after_and_a_400_does_not() -> None:
+    for code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+        assert from_status(code, "the waiting queue is full; retry later").response().headers["retry-after"] == "1"
+    assert "retry-after" not in from_status(grpc.StatusCode.INVALID_ARGUMENT, "n: too many").response().headers
+
+
 def test_field_named_by_a_grpc_error_becomes_the_openai_param() -> None:
     assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: must be in 0..20").param == "logprobs"
     assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: x", "chat").param == "top_logprobs"

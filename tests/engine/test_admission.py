@@ -1,0 +1,63 @@
+"""Admission against the KV pool: a request whose samples can never fit is refused up front, naming the numbers
+(INVALID_ARGUMENT, before any work); what only waits for memory to free is queued (fake_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from model_service.requests import ErrorKind, SchedulerError
+from model_service.scheduler import Scheduler
+from tests.engine.conftest import Runner
+from tests.engine.fake_engine import FakeEngine
+from tests.engine.test_scheduler import Collector, req
+
+
+@pytest.fixture
+def tight(running: Runner) -> Scheduler:
+    """A pool of 12 blocks of 4 (48 tokens) under a 32-token context."""
+    return running(FakeEngine(num_blocks=12))
+
+
+def test_samples_that_certainly_outgrow_the_pool_are_refused_before_any_step_naming_the_numbers(
+        tight: Scheduler) -> None:
+    """Two samples of a 10-token prompt drawing 20 tokens each, nothing able to end them earlier: each ends at 30
+    tokens (8 blocks), the second sharing the prompt's 2 full blocks: 14 blocks of the pool's 12."""
+    with pytest.raises(SchedulerError) as err:
+        tight.submit(req(tuple(range(5, 15)), n=2, max_tokens=20, ignore_eos=True), Collector())
+    message = err.value.message
+    assert err.value.kind is ErrorKind.INVALID_ARGUMENT, message
+    assert message.startswith("n: ") and "56 KV tokens" in message and "48" in message and "--kv-tokens" in message
+    assert not tight.engine.steps  # type: ignore[attr-defined]
+
+
+def test_one_sample_that_certainly_outgrows_the_pool_names_max_tokens(running: Runner) -> None:
+    scheduler = running(FakeEngine(num_blocks=5))  # 20 tokens
+    with pytest.raises(SchedulerError) as err:
+        scheduler.submit(req(tuple(range(5, 15)), max_tokens=20, ignore_eos=True), Collector())
+    assert err.value.kind is ErrorKind.INVALID_ARGUMENT and err.value.message.startswith("max_tokens: ")
+    with pytest.raises(SchedulerError) as err:  # no max_tokens: it runs to the context (32 tokens)
+        scheduler.submit(req(tuple(range(5, 15)), ignore_eos=True), Collector())
+    assert err.value.kind is ErrorKind.INVALID_ARGUMENT and "32 KV tokens" in err.value.message
+
+
+def test_min_tokens_count_as_certain_tokens(tight: Scheduler) -> None:
+    with pytest.raises(SchedulerError) as err:
+        tight.submit(req(tuple(range(5, 15)), n=2, max_tokens=20, min_tokens=20), Collector())
+    assert err.value.kind is ErrorKind.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("ending", [dict(), dict(stop_token_ids=(9,))])
+def test_samples_that_may_end_early_are_served_as_far_as_they_fit(tight: Scheduler, ending: dict) -> None:
+    """Without ignore_eos (or with a stop id) a request may end before it outgrows the pool: it is admitted."""
+    c = Collector()
+    tight.submit(req(tuple(range(5, 15)), n=2, max_tokens=6, **ending), c)
+    c.wait()
+    assert c.last.error is None
+
+
+def test_samples_that_fit_the_pool_exactly_are_accepted(tight: Scheduler) -> None:
+    """Two samples of a 9-token prompt drawing 15 tokens: 6 blocks each, 2 shared: 10 of 12."""
+    c = Collector()
+    tight.submit(req(tuple(range(20, 29)), n=2, max_tokens=15, ignore_eos=True), c)
+    c.wait()
+    assert c.last.error is None and c.last.finish_reason is not None
