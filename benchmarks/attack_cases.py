@@ -50,7 +50,7 @@ class Facts:
     prompt: str  # a prompt that works
     prompt_ids: tuple[int, ...]  # its token ids (model-direct cases)
     max_tokens: int = 8  # per successful case: short, so the table runs fast
-    max_prompt_bytes: int = GATEWAY_LIMITS.max_prompt_bytes  # the gateway's defaults (it is started without flags)
+    max_prompt_bytes: int = 0  # the gateway's default (it is started without flags): config.prompt_byte_limit
     max_stop: int = GATEWAY_LIMITS.max_stop
     max_stop_chars: int = GATEWAY_LIMITS.max_stop_chars
     max_top_logprobs: int = GATEWAY_LIMITS.max_top_logprobs
