@@ -53,13 +53,21 @@ class StepBuilder:
                 Sample((ref, i), -1, shared, n, after=(ref, 0), shared=shared) for i in range(1, req.n))
             blocks = kv.cost(req.prompt, self.positions(n), reuse, salt) + (req.n - 1) * rest
             return Waiting(ref, samples, blocks, ended, handle.enqueued_at)
-        samples, blocks = [], 0  # preempted: each unfinished sample recomputes its own tokens
+        # Preempted: each unfinished sample recomputes its own tokens; the first of them the prompt's, the others
+        # sharing its full prompt blocks again (held once, as at the first admission).
+        samples, blocks, lead = [], 0, None
         for i in range(req.n):
             if i in handle.finished_samples:
                 continue
             tokens = req.prompt + tuple(handle.delivered.get(i, ()))
+            shared = self.shared_prompt(n, len(tokens)) if lead is not None else 0
+            if shared:
+                samples.append(Sample((ref, i), -1, shared, len(tokens), after=(ref, lead), shared=shared))
+                blocks += kv.blocks_for(self.positions(len(tokens))) - shared // kv.block_size
+                continue
             samples.append(Sample((ref, i), -1, kv.reusable(tokens, salt) if reuse else 0, len(tokens)))
             blocks += kv.cost(tokens, self.positions(len(tokens)), reuse, salt)
+            lead = i if lead is None else lead
         return Waiting(ref, tuple(samples), blocks, ended, handle.enqueued_at)
 
     def sample(self, run: Running, now: float, drafting: bool = False) -> Sample:
@@ -103,6 +111,11 @@ class StepBuilder:
         """Positions the samples of one prompt share: its full blocks before the block of its last token."""
         return (prompt_len - 1) // self.kv.block_size * self.kv.block_size
 
+    def shared_prompt(self, prompt_len: int, length: int) -> int:
+        """Positions a sample of `length` tokens shares with the first sample of its prompt: the prompt's full
+        blocks, less the block of its own last token (a sample computes at least that token)."""
+        return min(prompt_len, length - 1) // self.kv.block_size * self.kv.block_size
+
     def positions(self, length: int) -> int:
         """Positions a sample of `length` tokens needs blocks for: its tokens and the one it draws next."""
         return min(length + 1, self.engine.sequence_len)
@@ -127,15 +140,15 @@ class StepBuilder:
         req = handle.request
         seed = handle.draw_seed()
         reuse = req.prompt_logprobs is None
-        fresh = not handle.delivered
         runs: list[Running] = []
         try:
             for slot, index in zip(slots, samples):
                 drawn = tuple(handle.delivered.get(index, ()))
                 run = Running(handle, (seed + index) % 2**32, slot, index, list(req.prompt + drawn), 0, now, order)
                 positions = self.positions(run.length)
-                if fresh and index > 0:
-                    run.after, run.shared = runs[0], self.shared(run.length)
+                shared = self.shared_prompt(len(req.prompt), run.length) if runs else 0
+                if shared:  # the first admitted sample computes the prompt's blocks this one shares
+                    run.after, run.shared = runs[0], shared
                     self.kv.share(slot, runs[0].slot, run.shared, positions)
                     run.computed = run.shared
                 else:

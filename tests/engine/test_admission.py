@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from model_service.loop_state import SchedulerMetrics
 from model_service.requests import ErrorKind, SchedulerError
 from model_service.scheduler import Scheduler
 from tests.engine.conftest import Runner
 from tests.engine.fake_engine import FakeEngine
 from tests.engine.test_scheduler import Collector, req
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -61,3 +63,37 @@ def test_samples_that_fit_the_pool_exactly_are_accepted(tight: Scheduler) -> Non
     tight.submit(req(tuple(range(20, 29)), n=2, max_tokens=15, ignore_eos=True), c)
     c.wait()
     assert c.last.error is None and c.last.finish_reason is not None
+
+
+class Preemptions(SchedulerMetrics):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def preempted(self) -> None:
+        self.count += 1
+
+
+def test_preempted_samples_of_one_prompt_share_its_blocks_again_and_resume_on_a_tight_pool(running: Runner) -> None:
+    """Issue 64.2's repro in blocks of 16: a pool of 256 tokens, four requests of n = 2 drawing 60 tokens each on
+    69/57/50/73-token prompts. Alone the 73-token one takes 14 blocks (9 a sample, the 4 full prompt blocks
+    shared) of 16; resumed after a preemption its samples held their own prompt blocks (18) and it failed with
+    RESOURCE_EXHAUSTED. Every request must end, each sample with the tokens it draws alone."""
+    engine = FakeEngine(slots=8, sequence_len=256, vocab_size=4096, max_rows=64, block_size=16, num_blocks=16)
+    metrics = Preemptions()
+    scheduler = running(engine, metrics=metrics)
+    collectors = []
+    for i, length in enumerate((69, 57, 50, 73)):
+        prompt = tuple(range(100 * (i + 1), 100 * (i + 1) + length))
+        c = Collector()
+        scheduler.submit(req(prompt, n=2, max_tokens=60, ignore_eos=True, seed=3), c)
+        collectors.append((prompt, c))
+    for prompt, c in collectors:
+        wait_until(lambda: any(e.error is not None for e in c.emissions) or sum(e.finish_reason is not None for e in c.emissions) == 2,
+                   timeout=60)
+        errors = [e.error for e in c.emissions if e.error is not None]
+        assert not errors, errors
+        for index in (0, 1):
+            ids = [t.id for e in c.emissions if e.index == index for t in e.tokens]
+            assert ids == list(range(prompt[-1] + 1, prompt[-1] + 61)), (len(prompt), index)
+    assert metrics.count > 0  # the pool was tight enough to preempt
+    wait_until(lambda: scheduler.kv.usage().used == 0)
