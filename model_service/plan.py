@@ -7,7 +7,11 @@ clocks or engine calls here, so the policy is tested as data (tests/engine/test_
 
 Every token is a row; a step spends one budget of rows (the engine's `max_rows`) over, in this order:
   - one row for every running sample whose tokens are all computed but its newest (a decode: the row draws
-    the next token);
+    the next token); but while prompts of a burst wait (they arrived before those streams began decoding),
+    half the step is kept for them and the decodes that fit go to the streams that drew least, the others
+    taking the rows the prompts leave: the last prompt of a burst gets its first token before any stream of
+    it finishes, however many of it decode (the rows once went to the decodes first, and a 64-request burst's
+    tail waited past its head's last token);
   - prompt rows of samples still computing theirs, in admission order (a sample of an n > 1 request that
     shares its first sample's prompt blocks only after that sample computed them: `after`);
   - waiting requests in queue order, into the lowest free slots: a request of n samples waits for n free slots,
@@ -52,6 +56,7 @@ class Sample:
     drafts: int = 0  # decoding: speculative draft tokens proposed after its newest token (speculative.py)
     arrived: float = math.inf  # when its request arrived (the loop's clock; compared, never read here)
     decoding_since: float = -math.inf  # when its first token was delivered (inf: not yet)
+    drawn: int = 0  # tokens it has drawn (a burst's decodes go to the streams that drew least)
 
 
 @dataclass(frozen=True)
@@ -132,13 +137,16 @@ def schedule(view: View, policy: Policy) -> StepPlan:
     # first sample to compute the blocks they share.
     decoding = [s for s in live if not s.done and s.computed == s.length - 1
                 and (s.after is None or computed.get(s.after, s.shared) >= s.shared)]
-    decodes = [Chunk(s.key, s.length - 1, 1, True) for s in decoding]
+    prefilling = [s for s in live if s.computed < s.length - 1]
     oldest_prompt = min([s.arrived for s in live if not s.done and s.computed < s.length - 1]
                         + [w.arrived for w in view.waiting if not w.ended], default=math.inf)
     paced = any(s.decoding_since < oldest_prompt for s in decoding)  # streams the prompts came after
+    decoding, deferred = _burst_decodes(decoding, 0 if paced else min(
+        _prompt_rows(prefilling, view.waiting), policy.max_rows // 2), policy.max_rows)
+    decodes = [Chunk(s.key, s.length - 1, 1, True) for s in decoding]
     budget = _Budget(policy.max_rows - len(decodes), policy.prefill_budget if paced else float("inf"),
                      policy.key_scale)
-    chunks = decodes + _prompt_chunks([s for s in live if s.computed < s.length - 1], computed, budget)
+    prompts = _prompt_chunks(prefilling, computed, budget)
     admit: list[Admit] = []
     blocks = view.free_blocks
     for w in view.waiting:
@@ -154,7 +162,11 @@ def schedule(view: View, policy: Policy) -> StepPlan:
         admit.append(Admit(w.ref, slots, tuple(s.key[1] for s in w.samples)))
         new = [dataclasses.replace(s, slot=slot) for s, slot in zip(w.samples, slots)]
         computed.update((s.key, s.computed) for s in new)
-        chunks += _prompt_chunks(new, computed, budget)
+        prompts += _prompt_chunks(new, computed, budget)
+    # Rows the prompts left (the head waits for a slot or blocks) go back to the decodes deferred for them.
+    decodes += [Chunk(s.key, s.length - 1, 1, True) for s in deferred[:max(0, budget.rows)]]
+    budget.rows -= min(len(deferred), max(0, budget.rows))
+    chunks = decodes + prompts
     drafts = {s.key: s.drafts for s in live if s.drafts}
     for i, c in enumerate(chunks[:len(decodes)]):  # drafts take only the rows nothing else needs
         k = min(drafts.get(c.key, 0), budget.rows)
@@ -162,6 +174,23 @@ def schedule(view: View, policy: Policy) -> StepPlan:
             chunks[i] = Chunk(c.key, c.start, 1 + k, True, k)
             budget.rows -= k
     return StepPlan(tuple(s.key for s in ended), end_waiting, tuple(admit), tuple(chunks))
+
+
+def _prompt_rows(prefilling: list[Sample], waiting: tuple[Waiting, ...]) -> int:
+    """Prompt rows left to compute: of samples holding a slot, and of the waiting requests."""
+    return (sum(s.length - s.computed for s in prefilling if not s.done)
+            + sum(s.length - s.computed for w in waiting if not w.ended for s in w.samples))
+
+
+def _burst_decodes(decoding: list[Sample], reserve: int, max_rows: int) -> tuple[list[Sample], list[Sample]]:
+    """The decodes that run first, and those deferred to the rows prompts leave: `reserve` rows are kept for the
+    prompts of a burst, the decodes that fit going to the streams that drew least (in admission order among
+    equals), so no stream of a burst finishes before the burst's last prompt has its first token."""
+    room = max_rows - reserve
+    if len(decoding) <= room:
+        return decoding, []
+    first = {s.key for s in sorted(decoding, key=lambda s: s.drawn)[:room]}
+    return [s for s in decoding if s.key in first], [s for s in decoding if s.key not in first]
 
 
 @dataclass

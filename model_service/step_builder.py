@@ -80,7 +80,7 @@ class StepBuilder:
         run.proposal = self._propose(run) if drafting and not done and run.at_drawn_token else []
         return Sample((id(run.handle), run.index), run.slot, run.computed, run.length, done,
                       run.handle.abandoned(now) is not None, after, run.shared, len(run.proposal),
-                      run.handle.enqueued_at, run.decoding_since)
+                      run.handle.enqueued_at, run.decoding_since, run.drawn)
 
     def _propose(self, run: Running) -> list[int]:
         """Drafts for a decoding sample whose tokens are all on the host: never past max_tokens or the context,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from model_service.loop_state import SchedulerMetrics
-from model_service.requests import ErrorKind, SchedulerError
+from model_service.requests import Emission, ErrorKind, SchedulerError
 from model_service.scheduler import Scheduler
 from tests.engine.conftest import Runner
 from tests.engine.fake_engine import FakeEngine
@@ -97,3 +97,37 @@ def test_preempted_samples_of_one_prompt_share_its_blocks_again_and_resume_on_a_
             assert ids == list(range(prompt[-1] + 1, prompt[-1] + 61)), (len(prompt), index)
     assert metrics.count > 0  # the pool was tight enough to preempt
     wait_until(lambda: scheduler.kv.usage().used == 0)
+
+
+def test_every_request_of_a_burst_that_fits_gets_its_first_token_before_any_of_them_finishes(
+        running: Runner) -> None:
+    """Issue 64.7 scaled to the fake engine: 32 slots, 32 rows a step, a pool for every request, a burst of 32
+    requests of 8 + 24 tokens. With decodes first, admission slowed as streams began (8 * H(32) ~ 32 steps for
+    the last prompt against 24 for the first stream to end)."""
+    engine = FakeEngine(slots=32, max_rows=32, num_blocks=256, vocab_size=4096)
+    scheduler = running(engine, max_queue=64, prefill_rows=32)
+    events: list[tuple[str, int]] = []  # in the decode thread's order
+
+    def collector(i: int) -> Collector:
+        c = Collector()
+
+        def emit(e: Emission) -> None:
+            if e.tokens and not any(kind == "first" and j == i for kind, j in events):
+                events.append(("first", i))
+            if e.finish_reason is not None or e.error is not None:
+                events.append(("end", i) if e.error is None else ("error", i))
+            c(e)
+        c.emit = emit  # type: ignore[attr-defined]
+        return c
+
+    engine.running.clear()  # the first request's step waits until the whole burst has arrived
+    collectors = [collector(i) for i in range(32)]
+    for i, c in enumerate(collectors):
+        scheduler.submit(req(tuple(range(100 * (i + 1), 100 * (i + 1) + 8)), max_tokens=24, ignore_eos=True),
+                         c.emit)  # type: ignore[attr-defined]
+    engine.running.set()
+    for c in collectors:
+        c.wait(60)
+    assert not [e for e in events if e[0] == "error"]
+    kinds = [kind for kind, _ in events]
+    assert kinds.index("end") > max(i for i, kind in enumerate(kinds) if kind == "first"), events
