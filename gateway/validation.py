@@ -19,6 +19,7 @@ from serving_common.limits import (  # declared once for both services; the mode
     LOGIT_BIAS_LIMIT,
     MAX_CACHE_SALT_CHARS,
     MAX_LOGIT_BIAS,
+    MAX_SAMPLES,
     MAX_STOP_TOKEN_IDS,
     MAX_TOP_LOGPROBS,
     PENALTY_LIMIT,
@@ -102,8 +103,9 @@ def check_controls(s: gateway_pb2.SamplingParams) -> None:
         raise invalid("stop_token_ids", f"{len(s.stop_token_ids)} ids is over the limit of {MAX_STOP_TOKEN_IDS}")
     if s.HasField("prompt_logprobs") and not 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS:
         raise invalid("prompt_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS} (got {s.prompt_logprobs})")
-    if s.n < 0:
-        raise invalid("n", f"must be >= 1 (got {s.n}); 0 or unset means 1")
+    if s.n < 0 or s.n > MAX_SAMPLES:
+        raise invalid("n", f"must be in 1..{MAX_SAMPLES} (got {s.n}); 0 or unset means 1; samples beyond the "
+                           "model's slots wait for one to free")
 
 
 def check_stops(stops: list[str], limits: Limits) -> None:
@@ -146,9 +148,6 @@ def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoRes
             raise invalid("truncate_prompt_tokens", f"{keep} is over the model's context of {context} tokens; "
                                                     "send at most that, or -1 for the context")
         prompt_ids = prompt_ids[-keep:]
-    if info.slots and n > info.slots:
-        raise invalid("n", f"{n} completions is over the model's {info.slots} slots (each completion takes one); "
-                      "ask for fewer")
     count = len(prompt_ids)
     if count == 0:
         raise invalid("prompt", "encodes to no tokens")

@@ -14,8 +14,9 @@ Every token is a row; a step spends one budget of rows (the engine's `max_rows`)
     tail waited past its head's last token);
   - prompt rows of samples still computing theirs, in admission order (a sample of an n > 1 request that
     shares its first sample's prompt blocks only after that sample computed them: `after`);
-  - waiting requests in queue order, into the lowest free slots: a request of n samples waits for n free slots,
-    every request for the KV blocks it takes; nothing overtakes the head of the queue.
+  - waiting requests in queue order, into the lowest free slots: a request of n samples waits for n free slots
+    (of more samples than the engine has slots, its first samples take the slots free and the rest stay at the
+    head), every request for the KV blocks it takes; nothing overtakes the head of the queue.
 Speculative drafts (speculative.py) take only the rows left after all of that. While samples decode that were
 already streaming (their first token delivered) when the oldest prompt with rows to compute arrived, prompt rows get at most `prefill_budget`
 row-equivalents (pacing.py: a row at position p costs 1 + p / key_scale, and the scheduler sizes the budget from
@@ -68,6 +69,7 @@ class Waiting:
     blocks: int = 0  # KV blocks it takes
     ended: bool = False  # cancelled or past its deadline
     arrived: float = math.inf  # when it arrived (the loop's clock)
+    each: tuple[int, ...] = ()  # the blocks of each sample admitted after the ones before it (sum: `blocks`)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class Policy:
     max_rows: int  # token rows per step
     prefill_budget: float  # prompt row-equivalents per step while samples decode (pacing.Pacing.budget)
     key_scale: float = float("inf")  # keys whose attention costs one row (pacing.key_scale): position cost
+    slots: int = 0  # the engine's slots: a request of more samples is admitted as far as slots free (0: never)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class Admit:
     ref: int
     slots: tuple[int, ...]
     samples: tuple[int, ...]
+    rest: bool = False  # samples of it are left waiting (more samples than slots): it stays at the queue's head
 
 
 @dataclass(frozen=True)
@@ -152,14 +156,14 @@ def schedule(view: View, policy: Policy) -> StepPlan:
     for w in view.waiting:
         if w.ended:
             continue
-        if budget.rows <= 0 or budget.cost <= 0 or len(free) < len(w.samples) or (
-                blocks is not None and w.blocks > blocks):
+        k = _admissible(w, len(free), blocks, policy.slots)
+        if budget.rows <= 0 or budget.cost <= 0 or k == 0:
             break  # the head waits (for rows, slots or blocks); the queue stays in order
         if blocks is not None:
-            blocks -= w.blocks
-        slots = tuple(sorted(free)[:len(w.samples)])
+            blocks -= sum(w.each[:k]) if k < len(w.samples) else w.blocks
+        slots = tuple(sorted(free)[:k])
         free.difference_update(slots)
-        admit.append(Admit(w.ref, slots, tuple(s.key[1] for s in w.samples)))
+        admit.append(Admit(w.ref, slots, tuple(s.key[1] for s in w.samples[:k]), k < len(w.samples)))
         new = [dataclasses.replace(s, slot=slot) for s, slot in zip(w.samples, slots)]
         computed.update((s.key, s.computed) for s in new)
         prompts += _prompt_chunks(new, computed, budget)
@@ -174,6 +178,20 @@ def schedule(view: View, policy: Policy) -> StepPlan:
             chunks[i] = Chunk(c.key, c.start, 1 + k, True, k)
             budget.rows -= k
     return StepPlan(tuple(s.key for s in ended), end_waiting, tuple(admit), tuple(chunks))
+
+
+def _admissible(w: Waiting, free: int, blocks: int | None, slots: int) -> int:
+    """How many of the request's samples enter now: all of them (they share one prefill), or, when it has more
+    samples than the engine has slots, as many as the free slots and blocks take (the first ones first)."""
+    if len(w.samples) <= free and (blocks is None or w.blocks <= blocks):
+        return len(w.samples)
+    if not slots or len(w.samples) <= slots or not w.each:
+        return 0
+    k, spent = 0, 0
+    while k < min(free, len(w.samples)) and (blocks is None or spent + w.each[k] <= blocks):
+        spent += w.each[k]
+        k += 1
+    return k
 
 
 def _prompt_rows(prefilling: list[Sample], waiting: tuple[Waiting, ...]) -> int:

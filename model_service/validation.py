@@ -11,6 +11,7 @@ import math
 from typing import Protocol
 
 from model_service.requests import ErrorKind, GenerationRequest, SchedulerError
+from serving_common.limits import MAX_SAMPLES
 from model_service.sampling_settings import (
     LOGIT_BIAS_LIMIT,
     MAX_LOGIT_BIAS,
@@ -97,9 +98,8 @@ def outputs_problem(req: GenerationRequest, engine: EngineLimits) -> str:
         return "seed: must be a uint32"
     if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
         return f"prompt_logprobs: must be in 0..{MAX_TOP_LOGPROBS} (alternatives per prompt token)"
-    if not 1 <= req.n <= engine.slots:
-        return (f"n: must be in 1..{engine.slots} (each sample takes one of the {engine.slots} slots; got {req.n}): "
-                "ask for fewer samples")
+    if not 1 <= req.n <= MAX_SAMPLES:
+        return f"n: must be in 1..{MAX_SAMPLES} (got {req.n}); samples beyond the slots wait for one to free"
     return pool_problem(req, engine)
 
 
@@ -109,17 +109,18 @@ def pool_problem(req: GenerationRequest, engine: EngineLimits) -> str:
     what can never be scheduled); what only waits for memory to free is queued."""
     n, bs = len(req.prompt), engine.block_size
     tokens = certain_tokens(req, engine)
-    need = blocks_needed(engine, n, req.n, tokens)
+    samples = min(req.n, engine.slots)  # more than the slots run a slotful at a time
+    need = blocks_needed(engine, n, samples, tokens)
     if need <= engine.num_blocks:
         return ""
     pool = f"the pool holds {engine.num_blocks * bs} ({engine.num_blocks} blocks of {bs})"
     if blocks_needed(engine, n) > engine.num_blocks:
         return (f"token_ids: a {n}-token prompt takes {blocks_needed(engine, n) * bs} KV tokens and {pool}: "
                 "shorten it, or start the service with more --kv-tokens")
-    field = "n" if req.n > 1 and blocks_needed(engine, n, 1, tokens) <= engine.num_blocks else "max_tokens"
+    field = "n" if samples > 1 and blocks_needed(engine, n, 1, tokens) <= engine.num_blocks else "max_tokens"
     why = ("ignore_eos, no stop ids" if tokens > max(1, req.sampling.min_tokens) else
            "min_tokens" if tokens > 1 else "the first")
-    return (f"{field}: {req.n} sample(s) of a {n}-token prompt that each certainly draw {tokens} tokens ({why}) "
+    return (f"{field}: {samples} sample(s) of a {n}-token prompt that each certainly draw {tokens} tokens ({why}) "
             f"take {need * bs} KV tokens and {pool}: ask for fewer samples or tokens, or start the service with "
             "more --kv-tokens")
 

@@ -131,3 +131,28 @@ def test_every_request_of_a_burst_that_fits_gets_its_first_token_before_any_of_t
     assert not [e for e in events if e[0] == "error"]
     kinds = [kind for kind, _ in events]
     assert kinds.index("end") > max(i for i, kind in enumerate(kinds) if kind == "first"), events
+
+
+def test_a_lone_request_whose_samples_outgrow_the_pool_together_runs_them_in_turn(tight: Scheduler) -> None:
+    """Two samples that may end early (no ignore_eos) but draw 20 tokens each: 14 blocks together, 8 each, on a
+    pool of 12. Nothing else to preempt: the youngest sample waits for the other instead of the request failing
+    with RESOURCE_EXHAUSTED."""
+    c = Collector()
+    tight.submit(req(tuple(range(30, 40)), n=2, max_tokens=20, seed=1), c)
+    wait_until(lambda: any(e.error is not None for e in c.emissions)
+               or sum(e.finish_reason is not None for e in c.emissions) == 2, timeout=30)
+    assert not [e.error for e in c.emissions if e.error is not None]
+    for index in (0, 1):
+        assert [t.id for e in c.emissions if e.index == index for t in e.tokens] == list(range(40, 60))
+
+
+def test_a_single_sample_that_outgrows_the_pool_ends_with_the_tokens_it_drew_and_the_numbers(
+        running: Runner) -> None:
+    scheduler = running(FakeEngine(num_blocks=5))  # 20 tokens under a 32-token context
+    c = Collector()
+    scheduler.submit(req(tuple(range(30, 40)), max_tokens=20), c)  # may end early: admitted
+    c.wait()
+    error = c.last.error
+    assert error is not None and error.kind is ErrorKind.RESOURCE_EXHAUSTED
+    assert "holds 20" in error.message and "--kv-tokens" in error.message
+    assert c.ids == list(range(40, 40 + len(c.ids))) and len(c.ids) >= 9

@@ -227,3 +227,17 @@ def test_streams_that_were_decoding_before_the_prompts_arrived_keep_decoding_fir
     queue = (Waiting(1, waiting(1, length=8).samples, 1, arrived=2.0),)
     plan = schedule(view(queue, running, free=(20,)), Policy(max_rows=16, prefill_budget=4))
     assert len([c for c in plan.chunks if c.key[0] >= 100]) == 14  # paced: the prompt gets the rest only
+
+
+def test_a_request_of_more_samples_than_slots_is_admitted_as_far_as_slots_and_blocks_allow() -> None:
+    """Issue 65.8: its first samples take the free slots, the rest stay at the head of the queue."""
+    many = Waiting(1, waiting(1, length=10, n=6, shared=8).samples, 12, each=(3,) + (1,) * 5)
+    policy = Policy(max_rows=32, prefill_budget=4, slots=4)
+    plan = schedule(view((many, waiting(2)), free=(0, 2, 3)), policy)
+    assert plan.admit == (Admit(1, (0, 2, 3), (0, 1, 2), rest=True),)
+    assert schedule(view((many, waiting(2)), free=(0, 2, 3), blocks=4), policy).admit == (
+        Admit(1, (0, 2), (0, 1), rest=True),)
+    assert schedule(view((many,), free=(0, 2, 3), blocks=2), policy).admit == ()  # not even its first sample
+    # No more samples than slots: it waits for all of them (they share one prefill).
+    few = Waiting(1, waiting(1, length=10, n=3, shared=8).samples, 5, each=(3, 1, 1))
+    assert schedule(view((few,), free=(0, 2)), policy).admit == ()
