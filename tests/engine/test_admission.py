@@ -156,3 +156,42 @@ def test_a_single_sample_that_outgrows_the_pool_ends_with_the_tokens_it_drew_and
     assert error is not None and error.kind is ErrorKind.RESOURCE_EXHAUSTED
     assert "holds 20" in error.message and "--kv-tokens" in error.message
     assert c.ids == list(range(40, 40 + len(c.ids))) and len(c.ids) >= 9
+
+
+SEED = 5
+
+
+def test_random_mixes_of_n_beyond_the_slots_preemption_and_cancels_end_every_request_and_return_every_block(
+        running: Runner) -> None:
+    """Requests of 1 to 9 samples on 4 slots and a pool of 14 blocks of 4 (56 tokens; each sample grows to 12-26
+    tokens), some cancelled: every sample that ends draws exactly its tokens (t + 1, ...), every request ends
+    (finished or cancelled), and at the end every slot and block is back."""
+    import random
+
+    rng = random.Random(SEED)
+    engine = FakeEngine(slots=4, sequence_len=32, vocab_size=4096, max_rows=16, num_blocks=14)
+    metrics = Preemptions()
+    scheduler = running(engine, max_queue=64, metrics=metrics)
+    submitted = []
+    for k in range(24):
+        length, n, tokens = rng.randint(3, 10), rng.randint(1, 9), rng.randint(3, 16)
+        prompt = tuple(range(100 * (k + 1), 100 * (k + 1) + length))
+        c = Collector()
+        handle = scheduler.submit(req(prompt, n=n, max_tokens=tokens, seed=k), c)
+        submitted.append((prompt, n, tokens, c, handle, rng.random() < 0.2))
+    for _, _, _, c, handle, cancel in submitted:
+        if cancel:
+            handle.cancel()
+    for prompt, n, tokens, c, handle, cancel in submitted:
+        wait_until(lambda: any(e.error is not None for e in c.emissions)
+                   or sum(e.finish_reason is not None for e in c.emissions) == n, timeout=60)
+        errors = [e.error for e in c.emissions if e.error is not None]
+        assert not errors or (cancel and errors[0].kind is ErrorKind.CANCELLED), errors
+        for i in range(n):
+            ids = [t.id for e in c.emissions if e.index == i for t in e.tokens]
+            assert ids == list(range(prompt[-1] + 1, prompt[-1] + 1 + len(ids)))
+            if not errors:
+                assert len(ids) == tokens
+    wait_until(lambda: scheduler.stats() == {"active": 0, "free": 4, "queued": 0}
+               and scheduler.kv.usage().used == 0, timeout=30)
+    assert metrics.count > 0
