@@ -208,3 +208,15 @@ def test_nesting_depth_counts_levels_without_recursing_and_ignores_brackets_in_s
     assert too_deep(b"[" * MAX_NESTING + b"]" * MAX_NESTING) is None
     many_flat = b"[" + b"[]," * 1000 + b"[]]"
     assert nesting_depth(many_flat) == 2 and too_deep(many_flat) is None
+
+
+def test_completions_of_several_prompts_are_bounded_by_the_samples_limit_in_all() -> None:
+    """n may reach 128 (samples beyond the slots wait); several prompts times n are bounded the same way, since
+    each completion is a stream the gateway holds."""
+    from gateway.http.mapping import completion_prompts
+
+    assert len(completion_prompts(CompletionRequest(prompt=["a", "b"], n=64))) == 2
+    assert len(completion_prompts(CompletionRequest(prompt="a", n=128))) == 1
+    with pytest.raises(ApiError) as caught:
+        completion_prompts(CompletionRequest(prompt=["a", "b", "c"], n=64))
+    assert caught.value.status == 400 and caught.value.param == "n" and "192 completions" in caught.value.message
