@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.attack_cases import GATEWAY_LIMITS, UNARY_METHODS, Case, Facts, grpc_cases
+from benchmarks.attack_cases import UNARY_METHODS, Case, Facts, grpc_cases
 from benchmarks.attack_http import HttpError, finite_json, http_cases
 from benchmarks.attack_pressure import pressure_cases
 from benchmarks.attack_round4 import round4_cases
@@ -38,7 +38,6 @@ from benchmarks.attack_structured import structured_cases
 from benchmarks.attack_tenants import KEYS, tenant_cases
 from benchmarks.attack_wire import streaming_cases, tracing_cases
 from benchmarks.chaos_stack import Proc
-from gateway.config import prompt_byte_limit
 from grok.gateway.v1 import gateway_pb2_grpc
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -116,7 +115,6 @@ def facts_of(targets: Targets) -> Facts:
               for p in chunk.pieces]
     return Facts(vocab=info.config.vocab_size, context=info.config.sequence_len, bucket=info.config.sequence_len - 1,
                  prompt=PROMPT, prompt_ids=tuple(ids), slots=info.slots,
-                 max_prompt_bytes=prompt_byte_limit(GATEWAY_LIMITS, info.config.sequence_len),
                  pieces=tuple(bytes([p.byte_value]) if p.is_byte else p.text.encode() for p in pieces))
 
 
