@@ -32,6 +32,7 @@ import grpc
 from benchmarks.attack_cases import UNARY_METHODS, Case, Facts, grpc_cases
 from benchmarks.attack_http import HttpError, finite_json, http_cases
 from benchmarks.attack_pressure import pressure_cases
+from benchmarks.attack_round4 import round4_cases
 from benchmarks.attack_slow import slowloris
 from benchmarks.attack_structured import structured_cases
 from benchmarks.attack_tenants import KEYS, tenant_cases
@@ -203,7 +204,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
 def cases_of(facts: Facts) -> list[Case]:
     """Every case of the table: the original bad-input and protocol tables, then the third round's classes."""
     return (grpc_cases(facts) + http_cases(facts) + structured_cases(facts) + pressure_cases(facts)
-            + tracing_cases(facts) + streaming_cases(facts) + tenant_cases(facts))
+            + tracing_cases(facts) + streaming_cases(facts) + tenant_cases(facts) + round4_cases(facts))
 
 
 def attack(targets: Targets, procs: Sequence[Proc], http_port: int, quick: bool) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.client import completion_request
-from gateway.config import Limits
+from gateway.config import Limits, prompt_byte_limit
 from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
 from grok.tokenizer.v1 import tokenizer_pb2
@@ -50,7 +50,7 @@ class Facts:
     prompt: str  # a prompt that works
     prompt_ids: tuple[int, ...]  # its token ids (model-direct cases)
     max_tokens: int = 8  # per successful case: short, so the table runs fast
-    max_prompt_bytes: int = GATEWAY_LIMITS.max_prompt_bytes  # the gateway's defaults (it is started without flags)
+    max_prompt_bytes: int = 0  # 0: the gateway's default (it is started without flags), derived from the context
     max_stop: int = GATEWAY_LIMITS.max_stop
     max_stop_chars: int = GATEWAY_LIMITS.max_stop_chars
     max_top_logprobs: int = GATEWAY_LIMITS.max_top_logprobs
@@ -61,6 +61,10 @@ class Facts:
     temperature: float = 0.8
     pieces: tuple[bytes, ...] = ()  # each id's bytes (tokenizer GetPieces), for constraints built on the vocabulary
     slots: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.max_prompt_bytes:
+            object.__setattr__(self, "max_prompt_bytes", prompt_byte_limit(GATEWAY_LIMITS, self.context))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import grpc
 from benchmarks.attack_cases import INVALID, Case, Facts, model_request, text_request
 from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
+from serving_common.limits import MAX_SAMPLES
 
 
 def _ids(responses: list[model_pb2.GenerateResponse]) -> list[int]:
@@ -97,8 +98,10 @@ def pressure_cases(f: Facts) -> list[Case]:
         Case("kv-model-longest-prompt-alternatives", "model", model_call(f, **full, top_logprobs=8), "OK",
              tags=("finite",)),
         Case("kv-model-n-slots-to-context", "model", model_call(f, **full, n=f.slots), "OK", tags=("finite",)),
-        Case("kv-model-n-over-slots", "model", model_call(f, n=f.slots + 1), INVALID, "n", "slots"),
-        Case("kv-gw-n-over-slots", "gateway", complete_call(f, n=f.slots + 1), INVALID, "n", "slots"),
+        Case("kv-model-n-over-slots", "model", model_call(f, n=f.slots + 3), "OK", tags=("finite",)),
+        Case("kv-gw-n-over-slots", "gateway", complete_call(f, n=f.slots + 3), "OK"),
+        Case("kv-model-n-over-limit", "model", model_call(f, n=MAX_SAMPLES + 1), INVALID, "n", str(MAX_SAMPLES)),
+        Case("kv-gw-n-over-limit", "gateway", complete_call(f, n=MAX_SAMPLES + 1), INVALID, "n", str(MAX_SAMPLES)),
         Case("kv-model-burst-12-full", "model", burst(model_call(f, **full), 12), "OK"),
         Case("kv-gw-burst-12", "gateway", burst(complete_call(f, max_tokens=f.context // 2), 12), "OK"),
         Case("kv-model-burst-n-2", "model", burst(model_call(f, **full, n=2), 6), "OK"),

@@ -104,7 +104,7 @@ def build_parser() -> EnvArgumentParser:
     parser.add_env_argument("--default-max-tokens", type=positive_int, default=defaults.default_max_tokens,
                             help="max_tokens of requests that leave it unset")
     parser.add_env_argument("--max-prompt-bytes", type=positive_int, default=defaults.max_prompt_bytes,
-                            help="longest prompt in bytes")
+                            help="longest text prompt in bytes (default: 16 per token of the model's context)")
     parser.add_env_argument("--max-stop", type=int, default=defaults.max_stop, help="most stop sequences per request")
     parser.add_env_argument("--max-stop-chars", type=positive_int, default=defaults.max_stop_chars,
                             help="longest stop sequence")

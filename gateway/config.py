@@ -9,6 +9,9 @@ from serving_common.tls import ChannelTLS, ServerTLS
 
 
 DETOKENIZE_MODES = ("remote", "local")
+# The default prompt byte limit per token of the model's context: English takes ~4 bytes a token with Grok-1's
+# tokenizer and ~8 with the demo's 1,024 pieces, so any such prompt the context holds is accepted for its bytes.
+PROMPT_BYTES_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,7 @@ class Limits:
     gateway/__main__.py (its default taken from here). The bounds the model service enforces as well are in
     serving_common/limits.py."""
 
-    max_prompt_bytes: int = 65536  # --max-prompt-bytes
+    max_prompt_bytes: int = 0  # --max-prompt-bytes; 0: PROMPT_BYTES_PER_TOKEN per token of the model's context
     max_stop: int = 8  # --max-stop: stop sequences per request
     max_stop_chars: int = 256  # --max-stop-chars
     default_max_tokens: int = 64  # --default-max-tokens: max_tokens when a request leaves it unset
@@ -27,6 +30,11 @@ class Limits:
         if not 0 <= self.max_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"--max-top-logprobs: must be in 0..{MAX_TOP_LOGPROBS} (the alternatives the model "
                              f"computes per token), got {self.max_top_logprobs}")
+
+
+def prompt_byte_limit(limits: Limits, context: int) -> int:
+    """The longest text prompt in bytes: --max-prompt-bytes, else derived from the model's context."""
+    return limits.max_prompt_bytes or context * PROMPT_BYTES_PER_TOKEN
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from opentelemetry import trace
 
 from gateway.chat_template import ChatTemplate
 from gateway.clients import remaining
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, prompt_byte_limit
 from gateway.errors import GatewayError
 from gateway.pipeline import Pipeline
 from gateway.validation import TextRequest
@@ -129,7 +129,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return gateway_pb2.GetInfoResponse(
             model=model_info, tokenizer=tokenizer_info,
             limits=gateway_pb2.GatewayLimits(
-                max_prompt_bytes=limits.max_prompt_bytes, max_stop_sequences=limits.max_stop,
+                max_prompt_bytes=prompt_byte_limit(limits, model_info.config.sequence_len), max_stop_sequences=limits.max_stop,
                 max_stop_chars=limits.max_stop_chars, default_max_tokens=limits.default_max_tokens))
 
     async def _run(self, request: TextRequest, context: grpc.aio.ServicerContext, method: str,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.config import Limits
+from gateway.config import Limits, prompt_byte_limit
 from gateway.errors import invalid
 from grok.gateway.v1 import gateway_pb2
 from grok.model.v1 import model_pb2
@@ -19,6 +19,7 @@ from serving_common.limits import (  # declared once for both services; the mode
     LOGIT_BIAS_LIMIT,
     MAX_CACHE_SALT_CHARS,
     MAX_LOGIT_BIAS,
+    MAX_SAMPLES,
     MAX_STOP_TOKEN_IDS,
     MAX_TOP_LOGPROBS,
     PENALTY_LIMIT,
@@ -39,9 +40,8 @@ def check_request(request: TextRequest, limits: Limits) -> None:
         raise invalid("prompt_token_ids", "send the prompt as text or as token ids, not both")
     if not request.prompt and not request.prompt_token_ids:
         raise invalid("prompt", "must be non-empty")
-    size = len(request.prompt.encode("utf-8"))
-    if size > limits.max_prompt_bytes:
-        raise invalid("prompt", f"{size} bytes is over the limit of {limits.max_prompt_bytes} bytes")
+    if limits.max_prompt_bytes:  # else the limit follows the model's context: checked by `plan`
+        check_prompt_bytes(request.prompt, limits.max_prompt_bytes)
     s = request.sampling
     if s.HasField("max_tokens") and s.max_tokens < (0 if s.echo else 1):
         raise invalid("max_tokens", f"must be >= 1 (got {s.max_tokens}; 0 only with echo, which then answers the "
@@ -62,6 +62,13 @@ def check_request(request: TextRequest, limits: Limits) -> None:
     if s.HasField("truncate_prompt_tokens") and s.truncate_prompt_tokens < 1 and s.truncate_prompt_tokens != -1:
         raise invalid("truncate_prompt_tokens", f"must be >= 1 or -1 (got {s.truncate_prompt_tokens}); -1 keeps "
                                                 "as many as the context holds, unset keeps the whole prompt")
+
+
+def check_prompt_bytes(prompt: str, limit: int) -> None:
+    size = len(prompt.encode("utf-8"))
+    if size > limit:
+        raise invalid("prompt", f"{size} bytes is over the limit of {limit} bytes (--max-prompt-bytes; by default "
+                                "16 bytes per token of the model's context)")
 
 
 def check_cache_salt(s: gateway_pb2.SamplingParams) -> None:
@@ -96,8 +103,9 @@ def check_controls(s: gateway_pb2.SamplingParams) -> None:
         raise invalid("stop_token_ids", f"{len(s.stop_token_ids)} ids is over the limit of {MAX_STOP_TOKEN_IDS}")
     if s.HasField("prompt_logprobs") and not 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS:
         raise invalid("prompt_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS} (got {s.prompt_logprobs})")
-    if s.n < 0:
-        raise invalid("n", f"must be >= 1 (got {s.n}); 0 or unset means 1")
+    if s.n < 0 or s.n > MAX_SAMPLES:
+        raise invalid("n", f"must be in 1..{MAX_SAMPLES} (got {s.n}); 0 or unset means 1; samples beyond the "
+                           "model's slots wait for one to free")
 
 
 def check_stops(stops: list[str], limits: Limits) -> None:
@@ -125,6 +133,8 @@ def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoRes
     config = info.config
     vocab, context = config.vocab_size, config.sequence_len
     s = request.sampling
+    if not limits.max_prompt_bytes:
+        check_prompt_bytes(request.prompt, prompt_byte_limit(limits, context))
     id_fields = ("allowed_token_ids", "blocked_token_ids", "stop_token_ids", "logit_bias")
     id_lists = [("prompt", request.prompt_token_ids)] + [(field, getattr(s, field)) for field in id_fields]
     for field, ids in id_lists:
@@ -138,9 +148,6 @@ def plan(request: TextRequest, prompt_ids: list[int], info: model_pb2.GetInfoRes
             raise invalid("truncate_prompt_tokens", f"{keep} is over the model's context of {context} tokens; "
                                                     "send at most that, or -1 for the context")
         prompt_ids = prompt_ids[-keep:]
-    if info.slots and n > info.slots:
-        raise invalid("n", f"{n} completions is over the model's {info.slots} slots (each completion takes one); "
-                      "ask for fewer")
     count = len(prompt_ids)
     if count == 0:
         raise invalid("prompt", "encodes to no tokens")

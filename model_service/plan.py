@@ -7,11 +7,16 @@ clocks or engine calls here, so the policy is tested as data (tests/engine/test_
 
 Every token is a row; a step spends one budget of rows (the engine's `max_rows`) over, in this order:
   - one row for every running sample whose tokens are all computed but its newest (a decode: the row draws
-    the next token);
+    the next token); but while prompts of a burst wait (they arrived before those streams began decoding),
+    half the step is kept for them and the decodes that fit go to the streams that drew least, the others
+    taking the rows the prompts leave: the last prompt of a burst gets its first token before any stream of
+    it finishes, however many of it decode (the rows once went to the decodes first, and a 64-request burst's
+    tail waited past its head's last token);
   - prompt rows of samples still computing theirs, in admission order (a sample of an n > 1 request that
     shares its first sample's prompt blocks only after that sample computed them: `after`);
-  - waiting requests in queue order, into the lowest free slots: a request of n samples waits for n free slots,
-    every request for the KV blocks it takes; nothing overtakes the head of the queue.
+  - waiting requests in queue order, into the lowest free slots: a request of n samples waits for n free slots
+    (of more samples than the engine has slots, its first samples take the slots free and the rest stay at the
+    head), every request for the KV blocks it takes; nothing overtakes the head of the queue.
 Speculative drafts (speculative.py) take only the rows left after all of that. While samples decode that were
 already streaming (their first token delivered) when the oldest prompt with rows to compute arrived, prompt rows get at most `prefill_budget`
 row-equivalents (pacing.py: a row at position p costs 1 + p / key_scale, and the scheduler sizes the budget from
@@ -52,6 +57,7 @@ class Sample:
     drafts: int = 0  # decoding: speculative draft tokens proposed after its newest token (speculative.py)
     arrived: float = math.inf  # when its request arrived (the loop's clock; compared, never read here)
     decoding_since: float = -math.inf  # when its first token was delivered (inf: not yet)
+    drawn: int = 0  # tokens it has drawn (a burst's decodes go to the streams that drew least)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class Waiting:
     blocks: int = 0  # KV blocks it takes
     ended: bool = False  # cancelled or past its deadline
     arrived: float = math.inf  # when it arrived (the loop's clock)
+    each: tuple[int, ...] = ()  # the blocks of each sample admitted after the ones before it (sum: `blocks`)
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,7 @@ class Policy:
     max_rows: int  # token rows per step
     prefill_budget: float  # prompt row-equivalents per step while samples decode (pacing.Pacing.budget)
     key_scale: float = float("inf")  # keys whose attention costs one row (pacing.key_scale): position cost
+    slots: int = 0  # the engine's slots: a request of more samples is admitted as far as slots free (0: never)
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ class Admit:
     ref: int
     slots: tuple[int, ...]
     samples: tuple[int, ...]
+    rest: bool = False  # samples of it are left waiting (more samples than slots): it stays at the queue's head
 
 
 @dataclass(frozen=True)
@@ -132,29 +141,36 @@ def schedule(view: View, policy: Policy) -> StepPlan:
     # first sample to compute the blocks they share.
     decoding = [s for s in live if not s.done and s.computed == s.length - 1
                 and (s.after is None or computed.get(s.after, s.shared) >= s.shared)]
-    decodes = [Chunk(s.key, s.length - 1, 1, True) for s in decoding]
+    prefilling = [s for s in live if s.computed < s.length - 1]
     oldest_prompt = min([s.arrived for s in live if not s.done and s.computed < s.length - 1]
                         + [w.arrived for w in view.waiting if not w.ended], default=math.inf)
     paced = any(s.decoding_since < oldest_prompt for s in decoding)  # streams the prompts came after
+    decoding, deferred = _burst_decodes(decoding, 0 if paced else min(
+        _prompt_rows(prefilling, view.waiting), policy.max_rows // 2), policy.max_rows)
+    decodes = [Chunk(s.key, s.length - 1, 1, True) for s in decoding]
     budget = _Budget(policy.max_rows - len(decodes), policy.prefill_budget if paced else float("inf"),
                      policy.key_scale)
-    chunks = decodes + _prompt_chunks([s for s in live if s.computed < s.length - 1], computed, budget)
+    prompts = _prompt_chunks(prefilling, computed, budget)
     admit: list[Admit] = []
     blocks = view.free_blocks
     for w in view.waiting:
         if w.ended:
             continue
-        if budget.rows <= 0 or budget.cost <= 0 or len(free) < len(w.samples) or (
-                blocks is not None and w.blocks > blocks):
+        k = _admissible(w, len(free), blocks, policy.slots)
+        if budget.rows <= 0 or budget.cost <= 0 or k == 0:
             break  # the head waits (for rows, slots or blocks); the queue stays in order
         if blocks is not None:
-            blocks -= w.blocks
-        slots = tuple(sorted(free)[:len(w.samples)])
+            blocks -= sum(w.each[:k]) if k < len(w.samples) else w.blocks
+        slots = tuple(sorted(free)[:k])
         free.difference_update(slots)
-        admit.append(Admit(w.ref, slots, tuple(s.key[1] for s in w.samples)))
+        admit.append(Admit(w.ref, slots, tuple(s.key[1] for s in w.samples[:k]), k < len(w.samples)))
         new = [dataclasses.replace(s, slot=slot) for s, slot in zip(w.samples, slots)]
         computed.update((s.key, s.computed) for s in new)
-        chunks += _prompt_chunks(new, computed, budget)
+        prompts += _prompt_chunks(new, computed, budget)
+    # Rows the prompts left (the head waits for a slot or blocks) go back to the decodes deferred for them.
+    decodes += [Chunk(s.key, s.length - 1, 1, True) for s in deferred[:max(0, budget.rows)]]
+    budget.rows -= min(len(deferred), max(0, budget.rows))
+    chunks = decodes + prompts
     drafts = {s.key: s.drafts for s in live if s.drafts}
     for i, c in enumerate(chunks[:len(decodes)]):  # drafts take only the rows nothing else needs
         k = min(drafts.get(c.key, 0), budget.rows)
@@ -162,6 +178,37 @@ def schedule(view: View, policy: Policy) -> StepPlan:
             chunks[i] = Chunk(c.key, c.start, 1 + k, True, k)
             budget.rows -= k
     return StepPlan(tuple(s.key for s in ended), end_waiting, tuple(admit), tuple(chunks))
+
+
+def _admissible(w: Waiting, free: int, blocks: int | None, slots: int) -> int:
+    """How many of the request's samples enter now: all of them (they share one prefill), or, when it has more
+    samples than the engine has slots, as many as the free slots and blocks take (the first ones first)."""
+    if len(w.samples) <= free and (blocks is None or w.blocks <= blocks):
+        return len(w.samples)
+    if not slots or len(w.samples) <= slots or not w.each:
+        return 0
+    k, spent = 0, 0
+    while k < min(free, len(w.samples)) and (blocks is None or spent + w.each[k] <= blocks):
+        spent += w.each[k]
+        k += 1
+    return k
+
+
+def _prompt_rows(prefilling: list[Sample], waiting: tuple[Waiting, ...]) -> int:
+    """Prompt rows left to compute: of samples holding a slot, and of the waiting requests."""
+    return (sum(s.length - s.computed for s in prefilling if not s.done)
+            + sum(s.length - s.computed for w in waiting if not w.ended for s in w.samples))
+
+
+def _burst_decodes(decoding: list[Sample], reserve: int, max_rows: int) -> tuple[list[Sample], list[Sample]]:
+    """The decodes that run first, and those deferred to the rows prompts leave: `reserve` rows are kept for the
+    prompts of a burst, the decodes that fit going to the streams that drew least (in admission order among
+    equals), so no stream of a burst finishes before the burst's last prompt has its first token."""
+    room = max_rows - reserve
+    if len(decoding) <= room:
+        return decoding, []
+    first = {s.key for s in sorted(decoding, key=lambda s: s.drawn)[:room]}
+    return [s for s in decoding if s.key in first], [s for s in decoding if s.key not in first]
 
 
 @dataclass

@@ -105,11 +105,12 @@ def deadline_error() -> SchedulerError:
     return SchedulerError(ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
 
 
-def kv_full_error(samples: int) -> SchedulerError:
-    """A request whose samples alone outgrew the KV pool (nothing else left to preempt)."""
-    return SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, f"the KV memory cannot hold this request's {samples} "
-                          "samples at this length; ask for fewer samples or tokens, or start the service with more "
-                          "--kv-tokens")
+def kv_full_error(tokens: int, pool_tokens: int) -> SchedulerError:
+    """A sample that alone outgrew the KV pool (nothing else left to preempt; its request's other samples wait
+    for it). Its length was not certain at admission (it could have ended earlier), else validation refused it."""
+    return SchedulerError(ErrorKind.RESOURCE_EXHAUSTED, f"one sample of this request reached {tokens} tokens and the "
+                          f"KV memory holds {pool_tokens}: ask for fewer tokens (max_tokens), or start the service "
+                          "with more --kv-tokens")
 
 
 class RequestHandle:

@@ -202,21 +202,29 @@ class Scheduler:
     def _plan(self) -> tuple[StepPlan, dict[int, RequestHandle]]:
         """Snapshot the queue and samples, ask the policy, and take the admitted requests and their slots."""
         now = time.monotonic()
+        holders = self._holders()
         with self._cond:
             handles = {id(h): h for h in self._queue}
-            waiting = tuple(self.builder.waiting(h, now) for h in self._queue)
+            waiting = tuple(self.builder.waiting(h, now, holders.get(id(h), ())) for h in self._queue)
         # Drafts take rows nothing else needs; none while requests wait for a slot (they would only delay them).
         drafting = self.speculative is not None and (len(self._running) < self.engine.slots or not waiting)
         running = tuple(self.builder.sample(r, now, drafting) for r in self._running.values())
         blocks = self.kv.available() - self.builder.growth(self._running.values())  # the decode rows' come first
         budget = float(self.fixed_prefill) if self.fixed_prefill else self.pacing.budget()
         plan = schedule(View(waiting, running, frozenset(self._free), max(0, blocks)),
-                        Policy(self.engine.max_rows, budget, self.key_scale))
+                        Policy(self.engine.max_rows, budget, self.key_scale, self.engine.slots))
         with self._cond:
-            gone = plan.admitted | set(plan.end_waiting)
+            gone = {a.ref for a in plan.admit if not a.rest} | set(plan.end_waiting)
             self._queue = collections.deque(h for h in self._queue if id(h) not in gone)
             self.metrics.set_queued(len(self._queue))
         return plan, handles
+
+    def _holders(self) -> dict[int, list[Running]]:
+        """The running samples of each request (samples of it may wait while others hold slots)."""
+        out: dict[int, list[Running]] = {}
+        for run in self._running.values():
+            out.setdefault(id(run.handle), []).append(run)
+        return out
 
     def _step(self, planned: tuple[StepPlan, dict[int, RequestHandle]]) -> None:
         """Carry out the plan: end, admit, build the batch and dispatch it; then deliver the previous step."""
@@ -229,8 +237,9 @@ class Scheduler:
                 self._release(run)
         for ref in plan.end_waiting:
             self._end(handles[ref], now, reclaimed=False)
+        holders = self._holders() if plan.admit else {}
         for admit in plan.admit:
-            self._admit(handles[admit.ref], admit.slots, admit.samples, now)
+            self._admit(handles[admit.ref], admit.slots, admit.samples, now, holders.get(admit.ref, ()))
         # A request whose admission ended it (cancelled or past its deadline since the plan, or a constraint
         # that failed) has no running samples: its rows leave the step.
         chunks = tuple(c for c in plan.chunks if c.key in self._running)
@@ -266,13 +275,14 @@ class Scheduler:
                 cost += c.rows + (c.rows * c.start + c.rows * (c.rows - 1) / 2) / self.key_scale
         return decoding, cost
 
-    def _admit(self, handle: RequestHandle, slots: tuple[int, ...], samples: tuple[int, ...], now: float) -> None:
+    def _admit(self, handle: RequestHandle, slots: tuple[int, ...], samples: tuple[int, ...], now: float,
+               holders: list[Running]) -> None:
         """Give the request's samples their slots and KV blocks; their rows run from this step on."""
         if handle.abandoned(now) is not None:
             self._end(handle, now, reclaimed=False)
             return
         try:
-            runs = self.builder.admit(handle, slots, samples, now, self._admitted)
+            runs = self.builder.admit(handle, slots, samples, now, self._admitted, holders)
         except Exception as e:  # e.g. a constraint the library cannot follow from its first token
             handle.fail(engine_failure(e, f"admission failed (request {handle.request.request_id})"))
             log.exception("admission failed", extra={"request_id": handle.request.request_id})
@@ -285,24 +295,28 @@ class Scheduler:
             self._beat = time.monotonic()
 
     def _make_room(self) -> None:
-        """Preempt the youngest running requests until the next step's new KV blocks fit; a request that cannot
-        fit even alone (its samples at this length) ends with RESOURCE_EXHAUSTED."""
+        """Preempt the youngest running requests until the next step's new KV blocks fit (when one request alone
+        holds the pool, its youngest samples, which wait for its others); a single sample that cannot fit alone
+        ends its request with RESOURCE_EXHAUSTED."""
         while self._running and self.builder.blocks_short(self._running.values()) > 0:
             self._finish_in_flight()  # its draws are part of what the preempted request delivered
             if not self._running or self.builder.blocks_short(self._running.values()) <= 0:
                 return
-            youngest = max(self._running.values(), key=lambda r: (r.order, r.index)).handle
+            last = max(self._running.values(), key=lambda r: (r.order, r.index))
+            youngest = last.handle
             runs = [r for r in self._running.values() if r.handle is youngest]
-            alone = len(runs) == len(self._running)
-            for run in runs:
-                self._release(run)
-            if alone:  # nothing else to preempt
-                youngest.fail(kv_full_error(youngest.request.n), sum(len(t) for t in youngest.delivered.values()))
+            if len(runs) == len(self._running) == 1:  # nothing else to preempt
+                self._release(last)
+                youngest.fail(kv_full_error(last.length, self.kv.num_blocks * self.kv.block_size),
+                              sum(len(t) for t in youngest.delivered.values()))
                 return
+            for run in runs if len(runs) < len(self._running) else [last]:
+                self._release(run)
             log.info("preempted", extra={"request_id": youngest.request.request_id})
             self.metrics.preempted()
             with self._cond:
-                self._queue.appendleft(youngest)
+                if youngest not in self._queue:  # (one of more samples than slots may wait there already)
+                    self._queue.appendleft(youngest)
                 self.metrics.set_queued(len(self._queue))
 
     def _end(self, handle: RequestHandle, now: float, generated: int = 0, reclaimed: bool = True) -> None:

@@ -10,7 +10,7 @@ first one's full prompt blocks), and lays a plan's chunks out as rows (`build`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -39,28 +39,41 @@ class StepBuilder:
         self.failed: list[Running] = []  # samples whose grammar failed while building the last batch
 
     # ---- the policy's view --------------------------------------------------------------------
-    def waiting(self, handle: RequestHandle, now: float) -> Waiting:
-        """A queued request: its samples (where each starts computing) and the blocks admitting it takes."""
+    def waiting(self, handle: RequestHandle, now: float, holders: Sequence[Running] = ()) -> Waiting:
+        """A queued request: its samples not holding a slot (where each starts computing; after a preemption
+        they recompute their own tokens), the blocks each takes and in all. The first of them computes the
+        prompt, the others share its full prompt blocks; when samples of it still hold slots (`holders`: more
+        samples than slots, or one sample preempted), all share a holder's."""
         req, ref, kv = handle.request, id(handle), self.kv
         reuse, salt = req.prompt_logprobs is None, req.cache_salt  # scored prompt rows must all be computed
-        ended = handle.abandoned(now) is not None
         n = len(req.prompt)
-        if not handle.delivered:  # fresh: one prefill, the other samples share its full blocks
-            cached = kv.reusable(req.prompt, salt) if reuse else 0
-            shared = self.shared(n)
-            rest = kv.blocks_for(self.positions(n)) - shared // kv.block_size
-            samples = (Sample((ref, 0), -1, cached, n),) + tuple(
-                Sample((ref, i), -1, shared, n, after=(ref, 0), shared=shared) for i in range(1, req.n))
-            blocks = kv.cost(req.prompt, self.positions(n), reuse, salt) + (req.n - 1) * rest
-            return Waiting(ref, samples, blocks, ended, handle.enqueued_at)
-        samples, blocks = [], 0  # preempted: each unfinished sample recomputes its own tokens
+        source = self.prompt_source(holders)
+        lead = source.index if source is not None else None
+        held = {r.index for r in holders}
+        samples, each = [], []
         for i in range(req.n):
-            if i in handle.finished_samples:
+            if i in handle.finished_samples or i in held:
                 continue
             tokens = req.prompt + tuple(handle.delivered.get(i, ()))
+            shared = self.shared_prompt(n, len(tokens)) if lead is not None else 0
+            if shared:
+                samples.append(Sample((ref, i), -1, shared, len(tokens), after=(ref, lead), shared=shared))
+                each.append(kv.blocks_for(self.positions(len(tokens))) - shared // kv.block_size)
+                continue
             samples.append(Sample((ref, i), -1, kv.reusable(tokens, salt) if reuse else 0, len(tokens)))
-            blocks += kv.cost(tokens, self.positions(len(tokens)), reuse, salt)
-        return Waiting(ref, tuple(samples), blocks, ended, handle.enqueued_at)
+            each.append(kv.cost(tokens, self.positions(len(tokens)), reuse, salt))
+            lead = i if lead is None else lead
+        return Waiting(ref, tuple(samples), sum(each), handle.abandoned(now) is not None, handle.enqueued_at,
+                       tuple(each))
+
+    @staticmethod
+    def prompt_source(holders: Sequence[Running]) -> Running | None:
+        """The running sample of a request whose prompt blocks its waiting samples share: one that computes its
+        own, or shares blocks already written."""
+        for run in sorted(holders, key=lambda r: r.index):
+            if run.after is None or run.after.finished or run.after.computed >= run.shared:
+                return run
+        return None
 
     def sample(self, run: Running, now: float, drafting: bool = False) -> Sample:
         """The policy's view of a running sample; `drafting`: propose speculative drafts if it decodes."""
@@ -72,7 +85,7 @@ class StepBuilder:
         run.proposal = self._propose(run) if drafting and not done and run.at_drawn_token else []
         return Sample((id(run.handle), run.index), run.slot, run.computed, run.length, done,
                       run.handle.abandoned(now) is not None, after, run.shared, len(run.proposal),
-                      run.handle.enqueued_at, run.decoding_since)
+                      run.handle.enqueued_at, run.decoding_since, run.drawn)
 
     def _propose(self, run: Running) -> list[int]:
         """Drafts for a decoding sample whose tokens are all on the host: never past max_tokens or the context,
@@ -99,9 +112,10 @@ class StepBuilder:
             run.guide is None and not run.finished and run.at_drawn_token and run.pacer.due()
             for run in runs)
 
-    def shared(self, prompt_len: int) -> int:
-        """Positions the samples of one prompt share: its full blocks before the block of its last token."""
-        return (prompt_len - 1) // self.kv.block_size * self.kv.block_size
+    def shared_prompt(self, prompt_len: int, length: int) -> int:
+        """Positions a sample of `length` tokens shares with the first sample of its prompt: the prompt's full
+        blocks, less the block of its own last token (a sample computes at least that token)."""
+        return min(prompt_len, length - 1) // self.kv.block_size * self.kv.block_size
 
     def positions(self, length: int) -> int:
         """Positions a sample of `length` tokens needs blocks for: its tokens and the one it draws next."""
@@ -122,21 +136,24 @@ class StepBuilder:
 
     # ---- admission ----------------------------------------------------------------------------
     def admit(self, handle: RequestHandle, slots: tuple[int, ...], samples: tuple[int, ...], now: float,
-              order: int) -> list[Running]:
-        """Running samples for the admitted request, with their blocks; their slots start with this step."""
+              order: int, holders: Sequence[Running] = ()) -> list[Running]:
+        """Running samples for the admitted request, with their blocks; their slots start with this step. They
+        share the prompt blocks of the sample `waiting` named (a holder's, else the first admitted one's)."""
         req = handle.request
+        source = self.prompt_source(holders)
         seed = handle.draw_seed()
         reuse = req.prompt_logprobs is None
-        fresh = not handle.delivered
         runs: list[Running] = []
         try:
             for slot, index in zip(slots, samples):
                 drawn = tuple(handle.delivered.get(index, ()))
                 run = Running(handle, (seed + index) % 2**32, slot, index, list(req.prompt + drawn), 0, now, order)
                 positions = self.positions(run.length)
-                if fresh and index > 0:
-                    run.after, run.shared = runs[0], self.shared(run.length)
-                    self.kv.share(slot, runs[0].slot, run.shared, positions)
+                lead = source or (runs[0] if runs else None)
+                shared = self.shared_prompt(len(req.prompt), run.length) if lead is not None else 0
+                if shared and lead is not None:  # the lead computes (or computed) the prompt blocks shared
+                    run.after, run.shared = lead, shared
+                    self.kv.share(slot, lead.slot, run.shared, positions)
                     run.computed = run.shared
                 else:
                     run.computed = self.kv.assign_prompt(slot, run.tokens, positions, reuse, req.cache_salt)

@@ -11,6 +11,7 @@ import math
 from typing import Protocol
 
 from model_service.requests import ErrorKind, GenerationRequest, SchedulerError
+from serving_common.limits import MAX_SAMPLES
 from model_service.sampling_settings import (
     LOGIT_BIAS_LIMIT,
     MAX_LOGIT_BIAS,
@@ -32,13 +33,21 @@ class EngineLimits(Protocol):
     block_size: int
 
 
-def blocks_needed(engine: EngineLimits, prompt_len: int, samples: int = 1) -> int:
-    """KV blocks a request's samples take at admission: each holds the prompt and room for its first drawn
-    token, the samples after the first sharing its full blocks before the last prompt token's block."""
+def blocks_needed(engine: EngineLimits, prompt_len: int, samples: int = 1, tokens: int = 1) -> int:
+    """KV blocks a request's samples hold once each has drawn `tokens` tokens (at admission: one, the room for
+    its first draw), the samples after the first sharing its full blocks before the last prompt token's block."""
     bs = engine.block_size
-    each = -(-min(prompt_len + 1, engine.sequence_len) // bs)
+    each = -(-min(prompt_len + tokens, engine.sequence_len) // bs)
     shared = (prompt_len - 1) // bs
     return each + (samples - 1) * (each - shared)
+
+
+def certain_tokens(req: GenerationRequest, engine: EngineLimits) -> int:
+    """Tokens every sample of `req` draws whatever it draws: all of max_tokens (or up to the context) when nothing
+    can end it earlier (ignore_eos, no stop ids, no constraint), else min_tokens (at least one)."""
+    if req.ignore_eos and not req.stop_token_ids and req.constraint is None:
+        return req.max_tokens if req.max_tokens is not None else engine.sequence_len - len(req.prompt)
+    return max(1, req.sampling.min_tokens if req.constraint is None else 1)
 
 
 def validate(req: GenerationRequest, engine: EngineLimits) -> None:
@@ -89,16 +98,31 @@ def outputs_problem(req: GenerationRequest, engine: EngineLimits) -> str:
         return "seed: must be a uint32"
     if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
         return f"prompt_logprobs: must be in 0..{MAX_TOP_LOGPROBS} (alternatives per prompt token)"
-    if not 1 <= req.n <= engine.slots:
-        return (f"n: must be in 1..{engine.slots} (each sample takes one of the {engine.slots} slots; got {req.n}): "
-                "ask for fewer samples")
-    need = blocks_needed(engine, len(req.prompt), req.n)
-    if need > engine.num_blocks:
-        field = "n" if req.n > 1 else "token_ids"
-        return (f"{field}: {req.n} sample(s) of a {len(req.prompt)}-token prompt take {need} KV blocks and the pool "
-                f"has {engine.num_blocks}: ask for fewer samples or a shorter prompt, or start the service with more "
-                "--kv-tokens")
-    return ""
+    if not 1 <= req.n <= MAX_SAMPLES:
+        return f"n: must be in 1..{MAX_SAMPLES} (got {req.n}); samples beyond the slots wait for one to free"
+    return pool_problem(req, engine)
+
+
+def pool_problem(req: GenerationRequest, engine: EngineLimits) -> str:
+    """A request whose samples can never fit the KV pool, even alone: the tokens they certainly reach
+    (certain_tokens) take more blocks than the pool has. Refused now rather than after the work (vLLM refuses
+    what can never be scheduled); what only waits for memory to free is queued."""
+    n, bs = len(req.prompt), engine.block_size
+    tokens = certain_tokens(req, engine)
+    samples = min(req.n, engine.slots)  # more than the slots run a slotful at a time
+    need = blocks_needed(engine, n, samples, tokens)
+    if need <= engine.num_blocks:
+        return ""
+    pool = f"the pool holds {engine.num_blocks * bs} ({engine.num_blocks} blocks of {bs})"
+    if blocks_needed(engine, n) > engine.num_blocks:
+        return (f"token_ids: a {n}-token prompt takes {blocks_needed(engine, n) * bs} KV tokens and {pool}: "
+                "shorten it, or start the service with more --kv-tokens")
+    field = "n" if samples > 1 and blocks_needed(engine, n, 1, tokens) <= engine.num_blocks else "max_tokens"
+    why = ("ignore_eos, no stop ids" if tokens > max(1, req.sampling.min_tokens) else
+           "min_tokens" if tokens > 1 else "the first")
+    return (f"{field}: {samples} sample(s) of a {n}-token prompt that each certainly draw {tokens} tokens ({why}) "
+            f"take {need * bs} KV tokens and {pool}: ask for fewer samples or tokens, or start the service with "
+            "more --kv-tokens")
 
 
 def reference_problem(s: SamplingSettings) -> str:

@@ -16,6 +16,8 @@ MAX_STOP_TOKEN_IDS = 64
 # Alternatives per token the device computes (model_service/sampling.TOP_K): the most top_logprobs and
 # prompt_logprobs may ask for (OpenAI's top_logprobs limit, and vLLM's default max_logprobs).
 MAX_TOP_LOGPROBS = 20
+# Samples of one request (n; OpenAI's limit): beyond the model's slots they wait for slots to free.
+MAX_SAMPLES = 128
 
 # Structured output (model_service/constraint.py checks the first four before any compile).
 MAX_CONSTRAINT_CHARS = 64 * 1024  # schema / regex / grammar text, or the choices together

@@ -1,6 +1,7 @@
 """The attack command in CI: `python -m benchmarks.attack --quick` on the golden model, every case as
-expected (the 254 of the first two rounds and the third round's classes: structured-output abuse, KV pressure,
-tracing headers, HTTP streaming faults, tenants; over the three services and both gateway APIs), every
+expected (the 254 of the first two rounds, the third round's classes: structured-output abuse, KV pressure,
+tracing headers, HTTP streaming faults, tenants; and the fourth's: absolute-form targets, n beyond the slots, a
+burst's first tokens, the prompt byte limit; over the three services and both gateway APIs), every
 service alive, serving and exiting 0 afterwards."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def test_quick_attack_run_finds_every_case_as_expected(tmp_path: pathlib.Path, j
     assert result.returncode == 0 and report["passed"], report["exit_codes"]
     assert report["cases"] >= 254 + 150
     classes = {prefix: sum(r["case"].startswith(prefix) for r in report["results"])
-               for prefix in ("so-", "kv-", "trace-", "stream-", "tenant-")}
+               for prefix in ("so-", "kv-", "trace-", "stream-", "tenant-", "r4-")}
     assert min(classes.values()) >= 4 and sum(classes.values()) >= 150, classes
     assert {"gateway", "tokenizer", "model", "gateway-http"} <= set(report["by_service"])
     assert all(report["serving_after"].values()) and set(report["exit_codes"].values()) == {0}

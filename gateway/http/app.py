@@ -14,6 +14,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -150,6 +151,34 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
+class AbsoluteForm:
+    """ASGI middleware: a request target in absolute form (`POST http://host/v1/completions HTTP/1.1`, RFC 9112
+    3.2.2, which a server must accept) is routed by its path, its authority taking the Host header's place.
+    (uvicorn hands the whole URL over as the path: it answered 404.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and ABSOLUTE.match(scope["path"]):
+            scope = absolute_to_origin(scope)
+        await self.app(scope, receive, send)
+
+
+ABSOLUTE = re.compile(r"^https?://", re.IGNORECASE)
+
+
+def absolute_to_origin(scope: Scope) -> Scope:
+    """The scope of an absolute-form request as if its target were in origin form (path and query)."""
+    raw = bytes(scope.get("raw_path") or scope["path"].encode())
+    parts = urlsplit(raw.decode("latin-1"))
+    path = parts.path or "/"
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"host"] + [(b"host", parts.netloc.encode())]
+    query = parts.query.encode("latin-1") or scope.get("query_string", b"")
+    return {**scope, "path": unquote(path), "raw_path": path.encode("latin-1"), "query_string": query,
+            "headers": headers}
+
+
 class Routes:
     """Route handlers bound to one gateway's context."""
 
@@ -284,6 +313,7 @@ def create_app(ctx: HttpContext) -> FastAPI:
     app.add_middleware(BodyChecks, limit=MAX_BODY_BYTES)  # size and nesting, before anything parses the body
     if ctx.keys.enabled:
         app.add_middleware(RequireKey, keys=ctx.keys)
+    app.add_middleware(AbsoluteForm)  # before the key's path check and routing
     app.add_middleware(AccessLog)  # outermost: refusals by the middlewares above get their line too
     app.add_exception_handler(ApiError, lambda _request, error: error.response())  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]

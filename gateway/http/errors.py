@@ -29,6 +29,11 @@ HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),
 }
 INTERNAL = (500, "server_error", None)
+# A 429 (queue or KV memory full now) and a 503 (starting, draining, no replica) are for "later": they say when to
+# retry (RFC 9110 10.2.3), as a load balancer or an OpenAI client's retry loop reads it. A request that can never
+# be served is a 400 instead.
+RETRY_AFTER_SECONDS = 1
+RETRY_LATER = frozenset({429, 503})
 
 # Field names of the gRPC request whose OpenAI name differs, per endpoint.
 PARAM_NAMES = {
@@ -52,8 +57,10 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"www-authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"www-authenticate": "Bearer"} if self.status == 401 else {}
+        if self.status in RETRY_LATER:
+            headers["retry-after"] = str(RETRY_AFTER_SECONDS)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def bad_request(param: str, message: str) -> ApiError:

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.config import prompt_byte_limit
 from gateway.errors import GatewayError
 from gateway.http.chat import chat_prompt
 from gateway.http.context import HttpContext
@@ -108,12 +109,13 @@ class ExtraRoutes:
             text = chat_prompt(self.ctx.template, body)
         else:
             text = body.prompt or ""
-        limit = self.ctx.pipeline.limits.max_prompt_bytes
-        if len(text.encode("utf-8")) > limit:
-            raise bad_request("prompt", f"{len(text.encode('utf-8'))} bytes is over the limit of {limit} bytes")
         deadline = self._deadline()
         pipeline = self.ctx.pipeline
         try:
+            limit = prompt_byte_limit(pipeline.limits, (await pipeline.pool.info(deadline)).config.sequence_len)
+            if len(text.encode("utf-8")) > limit:
+                raise bad_request("prompt", f"{len(text.encode('utf-8'))} bytes is over the limit of {limit} bytes "
+                                            "(--max-prompt-bytes; by default 16 bytes per token of the context)")
             ids = await pipeline.tokenizer.encode(text, deadline) if text else []
             info = await pipeline.pool.info(deadline)
             strs = (await pipeline.tokenizer.texts_in_context(ids, [[] for _ in ids], deadline))[0] \

@@ -19,6 +19,7 @@ from gateway.http.errors import ApiError, bad_request
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.http.structured import constraint_fields
 from grok.gateway.v1 import gateway_pb2
+from serving_common.limits import MAX_SAMPLES
 
 UINT32_MAX = 2**32 - 1
 INT32_MAX = 2**31 - 1
@@ -146,6 +147,10 @@ def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
     if len(prompts) > MAX_PROMPTS:
         raise bad_request("prompt", f"{len(prompts)} prompts in one request is over the limit of {MAX_PROMPTS}; "
                                     "split them over several requests")
+    n = request.n or 1
+    if len(prompts) > 1 and len(prompts) * n > MAX_SAMPLES:  # each completion is a stream the gateway holds
+        raise bad_request("n", f"{len(prompts)} prompts x n = {n} is {len(prompts) * n} completions, over the "
+                               f"limit of {MAX_SAMPLES} a request; split the prompts over several requests")
     for p in prompts:
         for token in p if isinstance(p, list) else ():
             _check_int32("prompt", token)

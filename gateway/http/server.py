@@ -17,7 +17,7 @@ import ssl
 import uvicorn
 from fastapi import FastAPI
 
-from gateway.http.slow_clients import BODY_SECONDS, HEADER_SECONDS, guarded
+from gateway.http.slow_clients import BODY_SECONDS, HEADER_SECONDS, STALL_SECONDS, guarded
 from serving_common.tls import ServerTLS
 from serving_common.uds import SocketFile, bind_unix
 
@@ -46,7 +46,7 @@ class HttpServer:
 
     def __init__(self, app: FastAPI, host: str, port: int, tls: ServerTLS | None, grace_seconds: float,
                  header_seconds: float = HEADER_SECONDS, body_seconds: float = BODY_SECONDS,
-                 uds: str | None = None) -> None:
+                 stall_seconds: float = STALL_SECONDS, uds: str | None = None) -> None:
         self.uds = uds  # a unix socket file instead of host:port (serving_common.uds); the port is then 0
         self.socket_file: SocketFile | None = None
         if uds is not None:
@@ -64,7 +64,7 @@ class HttpServer:
                 tls_options |= {"ssl_ca_certs": tls.client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         # Slow clients: see slow_clients.py (headers and body each have a deadline).
         self.config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                     http=guarded(header_seconds, body_seconds),
+                                     http=guarded(header_seconds, body_seconds, stall_seconds),
                                      timeout_graceful_shutdown=grace_seconds, **tls_options)  # type: ignore[arg-type]
         self.server = uvicorn.Server(self.config)
         self._main: asyncio.Task[None] | None = None

@@ -1,4 +1,4 @@
-"""Read timeouts and the header size limit for the HTTP port: uvicorn's h11 protocol with a deadline on each
+"""Read and write timeouts and the header size limit for the HTTP port: uvicorn's h11 protocol with a deadline on each
 request's headers and on its body, and at most MAX_HEADER_BYTES of request line and headers.
 
 uvicorn closes a connection that sends nothing for `timeout_keep_alive` seconds, but a client sending
@@ -12,6 +12,11 @@ learns why.
 h11 limits only headers that arrive in pieces (its buffer of an incomplete event); a whole header block in one
 read was parsed at any size (80 KiB accepted). The limit is counted here, on the bytes received while a
 request's headers are awaited: over it, 400 and the connection closed, as h11 answers an incomplete one.
+
+A client that stops reading a stream (issue 64.6) was buffered for: the server kept producing its events. Now at
+most WRITE_BUFFER_BYTES wait in the connection's buffer (asyncio then pauses writing, and uvicorn's send, the
+response's generator and the model stream it reads wait with it), and a connection whose writing stays paused
+for `stall_seconds` is aborted: its request ends as when a client goes away (the gateway cancels the model call).
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ log = logging.getLogger(__name__)
 
 HEADER_SECONDS = 10.0  # nginx's client_header_timeout is 60 s; our requests are small JSON bodies
 BODY_SECONDS = 60.0  # the whole body (at most 4 MiB), from the end of its headers
+# A client that stops reading: writes wait once this much is buffered for it (then the response's producer, and
+# the model stream behind it, wait too), and after STALL_SECONDS with nothing taken it is disconnected, which
+# ends its request as a client gone does (nginx's send_timeout is 60 s).
+WRITE_BUFFER_BYTES = 64 * 1024
+STALL_SECONDS = 30.0
 _TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 MAX_HEADER_BYTES = 16 * 1024  # the request line and headers, as h11's default and the gRPC ports' limit
 _HEADERS_400 = json.dumps({"error": {
@@ -39,13 +49,37 @@ class GuardedH11Protocol(H11Protocol):
 
     header_seconds = HEADER_SECONDS
     body_seconds = BODY_SECONDS
+    stall_seconds = STALL_SECONDS
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._phase: object = None
         self._deadline: asyncio.TimerHandle | None = None
+        self._stall: asyncio.TimerHandle | None = None
         self._head = bytearray()  # bytes of the headers awaited, until their end is seen
         super().connection_made(transport)
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
         self._follow()
+
+    def pause_writing(self) -> None:
+        """The client is not taking what is written: it has `stall_seconds` to start again."""
+        super().pause_writing()
+        if self._stall is None and self.stall_seconds > 0:
+            self._stall = self.loop.call_later(self.stall_seconds, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if self.transport.is_closing():
+            return
+        log.info("http client stopped reading, connection closed", extra={
+            "client": self.client, "stalled_seconds": self.stall_seconds,
+            "buffered_bytes": self.transport.get_write_buffer_size()})
+        self.transport.abort()  # close() would wait for the buffer to drain: it never would
 
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE and self._headers_too_large(data):
@@ -73,6 +107,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         super().connection_lost(exc)
 
     def _follow(self) -> None:
@@ -102,6 +139,7 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def guarded(header_seconds: float, body_seconds: float) -> type[GuardedH11Protocol]:
+def guarded(header_seconds: float, body_seconds: float, stall_seconds: float = STALL_SECONDS) -> type[GuardedH11Protocol]:
     """The protocol class for uvicorn.Config(http=...) with these deadlines."""
-    return type("GuardedH11", (GuardedH11Protocol,), {"header_seconds": header_seconds, "body_seconds": body_seconds})
+    return type("GuardedH11", (GuardedH11Protocol,), {"header_seconds": header_seconds, "body_seconds": body_seconds,
+                                                      "stall_seconds": stall_seconds})

@@ -3,7 +3,9 @@ process, as the compose file's and the k8s overlay's multi-process replicas run 
 process are tested in one process, tests/model/test_sharding.py; across processes each gloo collective costs
 ~1 ms a rank, so 4 devices a process made a step of this group ~4x slower).
 
-It must answer exactly as one process does (the reference's golden outputs), each process must read only
+It must give the token ids one process gives (the reference's golden outputs; the probabilities are not
+compared: the mesh over two devices runs another program than one device does, and issue 64 measured them off
+in their last bits, <= 3.6e-7 relative), each process must read only
 its half of the checkpoint, and losing the follower (killed, or stalled) must end in-flight streams with
 UNAVAILABLE, NOT_SERVING and a non-zero exit of process 0, never a hang; starting the group again brings
 the replica back.

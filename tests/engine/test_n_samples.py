@@ -16,6 +16,7 @@ from model_service.engine import Engine
 from model_service.requests import Emission, FinishReason, GenerationRequest, SchedulerError
 from model_service.sampling_settings import SamplingSettings
 from model_service.scheduler import Scheduler
+from model_service.validation import MAX_SAMPLES
 from tests.engine.conftest import Runner
 from tests.engine.fake_engine import FakeEngine
 from tests.engine.test_scheduler import Collector, prompt_tokens, req
@@ -82,12 +83,42 @@ def test_cancelling_a_request_frees_every_samples_slot(running: Runner) -> None:
     wait_until(lambda: sched.stats()["free"] == 4)
 
 
-def test_n_over_the_slots_is_invalid_naming_n() -> None:
+def test_n_out_of_range_is_invalid_naming_n() -> None:
     sched = Scheduler(FakeEngine(slots=4), max_queue=4)
-    for n in (0, 5):
+    for n in (0, MAX_SAMPLES + 1):
         with pytest.raises(SchedulerError) as caught:
             sched.validate(GenerationRequest("t", (5,), n=n))
-        assert str(caught.value).startswith("n: must be in 1..4")
+        assert str(caught.value).startswith(f"n: must be in 1..{MAX_SAMPLES}")
+
+
+def test_n_beyond_the_slots_runs_the_samples_beyond_them_as_slots_free(running: Runner) -> None:
+    """Issue 65.8: n was capped by the slots (vLLM's n does not depend on max_num_seqs). Ten samples on four
+    slots: four at a time, each drawing what it draws alone, streamed by index, every slot back at the end."""
+    engine = FakeEngine(slots=4, step_delay=0.002)
+    sched = running(engine, max_queue=4)
+    out = SampleCollector(10)
+    active: list[int] = []
+    sched.submit(req((20, 21, 22, 23, 24, 25), max_tokens=5, n=10, seed=0, ignore_eos=True), out)
+    while not out.finished.wait(0.001):
+        active.append(sched.stats()["active"])
+    assert not [e.error for e in out.emissions if e.error is not None]
+    assert [out.ids_of(i) for i in range(10)] == [[26, 27, 28, 29, 30]] * 10
+    assert max(active) <= 4
+    seeds = sorted(st.seed for b in engine.steps for st in b.starts)
+    assert seeds == list(range(10))  # sample i draws with seed + i, wherever it ran
+    wait_until(lambda: sched.stats()["free"] == 4 and sched.kv.usage().used == 0)
+
+
+def test_a_request_behind_samples_beyond_the_slots_waits_for_all_of_them(running: Runner) -> None:
+    engine = FakeEngine(slots=2, step_delay=0.002)
+    sched = running(engine, max_queue=4)
+    many, after = SampleCollector(5), Collector()
+    sched.submit(req((20,), max_tokens=3, n=5, ignore_eos=True), many)
+    sched.submit(req((40,), max_tokens=1), after)
+    many.wait()
+    after.wait()
+    prompts = [t for b in prompt_tokens(engine) for t in b]
+    assert prompts.index(40) > max(i for i, t in enumerate(prompts) if t == 20)  # nothing overtakes the head
 
 
 def test_each_sample_equals_a_plain_request_with_seed_plus_index(golden_engine: Engine, running: Runner) -> None:
@@ -123,7 +154,7 @@ def test_n_samples_over_grpc_carry_their_index_and_match_seeded_requests(
     assert [t for r in one for t in r.token_ids] == [t for r in plain for t in r.token_ids]
     assert {r.index for r in one} == {0}
     with pytest.raises(grpc.RpcError) as caught:
-        list(golden_stub.Generate(model_pb2.GenerateRequest(n=99, **base), timeout=30))
+        list(golden_stub.Generate(model_pb2.GenerateRequest(n=MAX_SAMPLES + 1, **base), timeout=30))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and caught.value.details().startswith("n:")
 
 

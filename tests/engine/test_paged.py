@@ -206,3 +206,39 @@ def test_two_samples_of_a_long_prompt_fit_a_pool_that_holds_their_shared_blocks_
     scheduler.submit(GenerationRequest("t", tuple(range(3, 103)), SamplingSettings(temperature=1.0), n=2, seed=1,
                                        max_tokens=3, ignore_eos=True), emit)
     assert done.wait(60) and all(not isinstance(e, Exception) for e in ends), ends
+
+
+def test_preempted_samples_of_one_prompt_resume_sharing_its_blocks_and_draw_what_they_drew_alone(
+        small: Engine, running: Runner) -> None:
+    """Three n = 2 requests growing to ~100 tokens on the 256-token pool: preempted samples resume with the
+    prompt's blocks computed once by the first unfinished sample (issue 64.2), and draw exactly their solo tokens."""
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(30, 45))] for _ in range(3)]
+    metrics = Counting()
+    scheduler = running(small, metrics=metrics)
+
+    def both(prompt: list[int], seed: int) -> tuple[threading.Event, dict[int, list[tuple[int, float]]], list[Any]]:
+        done, tokens, ends = threading.Event(), {0: [], 1: []}, []
+
+        def emit(e: Emission) -> None:
+            tokens[e.index].extend((t.id, t.prob) for t in e.tokens)
+            if e.error is not None or e.finish_reason is not None:
+                ends.append(e.error or e.finish_reason)
+                if len(ends) == 2 or e.error is not None:
+                    done.set()
+
+        scheduler.submit(GenerationRequest("t", tuple(prompt), SamplingSettings(temperature=0.8, top_p=0.95), n=2,
+                                           seed=seed, max_tokens=60, ignore_eos=True), emit)
+        return done, tokens, ends
+
+    solo = []
+    for i, p in enumerate(prompts):
+        done, tokens, ends = both(p, 50 + i)
+        assert done.wait(300) and not any(isinstance(e, Exception) for e in ends), ends
+        solo.append(tokens)
+    together = [both(p, 50 + i) for i, p in enumerate(prompts)]
+    for done, _, ends in together:
+        assert done.wait(300) and not any(isinstance(e, Exception) for e in ends), ends
+    assert metrics.preemptions > 0
+    assert [tokens for _, tokens, _ in together] == solo
+    wait_until(lambda: scheduler.kv.usage().used == 0)

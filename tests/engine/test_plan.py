@@ -189,3 +189,55 @@ def test_a_prompt_arriving_after_streams_began_decoding_is_paced() -> None:
     # The same prompt beside a stream that started after it arrived: not held back.
     running = (decoding(7, 0, arrived=0.0, decoding_since=3.0), prefilling(9, 1, 0, 40, arrived=2.0))
     assert [c.rows for c in schedule(view(running=running, free=(2, 3)), POLICY).chunks] == [1, 15]
+
+
+def burst(decoding_streams: int, waiting_prompts: int, drawn: tuple[int, ...] = ()) -> View:
+    """A burst that arrived at t=0: `decoding_streams` of it decode since t=1 (stream i has drawn drawn[i]),
+    `waiting_prompts` 8-token prompts of it still wait."""
+    running = tuple(decoding(100 + i, i, arrived=0.0, decoding_since=1.0, drawn=drawn[i] if drawn else 1)
+                    for i in range(decoding_streams))
+    queue = tuple(Waiting(i, waiting(i, length=8).samples, 1, arrived=0.0) for i in range(waiting_prompts))
+    return view(queue, running, free=tuple(range(decoding_streams, 64)))
+
+
+def test_in_a_burst_waiting_prompts_keep_half_the_step_however_many_of_it_decode() -> None:
+    """Issue 64.7: decodes used to come first, so as a burst's streams began decoding its waiting prompts got
+    fewer rows every step and its tail's first token came after its head had finished. Prompts of the burst
+    now keep half the step's rows; the decodes that fit are those of the streams that drew least."""
+    policy = Policy(max_rows=16, prefill_budget=4)
+    plan = schedule(burst(12, 3, drawn=(5, 1, 4, 2, 9, 3, 1, 8, 7, 6, 2, 1)), policy)
+    decoded = [c.key[0] - 100 for c in plan.chunks if c.key[0] >= 100]
+    assert sorted(decoded) == [0, 1, 2, 3, 5, 6, 10, 11]  # 8 rows: the streams that drew 1, 1, 1, 2, 2, 3, 4, 5
+    assert plan.rows == 16 and [a.ref for a in plan.admit] == [0]
+    assert sum(c.rows for c in plan.chunks if c.key[0] < 100) == 8
+
+
+def test_rows_the_burst_prompts_leave_go_back_to_the_deferred_decodes() -> None:
+    policy = Policy(max_rows=16, prefill_budget=4)
+    plan = schedule(burst(12, 0), policy)  # nothing waits: every stream decodes
+    assert len(plan.chunks) == 12
+    plan = schedule(burst(14, 1), policy)  # one 8-row prompt: 8 rows reserved, 6 decodes deferred, 0 left
+    assert plan.rows == 16 and sum(c.rows for c in plan.chunks if c.key[0] < 100) == 8
+    head = schedule(View(burst(14, 1).waiting, burst(14, 1).running, frozenset(), None), policy)  # no free slot
+    assert head.admit == () and len(head.chunks) == 14  # the prompt cannot enter: its rows go to the decodes
+
+
+def test_streams_that_were_decoding_before_the_prompts_arrived_keep_decoding_first() -> None:
+    running = tuple(decoding(100 + i, i, arrived=0.0, decoding_since=1.0) for i in range(14))
+    queue = (Waiting(1, waiting(1, length=8).samples, 1, arrived=2.0),)
+    plan = schedule(view(queue, running, free=(20,)), Policy(max_rows=16, prefill_budget=4))
+    assert len([c for c in plan.chunks if c.key[0] >= 100]) == 14  # paced: the prompt gets the rest only
+
+
+def test_a_request_of_more_samples_than_slots_is_admitted_as_far_as_slots_and_blocks_allow() -> None:
+    """Issue 65.8: its first samples take the free slots, the rest stay at the head of the queue."""
+    many = Waiting(1, waiting(1, length=10, n=6, shared=8).samples, 12, each=(3,) + (1,) * 5)
+    policy = Policy(max_rows=32, prefill_budget=4, slots=4)
+    plan = schedule(view((many, waiting(2)), free=(0, 2, 3)), policy)
+    assert plan.admit == (Admit(1, (0, 2, 3), (0, 1, 2), rest=True),)
+    assert schedule(view((many, waiting(2)), free=(0, 2, 3), blocks=4), policy).admit == (
+        Admit(1, (0, 2), (0, 1), rest=True),)
+    assert schedule(view((many,), free=(0, 2, 3), blocks=2), policy).admit == ()  # not even its first sample
+    # No more samples than slots: it waits for all of them (they share one prefill).
+    few = Waiting(1, waiting(1, length=10, n=3, shared=8).samples, 5, each=(3, 1, 1))
+    assert schedule(view((few,), free=(0, 2)), policy).admit == ()

@@ -74,3 +74,20 @@ def read_all(conn: socket.socket) -> bytes:
     except ConnectionResetError:
         pass
     return out
+
+
+def test_an_absolute_form_request_target_is_served_as_its_path(fast_stack: Stack) -> None:
+    """RFC 9112 3.2.2: a server must accept the absolute form (`POST http://host/path HTTP/1.1`, as proxies and some
+    clients send it), its authority taking the place of the Host header. It answered 404."""
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    for target in (b"http://127.0.0.1/v1/completions", b"HTTP://example.test:8000/v1/completions?x=1"):
+        with socket.create_connection(("127.0.0.1", fast_stack.http_port), timeout=30) as conn:
+            conn.sendall(b"POST %s HTTP/1.1\r\nhost: other\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (target, len(body), body))
+            reply = read_all(conn)
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+        assert b'"text_completion"' in reply
+    with socket.create_connection(("127.0.0.1", fast_stack.http_port), timeout=30) as conn:
+        conn.sendall(b"GET http://127.0.0.1/nowhere HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        reply = read_all(conn)
+    assert reply.startswith(b"HTTP/1.1 404") and b"GET /nowhere is not a route" in reply, reply[:300]

@@ -126,6 +126,12 @@ def test_grpc_statuses_map_to_http_statuses(code: grpc.StatusCode, status: int) 
     assert from_status(code, "something went wrong").status == status
 
 
+def test_statuses_that_mean_later_carry_retry_after_and_a_400_does_not() -> None:
+    for code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+        assert from_status(code, "the waiting queue is full; retry later").response().headers["retry-after"] == "1"
+    assert "retry-after" not in from_status(grpc.StatusCode.INVALID_ARGUMENT, "n: too many").response().headers
+
+
 def test_field_named_by_a_grpc_error_becomes_the_openai_param() -> None:
     assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: must be in 0..20").param == "logprobs"
     assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: x", "chat").param == "top_logprobs"
@@ -216,3 +222,15 @@ def test_ignored_fields_are_named_with_the_field_they_most_likely_misspell() -> 
     header.encode("ascii")  # a header value
     assert header.startswith('299 grok-serve "unknown fields ignored: a\'b/') and header.endswith(' and 1 more"')
     assert header.count('"') == 2
+
+
+def test_completions_of_several_prompts_are_bounded_by_the_samples_limit_in_all() -> None:
+    """n may reach 128 (samples beyond the slots wait); several prompts times n are bounded the same way, since
+    each completion is a stream the gateway holds."""
+    from gateway.http.mapping import completion_prompts
+
+    assert len(completion_prompts(CompletionRequest(prompt=["a", "b"], n=64))) == 2
+    assert len(completion_prompts(CompletionRequest(prompt="a", n=128))) == 1
+    with pytest.raises(ApiError) as caught:
+        completion_prompts(CompletionRequest(prompt=["a", "b", "c"], n=64))
+    assert caught.value.status == 400 and caught.value.param == "n" and "192 completions" in caught.value.message

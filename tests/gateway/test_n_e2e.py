@@ -9,6 +9,8 @@ import pytest
 
 from gateway.client import GatewayClient, completion_request
 from grok.gateway.v1 import gateway_pb2
+from grok.model.v1 import model_pb2
+from serving_common.limits import MAX_SAMPLES
 from tests.gateway.conftest import Stack, Stubs
 from tests.gateway.http_client import post, sdk
 
@@ -39,11 +41,17 @@ def test_grpc_stream_and_complete_give_n_completions_equal_to_seeded_requests(go
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (alone[0].usage.prompt_tokens, 12)
 
 
-def test_n_over_the_models_slots_is_invalid_argument(golden_stubs: Stubs, golden_http_url: str) -> None:
+def test_n_beyond_the_models_slots_is_served_and_out_of_range_is_invalid(golden_stubs: Stubs,
+                                                                          golden_http_url: str) -> None:
+    """Issue 65.8: samples beyond the model's slots wait for one (vLLM's n does not depend on max_num_seqs)."""
+    slots = golden_stubs.model.GetInfo(model_pb2.GetInfoRequest(), timeout=30).slots
+    status, body = post(f"{golden_http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "n": slots + 3,
+                                                              "seed": 5, "temperature": 1.0})
+    assert status == 200 and [c["index"] for c in body["choices"]] == list(range(slots + 3)), body
     with pytest.raises(grpc.RpcError) as caught:
-        golden_stubs.gateway.Complete(completion_request(PROMPT, max_tokens=2, n=3), timeout=30)
+        golden_stubs.gateway.Complete(completion_request(PROMPT, max_tokens=2, n=MAX_SAMPLES + 1), timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and caught.value.details().startswith("n:")
-    for n in (3, 0):
+    for n in (MAX_SAMPLES + 1, 0):
         status, body = post(f"{golden_http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "n": n})
         assert status == 400 and body["error"]["param"] == "n"
 

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from gateway.client import generate_request
-from gateway.config import Limits
+from gateway.config import PROMPT_BYTES_PER_TOKEN, Limits, prompt_byte_limit
 from gateway.errors import GatewayError
 from gateway.validation import check_request, plan
 from grok.gateway.v1 import gateway_pb2
@@ -109,3 +109,39 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens() -> None:
     long = plan(generate_request("p", truncate_prompt_tokens=30), [5] * 33 + [6] * 30, INFO, LIMITS)
     assert long.prompt_ids == (6,) * 30 and long.max_tokens == 34  # 63 tokens would be over the longest prompt
     check_request(generate_request("p", truncate_prompt_tokens=-1), LIMITS)
+
+
+def test_by_default_an_english_prompt_one_token_short_of_the_context_is_accepted() -> None:
+    """Issue 64.4's repro: an 8,191-token English prompt of 67 KB at context 8,192 was refused for its bytes
+    (the fixed 64 KiB default); the default now follows the context (PROMPT_BYTES_PER_TOKEN a token; English
+    takes far fewer, as the next test checks), so the context decides."""
+    prompt = ("The quick brown fox jumps over the lazy dog near the riverbank. " * 1100)[:67_000]
+    request = generate_request(prompt)
+    check_request(request, Limits())
+    info = model_pb2.GetInfoResponse(config=model_pb2.ModelConfig(vocab_size=1024, sequence_len=8192))
+    assert plan(request, [5] * 8191, info, Limits()).prompt_ids == (5,) * 8191
+
+
+def test_the_derived_byte_limit_refuses_a_prompt_over_it_naming_the_limit_and_the_flag() -> None:
+    small = model_pb2.GetInfoResponse(config=model_pb2.ModelConfig(vocab_size=100, sequence_len=64))
+    limit = 64 * PROMPT_BYTES_PER_TOKEN
+    plan(generate_request("x" * limit), [5] * 10, small, Limits())
+    with pytest.raises(GatewayError) as caught:
+        plan(generate_request("x" * (limit + 1)), [5] * 10, small, Limits())
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    message = caught.value.message
+    assert message.startswith("prompt:") and str(limit) in message and "--max-prompt-bytes" in message
+    assert prompt_byte_limit(Limits(), 64) == limit and prompt_byte_limit(Limits(max_prompt_bytes=9), 64) == 9
+
+
+def test_english_takes_well_under_the_default_bytes_per_token_with_grok1s_and_the_demos_tokenizers() -> None:
+    import pathlib
+
+    import sentencepiece as spm
+
+    from tests.procs import GROK1_TOKENIZER, ROOT
+
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"])
+    for model in (GROK1_TOKENIZER, ROOT / "demo" / "tokenizer.model"):
+        ids = spm.SentencePieceProcessor(model_file=str(model)).encode(text)
+        assert len(text.encode()) / len(ids) < PROMPT_BYTES_PER_TOKEN / 2, (pathlib.Path(model).name, len(ids))
