@@ -134,10 +134,14 @@ def _exact_product(x: Array, w: "QuantizedWeight | Array") -> Array:
     if w.transposed:
         return _exact_rows(x, w.weight, "mk,nk->mn") * w.scales[0]
     k, n = w.weight.shape
-    blocks = w.blocks
-    partial = _exact_rows(x.reshape(-1, blocks, k // blocks), w.weight.reshape(blocks, k // blocks, n),
-                          "mbk,bkn->bmn")  # [blocks, M, N]
-    return jnp.sum(partial * w.scales[:, None, :], axis=0)
+    size = k // w.blocks
+    # One plain product per row block (a batched bfloat16 product with float32 results has no CPU kernel), each
+    # times its block's scales, added in block order.
+    out = None
+    for b in range(w.blocks):
+        part = _exact_rows(x[:, b * size:(b + 1) * size], w.weight[b * size:(b + 1) * size], "mk,kn->mn")
+        out = part * w.scales[b] if out is None else out + part * w.scales[b]
+    return out
 
 
 def _blocked_dot_rows(x: Array, q: QuantizedWeight) -> Array:
