@@ -222,5 +222,8 @@ def test_the_compiled_kernel_on_tpu_matches_the_reference(dtype, k, n, blocks):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
     else:
         want = _bf16_values(_reference(x, weight, scales, sizes, bf16=True).astype(np.float32))[:used]
-        np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=0)
+        # On a v5e (JAX 0.10.2) 0.009-0.014 % of the outputs, small ones where the sum cancels, differed from the
+        # float64 reference's rounding by more than one bfloat16 step of their own size (at most 2^-9 of the
+        # largest output): the MXU adds in another order. One step of the largest output bounds them.
+        np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2 ** -8 * np.abs(want).max())
         assert np.mean(got == want) >= 0.99
