@@ -25,10 +25,13 @@ def test_a_test_reading_missing_reference_fixtures_is_failed_with_a_message_nami
         tmp_path: pathlib.Path) -> None:
     shared = tmp_path / "shared"
     (shared / "golden").mkdir(parents=True)
-    problem = missing_reference(item_of(GOLDEN=shared / "golden"), shared)
+    problem = missing_reference(item_of(WIDE=shared / "golden_wide", TOKENIZER=shared / "grok1-tokenizer" / "t"),
+                                shared)
     assert problem is not None
     assert str(shared) in problem and "missing: golden_wide, grok1-tokenizer" in problem and "README.md" in problem
     assert missing_reference(item_of(OTHER=tmp_path / "x", n=3), shared) is None  # needs none: runs
+    # golden/ alone is there (the TPU host's copy): a test that reads only golden/ runs
+    assert missing_reference(item_of(GOLDEN=shared / "golden"), shared) is None
     for name in FIXTURES:
         (shared / name).mkdir(exist_ok=True)
     assert missing_reference(item_of(GOLDEN=shared / "golden"), shared) is None  # all there: runs
