@@ -22,8 +22,9 @@ accelerator is how that program computes, and it is all here:
   moe         how the experts run (model/moe.py, model/grouped.py): "cond" (CPU: the native grouped product, or a
               conditional per expert; experts one buffer each), "pallas" (one TPU device: the Pallas grouped
               product over expert-sorted rows, int8 widened in its tiles) or "ragged" (other single devices: XLA's
-              ragged_dot over the same stacked experts). The grouped forms load the experts stacked
-              (weights.GroupedWeight); a generic mesh of several devices keeps "cond".
+              ragged_dot over the same stacked experts) or "expert" (a mesh with an expert axis: each expert group
+              runs the conditionals over its own stacked experts, one reduction a layer). The stacked forms load
+              the experts stacked (weights.GroupedWeight); other meshes of several devices keep "cond".
 
 `choose_backend("cpu" | "generic" | "auto", ...)`: "cpu" is what a CPU runs best (native products where the
 kernels built, per-row attention, tiles of CPU_TILE rows); "generic" is what an accelerator runs (XLA's
@@ -163,6 +164,8 @@ def choose_moe(name: str, mesh: Mesh) -> str:
     """Backend.moe for backend `name` on `mesh`: the Pallas kernel where it runs (one TPU device), XLA's grouped
     form on other single devices; per-expert conditionals on CPU and on generic meshes of several devices (the
     kernel runs on one device's experts)."""
+    if dict(mesh.shape).get("expert", 1) > 1:  # expert_parallel.MOE: each expert group its own experts
+        return "expert"
     if name == "cpu" or mesh.size > 1:
         return "cond"
     return "pallas" if platform(mesh) == "tpu" else "ragged"

@@ -1,8 +1,11 @@
-"""Partition rules as data (regex over parameter paths -> PartitionSpec) and the (data, model) device mesh.
+"""Partition rules as data (regex over parameter paths -> PartitionSpec) and the (data, expert, model) device mesh.
 
 Weights are split over the `model` axis (heads, expert hidden units, embedding features) and replicated over
-`data`; activations and KV memory put the batch on `data` and heads/features on `model`. A rule whose axis does
-not divide a dimension falls back to replicating that dimension, so every mesh that passes `validate` works.
+`data`; the stacked experts (weights.GroupedWeight) are also split over `expert`, each expert group holding
+num_experts / expert whole experts (model/expert_parallel.py computes them there). Activations and KV memory put
+the batch on `data` and heads/features on `model`. A rule whose axis does not divide a dimension falls back to
+replicating that dimension, so every mesh that passes `validate` works. Every mesh has the three axes (an unused
+one has size 1), so the rules name them freely.
 """
 
 from __future__ import annotations
@@ -22,7 +25,20 @@ from model_service.config import ConfigError, MeshConfig
 log = logging.getLogger(__name__)
 
 DATA = "data"
+EXPERT = "expert"
 MODEL = "model"
+AXES = (DATA, EXPERT, MODEL)
+
+# The stacked MoE matrices' specs, keyed by (matrix, leaf): each expert on one expert group, its hidden units split
+# over `model` (linear_1's 8 row-block scales with its rows: config.validate asks the model axis to divide 8).
+EXPERT_SPECS: dict[tuple[str, str], P] = {
+    ("linear", "weight"): P(EXPERT, None, MODEL),  # [E, D, F]
+    ("linear", "scales"): P(EXPERT, None, MODEL),  # [E, 1, F]
+    ("linear_v", "weight"): P(EXPERT, None, MODEL),
+    ("linear_v", "scales"): P(EXPERT, None, MODEL),
+    ("linear_1", "weight"): P(EXPERT, MODEL, None),  # [E, F, D]
+    ("linear_1", "scales"): P(EXPERT, MODEL, None),  # [E, 8, D]
+}
 
 # Paths are "<haiku module>/<param>[/weight|/scales]"; int8 layouts as in layers.QuantizedWeight.
 PARAM_RULES: tuple[tuple[str, P], ...] = (
@@ -36,10 +52,8 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"moe/(linear|linear_v)/w/experts/[0-9]+/scales$", P(None, MODEL)),  # [1, F]
     (r"moe/linear_1/w/experts/[0-9]+/weight$", P(MODEL, None)),  # [F, D] (row-parallel, not transposed)
     (r"moe/linear_1/w/experts/[0-9]+/scales$", P(None, None)),  # [8, D]
-    # The generic backend's stacked experts (weights.GroupedWeight, the checkpoint's [E, K, N] layout)
-    (r"moe/(linear|linear_v)/w/(weight|scales)$", P(None, None, MODEL)),  # [E, D, F] / [E, 1, F]
-    (r"moe/linear_1/w/weight$", P(None, MODEL, None)),  # [E, F, D]
-    (r"moe/linear_1/w/scales$", P(None, None, None)),  # [E, 8, D]
+    # Stacked experts (weights.GroupedWeight, the checkpoint's [E, K, N] layout): experts over `expert`
+    *((r"moe/" + name + "/w/" + leaf + "$", spec) for (name, leaf), spec in EXPERT_SPECS.items()),
     # The same matrices packed for the native kernel (packed.PackedWeight): [S*NB, K, 16] / [blocks, S*NB*16].
     (r"(multi_head_attention/(query|key|value)/w|moe/(linear|linear_v)/w/experts/[0-9]+)/packed$",
      P(MODEL, None, None)),  # columns (N) split
@@ -63,7 +77,7 @@ POSITIONS_SPEC = P(DATA)
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None,
               between_hosts: MeshConfig | None = None) -> Mesh:
-    """A (data, model) mesh with Auto axis types over the first data*model devices.
+    """A (data, expert, model) mesh with Auto axis types over the first data*expert*model devices.
 
     A mesh over every device is laid out by mesh_utils.create_device_mesh (on a TPU slice: along its ICI
     torus). When JAX spans several processes (jax.distributed), pass `between_hosts`: see `make_multihost_mesh`.
@@ -72,16 +86,16 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None,
         return make_multihost_mesh(mesh_cfg, between_hosts)
     devices = list(devices if devices is not None else jax.devices())
     if mesh_cfg.size > len(devices):
-        raise ConfigError(f"mesh {mesh_cfg.data},{mesh_cfg.model} needs {mesh_cfg.size} devices but only "
+        raise ConfigError(f"mesh {mesh_cfg} needs {mesh_cfg.size} devices but only "
                           f"{len(devices)} are visible (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    shape = (mesh_cfg.data, mesh_cfg.model)
+    shape = (mesh_cfg.data, mesh_cfg.expert, mesh_cfg.model)
     grid = along_links(shape, devices) if mesh_cfg.size == len(devices) else None
     if grid is None:
         grid = np.array(devices[: mesh_cfg.size]).reshape(shape)
-    return Mesh(grid, (DATA, MODEL))
+    return Mesh(grid, AXES)
 
 
-def along_links(shape: tuple[int, int], devices: Sequence[Any]) -> np.ndarray | None:
+def along_links(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndarray | None:
     """mesh_utils.create_device_mesh's layout of every device (on a TPU slice: along its ICI torus, splitting a
     torus axis over two mesh axes where the shape needs it, e.g. 2,8 on a 4x4 slice); None for a shape it
     cannot lay out, whose caller keeps the devices' own order."""
@@ -115,7 +129,7 @@ def default_between_hosts(mesh_cfg: MeshConfig, processes: int) -> MeshConfig:
 
 def make_multihost_mesh(mesh_cfg: MeshConfig, between_hosts: MeshConfig) -> Mesh:
     """The global mesh of a multi-process JAX job over every device of the job: see `multihost_grid`."""
-    return Mesh(multihost_grid(mesh_cfg, between_hosts, jax.devices()), (DATA, MODEL))
+    return Mesh(multihost_grid(mesh_cfg, between_hosts, jax.devices()), AXES)
 
 
 def joined_by(devices: Sequence[Any]) -> str:
@@ -128,6 +142,15 @@ def joined_by(devices: Sequence[Any]) -> str:
 
 
 def multihost_grid(mesh_cfg: MeshConfig, between_hosts: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
+    """[data, expert, model] devices of a multi-process job: the [data, expert * model] grid below, its second
+    axis cut into expert groups of `model` devices (the between-hosts layout's MODEL spans both).
+    """
+    flat = MeshConfig(mesh_cfg.data, mesh_cfg.expert * mesh_cfg.model)
+    grid = _multihost_grid_2d(flat, between_hosts, devices)
+    return grid.reshape(mesh_cfg.data, mesh_cfg.expert, mesh_cfg.model)
+
+
+def _multihost_grid_2d(mesh_cfg: MeshConfig, between_hosts: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
     """[data, model] devices of a multi-process job.
 
     One TPU slice is one mesh over all its devices, laid along its ICI torus (mesh_utils.create_device_mesh):
