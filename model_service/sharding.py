@@ -118,10 +118,10 @@ def local_mesh_shape(mesh_cfg: MeshConfig, between_hosts: MeshConfig) -> MeshCon
 
 def default_between_hosts(mesh_cfg: MeshConfig, processes: int) -> MeshConfig:
     """Spread the processes over the data axis when they divide it (only the batch crosses hosts), else over
-    the model axis (one replica's weights span hosts, as the test mesh 1,8 over 2 processes needs)."""
+    the expert and model axes (one replica's weights span hosts, as the test mesh 1,8 over 2 processes needs)."""
     if mesh_cfg.data % processes == 0:
         return MeshConfig(processes, 1)
-    if mesh_cfg.model % processes == 0:
+    if mesh_cfg.expert * mesh_cfg.model % processes == 0:
         return MeshConfig(1, processes)
     raise ConfigError(f"{processes} processes divide neither axis of the mesh {mesh_cfg.data},{mesh_cfg.model}: "
                       "pass --between-hosts DATA,MODEL explicitly")
@@ -129,7 +129,8 @@ def default_between_hosts(mesh_cfg: MeshConfig, processes: int) -> MeshConfig:
 
 def make_multihost_mesh(mesh_cfg: MeshConfig, between_hosts: MeshConfig) -> Mesh:
     """The global mesh of a multi-process JAX job over every device of the job: see `multihost_grid`."""
-    return Mesh(multihost_grid(mesh_cfg, between_hosts, jax.devices()), AXES)
+    grid = multihost_grid(mesh_cfg, between_hosts, jax.devices())
+    return Mesh(grid.reshape(mesh_cfg.data, mesh_cfg.expert, mesh_cfg.model), AXES)
 
 
 def joined_by(devices: Sequence[Any]) -> str:
@@ -142,16 +143,8 @@ def joined_by(devices: Sequence[Any]) -> str:
 
 
 def multihost_grid(mesh_cfg: MeshConfig, between_hosts: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
-    """[data, expert, model] devices of a multi-process job: the [data, expert * model] grid below, its second
-    axis cut into expert groups of `model` devices (the between-hosts layout's MODEL spans both).
-    """
-    flat = MeshConfig(mesh_cfg.data, mesh_cfg.expert * mesh_cfg.model)
-    grid = _multihost_grid_2d(flat, between_hosts, devices)
-    return grid.reshape(mesh_cfg.data, mesh_cfg.expert, mesh_cfg.model)
-
-
-def _multihost_grid_2d(mesh_cfg: MeshConfig, between_hosts: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
-    """[data, model] devices of a multi-process job.
+    """[data, expert * model] devices of a multi-process job (make_multihost_mesh cuts the second axis into
+    expert groups of `model` devices; the between-hosts layout's MODEL spans expert and model).
 
     One TPU slice is one mesh over all its devices, laid along its ICI torus (mesh_utils.create_device_mesh):
     its hosts are not network hops, so they need not own blocks. Slices over the data-center network, and
@@ -162,6 +155,7 @@ def _multihost_grid_2d(mesh_cfg: MeshConfig, between_hosts: MeshConfig, devices:
     `default_between_hosts` spreads them.
     """
     kind = joined_by(devices)
+    mesh_cfg = MeshConfig(mesh_cfg.data, mesh_cfg.expert * mesh_cfg.model)
     if mesh_cfg.size != len(devices):
         raise ConfigError(f"mesh {mesh_cfg.data},{mesh_cfg.model} has {mesh_cfg.size} devices but the job has "
                           f"{len(devices)}: a multi-process mesh spans every device (on CPU set XLA_FLAGS="

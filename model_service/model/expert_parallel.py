@@ -12,13 +12,13 @@ group; across groups the psum adds them (for two selected experts, a + b either 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from model_service.model.layers import Products
 from model_service.model.weights import ExpertStack, GroupedWeight, QuantizedWeight
 from model_service.sharding import DATA, EXPERT, EXPERT_SPECS, MODEL, fit_spec
 
@@ -43,24 +43,27 @@ def _stack(q: GroupedWeight) -> ExpertStack:
     return ExpertStack(tuple(as_quantized(q.weight[e], q.scales[e]) for e in range(q.count)))
 
 
-def _local(products: Products, x: Array, experts: Array, gates: Array, active: Array | None,
+# moe.experts_by_cond's signature over plain arrays: (rows [M, D], experts [M, k], gates [M, k], active [M] or
+# None, the three matrices' ExpertStacks) -> [M, D]; passed in so that this module does not import moe.
+LocalExperts = Callable[[Array, Array, Array, "Array | None", tuple[ExpertStack, ...]], Array]
+
+
+def _local(compute: LocalExperts, x: Array, experts: Array, gates: Array, active: Array | None,
            w: tuple[GroupedWeight, GroupedWeight, GroupedWeight]) -> Array:
     """One device: its experts' share of each row's output [M, D] (zeros for rows that picked none of them)."""
-    from model_service.model.moe import ExpertWeights, Routing, experts_by_cond
-
     per_group = w[0].count
     first = jax.lax.axis_index(EXPERT) * per_group
     local = experts - first  # [M, k]
     local = jnp.where((local >= 0) & (local < per_group), local, -1)  # -1 matches no local expert
-    weights = ExpertWeights(*(_stack(q) for q in w))
-    out = experts_by_cond(x, Routing(gates, local), weights, active, products)
+    out = compute(x, local, gates, active, tuple(_stack(q) for q in w))
     return jax.lax.psum(out, (EXPERT, MODEL))
 
 
 def experts_parallel(mesh: Mesh, x: Array, experts: Array, gates: Array, active: Array | None,
-                     w: tuple[GroupedWeight, GroupedWeight, GroupedWeight], products: Products) -> Array:
+                     w: tuple[GroupedWeight, GroupedWeight, GroupedWeight], compute: LocalExperts) -> Array:
     """sum_k gate_k * expert_k(x) for rows x [M, D] (experts, gates [M, k]; rows not `active` [M] compute nothing)
-    with the experts split over the mesh's expert axis (see the module docstring)."""
+    with the experts split over the mesh's expert axis (see the module docstring); `compute` runs one device's
+    experts (moe.experts_by_cond)."""
     m = x.shape[0]
     rows = P(DATA) if m % dict(mesh.shape)[DATA] == 0 else P()
     names = ("linear", "linear_v", "linear_1")
@@ -72,7 +75,7 @@ def experts_parallel(mesh: Mesh, x: Array, experts: Array, gates: Array, active:
                          "one (grouped.kernel_layout)")
 
     def run(x: Array, experts: Array, gates: Array, active: Any, w: Any) -> Array:
-        return _local(products, x, experts, gates, active, w)
+        return _local(compute, x, experts, gates, active, w)
 
     active_spec = None if active is None else rows
     fn = jax.shard_map(run, mesh=mesh, in_specs=(rows, rows, rows, active_spec, w_specs), out_specs=rows,

@@ -234,8 +234,10 @@ class MoELayer(hk.Module):
             if moe == EXPERT_MOE:
                 if self.mesh is None:
                     raise ValueError("moe 'expert' splits the experts over a mesh: pass MoELayer its mesh")
+                def local(rows: Array, experts: Array, gates: Array, used: Array | None, stacks: Any) -> Array:
+                    return experts_by_cond(rows, Routing(gates, experts), ExpertWeights(*stacks), used, products)
                 return experts_parallel(self.mesh, flat, routing.experts, routing.gates, rows_active, tuple(w),
-                                        products).reshape(b, t, d)
+                                        local).reshape(b, t, d)
             out = experts_sorted(flat, routing.experts, routing.gates, GroupedExperts(*w), rows_active, moe)
             return out.reshape(b, t, d)
         if moe != "cond":
