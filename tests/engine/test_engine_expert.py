@@ -1,25 +1,31 @@
 """The engine on meshes with an expert axis (DATA,EXPERT,MODEL = 1,4,2 / 1,8,1 / 2,4,1 of the 8 host devices
 tests/conftest.py forces) reproduces the reference's seeded requests exactly: alone, with prompts split over
-steps, and submitted together (a request's ids do not depend on what shares its steps); golden_wide at the
-real vocabulary on (1,4,2)."""
+steps, and submitted together; golden_wide at the real vocabulary on (1,4,2); and test_invariance.py's bit-level
+batch invariance on (1,4,2)."""
 
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from typing import Any
 
+import jax.numpy as jnp
 import pytest
 
-from model_service.config import MeshConfig
+from model_service.checkpoint import load_params
+from model_service.config import MeshConfig, load_model_config
 from model_service.engine import Engine
 from model_service.loading import ServerConfig, build_engine, resolve
+from model_service.model import GrokModel
 from model_service.requests import GenerationRequest
 from model_service.sampling_settings import SamplingSettings
+from model_service.sharding import make_mesh
 from tests.engine.conftest import Runner, golden_requests, golden_server_config
 from tests.engine.drive import serve_all
 from tests.engine.test_engine_golden import golden_request, run_alone
-from tests.procs import SHARED
+from tests.engine.test_invariance import requests as invariance_requests, run
+from tests.procs import GOLDEN, SHARED
 
 MESHES = ["1,4,2", "1,8,1", "2,4,1"]
 WIDE = SHARED / "golden_wide"
@@ -57,3 +63,21 @@ def test_golden_wide_requests_together_reproduce_reference_ids_on_an_expert_mesh
                                                             top_p=c["request"]["nucleus_p"]))
                 for i, c in enumerate(cases)]
     assert serve_all(running(engine), requests) == [c["output_ids"] for c in cases]
+
+
+def test_on_an_expert_mesh_requests_split_and_mixed_at_random_equal_their_solo_runs_bit_for_bit() -> None:
+    """test_invariance.py's batch invariance (tokens, probabilities and alternatives) on mesh 1,4,2: a row's
+    bits do not depend on what shares its step's tiles, though every expert group computes its own experts."""
+    cfg = load_model_config(str(GOLDEN / "config.json"))
+    mesh = make_mesh(MeshConfig.parse("1,4,2"))
+    model = GrokModel(cfg, mesh, jnp.float32, block_size=8, key_chunk=16)
+    assert model.moe == "expert"
+    params = load_params(str(GOLDEN / "checkpoint"), cfg, mesh, jnp.float32, pack=model.products.native,
+                         stacked=model.backend.stacked_experts)
+    engine = Engine(model, params, cfg, mesh, 4, step_tokens=16, tile=4)
+    solo = invariance_requests(6)
+    for r in solo:
+        run(engine, [r], [0], None)
+    mixed = invariance_requests(6)
+    run(engine, mixed, joins=[0, 0, 1, 3, 3, 4], rng=random.Random(3))
+    assert [r.out for r in mixed] == [r.out for r in solo]
