@@ -11,10 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_service.model import TokenRows
+from model_service.backend import choose_backend
+from model_service.checkpoint import load_params
+from model_service.config import MeshConfig
+from model_service.model import GrokModel, TokenRows
 from model_service.model.weights import GroupedWeight
-from model_service.sharding import EXPERT
+from model_service.sharding import EXPERT, make_mesh
+from tests.model.conftest import Loaded
 from tests.model.test_parity import F32_ATOL, PROMPTS, _decode_batch, _prefill_all
+from tests.procs import GOLDEN
 
 EXPERT_MESHES = ["1,4,2", "1,8,1", "2,4,1"]
 
@@ -69,3 +74,17 @@ def test_a_step_on_the_expert_axis_reduces_once_per_layer(golden_model):
     text = jax.jit(lambda p, pl, r: model.rows(p, pl, r, n)).lower(loaded.params, pools, rows).compile().as_text()
     collectives = re.findall(r"= \S+ (all-reduce|all-gather|all-to-all|reduce-scatter)(?:-start)?\(", text)
     assert collectives == ["all-reduce"] * loaded.cfg.model.num_layers
+
+
+def test_the_generic_backend_on_an_expert_mesh_reproduces_the_greedy_ids(golden_cfg, golden_npz):
+    """What an accelerator slice runs (XLA's dots, batched attention), with the experts over 4 groups and the batch
+    over 2 data shards."""
+    mesh = make_mesh(MeshConfig.parse("2,4,1"))
+    model = GrokModel(golden_cfg, mesh, jnp.float32, backend=choose_backend("generic", mesh, jnp.float32))
+    assert model.moe == "expert" and model.backend.name == "generic"
+    params = load_params(str(GOLDEN / "checkpoint"), golden_cfg, mesh, jnp.float32, stacked=True)
+    loaded, gold = Loaded(golden_cfg, model, params, jax.jit(model.forward)), golden_npz["fp32"]
+    runner, prefilled = _prefill_all(loaded, gold)
+    tokens, _ = _decode_batch(loaded, gold, runner, np.array([prefilled[p].argmax() for p in PROMPTS]))
+    for p in PROMPTS:
+        np.testing.assert_array_equal(tokens[p], gold[f"p{p}_greedy_tokens"], err_msg=f"prompt {p}")
