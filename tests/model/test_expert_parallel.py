@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from model_service.backend import choose_backend
 from model_service.checkpoint import load_params
 from model_service.config import MeshConfig
 from model_service.model import GrokModel, TokenRows
 from model_service.model.weights import GroupedWeight
-from model_service.sharding import EXPERT, make_mesh
+from model_service.sharding import EXPERT, make_mesh, spec_for_path
 from tests.model.conftest import Loaded
 from tests.model.test_parity import F32_ATOL, PROMPTS, _decode_batch, _prefill_all
 from tests.procs import GOLDEN
@@ -88,3 +89,12 @@ def test_the_generic_backend_on_an_expert_mesh_reproduces_the_greedy_ids(golden_
     tokens, _ = _decode_batch(loaded, gold, runner, np.array([prefilled[p].argmax() for p in PROMPTS]))
     for p in PROMPTS:
         np.testing.assert_array_equal(tokens[p], gold[f"p{p}_greedy_tokens"], err_msg=f"prompt {p}")
+
+
+def test_rules_split_the_stacked_experts_over_the_expert_axis_and_their_hidden_units_over_model():
+    layer = "transformer/decoder_layer_3/moe"
+    assert spec_for_path(f"{layer}/linear/w/weight") == P("expert", None, "model")  # [E, D, F]
+    assert spec_for_path(f"{layer}/linear_v/w/scales") == P("expert", None, "model")  # [E, 1, F]
+    assert spec_for_path(f"{layer}/linear_1/w/weight") == P("expert", "model", None)  # [E, F, D]
+    assert spec_for_path(f"{layer}/linear_1/w/scales") == P("expert", "model", None)  # [E, 8, D]
+    assert spec_for_path(f"{layer}/linear/w/experts/3/weight") == P("model", None)  # per expert: as before
