@@ -58,7 +58,7 @@ def in_use() -> dict[str, int] | None:
 def predict(cfg: ModelConfig, mesh: MeshConfig, work: Workload) -> Placement:
     memory, platform = device_memory()
     devices = Devices("cpu" if platform == "cpu" else platform, mesh.size, memory)
-    return place(cfg, devices, Layout(mesh.data, 1, mesh.model), work)
+    return place(cfg, devices, Layout(mesh.data, mesh.expert, mesh.model), work)
 
 
 def compiled_temporaries(engine: Any, state: Any) -> dict[str, int]:
@@ -92,7 +92,7 @@ def check(cfg: ModelConfig, mesh: MeshConfig, dtype: str, slots: int, kv_tokens:
                 "slot state": predicted.part("slot state")}
     held = expected["weights"] + expected["kv pool"] + expected["slot state"]
     report: dict[str, Any] = {
-        "platform": jax.devices()[0].platform, "layers": cfg.model.num_layers, "mesh": f"{mesh.data},{mesh.model}",
+        "platform": jax.devices()[0].platform, "layers": cfg.model.num_layers, "mesh": str(mesh),
         "dtype": dtype, "slots": slots, "predicted": {**expected, "held": held, "used": predicted.used,
                                                        "device_memory": predicted.devices.memory},
         "reported_shards": {"weights": weights, "kv pool": pool, "slot state": slot_state}}
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_model_config(args.config)
     work = Workload(args.dtype, args.slots, args.kv_tokens, step_tokens=GENERIC_STEP_TOKENS)
     if args.layers == "auto":
-        layers = max_layers(cfg, predict(cfg, args.mesh, work).devices, Layout(args.mesh.data, 1, args.mesh.model),
+        layers = max_layers(cfg, predict(cfg, args.mesh, work).devices, Layout(args.mesh.data, args.mesh.expert, args.mesh.model),
                             work)
         if layers < 1:
             prediction = predict(cfg, args.mesh, work).to_dict()

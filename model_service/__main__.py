@@ -92,7 +92,7 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--port", type=port, default=50053, help="gRPC port (0 picks a free one)")
     add_uds_flag(p)
     p.add_env_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-    p.add_env_argument("--mesh", type=mesh, default="1,1", help="device mesh DATA,MODEL (e.g. 1,8)")
+    p.add_env_argument("--mesh", type=mesh, default="1,1", help="device mesh DATA,MODEL (e.g. 1,8) or DATA,EXPERT,MODEL (e.g. 1,4,2: 4 expert groups, each holding num_experts/4 whole experts split over 2 model shards)")
     p.add_env_argument("--slots", type=positive_int, default=8,
                        help="the most sequences decoded at once (each sample of a request takes one)")
     p.add_env_argument("--kv-tokens", type=positive_int, default=None,

@@ -22,8 +22,9 @@ accelerator is how that program computes, and it is all here:
   moe         how the experts run (model/moe.py, model/grouped.py): "cond" (CPU: the native grouped product, or a
               conditional per expert; experts one buffer each), "pallas" (one TPU device: the Pallas grouped
               product over expert-sorted rows, int8 widened in its tiles) or "ragged" (other single devices: XLA's
-              ragged_dot over the same stacked experts). The grouped forms load the experts stacked
-              (weights.GroupedWeight); a generic mesh of several devices keeps "cond".
+              ragged_dot over the same stacked experts) or "expert" (a mesh with an expert axis: each expert group
+              runs the conditionals over its own stacked experts, one reduction a layer). The stacked forms load
+              the experts stacked (weights.GroupedWeight); other meshes of several devices keep "cond".
 
 `choose_backend("cpu" | "generic" | "auto", ...)`: "cpu" is what a CPU runs best (native products where the
 kernels built, per-row attention, tiles of CPU_TILE rows); "generic" is what an accelerator runs (XLA's
@@ -166,6 +167,11 @@ def choose_moe(name: str, mesh: Mesh, choice: str = "auto") -> str:
     kernel runs on one device's experts). `choice` (--moe) other than auto asks for one on the generic backend."""
     if choice not in MOE_CHOICES:
         raise ValueError(f"--moe must be one of {', '.join(MOE_CHOICES)}, got {choice!r}")
+    if dict(mesh.shape).get("expert", 1) > 1:  # expert_parallel.MOE: each expert group its own experts
+        if choice != "auto":
+            raise ValueError(f"--moe {choice}: a mesh with an expert axis runs each group's own experts (expert "
+                             "parallel); leave --moe auto")
+        return "expert"
     if name == "cpu":
         return "cond"
     if choice != "auto":

@@ -59,25 +59,36 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh shape: `data` replicas (batch) x `model` shards (weights, heads)."""
+    """Device mesh shape: `data` replicas (batch) x `model` shards (weights, heads), and `expert` groups that
+    each hold a share of every layer's experts (expert parallelism; 1: every device holds every expert)."""
 
     data: int = 1
     model: int = 1
+    expert: int = 1
 
     @property
     def size(self) -> int:
-        return self.data * self.model
+        return self.data * self.expert * self.model
+
+    def __str__(self) -> str:
+        """The --mesh text: DATA,MODEL without an expert axis, else DATA,EXPERT,MODEL."""
+        if self.expert == 1:
+            return f"{self.data},{self.model}"
+        return f"{self.data},{self.expert},{self.model}"
 
     @classmethod
     def parse(cls, text: str) -> "MeshConfig":
-        """Parse "DATA,MODEL" (e.g. "2,4")."""
+        """Parse "DATA,MODEL" (e.g. "2,4") or "DATA,EXPERT,MODEL" (e.g. "1,4,2")."""
         parts = [p.strip() for p in text.split(",")]
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
-            raise ConfigError(f"mesh must be DATA,MODEL with two positive integers (e.g. 1,8), got {text!r}")
-        data, model = int(parts[0]), int(parts[1])
-        if data < 1 or model < 1:
+        if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
+            raise ConfigError(f"mesh must be DATA,MODEL or DATA,EXPERT,MODEL with positive integers (e.g. 1,8 or "
+                              f"1,4,2), got {text!r}")
+        numbers = [int(p) for p in parts]
+        if min(numbers) < 1:
             raise ConfigError(f"mesh axes must be >= 1, got {text!r}")
-        return cls(data=data, model=model)
+        if len(numbers) == 2:
+            return cls(data=numbers[0], model=numbers[1])
+        return cls(data=numbers[0], expert=numbers[1], model=numbers[2])
 
 
 GROK_1 = ModelConfig(
@@ -181,8 +192,8 @@ def _model_problems(cfg: ModelConfig) -> list[str]:
 def validate(cfg: ModelConfig, mesh: MeshConfig) -> None:
     """Raise ConfigError listing every reason `cfg` cannot run on `mesh`."""
     problems = _model_problems(cfg)
-    if mesh.data < 1 or mesh.model < 1:
-        problems.append(f"mesh axes must be >= 1 (got data={mesh.data}, model={mesh.model})")
+    if mesh.data < 1 or mesh.model < 1 or mesh.expert < 1:
+        problems.append(f"mesh axes must be >= 1 (got data={mesh.data}, expert={mesh.expert}, model={mesh.model})")
     elif not problems:
         t = cfg.model
         if t.num_q_heads % mesh.model:
@@ -190,5 +201,23 @@ def validate(cfg: ModelConfig, mesh: MeshConfig) -> None:
         if t.num_kv_heads % mesh.model:
             problems.append(f"num_kv_heads ({t.num_kv_heads}) is not divisible by the model axis ({mesh.model}); "
                             f"use a model axis that divides it")
+        problems += _expert_problems(t, mesh)
     if problems:
         raise ConfigError("invalid configuration: " + "; ".join(problems))
+
+
+def _expert_problems(t: TransformerConfig, mesh: MeshConfig) -> list[str]:
+    """An expert axis holds whole experts, and its model shards split linear_1's 8 row blocks evenly."""
+    if mesh.expert == 1:
+        return []
+    problems = []
+    if t.num_experts % mesh.expert:
+        problems.append(f"num_experts ({t.num_experts}) is not divisible by the expert axis ({mesh.expert}); use an "
+                        "expert axis that divides it")
+    if ROW_BLOCKS % mesh.model:
+        problems.append(f"with an expert axis the model axis ({mesh.model}) must divide the experts' "
+                        f"{ROW_BLOCKS} row blocks (1, 2, 4 or 8)")
+    return problems
+
+
+ROW_BLOCKS = 8  # row blocks of a row-parallel int8 matrix (the released checkpoint's linear_1 scales)

@@ -1,8 +1,11 @@
-"""Partition rules as data (regex over parameter paths -> PartitionSpec) and the (data, model) device mesh.
+"""Partition rules as data (regex over parameter paths -> PartitionSpec) and the (data, expert, model) device mesh.
 
 Weights are split over the `model` axis (heads, expert hidden units, embedding features) and replicated over
-`data`; activations and KV memory put the batch on `data` and heads/features on `model`. A rule whose axis does
-not divide a dimension falls back to replicating that dimension, so every mesh that passes `validate` works.
+`data`; the stacked experts (weights.GroupedWeight) are also split over `expert`, each expert group holding
+num_experts / expert whole experts (model/expert_parallel.py computes them there). Activations and KV memory put
+the batch on `data` and heads/features on `model`. A rule whose axis does not divide a dimension falls back to
+replicating that dimension, so every mesh that passes `validate` works. Every mesh has the three axes (an unused
+one has size 1), so the rules name them freely.
 """
 
 from __future__ import annotations
@@ -22,7 +25,20 @@ from model_service.config import ConfigError, MeshConfig
 log = logging.getLogger(__name__)
 
 DATA = "data"
+EXPERT = "expert"
 MODEL = "model"
+AXES = (DATA, EXPERT, MODEL)
+
+# The stacked MoE matrices' specs, keyed by (matrix, leaf): each expert on one expert group, its hidden units split
+# over `model` (linear_1's 8 row-block scales with its rows: config.validate asks the model axis to divide 8).
+EXPERT_SPECS: dict[tuple[str, str], P] = {
+    ("linear", "weight"): P(EXPERT, None, MODEL),  # [E, D, F]
+    ("linear", "scales"): P(EXPERT, None, MODEL),  # [E, 1, F]
+    ("linear_v", "weight"): P(EXPERT, None, MODEL),
+    ("linear_v", "scales"): P(EXPERT, None, MODEL),
+    ("linear_1", "weight"): P(EXPERT, MODEL, None),  # [E, F, D]
+    ("linear_1", "scales"): P(EXPERT, MODEL, None),  # [E, 8, D]
+}
 
 # Paths are "<haiku module>/<param>[/weight|/scales]"; int8 layouts as in layers.QuantizedWeight.
 PARAM_RULES: tuple[tuple[str, P], ...] = (
@@ -36,10 +52,8 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"moe/(linear|linear_v)/w/experts/[0-9]+/scales$", P(None, MODEL)),  # [1, F]
     (r"moe/linear_1/w/experts/[0-9]+/weight$", P(MODEL, None)),  # [F, D] (row-parallel, not transposed)
     (r"moe/linear_1/w/experts/[0-9]+/scales$", P(None, None)),  # [8, D]
-    # The generic backend's stacked experts (weights.GroupedWeight, the checkpoint's [E, K, N] layout)
-    (r"moe/(linear|linear_v)/w/(weight|scales)$", P(None, None, MODEL)),  # [E, D, F] / [E, 1, F]
-    (r"moe/linear_1/w/weight$", P(None, MODEL, None)),  # [E, F, D]
-    (r"moe/linear_1/w/scales$", P(None, None, None)),  # [E, 8, D]
+    # Stacked experts (weights.GroupedWeight, the checkpoint's [E, K, N] layout): experts over `expert`
+    *((r"moe/" + name + "/w/" + leaf + "$", spec) for (name, leaf), spec in EXPERT_SPECS.items()),
     # The same matrices packed for the native kernel (packed.PackedWeight): [S*NB, K, 16] / [blocks, S*NB*16].
     (r"(multi_head_attention/(query|key|value)/w|moe/(linear|linear_v)/w/experts/[0-9]+)/packed$",
      P(MODEL, None, None)),  # columns (N) split
@@ -63,7 +77,7 @@ POSITIONS_SPEC = P(DATA)
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None,
               between_hosts: MeshConfig | None = None) -> Mesh:
-    """A (data, model) mesh with Auto axis types over the first data*model devices.
+    """A (data, expert, model) mesh with Auto axis types over the first data*expert*model devices.
 
     A mesh over every device is laid out by mesh_utils.create_device_mesh (on a TPU slice: along its ICI
     torus). When JAX spans several processes (jax.distributed), pass `between_hosts`: see `make_multihost_mesh`.
@@ -72,16 +86,16 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None,
         return make_multihost_mesh(mesh_cfg, between_hosts)
     devices = list(devices if devices is not None else jax.devices())
     if mesh_cfg.size > len(devices):
-        raise ConfigError(f"mesh {mesh_cfg.data},{mesh_cfg.model} needs {mesh_cfg.size} devices but only "
+        raise ConfigError(f"mesh {mesh_cfg} needs {mesh_cfg.size} devices but only "
                           f"{len(devices)} are visible (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    shape = (mesh_cfg.data, mesh_cfg.model)
+    shape = (mesh_cfg.data, mesh_cfg.expert, mesh_cfg.model)
     grid = along_links(shape, devices) if mesh_cfg.size == len(devices) else None
     if grid is None:
         grid = np.array(devices[: mesh_cfg.size]).reshape(shape)
-    return Mesh(grid, (DATA, MODEL))
+    return Mesh(grid, AXES)
 
 
-def along_links(shape: tuple[int, int], devices: Sequence[Any]) -> np.ndarray | None:
+def along_links(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndarray | None:
     """mesh_utils.create_device_mesh's layout of every device (on a TPU slice: along its ICI torus, splitting a
     torus axis over two mesh axes where the shape needs it, e.g. 2,8 on a 4x4 slice); None for a shape it
     cannot lay out, whose caller keeps the devices' own order."""
@@ -104,10 +118,10 @@ def local_mesh_shape(mesh_cfg: MeshConfig, between_hosts: MeshConfig) -> MeshCon
 
 def default_between_hosts(mesh_cfg: MeshConfig, processes: int) -> MeshConfig:
     """Spread the processes over the data axis when they divide it (only the batch crosses hosts), else over
-    the model axis (one replica's weights span hosts, as the test mesh 1,8 over 2 processes needs)."""
+    the expert and model axes (one replica's weights span hosts, as the test mesh 1,8 over 2 processes needs)."""
     if mesh_cfg.data % processes == 0:
         return MeshConfig(processes, 1)
-    if mesh_cfg.model % processes == 0:
+    if mesh_cfg.expert * mesh_cfg.model % processes == 0:
         return MeshConfig(1, processes)
     raise ConfigError(f"{processes} processes divide neither axis of the mesh {mesh_cfg.data},{mesh_cfg.model}: "
                       "pass --between-hosts DATA,MODEL explicitly")
@@ -115,7 +129,8 @@ def default_between_hosts(mesh_cfg: MeshConfig, processes: int) -> MeshConfig:
 
 def make_multihost_mesh(mesh_cfg: MeshConfig, between_hosts: MeshConfig) -> Mesh:
     """The global mesh of a multi-process JAX job over every device of the job: see `multihost_grid`."""
-    return Mesh(multihost_grid(mesh_cfg, between_hosts, jax.devices()), (DATA, MODEL))
+    grid = multihost_grid(mesh_cfg, between_hosts, jax.devices())
+    return Mesh(grid.reshape(mesh_cfg.data, mesh_cfg.expert, mesh_cfg.model), AXES)
 
 
 def joined_by(devices: Sequence[Any]) -> str:
@@ -128,7 +143,8 @@ def joined_by(devices: Sequence[Any]) -> str:
 
 
 def multihost_grid(mesh_cfg: MeshConfig, between_hosts: MeshConfig, devices: Sequence[Any]) -> np.ndarray:
-    """[data, model] devices of a multi-process job.
+    """[data, expert * model] devices of a multi-process job (make_multihost_mesh cuts the second axis into
+    expert groups of `model` devices; the between-hosts layout's MODEL spans expert and model).
 
     One TPU slice is one mesh over all its devices, laid along its ICI torus (mesh_utils.create_device_mesh):
     its hosts are not network hops, so they need not own blocks. Slices over the data-center network, and
@@ -139,6 +155,7 @@ def multihost_grid(mesh_cfg: MeshConfig, between_hosts: MeshConfig, devices: Seq
     `default_between_hosts` spreads them.
     """
     kind = joined_by(devices)
+    mesh_cfg = MeshConfig(mesh_cfg.data, mesh_cfg.expert * mesh_cfg.model)
     if mesh_cfg.size != len(devices):
         raise ConfigError(f"mesh {mesh_cfg.data},{mesh_cfg.model} has {mesh_cfg.size} devices but the job has "
                           f"{len(devices)}: a multi-process mesh spans every device (on CPU set XLA_FLAGS="

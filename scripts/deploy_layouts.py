@@ -51,7 +51,7 @@ def table() -> str:
              "|---|---|---|---|---|---|---|---|"]
     for p in layouts():
         weights = sum(p.part(name) for name in WEIGHT_PARTS)
-        today = "yes" if p.runs_today else "no: needs the expert axis"
+        today = "yes" if p.runs_today else "no: with an expert axis the model axis must divide 8"
         fits = f"{p.left / GB:.2f} GB" if p.fits else f"**does not fit** ({p.left / GB:.2f} GB)"
         lines.append(f"| {p.devices.name} ({p.devices.memory // GB} GB each) | {p.layout} | {today} | "
                      f"{weights / GB:.2f} GB | {p.kv_per_token // 1024} KiB | {p.max_sequences} | "

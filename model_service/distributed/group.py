@@ -26,7 +26,7 @@ def fingerprint(config: ServerConfig, model_cfg: ModelConfig) -> np.ndarray:
     """[8] int32 digest of everything that must be equal on every process for the programs to match."""
     dist = config.distributed
     settings: dict[str, Any] = {
-        "model": model_config_to_dict(model_cfg), "dtype": config.dtype, "mesh": [config.mesh.data, config.mesh.model],
+        "model": model_config_to_dict(model_cfg), "dtype": config.dtype, "mesh": [config.mesh.data, config.mesh.expert, config.mesh.model],
         "between_hosts": [dist.between_hosts.data, dist.between_hosts.model] if dist and dist.between_hosts else None,
         "slots": config.slots, "step_tokens": config.step_tokens, "tile_rows": config.tile_rows,
         "kv": [config.kv_tokens, config.kv_memory, config.block_size], "speculative": repr(config.speculative),

@@ -25,7 +25,7 @@ from model_service.kv_memory import KVMemory, Pools
 from model_service.model.layers import ATTENTION_MODES, Products, QuantizedWeight
 from model_service.model.params import Params, experts_layout, pack_for_native, packable, relayout
 from model_service.model.transformer import HEAD_SCOPE, Step, forward, head, hidden, score
-from model_service.sharding import DATA, MODEL, params_shardings
+from model_service.sharding import DATA, EXPERT, MODEL, params_shardings
 
 __all__ = ["GrokModel", "KVMemory", "Params", "Pools", "Products", "QuantizedWeight", "TokenRows", "choose_products"]
 
@@ -62,7 +62,7 @@ class GrokModel:
     def __init__(self, cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, products: Products | None = None,
                  block_size: int = BLOCK_SIZE, key_chunk: int = KEY_CHUNK, attention: str | None = None,
                  backend: Any = None) -> None:
-        validate(cfg, MeshConfig(data=mesh.shape[DATA], model=mesh.shape[MODEL]))
+        validate(cfg, MeshConfig(data=mesh.shape[DATA], model=mesh.shape[MODEL], expert=mesh.shape[EXPERT]))
         if block_size < 1 or block_size & (block_size - 1) or key_chunk % block_size:
             raise ValueError(f"the KV block size must be a power of two dividing {key_chunk}, got {block_size}")
         if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):

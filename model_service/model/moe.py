@@ -9,7 +9,8 @@ Tokens are grouped by expert, and experts nobody selected cost nothing:
   one expert; a loop runs over the used tiles only, multiplying only routed rows.
 A row adds its experts' outputs in expert order.
 Those are the CPU backend's forms (backend.Backend.moe "cond"); the generic backend's (stacked experts, one grouped
-product per matrix, for a step's rows and prefill alike) are in grouped.py.
+product per matrix, for a step's rows and prefill alike) are in grouped.py; on a mesh with an expert axis ("expert")
+each expert group runs these conditionals over its own experts (expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+
 from model_service import kernels
+from model_service.model.expert_parallel import MOE as EXPERT_MOE, experts_parallel
 from model_service.model.grouped import GROUPED_MOE, GroupedExperts, experts_sorted
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product, row_sum
 from model_service.model.packed import PackedWeight
@@ -202,16 +206,17 @@ def pick_tile(m: int, k: int, num_experts: int) -> int:
 class MoELayer(hk.Module):
     """Haiku module `moe` (experts under moe/linear, moe/linear_v, moe/linear_1)."""
 
-    def __init__(self, num_experts: int, ffn_size: int, name: str = "moe") -> None:
+    def __init__(self, num_experts: int, ffn_size: int, mesh: Mesh | None = None, name: str = "moe") -> None:
         super().__init__(name=name)
         self.num_experts = num_experts
         self.ffn_size = ffn_size
+        self.mesh = mesh
 
     def __call__(self, x: Array, routing: Routing, active: Array | None, products: Products,
                  moe: str = "cond") -> Array:
         """x [B, T, D] -> [B, T, D]. `active` [B] bool (decode only: T == 1, active given) masks free slots' rows.
         `moe`: the backend's form (backend.Backend.moe): "cond" the CPU's, one of grouped.GROUPED_MOE the
-        generic backend's over stacked experts."""
+        generic backend's over stacked experts, "expert" the expert-parallel form (needs the mesh)."""
         b, t, d = x.shape
         e, f = self.num_experts, self.ffn_size
         w = ExpertWeights(
@@ -220,16 +225,23 @@ class MoELayer(hk.Module):
             ParamHolder("linear_1").get("w", (e, f, d)),
         )
         flat = x.reshape(b * t, d)
-        if moe in GROUPED_MOE:
+        if moe in GROUPED_MOE or moe == EXPERT_MOE:
             if not all(isinstance(q, GroupedWeight) for q in w):
                 raise ValueError(f"moe {moe!r} multiplies stacked experts (weights.GroupedWeight): load them with "
                                  "checkpoint.load_params(..., stacked=True) or lay them out with "
                                  "GrokModel.pack_params")
             rows_active = None if active is None else active.reshape(b * t)
+            if moe == EXPERT_MOE:
+                if self.mesh is None:
+                    raise ValueError("moe 'expert' splits the experts over a mesh: pass MoELayer its mesh")
+                def local(rows: Array, experts: Array, gates: Array, used: Array | None, stacks: Any) -> Array:
+                    return experts_by_cond(rows, Routing(gates, experts), ExpertWeights(*stacks), used, products)
+                return experts_parallel(self.mesh, flat, routing.experts, routing.gates, rows_active, tuple(w),
+                                        local).reshape(b, t, d)
             out = experts_sorted(flat, routing.experts, routing.gates, GroupedExperts(*w), rows_active, moe)
             return out.reshape(b, t, d)
         if moe != "cond":
-            raise ValueError(f"moe must be 'cond' or one of {GROUPED_MOE}, got {moe!r}")
+            raise ValueError(f"moe must be 'cond', {EXPERT_MOE!r} or one of {GROUPED_MOE}, got {moe!r}")
         if active is not None:  # decode
             if grouped_native(w):
                 return experts_grouped(flat, routing, w, active.reshape(b * t), products).reshape(b, t, d)

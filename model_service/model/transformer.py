@@ -123,7 +123,7 @@ class DecoderLayer(hk.Module):
         router_w = ParamHolder("router").get("w", (d, t.num_experts))
         with jax.named_scope("router"):
             routing = route(moe_in.reshape(b * n, d), router_w, t.num_selected_experts, step.products, step.row_sums)
-        moe_out = MoELayer(t.num_experts, t.ffn_size)(moe_in, routing, step.active, step.products, step.moe)
+        moe_out = MoELayer(t.num_experts, t.ffn_size, self.mesh)(moe_in, routing, step.active, step.products, step.moe)
         return self._constrain(h + _norm("rms_norm_3", moe_out, step)), kv
 
     def _constrain(self, h: Array) -> Array:

@@ -7,9 +7,10 @@ the loaded arrays' own bytes (tests/test_placement.py checks it against `address
 benchmarks/placement_check.py against the chip). The KV pool follows `sharding.POOL_SPEC`: KV heads split over
 `model`, replicated over `data` (and `expert`). Temporaries are an estimate of a step's largest buffers.
 
-The expert axis is the planned layout (issue 62): each expert's matrices on one expert group (num_experts /
-expert of them), split over `model` inside it; attention, table and KV over `model` only. The service runs
-today only layouts with expert = 1 (`Placement.runs_today`).
+The expert axis (--mesh DATA,EXPERT,MODEL): each expert's matrices on one expert group (num_experts / expert of
+them, stacked as sharding.EXPERT_SPECS splits them), split over `model` inside it; attention, table and KV over
+`model` only. The service runs every layout whose model axis divides the experts' 8 row blocks
+(`Placement.runs_today`, config.validate).
 
     python -m model_service.placement --preset grok-1 --devices v5e-32 --dtype bfloat16 --slots 8 --context 8192
 """
@@ -26,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from jax.sharding import PartitionSpec
 
-from model_service.config import ConfigError, ModelConfig
+from model_service.config import ROW_BLOCKS, ConfigError, ModelConfig
 from model_service.model.params import EMBED, TensorSpec, tensor_specs
 from model_service.sampling_settings import MAX_ENDS, MAX_LOGIT_BIAS
-from model_service.sharding import DATA, MODEL, POOL_SPEC, fit_spec, spec_for_path
+from model_service.sharding import DATA, EXPERT, MODEL, POOL_SPEC, fit_spec, spec_for_path
 
 if TYPE_CHECKING:
     from model_service.loading import ServerConfig
@@ -87,8 +88,9 @@ class Layout:
 
     @property
     def runs_today(self) -> bool:
-        """The service's mesh has data and model axes only (sharding.make_mesh): expert = 1."""
-        return self.expert == 1
+        """Whether the service runs this mesh (config.validate's expert-axis rule: with expert groups the model
+        axis divides the experts' ROW_BLOCKS row blocks); the model's own divisibility is layout_problems'."""
+        return self.expert == 1 or ROW_BLOCKS % self.model == 0
 
     def __str__(self) -> str:
         return f"{self.data},{self.expert},{self.model}"
@@ -201,7 +203,7 @@ class _Axes:
     """The mesh shape fit_spec reads (`mesh.shape[axis]`), without devices."""
 
     def __init__(self, layout: Layout) -> None:
-        self.shape = {DATA: layout.data, MODEL: layout.model}
+        self.shape = {DATA: layout.data, EXPERT: layout.expert, MODEL: layout.model}
 
 
 def _shard_elements(shape: tuple[int, ...], spec: PartitionSpec, layout: Layout) -> int:
@@ -213,13 +215,18 @@ def _shard_elements(shape: tuple[int, ...], spec: PartitionSpec, layout: Layout)
     return math.prod(dim // (axes.shape[e] if e else 1) for dim, e in zip(shape, entries))
 
 
-def _leaves(spec: TensorSpec, dtype: str, table_itemsize: float | None = None
+def _leaves(spec: TensorSpec, dtype: str, table_itemsize: float | None = None, stacked: bool = False
             ) -> Iterator[tuple[str, str, tuple[int, ...], float, int]]:
     """(part, path, shape, itemsize, copies) of the in-memory arrays params.to_internal makes of a leaf: int8
-    matrices column-parallel transposed [N, K], float32 scales [blocks, N], one pair per expert; the table in the
-    compute dtype; everything else float32."""
+    matrices column-parallel transposed [N, K], float32 scales [blocks, N], one pair per expert (`stacked`, an
+    expert axis: one [E, K, N] int8 array and its [E, blocks, N] scales, split over it); the table in the compute
+    dtype; everything else float32."""
     base = f"{spec.module}/{spec.name}"
-    if spec.quantized:
+    if spec.quantized and stacked and len(spec.shape) == 3:
+        e, k, n = spec.shape
+        yield "experts", f"{base}/weight", (e, k, n), 1, 1
+        yield "scales", f"{base}/scales", (e, spec.blocks, n), 4, 1
+    elif spec.quantized:
         k, n = spec.shape[-2:]
         weight = (n, k) if spec.blocks == 1 else (k, n)
         experts = len(spec.shape) == 3
@@ -239,7 +246,7 @@ def weight_bytes(cfg: ModelConfig, layout: Layout, dtype: str, table_itemsize: f
     totals = {"experts": 0, "attention": 0, "scales": 0, "router and norms": 0, "table": 0}
     per_group = -(-cfg.model.num_experts // layout.expert)  # experts each expert group holds
     for spec in tensor_specs(cfg):
-        for part, path, shape, itemsize, copies in _leaves(spec, dtype, table_itemsize):
+        for part, path, shape, itemsize, copies in _leaves(spec, dtype, table_itemsize, layout.expert > 1):
             held = per_group if copies > 1 else 1
             totals[part] += int(held * _shard_elements(shape, spec_for_path(path), layout) * itemsize)
     return totals
@@ -393,7 +400,7 @@ def check_service(config: ServerConfig) -> Placement:
     cpu = device.platform == "cpu"
     memory = stats["bytes_limit"] if stats and "bytes_limit" in stats else host_memory() // jax.local_device_count()
     devices = Devices("cpu" if cpu else device.platform, config.mesh.size, memory)
-    p = place(cfg, devices, Layout(config.mesh.data, 1, config.mesh.model), work)
+    p = place(cfg, devices, Layout(config.mesh.data, config.mesh.expert, config.mesh.model), work)
     if p.problems or p.fits:
         return p  # a layout that cannot run at all is validate()'s to refuse, with its own message
     raise ConfigError(f"the model does not fit its devices: {p.reason()}. Use more devices (a larger model axis), "

@@ -17,7 +17,7 @@ from serving_common.flags import positive_int
 
 def render(name: str, p: Placement) -> str:
     """The placement as text, one line a part."""
-    today = "runs today" if p.runs_today else "planned layout: the service runs expert = 1 only today"
+    today = "runs today" if p.runs_today else "the service refuses it: with an expert axis the model axis divides 8"
     lines = [f"{name} on {p.devices.name} ({p.devices.memory / GB:.2f} GB a device), mesh data,expert,model = "
              f"{p.layout} ({today})", "per device:"]
     lines += [f"  {part.name:<17}{part.bytes / GB:>9.3f} GB  {part.note}" for part in p.parts]

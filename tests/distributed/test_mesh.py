@@ -81,7 +81,7 @@ def test_a_single_process_mesh_over_every_device_uses_them_all_in_order() -> Non
 
     mesh = make_mesh(MeshConfig(1, jax.device_count()))
     assert list(mesh.devices.flat) == jax.devices()
-    assert np.asarray(mesh.devices).shape == (1, jax.device_count())
+    assert np.asarray(mesh.devices).shape == (1, 1, jax.device_count())  # data, expert, model
 
 
 def test_a_shape_the_torus_does_not_hold_whole_splits_a_torus_axis() -> None:
@@ -97,3 +97,14 @@ def test_devices_the_torus_layout_cannot_place_keep_one_block_per_host(caplog: p
     grid = multihost_grid(MeshConfig(4, 4), MeshConfig(4, 1), holed)
     assert [{d.process_index for d in row} for row in grid] == [{0}, {1}, {2}, {3}]
     assert "not laid along the device links" in caplog.text
+
+
+def test_an_expert_mesh_over_cpu_processes_cuts_each_process_block_into_expert_groups() -> None:
+    from model_service.sharding import default_between_hosts
+
+    devices = [Device(i, i // 4, platform="cpu", device_kind="cpu") for i in range(8)]
+    mesh = MeshConfig(data=1, expert=4, model=2)
+    between = default_between_hosts(mesh, 2)
+    grid = multihost_grid(mesh, between, devices).reshape(1, 4, 2)  # as make_multihost_mesh cuts it
+    assert [[d.process_index for d in group] for group in grid[0]] == [[0, 0], [0, 0], [1, 1], [1, 1]]
+    assert default_between_hosts(MeshConfig(data=1, expert=8, model=1), 2) == MeshConfig(1, 2)

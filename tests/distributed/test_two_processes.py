@@ -40,12 +40,12 @@ class Group:
     """Process 0 (gRPC on `address`) and process 1 of one replica, as `python -m model_service` processes."""
 
     def __init__(self, log_dir: pathlib.Path, ports: tuple[int, int] | None = None,
-                 follower_env: dict[str, str] | None = None) -> None:
+                 follower_env: dict[str, str] | None = None, mesh: str = "1,2") -> None:
         port, coordinator = ports or (free_port(), free_port())
         self.ports = (port, coordinator)
         env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_allow_excess_precision=false",
                "JAX_PLATFORMS": "cpu", "GROK_MODEL_CONFIG": str(GOLDEN / "config.json"),
-               "GROK_MODEL_CHECKPOINT": str(GOLDEN / "checkpoint"), "GROK_MODEL_MESH": "1,2",
+               "GROK_MODEL_CHECKPOINT": str(GOLDEN / "checkpoint"), "GROK_MODEL_MESH": mesh,
                "GROK_MODEL_SLOTS": "8", "GROK_MODEL_TOKENIZER": str(GOLDEN / "tokenizer.model"),
                "GROK_MODEL_COORDINATOR": f"127.0.0.1:{coordinator}", "GROK_MODEL_NUM_PROCESSES": "2",
                "GROK_MODEL_STEP_TIMEOUT": str(STEP_TIMEOUT)}

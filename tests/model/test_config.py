@@ -75,8 +75,30 @@ def test_validation_explains_more_selected_experts_than_experts() -> None:
 
 def test_mesh_parsing_and_device_count_errors() -> None:
     assert MeshConfig.parse("2,4") == MeshConfig(2, 4)
-    for text in ("8", "a,b", "0,1", "1,2,3"):
+    for text in ("8", "a,b", "0,1", "1,2,3,4", "1,0,2", "1,,2"):
         with pytest.raises(ConfigError):
             MeshConfig.parse(text)
     with pytest.raises(ConfigError, match="needs 16 devices but only 8"):
         make_mesh(MeshConfig(4, 4))
+
+
+def test_three_mesh_numbers_are_data_expert_model_and_two_keep_meaning_data_model() -> None:
+    assert MeshConfig.parse("1,8") == MeshConfig(data=1, model=8, expert=1)
+    assert MeshConfig.parse("1,4,2") == MeshConfig(data=1, expert=4, model=2)
+    assert MeshConfig.parse("2, 4, 1").size == 8
+    assert str(MeshConfig.parse("1,4,2")) == "1,4,2" and str(MeshConfig.parse("1,8")) == "1,8"
+    mesh = make_mesh(MeshConfig.parse("2,2,2"))
+    assert mesh.axis_names == ("data", "expert", "model") and dict(mesh.shape) == {"data": 2, "expert": 2, "model": 2}
+    assert dict(make_mesh(MeshConfig(1, 8)).shape) == {"data": 1, "expert": 1, "model": 8}
+
+
+def test_validation_explains_an_expert_axis_that_cannot_hold_whole_experts() -> None:
+    cfg = load_model_config(str(GOLDEN / "config.json"))
+    for mesh in ("1,4,2", "1,8,1", "2,4,1", "1,2,4", "1,1,8"):
+        validate(cfg, MeshConfig.parse(mesh))
+    with pytest.raises(ConfigError, match=r"num_experts \(8\) is not divisible by the expert axis \(3\)"):
+        validate(cfg, MeshConfig(expert=3))
+    six = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_q_heads=12, num_kv_heads=6))
+    validate(six, MeshConfig(model=3))
+    with pytest.raises(ConfigError, match=r"the model axis \(3\) must divide the experts' 8 row blocks"):
+        validate(six, MeshConfig(expert=2, model=3))
