@@ -1,4 +1,5 @@
-"""The Engine: one step (two jitted programs) over a list of token rows, and the device state it reads and writes.
+"""The Engine: one step (two jitted programs on CPU; on accelerators one, compiled before serving for each row
+bucket) over a list of token rows, and the device state it reads and writes.
 
 The engine never sees a request, a queue or a block allocator: the scheduler owns those and hands the engine
 a `StepBatch` (step_batch.py) per step: token rows (prompt chunks and decode rows mixed), every slot's block
@@ -25,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -360,14 +360,10 @@ class Engine:
         return timings
 
     def _compile_buckets(self, state: EngineState, batch: StepBatch) -> float:
-        """Compile the step program for every row bucket, the compilations side by side (XLA compiles outside
-        Python's lock, one core each), and keep the executables: `step` calls only these from then on.
-        Returns the seconds it took."""
+        """Compile the step program for every row bucket, one after another, and keep the executables: `step`
+        calls only these from then on. Returns the seconds it took."""
         begin = time.monotonic()
-        lowered = {}
-        for r in self.buckets:  # tracing is Python's: one after another
+        for r in self.buckets:
             rows, draws = self.run_args(dataclasses.replace(batch, rows=r))
-            lowered[r] = self._program.lower(self.params, state, *rows, *draws)
-        with ThreadPoolExecutor(max_workers=len(lowered)) as pool:
-            self._compiled = dict(zip(lowered, pool.map(lambda program: program.compile(), lowered.values())))
+            self._compiled[r] = self._program.lower(self.params, state, *rows, *draws).compile()
         return time.monotonic() - begin
