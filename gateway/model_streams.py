@@ -13,8 +13,9 @@ or restarted: the requests it still had get UNAVAILABLE). An old lane takes no n
 once its own ended; the next one is a new call, which gRPC's round_robin gives to the next address. A target
 of one address (a unix socket, an IP address, localhost) keeps a lane `MAX_LANE_AGE_SECONDS`; a target that
 may stand for several replicas (a DNS name, an ipv4:/ipv6: list: a scaled deployment) only
-`SPREAD_LANE_AGE_SECONDS`, so that its requests are spread over every address behind it, as one call per
-request spread them, and replicas added later are found.
+`SPREAD_LANE_AGE_SECONDS` and `SPREAD_LANE_REQUESTS` requests, so that its requests are spread over every address
+behind it, as one call per request spread them (short requests one after another too), and replicas added later
+are found.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 MAX_LANE_AGE_SECONDS = 30.0  # the model service's default --max-connection-age-seconds
 SPREAD_LANE_AGE_SECONDS = 1.0
+SPREAD_LANE_REQUESTS = 2  # a lane to a target of several replicas takes this many requests, then the next call
 TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 _CLOSE = object()  # ends a lane's outgoing messages (half-close)
 
@@ -127,11 +129,14 @@ class ManyCall:
 class Lane:
     """One GenerateMany stream to a replica and the requests on it."""
 
-    def __init__(self, stub: model_pb2_grpc.ModelServiceStub, address: str, max_age: float) -> None:
+    def __init__(self, stub: model_pb2_grpc.ModelServiceStub, address: str, max_age: float,
+                 max_requests: int | None = None) -> None:
         self.address = address
         self.max_age = max_age
+        self.max_requests = max_requests  # None: any number
         self.calls: dict[int, ManyCall] = {}
         self.ids = itertools.count(1)
+        self.started = 0
         self.outgoing: asyncio.Queue[object] = asyncio.Queue()
         self.opened_at = asyncio.get_running_loop().time()
         self.retiring = False
@@ -145,7 +150,8 @@ class Lane:
 
     @property
     def usable(self) -> bool:
-        if not self.retiring and asyncio.get_running_loop().time() - self.opened_at > self.max_age:
+        too_old = asyncio.get_running_loop().time() - self.opened_at > self.max_age
+        if not self.retiring and (too_old or (self.max_requests is not None and self.started >= self.max_requests)):
             self.retire()
         return not self.closed and not self.retiring
 
@@ -160,6 +166,7 @@ class Lane:
     def start(self, request: model_pb2.GenerateRequest, deadline: float | None,
               metadata: Sequence[tuple[str, str]]) -> ManyCall:
         call = ManyCall(self, next(self.ids), deadline)
+        self.started += 1
         start = model_pb2.StartRequest(id=call.id, request=request,
                                        trace_context={k: v for k, v in metadata if k in TRACE_KEYS})
         if deadline is not None:
@@ -222,7 +229,9 @@ class Lanes:
         self.stub = stub
         self.address = address
         self.count = count
-        self.max_age = MAX_LANE_AGE_SECONDS if single_address(address) else SPREAD_LANE_AGE_SECONDS
+        one = single_address(address)
+        self.max_age = MAX_LANE_AGE_SECONDS if one else SPREAD_LANE_AGE_SECONDS
+        self.max_requests = None if one else SPREAD_LANE_REQUESTS
         self.lanes: list[Lane] = []
 
     def start(self, request: model_pb2.GenerateRequest, deadline: float | None,
@@ -230,7 +239,7 @@ class Lanes:
         self.lanes = [lane for lane in self.lanes if not lane.closed]
         usable = [lane for lane in self.lanes if lane.usable]
         if len(usable) < self.count:
-            lane = Lane(self.stub, self.address, self.max_age)
+            lane = Lane(self.stub, self.address, self.max_age, self.max_requests)
             self.lanes.append(lane)
         else:
             lane = min(usable, key=lambda candidate: len(candidate.calls))

@@ -4,6 +4,7 @@ that; cancellation and deadlines stay per request."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import pathlib
 
@@ -73,3 +74,53 @@ def test_a_cancelled_or_late_request_on_the_stream_is_cancelled_alone(tmp_path: 
     ("ipv4:10.0.0.1:50053,10.0.0.2:50053", False), ("dns:///model:50053", False)])
 def test_targets_that_may_name_several_replicas_rotate_their_streams(target: str, single: bool) -> None:
     assert single_address(target) is single
+
+
+class _IdleCall:
+    """A GenerateMany call that takes every message and never answers."""
+
+    def __aiter__(self) -> "_IdleCall":
+        return self
+
+    async def __anext__(self) -> object:
+        await asyncio.sleep(3600)
+        raise StopAsyncIteration
+
+    async def write(self, message: object) -> None:
+        pass
+
+    async def done_writing(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
+class _CountingStub:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def GenerateMany(self) -> _IdleCall:  # noqa: N802 - the gRPC method's name
+        self.calls += 1
+        return _IdleCall()
+
+
+@pytest.mark.parametrize(("target", "streams"), [("dns:///model:50053", 3), ("ipv4:10.0.0.1:1,10.0.0.2:1", 3),
+                                                 ("127.0.0.1:50053", 1), ("unix:/tmp/m.sock", 1)])
+def test_short_requests_one_after_another_spread_over_the_replicas_of_a_scaled_target(target: str,
+                                                                                     streams: int) -> None:
+    """Six requests within a second: a target of several replicas opens a new stream (gRPC's round robin: the next
+    address) every SPREAD_LANE_REQUESTS of them, as one call per request spread them; one address keeps one."""
+    from gateway.model_streams import SPREAD_LANE_REQUESTS, Lanes
+    from grok.model.v1 import model_pb2
+
+    async def six() -> int:
+        stub = _CountingStub()
+        lanes = Lanes(stub, target, 1)  # type: ignore[arg-type]
+        for _ in range(6):
+            lanes.start(model_pb2.GenerateRequest(), None, ())
+        lanes.close()
+        return stub.calls
+
+    assert SPREAD_LANE_REQUESTS == 2
+    assert asyncio.run(six()) == streams
