@@ -105,10 +105,9 @@ async def serve(config: GatewayConfig) -> None:
     frozen = freeze_startup_heap()
     where = {"uds": config.uds} if config.uds else {"port": gateway.port}
     where |= {"http_uds": config.http.uds} if config.http.uds else {"http_port": gateway.http_port}
-    log.info("serving", extra={**where, "tokenizer": config.tokenizer,
-                               "models": list(config.models), "metrics_port": config.metrics_port,
-                               "frozen_objects": frozen,
-                               "tls": config.tls is not None, "backend_tls": config.backend_tls is not None,
-                               "api_keys": len(config.api_keys)})
+    serving = {**where, "tokenizer": config.tokenizer, "models": list(config.models),
+               "metrics_port": config.metrics_port, "frozen_objects": frozen, "tls": config.tls is not None,
+               "backend_tls": config.backend_tls is not None, "api_keys": len(config.api_keys)}
     await serve_until_signal(gateway.server, gateway.health, config.grace_seconds,
-                             before_stop=gateway.begin_http_drain, after_stop=gateway.release)
+                             before_stop=gateway.begin_http_drain, after_stop=gateway.release,
+                             ready=lambda: log.info("serving", extra=serving))

@@ -76,12 +76,16 @@ async def drain(server: grpc.aio.Server, health: HealthReporter, grace: float | 
 
 
 async def serve_until_signal(server: grpc.aio.Server, health: HealthReporter, grace_seconds: float,
-                             before_stop: Hook | None = None, after_stop: Hook | None = None) -> None:
-    """Wait for SIGTERM/SIGINT, then `drain`."""
+                             before_stop: Hook | None = None, after_stop: Hook | None = None,
+                             ready: Callable[[], None] | None = None) -> None:
+    """Wait for SIGTERM/SIGINT, then `drain`. `ready` runs once the signals are handled (a service's "serving"
+    log line: after it, a SIGTERM drains)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready()
     await stop.wait()
     log.info("draining", extra={"grace_seconds": grace_seconds})
     await drain(server, health, grace_seconds, before_stop, after_stop)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pathlib
-import time
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from benchmarks import group_probe
 from benchmarks.group import _per_step
 from model_service.distributed import lockstep, ops
 from model_service.distributed.ops import Call, Op, Replica, codec_for
+from tests.waiting import wait_until
 from model_service.step_batch import empty_batch
 from tests.distributed.fakes import FollowerEnd, LeaderEnd, RecordingEngine, Wire
 
@@ -55,9 +55,7 @@ def test_the_probe_times_a_followers_plans_dispatches_and_results_of_steps_only(
 def test_the_probes_records_reach_its_file(tmp_path: pathlib.Path) -> None:
     records = group_probe.Records(tmp_path / "0.jsonl")
     records.add("plan", 0.25)
-    deadline = time.monotonic() + 5
-    while not (tmp_path / "0.jsonl").read_text() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: (tmp_path / "0.jsonl").read_text(), 5, message="the probe wrote no record")
     assert '"kind": "plan", "s": 0.25' in (tmp_path / "0.jsonl").read_text()
 
 

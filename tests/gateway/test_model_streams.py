@@ -83,7 +83,7 @@ class _IdleCall:
         return self
 
     async def __anext__(self) -> object:
-        await asyncio.sleep(3600)
+        await asyncio.Event().wait()  # never set: the replica never answers
         raise StopAsyncIteration
 
     async def write(self, message: object) -> None:
