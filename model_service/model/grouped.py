@@ -116,7 +116,9 @@ def grouped_product(rows: Array, q: GroupedWeight, group_sizes: Array, mode: str
     with the kernel, zero with ragged_dot)."""
     rows = _pad_rows_like(rows, q)
     if mode == "ragged":
-        precision = jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32 else None  # TPU: not one bf16 pass
+        # float32: not one bfloat16 pass on a TPU; bfloat16: one pass, said explicitly, since the model traces under
+        # "highest" and the TPU's ragged dot (a Mosaic kernel) refuses that for bfloat16 operands
+        precision = jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
         return jax.lax.ragged_dot(rows, dequantize_stacked(q, rows.dtype), group_sizes, precision=precision)
     if mode not in ("pallas", "pallas_interpret"):
         raise ValueError(f"grouped experts run as one of {GROUPED_MOE}, got {mode!r}")

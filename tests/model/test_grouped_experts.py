@@ -227,3 +227,35 @@ def test_the_compiled_kernel_on_tpu_matches_the_reference(dtype, k, n, blocks):
         # largest output): the MXU adds in another order. One step of the largest output bounds them.
         np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2 ** -8 * np.abs(want).max())
         assert np.mean(got == want) >= 0.99
+
+
+def _dots(jaxpr: jax.extend.core.Jaxpr) -> list[jax.extend.core.JaxprEqn]:
+    """Every dot (dot_general, ragged_dot_general) in `jaxpr` and the jaxprs nested in it (a pallas_call's too)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if "dot" in eqn.primitive.name:
+            out.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    out += _dots(inner)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["pallas_interpret", "ragged"])
+def test_bfloat16_expert_products_are_one_pass_under_the_models_highest_precision(mode):
+    """The model traces under default_matmul_precision("highest") (its float32 router); Mosaic's TPU compiler
+    refuses a bfloat16 product at HIGHEST ("Bad lhs type", the chip's first grouped run), so the experts' bfloat16
+    products (the kernel's, XLA's ragged dot, itself a Mosaic kernel on TPU) say DEFAULT."""
+    rng = np.random.default_rng(7)
+    _, stacked = _experts(rng, 4, 64, 344)
+    x = jnp.asarray(rng.standard_normal((8, 64)), jnp.bfloat16)
+    gates, experts = _routing(rng, 8, 4, 2)
+    with jax.default_matmul_precision("highest"):
+        traced = jax.make_jaxpr(lambda x: experts_sorted(x, experts, gates, GroupedExperts(*stacked), None, mode))(x)
+    dots = _dots(traced.jaxpr)
+    assert dots
+    for eqn in dots:
+        if any(v.aval.dtype == jnp.bfloat16 for v in eqn.invars[:2]):
+            assert all(p in (None, jax.lax.Precision.DEFAULT) for p in (eqn.params["precision"] or (None,))), eqn

@@ -78,7 +78,10 @@ def _split3(x: Array) -> tuple[Array, Array, Array]:
 
 
 def _dot(a: Array, b: Array) -> Array:
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    # bfloat16 operands, one pass: the precision is explicit because the model traces under "highest" (its float32
+    # router), which Mosaic refuses for bfloat16 operands ("Bad lhs type") and which one pass already is here.
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                               precision=jax.lax.Precision.DEFAULT)
 
 
 def _tile_product(x_ref: pl.Ref, w_ref: pl.Ref, scale: Array, tk: int) -> Array:
