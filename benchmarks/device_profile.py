@@ -77,6 +77,11 @@ def op_sources(hlo_texts: list[str]) -> dict[str, str]:
     return out
 
 
+def _op_name(text: str) -> str:
+    m = re.match(r"\s*%?([\w.\-]+)", text)
+    return m.group(1) if m else text
+
+
 def device_ops(xplane: str) -> tuple[str, list[tuple[str, int]]]:
     """(where, [(op name, ns)]) of the trace: a TPU/GPU device plane's "XLA Ops" line, else the CPU's XLA threads."""
     import jax
@@ -86,8 +91,8 @@ def device_ops(xplane: str) -> tuple[str, list[tuple[str, int]]]:
     for plane in planes:
         if plane.name.startswith("/device:"):
             for line in plane.lines:
-                if line.name == "XLA Ops":
-                    return plane.name, [(e.name, e.duration_ns) for e in line.events]
+                if line.name == "XLA Ops":  # an event's name is its HLO text: "%fusion.12 = f32[...] fusion(...)"
+                    return plane.name, [(_op_name(e.name), e.duration_ns) for e in line.events]
     events = []
     for plane in planes:
         for line in plane.lines:

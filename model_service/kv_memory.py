@@ -1,6 +1,10 @@
 """Paged KV memory on the device: per-layer pools of fixed-size blocks.
 
-A layer's keys (and values) live in a pool `[blocks + 1, Hkv, block_size, D]`; the last block is scratch:
+A layer's keys (and values) live in a pool `[blocks + 1, Hkv, block_size, D]` ("heads": the CPU's layout, its
+native kernel's) or `[blocks + 1, block_size, Hkv * D]` ("tokens": the accelerators'; a TPU tiles the last two
+dimensions by 8 x 128, so a key size under 128 in the heads layout is padded or, as XLA lays it out, copied
+whole into another layout on every step: medium's 8 layers spent 3.9 of 5.7 ms a step so on a v5e; a token's
+keys are one row here, written in one piece). The last block is scratch:
 every table entry a sequence does not use points at it, and rows that hold no token write there. Which
 blocks hold a sequence's positions is the scheduler's business (kv_blocks.py): every step takes the block
 tables `[slots, table_len]` int32 as an argument, and each token row writes its key and value at its own
@@ -24,12 +28,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from model_service.sharding import POOL_SPEC, named
+from model_service.sharding import POOL_SPEC, TOKEN_POOL_SPEC, named
+
+LAYOUTS = ("heads", "tokens")
 
 
 class KVMemory(NamedTuple):
-    """One layer's keys and values: a block pool [blocks + 1, Hkv, block_size, D], or (inside a dense pass) the
-    sequence's own [B, Hkv, T, D]."""
+    """One layer's keys and values: a block pool (either layout), or (inside a dense pass) the sequence's own
+    [B, Hkv, T, D]."""
 
     k: jax.Array
     v: jax.Array
@@ -38,20 +44,48 @@ class KVMemory(NamedTuple):
 Pools = tuple[KVMemory, ...]  # one per layer
 
 
+def pool_shape(num_blocks: int, block_size: int, num_kv_heads: int, key_size: int,
+               layout: str = "heads") -> tuple[int, ...]:
+    if layout not in LAYOUTS:
+        raise ValueError(f"KV layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "tokens":
+        return (num_blocks + 1, block_size, num_kv_heads * key_size)
+    return (num_blocks + 1, num_kv_heads, block_size, key_size)
+
+
 def init_pools(num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int, key_size: int,
-               dtype: jnp.dtype) -> Pools:
-    """Zeroed pools of `num_blocks` blocks (+ the scratch block)."""
-    shape = (num_blocks + 1, num_kv_heads, block_size, key_size)
+               dtype: jnp.dtype, layout: str = "heads") -> Pools:
+    """Zeroed pools of `num_blocks` blocks (+ the scratch block) in `layout`."""
+    shape = pool_shape(num_blocks, block_size, num_kv_heads, key_size, layout)
     return tuple(KVMemory(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers))
+
+
+def block_size_of(pool: jax.Array) -> int:
+    """Tokens a block of `pool` (either layout) holds."""
+    return pool.shape[1] if pool.ndim == 3 else pool.shape[2]
 
 
 def write_tokens(pool: jax.Array, new: jax.Array, blocks: jax.Array, offsets: jax.Array) -> jax.Array:
     """pool <- new [R, Hkv, D]: row r at offset offsets[r] of block blocks[r] (one token per row)."""
+    if pool.ndim == 3:  # tokens layout: a token's keys are one row
+        return pool.at[blocks, offsets].set(new.reshape(new.shape[0], -1).astype(pool.dtype),
+                                            mode="promise_in_bounds")
     return pool.at[blocks, :, offsets, :].set(new.astype(pool.dtype), mode="promise_in_bounds")
 
 
+def read_blocks(pool: jax.Array, ids: jax.Array, num_kv_heads: int) -> jax.Array:
+    """The blocks `ids` [...] of `pool` with the heads apart: [..., Hkv, block_size, D] (heads layout) or
+    [..., block_size, Hkv, D] (tokens layout)."""
+    got = pool[ids]
+    if pool.ndim == 4:
+        return got
+    *lead, bs, width = got.shape
+    return got.reshape(*lead, bs, num_kv_heads, width // num_kv_heads)
+
+
 def pools_shardings(mesh: Mesh, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
-                    key_size: int) -> Pools:
+                    key_size: int, layout: str = "heads") -> Pools:
     """NamedShardings matching `init_pools`: kv heads on `model`; blocks are shared by every data shard."""
-    kv = named(mesh, POOL_SPEC, (num_blocks + 1, num_kv_heads, block_size, key_size))
+    spec = TOKEN_POOL_SPEC if layout == "tokens" else POOL_SPEC
+    kv = named(mesh, spec, pool_shape(num_blocks, block_size, num_kv_heads, key_size, layout))
     return tuple(KVMemory(kv, kv) for _ in range(num_layers))

@@ -72,6 +72,7 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
 # any slot's blocks); per-slot positions [B].
 KV_SPEC = P(DATA, MODEL, None, None)
 POOL_SPEC = P(None, MODEL, None, None)
+TOKEN_POOL_SPEC = P(None, None, MODEL)  # the accelerators' pool [blocks + 1, block_size, Hkv * D]: heads major
 POSITIONS_SPEC = P(DATA)
 
 

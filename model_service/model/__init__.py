@@ -126,12 +126,19 @@ class GrokModel:
     def init_pools(self, num_blocks: int) -> Pools:
         """Empty paged KV memory: every layer's pool of `num_blocks` blocks (+ the scratch block)."""
         t = self.cfg.model
-        return kv_memory.init_pools(num_blocks, self.block_size, t.num_layers, t.num_kv_heads, t.key_size, self.dtype)
+        return kv_memory.init_pools(num_blocks, self.block_size, t.num_layers, t.num_kv_heads, t.key_size, self.dtype,
+                                    self.kv_layout)
 
     def pools_shardings(self, num_blocks: int) -> Pools:
         t = self.cfg.model
         return kv_memory.pools_shardings(self.mesh, num_blocks, self.block_size, t.num_layers, t.num_kv_heads,
-                                         t.key_size)
+                                         t.key_size, self.kv_layout)
+
+    @property
+    def kv_layout(self) -> str:
+        """The pools' layout (kv_memory.LAYOUTS): "tokens" for batched attention (accelerators: a token's keys one
+        row, lane-dense whatever the key size), "heads" for the CPU's per-row forms (its native kernel's)."""
+        return "tokens" if self.attention == "batched" else "heads"
 
     @property
     def blocks_per_sequence(self) -> int:

@@ -10,6 +10,7 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from model_service.kv_memory import block_size_of, read_blocks
 from model_service.model.packed import PackedWeight, packed_product
 from model_service.model.weights import ExpertStack, QuantizedWeight  # noqa: F401 - also imported from here
 
@@ -265,7 +266,8 @@ def paged_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, limit
                     chunk: int) -> Array:
     """`attention` over keys held in a block pool, one fixed-size chunk of positions at a time.
 
-    q [B, T, Hq, D]; pool_k, pool_v [blocks, Hkv, block_size, D]; tables [B, n] each row's blocks in position
+    q [B, T, Hq, D]; pool_k, pool_v [blocks, Hkv, block_size, D] or [blocks, block_size, Hkv * D]
+    (kv_memory's layouts); tables [B, n] each row's blocks in position
     order (n * block_size a multiple of `chunk`); limit [B, T] int32: query t of row b sees key positions
     0..limit[b, t]. -> [B, T, Hq*D].
 
@@ -277,16 +279,19 @@ def paged_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, limit
     -1e30: the maximum stays, the sums gain +0.0).
     """
     b, t, hq, d = q.shape
-    _, hkv, bs, _ = pool_k.shape
+    tokens = pool_k.ndim == 3  # kv_memory's tokens layout
+    hkv = pool_k.shape[2] // d if tokens else pool_k.shape[1]
+    bs = block_size_of(pool_k)
+    kv = "bpshd" if tokens else "bphsd"
     g, per = hq // hkv, chunk // bs
     qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # query rows (g, t)
 
-    def read(pool: Array, c: Array) -> Array:  # chunk c of every row, as stored: [B, per, Hkv, bs, D]
+    def read(pool: Array, c: Array) -> Array:  # chunk c of every row: [B, per, Hkv, bs, D] or [B, per, bs, Hkv, D]
         ids = jax.lax.dynamic_slice_in_dim(tables, c * per, per, axis=1)  # [B, per]
-        return pool[ids].astype(q.dtype)
+        return read_blocks(pool, ids, hkv).astype(q.dtype)
 
     def scores(c: Array) -> Array:  # [B, Hkv, G*T, chunk] float32, capped, invisible keys at -1e30
-        logits = jnp.einsum("bhqd,bphsd->bhqps", qg, read(pool_k, c)).reshape(b, hkv, g * t, chunk)
+        logits = jnp.einsum(f"bhqd,{kv}->bhqps", qg, read(pool_k, c)).reshape(b, hkv, g * t, chunk)
         logits = logits.astype(jnp.float32) * multiplier
         logits = ATTN_LOGIT_CAP * jnp.tanh(logits / ATTN_LOGIT_CAP)
         seen = (c * chunk + jnp.arange(chunk, dtype=jnp.int32))[None, None, :] <= limit[:, :, None]  # [B, T, C]
@@ -301,7 +306,7 @@ def paged_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, limit
 
     def values(c: Array, acc: Array) -> Array:
         weights = (jnp.exp(scores(c) - top[..., None]) / total[..., None]).astype(pool_v.dtype)
-        return acc + jnp.einsum("bhqps,bphsd->bhqd", weights.reshape(b, hkv, g * t, per, bs), read(pool_v, c),
+        return acc + jnp.einsum(f"bhqps,{kv}->bhqd", weights.reshape(b, hkv, g * t, per, bs), read(pool_v, c),
                                 preferred_element_type=jnp.float32)
 
     chunks = jnp.max(limit) // chunk + 1  # traced: the loops are not unrolled, and stop after the last key

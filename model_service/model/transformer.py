@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from model_service.config import ModelConfig
-from model_service.kv_memory import KVMemory, write_tokens
+from model_service.kv_memory import KVMemory, block_size_of, write_tokens
 from model_service.model.layers import (
     Products,
     QuantizedWeight,
@@ -71,7 +71,7 @@ def _linear(name: str, x: Array, out: int, step: Step) -> Array:
 def _write(pool: Array, new: Array, step: Step) -> Array:
     """This call's keys or values new [B, Hkv, 1, D] into their blocks, one token per row; padding rows write
     into the scratch block (the pool's last)."""
-    bs, scratch = pool.shape[2], pool.shape[0] - 1
+    bs, scratch = block_size_of(pool), pool.shape[0] - 1
     pos = step.positions[:, 0]
     blocks = jnp.take_along_axis(step.tables[step.seq], (pos // bs)[:, None], axis=1)[:, 0]
     return write_tokens(pool, new[:, :, 0, :], jnp.where(step.active, blocks, scratch), pos % bs)
