@@ -118,7 +118,8 @@ def case(golden: pathlib.Path, dtype: str, f32_atol: float) -> dict[str, Any]:
     cfg = load_model_config(str(golden / "config.json"))
     mesh = make_mesh(MeshConfig(1, 1))
     model = GrokModel(cfg, mesh, jnp.dtype(dtype))
-    params = load_params(str(golden / "checkpoint"), cfg, mesh, jnp.dtype(dtype), pack=model.products.native)
+    params = load_params(str(golden / "checkpoint"), cfg, mesh, jnp.dtype(dtype), pack=model.products.native,
+                         stacked=model.backend.stacked_experts)
     loaded = Loaded(cfg, model, params, jax.jit(model.forward))
     reference = "bfloat16" if dtype == "bfloat16" and (golden / "model_bf16.npz").exists() else "float32"
     gold = dict(np.load(golden / f"model_{'bf16' if reference == 'bfloat16' else 'fp32'}.npz"))

@@ -137,6 +137,14 @@ def long_point(d: Driver, length: int, runs: int) -> dict[str, Any]:
             "steps": steps, "kv_tokens": length, "keys_seen": length * (length + 1) / 2}
 
 
+def progress(message: str) -> None:
+    """A line on stderr as each stage ends: what a run cut short by its time limit still reports."""
+    print(f"[{time.perf_counter() - STARTED:.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+STARTED = time.perf_counter()
+
+
 def device_facts() -> dict[str, Any]:
     import jax
 
@@ -152,9 +160,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     count, length = (int(x) for x in args.prompt_rows.split("x")) if args.prompt_rows else (0, 0)
     slots = max(streams + [count, 1])
     engine, init_s = build(args.config, args.dtype, slots, args.seed, args.backend, args.moe)
+    progress(f"built in {init_s:.1f} s; compiling")
     begin = time.perf_counter()
     compiled = engine.compile()
     compile_s = time.perf_counter() - begin
+    progress(f"compiled in {compile_s:.1f} s: {', '.join(f'{k} {v:.1f}' for k, v in compiled.items())}")
     backend = getattr(engine.model, "backend", None)
     out: dict[str, Any] = {
         "config": args.config, "dtype": args.dtype, "params_init_s": round(init_s, 3),
@@ -180,6 +190,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             continue
         if result is not None:
             out["points"].append(result)
+            progress(f"{result['name']}: {result['ms']:.3f} ms (first {result['first_s']:.2f} s)")
     out["device"] = device_facts()
     return out
 
