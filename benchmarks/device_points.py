@@ -160,7 +160,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     count, length = (int(x) for x in args.prompt_rows.split("x")) if args.prompt_rows else (0, 0)
     slots = max(streams + [count, 1])
     engine, init_s = build(args.config, args.dtype, slots, args.seed, args.backend, args.moe)
-    progress(f"built in {init_s:.1f} s; compiling")
+    import os
+
+    progress(f"built in {init_s:.1f} s; compiling (NPROC={os.environ.get('NPROC')!r}, "
+             f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}, {len(os.sched_getaffinity(0))} CPUs)")
     begin = time.perf_counter()
     compiled = engine.compile()
     compile_s = time.perf_counter() - begin

@@ -140,8 +140,9 @@ def parser() -> EnvArgumentParser:
     p.add_env_argument("--moe", choices=MOE_CHOICES, default="auto",
                        help="how the generic backend runs the experts: pallas (the grouped int8 kernel, one TPU "
                             "device), ragged (XLA's ragged_dot over expert-sorted rows, the experts widened), cond (a "
-                            "conditional per expert) or auto (pallas on one TPU, ragged on other single devices, "
-                            "cond on meshes and on the cpu backend)")
+                            "conditional per expert) or auto (pallas on one TPU in bfloat16, cond there in float32, "
+                            "the faithful mode, whose golden parity the kernel failed on the chip; ragged on other "
+                            "single devices, cond on meshes and on the cpu backend)")
     p.add_env_argument("--products", choices=PRODUCT_CHOICES, default="auto",
                        help="how token rows meet the weights: native (the int8 CPU kernel built with the package: "
                             "float32 on CPU only), native-int8 (native with each row rounded to int8 per 32 values "

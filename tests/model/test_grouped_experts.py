@@ -185,6 +185,19 @@ def test_the_backend_chooses_the_experts_form():
     assert choose_backend("generic", eight, jnp.float32).moe == "cond"
 
 
+def test_on_a_tpu_the_fast_mode_takes_the_kernel_and_the_faithful_mode_the_conditionals(monkeypatch):
+    """float32 on a TPU is the faithful mode; the kernel's float32 failed golden parity on the chip, so auto keeps
+    the per-expert conditionals there (an explicit --moe pallas still gets the kernel)."""
+    from model_service import backend
+
+    monkeypatch.setattr(backend, "platform", lambda mesh: "tpu")
+    one = make_mesh(MeshConfig())
+    assert choose_backend("generic", one, jnp.bfloat16).moe == "pallas"
+    faithful = choose_backend("generic", one, jnp.float32)
+    assert faithful.products is Products.EXACT and faithful.moe == "cond"
+    assert choose_backend("generic", one, jnp.float32, moe="pallas").moe == "pallas"
+
+
 def test_row_blocks_padded_once_for_the_kernel_give_the_same_experts():
     """kernel_layout pads linear_1's row blocks (here 43 rows each) once; the rows meet zero columns there."""
     rng = np.random.default_rng(9)
