@@ -13,7 +13,9 @@ How the grouped product runs is the backend's choice (backend.Backend.moe):
   "ragged"            XLA's jax.lax.ragged_dot over the dequantised experts (other single devices: CI's generic
                       backend on CPU).
 For the kernel a row-parallel matrix whose row blocks its tiles cannot divide is padded once when the engine
-lays out its parameters (kernel_layout), not on every call.
+lays out its parameters (kernel_layout), not on every call; and each expert's rows start a row tile of their own
+(aligned_rows: every tile holds one expert's rows, so no output tile is written by two experts' visits; the
+padding rows are zero, each expert's weights are still read once a tile, as before).
 """
 
 from __future__ import annotations
@@ -127,6 +129,31 @@ def grouped_product(rows: Array, q: GroupedWeight, group_sizes: Array, mode: str
     return grouped_matmul(rows, q.weight, q.scales, group_sizes, fitted, interpret=mode == "pallas_interpret")
 
 
+class Aligned(NamedTuple):
+    """Sorted pairs laid out for the kernel: each group's rows from a multiple of `tile`."""
+
+    dest: Array  # [P] int32: the aligned row of each sorted position (rows past every group: `rows`, dropped)
+    group_sizes: Array  # [E] int32: each group's rows rounded up to whole tiles
+    rows: int  # rows of the aligned layout (static: P + E * (tile - 1), in whole tiles)
+    tile: int
+
+
+def aligned_rows(group_sizes: Array, pairs: int, tiling: Tiling) -> Aligned:
+    """Where each of `pairs` sorted rows (groups of `group_sizes`, then rows in none) goes when every group starts a
+    row tile of its own; the tile is the kernel's (fit_tiling's rows for `pairs` rows)."""
+    tile = min(tiling.rows, -(-pairs // 16) * 16)
+    e = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    padded = -(-sizes // tile) * tile
+    rows = -(-(pairs + e * (tile - 1)) // tile) * tile
+    ends = jnp.cumsum(sizes)
+    s = jnp.arange(pairs, dtype=jnp.int32)
+    g = jnp.searchsorted(ends, s, side="right").astype(jnp.int32)  # E: past every group
+    gc = jnp.minimum(g, e - 1)
+    dest = (jnp.cumsum(padded) - padded)[gc] + s - (ends - sizes)[gc]
+    return Aligned(jnp.where(g < e, dest, rows).astype(jnp.int32), padded, rows, tile)
+
+
 def experts_sorted(x: Array, experts: Array, gates: Array, w: GroupedExperts, active: Array | None,
                    mode: str, tiling: Tiling = TILING) -> Array:
     """sum_k gate_k * expert_k(x) for every row of x [M, D] (experts, gates [M, k]); rows not `active` [M]
@@ -134,9 +161,16 @@ def experts_sorted(x: Array, experts: Array, gates: Array, w: GroupedExperts, ac
     m, k = experts.shape
     pairs = sort_pairs(experts, gates, active, w.linear.count)
     rows = x[pairs.order // k]  # [P, D] sorted by expert
-    a = grouped_product(rows, w.linear, pairs.group_sizes, mode, tiling)
-    b = grouped_product(rows, w.linear_v, pairs.group_sizes, mode, tiling)
-    y = grouped_product(jax.nn.gelu(a) * b, w.linear_1, pairs.group_sizes, mode, tiling)  # [P, D]
+    sizes = pairs.group_sizes
+    if mode != "ragged":  # the kernel: each group from a tile of its own
+        aligned = aligned_rows(sizes, m * k, tiling)
+        rows = jnp.zeros((aligned.rows, rows.shape[1]), rows.dtype).at[aligned.dest].set(rows, mode="drop")
+        sizes, tiling = aligned.group_sizes, tiling._replace(rows=aligned.tile)
+    a = grouped_product(rows, w.linear, sizes, mode, tiling)
+    b = grouped_product(rows, w.linear_v, sizes, mode, tiling)
+    y = grouped_product(jax.nn.gelu(a) * b, w.linear_1, sizes, mode, tiling)  # [P, D] (aligned: [rows, D])
+    if mode != "ragged":
+        y = y.at[aligned.dest].get(mode="fill", fill_value=0)  # back to sorted order; rows in no group: 0
     y = y[pairs.inverse].reshape(m, k, -1)  # pair order: row-major, a row's experts in expert order
     # Rows of inactive pairs may hold anything (the kernel never writes them): select, never multiply, them away.
     # The barrier keeps XLA from contracting a gate's multiply and the add after it (experts_by_cond's roundings).

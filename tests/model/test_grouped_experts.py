@@ -272,3 +272,31 @@ def test_bfloat16_expert_products_are_one_pass_under_the_models_highest_precisio
     for eqn in dots:
         if any(v.aval.dtype == jnp.bfloat16 for v in eqn.invars[:2]):
             assert all(p in (None, jax.lax.Precision.DEFAULT) for p in (eqn.params["precision"] or (None,))), eqn
+
+
+@pytest.mark.parametrize("pairs", [2, 16, 34, 128, 512, 4096])
+def test_aligned_rows_give_every_row_tile_to_one_expert(pairs):
+    """The kernel's layout: each expert's rows start a row tile of their own, so every tile is visited once (no
+    output tile is written by two experts' visits, which relied on the tile staying in the chip's VMEM between
+    visits), and every sorted row lands in its own group's tiles."""
+    from model_service.model.grouped import TILING, aligned_rows
+
+    rng = np.random.default_rng(pairs)
+    for _ in range(20):
+        active = int(rng.integers(0, pairs + 1))
+        cuts = np.sort(rng.integers(0, active + 1, 7))
+        sizes = np.diff(np.concatenate([[0], cuts, [active]])).astype(np.int32)
+        a = aligned_rows(jnp.asarray(sizes), pairs, TILING)
+        assert a.rows % a.tile == 0 and a.tile <= TILING.rows
+        padded = np.asarray(a.group_sizes)
+        assert (padded % a.tile == 0).all() and (padded >= sizes).all() and padded.sum() <= a.rows
+        starts = np.cumsum(padded) - padded
+        dest = np.asarray(a.dest)
+        group = np.repeat(np.arange(8), sizes)
+        within = np.arange(active) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        np.testing.assert_array_equal(dest[:active], starts[group] + within)
+        assert (dest[active:] == a.rows).all()
+        p = plan(jnp.asarray(padded), a.rows, a.tile)
+        tiles = np.asarray(p.tile)[:int(p.count)]
+        if padded.sum():
+            assert len(set(tiles.tolist())) == len(tiles)
