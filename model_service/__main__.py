@@ -230,10 +230,15 @@ def prepare_process(threads: int | None = None) -> CpuBudget:
     kernels share, gets `threads` threads, by default the CPUs this process may keep busy (its affinity capped by
     a cgroup CPU limit: serving_common/cpus.py). XLA sizes that pool from NPROC when it is set, so an NPROC
     already in the environment is kept unless `threads` is given; raises ConfigError when it is not a whole number
-    >= 1. Returns the budget it found."""
-    from model_service.host_memory import keep_freed_memory
+    >= 1. Returns the budget it found. Where JAX will compute on an accelerator (host_memory.accelerator_expected)
+    the allocator is left as it is: its one arena would serialise the accelerator compiler's threads."""
+    from model_service.host_memory import accelerator_expected, keep_freed_memory
 
-    keep_freed_memory()
+    accelerator = accelerator_expected()
+    if accelerator:
+        logging.getLogger(__name__).info(f"host allocator left as configured: JAX computes on {accelerator}")
+    else:
+        keep_freed_memory()
     budget = cpu_budget()
     if threads is not None:
         os.environ["NPROC"] = str(threads)

@@ -26,6 +26,24 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+def accelerator_expected() -> str | None:
+    """The accelerator JAX will compute on, told without starting JAX (which must not start before
+    jax.distributed does): JAX_PLATFORMS when set (its first platform, None for cpu), else "tpu" where libtpu is
+    installed and a TPU device file exists, "gpu" where a CUDA plugin is installed and an NVIDIA device exists."""
+    import glob
+    import importlib.util
+
+    chosen = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    if chosen:
+        return None if chosen == "cpu" else chosen
+    if importlib.util.find_spec("libtpu") and (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
+        return "tpu"
+    cuda = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    if cuda and os.path.exists("/dev/nvidiactl"):
+        return "gpu"
+    return None
+
+
 # glibc's mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
