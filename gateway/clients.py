@@ -327,11 +327,23 @@ class ModelStream:
                 self.call.cancel()
 
 
+RETRY_FIRST_PAUSE = 0.25  # seconds before a request no replica could start is tried again; doubled each time
+RETRY_MAX_PAUSE = 2.0
+RETRY_MIN_LEFT = 0.1  # a retry needs this much of the deadline left after its pause
+
+
+class NoReplica(GatewayError):
+    """UNAVAILABLE: every model replica was unavailable and none started the request (nothing reached its
+    client), so it may be tried again."""
+
+
 class ModelPool:
     """The model replicas: least outstanding requests among healthy ones, failover on UNAVAILABLE."""
 
-    def __init__(self, addresses: Sequence[str], tls: ChannelTLS | None = None, streams: int = 1) -> None:
+    def __init__(self, addresses: Sequence[str], tls: ChannelTLS | None = None, streams: int = 1,
+                 retry_seconds: float = 0.0) -> None:
         self.streams = streams  # GenerateMany streams per replica (0: a Generate call per request)
+        self.retry_seconds = retry_seconds  # GatewayConfig.model_retry_seconds
         self.replicas = [self._replica(a, tls) for a in addresses]
         self._turn = itertools.count()
         self._info: model_pb2.GetInfoResponse | None = None
@@ -370,7 +382,30 @@ class ModelPool:
     async def generate(self, request: model_pb2.GenerateRequest, deadline: float | None,
                        metadata: Metadata = ()) -> ModelStream:
         """Start Generate on the best replica. A replica that answers UNAVAILABLE or RESOURCE_EXHAUSTED
-        before its first response is skipped; when every one did, the request gets that status."""
+        before its first response is skipped; when every one did, the request gets that status, except that
+        when every one was unavailable (none started it: nothing reached its client) it is tried again, after
+        pauses growing from RETRY_FIRST_PAUSE to RETRY_MAX_PAUSE, for up to `retry_seconds` and never past its
+        deadline, as a load balancer would while a replica restarts."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.retry_seconds
+        pause = RETRY_FIRST_PAUSE
+        tries = 1
+        while True:
+            try:
+                return await self._generate_once(request, deadline, metadata)
+            except NoReplica:
+                wait = min(pause, give_up - loop.time())
+                if deadline is not None:
+                    wait = min(wait, deadline - loop.time() - RETRY_MIN_LEFT)
+                if wait <= 0:
+                    raise
+                log.warning("no model replica available: retrying the request", extra={
+                    "attempt": tries, "pause_s": round(wait, 3)})
+                await asyncio.sleep(wait)
+                pause, tries = min(pause * 2, RETRY_MAX_PAUSE), tries + 1
+
+    async def _generate_once(self, request: model_pb2.GenerateRequest, deadline: float | None,
+                             metadata: Metadata) -> ModelStream:
         problems: list[str] = []
         busy: GatewayError | None = None
         for replica in self.order():
@@ -395,7 +430,8 @@ class ModelPool:
         if busy is not None:
             raise busy
         log.warning("no model replica accepted the request", extra={"problems": problems})
-        raise down("model", f"none of its {len(self.replicas)} replica(s) accepted the request")
+        error = down("model", f"none of its {len(self.replicas)} replica(s) accepted the request")
+        raise NoReplica(error.code, error.message, retry_after=error.retry_after)
 
     async def close(self) -> None:
         for replica in self.replicas:

@@ -79,6 +79,9 @@ class GatewayConfig:
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (serving_common.tracing); None: off
     # GenerateMany streams to each model replica that its requests share (0: a Generate call per request).
     model_streams: int = 1
+    # How long a request that no model replica has started keeps being retried while every replica is
+    # unavailable (one dying or restarting), within its deadline; 0: it fails at once with UNAVAILABLE.
+    model_retry_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.tokenizer:

@@ -71,7 +71,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     template = ChatTemplate.load(config.http.chat_template)  # a bad template stops the start, naming the flag
     tokenizer = TokenizerClient(config.tokenizer, config.tokenizer_retries, config.backend_tls,
                                 prefetch_pieces=config.detokenize == "local")
-    pool = ModelPool(config.models, config.backend_tls, config.model_streams)
+    pool = ModelPool(config.models, config.backend_tls, config.model_streams, config.model_retry_seconds)
     metrics = GatewayMetrics(config.model_metrics, config.http.model_name)
     pipeline = Pipeline(tokenizer, pool, config.limits, metrics, local_detokenize=config.detokenize == "local")
     servicer = GatewayServicer(pipeline, config, template)

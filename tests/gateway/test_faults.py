@@ -62,7 +62,7 @@ def test_public_answers_name_no_backend_address_or_file_path(tmp_path: pathlib.P
 def test_no_model_replica_reachable_names_no_address(tmp_path: pathlib.Path) -> None:
     stack = fake_stack(tmp_path, [[]])
     dead = f"127.0.0.1:{free_port()}"
-    gateway = start_gateway(stack.tokenizer.address, [dead], tmp_path)
+    gateway = start_gateway(stack.tokenizer.address, [dead], tmp_path, "--model-retry-seconds", "0")
     try:
         # Never SERVING (its only replica is down), so wait for it to listen.
         wait_until(lambda: any(r.get("msg") == "serving" for r in gateway.log_records()), timeout=30)

@@ -47,7 +47,7 @@ def test_deadline_is_deadline_exceeded_and_reaches_the_model(slow_stack: Stack) 
 
 
 def test_killed_replica_is_skipped_while_another_serves(tmp_path: pathlib.Path) -> None:
-    stack = fake_stack(tmp_path, [[], []])
+    stack = fake_stack(tmp_path, [[], []], "--model-retry-seconds", "0")
     try:
         with GatewayClient(stack.address, timeout=10) as client:
             def both_used() -> bool:  # requests are spread once both replicas are connected and SERVING
@@ -66,6 +66,43 @@ def test_killed_replica_is_skipped_while_another_serves(tmp_path: pathlib.Path) 
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             wait_until(lambda: not check(stack.address))
     finally:
+        stack.stop()
+
+
+def test_a_request_no_replica_started_is_retried_until_one_comes_back(tmp_path: pathlib.Path) -> None:
+    """Issue 64.5: the only replica dies; a request sent while it is down (nothing reached its client) waits
+    for the replica to come back within its deadline, as a load balancer would, instead of UNAVAILABLE at once;
+    with --model-retry-seconds 0 it is UNAVAILABLE at once."""
+    stack = fake_stack(tmp_path, [[]])
+    quick = start_gateway(stack.tokenizer.address, [stack.models[0].address], tmp_path, "--model-retry-seconds", "0")
+    port = stack.models[0].port
+    try:
+        quick.wait_serving(60)
+        stack.models[0].kill()
+        with GatewayClient(quick.address, timeout=20) as client:
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as caught:
+                client.complete("p|ab", max_tokens=2, ignore_eos=True)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 5
+        result: dict[str, object] = {}
+
+        def ask() -> None:
+            with GatewayClient(stack.address, timeout=30) as client:
+                try:
+                    result["text"] = client.complete("p|ab", max_tokens=2, ignore_eos=True,
+                                                     request_id="retried").text
+                except grpc.RpcError as error:
+                    result["error"] = error.code()
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        wait_until(lambda: any(r.get("msg") == "no model replica available: retrying the request"
+                               for r in stack.gateway.log_records()), timeout=20)
+        stack.models[0] = start_fake("model", tmp_path, port=port)
+        asker.join(40)
+        assert result == {"text": "abab"}
+    finally:
+        quick.terminate()
         stack.stop()
 
 
