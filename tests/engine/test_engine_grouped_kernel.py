@@ -17,7 +17,7 @@ from tests.engine.test_engine_golden import run_alone
 def kernel_engine() -> Engine:
     config = golden_server_config(backend="generic", slots=4, step_tokens=16)
     with pytest.MonkeyPatch.context() as patch:  # the choice a TPU device gets, on CPU's interpreter
-        patch.setattr(backend, "choose_moe", lambda name, mesh, choice="auto": "pallas_interpret")
+        patch.setattr(backend, "choose_moe", lambda name, mesh, choice="auto", faithful=False: "pallas_interpret")
         return build_engine(config, resolve(config))
 
 
