@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -327,6 +328,7 @@ class ModelStream:
                 self.call.cancel()
 
 
+T = TypeVar("T")
 RETRY_FIRST_PAUSE = 0.25  # seconds before a request no replica could start is tried again; doubled each time
 RETRY_MAX_PAUSE = 2.0
 RETRY_MIN_LEFT = 0.1  # a retry needs this much of the deadline left after its pause
@@ -364,9 +366,13 @@ class ModelPool:
         self._info = None
 
     async def info(self, deadline: float | None) -> model_pb2.GetInfoResponse:
-        """The model's GetInfo (replicas serve the same model), cached after the first success."""
+        """The model's GetInfo (replicas serve the same model), cached after the first success; while every
+        replica is unavailable it is asked again as `generate` retries."""
         if self._info is not None:
             return self._info
+        return await self._retrying(lambda: self._info_once(deadline), deadline)
+
+    async def _info_once(self, deadline: float | None) -> model_pb2.GetInfoResponse:
         problems = []
         for replica in self.order():
             try:
@@ -377,7 +383,8 @@ class ModelPool:
                     raise from_upstream(error, "model", replica.address) from error
                 problems.append(f"{replica.address}: {error.details()}")
         log.warning("no model replica answered GetInfo", extra={"problems": problems})
-        raise down("model", f"none of its {len(self.replicas)} replica(s) answered")
+        error = down("model", f"none of its {len(self.replicas)} replica(s) answered")
+        raise NoReplica(error.code, error.message, retry_after=error.retry_after)
 
     async def generate(self, request: model_pb2.GenerateRequest, deadline: float | None,
                        metadata: Metadata = ()) -> ModelStream:
@@ -386,13 +393,17 @@ class ModelPool:
         when every one was unavailable (none started it: nothing reached its client) it is tried again, after
         pauses growing from RETRY_FIRST_PAUSE to RETRY_MAX_PAUSE, for up to `retry_seconds` and never past its
         deadline, as a load balancer would while a replica restarts."""
+        return await self._retrying(lambda: self._generate_once(request, deadline, metadata), deadline)
+
+    async def _retrying(self, once: Callable[[], Awaitable[T]], deadline: float | None) -> T:
+        """`once()` again while it raises NoReplica, for up to `retry_seconds` and never past `deadline`."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.retry_seconds
         pause = RETRY_FIRST_PAUSE
         tries = 1
         while True:
             try:
-                return await self._generate_once(request, deadline, metadata)
+                return await once()
             except NoReplica:
                 wait = min(pause, give_up - loop.time())
                 if deadline is not None:

@@ -97,7 +97,8 @@ def test_a_request_no_replica_started_is_retried_until_one_comes_back(tmp_path: 
         asker = threading.Thread(target=ask)
         asker.start()
         wait_until(lambda: any(r.get("msg") == "no model replica available: retrying the request"
-                               for r in stack.gateway.log_records()), timeout=20)
+                               for r in stack.gateway.log_records()), timeout=20,
+                   message=lambda: f"{result} {[r.get('msg') for r in stack.gateway.log_records()][-8:]}")
         stack.models[0] = start_fake("model", tmp_path, port=port)
         asker.join(40)
         assert result == {"text": "abab"}
