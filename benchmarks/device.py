@@ -103,6 +103,7 @@ def plan(args: argparse.Namespace, tmp: pathlib.Path) -> tuple[list[Program], li
                     continue
                 programs.append(Program(f"parity/{name}", "parity", HERE / "device_parity.py",
                                         ("--set", str(folder), "--dtypes", ",".join(args.parity_dtypes),
+                                         "--moe", args.moe,
                                          "--f32-atol", str(args.f32_atol)), PARITY_XLA_FLAGS))
         elif point == "activation_error":
             sets = ",".join(s for s in args.sets if (args.shared / s / "config.json").exists())

@@ -104,7 +104,7 @@ def verdict(dtype: str, reference: str, prompts: list[dict[str, Any]], f32_atol:
                 f"median step error < {BF16_STEP_MEDIAN}, 90 % of steps < {BF16_STEP_MOST}")
 
 
-def case(golden: pathlib.Path, dtype: str, f32_atol: float) -> dict[str, Any]:
+def case(golden: pathlib.Path, dtype: str, f32_atol: float, moe: str = "auto") -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
@@ -117,7 +117,11 @@ def case(golden: pathlib.Path, dtype: str, f32_atol: float) -> dict[str, Any]:
     start = time.perf_counter()
     cfg = load_model_config(str(golden / "config.json"))
     mesh = make_mesh(MeshConfig(1, 1))
-    model = GrokModel(cfg, mesh, jnp.dtype(dtype))
+    from model_service.backend import choose_backend
+
+    # --moe other than auto only: a checkout measured with --repo may predate the argument
+    backend = None if moe == "auto" else choose_backend("auto", mesh, jnp.dtype(dtype), moe=moe)
+    model = GrokModel(cfg, mesh, jnp.dtype(dtype), backend=backend)
     params = load_params(str(golden / "checkpoint"), cfg, mesh, jnp.dtype(dtype), pack=model.products.native,
                          stacked=model.backend.stacked_experts)
     loaded = Loaded(cfg, model, params, jax.jit(model.forward))
@@ -130,7 +134,8 @@ def case(golden: pathlib.Path, dtype: str, f32_atol: float) -> dict[str, Any]:
     full = _full(loaded, gold, prompts)
     rows = [compare(gold, p, last[p], ids[p], forced_logits[p], full) for p in prompts]
     ok, criterion = verdict(dtype, reference, rows, f32_atol)
-    return {"set": golden.name, "dtype": dtype, "reference": reference, "pass": ok, "criterion": criterion,
+    return {"set": golden.name, "dtype": dtype, "moe": model.backend.moe, "reference": reference, "pass": ok,
+            "criterion": criterion,
             "products": model.products.value, "seconds": round(time.perf_counter() - start, 2), "prompts": rows}
 
 
@@ -139,15 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", required=True, type=pathlib.Path, help="a golden directory (config, checkpoint, npz)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--f32-atol", type=float, default=1e-4, help="float32 logits' bound (the parity tests': 1e-4)")
+    p.add_argument("--moe", default="auto", help="as the model service's --moe (the generic backend's experts)")
     args = p.parse_args(argv)
     import jax
 
     cases = []
     for dtype in args.dtypes.split(","):
         try:
-            cases.append(case(args.set, dtype, args.f32_atol))
+            cases.append(case(args.set, dtype, args.f32_atol, args.moe))
         except Exception as e:  # noqa: BLE001 - one case's crash is its result; the other dtype still runs
-            cases.append({"set": args.set.name, "dtype": dtype, "pass": False, "error": f"{type(e).__name__}: {e}"})
+            cases.append({"set": args.set.name, "dtype": dtype, "moe": args.moe, "pass": False,
+                          "error": f"{type(e).__name__}: {e}"})
     dev = jax.devices()[0]
     print(json.dumps({"cases": cases, "device": {"platform": dev.platform, "kind": dev.device_kind}}))
     return 0

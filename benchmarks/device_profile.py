@@ -6,7 +6,9 @@ grouped by the source file and line that emitted them; prints JSON.
 
 One process, one engine as the model service builds it (random weights; benchmarks/device_points.py's `build`):
 compiled, every slot given a prompt, then per point (decode-N: N streams; prompts-PxL) a few untraced steps, the
-median of `--runs` timed steps, and `--steps` steps under `jax.profiler`. Each point reports the step's wall time,
+median of `--runs` timed steps, the same dispatched back to back (decode: `pipelined_ms`, what a step costs the
+serving loop, which plans the next step while the device computes one), and `--steps` steps under
+`jax.profiler`. Each point reports the step's wall time,
 the device's busy time a step (the ops' durations summed), the ops that took most of it (HLO name, ms a step,
 count, the source line in the metadata of the compiled programs) and the same time by source file and by line.
 On a TPU the ops are the device plane's "XLA Ops"; on a CPU (for testing) the host's XLA threads' events.
@@ -122,12 +124,15 @@ def summarise(events: list[tuple[str, int]], steps: int, sources: dict[str, str]
 
 
 def profile_point(d: Any, name: str, make: Any, runs: int, steps: int, sources: dict[str, str],
-                  top: int) -> dict[str, Any]:
+                  top: int, pipelined: bool = False) -> dict[str, Any]:
     import jax
 
     for _ in range(2):
         d.run(make())
     times = [d.run(make()) * 1e3 for _ in range(runs)]
+    # Back to back, the host waiting once at the end: what the serving loop, which plans the next step while
+    # the device computes this one, sees a step cost.
+    back_to_back = d.run([b for _ in range(runs) for b in make()]) / runs * 1e3 if pipelined else None
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp)
         for _ in range(steps):
@@ -135,7 +140,8 @@ def profile_point(d: Any, name: str, make: Any, runs: int, steps: int, sources: 
         jax.profiler.stop_trace()
         files = sorted(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True))
         where, events = device_ops(files[-1]) if files else ("none", [])
-    return {"name": name, "step_ms": statistics.median(times), "step_ms_min": min(times), "traced_steps": steps,
+    return {"name": name, "step_ms": statistics.median(times), "step_ms_min": min(times),
+            "pipelined_ms": back_to_back, "traced_steps": steps,
             "where": where, **summarise(events, steps, sources, top)}
 
 
@@ -175,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     fill_slots(d, args.decode_prompt)
     for n in streams:
         out["points"].append(profile_point(d, f"decode-{n}", lambda n=n: [d.decode_batch(list(range(n)))],
-                                           args.runs, args.steps, sources, args.top))
-        print(json.dumps({"point": out["points"][-1]["name"], "step_ms": out["points"][-1]["step_ms"],
-                          "busy_ms": out["points"][-1]["busy_ms"]}), file=sys.stderr, flush=True)
+                                           args.runs, args.steps, sources, args.top, pipelined=True))
+        print(json.dumps({k: out["points"][-1][k] for k in ("name", "step_ms", "pipelined_ms", "busy_ms")}),
+              file=sys.stderr, flush=True)
     out["device"] = device_facts()
     text = json.dumps(out, indent=1)
     if args.out:
