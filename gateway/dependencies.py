@@ -14,7 +14,8 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.clients import ModelPool, Replica, TokenizerClient
+from gateway.clients import TokenizerClient
+from gateway.model_pool import ModelPool, Replica
 from serving_common.grpc_server import HealthReporter
 
 log = logging.getLogger(__name__)

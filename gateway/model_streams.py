@@ -6,7 +6,7 @@ arrive as one message. `Lane` is one such stream: requests start on it with a `s
 with a `cancel` message, and each reads its own responses from a `ManyCall`, which reads like the Generate
 call it replaces (`read()` a response or EOF, `done()`, `cancel()`; a failure is the grpc.aio.AioRpcError the
 Generate call would have raised, with the same status details), so failover, error mapping and draining in
-gateway.clients work unchanged. Each request keeps its own deadline (sent with it, and enforced here too).
+gateway.model_pool work unchanged. Each request keeps its own deadline (sent with it, and enforced here too).
 
 A lane is opened on a replica's first request and opened again after it failed or ended (the replica drains
 or restarted: the requests it still had get UNAVAILABLE). An old lane takes no new requests and is closed

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 
 from gateway.auth import cache_salt, tenant_var
-from gateway.clients import Metadata, ModelPool, TokenizerClient
+from gateway.clients import Metadata, TokenizerClient
+from gateway.model_pool import ModelPool
 from gateway.config import Limits
 from gateway.detokenize import LocalDetokenizer, TextStream, texts_in_context
 from gateway.errors import down

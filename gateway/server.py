@@ -11,7 +11,8 @@ import grpc
 
 from gateway.auth import ApiKeyInterceptor, ApiKeys
 from gateway.chat_template import ChatTemplate
-from gateway.clients import ModelPool, TokenizerClient
+from gateway.clients import TokenizerClient
+from gateway.model_pool import ModelPool
 from gateway.config import GatewayConfig
 from gateway.dependencies import DependencyWatch
 from gateway.metrics import GatewayMetrics

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from benchmarks.device_profile import _op_name, op_sources
+from tests.benchmarks.recorded import recorded
 from tests.procs import GOLDEN
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -33,6 +34,6 @@ def test_a_decode_point_is_timed_and_its_ops_are_attributed(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     point, = json.loads(out.read_text())["points"]
-    assert point["name"] == "decode-2" and point["step_ms"] > 0 and point["pipelined_ms"] > 0
-    assert point["busy_ms"] > 0 and point["ops_per_step"] > 0 and len(point["top_ops"]) == 5
+    assert point["name"] == "decode-2" and recorded(point["step_ms"], point["pipelined_ms"], point["busy_ms"])
+    assert point["ops_per_step"] > 0 and len(point["top_ops"]) == 5
     assert any(name.endswith(".py") for name in point["by_file"])  # ops traced back to the model's source files

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.procs import ROOT
+from tests.benchmarks.recorded import recorded
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +147,7 @@ def test_layers_on_unix_sockets_with_the_per_call_gateway_and_the_engine_apart(
         assert median["completed"] == 2 and median["failed"] == 0 and median["total_output_tokens"] == 8, arm
     targets = report["stack_targets"]["c2"]
     assert targets["throughput_ratio"] == report["ratios"]["c2"]["gateway_throughput_ratio"]
-    assert targets["services_cpu_ms_per_token"] >= 0 and isinstance(targets["cpu_met"], bool)
+    assert recorded(targets["services_cpu_ms_per_token"]) and isinstance(targets["cpu_met"], bool)
 
 
 def test_crosscheck_runs_the_same_workload_with_every_client_against_one_stack(tmp_path: pathlib.Path) -> None:
