@@ -26,6 +26,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+
 def accelerator_expected() -> str | None:
     """The accelerator JAX will compute on, told without starting JAX (which must not start before
     jax.distributed does): JAX_PLATFORMS when set (its first platform, None for cpu), else "tpu" where libtpu is
