@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -59,6 +61,17 @@ def accepted_draws(token: jax.Array, used: jax.Array, chain: jax.Array, nxt: jax
     _, accepted = jax.lax.scan(step, (jnp.bool_(False), jnp.bool_(False)), (chain, used, token, nxt))
     continued = jnp.concatenate([accepted[1:] & (chain[1:] > 0), jnp.zeros((1,), bool)])
     return accepted, accepted & ~continued
+
+
+def compile_threads() -> int:
+    """Threads that compile the step's row buckets side by side: GROK_COMPILE_THREADS when set (1 compiles them
+    one after another), else the CPUs this process may use."""
+    given = os.environ.get("GROK_COMPILE_THREADS")
+    if not given:
+        return len(os.sched_getaffinity(0))
+    if not given.isdigit() or int(given) < 1:
+        raise ValueError(f"GROK_COMPILE_THREADS={given!r} is not a number of threads (a whole number >= 1)")
+    return int(given)
 
 
 SMALL_TILES = (8, 16, 32)  # row counts of the few-rows program (tests/model: a row's bits in each equal a 64-row tile's)
@@ -360,10 +373,14 @@ class Engine:
         return timings
 
     def _compile_buckets(self, state: EngineState, batch: StepBatch) -> float:
-        """Compile the step program for every row bucket, one after another, and keep the executables: `step`
-        calls only these from then on. Returns the seconds it took."""
+        """Compile the step program for every row bucket and keep the executables: `step` calls only these from
+        then on. Tracing runs one bucket after another; XLA's compilations, which release the GIL, run side by
+        side on up to `compile_threads()` threads. Returns the seconds it took."""
         begin = time.monotonic()
+        lowered = {}
         for r in self.buckets:
             rows, draws = self.run_args(dataclasses.replace(batch, rows=r))
-            self._compiled[r] = self._program.lower(self.params, state, *rows, *draws).compile()
+            lowered[r] = self._program.lower(self.params, state, *rows, *draws)
+        with ThreadPoolExecutor(max(1, min(len(lowered), compile_threads()))) as pool:
+            self._compiled.update(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
         return time.monotonic() - begin

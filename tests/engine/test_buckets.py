@@ -3,13 +3,14 @@ row bucket; a step runs the least bucket holding its rows, and serving compiles 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import jax
 import pytest
 
 from model_service.backend import row_buckets
-from model_service.engine import Engine
+from model_service.engine import Engine, compile_threads
 from model_service.loading import build_engine, resolve
 from tests.engine.conftest import Runner, golden_requests, golden_server_config
 from tests.engine.drive import serve_all
@@ -52,6 +53,17 @@ def test_a_step_runs_the_least_bucket_holding_its_rows(compiled: Engine) -> None
     assert compiled.one_program and compiled.buckets == (16, 64)
     assert [compiled.rows_for(n) for n in (1, 16, 17, 64)] == [16, 16, 64, 64]
     assert sorted(compiled._compiled) == [16, 64]  # every bucket compiled ahead of serving
+
+
+def test_buckets_compile_on_the_threads_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GROK_COMPILE_THREADS", raising=False)
+    assert compile_threads() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("GROK_COMPILE_THREADS", "1")
+    assert compile_threads() == 1
+    for bad in ("0", "two", "-3"):
+        monkeypatch.setenv("GROK_COMPILE_THREADS", bad)
+        with pytest.raises(ValueError, match="GROK_COMPILE_THREADS"):
+            compile_threads()
 
 
 def test_serving_after_compile_compiles_no_program(compiled: Engine, running: Runner,
