@@ -162,21 +162,12 @@ bench-cpu-activation-error: setup  ## --products native-int8 against the referen
 	mkdir -p $(BENCH_OUT)
 	$(PY) -m benchmarks.activation_error $(BENCH_ARGS) > $(BENCH_OUT)/activation-error.json
 
-# On the TPU host (no venv, no TCP sockets there; ../shared/device/README.md): in process, one JSON per invocation
-# (benchmarks.step prints it last),
+# On the TPU host (no venv, no TCP sockets there; ../shared/device/README.md): each program in its own process,
+# one JSON for the page (split over calls: python -m benchmarks.device --merge A.json B.json --out ...),
 #   bash .device/on-device.sh make bench-tpu PY=python3
-bench-tpu:  ## the engine's step on the chip, bfloat16: medium and Grok-1 width, 1/8/64 streams, 8 prompts
-	mkdir -p $(BENCH_OUT)
-	set -o pipefail; $(PY) -m benchmarks.step --config ../shared/bench/medium.json --dtype bfloat16 --batch 1 $(BENCH_ARGS) \
-	  | tail -n 1 > $(BENCH_OUT)/step-tpu-v5e-medium-b1.json
-	set -o pipefail; $(PY) -m benchmarks.step --config ../shared/bench/medium.json --dtype bfloat16 --batch 8 --prompts 8 $(BENCH_ARGS) \
-	  | tail -n 1 > $(BENCH_OUT)/step-tpu-v5e-medium-b8.json
-	set -o pipefail; $(PY) -m benchmarks.step --config ../shared/bench/medium.json --dtype bfloat16 --batch 64 $(BENCH_ARGS) \
-	  | tail -n 1 > $(BENCH_OUT)/step-tpu-v5e-medium-b64.json
-	set -o pipefail; $(PY) -m benchmarks.step --config ../shared/bench/grok1-width-1layer.json --dtype bfloat16 --batch 1 $(BENCH_ARGS) \
-	  | tail -n 1 > $(BENCH_OUT)/step-tpu-v5e-grok1-width-b1.json
-	set -o pipefail; $(PY) -m benchmarks.step --config ../shared/bench/grok1-width-1layer.json --dtype bfloat16 --batch 8 --prompts 8 $(BENCH_ARGS) \
-	  | tail -n 1 > $(BENCH_OUT)/step-tpu-v5e-grok1-width-b8.json
+bench-tpu:  ## on the chip: medium and Grok-1 width (1 layer) points, each beside its bound, golden parity (~6 min)
+	$(PY) -m benchmarks.device --points parity,medium,grok1-1layer --sets golden $(BENCH_ARGS) \
+	  --out $(BENCH_OUT)/device-tpu-v5e.json
 
 clean:  ## remove build outputs (not the venv)
 	rm -rf .pytest_cache build *.egg-info

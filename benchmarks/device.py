@@ -212,6 +212,7 @@ def assemble(args: argparse.Namespace, arms: dict[str, pathlib.Path], runs: list
     if len(arms) > 1:
         report["comparison"] = device_report.comparison(report["points"], list(arms))
     report["failures"] = device_report.failures(runs)
+    report["table"] = device_report.table(report)
     return report
 
 
@@ -246,6 +247,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repo", action="append", default=[], metavar="NAME=DIR",
                    help="measure this checkout's code too (repeatable; default: this checkout, as 'now')")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a program may run")
+    p.add_argument("--merge", nargs="+", type=pathlib.Path, default=None, metavar="JSON",
+                   help="measure nothing: merge these runs' reports into one (--out), e.g. a point per call")
     p.add_argument("--out", type=pathlib.Path, default=None,
                    help="the JSON's path (default benchmarks/measured/device-PLATFORM-DATE.json)")
     return p
@@ -285,6 +288,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, pathlib
 
 def main(argv: list[str] | None = None) -> int:
     args, arms = parse(argv)
+    if args.merge:
+        report = device_report.merge([json.loads(f.read_text()) for f in args.merge])
+        out = args.out or args.merge[0]
+        results.write_json(out, report)
+        print(device_report.summary(report) + f"written to {out}", file=sys.stderr)
+        return 1 if report["failures"] else 0
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="device-bench-") as tmp:
         programs, notes, configs = plan(args, pathlib.Path(tmp))

@@ -3,6 +3,7 @@ ratios when several checkouts ran, and a short table for people."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,43 @@ def judge_points(group: Mapping[str, Any], config_path: str, bandwidth: float, p
         if "pipelined_ms" in point:
             row["pipelined_over_bound"] = point["pipelined_ms"] / b["bound_ms"]
         out.append(row)
+    return out
+
+
+def table_key(config: str, dtype: str, name: str) -> str:
+    """A point's key in the report's `table`: word characters only (docs/performance.md's rows name it)."""
+    return re.sub(r"\W", "_", f"{config}_{dtype}_{name}")
+
+
+TABLE_FIELDS = ("ms", "pipelined_ms", "over_bound", "pipelined_over_bound", "tokens_per_s", "peak_share",
+                "bandwidth_share")
+
+
+def table(report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The last arm's points and compile times by `table_key`: ms, bound, ratios, tokens/s (the page's rows)."""
+    last = list(report["arms"])[-1]
+    out: dict[str, dict[str, Any]] = {}
+    for p in report["points"]:
+        if p["arm"] == last:
+            out[table_key(p["config"], p["dtype"], p["name"])] = {
+                **{k: p[k] for k in TABLE_FIELDS if k in p}, "bound_ms": p["bound"]["bound_ms"],
+                "bound_by": p["bound"]["bound_by"]}
+    for g in report["groups"]:
+        if g["arm"] == last:
+            out[table_key(g["config"], g["dtype"], "compile")] = {"s": g["compile_total_s"]}
+    return out
+
+
+def merge(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Several runs' reports (one point each, say, to stay within a call's time on the chip) as one: the first's
+    date, versions and device, every run's settings, programs, parity, points and failures."""
+    first = reports[0]
+    out: dict[str, Any] = {**first, "settings": [r["settings"] for r in reports],
+                           "merged_from": [{"date": r["date"], "git": r["git"]} for r in reports]}
+    for key in ("notes", "parity", "groups", "points", "activation_error", "programs", "failures"):
+        out[key] = [item for r in reports for item in r.get(key, [])]
+    out["configs"] = {k: v for r in reports for k, v in r.get("configs", {}).items()}
+    out["table"] = table(out)
     return out
 
 

@@ -160,21 +160,32 @@ CPU: tuple[Row, ...] = (
 
 # The chip (no TCP sockets there, so no served benchmark yet): benchmarks.step's engine step in process, bfloat16,
 # greedy, one JSON per invocation (`make bench-tpu`, run there through ../shared/device/on-device.sh).
-def _step(point: str, source: str, prompts: bool = False) -> Row:
-    ours = ((Num(("prefill_ms",), 1, " ms"),) if prompts else
-            (Num(("decode_step_ms",), 2, " ms a step"), Num(("decode_tokens_per_s",), 0, " tok/s")))
-    bound = "the larger of the step's bytes at 819 GB/s and its arithmetic at 197 TFLOP/s (bfloat16)"
-    return Row(point, source, "step", "make bench-tpu", ours, bound=bound)
+DEVICE = "device-tpu-v5e.json"  # benchmarks.device on one v5e chip (several calls merged: --merge)
+
+
+def _device(point: str, key: str, decode: bool = True) -> Row:
+    """A row of benchmarks.device's `table`: the step (and, decoding, the step the serving loop overlaps with the
+    next one's planning), against the bound the benchmark computes from the config."""
+    ours = ((Num(("table", key, "ms"), 2, " ms a step"), Num(("table", key, "pipelined_ms"), 2, " ms overlapped"),
+             Num(("table", key, "tokens_per_s"), 0, " tok/s")) if decode else
+            (Num(("table", key, "ms"), 1, " ms"), Num(("table", key, "tokens_per_s"), 0, " tok/s")))
+    bound = (f"{{table.{key}.bound_ms:2}} ms: the step's bytes at 819 GB/s or its FLOPs at 197 TFLOP/s, the "
+             f"larger; step / bound {{table.{key}.over_bound:2}}x")
+    return Row(point, DEVICE, "device", "make bench-tpu", ours, bound=bound)
 
 
 TPU: tuple[Row, ...] = (
-    _step("medium, 1 stream, decode step", "step-tpu-v5e-medium-b1.json"),
-    _step("medium, 8 streams, decode step", "step-tpu-v5e-medium-b8.json"),
-    _step("medium, 64 streams, decode step", "step-tpu-v5e-medium-b64.json"),
-    _step("medium, 8 x 32-token prompts in one step", "step-tpu-v5e-medium-b8.json", prompts=True),
-    _step("Grok-1 width, 1 stream, decode step", "step-tpu-v5e-grok1-width-b1.json"),
-    _step("Grok-1 width, 8 streams, decode step", "step-tpu-v5e-grok1-width-b8.json"),
-    _step("Grok-1 width, 8 x 32-token prompts in one step", "step-tpu-v5e-grok1-width-b8.json", prompts=True),
+    _device("medium, 1 stream", "medium_bfloat16_decode_1"),
+    _device("medium, 8 streams", "medium_bfloat16_decode_8"),
+    _device("medium, 64 streams", "medium_bfloat16_decode_64"),
+    _device("medium, 8 x 32-token prompts in one step", "medium_bfloat16_prompts_8x32", decode=False),
+    _device("medium, one 2,048-token prompt", "medium_bfloat16_long_2048", decode=False),
+    _device("Grok-1 width (1 layer), 1 stream", "grok1_1layer_bfloat16_decode_1"),
+    _device("Grok-1 width (1 layer), 8 streams", "grok1_1layer_bfloat16_decode_8"),
+    _device("Grok-1 width (1 layer), 64 streams", "grok1_1layer_bfloat16_decode_64"),
+    _device("Grok-1 width (1 layer), 8 x 32-token prompts in one step", "grok1_1layer_bfloat16_prompts_8x32",
+            decode=False),
+    _device("Grok-1 width (1 layer), one 2,048-token prompt", "grok1_1layer_bfloat16_long_2048", decode=False),
 )
 
 

@@ -53,9 +53,10 @@ CPU_TILE = 64  # rows per tile on CPU: fewer would stream the weights more often
 CPU_STEP_TOKENS = 64  # token rows per step on CPU (vLLM's max_num_batched_tokens): one tile
 GENERIC_STEP_TOKENS = 1024
 # Row counts the accelerator's step is compiled for (below the step's rows, which is always one): decode of up to
-# 16 / 64 streams, a few short prompts. Each is a program compiled before serving; rows are nearly free on a matrix
-# unit until ~128, so few buckets cost little padding.
-GENERIC_ROW_BUCKETS = (16, 64, 128)
+# 16 / 64 streams, a few short prompts, and 256 / 512 for batches of prompts (on a v5e, 8 x 32 prompt rows at
+# Grok-1 width ran their experts over all 1,024 rows' padding without them). Each is a program compiled before
+# serving, side by side (engine.compile_threads); rows are nearly free on a matrix unit until ~128.
+GENERIC_ROW_BUCKETS = (16, 64, 128, 256, 512)
 
 
 @dataclass(frozen=True)

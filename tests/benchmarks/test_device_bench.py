@@ -83,6 +83,28 @@ def test_each_point_is_judged_against_the_bound_its_config_gives(passing: tuple[
     assert (prompts["rows"], prompts["draws"], prompts["keys_seen"]) == (8, 2, 2 * (4 * 5 / 2))
 
 
+def test_the_table_keys_each_point_and_merging_runs_keeps_every_one(passing: tuple[int, dict[str, Any], str],
+                                                                     tmp_path: pathlib.Path) -> None:
+    _, report, _ = passing
+    decode = next(p for p in report["points"] if p["name"] == "decode-1")
+    row = report["table"]["golden_float32_decode_1"]
+    assert (row["ms"], row["bound_ms"], row["over_bound"]) == (decode["ms"], decode["bound"]["bound_ms"],
+                                                               decode["over_bound"])
+    assert row["pipelined_ms"] == decode["pipelined_ms"] and "golden_float32_compile" in report["table"]
+    other = json.loads(json.dumps(report))  # a second call's run: another config, a parity failure
+    for p in other["points"] + other["groups"]:
+        p["config"] = "wide"
+    other["failures"] = ["parity/golden_wide (now): failed"]
+    (tmp_path / "a.json").write_text(json.dumps(report))
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    assert device.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                        "--out", str(tmp_path / "m.json")]) == 1  # a failure in any run fails the merge
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert len(merged["points"]) == 2 * len(report["points"]) and len(merged["parity"]) == 2
+    assert merged["table"]["wide_float32_decode_1"] == row and merged["failures"] == other["failures"]
+    assert merged["settings"] == [report["settings"]] * 2
+
+
 def test_a_parity_failure_fails_the_run_and_is_reported(tmp_path: pathlib.Path) -> None:
     shared = tmp_path / "shared"
     shutil.copytree(GOLDEN, shared / "golden")

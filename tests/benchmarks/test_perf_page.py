@@ -47,15 +47,18 @@ def test_a_row_without_its_json_says_not_measured_yet(tmp_path: pathlib.Path) ->
     assert all(render_docs.NOT_MEASURED in line for line in render_docs.sources(TPU, (), render_docs.loader(tmp_path)))
 
 
-def test_a_measured_tpu_row_shows_the_step_tools_numbers(tmp_path: pathlib.Path) -> None:
-    # The keys benchmarks.step prints (tests/benchmarks/test_roofline_and_results.py runs the tool for them).
-    step = {"decode_step_ms": 6.9, "decode_tokens_per_s": 144.93, "prefill_ms": 37.8, "batch": 1}
-    (tmp_path / "step-tpu-v5e-medium-b1.json").write_text(json.dumps(step))
-    (tmp_path / "step-tpu-v5e-medium-b8.json").write_text(json.dumps(step))
+def device_report(**point: float) -> dict[str, Any]:
+    """benchmarks.device's report as the page reads it (tests/benchmarks/test_device_benchmark.py runs the tool)."""
+    return {"table": {row.ours[0].path[1]: point for row in TPU}}
+
+
+def test_a_measured_tpu_row_shows_the_device_tools_numbers(tmp_path: pathlib.Path) -> None:
+    point = {"ms": 4.115, "pipelined_ms": 2.018, "tokens_per_s": 243.0, "bound_ms": 0.2552, "over_bound": 16.12}
+    (tmp_path / "device-tpu-v5e.json").write_text(json.dumps(device_report(**point)))
     lines = render_docs.table(TPU, render_docs.loader(tmp_path), llamacpp=False)
-    assert lines[2].startswith("| medium, 1 stream, decode step | 6.90 ms a step / 145 tok/s | ")
-    assert "| medium, 8 x 32-token prompts in one step | 37.8 ms | " in lines[5]
-    assert render_docs.NOT_MEASURED in lines[6]  # Grok-1 width: still no JSON
+    assert lines[2].startswith("| medium, 1 stream | 4.12 ms a step / 2.02 ms overlapped / 243 tok/s | 0.26 ms: ")
+    assert "step / bound 16.12x" in lines[2]
+    assert "| medium, 8 x 32-token prompts in one step | 4.1 ms / 243 tok/s | " in lines[5]
 
 
 def test_rendering_rewrites_only_the_marked_blocks_and_twice_changes_nothing(tmp_path: pathlib.Path) -> None:
@@ -77,11 +80,11 @@ def test_a_page_without_a_block_is_refused_by_name(tmp_path: pathlib.Path, capsy
 
 
 def test_a_json_without_a_rows_number_is_named(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
-    (tmp_path / "step-tpu-v5e-medium-b1.json").write_text(json.dumps({"decode_step_ms": 6.9}))
+    (tmp_path / "device-tpu-v5e.json").write_text(json.dumps(device_report(ms=4.1, pipelined_ms=2.0)))
     page = tmp_path / "page.md"
     page.write_text(MARKED)
     assert render_docs.main(["--page", str(page), "--measured", str(tmp_path)]) == 2
-    assert "step-tpu-v5e-medium-b1.json has no decode_tokens_per_s" in capsys.readouterr().err
+    assert "device-tpu-v5e.json has no table.medium_bfloat16_decode_1.tokens_per_s" in capsys.readouterr().err
 
 
 def make_command(item: Row | Change) -> list[str]:
@@ -140,10 +143,11 @@ def check_speculative(f: dict[str, str], report: dict[str, Any]) -> None:
     assert f["--workloads"].split(",") == [k for k in report if k != "spec"]
 
 
-def check_step(f: dict[str, str], report: dict[str, Any]) -> None:
-    assert int(f["--batch"]) == report["batch"] and int(f.get("--prompts", 1)) == report["prompts"]
-    assert f["--dtype"] == report["dtype"] and report["platform"] == "tpu"
-    assert pathlib.Path(f["--config"]).name == pathlib.Path(report["config"]).name
+def check_device(f: dict[str, str], report: dict[str, Any]) -> None:
+    measured = {p["config"] for p in report["points"]} | ({"parity"} if report["parity"] else set())
+    assert measured == set(f["--points"].split(",")) and report["device"]["platform"] == "tpu"
+    assert {c["set"] for c in report["parity"]} == set(f["--sets"].split(","))
+    assert {p["dtype"] for p in report["points"]} == {"bfloat16"}  # the tool's default --dtype
 
 
 def check_activation_error(f: dict[str, str], report: dict[str, Any]) -> None:
@@ -151,7 +155,7 @@ def check_activation_error(f: dict[str, str], report: dict[str, Any]) -> None:
 
 
 CHECKS = {"engine": check_engine, "as_user": check_as_user, "long_prompt": check_long_prompt,
-          "speculative": check_speculative, "step": check_step, "activation_error": check_activation_error}
+          "speculative": check_speculative, "device": check_device, "activation_error": check_activation_error}
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

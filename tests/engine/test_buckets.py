@@ -41,7 +41,8 @@ def compilations() -> Iterator[list[str]]:
 
 
 def test_row_buckets_are_the_ones_below_the_step_then_the_step() -> None:
-    assert row_buckets(512) == (16, 64, 128, 512)
+    assert row_buckets(512) == (16, 64, 128, 256, 512)
+    assert row_buckets(1024) == (16, 64, 128, 256, 512, 1024)
     assert row_buckets(64) == (16, 64)
     assert row_buckets(8) == (8,)
     assert row_buckets(100, (32, 8, 32)) == (8, 32, 100)
