@@ -341,8 +341,8 @@ def attend_rows(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: Arra
     "native" (CPU, one device): the native kernel (kernels.attention), each row alone by construction while the
     rows of one sequence share their key loads. "rows" (CPU, XLA): every row runs the same one-row program
     (paged_attention_rows), so its bits depend only on its own query and keys, and rows not `active` cost
-    nothing. "batched" (accelerators): all rows in one batched computation over the chunks the furthest row
-    needs; cheaper where wide products are, without the promise."""
+    nothing. "batched" (accelerators): all rows at once, a run of rows of one sequence reading its keys once per
+    block of rows (segments.attend_segments); cheaper where wide products are, without the promise."""
     if mode == "native":
         from model_service.kernels import attention as native
 
@@ -355,5 +355,6 @@ def attend_rows(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: Arra
         return paged_attention_rows(q[:, None], pool_k, pool_v, own, limit, multiplier, chunk, active)[:, 0]
     if mode != "batched":
         raise ValueError(f"attention mode must be one of {ATTENTION_MODES}, got {mode!r}")
-    limit = jnp.where(active[:, None], limit, 0)
-    return paged_attention(q[:, None], pool_k, pool_v, own, limit, multiplier, chunk)[:, 0]
+    from model_service.model.segments import attend_segments
+
+    return attend_segments(q, pool_k, pool_v, tables, seq, positions, active, multiplier, chunk)

@@ -1,0 +1,78 @@
+"""The accelerators' paged attention for a step's rows, read a sequence at a time where rows share one.
+
+A step's rows are runs of consecutive positions of one sequence each (model_service/plan.py: a decode row, a
+decode and its drafts, a prompt chunk; one run per slot), padding last. Attending row by row
+(`layers.paged_attention` with one query a row) reads a run's keys once per row: a 1,024-row prompt chunk at
+position 2,048 read 1,024 x 2,048 keys a layer, three times. Here a run longer than one row is cut into blocks of
+`block_rows` consecutive rows, and each block reads its sequence's keys once for all its rows (one wide product
+per key chunk); single rows (decodes) still read their own keys. Both go through `layers.paged_attention`, so
+each row's result is the same computation on its own keys (masked by its own position).
+
+Shapes are static per row count R, for S slots: single rows are gathered into min(R, S) lanes; blocks number at
+most ceil(R / block_rows) + min(S, R // 2) (each run adds at most one partial block, and runs in blocks are two
+rows or more). Neither bound holds if a slot has two runs in one step, which the planner never builds.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from model_service.model.layers import paged_attention
+
+Array = jax.Array
+
+BLOCK_ROWS = 32  # rows of one run that share their keys' reads
+
+
+def capacities(rows: int, slots: int, block_rows: int = BLOCK_ROWS) -> tuple[int, int]:
+    """(single-row lanes, blocks) for a step of `rows` rows over `slots` slots."""
+    return min(rows, slots), -(-rows // block_rows) + min(slots, rows // 2)
+
+
+def runs(seq: Array, positions: Array, active: Array) -> tuple[Array, Array, Array]:
+    """Per row: its run's index (runs numbered in row order), its offset in the run, and its run's length.
+    A run starts where the sequence changes or its position does not follow the previous row's."""
+    r = seq.shape[0]
+    follows = jnp.concatenate([jnp.zeros((1,), bool), (seq[1:] == seq[:-1]) & (positions[1:] == positions[:-1] + 1)])
+    starts = active & ~follows
+    run = jnp.cumsum(starts) - 1
+    run = jnp.where(active, run, r - 1)  # padding: a run index no active row can reach (there are fewer runs)
+    first = jax.ops.segment_min(jnp.where(active, jnp.arange(r), r), run, num_segments=r)
+    length = jax.ops.segment_sum(active.astype(jnp.int32), run, num_segments=r)
+    return run, jnp.arange(r) - first[run], length[run]
+
+
+def attend_segments(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: Array, positions: Array,
+                    active: Array, multiplier: float, chunk: int, block_rows: int = BLOCK_ROWS) -> Array:
+    """q [R, Hq, D]; row r of sequence seq[r] at positions[r] sees that sequence's key positions
+    0..positions[r] through tables [S, table_len]; rows not `active` get zeros. -> [R, Hq * D]."""
+    r, hq, d = q.shape
+    lanes, blocks = capacities(r, tables.shape[0], block_rows)
+    run, offset, length = runs(seq, positions, active)
+    single = active & (length == 1)
+    grouped = active & (length > 1)
+
+    # Single rows, gathered into `lanes` (the rest of the lanes see position 0 of slot 0 and are dropped).
+    pick = jnp.nonzero(single, size=lanes, fill_value=r)[0]
+    taken = pick < r
+    pick_ = jnp.where(taken, pick, 0)
+    lone = paged_attention(q[pick_][:, None], pool_k, pool_v, tables[seq[pick_]],
+                           jnp.where(taken, positions[pick_], 0)[:, None], multiplier, chunk)[:, 0]
+
+    # Runs of two rows or more, cut into blocks: a run's blocks follow the blocks of the runs before it.
+    per_run = jax.ops.segment_max(jnp.where(grouped, -(-length // block_rows), 0), run, num_segments=r)
+    before = jnp.cumsum(per_run) - per_run  # blocks of the runs before each run
+    block = jnp.where(grouped, before[run] + offset // block_rows, blocks)  # `blocks`: dropped
+    lane = offset % block_rows
+    block_seq = jnp.zeros((blocks + 1,), jnp.int32).at[block].set(seq, mode="drop")[:blocks]
+    at = jnp.full((blocks + 1, block_rows), r, jnp.int32).at[block, lane].set(jnp.arange(r), mode="drop")[:blocks]
+    held = at < r
+    at_ = jnp.where(held, at, 0)
+    shared = paged_attention(q[at_], pool_k, pool_v, tables[block_seq], jnp.where(held, positions[at_], 0),
+                             multiplier, chunk)  # [blocks, block_rows, Hq * D]
+
+    out = jnp.zeros((r + 1, hq * d), q.dtype)
+    out = out.at[jnp.where(taken, pick, r)].set(lone)
+    out = out.at[jnp.where(held, at, r).reshape(-1)].set(shared.reshape(-1, hq * d))
+    return out[:r]
