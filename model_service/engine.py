@@ -50,15 +50,16 @@ COMPILE_SETTINGS = SamplingSettings(temperature=1.0, top_logprobs=TOP_K, repetit
 
 def accepted_draws(token: jax.Array, used: jax.Array, chain: jax.Array, nxt: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Which draws count, and which is each slot's last: a slot's draws are consecutive entries, the j-th of them
-    (`chain`) drawn from the row holding its (j-1)-th draft; draw j counts only if every earlier draw equalled
-    the draft after it (`nxt`: the draft the next entry's row holds, -1 for none). -> accepted [P], final [P]."""
-    def step(carry: tuple[jax.Array, jax.Array], x: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-        previous, matched = carry
-        j, u, t, n = x
-        ok = u & ((j == 0) | (previous & matched))
-        return (ok, t == n), ok
-
-    _, accepted = jax.lax.scan(step, (jnp.bool_(False), jnp.bool_(False)), (chain, used, token, nxt))
+    (`chain`) drawn from the row holding its (j-1)-th draft; draw j counts only if every earlier draw of its
+    chain was used and equalled the draft after it (`nxt`: the draft the next entry's row holds, -1 for none).
+    -> accepted [P], final [P]. Counted with prefix sums, not a loop over the entries (a dependent step each on
+    an accelerator)."""
+    p = token.shape[0]
+    index = jnp.arange(p)
+    start = jax.lax.cummax(jnp.where(chain == 0, index, -1))  # the entry that starts each entry's chain
+    broken = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(~(used & (token == nxt)), dtype=jnp.int32)])
+    kept = broken[index] == broken[jnp.maximum(start, 0)]  # no entry from the chain's start up to this one broke it
+    accepted = used & (start >= 0) & ((chain == 0) | kept)
     continued = jnp.concatenate([accepted[1:] & (chain[1:] > 0), jnp.zeros((1,), bool)])
     return accepted, accepted & ~continued
 

@@ -57,8 +57,11 @@ def attend_segments(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: 
     pick = jnp.nonzero(single, size=lanes, fill_value=r)[0]
     taken = pick < r
     pick_ = jnp.where(taken, pick, 0)
-    lone = paged_attention(q[pick_][:, None], pool_k, pool_v, tables[seq[pick_]],
-                           jnp.where(taken, positions[pick_], 0)[:, None], multiplier, chunk)[:, 0]
+    lone = jax.lax.cond(  # a step of prompt chunks alone skips it, as a step of decodes skips the blocks below
+        jnp.any(single), lambda: paged_attention(q[pick_][:, None], pool_k, pool_v, tables[seq[pick_]],
+                                                 jnp.where(taken, positions[pick_], 0)[:, None], multiplier,
+                                                 chunk)[:, 0],
+        lambda: jnp.zeros((lanes, hq * d), q.dtype))
 
     # Runs of two rows or more, cut into blocks: a run's blocks follow the blocks of the runs before it.
     per_run = jax.ops.segment_max(jnp.where(grouped, -(-length // block_rows), 0), run, num_segments=r)
@@ -69,8 +72,10 @@ def attend_segments(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: 
     at = jnp.full((blocks + 1, block_rows), r, jnp.int32).at[block, lane].set(jnp.arange(r), mode="drop")[:blocks]
     held = at < r
     at_ = jnp.where(held, at, 0)
-    shared = paged_attention(q[at_], pool_k, pool_v, tables[block_seq], jnp.where(held, positions[at_], 0),
-                             multiplier, chunk)  # [blocks, block_rows, Hq * D]
+    shared = jax.lax.cond(
+        jnp.any(grouped), lambda: paged_attention(q[at_], pool_k, pool_v, tables[block_seq],
+                                                  jnp.where(held, positions[at_], 0), multiplier, chunk),
+        lambda: jnp.zeros((blocks, block_rows, hq * d), q.dtype))  # [blocks, block_rows, Hq * D]
 
     out = jnp.zeros((r + 1, hq * d), q.dtype)
     out = out.at[jnp.where(taken, pick, r)].set(lone)

@@ -7,10 +7,12 @@ import os
 from collections.abc import Iterator
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from model_service.backend import row_buckets
-from model_service.engine import Engine, compile_threads
+from model_service.engine import Engine, accepted_draws, compile_threads
 from model_service.loading import build_engine, resolve
 from tests.engine.conftest import Runner, golden_requests, golden_server_config
 from tests.engine.drive import serve_all
@@ -78,3 +80,30 @@ def test_serving_after_compile_compiles_no_program(compiled: Engine, running: Ru
 def test_the_guard_sees_a_compilation(compilations: list[str]) -> None:
     jax.jit(lambda x: x * 3 + 1)(jax.numpy.arange(7))  # a program never compiled before in this process
     assert compilations
+
+
+def chained_reference(token, used, chain, nxt):
+    """accepted_draws by its definition, entry by entry: draw j of a chain counts if it was used and every
+    earlier draw of its chain was used and equalled the draft after it."""
+    accepted, previous, matched = [], False, False
+    for j, u, t, n in zip(chain.tolist(), used.tolist(), token.tolist(), nxt.tolist()):
+        ok = u and (j == 0 or (previous and matched))
+        accepted.append(ok)
+        previous, matched = ok, t == n
+    return np.array(accepted)
+
+
+def test_accepted_draws_follow_each_chain_to_its_first_miss() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        p = int(rng.integers(1, 24))
+        chain = np.concatenate([np.arange(int(rng.integers(1, 6))) for _ in range(p)])[:p].astype(np.int32)
+        chain[0] = int(rng.integers(0, 2))  # sometimes a first entry that starts no chain
+        token = rng.integers(0, 3, p).astype(np.int32)
+        nxt = np.where(rng.random(p) < 0.2, -1, rng.integers(0, 3, p)).astype(np.int32)
+        used = rng.random(p) < 0.9
+        accepted, final = (np.asarray(a) for a in accepted_draws(*(jnp.asarray(a) for a in (token, used, chain, nxt))))
+        want = chained_reference(token, used, chain, nxt)
+        np.testing.assert_array_equal(accepted, want)
+        following = np.concatenate([want[1:] & (chain[1:] > 0), [False]])
+        np.testing.assert_array_equal(final, want & ~following)
