@@ -30,7 +30,7 @@ PRESETS = {
     # a v5e's 197 TFLOP/s, and still under 4 minutes at 10 %.
     "tpu": Preset("configs/demo-large.json", ("demo_build/corpus", "demo_build/corpus/large"),
                   TrainConfig(steps=1500, batch_size=32, seq_len=512, learning_rate=2e-3, warmup_steps=100,
-                              log_every=50, eval_windows=32)),
+                              log_every=50, eval_windows=16)),
 }
 
 
