@@ -34,7 +34,8 @@ def test_a_config_with_a_tensor_file_of_5_mb_is_refused_before_training() -> Non
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_presets_corpus_exists_in_files_under_5_mb(name: str) -> None:
-    files = [path for pattern in ("*.txt", "*.jsonl") for path in corpus_files(corpus_dirs(PRESETS[name].corpus), pattern)]
+    folders = corpus_dirs(PRESETS[name].corpus)
+    files = [path for pattern in ("*.txt", "*.jsonl") for path in corpus_files(folders, pattern)]
     assert files and max(path.stat().st_size for path in files) < 5_000_000
 
 
