@@ -14,7 +14,7 @@ PYTEST_WORKERS ?= 3
 
 AIPERF_VENV ?= .venv-aiperf
 
-.PHONY: setup run demo demo-check protos proto-baseline lint test test-fast compose-check bench bench-docs bench-engine clean help
+.PHONY: setup run demo demo-check demo-tpu demo-tpu-check protos proto-baseline lint test test-fast compose-check bench bench-docs bench-engine clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/:/'
@@ -45,11 +45,19 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-demo: setup  ## retrain the committed demo model into demo/ (tokenizer, int8 checkpoint, training.json; minutes)
-	$(PY) -m demo_build --out $(DEMO)
+demo: setup  ## train the small demo model (preset cpu) into demo/ (tokenizer, config, int8 checkpoint, training.json; minutes)
+	$(PY) -m demo_build --preset cpu --out $(DEMO)
 
-demo-check: setup  ## retrain into build/demo-check and fail unless its losses match demo/training.json
-	$(PY) -m demo_build --out build/demo-check --compare-with $(DEMO)/training.json
+demo-check: setup  ## retrain the cpu preset into build/demo-check; fail unless its losses match demo/training.json (a cpu run's)
+	$(PY) -m demo_build --preset cpu --out build/demo-check --compare-with $(DEMO)/training.json
+
+# On an accelerator host, where the project is not installed: `make demo-tpu TRAIN_PY=python3 TAR=DIR`.
+TRAIN_PY ?= $(PY)
+demo-tpu:  ## on one accelerator chip: train the embedded default (preset tpu) into demo/ (~5 min on a TPU v5e; TAR=DIR also writes it as DIR/demo.tar.NNN)
+	$(TRAIN_PY) -m demo_build --preset tpu --out $(DEMO) $(if $(TAR),--tar $(TAR))
+
+demo-tpu-check:  ## on the same kind of chip: retrain the tpu preset into build/demo-check; fail unless its losses match demo/training.json
+	$(TRAIN_PY) -m demo_build --preset tpu --out build/demo-check --compare-with $(DEMO)/training.json
 
 run: $(VENV)/.serving  ## install what serving needs, serve the embedded demo model, stream a sample (options: ARGS="--http-port 8080 ...")
 	$(PY) scripts/run_stack.py $(ARGS)

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default="quote,continue,medium", help="comma-separated, of " + ",".join(WORKLOADS))
     args = p.parse_args(argv)
     out: dict[str, Any] = {"spec": json.loads(args.spec)}
-    demo = (ROOT / "configs" / "demo.json", ROOT / "demo" / "checkpoint")
+    demo = (ROOT / "demo" / "config.json", ROOT / "demo" / "checkpoint")
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = pathlib.Path(tmp_dir)
         for name in args.workloads.split(","):

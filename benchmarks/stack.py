@@ -4,7 +4,7 @@ Presets name the two configurations the project reports (docs/benchmarks.md):
 - `golden`: ../shared/golden (tiny Grok-1 architecture, its checkpoint and its 512-piece tokenizer);
 - `medium`: ../shared/bench/medium.json (Grok-1 architecture scaled down, vocabulary 131,072) with
   random int8 weights and the real Grok-1 tokenizer from ../shared/grok1-tokenizer;
-- `demo`: the embedded demo model `make run` serves (configs/demo.json, demo/), in the repository.
+- `demo`: the embedded demo model `make run` serves (demo/config.json, demo/), in the repository.
 Each service runs as `python -m <service>` exactly as deployed, on free ports, or (`uds_dir`) on unix socket
 files in that directory (`--uds`, `--http-uds`: the way the stack runs on a host without TCP); logs go to files.
 """
@@ -53,7 +53,7 @@ def preset(name: str, slots: int = 8, compile_cache: str | None = None) -> Stack
                          str(SHARED / "grok1-tokenizer" / "tokenizer.model"), None, slots,
                          compile_cache=compile_cache)
     if name == "demo":
-        return StackSpec("demo", str(ROOT / "configs" / "demo.json"), str(ROOT / "demo" / "tokenizer.model"),
+        return StackSpec("demo", str(ROOT / "demo" / "config.json"), str(ROOT / "demo" / "tokenizer.model"),
                          str(ROOT / "demo" / "checkpoint"), slots, compile_cache=compile_cache)
     raise ValueError(f"unknown stack preset {name!r}: golden, medium or demo")
 

@@ -11,14 +11,13 @@ and the int8 model's loss against the float model's).
 
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import sentencepiece
 
-from demo_build.train_tokenizer import corpus_documents
+from demo_build.train_tokenizer import CorpusDirs, corpus_documents
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ def sentence_starts(sp: sentencepiece.SentencePieceProcessor, stream: np.ndarray
     return np.asarray(starts, np.int64)
 
 
-def load_corpus(corpus_dir: pathlib.Path, tokenizer_model: bytes, holdout_every: int) -> Corpus:
+def load_corpus(corpus_dir: CorpusDirs, tokenizer_model: bytes, holdout_every: int) -> Corpus:
     sp = sentencepiece.SentencePieceProcessor(model_proto=tokenizer_model)
     train, heldout = split_paragraphs(list(corpus_documents(corpus_dir)), holdout_every)
     stream = encode_stream(sp, train)
@@ -87,6 +86,15 @@ def training_batches(stream: np.ndarray, starts: np.ndarray, batch: int, length:
                 once = circular[first:end]
                 windows[row] = np.concatenate([once, circular[first:first + length]])[:length]
         yield windows
+
+
+def spaced(tokens: np.ndarray, weights: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """At most `count` of eval_windows' windows, evenly spaced over the stream (all of them when count is 0):
+    a large corpus is measured on a sample, so evaluating stays seconds on a CPU."""
+    if not count or len(tokens) <= count:
+        return tokens, weights
+    chosen = np.linspace(0, len(tokens) - 1, count).round().astype(int)
+    return tokens[chosen], weights[chosen]
 
 
 def eval_windows(stream: np.ndarray, length: int, pad: int) -> tuple[np.ndarray, np.ndarray]:

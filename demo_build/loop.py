@@ -1,11 +1,15 @@
 """The training loop: AdamW (optax) with warmup + cosine decay and global-norm clipping, one jitted step.
 
 Reproducible from the seed: parameters are drawn with jax.random (threefry) and window offsets with numpy
-PCG64, both from `TrainConfig.seed`; the loop is single-device float32.
+PCG64, both from `TrainConfig.seed`; the loop is single-device with float32 parameters. On a TPU, JAX's
+default precision runs the float32 matrix products as one bfloat16 pass (what the chip is fast at); on a CPU
+they stay float32. The whole step (forward, backward, AdamW) is one jitted program that donates the parameters
+and optimiser state, so they are updated in place on the device.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +42,8 @@ class TrainConfig:
     holdout_every: int = 16
     log_every: int = 10
     copy_share: float = 0.25  # windows that repeat a paragraph (data.training_batches)
+    eval_windows: int = 0  # windows of each stream the final losses are measured on, evenly spaced (0: all)
+    time_limit: float = 0.0  # seconds of steps after which training stops early, recorded as such (0: none)
 
 
 class LogEntry(NamedTuple):
@@ -49,7 +55,9 @@ class LogEntry(NamedTuple):
 class TrainResult(NamedTuple):
     params: Params
     log: tuple[LogEntry, ...]
-    seconds: float
+    seconds: float  # the whole loop, the first step's compilation included
+    steps: int  # steps done (fewer than TrainConfig.steps only when time_limit stopped it)
+    first_step_seconds: float  # the first step: compilation, mostly
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -66,7 +74,7 @@ def make_step(model_cfg: ModelConfig, opt: optax.GradientTransformation) -> Call
     def loss_fn(params: Params, tokens: jax.Array) -> jax.Array:
         return jnp.mean(network.token_losses(model_cfg, params, tokens))
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params: Params, opt_state: Any, tokens: jax.Array) -> tuple[Params, Any, jax.Array]:
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
         updates, opt_state = opt.update(grads, opt_state, params)
@@ -88,13 +96,20 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, stream: np.ndarray, starts: 
     log: list[LogEntry] = []
     losses: list[jax.Array] = []
     start = time.monotonic()
+    first_step, done = 0.0, 0
     for i in range(min(cfg.steps, stop_after or cfg.steps)):
         params, opt_state, loss = step(params, opt_state, jnp.asarray(next(batches)))
         losses.append(loss)
-        if (i + 1) % cfg.log_every == 0:
-            entry = LogEntry(i + 1, float(np.mean(jax.device_get(losses))), time.monotonic() - start)
+        done = i + 1
+        if i == 0:
+            jax.block_until_ready(loss)
+            first_step = time.monotonic() - start  # compilation, mostly
+        if done % cfg.log_every == 0:
+            entry = LogEntry(done, float(np.mean(jax.device_get(losses))), time.monotonic() - start)
             losses = []
             log.append(entry)
             if report:
                 report(entry)
-    return TrainResult(jax.device_get(params), tuple(log), time.monotonic() - start)
+            if cfg.time_limit and entry.seconds > cfg.time_limit:
+                break
+    return TrainResult(jax.device_get(params), tuple(log), time.monotonic() - start, done, first_step)

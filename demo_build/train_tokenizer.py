@@ -5,7 +5,9 @@ alone. This trains one from the original English text in `corpus/`: prose paragr
 one per line) and question/answer dialogues (`*.jsonl`, one conversation per line) rendered through
 the gateway's default chat template exactly as `/v1/chat/completions` renders a request, followed by
 the assistant's answer. Both the tokenizer and the demo model learn from these documents, so the
-demo model sees the chat format it is served with. 1024 pieces, BPE with
+demo model sees the chat format it is served with. A corpus may be several folders (the large demo's is
+`corpus/` and `corpus/large/`), read in the order given. 1024 pieces by default (the model config's
+vocab_size for the demo builds), BPE with
 byte fallback (so any text round-trips), ids 0..3 = [PAD] [BOS] [EOS] [UNK] like the Grok-1
 tokenizer, identity normalization, a dummy "▁" prefix and whitespace kept as is. One training
 thread and no sampling make the output byte-for-byte reproducible.
@@ -21,17 +23,26 @@ import pathlib
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from typing import Union
 
 import sentencepiece
 
 CORPUS_DIR = pathlib.Path(__file__).resolve().parent / "corpus"
 VOCAB_SIZE = 1024
+# One folder, or several read in order (each folder's files in name order).
+CorpusDirs = Union[pathlib.Path, Sequence[pathlib.Path]]
 SPECIAL_PIECES = {"pad": (0, "[PAD]"), "bos": (1, "[BOS]"), "eos": (2, "[EOS]"), "unk": (3, "[UNK]")}
 
 
-def corpus_lines(corpus_dir: pathlib.Path) -> Iterator[str]:
-    """Non-empty lines of every *.txt file in the corpus folder, in file-name order."""
-    files = sorted(corpus_dir.glob("*.txt"))
+def corpus_files(corpus_dir: CorpusDirs, pattern: str) -> list[pathlib.Path]:
+    """The files matching `pattern` in each folder (not below it), folder by folder, in file-name order."""
+    folders = [corpus_dir] if isinstance(corpus_dir, pathlib.Path) else list(corpus_dir)
+    return [path for folder in folders for path in sorted(folder.glob(pattern))]
+
+
+def corpus_lines(corpus_dir: CorpusDirs) -> Iterator[str]:
+    """Non-empty lines of every *.txt file in the corpus folders, in file-name order."""
+    files = corpus_files(corpus_dir, "*.txt")
     if not files:
         raise FileNotFoundError(f"no *.txt files in {corpus_dir}")
     for path in files:
@@ -40,7 +51,7 @@ def corpus_lines(corpus_dir: pathlib.Path) -> Iterator[str]:
                 yield line
 
 
-def dialogue_documents(corpus_dir: pathlib.Path) -> Iterator[str]:
+def dialogue_documents(corpus_dir: CorpusDirs) -> Iterator[str]:
     """Each conversation of every *.jsonl file (file-name order), as the text the served demo model sees:
     the gateway's chat template renders all messages but the last (with the generation prompt), and the
     last, the assistant's answer, follows after one space, as the model continues "Assistant:"."""
@@ -49,7 +60,7 @@ def dialogue_documents(corpus_dir: pathlib.Path) -> Iterator[str]:
     from gateway.http.schemas import ChatMessage
 
     template = ChatTemplate.load()
-    for path in sorted(corpus_dir.glob("*.jsonl")):
+    for path in corpus_files(corpus_dir, "*.jsonl"):
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
@@ -59,17 +70,17 @@ def dialogue_documents(corpus_dir: pathlib.Path) -> Iterator[str]:
             yield template.render(asked, add_generation_prompt=True) + " " + answer.content.strip()
 
 
-def corpus_documents(corpus_dir: pathlib.Path) -> Iterator[str]:
+def corpus_documents(corpus_dir: CorpusDirs) -> Iterator[str]:
     """The training documents: prose paragraphs, then rendered dialogues (each ends with EOS in training)."""
     yield from corpus_lines(corpus_dir)
     yield from dialogue_documents(corpus_dir)
 
 
-def trainer_options() -> dict[str, object]:
-    """SentencePiece trainer settings of the demo model (fixed: they define the artifact)."""
+def trainer_options(vocab_size: int = VOCAB_SIZE) -> dict[str, object]:
+    """SentencePiece trainer settings of the demo model (fixed but for the size: they define the artifact)."""
     options: dict[str, object] = {
         "model_type": "bpe",
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": vocab_size,
         "byte_fallback": True,
         "character_coverage": 1.0,
         "normalization_rule_name": "identity",
@@ -88,11 +99,11 @@ def trainer_options() -> dict[str, object]:
     return options
 
 
-def train(corpus_dir: pathlib.Path = CORPUS_DIR) -> bytes:
+def train(corpus_dir: CorpusDirs = CORPUS_DIR, vocab_size: int = VOCAB_SIZE) -> bytes:
     """Train and return the serialized model."""
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=corpus_documents(corpus_dir), model_writer=model, **trainer_options()
+        sentence_iterator=corpus_documents(corpus_dir), model_writer=model, **trainer_options(vocab_size)
     )
     return model.getvalue()
 
@@ -108,12 +119,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo_build.train_tokenizer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=pathlib.Path, help="where to write the .model file")
-    parser.add_argument("--corpus", type=pathlib.Path, default=CORPUS_DIR,
-                        help="folder of *.txt and *.jsonl training text (default: the shipped demo corpus)")
+    parser.add_argument("--corpus", type=pathlib.Path, nargs="+", default=[CORPUS_DIR],
+                        help="folders of *.txt and *.jsonl training text (default: the shipped demo corpus)")
+    parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE, help="pieces (the model config's vocab_size)")
     args = parser.parse_args(argv)
-    data = train(args.corpus)
+    data = train(args.corpus, args.vocab_size)
     write_atomically(data, args.out)
-    print(f"wrote {args.out} ({len(data)} bytes, {VOCAB_SIZE} pieces)")
+    print(f"wrote {args.out} ({len(data)} bytes, {args.vocab_size} pieces)")
     return 0
 
 

@@ -3,7 +3,7 @@
 With --uds-dir DIR they listen on unix socket files in DIR instead and no TCP port is opened
 (scripts/stack_endpoints.py).
 
-Starts the three services (the embedded demo by default: demo/tokenizer.model, configs/demo.json,
+Starts the three services (the embedded demo by default: demo/tokenizer.model, demo/config.json,
 demo/checkpoint; --config/--checkpoint/--tokenizer/--dtype/--mesh select real weights), waits
 until each is SERVING, streams one sample completion through the client, prints grpcurl commands to try,
 then keeps serving, forwarding the services' logs, until Ctrl-C, SIGTERM or SIGHUP (the terminal closed)
@@ -46,7 +46,7 @@ from scripts.stack_flags import PassThrough, add_service_flags, service_args  # 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = EnvArgumentParser(env_prefix="GROK_STACK", prog="scripts/run_stack.py", description=__doc__.split("\n")[0],
                           allow_abbrev=False)  # a service flag mistyped is an error, never another flag
-    p.add_env_argument("--config", default="configs/demo.json", help="model preset or config JSON")
+    p.add_env_argument("--config", default="demo/config.json", help="model preset or config JSON")
     p.add_env_argument("--checkpoint", default="demo/checkpoint", help="directory holding ckpt-0/")
     p.add_env_argument("--tokenizer", default="demo/tokenizer.model", help="SentencePiece model file")
     p.add_env_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")

@@ -5,6 +5,7 @@ stack serving it as `make run` starts it (scripts/run_stack.py: gateway -> token
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 from collections.abc import Iterator
 
@@ -15,16 +16,25 @@ from model_service.config import ModelConfig, load_model_config
 from demo_build.data import split_paragraphs
 from tests.demo.launcher import Launched
 from tests.procs import ROOT
-from demo_build.train_tokenizer import CORPUS_DIR, corpus_documents
+from demo_build.train_tokenizer import CORPUS_DIR, corpus_documents, corpus_files
 
 DEMO = ROOT / "demo"
-DEMO_CONFIG = ROOT / "configs" / "demo.json"
+DEMO_CONFIG = DEMO / "config.json"  # the model config the committed checkpoint was trained with and is served with
+
+
+def read_record() -> dict:
+    """demo/training.json, written by the run that produced the committed checkpoint."""
+    return json.loads((DEMO / "training.json").read_text())
+
+
+def corpus_folders(record: dict) -> tuple[pathlib.Path, ...]:
+    """The corpus folders the committed model learned from (records before presets name none: the small one)."""
+    return tuple(ROOT / folder for folder in record["corpus"].get("folders", [])) or (CORPUS_DIR,)
 
 
 @pytest.fixture(scope="session")
 def record() -> dict:
-    """demo/training.json, written by the run that produced the committed checkpoint."""
-    return json.loads((DEMO / "training.json").read_text())
+    return read_record()
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +45,7 @@ def demo_cfg() -> ModelConfig:
 @pytest.fixture(scope="session")
 def trained_paragraphs(record: dict) -> list[str]:
     """The corpus paragraphs the model was trained on (the held-out ones excluded)."""
-    train, _ = split_paragraphs(list(corpus_documents(CORPUS_DIR)), record["train_config"]["holdout_every"])
+    train, _ = split_paragraphs(list(corpus_documents(corpus_folders(record))), record["train_config"]["holdout_every"])
     return train
 
 
@@ -46,7 +56,7 @@ def paragraph_starting(paragraphs: list[str], opening: str) -> str:
 
 def corpus_prose() -> str:
     """The prose of the corpus (*.txt), where every sentence an answer may quote comes from."""
-    return "\n".join(path.read_text(encoding="utf-8") for path in sorted(CORPUS_DIR.glob("*.txt")))
+    return "\n".join(path.read_text(encoding="utf-8") for path in corpus_files(corpus_folders(read_record()), "*.txt"))
 
 
 def sentences(text: str) -> list[str]:

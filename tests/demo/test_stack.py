@@ -10,10 +10,9 @@ import sentencepiece
 
 from gateway.client import GatewayClient
 from grok.gateway.v1 import gateway_pb2
-from tests.demo.conftest import DEMO, paragraph_starting
+from tests.demo.conftest import DEMO, corpus_prose, paragraph_starting
 from tests.demo.launcher import Launched
 from tests.procs import ROOT
-from demo_build.train_tokenizer import CORPUS_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +67,7 @@ def test_make_run_sample_prompt_gets_a_sentence_of_the_corpus(client: GatewayCli
     assert reply.finish_reason == gateway_pb2.FINISH_REASON_EOS
     sentence = f"{prompt} {reply.text.lstrip()}"
     assert sentence.endswith(".") and len(sentence.split()) >= 8
-    assert any(sentence in path.read_text() for path in CORPUS_DIR.glob("*.txt")), sentence
+    assert sentence in corpus_prose(), sentence
 
 
 def test_model_service_start_up_logs_no_jax_backend_probe(demo_stack: Launched) -> None:

@@ -101,7 +101,7 @@ def test_publish_address_and_settings_come_from_the_environment() -> None:
 
 def test_default_profile_serves_the_committed_demo_model_copied_into_the_image(default: dict) -> None:
     model = default["services"]["model"]["environment"]
-    assert model["GROK_MODEL_CONFIG"] == "/app/configs/demo.json"
+    assert model["GROK_MODEL_CONFIG"] == "/app/demo/config.json"
     assert model["GROK_MODEL_CHECKPOINT"] == "/app/demo/checkpoint"
     assert default["services"]["tokenizer"]["environment"]["GROK_TOKENIZER_MODEL"] == "/app/demo/tokenizer.model"
     # The image trains and generates nothing: demo/ enters the build context and the runtime copies the context;
@@ -174,7 +174,7 @@ def test_build_context_holds_every_package_of_the_project() -> None:
     packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
     allowed = build_context_entries()
     assert [p for p in packages if p not in allowed] == []
-    assert "configs" in allowed  # the model service reads configs/demo.json
+    assert "configs" in allowed and "demo" in allowed  # the model service reads demo/config.json, presets in configs/
 
 
 def test_model_replicas_renew_gateway_connections_so_scaled_replicas_get_traffic(default: dict) -> None:
