@@ -63,7 +63,7 @@ GENERIC_ROW_BUCKETS = (16, 64, 128, 256, 512)
 class Backend:
     name: str  # "cpu" or "generic"
     products: Products
-    attention: str  # "rows" or "batched" (layers.attend_rows)
+    attention: str  # "rows" or "batched" (segments.attend_rows)
     tile_rows: int
     step_tokens: int
     native_sampling: bool

@@ -22,7 +22,8 @@ from jax.sharding import Mesh
 from model_service import kv_memory
 from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Pools
-from model_service.model.layers import ATTENTION_MODES, Products, QuantizedWeight
+from model_service.model.layers import Products, QuantizedWeight
+from model_service.model.segments import ATTENTION_MODES
 from model_service.model.params import Params, experts_layout, pack_for_native, packable, relayout
 from model_service.model.transformer import HEAD_SCOPE, Step, forward, head, hidden, score
 from model_service.sharding import DATA, EXPERT, MODEL, params_shardings

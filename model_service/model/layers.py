@@ -328,33 +328,3 @@ def paged_attention_rows(q: Array, pool_k: Array, pool_v: Array, tables: Array, 
                                                         multiplier, chunk)[0],
                             lambda: jnp.zeros(qr.shape[:-2] + (qr.shape[-2] * qr.shape[-1],), q.dtype))
     return jax.lax.map(row, (q, tables, limit, active))
-
-
-ATTENTION_MODES = ("native", "rows", "batched")
-
-
-def attend_rows(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: Array, positions: Array, active: Array,
-                multiplier: float, chunk: int, mode: str) -> Array:
-    """Each token row's attention over its own sequence's keys: q [R, Hq, D], row r of sequence seq[r] at
-    positions[r] sees that sequence's key positions 0..positions[r] through tables [S, table_len] -> [R, Hq*D].
-
-    "native" (CPU, one device): the native kernel (kernels.attention), each row alone by construction while the
-    rows of one sequence share their key loads. "rows" (CPU, XLA): every row runs the same one-row program
-    (paged_attention_rows), so its bits depend only on its own query and keys, and rows not `active` cost
-    nothing. "batched" (accelerators): all rows at once, a run of rows of one sequence reading its keys once per
-    block of rows (segments.attend_segments); cheaper where wide products are, without the promise."""
-    if mode == "native":
-        from model_service.kernels import attention as native
-
-        out = native.paged_attention(q.astype(jnp.float32), pool_k, pool_v, tables, seq, positions, active,
-                                     multiplier)
-        return out.astype(q.dtype)
-    own = tables[seq]  # [R, table_len]
-    limit = positions[:, None]
-    if mode == "rows":
-        return paged_attention_rows(q[:, None], pool_k, pool_v, own, limit, multiplier, chunk, active)[:, 0]
-    if mode != "batched":
-        raise ValueError(f"attention mode must be one of {ATTENTION_MODES}, got {mode!r}")
-    from model_service.model.segments import attend_segments
-
-    return attend_segments(q, pool_k, pool_v, tables, seq, positions, active, multiplier, chunk)

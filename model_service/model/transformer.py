@@ -23,12 +23,12 @@ from model_service.model.layers import (
     QuantizedWeight,
     apply_rope,
     attention,
-    attend_rows,
     product,
     rms_norm,
 )
 from model_service.model.moe import MoELayer, ParamHolder, route
 from model_service.model.packed import PackedWeight
+from model_service.model.segments import attend_rows
 from model_service.sharding import DATA, MODEL, constrain
 
 Array = jax.Array
@@ -41,7 +41,7 @@ class Step(NamedTuple):
     keys are the call's own tokens. Paged (the serving step): every row is one token (T == 1) of sequence
     `seq[b]` at `positions[b, 0]`; its key and value go into the pool block its sequence's table lists for
     that position, then it attends to its sequence's keys at positions 0..positions[b, 0] read through the
-    table (layers.attend_rows). Rows not `active` (padding) write into the scratch block, attend to nothing
+    table (segments.attend_rows). Rows not `active` (padding) write into the scratch block, attend to nothing
     and never make an expert run."""
 
     positions: Array  # [B, T] int32 rotary positions
@@ -52,7 +52,7 @@ class Step(NamedTuple):
     tables: Array | None = None  # paged: [S, table_len] int32, each sequence's blocks in position order
     products: Products = Products.DOT  # static: how token rows meet weights (layers.Products)
     key_chunk: int = 0  # static, paged: keys are attended in chunks of this many positions
-    attention: str = "rows"  # static, paged: "rows" (one row at a time) or "batched" (layers.attend_rows)
+    attention: str = "rows"  # static, paged: "rows" (one row at a time) or "batched" (segments.attend_rows)
     row_sums: bool = False  # static, paged: sums over a row's features in a fixed order (layers.row_sum)
     moe: str = "cond"  # static: how the experts run (backend.Backend.moe)
 

@@ -24,7 +24,7 @@ SPEC = SpeculativeConfig("ngram", 4, 4, 2)  # the issue's --speculative-config
 
 def main() -> None:
     def engine(spec: SpeculativeConfig | None) -> object:
-        config = golden_server_config(config=str(ROOT / "configs" / "demo.json"),
+        config = golden_server_config(config=str(ROOT / "demo" / "config.json"),
                                       checkpoint=str(ROOT / "demo" / "checkpoint"), slots=4, speculative=spec)
         return build_engine(config, resolve(config))
 

@@ -26,7 +26,7 @@ from tests.procs import ROOT
 class MaskingFake(FakeEngine):
     """FakeEngine over the demo vocabulary (its draws honour the step's masks)."""
 
-    vocab_size: int = 1024
+    vocab_size: int = 2048  # demo/config.json
     sequence_len: int = 64
 
 

@@ -271,7 +271,7 @@ def test_the_demo_model_quoting_its_prompt_is_bit_identical_with_speculation_on_
     seeded sampled."""
     from benchmarks.speculative import quote_prompts
 
-    config = golden_server_config(config=str(ROOT / "configs" / "demo.json"),
+    config = golden_server_config(config=str(ROOT / "demo" / "config.json"),
                                   checkpoint=str(ROOT / "demo" / "checkpoint"), slots=4, speculative=SPEC)
     engine = build_engine(config, resolve(config))
     counting = Counting()

@@ -1,5 +1,5 @@
 """Structured output's masks (model_service/structured.py) against a brute-force check on the demo vocabulary
-(1024 pieces): for a small finite language, a token may be allowed only when the text so far plus its bytes is
+(2048 pieces): for a small finite language, a token may be allowed only when the text so far plus its bytes is
 still a prefix of some string of the language, and EOS exactly when the text is one of them; and every string
 of the language can be generated. (Where the rest of the text is forced, llguidance allows only the tokens of
 its tokenization, so a mask may be narrower than the brute-force one: never wider.)"""
@@ -24,7 +24,7 @@ from model_service.structured import (
 )
 from tests.procs import ROOT
 
-MODEL_VOCAB = 1030  # a model's vocabulary may be padded past the tokenizer's: those ids are never allowed
+MODEL_VOCAB = 2054  # a model's vocabulary may be padded past the tokenizer's: those ids are never allowed
 
 
 @pytest.fixture(scope="module")
