@@ -19,6 +19,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from gateway.errors import invalid
 
 DEFAULT_TEMPLATE = pathlib.Path(__file__).resolve().parent / "templates" / "chat_default.jinja"
+# Where the default template's transcript starts another turn than the assistant's: a base model that goes on
+# writing the transcript has ended its answer there (its corpus's dialogues put EOS only after the last turn).
+DEFAULT_TURN_STARTS = ("\n\nUser:", "\n\nSystem:")
 
 
 class TemplateRefused(Exception):
@@ -30,9 +33,11 @@ def _raise_exception(message: str) -> NoReturn:
 
 
 class ChatTemplate:
-    """A compiled chat template; `render_turns` turns a conversation into the prompt text."""
+    """A compiled chat template; `render_turns` turns a conversation into the prompt text. `turn_starts`: the
+    texts that begin another turn in what it writes, which end a chat answer as stop sequences do (the default
+    template's; none for a template of one's own, whose format the gateway does not know)."""
 
-    def __init__(self, source: str, name: str = "chat template") -> None:
+    def __init__(self, source: str, name: str = "chat template", turn_starts: Sequence[str] = ()) -> None:
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         environment.globals["raise_exception"] = _raise_exception
         try:
@@ -40,6 +45,7 @@ class ChatTemplate:
         except TemplateError as error:
             raise ValueError(f"--chat-template: {name} is not a valid Jinja2 template: {error}") from None
         self.name = name
+        self.turn_starts = tuple(turn_starts)
 
     @classmethod
     def load(cls, path: str | None = None) -> "ChatTemplate":
@@ -49,7 +55,7 @@ class ChatTemplate:
             source = file.read_text(encoding="utf-8")
         except OSError as error:
             raise ValueError(f"--chat-template: cannot read {str(file)!r} ({error.strerror or error})") from None
-        return cls(source, str(file))
+        return cls(source, str(file), DEFAULT_TURN_STARTS if file.resolve() == DEFAULT_TEMPLATE else ())
 
     def render_turns(self, turns: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
                      extra: Mapping[str, Any] | None = None, continue_final: bool = False) -> str:

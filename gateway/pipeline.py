@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -140,12 +140,14 @@ class Pipeline:
         self.local_detokenize = local_detokenize
 
     async def stream(self, request: TextRequest, deadline: float | None, request_id: str, method: str,
-                     chat: bool = False, running_usage: bool = False) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+                     chat: bool = False, running_usage: bool = False,
+                     turn_starts: Sequence[str] = ()) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """The request's messages. `chat`: the prompt is a rendered conversation; an answer's first space, which
         the model writes to separate it from a prompt ending in "Assistant:", is not part of its text (as
         OpenAI's and vLLM's chat content starts at its first word). `running_usage`: every message carries the
         usage so far (the prompt, and the tokens its completion generated up to it), as vLLM's
-        `continuous_usage_stats`; else only each completion's last one."""
+        `continuous_usage_stats`; else only each completion's last one. `turn_starts`: the chat template's
+        (ChatTemplate.turn_starts), which end each completion as stop sequences do, beside the request's."""
         loop = asyncio.get_running_loop()
         progress = Progress(arrival=loop.time(), running_usage=running_usage)
         spans = RequestTrace(trace.get_current_span(), request_id, method)  # the call's or the HTTP request's
@@ -175,7 +177,7 @@ class Pipeline:
         completions = [Completion(index, LocalDetokenizer(table, planned.prompt_ids) if table is not None
                                   else self.tokenizer.detokenizer(deadline, detokenize, planned.prompt_ids),
                                   StopMatcher(request.sampling.stop, request.sampling.include_stop_str_in_output,
-                                              request.sampling.min_tokens),
+                                              request.sampling.min_tokens, turn_starts),
                                   echo=echo,
                                   separator=chat and not request.prompt[-1:].isspace(), echo_only=planned.echo_only)
                        for index in range(planned.n)]

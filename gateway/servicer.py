@@ -90,7 +90,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         generation = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         prompt = self.template.render_turns(turns, generation)
         generate = gateway_pb2.GenerateRequest(prompt=prompt, sampling=request.sampling)
-        async with contextlib.aclosing(self._run(generate, context, "Chat", chat=True)) as messages:
+        async with contextlib.aclosing(self._run(generate, context, "Chat", chat=True,
+                                                 turn_starts=self.template.turn_starts)) as messages:
             async for message in messages:
                 yield gateway_pb2.ChatResponse(text=message.text, tokens=message.tokens,
                                                finish_reason=message.finish_reason, usage=message.usage,
@@ -133,7 +134,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 max_stop_chars=limits.max_stop_chars, default_max_tokens=limits.default_max_tokens))
 
     async def _run(self, request: TextRequest, context: grpc.aio.ServicerContext, method: str,
-                   chat: bool = False) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+                   chat: bool = False, turn_starts: tuple[str, ...] = ()
+                   ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Stream the pipeline's messages; end with the mapped status; count the request in metrics."""
         request_id = request_id_var.get()  # set by the shared interceptor
         span = trace.get_current_span()  # the call's, opened by the shared interceptor (tracing on)
@@ -147,7 +149,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             remaining(deadline_of(context))
             # aclosing: a handler closed early cancels its model call now, not at garbage collection.
             async with contextlib.aclosing(self.pipeline.stream(request, deadline_of(context), request_id, method,
-                                                                chat)) as messages:
+                                                                chat, turn_starts=turn_starts)) as messages:
                 async for message in messages:
                     if message.finish_reason:
                         finish = gateway_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_")

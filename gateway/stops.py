@@ -53,8 +53,12 @@ def find_stop(text: str, stops: Sequence[str], start: int) -> int:
 class StopMatcher:
     """Feeds tokens with their text; says which tokens are final and whether a stop sequence was hit."""
 
-    def __init__(self, stops: Sequence[str], include: bool = False, min_tokens: int = 0) -> None:
-        self.stops = tuple(stops)
+    def __init__(self, stops: Sequence[str], include: bool = False, min_tokens: int = 0,
+                 turn_starts: Sequence[str] = ()) -> None:
+        # `turn_starts`: where a chat template's next turn begins (gateway.chat_template); they end the text as the
+        # request's stops do, but are never part of it (the next turn is not the answer's)
+        self.stops = (*stops, *(s for s in turn_starts if s not in stops))
+        self.hidden = frozenset(turn_starts) - frozenset(stops)
         self.include = include  # the matched stop sequence ends the text (vLLM's include_stop_str_in_output)
         # vLLM's min_tokens: a stop sequence ends the text only once it is completed by a token after this many
         self.min_tokens = min_tokens
@@ -134,7 +138,7 @@ class StopMatcher:
     def _end(self, cut: int) -> int:
         """Where the text ends when the stop sequence matched at `cut` ends it: before it, or after it with
         `include`."""
-        return cut + len(self.matched) if self.include else cut
+        return cut + len(self.matched) if self.include and self.matched not in self.hidden else cut
 
     def _stop_at(self, cut: int) -> Release:
         """Release the tokens that contributed text before the end (`_end`), the last one trimmed; drop the

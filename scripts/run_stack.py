@@ -63,7 +63,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_env_argument("--model-metrics-port", type=port, default=None,
                        help="model Prometheus port (0: off; if not given 9091, off with --uds-dir)")
     add_socket_flags(p)
-    p.add_env_argument("--prompt", default="The model service",
+    p.add_env_argument("--prompt", default="The model service owns",
                        help="prompt of the sample completion")
     p.add_env_argument("--max-tokens", type=positive_int, default=48, help="tokens of the sample completion")
     p.add_env_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for SERVING")

@@ -231,7 +231,8 @@ class Routes:
         access.request_id = request_id  # one access line for the request, whatever its number of prompts
         streams = [tracked(self.ctx.pipeline, grpc_request, deadline,
                            request_id if len(grpc_requests) == 1 else f"{request_id}-{i}", method, span,
-                           chat=endpoint == "chat" and not continues, access=access, running_usage=continuous)
+                           chat=endpoint == "chat" and not continues, access=access, running_usage=continuous,
+                           turn_starts=self.ctx.template.turn_starts if endpoint == "chat" else ())
                    for i, grpc_request in enumerate(grpc_requests)]
         source = guarded(request, merged(streams, n))
         shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body), echo=sampling.echo,

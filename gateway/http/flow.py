@@ -46,7 +46,7 @@ def request_span(request_id: str, model: str) -> trace.Span:
 
 async def tracked(pipeline: Pipeline, request: gateway_pb2.GenerateRequest, deadline: float | None,
                   request_id: str, method: str, span: trace.Span = trace.INVALID_SPAN, chat: bool = False,
-                  access: Access | None = None, running_usage: bool = False
+                  access: Access | None = None, running_usage: bool = False, turn_starts: tuple[str, ...] = ()
                   ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
     """The pipeline's messages (`running_usage`: each with the usage so far); errors raised as GatewayError;
     metrics, the outcome in the request's access record (its one log line) and on its `span` whatever
@@ -58,7 +58,7 @@ async def tracked(pipeline: Pipeline, request: gateway_pb2.GenerateRequest, dead
     try:
         # aclosing: a consumer that stops early must cancel the model call now, not at garbage collection.
         async with contextlib.aclosing(pipeline.stream(request, deadline, request_id, method, chat,
-                                                          running_usage)) as stream:
+                                                          running_usage, turn_starts)) as stream:
             async for message in stream:
                 if message.finish_reason:
                     finish = gateway_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_")

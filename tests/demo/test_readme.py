@@ -71,7 +71,8 @@ def test_every_command_of_calling_it_runs_as_written(demo_stack: Launched) -> No
     assert [c.split()[0] for c in commands] == [".venv/bin/grpcurl", "curl"]
     grpc_reply = json.loads(run_shell(on_stack(commands[0], demo_stack)))
     assert grpc_reply["finish_reason"] == "FINISH_REASON_EOS"  # grpcurl prints the proto field names
-    assert f"The model service {grpc_reply['text'].strip()}" in corpus_prose()
+    (prompt,) = re.findall(r'"prompt": "([^"]+)"', commands[0])
+    assert f"{prompt} {grpc_reply['text'].strip()}" in corpus_prose()
     http_reply = json.loads(run_shell(on_stack(commands[1], demo_stack)))
     assert_corpus_sentences(http_reply["choices"][0]["message"]["content"])
 

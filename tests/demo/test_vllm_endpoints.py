@@ -15,6 +15,7 @@ import pytest
 from openai import OpenAI
 
 from gateway.client import GatewayClient
+from tests.demo.conftest import DEMO_CONFIG
 from tests.demo.launcher import Launched
 from tests.waiting import wait_until
 
@@ -50,7 +51,9 @@ def test_tokenize_counts_what_a_completion_and_a_chat_count(demo_stack: Launched
     assert status == 200 and isinstance(tokenized, dict)
     reply = client.complete("The model service", max_tokens=1, temperature=0.0)
     assert tokenized["count"] == len(tokenized["tokens"]) == reply.usage.prompt_tokens
-    assert tokenized["max_model_len"] == 256 and tokenized["token_strs"] is None
+    context = json.loads(DEMO_CONFIG.read_text())["sequence_len"]  # the committed model's, as served
+    assert tokenized["max_model_len"] == context == client.info().model.config.sequence_len
+    assert tokenized["token_strs"] is None
     messages = [{"role": "user", "content": "What does the gateway do?"}]
     status, chat = call(demo_stack, "/tokenize", {"messages": messages, "return_token_strs": True})
     status_chat, answer = call(demo_stack, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})

@@ -186,3 +186,10 @@ def test_chat_streams_what_generate_streams_for_the_rendered_prompt(client: Gate
     chat = list(client.chat(messages, max_tokens=5))
     assert chat[-1].finish_reason and chat[-1].usage.prompt_tokens > 0
     assert sum(len(m.tokens) for m in chat) == chat[-1].usage.completion_tokens
+
+
+def test_chat_answer_ends_before_the_next_turn_the_model_starts(client: GatewayClient) -> None:
+    # The fake repeats the prompt after "|": "hi", then the template's next turn "\n\nUser: more\n\nAssistant:".
+    messages = [{"role": "user", "content": "x|hi"}, {"role": "user", "content": "more"}]
+    chat = list(client.chat(messages, max_tokens=40))
+    assert "".join(m.text for m in chat) == "hi" and chat[-1].finish_reason == gateway_pb2.FINISH_REASON_STOP

@@ -167,6 +167,27 @@ def test_sdk_chat_completion_renders_the_default_template(fast_stack: Stack) -> 
     assert reply.object == "chat.completion" and reply.usage.completion_tokens == 14
 
 
+def test_chat_answer_ends_where_the_model_starts_the_next_turn_of_the_transcript(fast_stack: Stack) -> None:
+    """With the default template, a chat answer ends before the "\n\nUser:" or "\n\nSystem:" that begins another
+    turn (as a stop sequence would, beside the request's own), streamed or not (n > 1: tests/demo/test_chat.py)."""
+    client = sdk(fast_stack.http_url)
+    # The fake repeats the prompt after "|": "hi", then the template's next turn "\n\nUser: more\n\nAssistant:".
+    messages = [{"role": "user", "content": "x|hi"}, {"role": "user", "content": "more"}]
+    reply = client.chat.completions.create(model="grok-1", messages=messages, max_tokens=40, stop=["zz"])
+    choice = reply.choices[0]
+    assert (choice.message.content, choice.finish_reason, choice.model_extra["stop_reason"]) == ("hi", "stop",
+                                                                                                 "\n\nUser:")
+    system = [{"role": "user", "content": "x|hi"}, {"role": "system", "content": "more"}]
+    chunks = list(client.chat.completions.create(model="grok-1", messages=system, max_tokens=40, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "hi"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == "\n\nSystem:"
+    user_stop = client.chat.completions.create(model="grok-1", messages=messages, max_tokens=40, stop=["i"])
+    assert user_stop.choices[0].message.content == "h" and user_stop.choices[0].model_extra["stop_reason"] == "i"
+    completion = client.completions.create(model="grok-1", prompt="x|hi\n\nUser: more", max_tokens=20)
+    assert completion.choices[0].text == "hi\n\nUser: more"  # a completion's prompt is no transcript
+
+
 def test_sdk_chat_stream_opens_with_the_role_then_streams_content_deltas(fast_stack: Stack) -> None:
     chunks = list(sdk(fast_stack.http_url).chat.completions.create(
         model="grok-1", messages=[{"role": "user", "content": "x|hello world"}], max_tokens=4, stream=True))

@@ -103,6 +103,18 @@ def test_default_template_writes_a_transcript_ending_with_the_assistant_prompt()
     assert ChatTemplate.load().render(messages[:2], add_generation_prompt=False).endswith("User: Hi\n\n")
 
 
+def test_the_default_template_ends_an_answer_at_the_turns_it_writes_and_a_custom_one_at_none(
+        tmp_path: pathlib.Path) -> None:
+    default = ChatTemplate.load()
+    assert default.turn_starts == ("\n\nUser:", "\n\nSystem:")
+    for role, start in (("user", "\n\nUser:"), ("system", "\n\nSystem:")):  # as the template writes a next turn
+        rendered = default.render([ChatMessage(role="assistant", content="A."), ChatMessage(role=role, content="B")])
+        assert rendered.startswith("Assistant: A." + start), rendered
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert ChatTemplate.load(str(path)).turn_starts == ()
+
+
 def test_custom_template_file_and_template_errors(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "t.jinja"
     path.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ suffix }}")

@@ -131,3 +131,11 @@ def test_with_min_tokens_a_stop_completed_by_the_first_tokens_is_text_and_a_late
     tail = StopMatcher(["ab"], min_tokens=1)
     assert not tail.feed(tokens("a")).stopped
     assert not tail.finish("b").stopped  # the flush belongs to the first token: still within min_tokens
+
+
+def test_a_turn_start_stops_alongside_the_requests_stops_and_is_never_part_of_the_text() -> None:
+    matcher = StopMatcher(["zz"], include=True, turn_starts=["\n\nUser:"])
+    assert matcher.feed(tokens("hi", "\n\n", "User", ":", " more")).text == "hi" and matcher.stopped
+    assert matcher.matched == "\n\nUser:"
+    matcher = StopMatcher(["zz"], include=True, turn_starts=["\n\nUser:"])
+    assert matcher.feed(tokens("hi", "z", "z", "\n\nUser:")).text == "hizz" and matcher.matched == "zz"

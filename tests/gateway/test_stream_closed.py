@@ -31,7 +31,7 @@ class Pipeline:
         self.metrics = Metrics()
         self.closed = False
 
-    async def stream(self, *args: Any) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
             yield gateway_pb2.GenerateResponse(text="In")
             await asyncio.Event().wait()
