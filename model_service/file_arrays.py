@@ -83,6 +83,11 @@ class FileArray:
         region = region.reshape(region.shape[len(self.lead):]).transpose(self.axes)
         return np.ascontiguousarray(region.astype(self.dtype, copy=False))
 
+    def read_stored(self, bounds: Sequence[tuple[int, int]]) -> np.ndarray:
+        """The stored array's region, [start, stop) per stored axis, in its stored layout (shard_reads.py copies
+        it into the view's shards, transposing and casting there)."""
+        return read_region(self.path, self.offset, self.stored_shape, self.stored_dtype, bounds)
+
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         full = self.read()
         return full if dtype is None else full.astype(dtype)
