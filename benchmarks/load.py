@@ -12,7 +12,8 @@ in --processes, loads it with load_params as the service would (bfloat16, expert
   bytes_read / read_calls      the array reads of the checkpoint's files (file_arrays' preadv calls, counted)
   rchar / syscr                the kernel's count of everything this process read (/proc/self/io), pickle
                                opcodes included
-  seconds                      load_params, to every array ready
+  seconds                      load_params, to every array ready (cpu_seconds: this process's CPU time in it,
+                               user and system, less sensitive to other work on the box)
   peak_over_baseline           peak RSS (VmHWM, reset just before loading) minus the RSS before loading
   kept                         bytes of every array shard the process's devices hold
   kept_distinct                the same counting each host buffer once (JAX's CPU client aliases the host
@@ -21,7 +22,7 @@ in --processes, loads it with load_params as the service would (bfloat16, expert
 With --repo the same loads run against other checkouts' model_service (e.g. --repo before=/tmp/old), labelled
 runs beside this one's ("now").
 --serving starts `python -m model_service` (one process, the same mesh) and adds the seconds from its start to
-SERVING on its health service (load and compile).
+SERVING on its health service (load and compile) and its peak RSS by then.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def run_group(config: pathlib.Path, directory: pathlib.Path, mesh: str, processe
     return reports
 
 
-def time_to_serving(config: pathlib.Path, directory: pathlib.Path, mesh: str, log: pathlib.Path) -> float:
+def time_to_serving(config: pathlib.Path, directory: pathlib.Path, mesh: str, log: pathlib.Path) -> dict[str, Any]:
+    """Seconds from starting the service to SERVING, and its peak RSS by then (weights, compiled programs)."""
     from serving_common.processes import free_port, start_module, terminate, wait_serving
 
     port = free_port()
@@ -112,7 +114,11 @@ def time_to_serving(config: pathlib.Path, directory: pathlib.Path, mesh: str, lo
         try:
             wait_serving(proc, f"127.0.0.1:{port}", 1800, name="model_service",
                          log_tail=lambda: log.read_text(errors="replace")[-4000:])
-            return time.monotonic() - began
+            seconds = time.monotonic() - began
+            from benchmarks.load_process import proc_fields
+
+            peak = proc_fields(f"/proc/{proc.pid}/status", ("VmHWM",))["VmHWM"]
+            return {"seconds_to_serving": round(seconds, 1), "peak_rss": peak}
         finally:
             terminate(proc, 60)
 
@@ -122,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dir", type=pathlib.Path, default=None, help="default /tmp/grok1-width-<layers>layers")
     parser.add_argument("--mesh", default="1,2,4", help="DATA,EXPERT,MODEL over 8 CPU devices")
-    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--processes", type=int, nargs="*", default=[1, 2],
+                        help="the group sizes to load with (none: only --serving)")
     parser.add_argument("--serving", action="store_true", help="also time `python -m model_service` to SERVING")
     parser.add_argument("--repo", nargs="*", default=[], help="LABEL=DIR: also load with that checkout's code")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="also write the JSON here")
@@ -140,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result["runs"][-1]), file=sys.stderr)
     if args.serving:
         try:
-            seconds = time_to_serving(config, directory, args.mesh, directory / "model_service.log")
-            result["serving"] = {"processes": 1, "seconds_to_serving": round(seconds, 1)}
+            result["serving"] = {"processes": 1, **time_to_serving(config, directory, args.mesh,
+                                                                     directory / "model_service.log")}
         except (RuntimeError, TimeoutError) as e:  # e.g. killed for memory: the loads' numbers still count
             result["serving"] = {"processes": 1, "error": str(e).splitlines()[0]}
     result["load_average"] = os.getloadavg()

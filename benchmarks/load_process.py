@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from typing import Any
@@ -43,6 +44,11 @@ class CountedReads:
         return n
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process, user and system
+    return usage.ru_utime + usage.ru_stime
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
@@ -72,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         f.write("5")  # VmHWM restarts from the RSS now
     base = proc_fields("/proc/self/status", ("VmRSS",))["VmRSS"]
     io_before = proc_fields("/proc/self/io", ("rchar", "syscr"))
-    began = time.monotonic()
+    began, cpu = time.monotonic(), _cpu_seconds()
     params = load_params(args.checkpoint, cfg, mesh, jnp.bfloat16, stacked=mesh_cfg.expert > 1)
     jax.block_until_ready(params)
-    seconds = time.monotonic() - began
+    seconds, cpu = time.monotonic() - began, _cpu_seconds() - cpu
     peak = proc_fields("/proc/self/status", ("VmHWM",))["VmHWM"] - base
     io_after = proc_fields("/proc/self/io", ("rchar", "syscr"))
     shards = [s.data for a in jax.tree.leaves(params) for s in a.addressable_shards]
@@ -83,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     # JAX's CPU client aliases host memory a device_put is given, so a shard's replicas may be one buffer
     distinct = sum({s.unsafe_buffer_pointer(): s.nbytes for s in shards}.values())
     report = {"process_id": jax.process_index(), "local_devices": jax.local_device_count(),
-              "seconds": round(seconds, 2), "bytes_read": reads.bytes, "read_calls": reads.calls,
+              "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2),
+              "bytes_read": reads.bytes, "read_calls": reads.calls,
               "largest_read": reads.largest, "rchar": io_after["rchar"] - io_before["rchar"],
               "syscr": io_after["syscr"] - io_before["syscr"], "kept": kept, "kept_distinct": distinct,
               "peak_over_baseline": peak, "ratio": round(peak / distinct, 3), "baseline_rss": base}

@@ -162,3 +162,12 @@ def test_peak_host_memory_while_loading_stays_near_what_the_devices_keep(tmp_pat
 
 def _encoded(weight: np.ndarray, spec: TensorSpec) -> bytes:
     return encode_tensor((weight, np.ones(spec.scales_shape, ml_dtypes.bfloat16)))
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (4, 1 << 20)])  # below and above the size mapped on its own
+def test_a_shard_buffer_becomes_the_cpu_devices_memory_without_a_copy(shape):
+    buffer = shard_reads.aligned_empty(shape, np.int8)
+    buffer[:] = 3
+    placed = jax.device_put(buffer, jax.devices()[0], may_alias=True)
+    assert buffer.ctypes.data % 64 == 0 and placed.unsafe_buffer_pointer() == buffer.ctypes.data
+    np.testing.assert_array_equal(np.asarray(placed), buffer)
