@@ -7,15 +7,15 @@ float32 arrays, written by numpy 1.x (`numpy.core.multiarray._reconstruct`).
 Each file is read by tensor_file.py's restricted unpickler (only arrays, dtypes and the quantized-weight
 record; sizes checked against the file and the config before anything is read or allocated; every error
 names the file). Each tensor goes straight onto its sharding, and `load_params` reads from disk only the
-regions of each array that this process's devices hold (file_arrays.FileArray): with one replica spread
-over several processes, no process reads the whole checkpoint.
+regions of each array that this process's devices hold (file_arrays.FileArray), in large reads straight into
+the device shards (shard_reads.py): with one replica spread over several processes, no process reads the whole
+checkpoint, and none holds a tensor's host copy beside its shards.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 import struct
 from collections.abc import Callable, Iterable
@@ -31,6 +31,7 @@ from model_service.file_arrays import FileArray
 from model_service.model.params import Params, TensorSpec, pack_for_native, random_experts, random_leaf, set_leaf, \
     tensor_specs, to_internal
 from model_service.model.weights import ExpertStack, QuantizedWeight
+from model_service.shard_reads import aligned_empty, place_file_array
 from model_service.sharding import fit_spec, path_to_str, spec_for_path
 from model_service.tensor_file import (  # noqa: F401 - CheckpointError and read_tensor are this module's API too
     BASIC_DTYPE_CODES, CheckpointError, read_bounded, read_tensor, tensor_max_bytes)
@@ -154,41 +155,9 @@ def _sharding(shape: tuple[int, ...], mesh: Mesh, path: str) -> NamedSharding:
 
 def _place(arr: np.ndarray | FileArray, mesh: Mesh, path: str) -> jax.Array:
     sharding = _sharding(arr.shape, mesh, path)
-    source = _read_addressable(arr, sharding) if isinstance(arr, FileArray) else arr
-    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: source[idx])
-
-
-def _read_addressable(arr: FileArray, sharding: NamedSharding) -> Any:
-    """Read only what this process's devices hold: in one region when their shards tile a box (a process
-    that holds every shard reads the tensor in one go), else shard by shard."""
-    shape = arr.shape
-    shards = {tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
-              for idx in sharding.addressable_devices_indices_map(shape).values()}
-    box = tuple((min(s[a][0] for s in shards), max(s[a][1] for s in shards)) for a in range(len(shape)))
-    if math.prod(b - a for a, b in box) != sum(math.prod(b - a for a, b in s) for s in shards):
-        return _ShardReader(arr)
-    return _Region(arr.read(tuple(slice(a, b) for a, b in box)), tuple(a for a, _ in box), shape)
-
-
-class _Region:
-    """A region read from a larger array, answering indices of the whole array."""
-
-    def __init__(self, data: np.ndarray, start: tuple[int, ...], shape: tuple[int, ...]) -> None:
-        self.data, self.start, self.shape = data, start, shape
-
-    def __getitem__(self, idx: tuple[slice, ...]) -> np.ndarray:
-        bounds = [s.indices(n)[:2] for s, n in zip(idx, self.shape)]
-        return self.data[tuple(slice(a - o, b - o) for (a, b), o in zip(bounds, self.start))]
-
-
-class _ShardReader:
-    """Reads each device's shard on request (shards that do not tile a box)."""
-
-    def __init__(self, arr: FileArray) -> None:
-        self.arr = arr
-
-    def __getitem__(self, idx: tuple[slice, ...]) -> np.ndarray:
-        return self.arr.read(idx)
+    if isinstance(arr, FileArray):  # read from disk straight into this process's shards (shard_reads.py)
+        return place_file_array(arr, sharding)
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
 
 def place_leaf(spec: TensorSpec, internal: Any, mesh: Mesh) -> Any:
@@ -234,22 +203,13 @@ def _stacked_experts(spec: TensorSpec, packed: Iterable[Any], count: int, mesh: 
     for e, q in enumerate(packed):
         if first is None:
             first = dataclasses.replace(q, packed=None, packed_scales=None)
-            weights = _aligned_empty((count, *q.packed.shape), q.packed.dtype)
-            scales = _aligned_empty((count, *q.packed_scales.shape), q.packed_scales.dtype)
+            weights = aligned_empty((count, *q.packed.shape), q.packed.dtype)
+            scales = aligned_empty((count, *q.packed_scales.shape), q.packed_scales.dtype)
         weights[e], scales[e] = q.packed, q.packed_scales
     base = f"{spec.module}/{spec.name}/experts/0"
     return ExpertStack((dataclasses.replace(
         first, packed=jax.device_put(weights, _sharding(weights.shape, mesh, f"{base}/packed"), may_alias=True),
         packed_scales=jax.device_put(scales, _sharding(scales.shape, mesh, f"{base}/packed_scales"), may_alias=True)),))
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype: Any, align: int = 64) -> np.ndarray:
-    """An uninitialised host array whose data starts on an `align`-byte boundary (what JAX's CPU client needs to
-    use host memory as a device buffer without copying it)."""
-    size = math.prod(shape) * np.dtype(dtype).itemsize
-    raw = np.empty(size + align, np.uint8)
-    offset = -raw.ctypes.data % align
-    return raw[offset:offset + size].view(dtype).reshape(shape)
 
 
 def _placed_expert(spec: TensorSpec, e: int, leaf: Any, mesh: Mesh) -> Any:

@@ -83,17 +83,26 @@ class FileArray:
         region = region.reshape(region.shape[len(self.lead):]).transpose(self.axes)
         return np.ascontiguousarray(region.astype(self.dtype, copy=False))
 
+    def read_stored(self, bounds: Sequence[tuple[int, int]], into: np.ndarray | None = None) -> np.ndarray:
+        """The stored array's region, [start, stop) per stored axis, in its stored layout (shard_reads.py copies
+        it into the view's shards, transposing and casting there); read into the bytes of `into` if given."""
+        return read_region(self.path, self.offset, self.stored_shape, self.stored_dtype, bounds, into)
+
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         full = self.read()
         return full if dtype is None else full.astype(dtype)
 
 
 def read_region(path: str, offset: int, shape: Sequence[int], dtype: np.dtype,
-                bounds: Sequence[tuple[int, int]]) -> np.ndarray:
-    """Read [start, stop) per axis of the C-order array at `offset`: one pread per contiguous run of bytes."""
+                bounds: Sequence[tuple[int, int]], into: np.ndarray | None = None) -> np.ndarray:
+    """Read [start, stop) per axis of the C-order array at `offset`: one pread per contiguous run of bytes (into
+    the bytes of `into`, reused memory, when given)."""
     shape = tuple(shape)
     counts = [stop - start for start, stop in bounds]
-    out = np.empty(counts, dtype=dtype)
+    if into is None:
+        out = np.empty(counts, dtype=dtype)
+    else:
+        out = into[:math.prod(counts) * dtype.itemsize].view(dtype).reshape(counts)
     if out.size == 0:
         return out.astype(dtype.newbyteorder("="), copy=False)
     # Axes after `split` are read whole, so each run covers them plus a range of axis `split`.
