@@ -95,12 +95,16 @@ class GrokModel:
         # attention compute each row alone, and the sums over a row's features (norms, the router's softmax) take
         # layers.row_sum's fixed order. One device only (under a mesh the features are sharded).
         self.row_sums = self.products.native and mesh.size == 1 and self.attention != "batched"
+        # The head's final norm (the scores' too) takes that order on one device whatever the products: the draws
+        # program runs the head over [P, D], P a draw per slot (times 1 + the drafts with speculative decoding), and
+        # XLA:CPU sums 4,096 elements or more in another order (YNNPACK's): at 512 features P = 4 and P = 20 parted.
+        self.head_row_sums = mesh.size == 1
         self._forward = hk.without_apply_rng(hk.transform(functools.partial(forward, cfg, mesh, self.dtype)))
         self._hidden = hk.without_apply_rng(hk.transform(functools.partial(hidden, cfg, mesh, self.dtype)))
         self._head = hk.without_apply_rng(hk.transform(
-            lambda h, used: head(cfg, h, self.products, used)))
+            lambda h, used: head(cfg, h, self.products, used, self.head_row_sums)))
         self._score = hk.without_apply_rng(hk.transform(
-            lambda h, targets, used, k: score(cfg, h, targets, used, self.products, k)))
+            lambda h, targets, used, k: score(cfg, h, targets, used, self.products, k, self.head_row_sums)))
 
     def pack_params(self, params: Params) -> Params:
         """`params` laid out for this model's backend, each changed leaf a copy placed like a loaded one: with

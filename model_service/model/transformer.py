@@ -171,11 +171,12 @@ def embed(cfg: ModelConfig, lm: LanguageModelParams, tokens: Array, dtype: jnp.d
 
 
 def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array, products: Products,
-            used: Array | None = None, fill_unused: bool = True) -> Array:
+            used: Array | None = None, fill_unused: bool = True, row_sums: bool = False) -> Array:
     """Final norm, then the tied unembedding: h [..., D] -> float32 logits [..., V]. Rows not `used` (bool over
     h's leading dims: a decode step's free slots) need no logits; native products skip them (zeros, or with
-    `fill_unused` False not even written: undefined, for a caller that never reads them)."""
-    h = rms_norm(h, lm.norm_scale)
+    `fill_unused` False not even written: undefined, for a caller that never reads them). `row_sums`: the
+    norm's mean square in layers.row_sum's fixed order (see head)."""
+    h = rms_norm(h, lm.norm_scale, row_sums)
     stored = lm.embeddings
     if products in (Products.DOT, Products.EXACT) and not isinstance(stored, PackedWeight):
         # A matrix unit: the table as stored meets the rows with float32 accumulation (a float32 copy of a bfloat16
@@ -210,20 +211,26 @@ def hidden(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array,
     return Transformer(cfg, mesh)(x, step)
 
 
-def head(cfg: ModelConfig, h: Array, products: Products, used: Array | None) -> Array:
+def head(cfg: ModelConfig, h: Array, products: Products, used: Array | None, row_sums: bool = False) -> Array:
     """Haiku-transformed (the same parameters): rows h [P, D] -> float32 logits [P, V]; rows not `used` [P] get
     none (with native products their values are undefined: the sampler reads a row only for a draw it makes,
-    and writing [V] zeros for each free slot cost ~2 ms a step at 16 slots)."""
+    and writing [V] zeros for each free slot cost ~2 ms a step at 16 slots). `row_sums`: the final norm's sum in
+    a fixed order (layers.row_sum), so a row's logits do not depend on P: XLA:CPU hands a reduction of 4,096
+    elements or more to YNNPACK, which sums in another order than its own loop, so its mean over [4, 512] and
+    over [20, 512] (a plain engine's draws and a speculative one's) gave a row other bits (issue 64)."""
     with jax.named_scope("unembed"):
-        return unembed(cfg, language_model_params(cfg), h, products, used, fill_unused=False)
+        return unembed(cfg, language_model_params(cfg), h, products, used, fill_unused=False, row_sums=row_sums)
 
 
 def score(cfg: ModelConfig, h: Array, targets: Array, used: Array, products: Products,
-          k: int) -> tuple[Array, Array, Array]:
+          k: int, row_sums: bool = False) -> tuple[Array, Array, Array]:
     """Haiku-transformed: how likely the network finds each row's next token (vLLM's prompt_logprobs).
 
     h [C, D] rows, targets [C] int32 (the token that follows each row), used [C] bool -> (log-probability of the
-    target [C], the k largest log-probabilities [C, k], their ids [C, k]) under the raw logits' log-softmax."""
-    logprobs = jax.nn.log_softmax(unembed(cfg, language_model_params(cfg), h, products, used), axis=-1)  # [C, V]
+    target [C], the k largest log-probabilities [C, k], their ids [C, k]) under the raw logits' log-softmax;
+    `row_sums` as in head (the logits then are the head's bits; the log-softmax over [C, V] is not: the engine
+    scores in tiles of one size, and XLA:CPU's exp too takes another form from 4,096 elements)."""
+    logits = unembed(cfg, language_model_params(cfg), h, products, used, row_sums=row_sums)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [C, V]
     top, ids = jax.lax.top_k(logprobs, k)
     return jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0], top, ids.astype(jnp.int32)

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model_service.checkpoint import random_params
+from model_service.config import load_model_config
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product
 from model_service.model.packed import PackedWeight
 from model_service.model.moe import (
@@ -21,6 +23,7 @@ from model_service.model.moe import (
 )
 
 from tests.model.conftest import RowRunner
+from tests.procs import ROOT
 
 rng = np.random.default_rng(0)
 
@@ -205,27 +208,32 @@ def test_a_row_is_bit_identical_whatever_number_of_tiles_runs(golden_model, prod
         assert not logits[4 * tiles:].any()  # rows past the tiles that ran come out zero
 
 
-def test_a_row_is_bit_identical_in_every_tile_size_a_step_program_runs(golden_model) -> None:
+@pytest.mark.parametrize("shapes", ["golden", "demo"])
+def test_a_row_is_bit_identical_in_every_tile_size_a_step_program_runs(golden_model, shapes: str) -> None:
     """The engine runs a step of few rows in one program of 8, 16 or 32 rows (engine.SMALL_TILES) and the others
     in the 64-row program: with native products on one device a row's last hidden state (what the engine's head
-    and scores then take in shapes of their own) is the same bits in each, for prompt rows (a first step of 63,
-    and chunks continuing prompts) and decode rows, over the same keys."""
+    and scores then take in shapes of their own: tests/model/test_head.py) is the same bits in each, for prompt
+    rows (a first step of 63, and chunks continuing prompts) and decode rows, over the same keys. On the golden
+    model and at the demo model's widths (random parameters): XLA:CPU's forms change at 4,096 elements."""
     from model_service.engine import SMALL_TILES
     from model_service.model import GrokModel
 
     loaded = golden_model("1,1", "float32")
-    model = GrokModel(loaded.cfg, loaded.model.mesh, jnp.float32, Products.NATIVE)
+    cfg = loaded.cfg if shapes == "golden" else load_model_config(str(ROOT / "demo" / "config.json"))
+    model = GrokModel(cfg, loaded.model.mesh, jnp.float32, Products.NATIVE)
     if not model.row_sums:
         pytest.skip("the native kernels are not built")
-    view = dataclasses.replace(loaded, model=model, params=model.pack_params(loaded.params))
-    prompts = [_prompt(n, loaded.cfg.vocab_size) for n in (5, 11, 3, 14, 7, 9, 2, 12)]
+    params = model.pack_params(loaded.params) if shapes == "golden" else random_params(
+        cfg, loaded.model.mesh, jnp.float32, seed=64, pack=True, stacked=model.backend.stacked_experts)
+    view = dataclasses.replace(loaded, cfg=cfg, model=model, params=params)
+    prompts = [_prompt(n, cfg.vocab_size) for n in (5, 11, 3, 14, 7, 9, 2, 12)]
     first = RowRunner(view, 8, tile=64)
     first.run([r for i, p in enumerate(prompts) for r in _rows(i, p)], size=64, hidden=True)  # 63 prompt rows
     keys = first.pools
     # The next step: decode rows of sequences 0-3, then chunks of 6 rows continuing sequences 4-7 (28 rows); a
     # program of t rows takes the first t of them.
     decode = [(i, len(p), int(p[0])) for i, p in enumerate(prompts[:4])]
-    chunks = [r for i, p in enumerate(prompts[4:], 4) for r in _rows(i, _prompt(6, loaded.cfg.vocab_size), len(p))]
+    chunks = [r for i, p in enumerate(prompts[4:], 4) for r in _rows(i, _prompt(6, cfg.vocab_size), len(p))]
     step = decode + chunks
     for tile in SMALL_TILES:
         small, whole = RowRunner(view, 8, tile=tile), RowRunner(view, 8, tile=64)
