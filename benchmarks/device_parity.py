@@ -122,8 +122,9 @@ def case(golden: pathlib.Path, dtype: str, f32_atol: float, moe: str = "auto") -
     # --moe other than auto only: a checkout measured with --repo may predate the argument
     backend = None if moe == "auto" else choose_backend("auto", mesh, jnp.dtype(dtype), moe=moe)
     model = GrokModel(cfg, mesh, jnp.dtype(dtype), backend=backend)
-    params = load_params(str(golden / "checkpoint"), cfg, mesh, jnp.dtype(dtype), pack=model.products.native,
-                         stacked=model.backend.stacked_experts)
+    # pack_params: the layout the backend runs (a checkout measured with --repo may predate load_params' arguments)
+    params = model.pack_params(load_params(str(golden / "checkpoint"), cfg, mesh, jnp.dtype(dtype),
+                                           pack=model.products.native, stacked=model.backend.stacked_experts))
     loaded = Loaded(cfg, model, params, jax.jit(model.forward))
     reference = "bfloat16" if dtype == "bfloat16" and (golden / "model_bf16.npz").exists() else "float32"
     gold = dict(np.load(golden / f"model_{'bf16' if reference == 'bfloat16' else 'fp32'}.npz"))
