@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from model_service.backend import choose_backend
 from model_service.checkpoint import load_params, random_leaves, random_params, write_checkpoint
 from model_service.config import MeshConfig, ModelConfig, load_model_config
-from model_service.kv_memory import KVMemory
+from model_service.kv_memory import KVMemory, LayerPool, init_pools, read_blocks, write_tokens
 from model_service.model import GrokModel, TokenRows
 from model_service.model.stacking import put_layer, stacked_module
 from model_service.sharding import LAYER_STACK, make_mesh
@@ -115,6 +115,18 @@ def test_each_layer_is_written_into_its_stack_in_place() -> None:
     np.testing.assert_array_equal(params[f"{LAYER_STACK}router"]["w"], np.stack([np.ones((4, 2)), np.zeros((4, 2)),
                                                                                np.full((4, 2), 2.0)]))
     assert not put_layer(params, "language_model/rms_norm", "scale", jnp.ones(4), 3, mesh)
+
+
+@pytest.mark.parametrize("layout", ["tokens", "heads"])
+def test_a_layer_of_the_stacked_pools_is_written_and_read_as_a_pool_of_its_own(layout: str) -> None:
+    stacked = init_pools(6, 4, 3, 2, 8, jnp.float32, layout, stacked=True).k
+    new = jnp.asarray(np.random.default_rng(0).standard_normal((5, 2, 8)), jnp.float32)
+    blocks, offsets, ids = jnp.array([0, 3, 3, 6, 2]), jnp.array([1, 0, 3, 2, 3]), jnp.array([[3, 0], [6, 2]])
+    got = write_tokens(LayerPool(stacked, jnp.int32(1)), new, blocks, offsets)
+    want = write_tokens(stacked[1], new, blocks, offsets)
+    np.testing.assert_array_equal(got.stacked[1], want)
+    assert not np.asarray(got.stacked[0]).any() and not np.asarray(got.stacked[2]).any()
+    np.testing.assert_array_equal(read_blocks(got, ids, 2), read_blocks(want, ids, 2))
 
 
 def test_the_pools_are_stacked_with_the_layer_axis_unsharded() -> None:
