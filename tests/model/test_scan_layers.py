@@ -19,6 +19,8 @@ from model_service.kv_memory import KVMemory, LayerPool, init_pools, read_blocks
 from model_service.model import GrokModel, TokenRows
 from model_service.model.stacking import put_layer, stacked_module
 from model_service.sharding import LAYER_STACK, make_mesh
+from tests.model import test_parity
+from tests.model.conftest import Loaded
 from tests.procs import GOLDEN
 
 _GOLDEN = load_model_config(str(GOLDEN / "config.json"))
@@ -77,6 +79,22 @@ def test_scanned_layers_compute_what_the_unrolled_layers_compute() -> None:
     for got, want in zip(out["scan"], out["unroll"]):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     np.testing.assert_array_equal(out["scan"][0].argmax(-1), out["unroll"][0].argmax(-1))
+
+
+@pytest.mark.parametrize("mesh", ["1,1", "1,8"])
+def test_the_scanned_layers_pass_the_golden_parity_tests(golden_npz, mesh: str) -> None:
+    """tests/model/test_parity.py's checks, run on the generic backend (its layers scanned) where CI has no
+    accelerator: float32 logits within 1e-4 and the greedy ids; bfloat16's criteria."""
+    def golden_model(mesh: str, dtype: str) -> Loaded:
+        m = make_mesh(MeshConfig.parse(mesh))
+        model = GrokModel(_GOLDEN, m, jnp.dtype(dtype), backend=choose_backend("generic", m, jnp.dtype(dtype)))
+        assert model.scan_layers
+        params = load_params(str(GOLDEN / "checkpoint"), _GOLDEN, m, jnp.dtype(dtype),
+                             stacked=model.backend.stacked_experts, stack_layers=model.scan_layers)
+        return Loaded(_GOLDEN, model, params, jax.jit(model.forward))
+
+    test_parity.test_float32_prefill_full_logits_and_greedy_match_reference(golden_model, golden_npz, mesh)
+    test_parity.test_bfloat16_prefill_logits_and_confident_greedy_steps_match_reference(golden_model, golden_npz, mesh)
 
 
 @pytest.mark.parametrize("mesh", ["1,2", "2,2,2"])
