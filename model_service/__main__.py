@@ -145,10 +145,10 @@ def parser() -> EnvArgumentParser:
                             "single devices, cond on meshes and on the cpu backend)")
     p.add_env_argument("--layers", choices=LAYERS_CHOICES, default="auto",
                        help="how the generic backend runs the decoder layers: scan (one loop over parameters and KV "
-                            "pools stacked along a layer axis: the step programs compile in the same time at any "
-                            "depth), unroll (one copy of a layer per layer in each program: compile time grows with "
-                            "the depth; for comparison) or auto (scan on the generic backend; the cpu backend always "
-                            "unrolls)")
+                            "pools stacked along a layer axis: each step program is the same size at any depth, so "
+                            "its compile time does not grow with it), unroll (one copy of a layer per layer in each "
+                            "program: compile time grows with the depth; for comparison) or auto (scan on the "
+                            "generic backend; the cpu backend always unrolls)")
     p.add_env_argument("--products", choices=PRODUCT_CHOICES, default="auto",
                        help="how token rows meet the weights: native (the int8 CPU kernel built with the package: "
                             "float32 on CPU only), native-int8 (native with each row rounded to int8 per 32 values "
