@@ -66,8 +66,8 @@ def measure(golden: pathlib.Path, variants: list[str]) -> dict[str, Any]:
             out[name] = {"skipped": str(e)}
             continue
         model = GrokModel(cfg, mesh, jnp.dtype(dtype), products)
-        params = load_params(str(golden / "checkpoint"), cfg, mesh, jnp.dtype(dtype), pack=products.native,
-                             int8_table=products.int8)
+        params = model.pack_params(load_params(str(golden / "checkpoint"), cfg, mesh, jnp.dtype(dtype),
+                                               pack=products.native, int8_table=products.int8))
         forward = jax.jit(model.forward)
         rows: dict[str, Any] = {"dtype": dtype, "products": products.value}
         for p in ("p0", "p1"):

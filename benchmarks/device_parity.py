@@ -104,7 +104,7 @@ def verdict(dtype: str, reference: str, prompts: list[dict[str, Any]], f32_atol:
                 f"median step error < {BF16_STEP_MEDIAN}, 90 % of steps < {BF16_STEP_MOST}")
 
 
-def case(golden: pathlib.Path, dtype: str, f32_atol: float, moe: str = "auto") -> dict[str, Any]:
+def case(golden: pathlib.Path, dtype: str, f32_atol: float, moe: str = "auto", layers: str = "auto") -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
@@ -119,11 +119,13 @@ def case(golden: pathlib.Path, dtype: str, f32_atol: float, moe: str = "auto") -
     mesh = make_mesh(MeshConfig(1, 1))
     from model_service.backend import choose_backend
 
-    # --moe other than auto only: a checkout measured with --repo may predate the argument
-    backend = None if moe == "auto" else choose_backend("auto", mesh, jnp.dtype(dtype), moe=moe)
+    # --moe / --layers other than auto only: a checkout measured with --repo may predate the arguments
+    chosen = {k: v for k, v in (("moe", moe), ("layers", layers)) if v != "auto"}
+    backend = choose_backend("auto", mesh, jnp.dtype(dtype), **chosen) if chosen else None
     model = GrokModel(cfg, mesh, jnp.dtype(dtype), backend=backend)
-    params = load_params(str(golden / "checkpoint"), cfg, mesh, jnp.dtype(dtype), pack=model.products.native,
-                         stacked=model.backend.stacked_experts)
+    # pack_params: the layout the backend runs (a checkout measured with --repo may predate load_params' arguments)
+    params = model.pack_params(load_params(str(golden / "checkpoint"), cfg, mesh, jnp.dtype(dtype),
+                                           pack=model.products.native, stacked=model.backend.stacked_experts))
     loaded = Loaded(cfg, model, params, jax.jit(model.forward))
     reference = "bfloat16" if dtype == "bfloat16" and (golden / "model_bf16.npz").exists() else "float32"
     gold = dict(np.load(golden / f"model_{'bf16' if reference == 'bfloat16' else 'fp32'}.npz"))
@@ -145,13 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--f32-atol", type=float, default=1e-4, help="float32 logits' bound (the parity tests': 1e-4)")
     p.add_argument("--moe", default="auto", help="as the model service's --moe (the generic backend's experts)")
+    p.add_argument("--layers", default="auto", help="as the model service's --layers (scan or unroll)")
     args = p.parse_args(argv)
     import jax
 
     cases = []
     for dtype in args.dtypes.split(","):
         try:
-            cases.append(case(args.set, dtype, args.f32_atol, args.moe))
+            cases.append(case(args.set, dtype, args.f32_atol, args.moe, args.layers))
         except Exception as e:  # noqa: BLE001 - one case's crash is its result; the other dtype still runs
             cases.append({"set": args.set.name, "dtype": dtype, "moe": args.moe, "pass": False,
                           "error": f"{type(e).__name__}: {e}"})

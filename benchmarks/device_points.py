@@ -30,12 +30,13 @@ import numpy as np
 
 
 def build(config: str, dtype: str, slots: int, seed: int, backend: str = "auto",
-          moe: str = "auto") -> tuple[Any, float]:
+          moe: str = "auto", layers: str = "auto") -> tuple[Any, float]:
     """The model service's engine for `config` with random weights, and the seconds its weights took."""
     from model_service.loading import ServerConfig, load_engine, resolve
 
+    chosen = {"layers": layers} if layers != "auto" else {}  # a checkout from before --layers takes none
     server = ServerConfig(config=config, checkpoint=None, random_init=True, dtype=dtype, slots=slots,
-                          random_seed=seed, backend=backend, moe=moe)
+                          random_seed=seed, backend=backend, moe=moe, **chosen)
     start = time.perf_counter()
     engine = load_engine(server, resolve(server))
     import jax
@@ -159,7 +160,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     streams = [int(s) for s in args.streams.split(",") if s]
     count, length = (int(x) for x in args.prompt_rows.split("x")) if args.prompt_rows else (0, 0)
     slots = max(streams + [count, 1])
-    engine, init_s = build(args.config, args.dtype, slots, args.seed, args.backend, args.moe)
+    engine, init_s = build(args.config, args.dtype, slots, args.seed, args.backend, args.moe, args.layers)
     import os
 
     progress(f"built in {init_s:.1f} s; compiling (NPROC={os.environ.get('NPROC')!r}, "
@@ -174,7 +175,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "compile_s": {k: round(v, 3) for k, v in compiled.items()}, "compile_total_s": round(compile_s, 3),
         "engine": {"slots": engine.slots, "max_rows": engine.max_rows, "tile": getattr(engine, "tile", None),
                    "sequence_len": engine.sequence_len, "backend": getattr(backend, "name", None),
-                   "products": getattr(getattr(backend, "products", None), "value", None)},
+                   "products": getattr(getattr(backend, "products", None), "value", None),
+                   "scan_layers": getattr(backend, "scan_layers", None)},
         "points": []}
     d = Driver(engine, args.seed)
     todo: list[Callable[[], dict[str, Any] | None]] = []
@@ -212,6 +214,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="auto", help="as the model service's --backend (auto: the platform's)")
     p.add_argument("--moe", default="auto", help="as the model service's --moe (auto: the backend's choice)")
+    p.add_argument("--layers", default="auto", help="as the model service's --layers (auto: scan on the generic "
+                   "backend)")
     return p
 
 

@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-rows", default="", help="a prompts point, PROMPTSxTOKENS")
     p.add_argument("--decode-prompt", type=int, default=32)
     p.add_argument("--moe", default="auto")
+    p.add_argument("--layers", default="auto")
     p.add_argument("--backend", default="auto")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--steps", type=int, default=5, help="steps traced a point")
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     streams = [int(s) for s in args.streams.split(",") if s]
     count, length = (int(x) for x in args.prompt_rows.split("x")) if args.prompt_rows else (0, 0)
     begin = time.perf_counter()
-    engine, _ = build(args.config, args.dtype, max(streams + [count, 1]), 0, args.backend, args.moe)
+    engine, _ = build(args.config, args.dtype, max(streams + [count, 1]), 0, args.backend, args.moe, args.layers)
     built = time.perf_counter() - begin
     compiled = engine.compile()
     texts = [c.as_text() for c in getattr(engine, "_compiled", {}).values()]

@@ -25,6 +25,9 @@ accelerator is how that program computes, and it is all here:
               ragged_dot over the same stacked experts) or "expert" (a mesh with an expert axis: each expert group
               runs the conditionals over its own stacked experts, one reduction a layer). The stacked forms load
               the experts stacked (weights.GroupedWeight); other meshes of several devices keep "cond".
+  scan_layers the decoder layers as one loop over parameters and KV pools stacked along a leading layer axis
+              (generic, by default: a program, and its compile time, the same at any depth) rather than unrolled,
+              one copy of a layer per layer (CPU: its native kernels take each layer's own buffers).
 
 `choose_backend("cpu" | "generic" | "auto", ...)`: "cpu" is what a CPU runs best (native products where the
 kernels built, per-row attention, tiles of CPU_TILE rows); "generic" is what an accelerator runs (XLA's
@@ -43,7 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from model_service import kernels
-from model_service.config import BACKENDS, MOE_CHOICES, PRODUCT_CHOICES
+from model_service.config import BACKENDS, LAYERS_CHOICES, MOE_CHOICES, PRODUCT_CHOICES
 from model_service.model.layers import Products
 from model_service.model.packed import native_ok
 
@@ -72,6 +75,7 @@ class Backend:
     one_program: bool = False
     exact_f32: bool = False
     moe: str = "cond"
+    scan_layers: bool = False
 
     @property
     def stacked_experts(self) -> bool:
@@ -127,13 +131,21 @@ def row_buckets(step_rows: int, buckets: tuple[int, ...] | None = None) -> tuple
 
 def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", slots: int = 1,
                    step_tokens: int | None = None, tile_rows: int | None = None,
-                   buckets: tuple[int, ...] | None = None, moe: str = "auto") -> Backend:
+                   buckets: tuple[int, ...] | None = None, moe: str = "auto", layers: str = "auto") -> Backend:
     """The backend for `mesh` (see the module docstring); `step_tokens` / `tile_rows` override its shape (a step
     holds at least one row per slot and whole tiles), `buckets` the accelerator's row buckets, `moe` how the
-    generic backend runs the experts (choose_moe)."""
+    generic backend runs the experts (choose_moe), `layers` (--layers) whether it scans its layers ("scan") or
+    unrolls them ("unroll"; the cpu backend always does). "auto" scans the generic backend's layers on CPU and
+    unrolls them on accelerators: the scanned program has not run on a TPU or GPU yet (its numbers in
+    docs/performance.md are the unrolled program's), so there it is an opt-in until a chip has measured it."""
     if choice not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
+    if layers not in LAYERS_CHOICES:
+        raise ValueError(f"--layers must be one of {', '.join(LAYERS_CHOICES)}, got {layers!r}")
     name = choice if choice != "auto" else ("cpu" if platform(mesh) == "cpu" else "generic")
+    if name == "cpu" and layers == "scan":
+        raise ValueError("--layers scan runs on the generic backend (the cpu backend's kernels take each layer's own "
+                         "buffers): use --backend generic, or --layers auto")
     if name == "cpu":
         chosen = choose_products(products, mesh, jnp.dtype(dtype))
         rows = max(step_tokens or CPU_STEP_TOKENS, slots)
@@ -160,7 +172,8 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
                                      for b in (GENERIC_ROW_BUCKETS if buckets is None else buckets)))
     return Backend(name, chosen, attention, tile, rows, native, vectorised_sampling=True, row_buckets=fitted,
                    one_program=True, exact_f32=chosen is Products.EXACT,
-                   moe=choose_moe(name, mesh, moe, faithful=chosen is Products.EXACT))
+                   moe=choose_moe(name, mesh, moe, faithful=chosen is Products.EXACT),
+                   scan_layers=layers == "scan" or (layers == "auto" and platform(mesh) == "cpu"))
 
 
 def choose_moe(name: str, mesh: Mesh, choice: str = "auto", faithful: bool = False) -> str:

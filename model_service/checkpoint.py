@@ -30,6 +30,7 @@ from model_service.config import ModelConfig
 from model_service.file_arrays import FileArray
 from model_service.model.params import Params, TensorSpec, pack_for_native, random_experts, random_leaf, set_leaf, \
     tensor_specs, to_internal
+from model_service.model.stacking import put_layer
 from model_service.model.weights import ExpertStack, QuantizedWeight
 from model_service.shard_reads import aligned_empty, place_file_array
 from model_service.sharding import fit_spec, path_to_str, spec_for_path
@@ -218,11 +219,20 @@ def _placed_expert(spec: TensorSpec, e: int, leaf: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, arr: _place(arr, mesh, f"{base}/{path_to_str(path)}"), leaf)
 
 
+def _keep(params: Params, spec: TensorSpec, placed: Any, cfg: ModelConfig, mesh: Mesh, stack_layers: bool) -> None:
+    """One placed parameter into `params`: under its own module, or (`stack_layers`) into its layer stack."""
+    if not (stack_layers and put_layer(params, spec.module, spec.name, placed, cfg.model.num_layers, mesh)):
+        set_leaf(params, spec, placed)
+
+
 def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progress: Progress | None = None,
-                pack: bool = False, int8_table: bool = False, stacked: bool = False) -> Params:
+                pack: bool = False, int8_table: bool = False, stacked: bool = False,
+                stack_layers: bool = False) -> Params:
     """Read `<ckpt_dir>/ckpt-0` into sharded device arrays, one tensor at a time (`pack`: the matrices packed
     for native products, as GrokModel.pack_params would, and the table kept in the checkpoint's type, or with
-    `int8_table` rounded to int8; `stacked`: each MoE matrix's experts in one buffer, Backend.stacked_experts)."""
+    `int8_table` rounded to int8; `stacked`: each MoE matrix's experts in one buffer, Backend.stacked_experts;
+    `stack_layers`: each layer's tensor written into its parameter's stack as it is placed,
+    Backend.scan_layers)."""
     specs = tensor_specs(cfg)
     ckpt = pathlib.Path(ckpt_dir) / "ckpt-0"
     _check_layout(ckpt, specs)
@@ -231,7 +241,7 @@ def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progres
         leaf = read_tensor(ckpt / f"tensor{i:05d}_000", lazy=True, max_bytes=tensor_max_bytes(spec), root=ckpt)
         _check_leaf(spec, leaf, i)
         internal = to_internal(spec, leaf, dtype, native=pack, stacked=stacked)
-        set_leaf(params, spec, _placed(spec, internal, mesh, pack, int8_table))
+        _keep(params, spec, _placed(spec, internal, mesh, pack, int8_table), cfg, mesh, stack_layers)
         if progress:
             progress(i + 1, len(specs))
     return params
@@ -244,10 +254,10 @@ def random_leaves(cfg: ModelConfig, seed: int) -> Any:
 
 
 def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int, pack: bool = False,
-                  int8_table: bool = False, stacked: bool = False) -> Params:
+                  int8_table: bool = False, stacked: bool = False, stack_layers: bool = False) -> Params:
     """Random int8-quantized weights, laid out and sharded exactly like a loaded checkpoint of
     `random_leaves(cfg, seed)`; an MoE matrix is drawn, converted and placed one expert at a time (`stacked`:
-    drawn whole and placed as one buffer, as load_params(stacked=True))."""
+    drawn whole and placed as one buffer, as load_params(stacked=True); `stack_layers` as load_params')."""
     rng = np.random.default_rng(seed)
     params: Params = {}
     for spec in tensor_specs(cfg):
@@ -258,7 +268,7 @@ def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int, pack: boo
         else:
             internal = _placed(spec, to_internal(spec, random_leaf(spec, cfg, rng), dtype, native=pack), mesh, pack,
                                int8_table)
-        set_leaf(params, spec, internal)
+        _keep(params, spec, internal, cfg, mesh, stack_layers)
     return params
 
 

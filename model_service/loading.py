@@ -43,6 +43,7 @@ class ServerConfig:
     huge_pages: bool = True  # back the weights and the heap with transparent huge pages once compiled (host_memory)
     backend: str = "auto"  # auto | cpu | generic: the hardware choices (backend.py)
     moe: str = "auto"  # auto | pallas | ragged | cond: how the generic backend runs the experts (backend.choose_moe)
+    layers: str = "auto"  # auto | scan | unroll: whether the generic backend scans its layers (Backend.scan_layers)
     products: str = "auto"  # auto | native | xla: how token rows meet the weights on the cpu backend
     step_tokens: int | None = None  # token rows per step (None: engine.choose_shape's default for the platform)
     prefill_tokens: int | None = None  # prompt rows per step while others decode (None: paced, pacing.py)
@@ -100,7 +101,7 @@ def use_huge_pages(config: ServerConfig, engine: Any) -> None:
 # The settings a process's programs depend on (beside the model config and JAX's own flags): two processes
 # that agree on these compile the same programs.
 PROGRAM_SETTINGS = ("dtype", "mesh", "slots", "kv_tokens", "kv_memory", "block_size", "prefix_caching", "backend", "moe",
-                    "products", "step_tokens", "tile_rows", "speculative")
+                    "layers", "products", "step_tokens", "tile_rows", "speculative")
 
 
 def programs_key(config: ServerConfig, cfg: ModelConfig) -> str:
@@ -134,21 +135,23 @@ def load_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     read_before = _bytes_read()
     dtype = jnp.dtype(config.dtype)
     backend = choose_backend(config.backend, mesh, dtype, config.products, config.slots, config.step_tokens,
-                             config.tile_rows, moe=config.moe)
+                             config.tile_rows, moe=config.moe, layers=config.layers)
     model = GrokModel(cfg, mesh, dtype, block_size=config.block_size, backend=backend)
     pack = model.products.native  # matrices packed for the kernel as they load
     int8_table = model.products.int8  # and the table rounded to int8 with int8 activations
     log.info("backend", extra={"backend": backend.name, "products": backend.products.value,
                                "attention": backend.attention, "tile_rows": backend.tile_rows,
-                               "step_tokens": backend.step_tokens, "moe": backend.moe})
+                               "step_tokens": backend.step_tokens, "moe": backend.moe,
+                               "scan_layers": backend.scan_layers})
     start = time.monotonic()
     if config.checkpoint:
         params = checkpoint.load_params(config.checkpoint, cfg, mesh, dtype, progress=_progress, pack=pack,
-                                        int8_table=int8_table, stacked=backend.stacked_experts)
+                                        int8_table=int8_table, stacked=backend.stacked_experts,
+                                        stack_layers=backend.scan_layers)
     else:
         log.warning("serving RANDOM weights (--random-init): outputs are noise")
         params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed, pack=pack, int8_table=int8_table,
-                                          stacked=backend.stacked_experts)
+                                          stacked=backend.stacked_experts, stack_layers=backend.scan_layers)
     log.info("weights ready", extra={"seconds": round(time.monotonic() - start, 2), "process_id": jax.process_index(),
                                      "bytes_read": _bytes_read() - read_before})
     blocks = kv_blocks(config, cfg, dtype.itemsize)

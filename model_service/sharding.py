@@ -68,6 +68,10 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"in_out_embed/embeddings$", P(None, MODEL)),  # [V, D]
 )
 
+# The scanned decoder layers (model/transformer.py, Backend.scan_layers) keep every layer's parameter in one array
+# under this module, the layer axis leading and unsharded: their rules are the per-layer ones above, shifted by it.
+LAYER_STACK = "transformer/decoder_layers/"
+
 # A dense prefill's KV [N, Hkv, T, D]; the paged pool [blocks + 1, Hkv, block_size, D] (every data shard reads
 # any slot's blocks); per-slot positions [B].
 KV_SPEC = P(DATA, MODEL, None, None)
@@ -193,11 +197,10 @@ def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
 
 
 def spec_for_path(path: str, rules: Sequence[tuple[str, P]] = PARAM_RULES) -> P:
-    """The first rule matching `path`; unmatched parameters are replicated."""
-    for pattern, spec in rules:
-        if re.search(pattern, path):
-            return spec
-    return P()
+    """The first rule matching `path`; unmatched parameters are replicated. Under LAYER_STACK the rule's spec
+    follows a leading unsharded layer axis."""
+    spec = next((spec for pattern, spec in rules if re.search(pattern, path)), P())
+    return P(None, *spec) if path.startswith(LAYER_STACK) else spec
 
 
 def path_to_str(path: tuple[Any, ...]) -> str:

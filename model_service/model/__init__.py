@@ -2,7 +2,8 @@
 
 `rows` (one serving step: token rows of any sequences at any positions, written into and attending over the
 paged KV pools), `head` / `score` (a step's rows to logits / prompt log-probabilities), full-sequence
-`forward` for parity checks, and the sharding pytrees the engine jits with.
+`forward` for parity checks, and the sharding pytrees the engine jits with. The layers run unrolled or, with
+Backend.scan_layers, as one loop over stacked parameters and pools (transformer.scan_layers).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from model_service.kv_memory import KVMemory, Pools
 from model_service.model.layers import Products, QuantizedWeight
 from model_service.model.segments import ATTENTION_MODES
 from model_service.model.params import Params, experts_layout, pack_for_native, packable, relayout
-from model_service.model.transformer import HEAD_SCOPE, Step, forward, head, hidden, score
+from model_service.model.stacking import stack_params
+from model_service.model.transformer import (HEAD_SCOPE, Step, embedded, forward, head, hidden, scan_layers, score,
+                                             stacked_layer)
 from model_service.sharding import DATA, EXPERT, MODEL, params_shardings
 
 __all__ = ["GrokModel", "KVMemory", "Params", "Pools", "Products", "QuantizedWeight", "TokenRows", "choose_products"]
@@ -99,8 +102,12 @@ class GrokModel:
         # program runs the head over [P, D], P a draw per slot (times 1 + the drafts with speculative decoding), and
         # XLA:CPU sums 4,096 elements or more in another order (YNNPACK's): at 512 features P = 4 and P = 20 parted.
         self.head_row_sums = mesh.size == 1
+        # Scanned layers (the generic backend's default): the embedding, one layer run as a loop, the head apart.
+        self.scan_layers = backend.scan_layers
         self._forward = hk.without_apply_rng(hk.transform(functools.partial(forward, cfg, mesh, self.dtype)))
         self._hidden = hk.without_apply_rng(hk.transform(functools.partial(hidden, cfg, mesh, self.dtype)))
+        self._embed = hk.without_apply_rng(hk.transform(functools.partial(embedded, cfg, mesh, self.dtype)))
+        self._layer = hk.without_apply_rng(hk.transform(functools.partial(stacked_layer, cfg, mesh)))
         self._head = hk.without_apply_rng(hk.transform(
             lambda h, used: head(cfg, h, self.products, used, self.head_row_sums)))
         self._score = hk.without_apply_rng(hk.transform(
@@ -110,7 +117,12 @@ class GrokModel:
         """`params` laid out for this model's backend, each changed leaf a copy placed like a loaded one: with
         native products the packable leaves (params.packable) packed for the kernel; with stacked experts
         (Backend.stacked_experts) each MoE matrix's experts in one buffer, as the grouped form reads it
-        (params.experts_layout). Trees already laid out come back as they are."""
+        (params.experts_layout); with scanned layers every layer's leaves stacked (stacking.stack_params). Trees
+        already laid out come back as they are."""
+        out = self._leaves_laid_out(params)
+        return stack_params(out, self.cfg.model.num_layers, self.mesh) if self.scan_layers else out
+
+    def _leaves_laid_out(self, params: Params) -> Params:
         if self.products.native:
             change, convert = packable, lambda module, leaf: pack_for_native(module, leaf, self.mesh,
                                                                              self.products.int8)
@@ -132,12 +144,12 @@ class GrokModel:
         """Empty paged KV memory: every layer's pool of `num_blocks` blocks (+ the scratch block)."""
         t = self.cfg.model
         return kv_memory.init_pools(num_blocks, self.block_size, t.num_layers, t.num_kv_heads, t.key_size, self.dtype,
-                                    self.kv_layout)
+                                    self.kv_layout, self.scan_layers)
 
     def pools_shardings(self, num_blocks: int) -> Pools:
         t = self.cfg.model
         return kv_memory.pools_shardings(self.mesh, num_blocks, self.block_size, t.num_layers, t.num_kv_heads,
-                                         t.key_size, self.kv_layout)
+                                         t.key_size, self.kv_layout, self.scan_layers)
 
     @property
     def kv_layout(self) -> str:
@@ -197,7 +209,7 @@ class GrokModel:
             part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * tile, tile), rows._replace(tables=None))
             step = Step(part.positions[:, None], None, pools, part.valid, part.seq, rows.tables, self.products,
                         self.key_chunk, self.attention, self.row_sums, self.moe)
-            h, pools = self._hidden.apply(params, part.tokens[:, None], step)
+            h, pools = self._layers(params, part.tokens[:, None], step)
             return jax.lax.dynamic_update_slice_in_dim(out, h[:, 0].astype(out.dtype), i * tile, axis=0), pools
 
         out = jnp.zeros((r, t.emb_size), self.dtype)
@@ -205,6 +217,12 @@ class GrokModel:
             return one(jnp.int32(0), (out, pools))
         count = r // tile if tiles is None else tiles
         return jax.lax.fori_loop(0, count, one, (out, pools))
+
+    def _layers(self, params: Params, tokens: Array, step: Step) -> tuple[Array, Pools | None]:
+        """tokens [B, T] -> the last layer's output [B, T, D] and the pools written (paged)."""
+        if not self.scan_layers:
+            return self._hidden.apply(params, tokens, step)
+        return scan_layers(self._layer.apply, params, self._embed.apply(params, tokens), step)
 
     def head_params(self, params: Params) -> Params:
         """The part of `params` that `head` and `score` read: the language model's table and final norm."""
@@ -226,8 +244,11 @@ class GrokModel:
         n = tokens.shape[1]
         positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], tokens.shape)
         mask = jnp.tril(jnp.ones((n, n), bool))[None] & (tokens != self.cfg.pad_token)[:, None, :]
+        step = Step(positions, mask, products=self.products, moe=self.moe)
         with self.precision():
-            return self._forward.apply(params, tokens, Step(positions, mask, products=self.products, moe=self.moe))
+            if not self.scan_layers:
+                return self._forward.apply(params, tokens, step)
+            return self._head.apply(params, self._layers(params, tokens, step)[0], None)
 
     def params_shardings(self, params: Params) -> Any:
         return params_shardings(params, self.mesh)

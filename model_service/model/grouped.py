@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model_service.kernels.tpu.grouped_matmul import Tiling, fit_tiling, grouped_matmul
-from model_service.model.weights import GroupedWeight
+from model_service.model.weights import GroupedWeight, InLayer
 
 Array = jax.Array
 
@@ -36,9 +36,11 @@ TILING = Tiling(rows=128, k=1024, n=2048)  # the kernel's default tiles (benchma
 
 
 class GroupedExperts(NamedTuple):
-    linear: GroupedWeight  # gelu branch [E, D, F]
-    linear_v: GroupedWeight  # linear branch [E, D, F]
-    linear_1: GroupedWeight  # output [E, F, D], 8 row-block scales
+    """Each a GroupedWeight, or (scanned layers) a layer InLayer of the stacked ones."""
+
+    linear: GroupedWeight | InLayer  # gelu branch [E, D, F]
+    linear_v: GroupedWeight | InLayer  # linear branch [E, D, F]
+    linear_1: GroupedWeight | InLayer  # output [E, F, D], 8 row-block scales
 
 
 class Pairs(NamedTuple):
@@ -78,7 +80,7 @@ ALIGN = 128  # rows of a row block the kernel's K tiles need (its tiles divide i
 
 def pads(q: GroupedWeight, mode: str) -> bool:
     """Whether kernel_layout changes q for `mode`."""
-    per = q.weight.shape[1] // q.blocks
+    per = q.weight.shape[-2] // q.blocks
     return mode in ("pallas", "pallas_interpret") and not q.rows and q.blocks > 1 and per % ALIGN != 0
 
 
@@ -88,35 +90,40 @@ def kernel_layout(q: GroupedWeight, mode: str) -> GroupedWeight:
     otherwise copy on every call (medium's linear_1: blocks of 342 rows). Anything else comes back as it is."""
     if not pads(q, mode):
         return q
-    e, k, n = q.weight.shape
+    *lead, k, n = q.weight.shape  # [E, K, N], or stacked over the layers [layers, E, K, N]
     per = k // q.blocks
     xp = np if isinstance(q.weight, np.ndarray) else jnp
-    padded = xp.pad(q.weight.reshape(e, q.blocks, per, n), ((0, 0), (0, 0), (0, -per % ALIGN), (0, 0)))
-    return GroupedWeight(padded.reshape(e, -1, n), q.scales, rows=k)
+    widths = ((0, 0),) * len(lead) + ((0, 0), (0, -per % ALIGN), (0, 0))
+    padded = xp.pad(q.weight.reshape(*lead, q.blocks, per, n), widths)
+    return GroupedWeight(padded.reshape(*lead, -1, n), q.scales, rows=k)
 
 
 def logical_weight(q: GroupedWeight) -> GroupedWeight:
     """q without kernel_layout's padding (the checkpoint's [E, K, N])."""
     if not q.rows:
         return q
-    e, k, n = q.weight.shape
+    *lead, k, n = q.weight.shape
     per = q.rows // q.blocks
-    return GroupedWeight(q.weight.reshape(e, q.blocks, k // q.blocks, n)[:, :, :per].reshape(e, q.rows, n), q.scales)
+    blocks = q.weight.reshape(*lead, q.blocks, k // q.blocks, n)[..., :per, :]
+    return GroupedWeight(blocks.reshape(*lead, q.rows, n), q.scales)
 
 
 def _pad_rows_like(x: Array, q: GroupedWeight) -> Array:
     """Rows x [P, K] with zero columns where kernel_layout padded q's row blocks."""
     if not q.rows:
         return x
-    per, padded = q.rows // q.blocks, q.weight.shape[1] // q.blocks
+    per, padded = q.rows // q.blocks, q.weight.shape[-2] // q.blocks
     return jnp.pad(x.reshape(x.shape[0], q.blocks, per), ((0, 0), (0, 0), (0, padded - per))).reshape(x.shape[0], -1)
 
 
-def grouped_product(rows: Array, q: GroupedWeight, group_sizes: Array, mode: str,
+def grouped_product(rows: Array, q: GroupedWeight | InLayer, group_sizes: Array, mode: str,
                     tiling: Tiling = TILING) -> Array:
     """Sorted rows [P, K] times their groups' matrices -> [P, N] in rows' dtype (rows past the groups: undefined
-    with the kernel, zero with ragged_dot)."""
-    rows = _pad_rows_like(rows, q)
+    with the kernel, zero with ragged_dot). A layer of stacked experts (InLayer) is read in place by the kernel
+    (its experts from the stack's layer * E on), sliced out for ragged_dot (which widens every expert anyway)."""
+    if isinstance(q, InLayer) and mode == "ragged":
+        q = q.at_layer()
+    rows = _pad_rows_like(rows, q.stacked if isinstance(q, InLayer) else q)
     if mode == "ragged":
         # float32: not one bfloat16 pass on a TPU; bfloat16: one pass, said explicitly, since the model traces under
         # "highest" and the TPU's ragged dot (a Mosaic kernel) refuses that for bfloat16 operands
@@ -124,9 +131,15 @@ def grouped_product(rows: Array, q: GroupedWeight, group_sizes: Array, mode: str
         return jax.lax.ragged_dot(rows, dequantize_stacked(q, rows.dtype), group_sizes, precision=precision)
     if mode not in ("pallas", "pallas_interpret"):
         raise ValueError(f"grouped experts run as one of {GROUPED_MOE}, got {mode!r}")
+    first = None
+    if isinstance(q, InLayer):  # [layers, E, ...] -> [layers * E, ...]: a reshape, no copy
+        first, q = q.layer * q.count, q.stacked
+        q = GroupedWeight(q.weight.reshape(-1, *q.weight.shape[-2:]), q.scales.reshape(-1, *q.scales.shape[-2:]),
+                          q.rows)
     p, k = rows.shape
     fitted = fit_tiling(p, k, q.weight.shape[-1], q.blocks, tiling)
-    return grouped_matmul(rows, q.weight, q.scales, group_sizes, fitted, interpret=mode == "pallas_interpret")
+    return grouped_matmul(rows, q.weight, q.scales, group_sizes, fitted, interpret=mode == "pallas_interpret",
+                          first_group=first)
 
 
 class Aligned(NamedTuple):

@@ -10,7 +10,9 @@ Tokens are grouped by expert, and experts nobody selected cost nothing:
 A row adds its experts' outputs in expert order.
 Those are the CPU backend's forms (backend.Backend.moe "cond"); the generic backend's (stacked experts, one grouped
 product per matrix, for a step's rows and prefill alike) are in grouped.py; on a mesh with an expert axis ("expert")
-each expert group runs these conditionals over its own experts (expert_parallel.py).
+each expert group runs these conditionals over its own experts (expert_parallel.py). Under scanned layers
+(transformer.scan_layers) the matrices come as a layer of the stacked ones (weights.InLayer): a conditional takes
+its expert's slice inside its branch.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from model_service.model.expert_parallel import MOE as EXPERT_MOE, experts_paral
 from model_service.model.grouped import GROUPED_MOE, GroupedExperts, experts_sorted
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product, row_sum
 from model_service.model.packed import PackedWeight
-from model_service.model.weights import GroupedWeight
+from model_service.model.weights import GroupedWeight, InLayer
 
 Array = jax.Array
 
@@ -55,9 +57,9 @@ def route(x: Array, router_w: "Array | PackedWeight", k: int, products: Products
 class ExpertWeights(NamedTuple):
     """Per-expert int8 matrices (or plain float [E, K, N] arrays when haiku initialises shapes)."""
 
-    linear: ExpertStack | Array  # gelu branch [E, D, F]
-    linear_v: ExpertStack | Array  # linear branch [E, D, F]
-    linear_1: ExpertStack | Array  # output [E, F, D], 8 row-block scales
+    linear: ExpertStack | InLayer | Array  # gelu branch [E, D, F]
+    linear_v: ExpertStack | InLayer | Array  # linear branch [E, D, F]
+    linear_1: ExpertStack | InLayer | Array  # output [E, F, D], 8 row-block scales
 
 
 class _Tiles(NamedTuple):
@@ -82,8 +84,8 @@ def _plan_tiles(sorted_experts: Array, num_experts: int, tile: int, n_tiles: int
 def _expert_rows(x: Array, w: ExpertWeights, e: int, products: Products, used: Array | None = None) -> Array:
     """gelu(x W) * (x V) U for one (static) expert e. x [R, D] -> [R, D]. Rows not `used` [R] (bool) are not
     computed by native products (zero out); XLA's forms compute every row."""
-    def pick(q: ExpertStack | QuantizedWeight | Array) -> Any:
-        if isinstance(q, ExpertStack):
+    def pick(q: ExpertStack | InLayer | QuantizedWeight | Array) -> Any:
+        if isinstance(q, (ExpertStack, InLayer)):
             return q.expert(e)
         if isinstance(q, QuantizedWeight):
             return QuantizedWeight(q.weight[e], q.scales[e])
@@ -226,7 +228,7 @@ class MoELayer(hk.Module):
         )
         flat = x.reshape(b * t, d)
         if moe in GROUPED_MOE or moe == EXPERT_MOE:
-            if not all(isinstance(q, GroupedWeight) for q in w):
+            if not all(isinstance(q.stacked if isinstance(q, InLayer) else q, GroupedWeight) for q in w):
                 raise ValueError(f"moe {moe!r} multiplies stacked experts (weights.GroupedWeight): load them with "
                                  "checkpoint.load_params(..., stacked=True) or lay them out with "
                                  "GrokModel.pack_params")
@@ -236,7 +238,8 @@ class MoELayer(hk.Module):
                     raise ValueError("moe 'expert' splits the experts over a mesh: pass MoELayer its mesh")
                 def local(rows: Array, experts: Array, gates: Array, used: Array | None, stacks: Any) -> Array:
                     return experts_by_cond(rows, Routing(gates, experts), ExpertWeights(*stacks), used, products)
-                return experts_parallel(self.mesh, flat, routing.experts, routing.gates, rows_active, tuple(w),
+                sliced = tuple(q.at_layer() if isinstance(q, InLayer) else q for q in w)
+                return experts_parallel(self.mesh, flat, routing.experts, routing.gates, rows_active, sliced,
                                         local).reshape(b, t, d)
             out = experts_sorted(flat, routing.experts, routing.gates, GroupedExperts(*w), rows_active, moe)
             return out.reshape(b, t, d)

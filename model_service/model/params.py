@@ -166,7 +166,8 @@ def stack_experts(leaf: ExpertStack) -> GroupedWeight:
     """An MoE matrix's per-expert QuantizedWeights (host arrays) -> one GroupedWeight [E, K, N] in the
     checkpoint's layout (to_internal(stacked=True)'s form)."""
     weights = [np.swapaxes(q.weight, -1, -2) if q.transposed else q.weight for q in leaf.experts]
-    return GroupedWeight(np.stack(weights), np.stack([np.asarray(q.scales, np.float32) for q in leaf.experts]))
+    return GroupedWeight(np.stack(weights, axis=-3),
+                         np.stack([np.asarray(q.scales, np.float32) for q in leaf.experts], axis=-3))
 
 
 EMB_STD = 0.002

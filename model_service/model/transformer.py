@@ -5,11 +5,16 @@ multi_head_attention/{query,key,value,linear}, router, moe/{linear,linear_v,line
 Two entry points share the layers: `forward`, a dense pass over whole sequences (parity checks), and `hidden`,
 the serving step: a list of token rows, each one token of some sequence at some position, written into and
 attending over the paged KV pools (`Step` says which). `head` and `score` turn a step's rows into logits.
+Those unroll the layers (one copy of a layer's computation per layer in the program: the CPU backend's form).
+The scanned form (Backend.scan_layers: the generic backend's) runs `embedded`, then `scan_layers`: one loop
+body, `stacked_layer`, over parameters stacked along a leading layer axis (module `transformer/decoder_layers`)
+and the pools stacked the same way, so the program, and its compile time, do not grow with the depth.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import haiku as hk
 import jax
@@ -17,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from model_service.config import ModelConfig
-from model_service.kv_memory import KVMemory, block_size_of, write_tokens
+from model_service.kv_memory import KVMemory, LayerPool, Pools, block_size_of, write_tokens
 from model_service.model.layers import (
     Products,
     QuantizedWeight,
@@ -29,7 +34,8 @@ from model_service.model.layers import (
 from model_service.model.moe import MoELayer, ParamHolder, route
 from model_service.model.packed import PackedWeight
 from model_service.model.segments import attend_rows
-from model_service.sharding import DATA, MODEL, constrain
+from model_service.model.weights import InLayer
+from model_service.sharding import DATA, LAYER_STACK, MODEL, constrain
 
 Array = jax.Array
 
@@ -46,7 +52,7 @@ class Step(NamedTuple):
 
     positions: Array  # [B, T] int32 rotary positions
     mask: Array | None = None  # dense: [B, T, S] bool
-    pools: tuple[KVMemory, ...] | None = None  # paged: each layer's block pool
+    pools: Pools | None = None  # paged: each layer's block pool (stacked in one KVMemory: scanned layers)
     active: Array | None = None  # paged: [B] bool, the rows that hold a token
     seq: Array | None = None  # paged: [B] int32, each row's sequence (a row of `tables`)
     tables: Array | None = None  # paged: [S, table_len] int32, each sequence's blocks in position order
@@ -68,7 +74,7 @@ def _linear(name: str, x: Array, out: int, step: Step) -> Array:
     return product(x, w if isinstance(w, (QuantizedWeight, PackedWeight)) else w.T, step.products, used)  # plain: init
 
 
-def _write(pool: Array, new: Array, step: Step) -> Array:
+def _write(pool: Array | LayerPool, new: Array, step: Step) -> Array | LayerPool:
     """This call's keys or values new [B, Hkv, 1, D] into their blocks, one token per row; padding rows write
     into the scratch block (the pool's last)."""
     bs, scratch = block_size_of(pool), pool.shape[0] - 1
@@ -137,13 +143,52 @@ class Transformer(hk.Module):
         self.cfg = cfg
         self.mesh = mesh
 
-    def __call__(self, h: Array, step: Step) -> tuple[Array, tuple[KVMemory, ...]]:
+    def __call__(self, h: Array, step: Step) -> tuple[Array, Pools]:
         caches = []
         for i in range(self.cfg.model.num_layers):
             cache = step.pools[i] if step.pools is not None else None
             h, kv = DecoderLayer(self.cfg, self.mesh, name=f"decoder_layer_{i}")(h, step, cache)
             caches.append(kv)
         return h, tuple(caches)
+
+
+def stacked_layer(cfg: ModelConfig, mesh: Mesh, h: Array, step: Step,
+                  cache: KVMemory | None) -> tuple[Array, KVMemory]:
+    """Haiku-transformed: one decoder layer under LAYER_STACK's module name, the body `scan_layers` runs once per
+    layer with that layer's slice of the stacked parameters."""
+    with hk.name_scope(LAYER_STACK.split("/")[0]):
+        return DecoderLayer(cfg, mesh, name=LAYER_STACK.split("/")[1])(h, step, cache)
+
+
+LayerFn = Callable[[Any, Array, Step, "KVMemory | None"], tuple[Array, KVMemory]]
+
+
+def scan_layers(layer: LayerFn, params: Any, h: Array, step: Step) -> tuple[Array, KVMemory | None]:
+    """h [B, T, D] through every decoder layer as one loop: `layer` (stacked_layer's apply) over the parameters
+    under LAYER_STACK ([layers, ...] each) -> the last layer's output and, paged, the pools (step.pools stacked
+    [layers, ...]) with the rows' keys and values written in place. Each iteration takes its layer's slice of the
+    parameters, but the experts' matrices stay whole, as that layer's InLayer: the expert forms read a layer's
+    experts where they multiply them (in the kernel, in an expert's conditional), not as a copy of them all."""
+    stack = {module: leaves for module, leaves in params.items() if module.startswith(LAYER_STACK)}
+    if not stack:
+        raise ValueError(f"scanned layers read parameters stacked under {LAYER_STACK!r}: load them with "
+                         "checkpoint.load_params(..., stack_layers=True) or lay them out with GrokModel.pack_params")
+    experts = {module: leaves for module, leaves in stack.items() if module.startswith(LAYER_STACK + "moe/")}
+    sliced = {module: leaves for module, leaves in stack.items() if module not in experts}
+    count = jax.tree.leaves(stack)[0].shape[0]
+    inner = step._replace(pools=None)
+
+    def body(carry: tuple[Array, KVMemory | None], xs: tuple[Any, Array]) -> tuple[Any, None]:
+        h, pools = carry
+        one, i = xs
+        one = one | {module: {name: InLayer(leaf, i) for name, leaf in leaves.items()}
+                     for module, leaves in experts.items()}
+        cache = None if pools is None else KVMemory(LayerPool(pools.k, i), LayerPool(pools.v, i))
+        h, kv = layer(one, h, inner, cache)
+        return (h, None if pools is None else KVMemory(kv.k.stacked, kv.v.stacked)), None
+
+    (h, pools), _ = jax.lax.scan(body, (h, step.pools), (sliced, jnp.arange(count, dtype=jnp.int32)))
+    return h, pools
 
 
 class LanguageModelParams(NamedTuple):
@@ -193,6 +238,11 @@ def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array, products: Produ
     return product(h, table, products, used, fill_unused, multiplier=cfg.output_multiplier_scale)
 
 
+def embedded(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array) -> Array:
+    """Haiku-transformed: tokens [B, T] -> the first layer's input [B, T, D]."""
+    return constrain(embed(cfg, language_model_params(cfg), tokens, dtype), mesh, P(DATA, None, MODEL))
+
+
 def forward(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: Step) -> Array:
     """Haiku-transformed dense pass (parity checks): tokens [B, T] -> float32 logits [B, T, V]."""
     lm = language_model_params(cfg)
@@ -202,8 +252,7 @@ def forward(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step:
         return unembed(cfg, lm, h, step.products)
 
 
-def hidden(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array,
-           step: Step) -> tuple[Array, tuple[KVMemory, ...]]:
+def hidden(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: Step) -> tuple[Array, Pools]:
     """Haiku-transformed paged pass over token rows: tokens [R, 1] -> the last layer's output [R, 1, D] (before
     the final norm) and the pools with the rows' keys and values written."""
     lm = language_model_params(cfg)

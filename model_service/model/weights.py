@@ -91,13 +91,44 @@ class GroupedWeight:
 
     @property
     def count(self) -> int:
-        return self.weight.shape[0]
+        return self.weight.shape[-3]
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The reference's logical shape [E, K, N] (haiku checks parameters against it)."""
-        e, k, n = self.weight.shape
-        return (e, self.rows or k, n)
+        """The reference's logical shape [E, K, N] (haiku checks parameters against it; [layers, E, K, N] stacked)."""
+        *lead, k, n = self.weight.shape
+        return (*lead, self.rows or k, n)
 
 
 jax.tree_util.register_dataclass(GroupedWeight, data_fields=["weight", "scales"], meta_fields=["rows"])
+
+
+@dataclasses.dataclass(frozen=True)
+class InLayer:
+    """Layer `layer` of a matrix stacked over the scanned layers (a GroupedWeight or an ExpertStack with a leading
+    layer axis), left in the stack: its readers take the layer's experts where they multiply them (inside an
+    expert's conditional, or through the grouped kernel's index map), since a layer's slice taken before a
+    conditional or a custom call is a copy of all its experts every step. `at_layer()` slices it out for readers
+    that read every expert anyway (XLA fuses such a slice into its consumer)."""
+
+    stacked: Any  # GroupedWeight [layers, E, K, N] or ExpertStack of [layers, ...] matrices
+    layer: Array  # int32 []
+
+    def at_layer(self) -> Any:
+        return jax.tree.map(lambda a: a[self.layer], self.stacked)
+
+    def expert(self, e: int) -> Any:
+        """Expert e's matrix of this layer (an ExpertStack's: slice it where it is multiplied)."""
+        return jax.tree.map(lambda a: a[self.layer], self.stacked.expert(e))
+
+    @property
+    def count(self) -> int:
+        return self.stacked.count
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """One layer's logical shape [E, K, N] (haiku checks parameters against it)."""
+        return jax.eval_shape(lambda s: jax.tree.map(lambda a: a[0], s), self.stacked).shape
+
+
+jax.tree_util.register_dataclass(InLayer, data_fields=["stacked", "layer"], meta_fields=[])

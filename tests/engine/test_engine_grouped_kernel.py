@@ -23,8 +23,10 @@ def kernel_engine() -> Engine:
 
 def test_the_pallas_experts_reproduce_reference_ids(kernel_engine: Engine) -> None:
     assert kernel_engine.model.moe == "pallas_interpret"
-    out = kernel_engine.params["transformer/decoder_layer_0/moe/linear_1"]["w"]
-    # Stacked, and the row blocks of 86 rows padded to 128 once, as the kernel reads them (grouped.kernel_layout).
-    assert isinstance(out, GroupedWeight) and out.rows == 688 and out.weight.shape == (8, 1024, 128)
+    out = kernel_engine.params["transformer/decoder_layers/moe/linear_1"]["w"]
+    # Stacked (experts, and the layers for the scan), and the row blocks of 86 rows padded to 128 once, as the
+    # kernel reads them (grouped.kernel_layout).
+    layers = kernel_engine.model_config.model.num_layers
+    assert isinstance(out, GroupedWeight) and out.rows == 688 and out.weight.shape == (layers, 8, 1024, 128)
     for i, case in enumerate(golden_requests()):
         assert run_alone(kernel_engine, case, slot=i % kernel_engine.slots, chunk=5) == case["output_ids"]

@@ -105,7 +105,8 @@ def golden_model(golden_cfg: ModelConfig) -> Callable[[str, str], Loaded]:
             m = make_mesh(MeshConfig.parse(mesh))
             model = GrokModel(golden_cfg, m, jnp.dtype(dtype), products_under_test(m, dtype))
             params = load_params(str(GOLDEN / "checkpoint"), golden_cfg, m, jnp.dtype(dtype),
-                                 pack=model.products.native, stacked=model.backend.stacked_experts)
+                                 pack=model.products.native, stacked=model.backend.stacked_experts,
+                                 stack_layers=model.scan_layers)
             _CACHE[key] = Loaded(golden_cfg, model, params, jax.jit(model.forward))
         return _CACHE[key]
     return get
@@ -122,5 +123,5 @@ def tiny(golden_cfg: ModelConfig) -> Loaded:
     mesh = make_mesh(MeshConfig())
     model = GrokModel(cfg, mesh, jnp.float32, products_under_test(mesh, jnp.float32))
     params = random_params(cfg, mesh, jnp.float32, seed=11, pack=model.products.native,
-                           stacked=model.backend.stacked_experts)
+                           stacked=model.backend.stacked_experts, stack_layers=model.scan_layers)
     return Loaded(cfg, model, params, jax.jit(model.forward))

@@ -83,7 +83,8 @@ def test_the_generic_backend_on_an_expert_mesh_reproduces_the_greedy_ids(golden_
     mesh = make_mesh(MeshConfig.parse("2,4,1"))
     model = GrokModel(golden_cfg, mesh, jnp.float32, backend=choose_backend("generic", mesh, jnp.float32))
     assert model.moe == "expert" and model.backend.name == "generic"
-    params = load_params(str(GOLDEN / "checkpoint"), golden_cfg, mesh, jnp.float32, stacked=True)
+    params = load_params(str(GOLDEN / "checkpoint"), golden_cfg, mesh, jnp.float32, stacked=True,
+                         stack_layers=model.scan_layers)
     loaded, gold = Loaded(golden_cfg, model, params, jax.jit(model.forward)), golden_npz["fp32"]
     runner, prefilled = _prefill_all(loaded, gold)
     tokens, _ = _decode_batch(loaded, gold, runner, np.array([prefilled[p].argmax() for p in PROMPTS]))

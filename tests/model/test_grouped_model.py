@@ -27,8 +27,10 @@ MOE = "transformer/decoder_layer_0/moe"
 
 
 def _model(cfg: ModelConfig, moe: str) -> GrokModel:
+    """The generic backend with `moe`, its layers unrolled: these tests hold and compare per-layer trees (the
+    scanned layers' stacks are tests/model/test_scan_layers.py's)."""
     mesh = make_mesh(MeshConfig())
-    backend = dataclasses.replace(choose_backend("generic", mesh, jnp.float32), moe=moe)
+    backend = dataclasses.replace(choose_backend("generic", mesh, jnp.float32, layers="unroll"), moe=moe)
     return GrokModel(cfg, mesh, jnp.float32, Products.DOT, block_size=8, key_chunk=16, backend=backend)
 
 

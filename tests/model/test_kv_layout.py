@@ -65,7 +65,9 @@ def test_the_generic_backend_takes_the_tokens_layout_and_the_cpu_backend_the_hea
     cfg = load_model_config(str(GOLDEN / "config.json"))
     mesh = make_mesh(MeshConfig(1, 1))
     t = cfg.model
-    for name, want in (("generic", (5, 16, t.num_kv_heads * t.key_size)), ("cpu", (5, t.num_kv_heads, 16, t.key_size))):
+    # the generic backend's layers scanned: every layer's pool in one array (tests/model/test_scan_layers.py)
+    for name, want in (("generic", (t.num_layers, 5, 16, t.num_kv_heads * t.key_size)),
+                       ("cpu", (5, t.num_kv_heads, 16, t.key_size))):
         model = GrokModel(cfg, mesh, jnp.float32, backend=choose_backend(name, mesh, jnp.float32))
-        assert model.init_pools(4)[0].k.shape == want
-        assert model.pools_shardings(4)[0].k.shard_shape(want) == want
+        assert jax.tree.leaves(model.init_pools(4))[0].shape == want
+        assert jax.tree.leaves(model.pools_shardings(4))[0].shard_shape(want) == want

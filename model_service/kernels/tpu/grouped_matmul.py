@@ -8,6 +8,8 @@ row blocks of K each with their own column scales, as layers.QuantizedWeight) ->
 The grid runs over (N tiles, visits, K tiles), a visit being one (group, row tile) pair with rows of that group:
 the scalar-prefetched group metadata (`plan`) sends each visit's weight tiles to the group's matrix, so only the
 matrices of groups that hold rows are read, each once per row tile, int8 from HBM to VMEM, and widened there.
+`first_group` (traced) reads the groups' matrices from weight[first_group:]: a scanned layer's experts inside the
+experts of every layer stacked [layers * G, K, N], never sliced out (a slice would be a copy of all its experts).
 Accumulation is float32. How a tile is widened follows the reference's rounding:
 - bfloat16 rows: each weight element dequantised as bf16(bf16(int8) * bf16(scale)) (the reference's per-element
   rounding), then a bf16 dot with float32 accumulation;
@@ -104,8 +106,8 @@ def _tile_product(x_ref: pl.Ref, w_ref: pl.Ref, scale: Array, tk: int) -> Array:
     return total
 
 
-def _kernel(offsets: pl.Ref, group: pl.Ref, tile: pl.Ref, x_ref: pl.Ref, w_ref: pl.Ref, s_ref: pl.Ref,
-            out_ref: pl.Ref, acc_ref: pl.Ref, *, tk: int, k_tiles: int, block_rows: int) -> None:
+def _kernel(offsets: pl.Ref, group: pl.Ref, tile: pl.Ref, matrix: pl.Ref, x_ref: pl.Ref, w_ref: pl.Ref,
+            s_ref: pl.Ref, out_ref: pl.Ref, acc_ref: pl.Ref, *, tk: int, k_tiles: int, block_rows: int) -> None:
     v, kk = pl.program_id(1), pl.program_id(2)
     blocks = s_ref.shape[0]
     scales = s_ref[...].astype(jnp.bfloat16).astype(jnp.float32)  # [B, tn]: the reference's bf16(scale)
@@ -183,9 +185,10 @@ def _pad_blocks(x: Array, weight: Array, blocks: int, to: int) -> tuple[Array, A
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
 def grouped_matmul(x: Array, weight: Array, scales: Array, group_sizes: Array, tiling: Tiling,
-                   interpret: bool = False) -> Array:
+                   interpret: bool = False, first_group: Array | None = None) -> Array:
     """x [P, K] (rows sorted by group) times int8 weight [G, K, N] with scales [G, B, N] -> [P, N] in x's dtype;
-    rows past sum(group_sizes) come out undefined. `tiling` comes from fit_tiling for these shapes."""
+    rows past sum(group_sizes) come out undefined. `tiling` comes from fit_tiling for these shapes. With
+    `first_group` (int32 []), group g's matrix is weight[first_group + g] (weight holds more than G)."""
     p, k = x.shape
     blocks = scales.shape[1]
     if blocks > 1 and (k // blocks) % tiling.k:
@@ -193,26 +196,29 @@ def grouped_matmul(x: Array, weight: Array, scales: Array, group_sizes: Array, t
     rows = -(-p // tiling.rows) * tiling.rows
     if rows != p:
         x = jnp.pad(x, ((0, rows - p), (0, 0)))
-    return _call(x, weight, scales, group_sizes, tiling, interpret)[:p]
+    first = jnp.zeros((), jnp.int32) if first_group is None else first_group.astype(jnp.int32)
+    return _call(x, weight, scales, group_sizes, first, tiling, interpret)[:p]
 
 
-def _call(x: Array, weight: Array, scales: Array, group_sizes: Array, tiling: Tiling, interpret: bool) -> Array:
+def _call(x: Array, weight: Array, scales: Array, group_sizes: Array, first: Array, tiling: Tiling,
+          interpret: bool) -> Array:
     _check(x, weight, scales, tiling)
     p, k = x.shape
     _, _, n = weight.shape
     blocks = scales.shape[1]
     tm, tk, tn = tiling
     meta = plan(group_sizes, p, tm)
+    matrix = meta.group + first  # [visits]: the weight's matrix each visit reads
     kernel = functools.partial(_kernel, tk=tk, k_tiles=k // tk, block_rows=k // blocks)
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=4,
         grid=(n // tn, meta.count, k // tk),
         in_specs=[
-            pl.BlockSpec((tm, tk), lambda j, v, kk, offsets, group, tile: (tile[v], kk)),
-            pl.BlockSpec((None, tk, tn), lambda j, v, kk, offsets, group, tile: (group[v], kk, j)),
-            pl.BlockSpec((None, blocks, tn), lambda j, v, kk, offsets, group, tile: (group[v], 0, j)),
+            pl.BlockSpec((tm, tk), lambda j, v, kk, offsets, group, tile, matrix: (tile[v], kk)),
+            pl.BlockSpec((None, tk, tn), lambda j, v, kk, offsets, group, tile, matrix: (matrix[v], kk, j)),
+            pl.BlockSpec((None, blocks, tn), lambda j, v, kk, offsets, group, tile, matrix: (matrix[v], 0, j)),
         ],
-        out_specs=pl.BlockSpec((tm, tn), lambda j, v, kk, offsets, group, tile: (tile[v], j)),
+        out_specs=pl.BlockSpec((tm, tn), lambda j, v, kk, offsets, group, tile, matrix: (tile[v], j)),
         scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
     )
     passes = 1 if x.dtype == jnp.bfloat16 else 3
@@ -227,4 +233,4 @@ def _call(x: Array, weight: Array, scales: Array, group_sizes: Array, tiling: Ti
         interpret=interpret,
         cost_estimate=cost,
     )
-    return call(meta.offsets, meta.group, meta.tile, x, weight, scales)
+    return call(meta.offsets, meta.group, meta.tile, matrix, x, weight, scales)
