@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec
 
 from model_service.config import ROW_BLOCKS, ConfigError, ModelConfig
 from model_service.model.params import EMBED, TensorSpec, tensor_specs
+from model_service.model.segments import BLOCK_ROWS, capacities
 from model_service.sampling_settings import MAX_ENDS, MAX_LOGIT_BIAS
 from model_service.sharding import DATA, EXPERT, MODEL, POOL_SPEC, fit_spec, spec_for_path
 
@@ -288,12 +289,14 @@ def widened_experts(cfg: ModelConfig, layout: Layout, kind: str, work: Workload)
 def temporary_bytes(cfg: ModelConfig, layout: Layout, work: Workload, cpu: bool = False, widened: int = 1) -> int:
     """An estimate of a step's largest live buffers per device: the larger of its two programs' (they run one
     after the other). The rows program: the rows' activations, one attention chunk's gathered keys and values
-    with three float32 score buffers, one expert's hidden rows and its three matrices widened to the compute
-    dtype (XLA writes a widened copy of an int8 weight before its product), the rows split over data. The draws
-    program: the float32 logits of the draws (three buffers) and four float32 [rows, vocab] buffers of the scored
-    rows' logprobs. On one device XLA-CPU's compiled temporaries were 0.94-0.98 of this (golden, medium); with
-    a model axis less (tests/test_placement.py), so it is an upper bound there. The accelerators' step is one
-    program holding both parts at once (engine.py), so there they add up."""
+    with three float32 score buffers (accelerators: for the step's single-row lanes and row blocks,
+    segments.capacities, each reading its own keys; CPU: for every row), one expert's hidden rows and its three
+    matrices widened to the compute dtype (XLA writes a widened copy of an int8 weight before its product), the
+    rows split over data. The draws program: the float32 logits of the draws (three buffers) and four float32
+    [rows, vocab] buffers of the scored rows' logprobs. On one device XLA-CPU's compiled temporaries were
+    0.94-0.98 of this (golden, medium; golden's generic step 0.96); with a model axis less (0.43 on golden's 2,4:
+    tests/test_placement.py), so it is an upper bound there. The accelerators' step is one program holding both
+    parts at once (engine.py), so there they add up."""
     t, size = cfg.model, ITEMSIZE[work.dtype]
     rows = max(work.step_tokens or (CPU_STEP_TOKENS if cpu else GENERIC_STEP_TOKENS), work.slots)
     m = layout.model if t.num_kv_heads % layout.model == 0 else 1
@@ -301,13 +304,18 @@ def temporary_bytes(cfg: ModelConfig, layout: Layout, work: Workload, cpu: bool 
     chunk = min(KEY_CHUNK, cfg.sequence_len)
     shard = -(-rows // layout.data)  # the rows program splits its rows over data (sharding.constrain)
     activations = shard * (4 * t.emb_size + (q_heads + 2 * kv_heads) * t.key_size) * size
-    attention = shard * chunk * (2 * kv_heads * t.key_size * size + 3 * q_heads * 4)
+    one_program = (not cpu) if work.one_program is None else work.one_program
+    if one_program:  # segments.attend_segments: lanes and blocks read keys, each block's rows query them
+        lanes, blocks = capacities(rows, work.slots)
+        readers, queries = -(-(lanes + blocks) // layout.data), -(-(lanes + blocks * BLOCK_ROWS) // layout.data)
+    else:
+        readers = queries = shard
+    attention = chunk * (readers * 2 * kv_heads * t.key_size * size + queries * 3 * q_heads * 4)
     expert = shard * 3 * f * size + widened * 3 * f * t.emb_size * size
     if widened != 1:  # the grouped forms: every (row, expert) pair's input, output and gated output at once
         expert += 3 * shard * t.num_selected_experts * t.emb_size * size
     draws = work.slots * (1 + work.draft_tokens)
     logits = 3 * draws * cfg.vocab_size * 4 + 4 * rows * cfg.vocab_size * 4
-    one_program = (not cpu) if work.one_program is None else work.one_program
     return activations + attention + expert + logits if one_program else max(activations + attention + expert, logits)
 
 
