@@ -147,9 +147,8 @@ def parser() -> EnvArgumentParser:
                        help="how the generic backend runs the decoder layers: scan (one loop over parameters and KV "
                             "pools stacked along a layer axis: each step program is the same size at any depth, so "
                             "its compile time does not grow with it), unroll (one copy of a layer per layer in each "
-                            "program: compile time grows with the depth) or auto (the generic backend scans on CPU and "
-                            "unrolls on a TPU or GPU, where the scanned program has not been measured yet; the cpu "
-                            "backend always unrolls)")
+                            "program: compile time grows with the depth) or auto (the generic backend scans, except on an "
+                            "accelerator mesh with an expert axis; the cpu backend always unrolls)")
     p.add_env_argument("--products", choices=PRODUCT_CHOICES, default="auto",
                        help="how token rows meet the weights: native (the int8 CPU kernel built with the package: "
                             "float32 on CPU only), native-int8 (native with each row rounded to int8 per 32 values "
