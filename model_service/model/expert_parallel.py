@@ -70,7 +70,7 @@ def experts_parallel(mesh: Mesh, x: Array, experts: Array, gates: Array, active:
     w_specs = tuple(GroupedWeight(fit_spec(EXPERT_SPECS[(n, "weight")], q.weight.shape, mesh),  # type: ignore[arg-type]
                                   fit_spec(EXPERT_SPECS[(n, "scales")], q.scales.shape, mesh))
                     for n, q in zip(names, w))
-    if any(q.rows for q in w):
+    if any(q.rows or q.cols for q in w):
         raise ValueError("expert-parallel experts read the checkpoint's [E, K, N] layout, not the TPU kernel's padded "
                          "one (grouped.kernel_layout)")
 

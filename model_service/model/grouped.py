@@ -12,8 +12,10 @@ How the grouped product runs is the backend's choice (backend.Backend.moe):
   "pallas_interpret"  the same kernel in Pallas interpret mode (tests on CPU);
   "ragged"            XLA's jax.lax.ragged_dot over the dequantised experts (other single devices: CI's generic
                       backend on CPU).
-For the kernel a row-parallel matrix whose row blocks its tiles cannot divide is padded once when the engine
-lays out its parameters (kernel_layout), not on every call; and each expert's rows start a row tile of their own
+For the kernel a row-parallel matrix whose row blocks its tiles cannot divide, and a column-parallel one whose
+columns are not a multiple of the TPU's 128 lanes (medium's 2,736: the chip copied both stacked matrices whole every
+step, 0.27 ms each, to lay them out for the kernel), are padded with zeros once when the engine lays out its
+parameters (kernel_layout), not on every call; and each expert's rows start a row tile of their own
 (aligned_rows: every tile holds one expert's rows, so no output tile is written by two experts' visits; the
 padding rows are zero, each expert's weights are still read once a tile, as before).
 """
@@ -78,28 +80,42 @@ def dequantize_stacked(q: GroupedWeight, dtype: jnp.dtype) -> Array:
 ALIGN = 128  # rows of a row block the kernel's K tiles need (its tiles divide it; lanes of the rows' tiles)
 
 
+def _pads_rows(q: GroupedWeight) -> bool:
+    return not q.rows and q.blocks > 1 and (q.weight.shape[-2] // q.blocks) % ALIGN != 0
+
+
+def _pads_cols(q: GroupedWeight) -> bool:
+    return not q.cols and q.blocks == 1 and q.weight.shape[-1] % ALIGN != 0
+
+
 def pads(q: GroupedWeight, mode: str) -> bool:
     """Whether kernel_layout changes q for `mode`."""
-    per = q.weight.shape[-2] // q.blocks
-    return mode in ("pallas", "pallas_interpret") and not q.rows and q.blocks > 1 and per % ALIGN != 0
+    return mode in ("pallas", "pallas_interpret") and (_pads_rows(q) or _pads_cols(q))
 
 
 def kernel_layout(q: GroupedWeight, mode: str) -> GroupedWeight:
     """q as `mode` reads it best: for the Pallas kernel a row-parallel matrix whose row blocks are not a multiple
-    of ALIGN rows has each padded with zero rows once (host numpy or device arrays), which the kernel would
-    otherwise copy on every call (medium's linear_1: blocks of 342 rows). Anything else comes back as it is."""
+    of ALIGN rows has each padded with zero rows, and a column-parallel one whose columns are not a multiple of
+    ALIGN gets zero columns (and zero scales), once (host numpy or device arrays), where the chip would otherwise
+    lay them out again on every call (medium's linear_1: blocks of 342 rows; linear and linear_v: 2,736 columns).
+    Anything else comes back as it is."""
     if not pads(q, mode):
         return q
     *lead, k, n = q.weight.shape  # [E, K, N], or stacked over the layers [layers, E, K, N]
-    per = k // q.blocks
     xp = np if isinstance(q.weight, np.ndarray) else jnp
-    widths = ((0, 0),) * len(lead) + ((0, 0), (0, -per % ALIGN), (0, 0))
-    padded = xp.pad(q.weight.reshape(*lead, q.blocks, per, n), widths)
-    return GroupedWeight(padded.reshape(*lead, -1, n), q.scales, rows=k)
+    keep = ((0, 0),) * len(lead)
+    if _pads_rows(q):
+        per = k // q.blocks
+        padded = xp.pad(q.weight.reshape(*lead, q.blocks, per, n), keep + ((0, 0), (0, -per % ALIGN), (0, 0)))
+        return GroupedWeight(padded.reshape(*lead, -1, n), q.scales, rows=k)
+    extra = ((0, 0), (0, -n % ALIGN))
+    return GroupedWeight(xp.pad(q.weight, keep + extra), xp.pad(q.scales, keep + extra), cols=n)
 
 
 def logical_weight(q: GroupedWeight) -> GroupedWeight:
     """q without kernel_layout's padding (the checkpoint's [E, K, N])."""
+    if q.cols:
+        return GroupedWeight(q.weight[..., :q.cols], q.scales[..., :q.cols])
     if not q.rows:
         return q
     *lead, k, n = q.weight.shape
@@ -124,22 +140,25 @@ def grouped_product(rows: Array, q: GroupedWeight | InLayer, group_sizes: Array,
     if isinstance(q, InLayer) and mode == "ragged":
         q = q.at_layer()
     rows = _pad_rows_like(rows, q.stacked if isinstance(q, InLayer) else q)
+    cols = (q.stacked if isinstance(q, InLayer) else q).cols
     if mode == "ragged":
         # float32: not one bfloat16 pass on a TPU; bfloat16: one pass, said explicitly, since the model traces under
         # "highest" and the TPU's ragged dot (a Mosaic kernel) refuses that for bfloat16 operands
         precision = jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-        return jax.lax.ragged_dot(rows, dequantize_stacked(q, rows.dtype), group_sizes, precision=precision)
+        out = jax.lax.ragged_dot(rows, dequantize_stacked(q, rows.dtype), group_sizes, precision=precision)
+        return out[:, :cols] if cols else out
     if mode not in ("pallas", "pallas_interpret"):
         raise ValueError(f"grouped experts run as one of {GROUPED_MOE}, got {mode!r}")
     first = None
     if isinstance(q, InLayer):  # [layers, E, ...] -> [layers * E, ...]: a reshape, no copy
         first, q = q.layer * q.count, q.stacked
         q = GroupedWeight(q.weight.reshape(-1, *q.weight.shape[-2:]), q.scales.reshape(-1, *q.scales.shape[-2:]),
-                          q.rows)
+                          q.rows, q.cols)
     p, k = rows.shape
     fitted = fit_tiling(p, k, q.weight.shape[-1], q.blocks, tiling)
-    return grouped_matmul(rows, q.weight, q.scales, group_sizes, fitted, interpret=mode == "pallas_interpret",
-                          first_group=first)
+    out = grouped_matmul(rows, q.weight, q.scales, group_sizes, fitted, interpret=mode == "pallas_interpret",
+                         first_group=first)
+    return out[:, :cols] if cols else out
 
 
 class Aligned(NamedTuple):

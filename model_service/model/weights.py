@@ -79,11 +79,14 @@ class GroupedWeight:
     `weight` int8 [E, K, N]; `scales` [E, blocks, N] float32: one block for column-parallel matrices (moe linear
     and linear_v), 8 consecutive row blocks of K for the row-parallel one (linear_1). `rows` (static): 0, or the
     logical K when each row block of `weight` is padded with zero rows to a length the TPU kernel's tiles divide
-    (grouped.kernel_layout; the weight is then [E, blocks * padded, N])."""
+    (grouped.kernel_layout; the weight is then [E, blocks * padded, N]). `cols` (static): 0, or the logical N when
+    the columns of `weight` and `scales` are padded with zeros to a multiple of the TPU's 128 lanes
+    (grouped.kernel_layout; products then come out with zero columns past `cols`)."""
 
-    weight: Array  # int8 [E, K, N] (or [E, blocks * padded, N])
+    weight: Array  # int8 [E, K, N] (or [E, blocks * padded, N], or [E, K, N padded])
     scales: Array  # [E, blocks, N]
     rows: int = 0
+    cols: int = 0
 
     @property
     def blocks(self) -> int:
@@ -97,10 +100,10 @@ class GroupedWeight:
     def shape(self) -> tuple[int, ...]:
         """The reference's logical shape [E, K, N] (haiku checks parameters against it; [layers, E, K, N] stacked)."""
         *lead, k, n = self.weight.shape
-        return (*lead, self.rows or k, n)
+        return (*lead, self.rows or k, self.cols or n)
 
 
-jax.tree_util.register_dataclass(GroupedWeight, data_fields=["weight", "scales"], meta_fields=["rows"])
+jax.tree_util.register_dataclass(GroupedWeight, data_fields=["weight", "scales"], meta_fields=["rows", "cols"])
 
 
 @dataclasses.dataclass(frozen=True)

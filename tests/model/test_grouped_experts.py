@@ -198,17 +198,23 @@ def test_on_a_tpu_the_fast_mode_takes_the_kernel_and_the_faithful_mode_the_condi
     assert choose_backend("generic", one, jnp.float32, moe="pallas").moe == "pallas"
 
 
-def test_row_blocks_padded_once_for_the_kernel_give_the_same_experts():
-    """kernel_layout pads linear_1's row blocks (here 43 rows each) once; the rows meet zero columns there."""
+def test_row_blocks_and_columns_padded_once_for_the_kernel_give_the_same_experts():
+    """kernel_layout pads linear_1's row blocks (here 43 rows each) once, the rows meeting zero columns there,
+    and linear's and linear_v's 344 columns to 384 (zero weights and scales; the products sliced back): the
+    kernel's experts are the same bits as over the checkpoint's layout."""
     rng = np.random.default_rng(9)
     e, d, f, m = 4, 64, 344, 6
     _, stacked = _experts(rng, e, d, f)
     padded = tuple(kernel_layout(q, "pallas") for q in stacked)
-    assert padded[:2] == stacked[:2]  # column-parallel: nothing to pad
+    for q in padded[:2]:  # column-parallel: 344 columns -> 3 x 128
+        assert q.weight.shape == (e, d, 384) and q.scales.shape == (e, 1, 384) and q.shape == (e, d, f)
+        assert q.cols == f and not np.asarray(q.weight)[..., f:].any() and not np.asarray(q.scales)[..., f:].any()
     assert padded[2].weight.shape == (e, 8 * 128, d) and padded[2].shape == (e, f, d) and padded[2].rows == f
-    back = logical_weight(padded[2])
-    np.testing.assert_array_equal(np.asarray(back.weight), np.asarray(stacked[2].weight))
-    assert kernel_layout(stacked[2], "ragged") is stacked[2]
+    for q, was in zip(padded, stacked):
+        back = logical_weight(q)
+        np.testing.assert_array_equal(np.asarray(back.weight), np.asarray(was.weight))
+        np.testing.assert_array_equal(np.asarray(back.scales), np.asarray(was.scales))
+        assert kernel_layout(was, "ragged") is was and kernel_layout(q, "pallas") is q
     x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
     gates, experts = _routing(rng, m, e, 2)
     run = jax.jit(lambda x, w, mode: experts_sorted(x, experts, gates, GroupedExperts(*w), None, mode),
@@ -216,6 +222,10 @@ def test_row_blocks_padded_once_for_the_kernel_give_the_same_experts():
     want = np.asarray(run(x, stacked, "ragged"))
     for mode in ("pallas_interpret", "ragged"):
         np.testing.assert_allclose(np.asarray(run(x, padded, mode)), want, rtol=0, atol=2e-6 * np.abs(want).max())
+    for dtype in (jnp.float32, jnp.bfloat16):
+        unpadded = stacked[:2] + padded[2:]  # the row blocks padded as before, the columns not
+        np.testing.assert_array_equal(np.asarray(run(x.astype(dtype), padded, "pallas_interpret")),
+                                      np.asarray(run(x.astype(dtype), unpadded, "pallas_interpret")))
 
 
 @pytest.mark.skipif(jax.default_backend() != "tpu", reason="the compiled kernel needs a TPU (CPU runs it interpreted)")
