@@ -12,9 +12,7 @@ the field. No JAX here.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Any
 
 import numpy as np
 

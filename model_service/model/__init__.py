@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 from typing import Any, NamedTuple
 
 import haiku as hk

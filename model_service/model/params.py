@@ -14,13 +14,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from model_service.config import ModelConfig
-from model_service.model.grouped import kernel_layout, logical_weight, pads
+from model_service.model.grouped import kernel_layout, pads
 from model_service.model.layers import ExpertStack, QuantizedWeight
 from model_service.model.weights import GroupedWeight
 from model_service.model.packed import PackedWeight, pack_experts, pack_float, pack_quantized, pack_table
