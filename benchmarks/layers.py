@@ -278,6 +278,60 @@ def _report(config: LayersConfig, spec: StackSpec, runs: dict[str, Any]) -> dict
             "transport": "unix sockets" if config.uds else "tcp", "load_average": os.getloadavg()}
 
 
+@dataclass
+class Extras:
+    """The processes started beside the stack for the extra arms, their addresses (by arm) and their pids."""
+
+    gateways: list[Process]
+    stacks: list[RunningStack]
+    addresses: dict[str, str]
+    pids: dict[str, int]
+
+    def stop(self) -> None:
+        for gateway in self.gateways:
+            gateway.stop()
+        for stack in self.stacks:
+            stack.close()
+
+
+def start_extras(config: LayersConfig, spec: StackSpec, stack: RunningStack, logs: pathlib.Path,
+                 sockets: pathlib.Path | None) -> Extras:
+    """The baseline gateway or stack, the local and per-call gateways the config asks for; on socket files in
+    `sockets` when the stack is (a host without TCP has no port to give them)."""
+    extras = Extras([], [], {}, {})
+
+    def gateway(arm: str, source: pathlib.Path, env: dict[str, str] | None, name: str) -> None:
+        started = start_gateway(stack.tokenizer.address, stack.model.address, logs, source, env=env,
+                                endpoint=None if sockets is None else unix_endpoint(sockets, name))
+        extras.gateways.append(started)
+        extras.addresses[arm] = started.address
+        extras.pids["gateway_baseline" if arm == "gateway" else arm] = started.proc.pid
+
+    try:
+        if config.baseline_gateway:
+            gateway("gateway", pathlib.Path(config.baseline_gateway).resolve(), None, "gw-base")
+        if config.local_gateway:
+            gateway("gateway_local", ROOT, {"GROK_GATEWAY_DETOKENIZE": "local"}, "gw-local")
+        if config.per_call_gateway:
+            gateway("gateway_per_call", ROOT,
+                    {"GROK_GATEWAY_MODEL_STREAMS": "0", "GROK_GATEWAY_DETOKENIZE": "remote"},
+                    "gateway-per-call")
+        if config.baseline_stack:
+            base_sockets = None if sockets is None else sockets / "base"
+            if base_sockets is not None:
+                base_sockets.mkdir()
+            base = start_stack(spec, logs / "baseline", source=pathlib.Path(config.baseline_stack).resolve(),
+                               uds_dir=base_sockets)  # its own log folder: the same file names
+            extras.stacks.append(base)
+            extras.addresses.update(gateway=base.address, model_service=base.model.address)
+            extras.pids.update(gateway_baseline=base.gateway.proc.pid, model_service_baseline=base.model.proc.pid,
+                               tokenizer_service_baseline=base.tokenizer.proc.pid)
+    except BaseException:
+        extras.stop()
+        raise
+    return extras
+
+
 def run(config: LayersConfig) -> dict[str, Any]:
     cache = config.compile_cache or tempfile.mkdtemp(prefix="bench-jax-cache-")
     spec = preset(config.stack, config.slots or max(config.concurrency), cache)
@@ -286,50 +340,21 @@ def run(config: LayersConfig) -> dict[str, Any]:
     begin = time.monotonic()
     stack = start_stack(spec, logs, uds_dir=sockets)
     startup = {"stack_to_serving_s": time.monotonic() - begin}  # the model compiles into an empty cache
-    baseline_gateway: Process | None = None
-    baseline_stack: RunningStack | None = None
-    local_gateway: Process | None = None
-    per_call_gateway: Process | None = None
+    extras: Extras | None = None
     try:
+        extras = start_extras(config, spec, stack, logs, sockets)
         pids = {"benchmark": os.getpid(), "model_service": stack.model.proc.pid,
-                "tokenizer_service": stack.tokenizer.proc.pid, "gateway": stack.gateway.proc.pid}
-        baselines: dict[str, str] = {}
-        if config.baseline_gateway:
-            baseline_gateway = start_gateway(stack.tokenizer.address, stack.model.address, logs,
-                                             pathlib.Path(config.baseline_gateway).resolve())
-            baselines["gateway"] = baseline_gateway.address
-            pids["gateway_baseline"] = baseline_gateway.proc.pid
-        if config.local_gateway:
-            local_gateway = start_gateway(stack.tokenizer.address, stack.model.address, logs, ROOT,
-                                          env={"GROK_GATEWAY_DETOKENIZE": "local"},
-                                          endpoint=None if sockets is None else unix_endpoint(sockets, "gw-local"))
-            baselines["gateway_local"] = local_gateway.address
-            pids["gateway_local"] = local_gateway.proc.pid
-        if config.per_call_gateway:
-            per_call_gateway = start_gateway(
-                stack.tokenizer.address, stack.model.address, logs, ROOT,
-                env={"GROK_GATEWAY_MODEL_STREAMS": "0", "GROK_GATEWAY_DETOKENIZE": "remote"},
-                endpoint=None if sockets is None else unix_endpoint(sockets, "gateway-per-call"))
-            baselines["gateway_per_call"] = per_call_gateway.address
-            pids["gateway_per_call"] = per_call_gateway.proc.pid
-        if config.baseline_stack:
-            baseline_stack = start_stack(spec, logs, source=pathlib.Path(config.baseline_stack).resolve())
-            baselines.update(gateway=baseline_stack.address, model_service=baseline_stack.model.address)
-            pids.update(gateway_baseline=baseline_stack.gateway.proc.pid,
-                        model_service_baseline=baseline_stack.model.proc.pid,
-                        tokenizer_service_baseline=baseline_stack.tokenizer.proc.pid)
+                "tokenizer_service": stack.tokenizer.proc.pid, "gateway": stack.gateway.proc.pid, **extras.pids}
         scheduler = None
         if not config.in_process_apart:
             begin = time.monotonic()
             scheduler = in_process_scheduler(spec)
             startup["in_process_engine_warm_cache_s"] = time.monotonic() - begin  # same programs, now cached
-        runs = asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler, baselines, pids))
+        runs = asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler, extras.addresses,
+                                pids))
     finally:
-        for gateway in (baseline_gateway, local_gateway, per_call_gateway):
-            if gateway is not None:
-                gateway.stop()
-        if baseline_stack is not None:
-            baseline_stack.close()
+        if extras is not None:
+            extras.stop()
         stack.close()
     if config.in_process_apart:  # the stack has let go of the accelerator: the engine in this process now
         begin = time.monotonic()
