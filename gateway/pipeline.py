@@ -106,7 +106,7 @@ def model_request(request: TextRequest, planned: Plan, request_id: str) -> model
         allowed_token_ids=s.allowed_token_ids, blocked_token_ids=s.blocked_token_ids,
         request_id=request_id, n=planned.n, top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias), stop_token_ids=s.stop_token_ids,
-        min_tokens=s.min_tokens)
+        min_tokens=s.min_tokens, ids_only=not s.logprobs)  # probabilities only where asked for
     for name in ("top_p", "seed", "repetition_penalty", "prompt_logprobs"):
         if s.HasField(name):
             setattr(out, name, getattr(s, name))

@@ -118,25 +118,28 @@ def _timings(t: Timings) -> model_pb2.Timings:
                              mean_step_seconds=t.mean_step_seconds)
 
 
-def to_response(batch: list[Emission]) -> model_pb2.GenerateResponse:
-    """One response for consecutive emissions of one sample (tokens concatenated, last state wins)."""
+def to_response(batch: list[Emission], details: bool = True) -> model_pb2.GenerateResponse:
+    """One response for consecutive emissions of one sample (tokens concatenated, last state wins); `details`:
+    each token's probability and alternatives too (a Token message each), else its id alone."""
     tokens = [t for e in batch for t in e.tokens]
     last = batch[-1]
     timings = next((e.timings for e in reversed(batch) if e.timings is not None), None)
     return model_pb2.GenerateResponse(
-        token_ids=[t.id for t in tokens], tokens=[_token(t) for t in tokens],
+        token_ids=[t.id for t in tokens], tokens=[_token(t) for t in tokens] if details else None,
         finish_reason=FINISH[last.finish_reason] if last.finish_reason else model_pb2.FINISH_REASON_UNSPECIFIED,
         prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
         timings=_timings(timings) if timings else None, index=last.index,
         prompt_logprobs=[_token(t) for e in batch if e.prompt for t in e.prompt])
 
 
-def to_responses(batch: list[Emission]) -> list[model_pb2.GenerateResponse]:
+def to_responses(batch: list[Emission], details: bool = True) -> list[model_pb2.GenerateResponse]:
     """Responses for consecutive emissions of a request: one per sample, in the order the samples appear."""
+    if len(batch) == 1:  # the common case: one step's news of one sample
+        return [to_response(batch, details)]
     by_index: dict[int, list[Emission]] = {}
     for emission in batch:
         by_index.setdefault(emission.index, []).append(emission)
-    return [to_response(run) for run in by_index.values()]
+    return [to_response(run, details) for run in by_index.values()]
 
 
 def _until_end(batch: list[Emission], open_samples: int) -> list[Emission]:
@@ -334,12 +337,13 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         if on_handle is not None:
             on_handle(handle)
         open_samples = domain.n
+        details = not request.ids_only or request.top_logprobs > 0
         try:
             while True:
                 batch = _until_end(await sink.take(), open_samples)
                 error = batch[-1].error
                 good = [e for e in batch if e.error is None]
-                for response in to_responses(good):
+                for response in to_responses(good, details):
                     yield response
                 if error is not None:
                     raise error

@@ -148,6 +148,8 @@ def test_layers_on_unix_sockets_with_the_per_call_gateway_and_the_engine_apart(
     targets = report["stack_targets"]["c2"]
     assert targets["throughput_ratio"] == report["ratios"]["c2"]["gateway_throughput_ratio"]
     assert recorded(targets["services_cpu_ms_per_token"]) and isinstance(targets["cpu_met"], bool)
+    assert targets["services_overhead_cpu_ms_per_token"] == pytest.approx(
+        targets["services_cpu_ms_per_token"] - report["arms"]["in_process"]["c2"]["median"]["cpu_ms_per_token_benchmark"])
 
 
 def test_crosscheck_runs_the_same_workload_with_every_client_against_one_stack(tmp_path: pathlib.Path) -> None:
