@@ -154,27 +154,37 @@ def in_process_scheduler(spec: StackSpec) -> Any:
     return scheduler
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (all its threads), from /proc."""
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+Watched = int | tuple[int, int]  # a process id, or (process id, thread id): one thread of it
+
+
+def cpu_seconds(pid: Watched) -> float:
+    """User + system CPU seconds so far of a process (all its threads), or of one thread, from /proc."""
+    path = f"/proc/{pid}/stat" if isinstance(pid, int) else f"/proc/{pid[0]}/task/{pid[1]}/stat"
+    fields = pathlib.Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+def cpu_snapshot(pids: dict[str, Watched]) -> dict[str, float]:
     return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def loop_thread(pid: int) -> tuple[int, int]:
+    """A service's main thread, which runs its event loop (gRPC, the servicer; in the model service not the decode
+    thread or the compute threads): what the service spends around the model, apart from the model's compute."""
+    return pid, pid
 
 
 def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
     """CPU milliseconds each process spent per output token during a run. Unlike wall-clock times this
     does not depend on what else the machine runs, so it shows each layer's cost on a busy machine."""
     per = {f"cpu_ms_per_token_{n}": (after[n] - before[n]) * 1e3 / max(tokens, 1) for n in before}
-    per["cpu_ms_per_token_total"] = sum(per.values())
+    per["cpu_ms_per_token_total"] = sum(v for n, v in per.items() if not n.endswith("_loop"))  # loops: counted in theirs
     return per
 
 
 async def measure_arms(config: LayersConfig, senders: dict[str, Sender], requests: list[BenchRequest],
                        warm: list[BenchRequest],
-                       pids: dict[str, int]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+                       pids: dict[str, Watched]) -> dict[str, dict[str, list[dict[str, Any]]]]:
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {arm: {} for arm in senders}
     for arm, send in senders.items():
         failed = [r.error for r in await warm_up(send, warm, max(config.concurrency)) if not r.success]
@@ -222,7 +232,9 @@ def stack_targets(arms: dict[str, dict[str, dict[str, Any]]], ratio_table: dict[
 
     On a CPU host the model service's CPU includes the model's own compute, which the in-process engine spends
     too: `services_overhead_cpu_ms_per_token` is the services' CPU less the in-process arm's (its process: the
-    engine and the load generator), the part the stack adds around the same engine."""
+    engine and the load generator), the part the stack adds around the same engine; `services_loops_cpu_ms_per_token`
+    the gateway and tokenizer service whole and the model service's event-loop thread alone (its servicer and
+    gRPC, not the decode thread or the compute): the same part, measured rather than subtracted."""
     out: dict[str, Any] = {"throughput_target": STACK_THROUGHPUT_TARGET, "cpu_target_ms": STACK_CPU_TARGET_MS}
     for point, row in ratio_table.items():
         median = arms[gateway_arm][point]["median"]
@@ -232,6 +244,9 @@ def stack_targets(arms: dict[str, dict[str, dict[str, Any]]], ratio_table: dict[
                       "throughput_met": row[f"{gateway_arm}_throughput_ratio"] >= STACK_THROUGHPUT_TARGET,
                       "services_cpu_ms_per_token": cpu, "cpu_met": cpu <= STACK_CPU_TARGET_MS,
                       "in_process_cpu_ms_per_token": engine, "services_overhead_cpu_ms_per_token": cpu - engine}
+        if "cpu_ms_per_token_model_service_loop" in median:
+            out[point]["services_loops_cpu_ms_per_token"] = (
+                median["cpu_ms_per_token_model_service_loop"] + cpu - median.get("cpu_ms_per_token_model_service", 0.0))
     return out
 
 
@@ -247,7 +262,7 @@ def targets(ratio_table: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 
 async def _run(config: LayersConfig, spec: StackSpec, address: str | None, model_address: str | None,
-               scheduler: Any, baselines: dict[str, str], pids: dict[str, int]) -> dict[str, Any]:
+               scheduler: Any, baselines: dict[str, str], pids: dict[str, Watched]) -> dict[str, Any]:
     """The runs of every arm given: the in-process engine (`scheduler`), the stack (`address`), the baselines."""
     cutter = PromptCutter(spec.tokenizer)
     requests = build(WorkloadSpec("fixed", config.input_len, config.output_len, config.num_prompts,
@@ -349,8 +364,12 @@ def run(config: LayersConfig) -> dict[str, Any]:
     extras: Extras | None = None
     try:
         extras = start_extras(config, spec, stack, logs, sockets)
-        pids = {"benchmark": os.getpid(), "model_service": stack.model.proc.pid,
-                "tokenizer_service": stack.tokenizer.proc.pid, "gateway": stack.gateway.proc.pid, **extras.pids}
+        pids: dict[str, Watched] = {
+            "benchmark": os.getpid(), "model_service": stack.model.proc.pid,
+            "tokenizer_service": stack.tokenizer.proc.pid, "gateway": stack.gateway.proc.pid, **extras.pids,
+            "model_service_loop": loop_thread(stack.model.proc.pid)}
+        if "model_service_baseline" in extras.pids:
+            pids["model_service_baseline_loop"] = loop_thread(extras.pids["model_service_baseline"])
         scheduler = None
         if not config.in_process_apart:
             begin = time.monotonic()

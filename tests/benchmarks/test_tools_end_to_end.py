@@ -148,6 +148,12 @@ def test_layers_on_unix_sockets_with_the_per_call_gateway_and_the_engine_apart(
     targets = report["stack_targets"]["c2"]
     assert targets["throughput_ratio"] == report["ratios"]["c2"]["gateway_throughput_ratio"]
     assert recorded(targets["services_cpu_ms_per_token"]) and isinstance(targets["cpu_met"], bool)
+    gateway = report["arms"]["gateway"]["c2"]["median"]
+    assert 0 <= gateway["cpu_ms_per_token_model_service_loop"] <= gateway["cpu_ms_per_token_model_service"]
+    assert "cpu_ms_per_token_model_service_loop" not in report["arms"]["in_process"]["c2"]["median"]  # apart
+    assert targets["services_loops_cpu_ms_per_token"] == pytest.approx(
+        gateway["cpu_ms_per_token_model_service_loop"] + gateway["cpu_ms_per_token_gateway"]
+        + gateway["cpu_ms_per_token_tokenizer_service"])
     assert targets["services_overhead_cpu_ms_per_token"] == pytest.approx(
         targets["services_cpu_ms_per_token"] - report["arms"]["in_process"]["c2"]["median"]["cpu_ms_per_token_benchmark"])
 
