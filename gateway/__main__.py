@@ -124,6 +124,10 @@ def build_parser() -> EnvArgumentParser:
                             help="GenerateMany streams to each model replica, shared by its requests: a decode step's "
                                  "tokens for all of them in one message (0: one Generate call per request, the "
                                  "older protocol; a replica without GenerateMany gets that anyway)")
+    parser.add_env_argument("--stream-interval", type=positive_int, default=1,
+                            help="send each completion's tokens to its client N at a time, the first token and the "
+                                 "last message at once (vLLM's --stream-interval): fewer messages per token for the "
+                                 "gateway and its clients, each message later by up to N-1 decode steps")
     parser.add_env_argument("--model-retry-seconds", type=float, default=30.0,
                             help="how long a request that no model replica has started (nothing sent to its client) "
                                  "is retried while every replica is unavailable, e.g. the only one restarting; never "
@@ -153,7 +157,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                              detokenize=args.detokenize,
                              api_keys=load_keys(args.api_key, args.api_key_file),
                              tls=server_tls(args.tls_cert, args.tls_key), backend_tls=backend_tls(args),
-                             otlp_endpoint=args.otlp_endpoint, model_streams=args.model_streams,
+                             otlp_endpoint=args.otlp_endpoint, model_streams=args.model_streams, stream_interval=args.stream_interval,
                              model_retry_seconds=max(0.0, args.model_retry_seconds))
     except ValueError as error:
         parser.error(str(error))

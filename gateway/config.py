@@ -82,6 +82,9 @@ class GatewayConfig:
     # How long a request that no model replica has started keeps being retried while every replica is
     # unavailable (one dying or restarting), within its deadline; 0: it fails at once with UNAVAILABLE.
     model_retry_seconds: float = 30.0
+    # A completion's tokens are sent to its client this many at a time (its first and last message at once):
+    # fewer messages, writes and wake-ups per token in the gateway and the client (vLLM's --stream-interval).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if not self.tokenizer:

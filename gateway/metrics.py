@@ -52,7 +52,8 @@ class GatewayMetrics:
     def serve(self, port: int, host: str) -> None:
         """Start the /metrics HTTP endpoint (a daemon thread); port 0 means no endpoint."""
         if port:
-            serve_metrics(port, host, self.exposition)
+            serve_metrics(port, host, self.exposition, "turn it off with --metrics-port 0: the same /metrics is "
+                          "served on the HTTP API, which listens on a unix socket with --http-uds PATH")
 
     def finished(self, method: str, code: str, finish_reason: str, seconds: float) -> None:
         self.requests.labels(method, code, finish_reason).inc()

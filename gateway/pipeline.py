@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import trace
 
@@ -77,6 +78,8 @@ class Completion:
     separator: bool = False  # chat: the first text's leading space separates it from the prompt; not content
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone, the model's token is not part of it
     stop_token: int | None = None  # the stop_token_ids entry the model ended the completion on
+    held: list[gateway_pb2.Token] = field(default_factory=list)  # released, not yet sent (--stream-interval)
+    sent: bool = False  # a message with tokens went out (the first is never held)
 
     def decorate(self, message: gateway_pb2.GenerateResponse) -> gateway_pb2.GenerateResponse:
         """Put the echoed prompt and the scored prompt (each once) in front of the completion's next message; drop
@@ -103,7 +106,7 @@ def model_request(request: TextRequest, planned: Plan, request_id: str) -> model
         allowed_token_ids=s.allowed_token_ids, blocked_token_ids=s.blocked_token_ids,
         request_id=request_id, n=planned.n, top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias), stop_token_ids=s.stop_token_ids,
-        min_tokens=s.min_tokens)
+        min_tokens=s.min_tokens, ids_only=not s.logprobs)  # probabilities only where asked for
     for name in ("top_p", "seed", "repetition_penalty", "prompt_logprobs"):
         if s.HasField(name):
             setattr(out, name, getattr(s, name))
@@ -132,12 +135,16 @@ class Pipeline:
     """Runs requests against the tokenizer service and the model pool."""
 
     def __init__(self, tokenizer: TokenizerClient, pool: ModelPool, limits: Limits, metrics: GatewayMetrics,
-                 local_detokenize: bool = False) -> None:
+                 local_detokenize: bool = False, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
         self.pool = pool
         self.limits = limits
         self.metrics = metrics
         self.local_detokenize = local_detokenize
+        self.stream_interval = stream_interval
+        # The latency histograms' children by method: looked up once, not per token.
+        self._ttft: dict[str, Any] = {}
+        self._itl: dict[str, Any] = {}
 
     async def stream(self, request: TextRequest, deadline: float | None, request_id: str, method: str,
                      chat: bool = False, running_usage: bool = False,
@@ -250,7 +257,12 @@ class Pipeline:
             completion.finish = gateway_pb2.FINISH_REASON_STOP if tail.stopped else FINISH.get(
                 reply.finish_reason, gateway_pb2.FINISH_REASON_LENGTH)
         elif release.tokens or completion.scored:
-            message = gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, index=completion.index)
+            completion.held += release.tokens
+            if completion.sent and len(completion.held) < self.stream_interval and not completion.scored:
+                return  # held: sent with the next ones (--stream-interval)
+            completion.sent = bool(completion.held)
+            held, completion.held = completion.held, []
+            message = gateway_pb2.GenerateResponse(text=Release(held).text, tokens=held, index=completion.index)
             if progress.running_usage:
                 message.usage.CopyFrom(counted(progress.prompt_tokens, completion.completion_tokens))
             yield completion.decorate(message)
@@ -287,11 +299,14 @@ class Pipeline:
             return
         if progress.first_token_at is None:
             progress.first_token_at = now
-            self.metrics.time_to_first_token.labels(method).observe(now - progress.arrival)
+            ttft = self._ttft.get(method) or self._ttft.setdefault(
+                method, self.metrics.time_to_first_token.labels(method))
+            ttft.observe(now - progress.arrival)
         elif progress.last_token_at is not None:
             per_token = (now - progress.last_token_at) / len(reply.token_ids)
+            itl = self._itl.get(method) or self._itl.setdefault(method, self.metrics.inter_token_latency.labels(method))
             for _ in reply.token_ids:
-                self.metrics.inter_token_latency.labels(method).observe(per_token)
+                itl.observe(per_token)
         progress.last_token_at = now
 
     async def _tokens(self, completion: Completion, reply: model_pb2.GenerateResponse,
@@ -335,6 +350,9 @@ class Pipeline:
             time_to_first_token_seconds=first - progress.arrival, total_seconds=now - progress.arrival)
         usage = counted(progress.prompt_tokens, completion_tokens)
         release = completion.release
+        if completion.held:  # tokens --stream-interval held go out in front of the last ones
+            release = Release(completion.held + release.tokens, release.stopped, release.extra, release.used)
+            completion.held = []
         out = gateway_pb2.GenerateResponse(text=release.text, tokens=release.tokens, finish_reason=completion.finish,
                                            usage=usage, timings=timings, index=completion.index)
         if completion.matcher.stopped:

@@ -74,7 +74,8 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
                                 prefetch_pieces=config.detokenize == "local")
     pool = ModelPool(config.models, config.backend_tls, config.model_streams, config.model_retry_seconds)
     metrics = GatewayMetrics(config.model_metrics, config.http.model_name)
-    pipeline = Pipeline(tokenizer, pool, config.limits, metrics, local_detokenize=config.detokenize == "local")
+    pipeline = Pipeline(tokenizer, pool, config.limits, metrics, local_detokenize=config.detokenize == "local",
+                        stream_interval=config.stream_interval)
     servicer = GatewayServicer(pipeline, config, template)
     built = assemble("gateway", SERVICE_NAME,
                      lambda server: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server),

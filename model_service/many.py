@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 
@@ -29,6 +30,12 @@ log = logging.getLogger(__name__)
 # (request, seconds it may take or None, its trace context) -> its responses; raises what ends it.
 OneRequest = Callable[[model_pb2.GenerateRequest, float | None, Mapping[str, str]],
                       AsyncIterator[model_pb2.GenerateResponse]]
+
+# Set in each request's task: puts a response of that request into the outbox at once. A OneRequest may use it
+# for responses it has ready outside its own turn (the servicer's decode-step tokens: no wake-up of the task and
+# its generators per request per step); what it yields goes the same way, after them.
+outbox_var: contextvars.ContextVar[Callable[[model_pb2.GenerateResponse], None] | None] = contextvars.ContextVar(
+    "many_outbox", default=None)
 
 
 def ended(update: model_pb2.RequestUpdate, error: BaseException | None) -> None:
@@ -82,6 +89,7 @@ class ManyStream:
     async def _run(self, request_id: int, request: model_pb2.GenerateRequest, timeout: float | None,
                    trace_context: Mapping[str, str]) -> None:
         error: BaseException | None = None
+        outbox_var.set(lambda response: self._update(request_id).responses.append(response))  # this task's context
         try:
             async with contextlib.aclosing(self.one(request, timeout, trace_context)) as responses:
                 async for response in responses:

@@ -26,7 +26,7 @@ from opentelemetry import trace
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from model_service.generate_trace import GenerateTrace
-from model_service.many import ManyStream
+from model_service.many import ManyStream, outbox_var
 from model_service.metrics import Metrics
 from model_service.requests import (
     Emission,
@@ -118,25 +118,36 @@ def _timings(t: Timings) -> model_pb2.Timings:
                              mean_step_seconds=t.mean_step_seconds)
 
 
-def to_response(batch: list[Emission]) -> model_pb2.GenerateResponse:
-    """One response for consecutive emissions of one sample (tokens concatenated, last state wins)."""
+def to_response(batch: list[Emission], details: bool = True) -> model_pb2.GenerateResponse:
+    """One response for consecutive emissions of one sample (tokens concatenated, last state wins); `details`:
+    each token's probability and alternatives too (a Token message each), else its id alone."""
     tokens = [t for e in batch for t in e.tokens]
     last = batch[-1]
     timings = next((e.timings for e in reversed(batch) if e.timings is not None), None)
     return model_pb2.GenerateResponse(
-        token_ids=[t.id for t in tokens], tokens=[_token(t) for t in tokens],
+        token_ids=[t.id for t in tokens], tokens=[_token(t) for t in tokens] if details else None,
         finish_reason=FINISH[last.finish_reason] if last.finish_reason else model_pb2.FINISH_REASON_UNSPECIFIED,
         prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
         timings=_timings(timings) if timings else None, index=last.index,
         prompt_logprobs=[_token(t) for e in batch if e.prompt for t in e.prompt])
 
 
-def to_responses(batch: list[Emission]) -> list[model_pb2.GenerateResponse]:
+def to_responses(batch: list[Emission], details: bool = True) -> list[model_pb2.GenerateResponse]:
     """Responses for consecutive emissions of a request: one per sample, in the order the samples appear."""
+    if len(batch) == 1:  # the common case: one step's news of one sample
+        return [to_response(batch, details)]
     by_index: dict[int, list[Emission]] = {}
     for emission in batch:
         by_index.setdefault(emission.index, []).append(emission)
-    return [to_response(run) for run in by_index.values()]
+    return [to_response(run, details) for run in by_index.values()]
+
+
+def _straight(emission: Emission, details: bool, observe: Callable[[model_pb2.GenerateResponse], None],
+              outbox: Callable[[model_pb2.GenerateResponse], None]) -> None:
+    """A GenerateMany request's decode-step emission, as its response, into the stream's outbox."""
+    for response in to_responses([emission], details):
+        observe(response)
+        outbox(response)
 
 
 def _until_end(batch: list[Emission], open_samples: int) -> list[Emission]:
@@ -150,12 +161,16 @@ def _until_end(batch: list[Emission], open_samples: int) -> list[Emission]:
 
 
 class EmissionSink:
-    """One request's emissions on the event loop: `take()` waits for and returns all that arrived."""
+    """One request's emissions on the event loop: `take()` waits for and returns all that arrived.
+
+    With `direct` set, an emission that neither ends the request nor fails it goes to `direct` at once, on the
+    loop, instead of waking the request's task, unless emissions are waiting for the task (order is kept)."""
 
     def __init__(self, relay: EmissionRelay) -> None:
         self._relay = relay
         self._items: list[Emission] = []
         self._waiter: asyncio.Future[None] | None = None
+        self.direct: Callable[[Emission], None] | None = None
 
     def emit(self, emission: Emission) -> None:
         """The scheduler's `emit` callback (decode thread)."""
@@ -163,6 +178,9 @@ class EmissionSink:
 
     def put(self, emission: Emission) -> None:
         """On the loop (called by the relay)."""
+        if self.direct is not None and not self._items and emission.error is None and emission.finish_reason is None:
+            self.direct(emission)
+            return
         self._items.append(emission)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -297,7 +315,8 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         spans = GenerateTrace(span)
         try:
             # aclosing: a handler closed early cancels its request now, not at garbage collection.
-            async with contextlib.aclosing(self._stream(request, time_remaining, rid, on_handle)) as responses:
+            async with contextlib.aclosing(self._stream(request, time_remaining, rid, on_handle,
+                                                        spans.observe)) as responses:
                 async for response in responses:
                     spans.observe(response)
                     yield response
@@ -320,7 +339,11 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                                                  "prompt_tokens": len(request.token_ids)})
 
     async def _stream(self, request: model_pb2.GenerateRequest, time_remaining: float | None, rid: str,
-                      on_handle: Callable[[RequestHandle], None] | None) -> AsyncIterator[model_pb2.GenerateResponse]:
+                      on_handle: Callable[[RequestHandle], None] | None,
+                      observe: Callable[[model_pb2.GenerateResponse], None]
+                      ) -> AsyncIterator[model_pb2.GenerateResponse]:
+        """The request's responses. On a GenerateMany stream (`outbox_var` set) a step's tokens go straight to the
+        stream's outbox from the relay's delivery, and only the request's end comes through here."""
         scheduler = self.scheduler
         if scheduler is None:
             raise SchedulerError(ErrorKind.UNAVAILABLE, "the model is still loading or compiling; retry shortly")
@@ -334,12 +357,15 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         if on_handle is not None:
             on_handle(handle)
         open_samples = domain.n
+        details = not request.ids_only or request.top_logprobs > 0
+        if (outbox := outbox_var.get()) is not None:
+            sink.direct = lambda emission: _straight(emission, details, observe, outbox)
         try:
             while True:
                 batch = _until_end(await sink.take(), open_samples)
                 error = batch[-1].error
                 good = [e for e in batch if e.error is None]
-                for response in to_responses(good):
+                for response in to_responses(good, details):
                     yield response
                 if error is not None:
                     raise error
@@ -347,4 +373,5 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                 if open_samples <= 0:
                     return
         finally:
+            sink.direct = None  # nothing reaches the outbox after the request's end
             handle.cancel()

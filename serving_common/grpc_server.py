@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serving_common.interceptor import install
+from serving_common.uds import GRPC_INSTEAD, no_tcp, tcp_refused
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -172,5 +173,12 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     except RuntimeError:  # grpcio >= 1.5x raises instead of returning 0
         bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port} (in use, or the address is not on this machine)")
+        raise bind_error(host, port)
     return bound
+
+
+def bind_error(host: str, port: int) -> OSError:
+    """Why `host:port` could not be bound: no TCP on this host at all (say --uds), else in use or not here."""
+    if (reason := tcp_refused(host)) is not None:
+        return OSError(no_tcp(f"could not bind {host}:{port}", reason, GRPC_INSTEAD))
+    return OSError(f"could not bind {host}:{port} (in use, or the address is not on this machine)")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
+from serving_common.uds import no_tcp, tcp_refused
+
 
 def new_registry() -> CollectorRegistry:
     """A service's own registry. Counters and histograms then export no `_created` series (a second series per
@@ -14,8 +16,14 @@ def new_registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
-def serve_metrics(port: int, host: str, registry: CollectorRegistry) -> None:
-    """Serve `registry` on host:port (a daemon thread); OSError naming --metrics-port when it cannot bind."""
+METRICS_INSTEAD = "turn it off with --metrics-port 0"
+
+
+def serve_metrics(port: int, host: str, registry: CollectorRegistry, instead: str = METRICS_INSTEAD) -> None:
+    """Serve `registry` on host:port (a daemon thread); OSError naming --metrics-port when it cannot bind, and
+    `instead` (what to do) where this host allows no TCP at all."""
+    if (reason := tcp_refused(host)) is not None:
+        raise OSError(no_tcp(f"--metrics-port {port}", reason, instead))
     try:
         start_http_server(port, addr=host, registry=registry)
     except OSError as error:

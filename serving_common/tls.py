@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from serving_common.flags import EnvArgumentParser
-from serving_common.grpc_server import bind
+from serving_common.grpc_server import bind, bind_error
 from serving_common.uds import SocketFile, check_free, owner_only, target
 
 
@@ -128,7 +128,7 @@ def bind_port(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | No
     except RuntimeError:
         bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port} (in use, or the address is not on this machine)")
+        raise bind_error(host, port)
     return bound
 
 

@@ -44,6 +44,25 @@ def path_of(address: str) -> str | None:
     return "/" + rest.lstrip("/") if rest.startswith("//") else rest
 
 
+def tcp_refused(host: str) -> str | None:
+    """Why this host cannot make a TCP socket for `host` at all (socket() itself refused: a host with no TCP/IP,
+    such as the TPU host used for development), or None where it can."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.socket(family, socket.SOCK_STREAM).close()
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
+
+
+def no_tcp(listener: str, reason: str, instead: str) -> str:
+    """The message for a TCP `listener` on a host that allows none, saying what to use `instead`."""
+    return f"{listener}: this host allows no TCP sockets (socket() failed: {reason}); {instead}"
+
+
+GRPC_INSTEAD = "listen on a unix socket file with --uds PATH instead (clients dial unix:PATH)"
+
+
 def listening(path: str, timeout: float = 1.0) -> bool:
     """Whether a server accepts connections on the socket file `path` now."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:

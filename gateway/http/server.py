@@ -19,9 +19,10 @@ from fastapi import FastAPI
 
 from gateway.http.slow_clients import BODY_SECONDS, HEADER_SECONDS, STALL_SECONDS, guarded
 from serving_common.tls import ServerTLS
-from serving_common.uds import SocketFile, bind_unix
+from serving_common.uds import SocketFile, bind_unix, no_tcp
 
 log = logging.getLogger(__name__)
+HTTP_INSTEAD = "serve the HTTP API on a unix socket file with --http-uds PATH, or turn it off with --http-port 0"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -31,7 +32,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     connection, as it does for sockets it creates itself: with proto 0 it left it on, and on a kept-alive
     connection the first token's event waited for the client's delayed ACK of the headers (~40 ms)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    except OSError as error:
+        raise OSError(no_tcp(f"--http-port {port}", error.strerror or str(error), HTTP_INSTEAD)) from None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -148,6 +148,14 @@ def test_layers_on_unix_sockets_with_the_per_call_gateway_and_the_engine_apart(
     targets = report["stack_targets"]["c2"]
     assert targets["throughput_ratio"] == report["ratios"]["c2"]["gateway_throughput_ratio"]
     assert recorded(targets["services_cpu_ms_per_token"]) and isinstance(targets["cpu_met"], bool)
+    gateway = report["arms"]["gateway"]["c2"]["median"]
+    assert 0 <= gateway["cpu_ms_per_token_model_service_loop"] <= gateway["cpu_ms_per_token_model_service"]
+    assert "cpu_ms_per_token_model_service_loop" not in report["arms"]["in_process"]["c2"]["median"]  # apart
+    assert targets["services_loops_cpu_ms_per_token"] == pytest.approx(
+        gateway["cpu_ms_per_token_model_service_loop"] + gateway["cpu_ms_per_token_gateway"]
+        + gateway["cpu_ms_per_token_tokenizer_service"])
+    assert targets["services_overhead_cpu_ms_per_token"] == pytest.approx(
+        targets["services_cpu_ms_per_token"] - report["arms"]["in_process"]["c2"]["median"]["cpu_ms_per_token_benchmark"])
 
 
 def test_crosscheck_runs_the_same_workload_with_every_client_against_one_stack(tmp_path: pathlib.Path) -> None:
@@ -164,3 +172,26 @@ def test_crosscheck_runs_the_same_workload_with_every_client_against_one_stack(t
     http = report["runs"]["ours-http"][0]
     assert 0 < http["mean_first_event_ms"] <= http["mean_ttft_ms"]  # a token's first text comes with or after it
     assert {"ours-http", "k6", "all_agree"} == set(report["agreement"])
+
+
+def test_layers_with_a_baseline_stack_on_a_host_without_tcp(tmp_path: pathlib.Path, jax_cache: str) -> None:
+    """What step 1 of issue 63 runs on the TPU host: every process (both stacks, the benchmark) with TCP made
+    impossible (scripts/no_tcp.py), the baseline stack on socket files beside this tree's."""
+    from scripts.no_tcp import ShimUnavailable, environment, shim
+
+    try:
+        library = shim()
+    except ShimUnavailable as error:
+        pytest.skip(f"cannot build the no-TCP shim here: {error}")
+    out = tmp_path / "layers_no_tcp.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.layers", "--stack", "demo", "--uds", "--in-process-apart",
+                          "--baseline-stack", str(ROOT), "--concurrency", "2", "--input-len", "8", "--output-len",
+                          "4", "--num-prompts", "2", "--runs", "1", "--warmup", "1", "--out", str(out),
+                          "--compile-cache", jax_cache], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=environment(library))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for arm in ("in_process", "model_service", "gateway", "model_service_baseline", "gateway_baseline"):
+        median = report["arms"][arm]["c2"]["median"]
+        assert median["completed"] == 2 and median["failed"] == 0 and median["total_output_tokens"] == 8, arm
+    assert "cpu_ms_per_token_tokenizer_service_baseline" in report["arms"]["gateway_baseline"]["c2"]["median"]

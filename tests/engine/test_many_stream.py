@@ -82,3 +82,29 @@ async def drive() -> None:
 
 def test_many_stream_batches_a_step_ends_each_request_alone_and_ends_after_a_drain() -> None:
     asyncio.run(asyncio.wait_for(drive(), 10))
+
+
+def test_a_sink_hands_step_tokens_straight_on_and_keeps_ends_and_order() -> None:
+    """The servicer's GenerateMany path: a decode step's tokens go to `direct` from the relay's delivery (no turn of
+    the request's task); an end, and anything after it, waits for the task, in order."""
+    from model_service.requests import Emission, FinishReason, TokenOut
+    from model_service.servicer import EmissionRelay
+
+    def step(n: int, finish: FinishReason | None = None) -> Emission:
+        return Emission(tokens=(TokenOut(n, 0.5, ()),), completion_tokens=n, prompt_tokens=3, finish_reason=finish)
+
+    async def drive_sink() -> None:
+        sink = EmissionRelay(asyncio.get_running_loop()).sink()
+        straight: list[Emission] = []
+        sink.direct = straight.append
+        sink.put(step(1))
+        sink.put(step(2))
+        assert [e.completion_tokens for e in straight] == [1, 2]
+        sink.put(step(3, FinishReason.LENGTH))  # the end (of one sample): for the task
+        sink.put(step(4))  # behind it: never overtakes it
+        assert len(straight) == 2
+        assert [e.completion_tokens for e in await sink.take()] == [3, 4]
+        sink.put(step(5))
+        assert [e.completion_tokens for e in straight] == [1, 2, 5]
+
+    asyncio.run(drive_sink())

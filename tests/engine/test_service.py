@@ -113,6 +113,26 @@ def test_grpcurl_generate_with_a_golden_seeded_request_returns_reference_ids(
     assert ids == case["output_ids"]
 
 
+def test_ids_only_responses_carry_the_same_ids_and_no_token_details(
+        service_and_startup: tuple[Service, list]) -> None:
+    """`ids_only` (the gateway sets it unless its caller asked for logprobs): no Token message per token, the
+    same ids; top_logprobs still brings the details."""
+    svc, _ = service_and_startup
+
+    def replies(**fields: object) -> list[model_pb2.GenerateResponse]:
+        with grpc.insecure_channel(svc.address) as channel:
+            stub = model_pb2_grpc.ModelServiceStub(channel)
+            return list(stub.Generate(model_pb2.GenerateRequest(token_ids=[5, 6, 7], max_tokens=6, ignore_eos=True,
+                                                                 **fields), timeout=120))
+
+    full, bare, asked = replies(), replies(ids_only=True), replies(ids_only=True, top_logprobs=2)
+    ids = [i for r in full for i in r.token_ids]
+    assert len(ids) == 6 and [i for r in bare for i in r.token_ids] == ids
+    assert sum(len(r.tokens) for r in full) == 6 and sum(len(r.tokens) for r in bare) == 0
+    assert [len(t.top_tokens) for r in asked for t in r.tokens] == [2] * 6
+    assert bare[-1].completion_tokens == 6 and bare[-1].finish_reason == full[-1].finish_reason
+
+
 def test_grpcurl_bad_request_is_invalid_argument(service_and_startup: tuple[Service, list]) -> None:
     svc, _ = service_and_startup
     done = grpcurl("-plaintext", "-d", json.dumps({"token_ids": [5] * 128}), svc.address,
