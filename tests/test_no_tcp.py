@@ -156,3 +156,35 @@ def _read_until(proc: subprocess.Popen[str], lines: list[str], marker: str) -> b
         raise AssertionError(f"run_stack exited with {proc.returncode}: {''.join(lines)[-3000:]}")
     lines.append(line)
     return marker in line
+
+
+def test_traces_reach_a_collector_on_a_unix_socket(no_tcp: dict[str, str], sockets: pathlib.Path) -> None:
+    """`--otlp-endpoint unix:PATH`: a collector (or an agent's socket) reached without TCP."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+    from tests.gateway.test_tracing_e2e import EXPORT_NOW, Collector
+
+    collector = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    server.add_insecure_port(f"unix:{sockets}/otlp.sock")
+    server.start()
+    tokenizer = unix_endpoint(sockets, "tokenizer")
+    service = started_without_tcp("tokenizer_service", ["--model", str(GOLDEN / "tokenizer.model"), *tokenizer.args,
+                                                        "--otlp-endpoint", f"unix:{sockets}/otlp.sock"],
+                                  {**no_tcp, **EXPORT_NOW}, sockets)
+    service.address = tokenizer.address
+    try:
+        service.wait_serving(120)
+        with grpc.insecure_channel(tokenizer.address) as channel:
+            tokenizer_pb2_grpc.TokenizerServiceStub(channel).Encode(tokenizer_pb2.EncodeRequest(text="The"), timeout=30)
+        wait_until(lambda: any(s.service == "tokenizer" and s.name.endswith("/Encode") for s in collector.spans()),
+                   60, interval=0.1, message=service.logs)
+    finally:
+        code = service.terminate()
+        server.stop(None)
+    assert code == 0, service.logs()[-2000:]
