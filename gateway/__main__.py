@@ -25,11 +25,12 @@ def split_models(value: str) -> tuple[str, ...]:
 
 
 def metrics_urls(value: str) -> tuple[str, ...]:
-    """--model-metrics: comma-separated http(s) URLs."""
+    """--model-metrics: comma-separated http(s) URLs, or unix:PATH (a model service's --metrics-uds)."""
     urls = tuple(u.strip() for u in value.split(",") if u.strip())
     for url in urls:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--model-metrics: {url!r} is not an http:// URL (e.g. http://127.0.0.1:9091/metrics)")
+        if not url.startswith(("http://", "https://", "unix:")):
+            raise ValueError(f"--model-metrics: {url!r} is not an http:// URL (e.g. http://127.0.0.1:9091/metrics) "
+                             "or unix:PATH")
     return urls
 
 
@@ -97,7 +98,8 @@ def build_parser() -> EnvArgumentParser:
     add_uds_flag(parser)
     parser.add_env_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics port (0 disables)")
     parser.add_env_argument("--model-metrics", default="",
-                            help="the model replicas' Prometheus URLs, comma-separated (http://HOST:PORT/metrics; "
+                            help="the model replicas' Prometheus URLs, comma-separated (http://HOST:PORT/metrics, "
+                                 "or unix:PATH for a replica's --metrics-uds; "
                                  "a name resolving to several addresses is scraped at each): their series join the "
                                  "gateway's /metrics, on --metrics-port and the HTTP API (docs/metrics.md)")
     defaults = Limits()  # each limit's default is declared once, in gateway/config.py

@@ -9,6 +9,7 @@ reported by `grok_gateway_model_metrics_up{replica} 0`, so a scrape never fails 
 
 from __future__ import annotations
 
+import http.client
 import socket
 import urllib.error
 import urllib.request
@@ -22,12 +23,15 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from gateway.vllm_names import vllm_aliases
+from serving_common.uds import path_of
 
 SCRAPE_TIMEOUT = 2.0  # seconds a replica's /metrics may take
 
 
 def scrape_targets(url: str) -> list[tuple[str, str]]:
-    """(replica label, URL) for each address `url`'s host resolves to (one, for an IP address)."""
+    """(replica label, URL) for each address `url`'s host resolves to (one, for an IP address or a unix socket)."""
+    if url.startswith("unix:"):
+        return [(url, url)]
     parts = urlsplit(url)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
     try:
@@ -46,9 +50,36 @@ def scrape_targets(url: str) -> list[tuple[str, str]]:
 
 def scrape(url: str, timeout: float = SCRAPE_TIMEOUT) -> list[Metric]:
     """The families a /metrics endpoint serves; OSError (URLError included) when it cannot be read."""
-    with urllib.request.urlopen(url, timeout=timeout) as reply:
-        text = reply.read().decode("utf-8")
+    if (path := path_of(url)) is not None:
+        text = scrape_unix(path, timeout)
+    else:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            text = reply.read().decode("utf-8")
     return list(text_string_to_metric_families(text))
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+def scrape_unix(path: str, timeout: float) -> str:
+    """GET /metrics from the socket file `path` (a model service's --metrics-uds)."""
+    connection = _UnixConnection(path, timeout)
+    try:
+        connection.request("GET", "/metrics")
+        reply = connection.getresponse()
+        if reply.status != 200:
+            raise OSError(f"{path}: /metrics answered {reply.status}")
+        return reply.read().decode("utf-8")
+    finally:
+        connection.close()
 
 
 def _labelled(families: Iterable[Metric], replica: str) -> Iterator[Metric]:

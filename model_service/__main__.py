@@ -164,6 +164,8 @@ def parser() -> EnvArgumentParser:
                        help="JAX persistent compilation cache directory; replicas sharing it that start together "
                             "compile once (the others wait, then read the programs)")
     p.add_env_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics port (0 = off)")
+    add_uds_flag(p, "--metrics-uds", "serve Prometheus /metrics on this unix socket file instead of --metrics-port "
+                 "(the gateway scrapes it as --model-metrics unix:PATH); owner-only, removed at exit")
     p.add_env_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
     p.add_env_argument("--watchdog-seconds", type=float, default=60.0,
                        help="report NOT_SERVING and fail pending requests with UNAVAILABLE when no decode step "
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         step_tokens=args.max_num_batched_tokens, prefill_tokens=args.prefill_tokens,
         decode_slowdown=args.decode_slowdown, tile_rows=args.tile_rows,
         speculative=args.speculative_config,
-        max_queue=args.max_queue, metrics_port=args.metrics_port,
+        max_queue=args.max_queue, metrics_port=args.metrics_port, metrics_uds=args.metrics_uds,
         metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed, tls=tls,
         max_connection_age_seconds=args.max_connection_age_seconds,
         max_connection_age_grace_seconds=args.max_connection_age_grace_seconds, distributed=dist,

@@ -53,6 +53,7 @@ class ServerConfig:
     max_queue: int = 64
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    metrics_uds: str | None = None  # /metrics on this unix socket file instead of metrics_host:metrics_port
     grace_seconds: float = 10.0
     random_seed: int = 0
     watchdog_seconds: float = 60.0  # 0 disables the decode-loop watchdog

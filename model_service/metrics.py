@@ -11,7 +11,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from model_service.kv_blocks import KVUsage
 from model_service.loop_state import SchedulerMetrics
 from model_service.requests import FinishReason
-from serving_common.metrics_server import new_registry, serve_metrics
+from serving_common.metrics_server import new_registry, serve_metrics, serve_metrics_unix
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -99,6 +99,10 @@ class Metrics(SchedulerMetrics):
     def rpc_done(self, code_name: str) -> None:
         self.status_codes.labels(code=code_name).inc()
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        """Start the /metrics HTTP endpoint (a daemon thread)."""
-        serve_metrics(port, host, self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1", uds: str | None = None) -> None:
+        """Start the /metrics HTTP endpoint (a daemon thread): on the socket file `uds` if given, else host:port."""
+        if uds is not None:
+            serve_metrics_unix(uds, self.registry)
+        else:
+            serve_metrics(port, host, self.registry, "turn it off with --metrics-port 0, or serve /metrics on a unix "
+                          "socket file with --metrics-uds PATH")

@@ -105,8 +105,8 @@ class ModelServer:
         """Accept connections (health says NOT_SERVING until `load` finishes)."""
         self._loop = asyncio.get_running_loop()
         await self.grpc.start()
-        if self.config.metrics_port:
-            self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+        if self.config.metrics_port or self.config.metrics_uds:
+            self.metrics.serve(self.config.metrics_port, self.config.metrics_host, self.config.metrics_uds)
         log.info("started, loading", extra=self.where())
 
     def where(self) -> dict[str, object]:

@@ -37,8 +37,8 @@ from serving_common.flags import EnvArgumentParser, port, positive_int  # noqa: 
 from serving_common.healthcheck import check  # noqa: E402
 from serving_common.logs import resolve_format  # noqa: E402
 from serving_common.processes import free_port, start_module, terminate  # noqa: E402
-from scripts.stack_endpoints import (Listener, add_socket_flags, listener, port_unused,  # noqa: E402
-                                     prepare_directory, remove_directory, remove_left_sockets,
+from scripts.stack_endpoints import (Listener, add_socket_flags, listener, model_metrics_socket,  # noqa: E402
+                                     port_unused, prepare_directory, remove_directory, remove_left_sockets,
                                      resolve_socket_flags, unusable_sockets)
 from scripts.stack_flags import PassThrough, add_service_flags, service_args  # noqa: E402
 
@@ -61,7 +61,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_env_argument("--metrics-port", type=port, default=None,
                        help="gateway Prometheus port (0: off; if not given 9090, off with --uds-dir)")
     p.add_env_argument("--model-metrics-port", type=port, default=None,
-                       help="model Prometheus port (0: off; if not given 9091, off with --uds-dir)")
+                       help="model Prometheus port (0: off; if not given 9091, or with --uds-dir the socket file "
+                            "DIR/model-metrics.sock, which the gateway's /metrics then includes)")
     add_socket_flags(p)
     p.add_env_argument("--prompt", default="The model service owns",
                        help="prompt of the sample completion")
@@ -171,17 +172,20 @@ def start(args: argparse.Namespace, out: LogGate) -> list[Child]:
                                     *service_args(args, passes, "tokenizer")], out)
     tokenizer.address = where["tokenizer"].address
     cache = ["--compile-cache", args.compile_cache] if args.compile_cache else []
+    metrics_socket = model_metrics_socket(args)
+    metrics = ["--metrics-uds", metrics_socket] if metrics_socket else ["--metrics-port", str(args.model_metrics_port)]
     # --tokenizer: the model service then serves structured output (constraints are compiled over its pieces).
     model = Child("model", ["model_service", "--config", args.config, "--checkpoint", args.checkpoint,
                             "--tokenizer", args.tokenizer, "--dtype", args.dtype, "--mesh", args.mesh,
                             "--slots", str(args.slots), *where["model"].args,
-                            "--metrics-port", str(args.model_metrics_port), *cache, *level,
+                            *metrics, *cache, *level,
                             *service_args(args, passes, "model")], out)
     model.address = where["model"].address
     # The gateway's /metrics (HTTP API and --metrics-port) carries the model's series too.
     url_host = f"[{host}]" if ":" in host else host
     model_metrics = (["--model-metrics", f"http://{url_host}:{args.model_metrics_port}/metrics"]
-                     if args.model_metrics_port else [])
+                     if args.model_metrics_port else ["--model-metrics", f"unix:{metrics_socket}"] if metrics_socket
+                     else [])
     gateway = Child("gateway", ["gateway", "--tokenizer", tokenizer.address, "--model", model.address,
                                 *where["gateway"].args, *where["http"].args, "--host", host,  # --host: /metrics
                                 "--metrics-port", str(args.metrics_port), *level, *model_metrics,

@@ -1,8 +1,9 @@
 """Where scripts/run_stack.py's three services listen: TCP ports on --host, or unix socket files (--uds-dir).
 
 With `--uds-dir DIR` the tokenizer, model and gateway gRPC servers listen on DIR/tokenizer.sock,
-DIR/model.sock and DIR/gateway.sock, the gateway's HTTP API on DIR/http.sock, and no TCP port is opened
-(the metrics ports are off unless given: /metrics is TCP only). `--tokenizer-uds`, `--model-uds`,
+DIR/model.sock and DIR/gateway.sock, the gateway's HTTP API on DIR/http.sock, the model's /metrics on
+DIR/model-metrics.sock (`--metrics-uds`, which the gateway scrapes: its /metrics on the HTTP API carries the
+model's series), and no TCP port is opened (the metrics ports are off unless given). `--tokenizer-uds`, `--model-uds`,
 `--gateway-uds` and `--http-uds PATH` put one listener on a socket file (with or without --uds-dir). The
 launcher checks health, wires the gateway (`unix:PATH` targets) and streams its sample over the same
 addresses. Socket paths are checked before anything starts (serving_common.uds: in use, stale or not a
@@ -24,6 +25,7 @@ SOCKET_FLAGS = {"tokenizer": "--tokenizer-uds", "model": "--model-uds", "gateway
                 "http": "--http-uds"}
 PORT_FLAGS = {"tokenizer": "tokenizer_port", "model": "model_port", "gateway": "gateway_port", "http": "http_port"}
 METRICS_DEFAULTS = {"metrics_port": 9090, "model_metrics_port": 9091}  # off with --uds-dir unless given
+MODEL_METRICS_SOCKET = "model-metrics.sock"  # the model's /metrics with --uds-dir and no --model-metrics-port
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,9 @@ def add_socket_flags(p: argparse.ArgumentParser) -> None:
     """The launcher's unix-socket flags (p is an EnvArgumentParser: each also reads GROK_STACK_<FLAG>)."""
     p.add_env_argument("--uds-dir", default="",  # type: ignore[attr-defined]
                        help="serve on unix sockets in this directory (created owner-only if missing) instead of "
-                            "TCP: tokenizer.sock, model.sock, gateway.sock and the HTTP API's http.sock; no TCP "
-                            "port is opened (the metrics ports are off unless given)")
+                            "TCP: tokenizer.sock, model.sock, gateway.sock, the HTTP API's http.sock and the model's "
+                            "/metrics on model-metrics.sock; no TCP port is opened (the metrics ports are off unless "
+                            "given)")
     for name, flag in SOCKET_FLAGS.items():
         what = {"http": "the gateway's HTTP API", "gateway": "the gateway's gRPC server"}.get(
             name, f"the {name} service's gRPC server")
@@ -70,6 +73,21 @@ def socket_path(args: argparse.Namespace, name: str) -> str | None:
     if explicit:
         return str(explicit)
     return str(pathlib.Path(args.uds_dir) / SOCKET_NAMES[name]) if args.uds_dir else None
+
+
+def model_metrics_socket(args: argparse.Namespace) -> str | None:
+    """The model's /metrics socket file: DIR/model-metrics.sock with --uds-dir unless --model-metrics-port is given."""
+    if args.uds_dir and not args.model_metrics_port:
+        return str(pathlib.Path(args.uds_dir) / MODEL_METRICS_SOCKET)
+    return None
+
+
+def all_sockets(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(path, the service's flag) of every socket file the stack will listen on."""
+    found = [(path, flag) for name, flag in SOCKET_FLAGS.items() if (path := socket_path(args, name)) is not None]
+    if (metrics := model_metrics_socket(args)) is not None:
+        found.append((metrics, "--metrics-uds"))
+    return found
 
 
 def listener(args: argparse.Namespace, name: str) -> Listener:
@@ -103,13 +121,11 @@ def prepare_directory(args: argparse.Namespace) -> bool:
 def unusable_sockets(args: argparse.Namespace) -> list[str]:
     """Why each socket path of the stack cannot be listened on now (empty: all free), as the service would say."""
     problems = []
-    for name, flag in SOCKET_FLAGS.items():
-        path = socket_path(args, name)
-        if path is not None:
-            try:
-                check_free(path, flag)
-            except OSError as error:
-                problems.append(str(error))
+    for path, flag in all_sockets(args):
+        try:
+            check_free(path, flag)
+        except OSError as error:
+            problems.append(str(error))
     return problems
 
 
@@ -125,9 +141,8 @@ def remove_left_sockets(args: argparse.Namespace, created_directory: bool) -> li
     directory if this launcher created it and it is empty. The paths were checked free before the services
     started, so a file there nobody listens on is theirs. Returns the files removed."""
     removed = []
-    for name in SOCKET_FLAGS:
-        path = socket_path(args, name)
-        if path is not None and is_socket(path) and not listening(path, timeout=0.5):
+    for path, _ in all_sockets(args):
+        if is_socket(path) and not listening(path, timeout=0.5):
             os.unlink(path)
             removed.append(path)
     remove_directory(args, created_directory)

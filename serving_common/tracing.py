@@ -30,6 +30,7 @@ from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from serving_common.flags import EnvArgumentParser
+from serving_common.uds import path_of
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -49,14 +50,19 @@ def add_flag(parser: EnvArgumentParser) -> None:
     """`--otlp-endpoint` (and its environment variable) on a service's parser."""
     parser.add_env_argument("--otlp-endpoint", type=otlp_endpoint, default=None,
                             help="send OpenTelemetry traces to this OTLP/gRPC collector, e.g. http://jaeger:4317 "
-                                 "(https:// for TLS; default: no tracing)")
+                                 "(https:// for TLS; unix:PATH for a collector's unix socket, plaintext, where TCP is "
+                                 "not allowed; default: no tracing)")
 
 
 def otlp_endpoint(raw: str) -> str | None:
-    """The endpoint as the exporter reads it: plaintext unless https://; "" means off."""
+    """The endpoint as the exporter reads it: plaintext unless https://, or a `unix:PATH` socket; "" means off."""
     raw = raw.strip()
     if not raw:
         return None
+    if (path := path_of(raw)) is not None:
+        if not path:
+            raise argparse.ArgumentTypeError(f"{raw!r} names no socket file: unix:PATH")
+        return f"unix:{path}"
     if "://" not in raw:
         raw = f"http://{raw}"  # the exporter would otherwise try TLS on a bare HOST:PORT
     parsed = urlparse(raw)
@@ -83,7 +89,10 @@ def configure(service: str, endpoint: str | None) -> TracerProvider | None:
     # shutdown() bounds the last export; the SDK's own exit hook would wait on it without a bound.
     provider = TracerProvider(resource=Resource.create({"service.name": service, "service.namespace": "grok-serve"}),
                               shutdown_on_exit=False)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    # A unix socket is a gRPC target as it stands; the exporter would otherwise want TLS for it.
+    local = endpoint.startswith("unix:")
+    exporter = OTLPSpanExporter(endpoint=endpoint, insecure=True if local else None)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     install(provider)
     log.info("tracing on", extra={"otlp_endpoint": endpoint})
     return provider

@@ -18,7 +18,7 @@ import pytest
 from scripts.no_tcp import ShimUnavailable, environment, shim
 from serving_common.processes import unix_endpoint
 from tests.procs import GOLDEN, ROOT, Service
-from tests.test_uds_stack import http_call
+from tests.test_uds_stack import UnixHTTPConnection, http_call
 from tests.waiting import wait_until
 
 
@@ -61,15 +61,16 @@ def started_without_tcp(module: str, args: list[str], env: dict[str, str], direc
 def test_three_services_and_a_client_without_tcp(no_tcp: dict[str, str], sockets: pathlib.Path,
                                                  jax_cache: str) -> None:
     tokenizer, model, gateway = (unix_endpoint(sockets, name) for name in ("tokenizer", "model", "gateway"))
-    http = str(sockets / "http.sock")
+    http, model_metrics = str(sockets / "http.sock"), str(sockets / "model-metrics.sock")
     services = [
         started_without_tcp("tokenizer_service", ["--model", str(GOLDEN / "tokenizer.model"), *tokenizer.args],
                             no_tcp, sockets),
         started_without_tcp("model_service", ["--config", str(GOLDEN / "config.json"), "--checkpoint",
                                               str(GOLDEN / "checkpoint"), "--slots", "2", "--compile-cache",
-                                              jax_cache, *model.args], no_tcp, sockets),
+                                              jax_cache, "--metrics-uds", model_metrics, *model.args], no_tcp, sockets),
         started_without_tcp("gateway", ["--tokenizer", tokenizer.address, "--model", model.address,
-                                        "--http-uds", http, *gateway.args], no_tcp, sockets)]
+                                        "--http-uds", http, "--model-metrics", f"unix:{model_metrics}",
+                                        *gateway.args], no_tcp, sockets)]
     try:
         for service, endpoint in zip(services, (tokenizer, model, gateway)):
             service.address = endpoint.address
@@ -84,12 +85,28 @@ def test_three_services_and_a_client_without_tcp(no_tcp: dict[str, str], sockets
                                  {"model": "grok-1", "prompt": "The", "max_tokens": 3, "ignore_eos": True})
         assert status == 200, body
         assert json.loads(body)["usage"]["completion_tokens"] == 3
+        # /metrics without TCP: the gateway's on its HTTP socket, with the model's scraped from its socket.
+        status, exposition = http_text(http, "/metrics")
+        assert status == 200
+        replica = f'replica="unix:{model_metrics}"'
+        assert f"grok_gateway_model_metrics_up{{{replica}}} 1.0" in exposition, exposition[-2000:]
+        assert f"grok_model_generated_tokens_total{{{replica}}} 7.0" in exposition  # 4 + 3 tokens
     finally:
         codes = [service.terminate() for service in reversed(services)]
     assert codes == [0, 0, 0], [s.logs()[-2000:] for s in services]
     for service in services:
         errors = [r for r in service.log_records() if r.get("level") == "error"]
         assert errors == [], (service.module, errors)
+
+
+def http_text(path: str, url: str) -> tuple[int, str]:
+    connection = UnixHTTPConnection(path)
+    try:
+        connection.request("GET", url)
+        reply = connection.getresponse()
+        return reply.status, reply.read().decode()
+    finally:
+        connection.close()
 
 
 def startup_error(service: Service) -> str:
@@ -156,3 +173,35 @@ def _read_until(proc: subprocess.Popen[str], lines: list[str], marker: str) -> b
         raise AssertionError(f"run_stack exited with {proc.returncode}: {''.join(lines)[-3000:]}")
     lines.append(line)
     return marker in line
+
+
+def test_traces_reach_a_collector_on_a_unix_socket(no_tcp: dict[str, str], sockets: pathlib.Path) -> None:
+    """`--otlp-endpoint unix:PATH`: a collector (or an agent's socket) reached without TCP."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    from grok.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+    from tests.gateway.test_tracing_e2e import EXPORT_NOW, Collector
+
+    collector = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    server.add_insecure_port(f"unix:{sockets}/otlp.sock")
+    server.start()
+    tokenizer = unix_endpoint(sockets, "tokenizer")
+    service = started_without_tcp("tokenizer_service", ["--model", str(GOLDEN / "tokenizer.model"), *tokenizer.args,
+                                                        "--otlp-endpoint", f"unix:{sockets}/otlp.sock"],
+                                  {**no_tcp, **EXPORT_NOW}, sockets)
+    service.address = tokenizer.address
+    try:
+        service.wait_serving(120)
+        with grpc.insecure_channel(tokenizer.address) as channel:
+            tokenizer_pb2_grpc.TokenizerServiceStub(channel).Encode(tokenizer_pb2.EncodeRequest(text="The"), timeout=30)
+        wait_until(lambda: any(s.service == "tokenizer" and s.name.endswith("/Encode") for s in collector.spans()),
+                   60, interval=0.1, message=service.logs)
+    finally:
+        code = service.terminate()
+        server.stop(None)
+    assert code == 0, service.logs()[-2000:]

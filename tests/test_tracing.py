@@ -34,6 +34,8 @@ def test_tracing_is_off_by_default_and_the_endpoint_flag_reads_host_port_as_plai
     assert parse_config([*GATEWAY, "--otlp-endpoint", "jaeger:4317"]).otlp_endpoint == "http://jaeger:4317"
     assert parse_config([*GATEWAY, "--otlp-endpoint", "https://otel.example:4317"]).otlp_endpoint == \
         "https://otel.example:4317"
+    # A collector's (or an agent's) unix socket, where TCP is not allowed: gRPC's target, plaintext.
+    assert parse_config([*GATEWAY, "--otlp-endpoint", "unix:///tmp/otel.sock"]).otlp_endpoint == "unix:/tmp/otel.sock"
 
 
 def test_the_endpoint_comes_from_the_environment_too(monkeypatch: pytest.MonkeyPatch) -> None:

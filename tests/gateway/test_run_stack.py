@@ -191,9 +191,14 @@ def test_uds_dir_serves_on_socket_files_only_and_ctrl_c_removes_them(jax_cache: 
             for service in ("tokenizer", "model", "gateway"):
                 assert f"run_stack: {service} is SERVING on unix:{directory}/{service}.sock" in output
             files = sorted(p.name for p in directory.iterdir())
-            assert files == ["gateway.sock", "http.sock", "model.sock", "tokenizer.sock"]
+            assert files == ["gateway.sock", "http.sock", "model-metrics.sock", "model.sock", "tokenizer.sock"]
             assert all(stat.S_ISSOCK(os.lstat(directory / f).st_mode) for f in files)
             assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+            # /metrics without TCP: the gateway's, on its HTTP socket, carries the model's (scraped from its socket).
+            scraped = subprocess.run(["curl", "-s", "--unix-socket", str(directory / "http.sock"),
+                                      "http://localhost/metrics"], capture_output=True, text=True, timeout=60)
+            replica = f'replica="unix:{directory}/model-metrics.sock"'
+            assert f"grok_gateway_model_metrics_up{{{replica}}} 1.0" in scraped.stdout, scraped
             for pid in (*pids, launcher.proc.pid):
                 assert inet_sockets(pid) == [], (pid, launcher.output()[-3000:])
             commands = re.findall(r"^  (.+)$", output.split("run_stack: try it yourself:\n", 1)[1], re.M)
