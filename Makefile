@@ -173,8 +173,8 @@ bench-cpu-activation-error: setup  ## --products native-int8 against the referen
 # On the TPU host (no venv, no TCP sockets there; ../shared/device/README.md): each program in its own process,
 # one JSON for the page (split over calls: python -m benchmarks.device --merge A.json B.json --out ...),
 #   bash .device/on-device.sh make bench-tpu PY=python3
-bench-tpu:  ## on the chip: medium and Grok-1 width (1 layer) points, each beside its bound, golden parity (~6 min)
-	$(PY) -m benchmarks.device --points parity,medium,grok1-1layer --sets golden $(BENCH_ARGS) \
+bench-tpu:  ## on the chip: medium and Grok-1 width (1 and 2 layers) points, each beside its bound, golden parity (~8 min)
+	$(PY) -m benchmarks.device --points parity,medium,grok1-1layer,grok1-2layer --sets golden $(BENCH_ARGS) \
 	  --out $(BENCH_OUT)/device-tpu-v5e.json
 
 clean:  ## remove build outputs (not the venv)
