@@ -9,7 +9,6 @@ reported by `grok_gateway_model_metrics_up{replica} 0`, so a scrape never fails 
 
 from __future__ import annotations
 
-import http.client
 import socket
 import urllib.error
 import urllib.request
@@ -23,7 +22,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from gateway.vllm_names import vllm_aliases
-from serving_common.uds import path_of
+from serving_common.uds import UnixHTTPConnection, path_of
 
 SCRAPE_TIMEOUT = 2.0  # seconds a replica's /metrics may take
 
@@ -58,20 +57,9 @@ def scrape(url: str, timeout: float = SCRAPE_TIMEOUT) -> list[Metric]:
     return list(text_string_to_metric_families(text))
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.path)
-
-
 def scrape_unix(path: str, timeout: float) -> str:
     """GET /metrics from the socket file `path` (a model service's --metrics-uds)."""
-    connection = _UnixConnection(path, timeout)
+    connection = UnixHTTPConnection(path, timeout)
     try:
         connection.request("GET", "/metrics")
         reply = connection.getresponse()

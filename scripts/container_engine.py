@@ -18,11 +18,12 @@ import os
 import pathlib
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
+
+from serving_common.uds import UnixHTTPConnection
 
 PODMAN_SOCKET = pathlib.Path("/run/podman/podman.sock")
 DOCKER_SOCKET = pathlib.Path("/var/run/docker.sock")
@@ -34,23 +35,10 @@ def say(text: str) -> None:
     print(f"compose-check: {text}", flush=True)
 
 
-class UnixConnection(http.client.HTTPConnection):
-    """HTTP over a unix socket (the Docker API's usual transport)."""
-
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.path)
-
-
 def engine_name(docker_host: str, timeout: float = 3.0) -> str | None:
     """The engine's name ("Docker Engine", "Podman Engine") if one answers the Docker API at `docker_host`."""
     if docker_host.startswith("unix://"):
-        connection: http.client.HTTPConnection = UnixConnection(docker_host.removeprefix("unix://"), timeout)
+        connection: http.client.HTTPConnection = UnixHTTPConnection(docker_host.removeprefix("unix://"), timeout)
     elif docker_host.startswith("tcp://"):
         connection = http.client.HTTPConnection(docker_host.removeprefix("tcp://"), timeout=timeout)
     else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import http.client
 import os
 import socket
 import stat
@@ -150,3 +151,16 @@ def bind_unix(path: str, flag: str) -> tuple[socket.socket, SocketFile]:
             raise OSError(f"{flag}: {path!r} is in use") from None
         raise OSError(f"{flag}: could not bind {path!r} ({error.strerror or error})") from None
     return sock, SocketFile.created(path)
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a unix socket file (the Docker API's usual transport; a /metrics served with --metrics-uds)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
