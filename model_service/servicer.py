@@ -121,15 +121,28 @@ def _timings(t: Timings) -> model_pb2.Timings:
 def to_response(batch: list[Emission], details: bool = True) -> model_pb2.GenerateResponse:
     """One response for consecutive emissions of one sample (tokens concatenated, last state wins); `details`:
     each token's probability and alternatives too (a Token message each), else its id alone."""
-    tokens = [t for e in batch for t in e.tokens]
+    response = model_pb2.GenerateResponse()
+    fill_response(response, batch, details)
+    return response
+
+
+def fill_response(response: model_pb2.GenerateResponse, batch: list[Emission], details: bool = True) -> None:
+    """`to_response` written into `response` in place: a GenerateMany request's decode-step news is built inside
+    the stream's outgoing message (no response built, then copied into it)."""
     last = batch[-1]
+    tokens = last.tokens if len(batch) == 1 else tuple(t for e in batch for t in e.tokens)
+    response.token_ids.extend([t.id for t in tokens])
+    if details:
+        response.tokens.extend([_token(t) for t in tokens])
+    if last.finish_reason:
+        response.finish_reason = FINISH[last.finish_reason]
+    response.prompt_tokens, response.completion_tokens, response.index = (last.prompt_tokens,
+                                                                          last.completion_tokens, last.index)
     timings = next((e.timings for e in reversed(batch) if e.timings is not None), None)
-    return model_pb2.GenerateResponse(
-        token_ids=[t.id for t in tokens], tokens=[_token(t) for t in tokens] if details else None,
-        finish_reason=FINISH[last.finish_reason] if last.finish_reason else model_pb2.FINISH_REASON_UNSPECIFIED,
-        prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-        timings=_timings(timings) if timings else None, index=last.index,
-        prompt_logprobs=[_token(t) for e in batch if e.prompt for t in e.prompt])
+    if timings is not None:
+        response.timings.CopyFrom(_timings(timings))
+    if any(e.prompt for e in batch):
+        response.prompt_logprobs.extend([_token(t) for e in batch if e.prompt for t in e.prompt])
 
 
 def to_responses(batch: list[Emission], details: bool = True) -> list[model_pb2.GenerateResponse]:
@@ -143,11 +156,12 @@ def to_responses(batch: list[Emission], details: bool = True) -> list[model_pb2.
 
 
 def _straight(emission: Emission, details: bool, observe: Callable[[model_pb2.GenerateResponse], None],
-              outbox: Callable[[model_pb2.GenerateResponse], None]) -> None:
-    """A GenerateMany request's decode-step emission, as its response, into the stream's outbox."""
-    for response in to_responses([emission], details):
-        observe(response)
-        outbox(response)
+              outbox: Callable[[], model_pb2.GenerateResponse]) -> None:
+    """A GenerateMany request's decode-step emission (one sample's), written as its response straight into the
+    stream's outgoing message."""
+    response = outbox()
+    fill_response(response, [emission], details)
+    observe(response)
 
 
 def _until_end(batch: list[Emission], open_samples: int) -> list[Emission]:
