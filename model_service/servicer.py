@@ -128,21 +128,31 @@ def to_response(batch: list[Emission], details: bool = True) -> model_pb2.Genera
 
 def fill_response(response: model_pb2.GenerateResponse, batch: list[Emission], details: bool = True) -> None:
     """`to_response` written into `response` in place: a GenerateMany request's decode-step news is built inside
-    the stream's outgoing message (no response built, then copied into it)."""
+    the stream's outgoing message (no response built, then copied into it). Per token and per step: no
+    generator or message built beyond the one Token per token that `details` asks for."""
     last = batch[-1]
-    tokens = last.tokens if len(batch) == 1 else tuple(t for e in batch for t in e.tokens)
-    response.token_ids.extend([t.id for t in tokens])
+    if len(batch) == 1:  # the common case: one step's news
+        tokens, timings, prompt = last.tokens, last.timings, last.prompt
+    else:
+        tokens = tuple(t for e in batch for t in e.tokens)
+        timings = next((e.timings for e in reversed(batch) if e.timings is not None), None)
+        prompt = tuple(t for e in batch if e.prompt for t in e.prompt) or None
+    if len(tokens) == 1:
+        response.token_ids.append(tokens[0].id)
+    else:
+        response.token_ids.extend([t.id for t in tokens])
     if details:
         response.tokens.extend([_token(t) for t in tokens])
-    if last.finish_reason:
+    if last.finish_reason is not None:
         response.finish_reason = FINISH[last.finish_reason]
-    response.prompt_tokens, response.completion_tokens, response.index = (last.prompt_tokens,
-                                                                          last.completion_tokens, last.index)
-    timings = next((e.timings for e in reversed(batch) if e.timings is not None), None)
+    response.prompt_tokens = last.prompt_tokens
+    response.completion_tokens = last.completion_tokens
+    if last.index:
+        response.index = last.index
     if timings is not None:
         response.timings.CopyFrom(_timings(timings))
-    if any(e.prompt for e in batch):
-        response.prompt_logprobs.extend([_token(t) for e in batch if e.prompt for t in e.prompt])
+    if prompt:
+        response.prompt_logprobs.extend([_token(t) for t in prompt])
 
 
 def to_responses(batch: list[Emission], details: bool = True) -> list[model_pb2.GenerateResponse]:
@@ -376,7 +386,11 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             sink.direct = lambda emission: _straight(emission, details, observe, outbox)
         try:
             while True:
-                batch = _until_end(await sink.take(), open_samples)
+                batch = await sink.take()
+                if len(batch) == 1 and batch[0].finish_reason is None and batch[0].error is None:
+                    yield to_response(batch, details)  # the common case: one step's tokens of one sample
+                    continue
+                batch = _until_end(batch, open_samples)
                 error = batch[-1].error
                 good = [e for e in batch if e.error is None]
                 for response in to_responses(good, details):
