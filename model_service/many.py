@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 
@@ -74,6 +75,13 @@ class ManyStream:
             self.news.set()
         return update
 
+    def _response(self, request_id: int) -> model_pb2.GenerateResponse:
+        """A new response of the request, in the outbox (the `outbox_var` of its task)."""
+        update = self.outbox.get(request_id)
+        if update is None:
+            update = self._update(request_id)
+        return update.responses.add()
+
     def start(self, start: model_pb2.StartRequest) -> None:
         if start.id in self.tasks:
             error = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"id {start.id} is in use on this stream")
@@ -91,7 +99,7 @@ class ManyStream:
     async def _run(self, request_id: int, request: model_pb2.GenerateRequest, timeout: float | None,
                    trace_context: Mapping[str, str]) -> None:
         error: BaseException | None = None
-        outbox_var.set(lambda: self._update(request_id).responses.add())  # in this task's context
+        outbox_var.set(functools.partial(self._response, request_id))  # in this task's context
         try:
             async with contextlib.aclosing(self.one(request, timeout, trace_context)) as responses:
                 async for response in responses:

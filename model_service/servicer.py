@@ -128,31 +128,45 @@ def to_response(batch: list[Emission], details: bool = True) -> model_pb2.Genera
 
 def fill_response(response: model_pb2.GenerateResponse, batch: list[Emission], details: bool = True) -> None:
     """`to_response` written into `response` in place: a GenerateMany request's decode-step news is built inside
-    the stream's outgoing message (no response built, then copied into it). Per token and per step: no
-    generator or message built beyond the one Token per token that `details` asks for."""
-    last = batch[-1]
+    the stream's outgoing message (no response built, then copied into it)."""
     if len(batch) == 1:  # the common case: one step's news
-        tokens, timings, prompt = last.tokens, last.timings, last.prompt
-    else:
-        tokens = tuple(t for e in batch for t in e.tokens)
-        timings = next((e.timings for e in reversed(batch) if e.timings is not None), None)
-        prompt = tuple(t for e in batch if e.prompt for t in e.prompt) or None
+        _fill(response, batch[0], details)
+        return
+    last = batch[-1]
+    tokens = [t for e in batch for t in e.tokens]
+    response.token_ids.extend([t.id for t in tokens])
+    if details:
+        response.tokens.extend([_token(t) for t in tokens])
+    if last.finish_reason is not None:
+        response.finish_reason = FINISH[last.finish_reason]
+    response.prompt_tokens, response.completion_tokens, response.index = (last.prompt_tokens,
+                                                                          last.completion_tokens, last.index)
+    timings = next((e.timings for e in reversed(batch) if e.timings is not None), None)
+    if timings is not None:
+        response.timings.CopyFrom(_timings(timings))
+    response.prompt_logprobs.extend([_token(t) for e in batch if e.prompt for t in e.prompt])
+
+
+def _fill(response: model_pb2.GenerateResponse, emission: Emission, details: bool) -> None:
+    """One emission's response, field by field: per token and per step, no generator and no message built
+    beyond the one Token per token that `details` asks for."""
+    tokens = emission.tokens
     if len(tokens) == 1:
         response.token_ids.append(tokens[0].id)
     else:
         response.token_ids.extend([t.id for t in tokens])
     if details:
         response.tokens.extend([_token(t) for t in tokens])
-    if last.finish_reason is not None:
-        response.finish_reason = FINISH[last.finish_reason]
-    response.prompt_tokens = last.prompt_tokens
-    response.completion_tokens = last.completion_tokens
-    if last.index:
-        response.index = last.index
-    if timings is not None:
-        response.timings.CopyFrom(_timings(timings))
-    if prompt:
-        response.prompt_logprobs.extend([_token(t) for t in prompt])
+    if emission.finish_reason is not None:
+        response.finish_reason = FINISH[emission.finish_reason]
+    response.prompt_tokens = emission.prompt_tokens
+    response.completion_tokens = emission.completion_tokens
+    if emission.index:
+        response.index = emission.index
+    if emission.timings is not None:
+        response.timings.CopyFrom(_timings(emission.timings))
+    if emission.prompt:
+        response.prompt_logprobs.extend([_token(t) for t in emission.prompt])
 
 
 def to_responses(batch: list[Emission], details: bool = True) -> list[model_pb2.GenerateResponse]:
@@ -165,13 +179,23 @@ def to_responses(batch: list[Emission], details: bool = True) -> list[model_pb2.
     return [to_response(run, details) for run in by_index.values()]
 
 
-def _straight(emission: Emission, details: bool, observe: Callable[[model_pb2.GenerateResponse], None],
-              outbox: Callable[[], model_pb2.GenerateResponse]) -> None:
-    """A GenerateMany request's decode-step emission (one sample's), written as its response straight into the
-    stream's outgoing message."""
-    response = outbox()
-    fill_response(response, [emission], details)
-    observe(response)
+class _Straight:
+    """A GenerateMany request's decode-step emissions (one sample's each), written as its responses straight into
+    the stream's outgoing message from the relay's delivery: one call per request per step."""
+
+    __slots__ = ("details", "observe", "outbox")
+
+    def __init__(self, details: bool, observe: Callable[[model_pb2.GenerateResponse], None] | None,
+                 outbox: Callable[[], model_pb2.GenerateResponse]) -> None:
+        self.details = details
+        self.observe = observe  # None: the call's span is not recorded
+        self.outbox = outbox
+
+    def __call__(self, emission: Emission) -> None:
+        response = self.outbox()
+        _fill(response, emission, self.details)
+        if self.observe is not None:
+            self.observe(response)
 
 
 def _until_end(batch: list[Emission], open_samples: int) -> list[Emission]:
@@ -340,7 +364,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         try:
             # aclosing: a handler closed early cancels its request now, not at garbage collection.
             async with contextlib.aclosing(self._stream(request, time_remaining, rid, on_handle,
-                                                        spans.observe)) as responses:
+                                                        spans.observe if spans.on else None)) as responses:
                 async for response in responses:
                     spans.observe(response)
                     yield response
@@ -364,7 +388,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
 
     async def _stream(self, request: model_pb2.GenerateRequest, time_remaining: float | None, rid: str,
                       on_handle: Callable[[RequestHandle], None] | None,
-                      observe: Callable[[model_pb2.GenerateResponse], None]
+                      observe: Callable[[model_pb2.GenerateResponse], None] | None
                       ) -> AsyncIterator[model_pb2.GenerateResponse]:
         """The request's responses. On a GenerateMany stream (`outbox_var` set) a step's tokens go straight to the
         stream's outbox from the relay's delivery, and only the request's end comes through here."""
@@ -383,7 +407,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         open_samples = domain.n
         details = not request.ids_only or request.top_logprobs > 0
         if (outbox := outbox_var.get()) is not None:
-            sink.direct = lambda emission: _straight(emission, details, observe, outbox)
+            sink.direct = _Straight(details, observe, outbox)
         try:
             while True:
                 batch = await sink.take()
