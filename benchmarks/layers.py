@@ -184,7 +184,7 @@ def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int
 
 def arm_order(arms: list[str], index: int) -> list[str]:
     """The arms in run `index`'s order: as given in even runs, reversed in odd ones. A change measured against its
-    base in one invocation (--baseline-stack) read 5-20 % apart in CPU per token with the arms in a fixed order, and
+    base in one invocation (--baseline-stack) read up to 24 % apart in CPU per token with the arms in a fixed order, and
     the other way round with the two trees swapped (docs/benchmarks.md): an arm's place in the round, or its
     stack's start order, is part of what it measures. Mirroring removes the first (an even --runs balances it);
     swapping the trees in a second invocation, the second."""
