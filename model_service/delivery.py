@@ -29,6 +29,7 @@ class Delivery:
         self.metrics = metrics
         self.guidance = guidance
         self._held: list[tuple[RequestHandle, Emission]] | None = None
+        self._counted = 0  # tokens delivered while holding, not yet added to the metrics
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -40,6 +41,9 @@ class Delivery:
             yield
         finally:
             self._held = None
+            if self._counted:  # one counter update a step, before anyone hears of its tokens
+                self.metrics.add_tokens(self._counted)
+                self._counted = 0
             for handle, emission in held:
                 handle.emit(emission)
 
@@ -67,7 +71,10 @@ class Delivery:
             act.generated += 1
             act.tokens.append(token.id)
             act.handle.delivered.setdefault(act.index, []).append(token.id)
-            self.metrics.add_tokens(1)
+            if self._held is None:
+                self.metrics.add_tokens(1)
+            else:
+                self._counted += 1
             tokens.append(token)
             reason = finish_reason(req, act.generated, token.id, self.engine.eos_id, self.engine.sequence_len)
             if act.guide is not None:

@@ -11,7 +11,7 @@ from grok.model.v1 import model_pb2
 from model_service.loop_state import SchedulerMetrics
 from model_service.many import ManyStream, outbox_var
 from model_service.requests import Emission, FinishReason, GenerationRequest, TokenOut, Timings
-from model_service.servicer import to_response
+from model_service.responses import to_response
 from tests.engine.conftest import Runner
 from tests.engine.fake_engine import FakeEngine
 
