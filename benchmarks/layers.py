@@ -182,15 +182,6 @@ def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int
     return per
 
 
-def arm_order(arms: list[str], index: int) -> list[str]:
-    """The arms in run `index`'s order: as given in even runs, reversed in odd ones. A change measured against its
-    base in one invocation (--baseline-stack) read up to 24 % apart in CPU per token with the arms in a fixed order, and
-    the other way round with the two trees swapped (docs/benchmarks.md): an arm's place in the round, or its
-    stack's start order, is part of what it measures. Mirroring removes the first (an even --runs balances it);
-    swapping the trees in a second invocation, the second."""
-    return arms if index % 2 == 0 else arms[::-1]
-
-
 async def measure_arms(config: LayersConfig, senders: dict[str, Sender], requests: list[BenchRequest],
                        warm: list[BenchRequest],
                        pids: dict[str, Watched]) -> dict[str, dict[str, list[dict[str, Any]]]]:
@@ -201,8 +192,7 @@ async def measure_arms(config: LayersConfig, senders: dict[str, Sender], request
             raise RuntimeError(f"{arm} warm-up failed: {failed[0]}")
     for index in range(config.runs):
         for c in config.concurrency:
-            for arm in arm_order(list(senders), index):
-                send = senders[arm]
+            for arm, send in senders.items():
                 before = cpu_snapshot(pids)
                 served, duration = await run_point(send, requests, LoadPoint(c), config.seed)
                 m = metrics.compute(served, duration)

@@ -137,12 +137,3 @@ def test_cpu_seconds_of_this_process_grow_when_it_computes() -> None:
     while time.process_time() < deadline:
         pass
     assert layers.cpu_seconds(os.getpid()) > before
-
-
-def test_arms_take_mirror_places_every_other_run() -> None:
-    arms = ["in_process", "model_service", "gateway", "model_service_baseline"]
-    orders = [layers.arm_order(arms, i) for i in range(4)]
-    assert orders[0] == orders[2] == arms
-    assert orders[1] == orders[3] == arms[::-1]
-    for arm in arms:  # over two runs every arm's places add up to the same
-        assert orders[0].index(arm) + orders[1].index(arm) == len(arms) - 1
