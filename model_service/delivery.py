@@ -8,14 +8,15 @@ not drawn again: nothing is delivered twice.) No JAX and no locks: the decode th
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from model_service.engine_api import EngineLike, StepOutputLike
 from model_service.guided import Guidance
 from model_service.loop_state import Running, SchedulerMetrics
 from model_service.plan import finish_reason, token_out
-from model_service.requests import Emission, ErrorKind, FinishReason, SchedulerError, TokenOut
+from model_service.requests import Emission, ErrorKind, FinishReason, RequestHandle, SchedulerError, TokenOut
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,30 @@ class Delivery:
         self.engine = engine
         self.metrics = metrics
         self.guidance = guidance
+        self._held: list[tuple[RequestHandle, Emission]] | None = None
+        self._counted = 0  # tokens delivered while holding, not yet added to the metrics
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Hold the emissions of a step's delivery and hand them over together at its end: the consumer (the
+        servicer's relay) is woken once the step's news is complete, not at its first token, when its thread
+        would take the GIL back and forth with this one for the rest of the delivery."""
+        self._held = held = []
+        try:
+            yield
+        finally:
+            self._held = None
+            if self._counted:  # one counter update a step, before anyone hears of its tokens
+                self.metrics.add_tokens(self._counted)
+                self._counted = 0
+            for handle, emission in held:
+                handle.emit(emission)
+
+    def _emit(self, handle: RequestHandle, emission: Emission) -> None:
+        if self._held is not None:
+            self._held.append((handle, emission))
+        else:
+            handle.emit(emission)
 
     def deliver(self, act: Running, out: StepOutputLike, rows: int | Sequence[int],
                 prompt: tuple[TokenOut, ...] | None = None) -> bool:
@@ -46,7 +71,10 @@ class Delivery:
             act.generated += 1
             act.tokens.append(token.id)
             act.handle.delivered.setdefault(act.index, []).append(token.id)
-            self.metrics.add_tokens(1)
+            if self._held is None:
+                self.metrics.add_tokens(1)
+            else:
+                self._counted += 1
             tokens.append(token)
             reason = finish_reason(req, act.generated, token.id, self.engine.eos_id, self.engine.sequence_len)
             if act.guide is not None:
@@ -57,7 +85,7 @@ class Delivery:
                     reason = FinishReason.EOS  # the grammar is complete: nothing but EOS could follow
             if reason is not None:
                 break
-        act.handle.emit(Emission(tuple(tokens), act.generated, len(req.prompt), finish_reason=reason,
+        self._emit(act.handle, Emission(tuple(tokens), act.generated, len(req.prompt), finish_reason=reason,
                                  timings=act.timings() if first or reason is not None else None, index=act.index,
                                  prompt=prompt))
         if reason is not None:
@@ -70,6 +98,6 @@ class Delivery:
         """The tokens drawn before the failure (`count` in all so far) still go out, then the error ends it."""
         req = act.handle.request
         if tokens:
-            act.handle.emit(Emission(tuple(tokens), count, len(req.prompt), index=act.index, prompt=prompt))
-        act.handle.emit(Emission((), act.generated, len(req.prompt), error=error))
+            self._emit(act.handle, Emission(tuple(tokens), count, len(req.prompt), index=act.index, prompt=prompt))
+        self._emit(act.handle, Emission((), act.generated, len(req.prompt), error=error))
         return True

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 
@@ -31,10 +32,11 @@ log = logging.getLogger(__name__)
 OneRequest = Callable[[model_pb2.GenerateRequest, float | None, Mapping[str, str]],
                       AsyncIterator[model_pb2.GenerateResponse]]
 
-# Set in each request's task: puts a response of that request into the outbox at once. A OneRequest may use it
-# for responses it has ready outside its own turn (the servicer's decode-step tokens: no wake-up of the task and
-# its generators per request per step); what it yields goes the same way, after them.
-outbox_var: contextvars.ContextVar[Callable[[model_pb2.GenerateResponse], None] | None] = contextvars.ContextVar(
+# Set in each request's task: a new, empty response of that request, already in the outbox (inside the message
+# the stream sends next), for the caller to fill. A OneRequest may use it for responses it has ready outside its
+# own turn (the servicer's decode-step tokens: no wake-up of the task and its generators per request per step,
+# and no response built and then copied into the message); what it yields goes the same way, after them.
+outbox_var: contextvars.ContextVar[Callable[[], model_pb2.GenerateResponse] | None] = contextvars.ContextVar(
     "many_outbox", default=None)
 
 
@@ -61,6 +63,7 @@ class ManyStream:
         self.one = one
         self.draining = draining
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.message = model_pb2.GenerateManyResponse()  # the next message out; the outbox's updates live in it
         self.outbox: dict[int, model_pb2.RequestUpdate] = {}
         self.news = asyncio.Event()
         self.reading = True  # the client may still start requests
@@ -68,9 +71,16 @@ class ManyStream:
     def _update(self, request_id: int) -> model_pb2.RequestUpdate:
         update = self.outbox.get(request_id)
         if update is None:
-            update = self.outbox[request_id] = model_pb2.RequestUpdate(id=request_id)
+            update = self.outbox[request_id] = self.message.updates.add(id=request_id)
             self.news.set()
         return update
+
+    def _response(self, request_id: int) -> model_pb2.GenerateResponse:
+        """A new response of the request, in the outbox (the `outbox_var` of its task)."""
+        update = self.outbox.get(request_id)
+        if update is None:
+            update = self._update(request_id)
+        return update.responses.add()
 
     def start(self, start: model_pb2.StartRequest) -> None:
         if start.id in self.tasks:
@@ -89,7 +99,7 @@ class ManyStream:
     async def _run(self, request_id: int, request: model_pb2.GenerateRequest, timeout: float | None,
                    trace_context: Mapping[str, str]) -> None:
         error: BaseException | None = None
-        outbox_var.set(lambda response: self._update(request_id).responses.append(response))  # this task's context
+        outbox_var.set(functools.partial(self._response, request_id))  # in this task's context
         try:
             async with contextlib.aclosing(self.one(request, timeout, trace_context)) as responses:
                 async for response in responses:
@@ -129,8 +139,8 @@ class ManyStream:
                 await self.news.wait()
                 self.news.clear()
                 if self.outbox:
-                    updates, self.outbox = list(self.outbox.values()), {}
-                    yield model_pb2.GenerateManyResponse(updates=updates)
+                    message, self.message, self.outbox = self.message, model_pb2.GenerateManyResponse(), {}
+                    yield message
         finally:
             drained.cancel()
             reader.cancel()

@@ -355,6 +355,10 @@ class Scheduler:
         for run, row, position, rows in step.scored:
             if self._live(run):
                 run.scored.extend(scored_tokens(run.handle.request, out, row, position, rows))
+        with self.delivery.holding():  # the step's emissions leave together, at its end
+            self._hand_back(step, out, seconds)
+
+    def _hand_back(self, step: InFlight, out: Any, seconds: float) -> None:
         entry = 0
         while entry < len(step.owners):  # a sample's draws are consecutive entries (several: speculative)
             run, first = step.owners[entry], entry

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -28,15 +27,13 @@ from grok.model.v1 import model_pb2, model_pb2_grpc
 from model_service.generate_trace import GenerateTrace
 from model_service.many import ManyStream, outbox_var
 from model_service.metrics import Metrics
+from model_service.responses import Straight, to_response, to_responses
 from model_service.requests import (
     Emission,
     ErrorKind,
-    FinishReason,
     GenerationRequest,
     RequestHandle,
     SchedulerError,
-    Timings,
-    TokenOut,
 )
 from model_service.constraint import Constraint, ConstraintKind
 from model_service.sampling_settings import SamplingSettings
@@ -48,12 +45,6 @@ from serving_common.logs import new_request_id, request_id_too_long, request_id_
 log = logging.getLogger(__name__)
 
 GENERATE_METHOD = "/grok.model.v1.ModelService/Generate"
-FINISH = {
-    FinishReason.LENGTH: model_pb2.FINISH_REASON_LENGTH,
-    FinishReason.EOS: model_pb2.FINISH_REASON_EOS,
-    FinishReason.CONTEXT_LENGTH: model_pb2.FINISH_REASON_CONTEXT_LENGTH,
-    FinishReason.STOP_TOKEN: model_pb2.FINISH_REASON_STOP_TOKEN,
-}
 
 
 def to_request(msg: model_pb2.GenerateRequest, request_id: str, time_remaining: float | None) -> GenerationRequest:
@@ -97,57 +88,6 @@ def to_sampling(msg: model_pb2.GenerateRequest) -> SamplingSettings:
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         logit_bias=tuple(sorted(msg.logit_bias.items())), min_tokens=msg.min_tokens)
-
-
-def _token(t: TokenOut) -> model_pb2.Token:
-    if not t.top:  # the common case: no alternatives asked for, no list to build
-        return model_pb2.Token(id=t.id, probability=t.prob, logprob=_log(t.prob))
-    return model_pb2.Token(
-        id=t.id, probability=t.prob, logprob=_log(t.prob),
-        top_tokens=[model_pb2.TopToken(id=i, probability=p, logprob=_log(p)) for i, p in t.top])
-
-
-def _log(p: float) -> float:
-    return math.log(p) if p > 0 else -math.inf
-
-
-def _timings(t: Timings) -> model_pb2.Timings:
-    return model_pb2.Timings(queue_seconds=t.queue_seconds, prefill_seconds=t.prefill_seconds,
-                             draft_tokens=t.draft_tokens, accepted_draft_tokens=t.accepted_draft_tokens,
-                             draft_acceptance_rate=t.draft_acceptance_rate,
-                             mean_step_seconds=t.mean_step_seconds)
-
-
-def to_response(batch: list[Emission], details: bool = True) -> model_pb2.GenerateResponse:
-    """One response for consecutive emissions of one sample (tokens concatenated, last state wins); `details`:
-    each token's probability and alternatives too (a Token message each), else its id alone."""
-    tokens = [t for e in batch for t in e.tokens]
-    last = batch[-1]
-    timings = next((e.timings for e in reversed(batch) if e.timings is not None), None)
-    return model_pb2.GenerateResponse(
-        token_ids=[t.id for t in tokens], tokens=[_token(t) for t in tokens] if details else None,
-        finish_reason=FINISH[last.finish_reason] if last.finish_reason else model_pb2.FINISH_REASON_UNSPECIFIED,
-        prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-        timings=_timings(timings) if timings else None, index=last.index,
-        prompt_logprobs=[_token(t) for e in batch if e.prompt for t in e.prompt])
-
-
-def to_responses(batch: list[Emission], details: bool = True) -> list[model_pb2.GenerateResponse]:
-    """Responses for consecutive emissions of a request: one per sample, in the order the samples appear."""
-    if len(batch) == 1:  # the common case: one step's news of one sample
-        return [to_response(batch, details)]
-    by_index: dict[int, list[Emission]] = {}
-    for emission in batch:
-        by_index.setdefault(emission.index, []).append(emission)
-    return [to_response(run, details) for run in by_index.values()]
-
-
-def _straight(emission: Emission, details: bool, observe: Callable[[model_pb2.GenerateResponse], None],
-              outbox: Callable[[model_pb2.GenerateResponse], None]) -> None:
-    """A GenerateMany request's decode-step emission, as its response, into the stream's outbox."""
-    for response in to_responses([emission], details):
-        observe(response)
-        outbox(response)
 
 
 def _until_end(batch: list[Emission], open_samples: int) -> list[Emission]:
@@ -316,7 +256,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         try:
             # aclosing: a handler closed early cancels its request now, not at garbage collection.
             async with contextlib.aclosing(self._stream(request, time_remaining, rid, on_handle,
-                                                        spans.observe)) as responses:
+                                                        spans.observe if spans.on else None)) as responses:
                 async for response in responses:
                     spans.observe(response)
                     yield response
@@ -340,7 +280,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
 
     async def _stream(self, request: model_pb2.GenerateRequest, time_remaining: float | None, rid: str,
                       on_handle: Callable[[RequestHandle], None] | None,
-                      observe: Callable[[model_pb2.GenerateResponse], None]
+                      observe: Callable[[model_pb2.GenerateResponse], None] | None
                       ) -> AsyncIterator[model_pb2.GenerateResponse]:
         """The request's responses. On a GenerateMany stream (`outbox_var` set) a step's tokens go straight to the
         stream's outbox from the relay's delivery, and only the request's end comes through here."""
@@ -359,10 +299,14 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         open_samples = domain.n
         details = not request.ids_only or request.top_logprobs > 0
         if (outbox := outbox_var.get()) is not None:
-            sink.direct = lambda emission: _straight(emission, details, observe, outbox)
+            sink.direct = Straight(details, observe, outbox)
         try:
             while True:
-                batch = _until_end(await sink.take(), open_samples)
+                batch = await sink.take()
+                if len(batch) == 1 and batch[0].finish_reason is None and batch[0].error is None:
+                    yield to_response(batch, details)  # the common case: one step's tokens of one sample
+                    continue
+                batch = _until_end(batch, open_samples)
                 error = batch[-1].error
                 good = [e for e in batch if e.error is None]
                 for response in to_responses(good, details):
