@@ -35,6 +35,7 @@ DEFAULT_SLOWDOWN = 1.8  # a mixed step takes at most this many times a decode-on
 MIN_ROWS = 4.0  # prompts progress at least this many row-equivalents of rows per step (their keys' read aside)
 SMOOTHING = 0.25  # weight of the newest measurement in the decode step's running estimate
 FEW_KEYS = 1.0  # a step whose prompt chunks held at most this many keys a row-equivalent measures rows alone
+FORGET = 0.8  # each older step weighs this much less in the fit of per_key
 
 
 def key_scale(cfg: ModelConfig) -> float:
@@ -75,6 +76,8 @@ class Pacing:
     slowdown: float = DEFAULT_SLOWDOWN  # a mixed step's time over a decode-only step's, at most
     per_key: float = 0.0  # seconds a prompt chunk's key adds to a step (its sequence's keys are read once a step)
     rows_alone: bool = False  # per_row was measured on steps whose keys were few (else it holds their cost too)
+    _keys_sq: float = 0.0  # the fit of per_key: sums of keys * keys and keys * added, older steps forgotten
+    _keys_by_added: float = 0.0
 
     def observe(self, seconds: float, decoding: bool, prompt_cost: float, prompt_keys: float = 0.0) -> None:
         """A step of `seconds` that decoded (or not) and computed `prompt_cost` row-equivalents of prompt rows in
@@ -94,9 +97,12 @@ class Pacing:
                                    max(0.0, added - self.per_key * prompt_keys) / prompt_cost)
             self.rows_alone = self.rows_alone or alone
         else:
-            # The keys' read is what the step took beyond its rows at the rows' own measured cost.
+            # The keys' read is what the step took beyond its rows at the rows' own measured cost, fitted by least
+            # squares over recent steps: a step's noise over a few keys (a prompt's second chunk) weighs little.
             assert self.per_row is not None
-            self.per_key = _smooth(self.per_key or None, max(0.0, added - self.per_row * prompt_cost) / prompt_keys)
+            self._keys_sq = FORGET * self._keys_sq + prompt_keys * prompt_keys
+            self._keys_by_added = FORGET * self._keys_by_added + prompt_keys * (added - self.per_row * prompt_cost)
+            self.per_key = max(0.0, self._keys_by_added / self._keys_sq)
 
     def budget(self) -> float:
         """Prompt row-equivalents the next step may take while something decodes (its chunks' keys included, at

@@ -122,3 +122,14 @@ def test_a_long_prompt_paced_by_what_its_steps_cost_keeps_each_step_within_the_a
     # the allowance, take longer.
     assert all(s <= step_seconds(start=4000, rows=int(MIN_ROWS)) for s in floor_steps)
     assert len(seconds) < 4000 / MIN_ROWS
+
+
+def test_noise_on_a_step_with_few_keys_does_not_price_every_later_key() -> None:
+    """A prompt's second chunk holds only the first chunk's keys: a few milliseconds of the box's noise on that
+    step, divided by its 16 keys, would price a key at 20 times its cost and hold the prompt at its floor."""
+    pacing = Pacing(initial=16, ceiling=64, decode=DECODE)
+    pacing.observe(step_seconds(0, 16), decoding=True, prompt_cost=16)  # rows alone: per_row measured
+    pacing.observe(step_seconds(16, 9) + 0.005, decoding=True, prompt_cost=9, prompt_keys=16)
+    for start in range(25, 625, 60):
+        pacing.observe(step_seconds(start, 8), decoding=True, prompt_cost=8, prompt_keys=start)
+    assert pacing.per_key == pytest.approx(KEY, rel=0.2)
