@@ -4,8 +4,8 @@ A step that decodes running streams and also computes prompt rows takes longer t
 streams' inter-token gap is that step's time. `Pacing` keeps running estimates of the time of a step that only
 decodes (`decode`) and of what prompt rows add to it, and gives prompts `budget()` row-equivalents so that a
 mixed step takes about `slowdown` times a decode step (`--decode-slowdown`): a long prompt entering slows the
-running streams' typical step by at most that much, on any machine, and still progresses by at least MIN_ROWS
-row-equivalents of rows a step. Until the estimates exist, prompts get `initial` rows. The factor moves the
+running streams' typical step by at most that much, on any machine, and still progresses by at least `min_rows`
+(MIN_ROWS) row-equivalents of rows a step, whatever its keys' read costs. Until the estimates exist, prompts get `initial` rows. The factor moves the
 median gap while a long prompt is computed, not the streams' slowest gaps: on a 2-core CPU decode steps alone
 already take 1.4-1.7x their median at the 99th percentile (docs/performance.md, "the long prompt"), so aiming
 the allowance at a tail would only make the prompt slower without removing the box's own jitter.
@@ -75,6 +75,7 @@ class Pacing:
     per_row: float | None = None  # seconds a prompt row-equivalent adds to a step
     slowdown: float = DEFAULT_SLOWDOWN  # a mixed step's time over a decode-only step's, at most
     per_key: float = 0.0  # seconds a prompt chunk's key adds to a step (its sequence's keys are read once a step)
+    min_rows: float = MIN_ROWS  # prompts progress at least this many row-equivalents of rows a step
     rows_alone: bool = False  # per_row was measured on steps whose keys were few (else it holds their cost too)
     _keys_sq: float = 0.0  # the fit of per_key: sums of keys * keys and keys * added, older steps forgotten
     _keys_by_added: float = 0.0
@@ -109,7 +110,7 @@ class Pacing:
         keys_per_row() keys to one)."""
         if self.decode is None or not self.per_row:
             return min(self.initial, self.ceiling)
-        return min(self.ceiling, max(MIN_ROWS, (self.slowdown - 1) * self.decode / self.per_row))
+        return min(self.ceiling, max(self.min_rows, (self.slowdown - 1) * self.decode / self.per_row))
 
     def keys_per_row(self) -> float:
         """Keys of a prompt chunk's sequence whose read costs one row-equivalent (inf: none measured)."""

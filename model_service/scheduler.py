@@ -28,7 +28,7 @@ from model_service.engine_api import EngineLike
 from model_service.guided import Guidance
 from model_service.kv_blocks import KVBlocks
 from model_service.loop_state import Heartbeat, InFlight, Running, SchedulerMetrics
-from model_service.pacing import DEFAULT_SLOWDOWN, MIN_ROWS, Pacing, key_scale, rows_cost
+from model_service.pacing import DEFAULT_SLOWDOWN, Pacing, key_scale, rows_cost
 from model_service.plan import Chunk, Key, Policy, StepPlan, View, schedule, scored_tokens
 from model_service.speculative import SpeculativeConfig
 from model_service.requests import (
@@ -222,7 +222,8 @@ class Scheduler:
         e = self.engine
         if self.fixed_prefill:
             return Policy(e.max_rows, float(self.fixed_prefill), self.key_scale, e.slots)
-        return Policy(e.max_rows, self.pacing.budget(), self.key_scale, e.slots, self.pacing.keys_per_row(), MIN_ROWS)
+        return Policy(e.max_rows, self.pacing.budget(), self.key_scale, e.slots, self.pacing.keys_per_row(),
+                      self.pacing.min_rows)
 
     def _holders(self) -> dict[int, list[Running]]:
         """The running samples of each request (samples of it may wait while others hold slots)."""

@@ -73,7 +73,7 @@ def paced_chunk(pacing: Pacing, start: int, length: int = 6000) -> Chunk:
     the policy the scheduler builds from `pacing`."""
     streams = tuple(Sample((i, 0), i, 99, 100, decoding_since=0.0) for i in range(4))
     prompt = Sample((9, 0), 4, start, length, arrived=1.0)
-    policy = Policy(64, pacing.budget(), math.inf, 8, pacing.keys_per_row(), MIN_ROWS)
+    policy = Policy(64, pacing.budget(), math.inf, 8, pacing.keys_per_row(), pacing.min_rows)
     return schedule(View((), (*streams, prompt), frozenset()), policy).chunks[-1]
 
 
@@ -133,3 +133,20 @@ def test_noise_on_a_step_with_few_keys_does_not_price_every_later_key() -> None:
     for start in range(25, 625, 60):
         pacing.observe(step_seconds(start, 8), decoding=True, prompt_cost=8, prompt_keys=start)
     assert pacing.per_key == pytest.approx(KEY, rel=0.2)
+
+
+def test_on_these_costs_no_pacing_keeps_every_step_within_2x_without_slowing_the_prompt() -> None:
+    """docs/reliability.md (64.8): past position ~4,800 one row's step is over 1.8x the decode, the 4-row floor
+    reaches 2.2x, and capping every step at 2x (one row at least) costs the 6,000-token prompt ~52 s of steps
+    against ~42 s, before any of the box's own jitter."""
+    assert (DEFAULT_SLOWDOWN - 1) * DECODE - ROW == pytest.approx(KEY * 4826, rel=1e-3)
+
+    def prompt(pacing: Pacing) -> list[float]:
+        for _ in range(10):
+            pacing.observe(DECODE, decoding=True, prompt_cost=0)
+        return run_prompt(pacing, 0, 6000)
+
+    paced, capped = prompt(Pacing(16, 64)), prompt(Pacing(16, 64, slowdown=2.0, min_rows=1))
+    # (the first step, of `initial` rows, comes before anything is measured)
+    assert max(paced[1:]) / DECODE == pytest.approx(2.22, abs=0.01) and sum(paced) == pytest.approx(42, abs=0.5)
+    assert max(capped[1:]) / DECODE <= 2.0 and sum(capped) == pytest.approx(52, abs=0.5)
