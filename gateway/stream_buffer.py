@@ -40,10 +40,14 @@ def too_slow(limit: int) -> GatewayError:
 
 class _Buffer(Generic[M]):
     def __init__(self) -> None:
-        self.items: collections.deque[M] = collections.deque()
+        self.items: collections.deque[tuple[M, int]] = collections.deque()  # (message, its bytes)
         self.bytes = 0
         self.full = False  # the limit was passed: nothing more is read from the model
-        self.wake = asyncio.Event()  # set when an item arrives or the reading ends
+        self.waiter: asyncio.Future[None] | None = None  # the client's side, waiting for an item or the end
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 async def _read_ahead(messages: AsyncIterator[M], buffer: _Buffer[M], limit: int) -> None:
@@ -51,14 +55,15 @@ async def _read_ahead(messages: AsyncIterator[M], buffer: _Buffer[M], limit: int
     the model request ends)."""
     try:
         async for message in messages:
-            buffer.items.append(message)
-            buffer.bytes += message.ByteSize()
-            buffer.wake.set()
+            size = message.ByteSize()
+            buffer.items.append((message, size))
+            buffer.bytes += size
+            buffer.wake()
             if buffer.bytes > limit:
                 buffer.full = True
                 return
     finally:
-        buffer.wake.set()
+        buffer.wake()
         close = getattr(messages, "aclose", None)
         if close is not None:
             await close()
@@ -69,11 +74,12 @@ async def bounded(messages: AsyncIterator[M], limit: int = MAX_UNREAD_BYTES) -> 
     when the reader fell behind by more than `limit`. Closing this generator closes `messages`."""
     buffer: _Buffer[M] = _Buffer()
     reader = asyncio.create_task(_read_ahead(messages, buffer, limit))
+    loop = asyncio.get_running_loop()
     try:
         while True:
             if buffer.items:
-                message = buffer.items.popleft()
-                buffer.bytes -= message.ByteSize()
+                message, size = buffer.items.popleft()
+                buffer.bytes -= size
                 yield message
             elif buffer.full:
                 raise too_slow(limit)
@@ -81,8 +87,11 @@ async def bounded(messages: AsyncIterator[M], limit: int = MAX_UNREAD_BYTES) -> 
                 reader.result()  # the stream's own error, if it ended with one
                 return
             else:
-                buffer.wake.clear()
-                await buffer.wake.wait()
+                buffer.waiter = loop.create_future()
+                try:
+                    await buffer.waiter
+                finally:
+                    buffer.waiter = None
     finally:
         if not reader.done():
             reader.cancel()
