@@ -1,14 +1,15 @@
 """How much prompt a step takes while other requests decode, from the step times measured so far.
 
-A step that decodes running streams and also computes prompt rows takes longer than the decode alone; the
-streams' inter-token gap is that step's time. `Pacing` keeps running estimates of the time of a step that only
-decodes (`decode`) and of what prompt rows add to it, and gives prompts `budget()` row-equivalents so that a
-mixed step takes about `slowdown` times a decode step (`--decode-slowdown`): a long prompt entering slows the
-running streams' typical step by at most that much, on any machine, and still progresses by at least `min_rows`
-(MIN_ROWS) row-equivalents of rows a step, whatever its keys' read costs. Until the estimates exist, prompts get `initial` rows. The factor moves the
-median gap while a long prompt is computed, not the streams' slowest gaps: on a 2-core CPU decode steps alone
-already take 1.4-1.7x their median at the 99th percentile (docs/performance.md, "the long prompt"), so aiming
-the allowance at a tail would only make the prompt slower without removing the box's own jitter.
+A step that decodes running streams and also computes prompt rows takes longer than the decode alone; the streams'
+inter-token gap is that step's time. `Pacing` keeps running estimates of the time of a step that only decodes
+(`decode`) and of what prompt rows add to it, and gives prompts `budget()` row-equivalents so that a mixed step
+takes about `slowdown` times a decode step (`--decode-slowdown`): a long prompt entering slows the running streams'
+typical step by at most that much, on any machine, and still progresses by at least `min_rows` (MIN_ROWS)
+row-equivalents of rows a step, whatever its keys' read costs. Until the estimates exist, prompts get `initial`
+rows. The factor moves the median gap while a long prompt is computed, not the streams' slowest gaps: on a 2-core
+CPU decode steps alone already take 1.4-1.7x their median at the 99th percentile (docs/performance.md, "the long
+prompt"), so aiming the allowance at a tail would only make the prompt slower without removing the box's own
+jitter.
 
 What prompt rows add has two parts. A row's cost grows with its position: it attends to every key before it; one
 row at position p costs 1 + p / key_scale row-equivalents, key_scale being the number of keys whose attention

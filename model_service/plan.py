@@ -18,12 +18,13 @@ Every token is a row; a step spends one budget of rows (the engine's `max_rows`)
     (of more samples than the engine has slots, its first samples take the slots free and the rest stay at the
     head), every request for the KV blocks it takes; nothing overtakes the head of the queue.
 Speculative drafts (speculative.py) take only the rows left after all of that. While samples decode that were
-already streaming (their first token delivered) when the oldest prompt with rows to compute arrived, prompt rows get at most `prefill_budget`
-row-equivalents (pacing.py: a row at position p costs 1 + p / key_scale, a chunk's sequence its keys read once,
-`keys_per_row` keys to one, and the scheduler sizes the budget from measured step times, so running streams keep
-their pace while a long prompt enters; rows of `floor` row-equivalents go in whatever the keys cost); otherwise (nothing
-decodes, or only samples whose first token came after that prompt arrived, as in a burst of prompts arriving
-together) prompts get every row of the step: a prompt is not held back for streams that came after it.
+already streaming (their first token delivered) when the oldest prompt with rows to compute arrived, prompt rows
+get at most `prefill_budget` row-equivalents (pacing.py: a row at position p costs 1 + p / key_scale, a chunk's
+sequence its keys read once, `keys_per_row` keys to one, and the scheduler sizes the budget from measured step
+times, so running streams keep their pace while a long prompt enters; rows of `floor` row-equivalents go in
+whatever the keys cost); otherwise (nothing decodes, or only samples whose first token came after that prompt
+arrived, as in a burst of prompts arriving together) prompts get every row of the step: a prompt is not held back
+for streams that came after it.
 Requests that were cancelled or passed their deadline end first, and their slots and blocks serve this very
 step's admissions.
 """
