@@ -6,7 +6,8 @@
 The config is the given one with its context set to --context (random int8 weights, float32). --streams
 streams (32-token prompts, greedy) decode on the default 8 slots; once each has 16 tokens, a --prompt-token
 prompt is sent. Reported: the streams' inter-token gaps before it arrived (median) and while it was computed
-(p50, p99, max, and p99 over the median before: the promise is <= 2), its time to first token; then, unless
+(p50, p99, max, and p99 over the median before: the promise is <= 2), its time to first token and the prompt rows
+a step took (its tokens over the steps, one gap of each stream a step); then, unless
 --no-control, the same streams again without the long prompt over the same tokens of each (their gaps grow
 with their length: the control's median is the fair denominator, `p99_over_control_median`); and whether a
 prompt of exactly context - 1 tokens gets its token and one of context tokens a clear INVALID_ARGUMENT; last, a
@@ -119,7 +120,9 @@ def run(address: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
            "ttft_alone_s": round(by_itself[0] - sent_alone, 3),
            "gap_median_before_s": round(median_before, 4), "gaps_during": len(during),
            "gap_p50_during_s": round(statistics.median(during), 4), "gap_p99_during_s": round(q[98], 4),
-           "gap_max_during_s": round(max(during), 4), "p99_over_median_before": round(q[98] / median_before, 3)}
+           "gap_max_during_s": round(max(during), 4), "p99_over_median_before": round(q[98] / median_before, 3),
+           # each step gives every stream one gap: the prompt's rows over the steps it took
+           "prompt_rows_per_step": round(args.prompt * args.streams / max(len(during), 1), 2)}
     if len(alone) > 1:
         qa = statistics.quantiles(alone, n=100)
         out.update(control_tokens=[hi - lo for lo, hi in ranges], control_gap_median_s=round(statistics.median(alone), 4),

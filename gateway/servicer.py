@@ -19,6 +19,7 @@ from gateway.clients import remaining
 from gateway.config import GatewayConfig, prompt_byte_limit
 from gateway.errors import GatewayError
 from gateway.pipeline import Pipeline
+from gateway.stream_buffer import bounded
 from gateway.validation import TextRequest
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from grok.model.v1 import model_pb2
@@ -148,8 +149,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         try:
             remaining(deadline_of(context))
             # aclosing: a handler closed early cancels its model call now, not at garbage collection.
-            async with contextlib.aclosing(self.pipeline.stream(request, deadline_of(context), request_id, method,
-                                                                chat, turn_starts=turn_starts)) as messages:
+            # bounded: a client that stops reading ends the request instead of the gateway holding its responses.
+            async with contextlib.aclosing(bounded(self.pipeline.stream(
+                    request, deadline_of(context), request_id, method, chat, turn_starts=turn_starts))) as messages:
                 async for message in messages:
                     if message.finish_reason:
                         finish = gateway_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_")

@@ -123,3 +123,4 @@ class InFlight:
     dispatched_at: float
     decoding: bool = False  # it held decode rows
     prompt_cost: float = 0.0  # its prompt rows' cost in row-equivalents (pacing.py)
+    prompt_keys: float = 0.0  # the keys its prompt chunks' sequences held before them (pacing.py)

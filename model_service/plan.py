@@ -18,11 +18,13 @@ Every token is a row; a step spends one budget of rows (the engine's `max_rows`)
     (of more samples than the engine has slots, its first samples take the slots free and the rest stay at the
     head), every request for the KV blocks it takes; nothing overtakes the head of the queue.
 Speculative drafts (speculative.py) take only the rows left after all of that. While samples decode that were
-already streaming (their first token delivered) when the oldest prompt with rows to compute arrived, prompt rows get at most `prefill_budget`
-row-equivalents (pacing.py: a row at position p costs 1 + p / key_scale, and the scheduler sizes the budget from
-measured step times, so running streams keep their pace while a long prompt enters); otherwise (nothing
-decodes, or only samples whose first token came after that prompt arrived, as in a burst of prompts arriving
-together) prompts get every row of the step: a prompt is not held back for streams that came after it.
+already streaming (their first token delivered) when the oldest prompt with rows to compute arrived, prompt rows
+get at most `prefill_budget` row-equivalents (pacing.py: a row at position p costs 1 + p / key_scale, a chunk's
+sequence its keys read once, `keys_per_row` keys to one, and the scheduler sizes the budget from measured step
+times, so running streams keep their pace while a long prompt enters; rows of `floor` row-equivalents go in
+whatever the keys cost); otherwise (nothing decodes, or only samples whose first token came after that prompt
+arrived, as in a burst of prompts arriving together) prompts get every row of the step: a prompt is not held back
+for streams that came after it.
 Requests that were cancelled or passed their deadline end first, and their slots and blocks serve this very
 step's admissions.
 """
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model_service.engine_api import StepOutputLike
-from model_service.pacing import chunk_rows
+from model_service.pacing import chunk_rows, rows_cost
 from model_service.requests import FinishReason, GenerationRequest, TokenOut
 from model_service.sampling_settings import SamplingSettings
 
@@ -88,6 +90,8 @@ class Policy:
     prefill_budget: float  # prompt row-equivalents per step while samples decode (pacing.Pacing.budget)
     key_scale: float = float("inf")  # keys whose attention costs one row (pacing.key_scale): position cost
     slots: int = 0  # the engine's slots: a request of more samples is admitted as far as slots free (0: never)
+    keys_per_row: float = float("inf")  # a prompt chunk's keys read at one row-equivalent (pacing.keys_per_row)
+    floor: float = 0.0  # paced prompts' rows of at least this cost a step, whatever their keys' read costs
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ def schedule(view: View, policy: Policy) -> StepPlan:
         _prompt_rows(prefilling, view.waiting), policy.max_rows // 2), policy.max_rows)
     decodes = [Chunk(s.key, s.length - 1, 1, True) for s in decoding]
     budget = _Budget(policy.max_rows - len(decodes), policy.prefill_budget if paced else float("inf"),
-                     policy.key_scale)
+                     policy.key_scale, policy.keys_per_row, policy.floor if paced else 0.0)
     prompts = _prompt_chunks(prefilling, computed, budget)
     admit: list[Admit] = []
     blocks = view.free_blocks
@@ -157,7 +161,7 @@ def schedule(view: View, policy: Policy) -> StepPlan:
         if w.ended:
             continue
         k = _admissible(w, len(free), blocks, policy.slots)
-        if budget.rows <= 0 or budget.cost <= 0 or k == 0:
+        if budget.rows <= 0 or budget.spent or k == 0:
             break  # the head waits (for rows, slots or blocks); the queue stays in order
         if blocks is not None:
             blocks -= sum(w.each[:k]) if k < len(w.samples) else w.blocks
@@ -216,21 +220,30 @@ class _Budget:
     rows: int  # rows left in the step
     cost: float  # prompt row-equivalents left (inf with nothing decoding)
     scale: float  # pacing.key_scale
+    keys_per_row: float  # pacing.Pacing.keys_per_row: a chunk's keys are read once a step
+    floor: float  # row-equivalents of rows still given whatever the keys' read costs (pacing.MIN_ROWS)
+
+    @property
+    def spent(self) -> bool:
+        return self.cost <= 0 and self.floor <= 0
 
 
 def _prompt_chunks(samples: list[Sample], computed: dict[Key, int], budget: _Budget) -> list[Chunk]:
     """Prompt rows of `samples` in order within `budget` (spent); `computed` is updated with what they compute."""
     out = []
     for s in samples:
-        if s.done or s.computed >= s.length or budget.rows <= 0 or budget.cost <= 0:
+        if s.done or s.computed >= s.length or budget.rows <= 0 or budget.spent:
             continue
         if s.after is not None and computed.get(s.after, s.shared) < s.shared:
             continue  # its first sample has not computed the shared prompt blocks yet
-        rows = min(budget.rows, chunk_rows(s.computed, s.length, budget.cost, budget.scale))
+        rows = min(budget.rows, chunk_rows(s.computed, s.length, budget.cost, budget.scale, budget.keys_per_row,
+                                           budget.floor))
         out.append(Chunk(s.key, s.computed, rows, s.computed + rows == s.length))
         computed[s.key] = s.computed + rows
+        own = rows_cost(s.computed, rows, budget.scale)
         budget.rows -= rows
-        budget.cost -= rows + (rows * s.computed + rows * (rows - 1) / 2) / budget.scale
+        budget.cost -= own + s.computed / budget.keys_per_row
+        budget.floor -= own
     return out
 
 

@@ -28,7 +28,7 @@ from model_service.engine_api import EngineLike
 from model_service.guided import Guidance
 from model_service.kv_blocks import KVBlocks
 from model_service.loop_state import Heartbeat, InFlight, Running, SchedulerMetrics
-from model_service.pacing import DEFAULT_SLOWDOWN, Pacing, key_scale
+from model_service.pacing import DEFAULT_SLOWDOWN, Pacing, key_scale, rows_cost
 from model_service.plan import Chunk, Key, Policy, StepPlan, View, schedule, scored_tokens
 from model_service.speculative import SpeculativeConfig
 from model_service.requests import (
@@ -210,14 +210,20 @@ class Scheduler:
         drafting = self.speculative is not None and (len(self._running) < self.engine.slots or not waiting)
         running = tuple(self.builder.sample(r, now, drafting) for r in self._running.values())
         blocks = self.kv.available() - self.builder.growth(self._running.values())  # the decode rows' come first
-        budget = float(self.fixed_prefill) if self.fixed_prefill else self.pacing.budget()
-        plan = schedule(View(waiting, running, frozenset(self._free), max(0, blocks)),
-                        Policy(self.engine.max_rows, budget, self.key_scale, self.engine.slots))
+        plan = schedule(View(waiting, running, frozenset(self._free), max(0, blocks)), self._policy())
         with self._cond:
             gone = {a.ref for a in plan.admit if not a.rest} | set(plan.end_waiting)
             self._queue = collections.deque(h for h in self._queue if id(h) not in gone)
             self.metrics.set_queued(len(self._queue))
         return plan, handles
+
+    def _policy(self) -> Policy:
+        """The step's rows, and while streams decode the prompt rows pacing allows (or exactly --prefill-tokens)."""
+        e = self.engine
+        if self.fixed_prefill:
+            return Policy(e.max_rows, float(self.fixed_prefill), self.key_scale, e.slots)
+        return Policy(e.max_rows, self.pacing.budget(), self.key_scale, e.slots, self.pacing.keys_per_row(),
+                      self.pacing.min_rows)
 
     def _holders(self) -> dict[int, list[Running]]:
         """The running samples of each request (samples of it may wait while others hold slots)."""
@@ -255,25 +261,26 @@ class Scheduler:
                 self._step_failed(e)
                 return
             self._observe_kv()
-            decoding, cost = self._shape(chunks)
-            previous, self._in_flight = self._in_flight, InFlight(pending, owners, scored, time.monotonic(), decoding,
-                                                                  cost)
+            previous, self._in_flight = self._in_flight, InFlight(pending, owners, scored, time.monotonic(),
+                                                                  *self._shape(chunks))
             if previous is not None:
                 self._deliver(previous)
         else:
             self._finish_in_flight()
         self.metrics.set_active(len(self._running))
 
-    def _shape(self, chunks: tuple[Chunk, ...]) -> tuple[bool, float]:
-        """Whether the step decodes, and its prompt rows' cost in row-equivalents (pacing.py)."""
-        decoding, cost = False, 0.0
+    def _shape(self, chunks: tuple[Chunk, ...]) -> tuple[bool, float, float]:
+        """Whether the step decodes, its prompt rows' cost in row-equivalents and the keys their sequences held
+        before them (pacing.py)."""
+        decoding, cost, keys = False, 0.0, 0.0
         for c in chunks:
             run = self._running.get(c.key)
             if run is not None and c.start >= run.known:
                 decoding = True
             else:
-                cost += c.rows + (c.rows * c.start + c.rows * (c.rows - 1) / 2) / self.key_scale
-        return decoding, cost
+                cost += rows_cost(c.start, c.rows, self.key_scale)
+                keys += c.start
+        return decoding, cost, keys
 
     def _admit(self, handle: RequestHandle, slots: tuple[int, ...], samples: tuple[int, ...], now: float,
                holders: list[Running]) -> None:
@@ -346,7 +353,8 @@ class Scheduler:
             return
         now = time.monotonic()
         seconds = now - step.dispatched_at
-        self.pacing.observe(now - max(step.dispatched_at, self._delivered_at), step.decoding, step.prompt_cost)
+        self.pacing.observe(now - max(step.dispatched_at, self._delivered_at), step.decoding, step.prompt_cost,
+                            step.prompt_keys)
         self._delivered_at = now
         with self._cond:
             self._steps += 1

@@ -386,6 +386,32 @@ def test_a_long_prompt_is_computed_a_chunk_per_step_while_others_stream(engine: 
     assert all(streamed[i] for i, r in enumerate(rows_of(engine, 1)) if r and r[0] < 13)  # a decode row beside each
 
 
+def test_the_pacing_is_told_each_steps_prompt_rows_and_the_keys_their_sequences_held(engine: FakeEngine,
+        running: Runner) -> None:
+    """pacing.py prices a prompt chunk's rows and the read of its sequence's keys apart: each mixed step's keys are
+    the positions its prompt chunks start at."""
+    engine.slots, engine.sequence_len = 2, 128
+    engine.step_delay = 0.005
+    s = running(engine)  # paced from measured step times
+    seen: list[tuple[bool, float, float]] = []
+    observe = s.pacing.observe
+
+    def record(seconds: float, decoding: bool, prompt_cost: float, prompt_keys: float = 0.0) -> None:
+        seen.append((decoding, prompt_cost, prompt_keys))
+        observe(seconds, decoding, prompt_cost, prompt_keys)
+
+    s.pacing.observe = record  # type: ignore[method-assign]
+    streaming, long_ = Collector(), Collector()
+    s.submit(req((30,), max_tokens=60), streaming)
+    assert streaming.first_token.wait(5)
+    s.submit(req(tuple(range(3, 43)), max_tokens=1), long_)  # 40 prompt rows, in several chunks
+    long_.wait()
+    streaming.wait()
+    chunks = [r for r in rows_of(engine, 1) if r and r[0] < 40]
+    assert len(chunks) > 1 and sum(len(r) for r in chunks) == 40
+    assert [(cost, keys) for decoding, cost, keys in seen if decoding and cost] == [(len(r), r[0]) for r in chunks]
+
+
 def test_a_request_cancelled_between_planning_and_admission_ends_alone(engine: FakeEngine) -> None:
     """The plan admitted a request and gave its prompt rows; the cancel arrived before the plan was carried
     out: the request ends CANCELLED, the others' step runs (it once failed every request of the step)."""
