@@ -59,7 +59,7 @@ class TimedProgress:
         if self.left[name] <= 0:
             return
         self.left[name] -= 1
-        if self.left[name] == 0:
+        if self.left[name] == 0 and self.total > 0:  # files all recorded at 0 s: no time to share out
             self.done += recorded(self.seconds, name)
             share = 100 * self.done / self.total
             if share >= self.next_share:

@@ -58,6 +58,15 @@ def test_progress_counts_recorded_seconds_of_finished_files_not_tests() -> None:
     assert lines[-1] == "progress by recorded time: 100 % (100 of 100 s)"
 
 
+def test_files_recorded_at_zero_seconds_report_no_progress_and_never_divide_by_zero() -> None:
+    """A run of only files the recorded run timed at 0 s (quick files rounded down) has no time to share out."""
+    lines: list[str] = []
+    progress = TimedProgress({"tests/quick.py": 0.0}, lines.append)
+    progress.plan(["tests/quick.py::a"], workers=1)
+    progress.finished("tests/quick.py::a")
+    assert lines == []
+
+
 def test_make_test_fast_runs_the_fast_subset_in_workers() -> None:
     done = subprocess.run(["make", "--no-print-directory", "-n", "test-fast"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
