@@ -7,7 +7,6 @@ client has not read, then ends the model request; the client gets what was produ
 from __future__ import annotations
 
 import asyncio
-import collections
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,12 +30,14 @@ class Metrics:
 
 
 class PushingModel:
-    """A pipeline over a model that pushes a response every millisecond into the request's queue whatever its
-    client reads, as a GenerateMany lane delivers them, until the request's stream is closed."""
+    """A pipeline over a model that pushes responses into the request's queue whatever its client reads, as a
+    GenerateMany lane delivers them (one each time the event loop comes back to it), until the request's stream
+    is closed."""
 
     def __init__(self) -> None:
         self.metrics = Metrics()
-        self.queue: collections.deque[gateway_pb2.GenerateResponse] = collections.deque()
+        self.queue: asyncio.Queue[gateway_pb2.GenerateResponse] = asyncio.Queue()
+        self.held = 0  # bytes in the queue
         self.produced = 0
         self.most_held = 0  # the most bytes the queue held
         self.closed = asyncio.Event()
@@ -44,18 +45,19 @@ class PushingModel:
     async def _push(self) -> None:
         while True:
             message = gateway_pb2.GenerateResponse(text=MESSAGE_TEXT)
-            self.queue.append(message)
+            self.queue.put_nowait(message)
             self.produced += message.ByteSize()
-            self.most_held = max(self.most_held, sum(m.ByteSize() for m in self.queue))
-            await asyncio.sleep(0.001)
+            self.held += message.ByteSize()
+            self.most_held = max(self.most_held, self.held)
+            await asyncio.sleep(0)  # a yield to the loop (no wait): the next response comes when it returns
 
     async def stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         model = asyncio.create_task(self._push())
         try:
             while True:
-                while not self.queue:
-                    await asyncio.sleep(0.001)
-                yield self.queue.popleft()
+                message = await self.queue.get()
+                self.held -= message.ByteSize()
+                yield message
         finally:
             model.cancel()  # the model request is cancelled
             self.closed.set()
@@ -103,7 +105,7 @@ def test_a_stream_read_as_it_arrives_passes_whole_with_its_own_ending() -> None:
     async def source() -> AsyncIterator[gateway_pb2.GenerateResponse]:
         for i in range(200):
             yield gateway_pb2.GenerateResponse(text=str(i) * 1000)
-            await asyncio.sleep(0.0005)  # as a model's tokens arrive
+            await asyncio.sleep(0)  # a yield (no wait): each message arrives on a later turn of the loop, as a model's
         raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "stop: too long")
 
     async def main() -> tuple[list[str], GatewayError]:
@@ -111,7 +113,6 @@ def test_a_stream_read_as_it_arrives_passes_whole_with_its_own_ending() -> None:
         with pytest.raises(GatewayError) as error:
             async for message in bounded(source(), limit=4096):
                 out.append(message.text)
-                await asyncio.sleep(0)
         return out, error.value
 
     texts, error = asyncio.run(main())
@@ -121,7 +122,7 @@ def test_a_stream_read_as_it_arrives_passes_whole_with_its_own_ending() -> None:
 
 def test_the_read_ahead_stops_at_its_limit_and_closes_the_source() -> None:
     async def main() -> tuple[int, bool, GatewayError | None]:
-        produced, closed = [0], [False]
+        produced, closed = [0], asyncio.Event()
 
         async def source() -> AsyncIterator[gateway_pb2.GenerateResponse]:
             try:
@@ -129,18 +130,18 @@ def test_the_read_ahead_stops_at_its_limit_and_closes_the_source() -> None:
                     produced[0] += 1
                     yield gateway_pb2.GenerateResponse(text="y" * 1000)
             finally:
-                closed[0] = True
+                closed.set()
 
         stream = bounded(source(), limit=10_000)
-        await stream.__anext__()  # then the reader stops taking them
-        await asyncio.sleep(0.2)
+        await stream.__anext__()  # then the reader stops taking them, until the read-ahead closed the source
+        await asyncio.wait_for(closed.wait(), 10)
         failure = None
         try:
             async for _ in stream:
                 pass
         except GatewayError as error:
             failure = error
-        return produced[0], closed[0], failure
+        return produced[0], closed.is_set(), failure
 
     produced, closed, failure = asyncio.run(main())
     assert closed and produced <= 13  # ~10 of 1 KB past the one read, then the source is closed
