@@ -77,10 +77,7 @@ class ManyStream:
 
     def _response(self, request_id: int) -> model_pb2.GenerateResponse:
         """A new response of the request, in the outbox (the `outbox_var` of its task)."""
-        update = self.outbox.get(request_id)
-        if update is None:
-            update = self._update(request_id)
-        return update.responses.add()
+        return self._update(request_id).responses.add()
 
     def start(self, start: model_pb2.StartRequest) -> None:
         if start.id in self.tasks:

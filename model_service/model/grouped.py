@@ -139,8 +139,9 @@ def grouped_product(rows: Array, q: GroupedWeight | InLayer, group_sizes: Array,
     (its experts from the stack's layer * E on), sliced out for ragged_dot (which widens every expert anyway)."""
     if isinstance(q, InLayer) and mode == "ragged":
         q = q.at_layer()
-    rows = _pad_rows_like(rows, q.stacked if isinstance(q, InLayer) else q)
-    cols = (q.stacked if isinstance(q, InLayer) else q).cols
+    whole = q.stacked if isinstance(q, InLayer) else q
+    rows = _pad_rows_like(rows, whole)
+    cols = whole.cols
     if mode == "ragged":
         # float32: not one bfloat16 pass on a TPU; bfloat16: one pass, said explicitly, since the model traces under
         # "highest" and the TPU's ragged dot (a Mosaic kernel) refuses that for bfloat16 operands
