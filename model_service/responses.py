@@ -7,6 +7,7 @@ copied into it. No JAX here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -51,32 +52,19 @@ def to_response(batch: list[Emission], details: bool = True) -> model_pb2.Genera
 def fill_response(response: model_pb2.GenerateResponse, batch: list[Emission], details: bool = True) -> None:
     """`to_response` written into `response` in place: a GenerateMany request's decode-step news is built inside
     the stream's outgoing message (no response built, then copied into it)."""
-    if len(batch) == 1:  # the common case: one step's news
-        _fill(response, batch[0], details)
-        return
-    last = batch[-1]
-    tokens = [t for e in batch for t in e.tokens]
-    response.token_ids.extend([t.id for t in tokens])
-    if details:
-        response.tokens.extend([_token(t) for t in tokens])
-    if last.finish_reason is not None:
-        response.finish_reason = FINISH[last.finish_reason]
-    response.prompt_tokens, response.completion_tokens, response.index = (last.prompt_tokens,
-                                                                          last.completion_tokens, last.index)
-    timings = next((e.timings for e in reversed(batch) if e.timings is not None), None)
-    if timings is not None:
-        response.timings.CopyFrom(_timings(timings))
-    response.prompt_logprobs.extend([_token(t) for e in batch if e.prompt for t in e.prompt])
+    if len(batch) > 1:  # several steps' news of one sample: their tokens and scored prompt joined, the last state
+        batch = [dataclasses.replace(
+            batch[-1], tokens=tuple(t for e in batch for t in e.tokens),
+            timings=next((e.timings for e in reversed(batch) if e.timings is not None), None),
+            prompt=tuple(t for e in batch if e.prompt for t in e.prompt) or None)]
+    _fill(response, batch[0], details)
 
 
 def _fill(response: model_pb2.GenerateResponse, emission: Emission, details: bool) -> None:
     """One emission's response, field by field: per token and per step, no generator and no message built
     beyond the one Token per token that `details` asks for."""
     tokens = emission.tokens
-    if len(tokens) == 1:
-        response.token_ids.append(tokens[0].id)
-    else:
-        response.token_ids.extend([t.id for t in tokens])
+    response.token_ids.extend([t.id for t in tokens])
     if details:
         response.tokens.extend([_token(t) for t in tokens])
     if emission.finish_reason is not None:
