@@ -75,6 +75,7 @@ def compile_threads() -> int:
     return int(given)
 
 
+START_ROWS = 8  # the smaller size of a step's starting-slot arrays (Engine.start_sizes)
 SMALL_TILES = (8, 16, 32)  # row counts of the few-rows program (tests/model: a row's bits in each equal a 64-row tile's)
 
 
@@ -131,6 +132,10 @@ class Engine:
         state_out = dict(donate_argnums=(0,), out_shardings=self.state_shardings)
         self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
         self._start = jax.jit(self._start_impl, **state_out)
+        # A step's new slots (and its constrained slots' masks) go to the device as [B] / [B, V] host arrays, B the
+        # least of these holding them: a step that starts one request moves 1/8 of the vocabulary-wide rows that
+        # one starting every slot at once would (both sizes compiled by compile()).
+        self.start_sizes = tuple(sorted({min(START_ROWS, slots), slots}))
         self._mask = jax.jit(self._mask_impl, **state_out)
         # A step is two programs: the rows (compiled at max_rows and, where there is one, small_rows; the
         # hidden states come out padded to max_rows) and the draws and scores (compiled once).
@@ -306,10 +311,15 @@ class Engine:
             return next(b for b in self.buckets if b >= rows)
         return self.small_rows if self.small_rows and rows <= self.small_rows else self.max_rows
 
-    def _starts(self, starts: tuple[SlotStart, ...]) -> tuple[Any, ...]:
-        """The starting slots as fixed-shape host arrays ([S] entries; unused ones name slot S, dropped)."""
-        n, c, v = self.slots, self.sequence_len, self.vocab_size
-        slot = np.full(n, n, np.int32)
+    def start_size(self, count: int) -> int:
+        """The entries of the host arrays that carry `count` starting slots (or masks): the least size holding them."""
+        return next(n for n in self.start_sizes if n >= count)
+
+    def _starts(self, starts: tuple[SlotStart, ...], size: int | None = None) -> tuple[Any, ...]:
+        """The starting slots as fixed-shape host arrays ([N] entries, N = start_size(); unused ones name slot S,
+        dropped)."""
+        n, c, v = size or self.start_size(len(starts)), self.sequence_len, self.vocab_size
+        slot = np.full(n, self.slots, np.int32)
         seed = np.zeros(n, np.uint32)
         drawn = np.zeros(n, np.int32)
         tokens = np.full((n, c), v, np.int32)  # id V: dropped by the scatters
@@ -331,9 +341,10 @@ class Engine:
         return (slot, seed, drawn, SamplingParams(temperature, top_p, mask, np.ones(n, bool), num_top), stacked,
                 tokens, prompt_len, length)
 
-    def _masks(self, masks: tuple[tuple[int, np.ndarray], ...]) -> tuple[np.ndarray, np.ndarray]:
-        n = self.slots
-        slot = np.full(n, n, np.int32)
+    def _masks(self, masks: tuple[tuple[int, np.ndarray], ...], size: int | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        n = size or self.start_size(len(masks))
+        slot = np.full(n, self.slots, np.int32)
         rows = np.ones((n, self.vocab_size), bool)
         for i, (s, m) in enumerate(masks):
             slot[i], rows[i] = s, m
@@ -355,8 +366,10 @@ class Engine:
         tables = np.full((self.slots, self.table_len), self.num_blocks, np.int32)  # every entry: scratch
         batch = empty_batch(self.max_rows, self.max_samples, tables)
         start = SlotStart(0, 0, COMPILE_SETTINGS, (self.eos_id,))
-        state = timed("start", lambda: self._start(state, *self._starts((start,))))
-        state = timed("mask", lambda: self._mask(state, *self._masks(((0, np.ones(self.vocab_size, bool)),))))
+        for n in self.start_sizes:
+            state = timed(f"start_{n}", lambda: self._start(state, *self._starts((start,), n)))  # noqa: B023
+            state = timed(f"mask_{n}", lambda: self._mask(  # noqa: B023
+                state, *self._masks(((0, np.ones(self.vocab_size, bool)),), n)))
         batch.sample_slots[0] = 0
         batch = StepBatch(batch.tokens, batch.from_last, batch.positions, batch.seq, 1, tables, batch.sample_rows,
                           batch.sample_slots, np.arange(self.max_rows) == 0, np.zeros(self.max_rows, np.int32))

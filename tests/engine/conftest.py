@@ -9,6 +9,7 @@ from collections.abc import Coroutine, Iterator
 from typing import Any, Protocol
 
 import grpc
+import jax
 import pytest
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
@@ -126,3 +127,19 @@ def golden_stub(golden_service: ModelServer) -> Iterator[model_pb2_grpc.ModelSer
 def collect(stream: Any) -> tuple[list[int], list[model_pb2.GenerateResponse]]:
     responses = list(stream)
     return [t for r in responses for t in r.token_ids], responses
+
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+
+
+@pytest.fixture
+def compilations() -> Iterator[list[str]]:
+    seen: list[str] = []
+
+    def listen(event: str, seconds: float, **kwargs: object) -> None:
+        if event == COMPILE_EVENT:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listen)

@@ -4,7 +4,6 @@ row bucket; a step runs the least bucket holding its rows, and serving compiles 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -18,28 +17,12 @@ from tests.engine.conftest import Runner, golden_requests, golden_server_config
 from tests.engine.drive import serve_all
 from tests.engine.test_engine_golden import golden_request
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
-
-
 @pytest.fixture(scope="module")
 def compiled() -> Engine:
     config = golden_server_config(backend="generic", slots=4, step_tokens=64)
     engine = build_engine(config, resolve(config))
     engine.compile()
     return engine
-
-
-@pytest.fixture
-def compilations() -> Iterator[list[str]]:
-    seen: list[str] = []
-
-    def listen(event: str, seconds: float, **kwargs: object) -> None:
-        if event == COMPILE_EVENT:
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    yield seen
-    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def test_row_buckets_are_the_ones_below_the_step_then_the_step() -> None:
