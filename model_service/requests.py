@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import Any
 from model_service.constraint import Constraint
 from model_service.sampling_settings import GREEDY, SamplingSettings
 from serving_common.failures import DomainError, ErrorKind
+from serving_common.randomness import random_bits
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class RequestHandle:
     def draw_seed(self) -> int:
         """The request's seed; one drawn at random is kept, so a preempted request draws the same tokens again."""
         if self.seed is None:
-            self.seed = self.request.seed if self.request.seed is not None else secrets.randbits(32)
+            self.seed = self.request.seed if self.request.seed is not None else random_bits(32)
         return self.seed
 
     def cancel(self) -> None:

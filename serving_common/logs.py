@@ -10,10 +10,10 @@ import json
 import logging
 import sys
 import time
-import uuid
 from typing import Any, TextIO
 
 from opentelemetry import trace
+from serving_common.randomness import random_hex
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -131,12 +131,12 @@ def new_request_id(metadata: Any = None, given: str = "") -> str:
     """The request id: the caller's (field or `x-request-id` metadata) or a fresh one when there is none or
     it holds characters other than printable ASCII. Check the length first (`request_id_too_long`)."""
     if given:
-        return given if _usable(given) else uuid.uuid4().hex[:16]
+        return given if _usable(given) else random_hex(16)
     for key, value in metadata or ():
         if key == "x-request-id" and value:
             value = str(value)
-            return value if _usable(value) else uuid.uuid4().hex[:16]
-    return uuid.uuid4().hex[:16]
+            return value if _usable(value) else random_hex(16)
+    return random_hex(16)
 
 
 def given_request_id(metadata: Any) -> str:
