@@ -59,8 +59,9 @@ def test_tpu_estimate_bounds_the_chips_compiled_step_within_a_factor_of_two() ->
 
 
 def test_at_least_one_grok1_layer_fits_one_chip_with_8_slots_of_8192_tokens() -> None:
-    work = Workload("bfloat16", 8, 8 * 8192, step_tokens=1024)
-    assert max_layers(GROK_1, Devices("tpu", 1, V5E_BYTES), Layout(), work) >= 1
+    for kv_tokens, layers in ((8192, 2), (8 * 8192, 2)):  # placement_check's pool on the chip; 8 full contexts
+        work = Workload("bfloat16", 8, kv_tokens, step_tokens=1024, one_program=True)
+        assert max_layers(GROK_1, Devices("tpu", 1, V5E_BYTES), Layout(), work) == layers, kv_tokens
     code, out = run_cli("--preset", "grok-1", "--devices", "v5e-1", "--mesh", "1,1", "--slots", "8", "--context",
                         "8192", "--max-layers")
     assert code == 1 and "layers of this width that fit mesh 1,1,1: 2 of 64" in out
