@@ -26,13 +26,36 @@ the larger of the two (XLA-CPU's compiled temporaries were 0.94-0.98 of it on on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from model_service.config import ModelConfig
 from model_service.model.segments import BLOCK_ROWS, capacities
 
-if TYPE_CHECKING:
-    from model_service.config import ModelConfig
-    from model_service.placement import Layout, Workload
+
+class Layout(Protocol):
+    """What the estimate reads of placement.Layout (imported from there would make an import cycle)."""
+
+    @property
+    def data(self) -> int: ...
+    @property
+    def model(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+
+
+class Workload(Protocol):
+    """What the estimate reads of placement.Workload."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def slots(self) -> int: ...
+    @property
+    def step_tokens(self) -> int | None: ...
+    @property
+    def draft_tokens(self) -> int: ...
+    @property
+    def one_program(self) -> bool | None: ...
 
 ITEMSIZE = {"bfloat16": 2, "float32": 4}
 GENERIC_STEP_TOKENS, CPU_STEP_TOKENS = 1024, 64  # backend.py's token rows a step (generic / cpu; a test keeps them equal)
