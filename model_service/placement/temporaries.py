@@ -15,7 +15,8 @@ estimate is `one_program_bytes`: the rows' activations (carried through every ph
              logits and their log-softmax; the generic backend's tile is the step's rows).
 Checked against XLA's own compiled temporaries (`memory_analysis().temp_size_in_bytes` of the step program,
 benchmarks/placement_check.py --temporaries; 8 slots, 1,024 rows, tests/test_temporaries.py):
-  XLA:TPU (v5e, JAX 0.10.2) Grok-1 width, 1 layer, bfloat16, 8,192 KV tokens: 0.830 GB, estimate 1.19 GB (0.70);
+  XLA:TPU (v5e, JAX 0.10.2) Grok-1 width, 1 layer, bfloat16, 8,192 KV tokens: 0.830 GB, estimate 1.19 GB (0.70;
+  the head's phase; its experts' phase counts 0.82 GB: which phase the chip's peak is in was not measured);
   XLA:CPU golden 0.73 (bfloat16) and 0.93 (float32), medium 0.95, Grok-1 width 1 layer bfloat16 (ragged_dot:
   20.0 GB) 0.90; golden on a 2,4 mesh (float32, per device) 0.66.
 XLA:CPU computes bfloat16 elementwise work in float32, so on the cpu kind those buffers count 4 bytes an element.
@@ -122,9 +123,9 @@ def expert_bytes(cfg: ModelConfig, s: _Shapes, widened: int, size: int) -> int:
     """The experts' largest live set in one layer (see the module docstring), `size` bytes an element."""
     t = cfg.model
     d, f, pairs = t.emb_size, s.f, s.shard * t.num_selected_experts
-    if widened == 0:  # Pallas: sorted pair rows in and out, both branches and their gated product
-        aligned = kernel_rows(pairs, t.num_experts)
-        return aligned * (3 * f + 2 * d) * size + pairs * d * size
+    if widened == 0:  # Pallas: aligned pair rows in and out, both branches and their gated product; the pairs
+        aligned = kernel_rows(pairs, t.num_experts)  # gathered in sorted order, put back, and gated
+        return aligned * (3 * f + 2 * d) * size + 3 * pairs * d * size
     if widened == 1:  # a conditional per expert: its rows' hidden values and its three matrices widened
         return s.shard * 3 * f * size + 3 * f * d * size
     # ragged_dot: every expert's three matrices widened, its [pairs, experts * ffn] product, the branches
