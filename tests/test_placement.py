@@ -169,14 +169,9 @@ def test_chip_check_script_runs_on_cpu_and_loads_the_layers_the_tool_says_fit(ca
     assert report["reported_shards"]["weights"] == {"0": report["predicted"]["weights"]}
 
 
-@pytest.mark.parametrize(("config", "mesh", "dtype", "low"), [
-    (GOLDEN / "config.json", MeshConfig(1, 1), "bfloat16", 0.85),
-    (GOLDEN / "config.json", MeshConfig(2, 4), "float32", 0.4),  # an upper bound on a mesh: 0.43 measured
-])
-def test_estimated_temporaries_bound_xlas_compiled_ones(config, mesh, dtype, low) -> None:
-    """The step's temporaries as XLA compiles them (memory_analysis) against the estimate: close on one device,
-    an upper bound on a mesh. (medium on one device, measured by benchmarks.placement_check --temporaries: 0.98.)"""
-    report = check(load_model_config(str(config)), mesh, dtype, 8, temporaries=True)
+def test_estimated_temporaries_bound_xlas_compiled_ones_on_a_mesh() -> None:
+    """On a mesh (golden over data 2, model 4: a conditional per expert) the estimate is an upper bound of the
+    step XLA compiles (one device's, and a factor 2 of it: tests/test_temporaries.py)."""
+    report = check(load_model_config(str(GOLDEN / "config.json")), MeshConfig(2, 4), "float32", 8, temporaries=True)
     ratio = report["temporaries"]["compiled_over_predicted"]
-    assert low <= ratio <= 1.0, report["temporaries"]
-
+    assert 0.5 <= ratio <= 1.0, report["temporaries"]  # 0.66 measured

@@ -5,7 +5,8 @@ The weights are the in-memory leaves `checkpoint.load_params` places (int8 matri
 in the compute dtype, float32 router and norms) split as `sharding.PARAM_RULES` split them, so the prediction is
 the loaded arrays' own bytes (tests/test_placement.py checks it against `addressable_shards` on CPU meshes and
 benchmarks/placement_check.py against the chip). The KV pool follows `sharding.POOL_SPEC`: KV heads split over
-`model`, replicated over `data` (and `expert`). Temporaries are an estimate of a step's largest buffers.
+`model`, replicated over `data` (and `expert`). Temporaries are an estimate of a step's largest live set
+(temporaries.py, checked against XLA's compiled temporaries).
 
 The expert axis (--mesh DATA,EXPERT,MODEL): each expert's matrices on one expert group (num_experts / expert of
 them, stacked as sharding.EXPERT_SPECS splits them), split over `model` inside it; attention, table and KV over
@@ -29,7 +30,8 @@ from jax.sharding import PartitionSpec
 
 from model_service.config import ROW_BLOCKS, ConfigError, ModelConfig
 from model_service.model.params import EMBED, TensorSpec, tensor_specs
-from model_service.model.segments import BLOCK_ROWS, capacities
+from model_service.placement.temporaries import (CPU_STEP_TOKENS, GENERIC_STEP_TOKENS, ITEMSIZE, KEY_CHUNK,
+                                                 temporary_bytes, widened_experts)
 from model_service.sampling_settings import MAX_ENDS, MAX_LOGIT_BIAS
 from model_service.sharding import DATA, EXPERT, MODEL, POOL_SPEC, fit_spec, spec_for_path
 
@@ -40,9 +42,7 @@ GB = 10**9
 # Memory of one device of each kind, decimal GB as the vendors state it (the chips' own limit is a little higher:
 # a v5e reports 15.7 GiB = 16.9 GB to JAX).
 DEVICE_MEMORY = {"v5e": 16 * GB, "v6e": 32 * GB, "v5p": 95 * GB, "h100": 80 * GB}
-ITEMSIZE = {"bfloat16": 2, "float32": 4}
-GENERIC_STEP_TOKENS, CPU_STEP_TOKENS = 1024, 64  # backend.py's token rows a step (generic / cpu; a test keeps them equal)
-KEY_CHUNK, BLOCK_SIZE = 128, 16  # model/__init__.py: key positions per attention chunk, positions per KV block
+BLOCK_SIZE = 16  # model/__init__.py: positions per KV block
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class Workload:
     # Bytes a table value takes (None: the compute dtype's). Native CPU products keep the checkpoint's bfloat16
     # (2; held in 13 bits where the values allow it, so 2 is an upper bound).
     table_itemsize: float | None = None
-    # The step is one program holding its rows' and its draws' temporaries at once (the generic backend:
+    # The step is one program whose phases (layers, draws, scores) reuse each other's buffers (the generic backend:
     # accelerators, or --backend generic); None: the backend's default on the devices (generic off CPU).
     one_program: bool | None = None
 
@@ -277,48 +277,6 @@ def slot_state_bytes(cfg: ModelConfig, work: Workload) -> int:
     return work.slots * per_slot
 
 
-def widened_experts(cfg: ModelConfig, layout: Layout, kind: str, work: Workload) -> int:
-    """Experts whose matrices a step widens to the compute dtype at once (backend.choose_moe): none with the Pallas
-    kernel (one TPU: it widens tiles), all of them with XLA's ragged_dot (other single devices, generic step), one
-    at a time with a conditional per expert (meshes, the CPU backend)."""
-    if layout.size > 1 or not (kind != "cpu" or work.one_program):
-        return 1
-    return 0 if kind in ("v5e", "v6e", "v5p") else cfg.model.num_experts
-
-
-def temporary_bytes(cfg: ModelConfig, layout: Layout, work: Workload, cpu: bool = False, widened: int = 1) -> int:
-    """An estimate of a step's largest live buffers per device: the larger of its two programs' (they run one
-    after the other). The rows program: the rows' activations, one attention chunk's gathered keys and values
-    with three float32 score buffers (accelerators: for the step's single-row lanes and row blocks,
-    segments.capacities, each reading its own keys; CPU: for every row), one expert's hidden rows and its three
-    matrices widened to the compute dtype (XLA writes a widened copy of an int8 weight before its product), the
-    rows split over data. The draws program: the float32 logits of the draws (three buffers) and four float32
-    [rows, vocab] buffers of the scored rows' logprobs. On one device XLA-CPU's compiled temporaries were
-    0.94-0.98 of this (golden, medium; golden's generic step 0.96); with a model axis less (0.43 on golden's 2,4:
-    tests/test_placement.py), so it is an upper bound there. The accelerators' step is one program holding both
-    parts at once (engine.py), so there they add up."""
-    t, size = cfg.model, ITEMSIZE[work.dtype]
-    rows = max(work.step_tokens or (CPU_STEP_TOKENS if cpu else GENERIC_STEP_TOKENS), work.slots)
-    m = layout.model if t.num_kv_heads % layout.model == 0 else 1
-    q_heads, kv_heads, f = t.num_q_heads // m, t.num_kv_heads // m, t.ffn_size // m
-    chunk = min(KEY_CHUNK, cfg.sequence_len)
-    shard = -(-rows // layout.data)  # the rows program splits its rows over data (sharding.constrain)
-    activations = shard * (4 * t.emb_size + (q_heads + 2 * kv_heads) * t.key_size) * size
-    one_program = (not cpu) if work.one_program is None else work.one_program
-    if one_program:  # segments.attend_segments: lanes and blocks read keys, each block's rows query them
-        lanes, blocks = capacities(rows, work.slots)
-        readers, queries = -(-(lanes + blocks) // layout.data), -(-(lanes + blocks * BLOCK_ROWS) // layout.data)
-    else:
-        readers = queries = shard
-    attention = chunk * (readers * 2 * kv_heads * t.key_size * size + queries * 3 * q_heads * 4)
-    expert = shard * 3 * f * size + widened * 3 * f * t.emb_size * size
-    if widened != 1:  # the grouped forms: every (row, expert) pair's input, output and gated output at once
-        expert += 3 * shard * t.num_selected_experts * t.emb_size * size
-    draws = work.slots * (1 + work.draft_tokens)
-    logits = 3 * draws * cfg.vocab_size * 4 + 4 * rows * cfg.vocab_size * 4
-    return activations + attention + expert + logits if one_program else max(activations + attention + expert, logits)
-
-
 def layout_problems(cfg: ModelConfig, layout: Layout) -> list[str]:
     """Why `layout` cannot hold `cfg` at all (the service's validate() for model; experts per expert group)."""
     t, problems = cfg.model, []
@@ -354,7 +312,8 @@ def place(cfg: ModelConfig, devices: Devices, layout: Layout, work: Workload) ->
         Part("slot state", slot_state_bytes(cfg, work), "per-slot sampling state, replicated"),
         Part("temporaries", temporary_bytes(cfg, layout, work, devices.kind == "cpu",
                                             widened_experts(cfg, layout, devices.kind, work)),
-             "estimate: a step's rows, draws and scores (one program off CPU; the larger of two on it)"),
+             "estimate: a step's largest live set (one program off CPU: its largest phase; the "
+                         "larger of two programs on it)"),
     )
     return Placement(devices, layout, parts, per_token, cfg.sequence_len, work.block_size, tuple(problems))
 
