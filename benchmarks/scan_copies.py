@@ -28,6 +28,7 @@ BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "
          "s64": 8, "u64": 8, "f64": 8}
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\](?:\{[^}]*\})? ([\w\-]+)\((.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
+_WHILE = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*? while\(", re.MULTILINE)
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 # What writes into its operand's buffer (a pool's key or value rows), not a new array of the pool's size
 IN_PLACE = frozenset({"scatter", "dynamic-update-slice", "fusion:scatter", "fusion:dynamic-update-slice"})
@@ -86,6 +87,12 @@ def materialised(hlo: str) -> list[Written]:
     return sorted(out, key=lambda w: -w.bytes)
 
 
+def while_loops(hlo: str) -> int:
+    """How many while loops an optimized HLO module holds (XLA removes a loop that runs once: a scan over one
+    layer compiles to the unrolled layer)."""
+    return len(_WHILE.findall(hlo))
+
+
 def layer_weight_bytes(params: Any, stacked_prefix: str) -> tuple[int, int]:
     """(one layer's weight bytes, its smallest int8 matrix's bytes) of a scanned tree (leaves under
     `stacked_prefix`, each [layers, ...])."""
@@ -138,12 +145,13 @@ def measure(config: str, dtype: str, layers: str, rows: int, moe: str, min_bytes
     engine = load_engine(server, resolve(server))
     compiled = step_program(engine, rows)
     memory = compiled.memory_analysis()
-    written = materialised(compiled.as_text())
+    text = compiled.as_text()
+    written = materialised(text)
     layer, smallest = layer_weight_bytes(engine.params, LAYER_STACK) if engine.model.scan_layers else (0, 0)
     pools = sum(a.nbytes for a in jax.tree.leaves(engine.init_state().pools))
     return {"layers": layers, "depth": engine.model_config.model.num_layers, "rows": rows, "moe": engine.model.moe,
             "platform": jax.devices()[0].platform, "temp_bytes": memory.temp_size_in_bytes,
-            "alias_bytes": memory.alias_size_in_bytes, "pool_bytes": pools, "layer_weight_bytes": layer,
+            "alias_bytes": memory.alias_size_in_bytes, "while_loops": while_loops(text), "pool_bytes": pools, "layer_weight_bytes": layer,
             "smallest_layer_matrix_bytes": smallest,
             "int8_written": [w._asdict() for w in written if w.dtype == "s8" and w.bytes >= min_bytes],
             "largest_written": [w._asdict() for w in written if w.bytes >= min_bytes][:20]}
@@ -155,13 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--layers", default="1,2", help="depths (num_layers) to compile, comma-separated")
     p.add_argument("--rows", type=int, default=16, help="the bucket's rows (a decode step of up to this many)")
+    p.add_argument("--forms", default="scan,unroll", help="the --layers forms to compile, comma-separated")
     p.add_argument("--moe", default="auto")
     p.add_argument("--min-mb", type=float, default=1.0)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         for depth in (int(d) for d in args.layers.split(",")):
             config = config_at_depth(args.config, depth, folder)
-            for layers in ("scan", "unroll"):
+            for layers in args.forms.split(","):
                 row = measure(config, args.dtype, layers, args.rows, args.moe, int(args.min_mb * 1e6))
                 print(json.dumps(row), flush=True)
     return 0

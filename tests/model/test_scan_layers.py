@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.scan_copies import IN_PLACE, layer_weight_bytes, materialised, step_program
+from benchmarks.scan_copies import IN_PLACE, layer_weight_bytes, materialised, step_program, while_loops
 from model_service import backend as backend_module
 from model_service.backend import choose_backend
 from model_service.checkpoint import load_params, random_leaves, random_params, write_checkpoint
@@ -234,3 +234,16 @@ def test_the_layer_copy_check_sees_a_layers_experts_sliced_before_their_conditio
         written = materialised(step_program(engine, 16).as_text())
     _, smallest = layer_weight_bytes(engine.params, LAYER_STACK)
     assert [w for w in written if w.dtype == "s8" and w.bytes >= smallest]
+
+
+def test_a_scan_over_one_layer_compiles_to_the_unrolled_layers_program() -> None:
+    """XLA removes a loop that runs once: at one layer the scanned step holds no layer loop and needs the
+    unrolled step's temporaries (to a few scalars' bytes), so a difference between the two at one layer is not
+    the loop's (issue 61)."""
+    compiled = {layers: step_program(_engine(_grok_like(1), layers, "cond", jnp.float32), 16)
+                for layers in ("scan", "unroll")}
+    assert while_loops(compiled["scan"].as_text()) == while_loops(compiled["unroll"].as_text())
+    temp = {layers: c.memory_analysis().temp_size_in_bytes for layers, c in compiled.items()}
+    assert abs(temp["scan"] - temp["unroll"]) <= 1024
+    deeper = step_program(_engine(_grok_like(2), "scan", "cond", jnp.float32), 16)
+    assert while_loops(deeper.as_text()) == while_loops(compiled["scan"].as_text()) + 1
