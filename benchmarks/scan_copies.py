@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from typing import Any, NamedTuple
@@ -162,18 +163,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="a model config JSON (the model service's --config)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--layers", default="1,2", help="depths (num_layers) to compile, comma-separated")
-    p.add_argument("--rows", type=int, default=16, help="the bucket's rows (a decode step of up to this many)")
     p.add_argument("--forms", default="scan,unroll", help="the --layers forms to compile, comma-separated")
+    p.add_argument("--rows", type=int, default=16, help="the bucket's rows (a decode step of up to this many)")
     p.add_argument("--moe", default="auto")
     p.add_argument("--min-mb", type=float, default=1.0)
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # this process measures one program
     args = p.parse_args(argv)
+    if args.one:
+        row = measure(args.config, args.dtype, args.forms, args.rows, args.moe, int(args.min_mb * 1e6))
+        print(json.dumps(row), flush=True)
+        return 0
+    failed = 0
     with tempfile.TemporaryDirectory() as folder:
         for depth in (int(d) for d in args.layers.split(",")):
             config = config_at_depth(args.config, depth, folder)
-            for layers in args.forms.split(","):
-                row = measure(config, args.dtype, layers, args.rows, args.moe, int(args.min_mb * 1e6))
-                print(json.dumps(row), flush=True)
-    return 0
+            for form in args.forms.split(","):
+                # one process per program: each holds its own engine's weights (Grok-1 width: 6.5 GB a layer)
+                failed |= subprocess.run([sys.executable, "-m", "benchmarks.scan_copies", "--one", "--config", config,
+                                          "--dtype", args.dtype, "--forms", form, "--rows", str(args.rows),
+                                          "--moe", args.moe, "--min-mb", str(args.min_mb)]).returncode
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
