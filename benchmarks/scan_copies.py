@@ -6,7 +6,7 @@ fused computations write nothing to memory of their own, so only the instruction
 (the entry, loop bodies, conditional branches) are counted. Run on CPU or on the chip (XLA:TPU fuses otherwise):
 
     python -m benchmarks.scan_copies --config ../shared/bench/grok1-width-1layer.json --dtype bfloat16 \
-        [--layers 1,2] [--rows 16] [--moe auto]
+        [--layers 1,2] [--rows 16] [--moe auto] [--dump DIR]
 
 builds the engine as the model service does (random int8 weights), compiles its step program for `--rows` rows
 with the layers scanned and unrolled, and prints one JSON line per program: its memory analysis, the bytes of
@@ -135,7 +135,8 @@ def config_at_depth(config: str, depth: int, folder: str) -> str:
     return path
 
 
-def measure(config: str, dtype: str, layers: str, rows: int, moe: str, min_bytes: int) -> dict[str, Any]:
+def measure(config: str, dtype: str, layers: str, rows: int, moe: str, min_bytes: int,
+            dump: str = "") -> dict[str, Any]:
     import jax
 
     from model_service.loading import ServerConfig, load_engine, resolve
@@ -147,10 +148,14 @@ def measure(config: str, dtype: str, layers: str, rows: int, moe: str, min_bytes
     compiled = step_program(engine, rows)
     memory = compiled.memory_analysis()
     text = compiled.as_text()
+    depth = engine.model_config.model.num_layers
+    if dump:  # the optimized HLO, to read what the platform's compiler made of the step
+        with open(os.path.join(dump, f"step-{layers}-{depth}layers-{rows}rows.hlo.txt"), "w") as f:
+            f.write(text)
     written = materialised(text)
     layer, smallest = layer_weight_bytes(engine.params, LAYER_STACK) if engine.model.scan_layers else (0, 0)
     pools = sum(a.nbytes for a in jax.tree.leaves(engine.init_state().pools))
-    return {"layers": layers, "depth": engine.model_config.model.num_layers, "rows": rows, "moe": engine.model.moe,
+    return {"layers": layers, "depth": depth, "rows": rows, "moe": engine.model.moe,
             "platform": jax.devices()[0].platform, "temp_bytes": memory.temp_size_in_bytes,
             "alias_bytes": memory.alias_size_in_bytes, "while_loops": while_loops(text), "pool_bytes": pools, "layer_weight_bytes": layer,
             "smallest_layer_matrix_bytes": smallest,
@@ -167,10 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=16, help="the bucket's rows (a decode step of up to this many)")
     p.add_argument("--moe", default="auto")
     p.add_argument("--min-mb", type=float, default=1.0)
+    p.add_argument("--dump", default="", help="a folder to write each program's optimized HLO text into")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # this process measures one program
     args = p.parse_args(argv)
     if args.one:
-        row = measure(args.config, args.dtype, args.forms, args.rows, args.moe, int(args.min_mb * 1e6))
+        row = measure(args.config, args.dtype, args.forms, args.rows, args.moe, int(args.min_mb * 1e6), args.dump)
         print(json.dumps(row), flush=True)
         return 0
     failed = 0
@@ -181,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                 # one process per program: each holds its own engine's weights (Grok-1 width: 6.5 GB a layer)
                 failed |= subprocess.run([sys.executable, "-m", "benchmarks.scan_copies", "--one", "--config", config,
                                           "--dtype", args.dtype, "--forms", form, "--rows", str(args.rows),
-                                          "--moe", args.moe, "--min-mb", str(args.min_mb)]).returncode
+                                          "--moe", args.moe, "--min-mb", str(args.min_mb),
+                                          "--dump", args.dump]).returncode
     return 1 if failed else 0
 
 
