@@ -13,12 +13,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.scan_copies import IN_PLACE, layer_weight_bytes, materialised, step_program, while_loops
 from model_service import backend as backend_module
 from model_service.backend import choose_backend
 from model_service.checkpoint import load_params, random_leaves, random_params, write_checkpoint
 from model_service.config import MeshConfig, ModelConfig, load_model_config
+from model_service.engine import Engine
 from model_service.kv_memory import KVMemory, LayerPool, init_pools, read_blocks, write_tokens
 from model_service.model import GrokModel, TokenRows
+from model_service.model import transformer as transformer_module
 from model_service.model.stacking import put_layer, stacked_module
 from model_service.sharding import LAYER_STACK, make_mesh
 from tests.model import test_parity
@@ -187,3 +190,60 @@ def test_auto_scans_the_generic_layers_off_cpu_except_over_an_expert_axis() -> N
         assert not backend_module.scan_layers("auto", mesh, "expert")
         assert backend_module.scan_layers("scan", mesh, "expert")
     assert backend_module.scan_layers("auto", mesh, "expert")  # on CPU: as the tests have always run it
+
+
+def _engine(cfg: ModelConfig, layers: str, moe: str, dtype: jnp.dtype) -> Engine:
+    m = make_mesh(MeshConfig())
+    model = GrokModel(cfg, m, dtype, backend=choose_backend("generic", m, dtype, slots=16, moe=moe, layers=layers))
+    params = random_params(cfg, m, dtype, 0, stacked=model.backend.stacked_experts, stack_layers=model.scan_layers)
+    return Engine(model, params, cfg, m, 16)
+
+
+def _grok_like(layers: int) -> ModelConfig:
+    """Grok-1's shape at a small width: 8 experts (2 selected), widening 8, 128-wide heads, grouped kv heads."""
+    return dataclasses.replace(_GOLDEN, vocab_size=512, sequence_len=64, model=dataclasses.replace(
+        _GOLDEN.model, emb_size=256, num_layers=layers, num_q_heads=2, num_kv_heads=1, key_size=128,
+        widening_factor=8, num_experts=8, num_selected_experts=2))
+
+
+@pytest.mark.parametrize("moe", ["cond", "ragged"])
+def test_the_scanned_step_reads_each_layers_weights_in_place_and_updates_the_pools_in_place(moe: str) -> None:
+    """Issue 61: the scanned step program (a decode bucket, 2 layers) writes no int8 array as large as one of a
+    layer's matrices (a layer's slice of a stacked weight taken before a conditional or a custom call would be
+    one, every layer of every step), and the stacked pools are written only in place: donated, aliased to the
+    output, and no instruction but an in-place update writes an array of their shape."""
+    engine = _engine(_grok_like(2), "scan", moe, jnp.float32)
+    compiled = step_program(engine, 16)
+    written = materialised(compiled.as_text())
+    _, smallest = layer_weight_bytes(engine.params, LAYER_STACK)
+    assert smallest >= 256 * 128  # the smallest layer matrix (key or value: [256, 128] int8)
+    assert [w for w in written if w.dtype == "s8" and w.bytes >= smallest] == []
+    pools = engine.init_state().pools
+    assert compiled.memory_analysis().alias_size_in_bytes >= sum(a.nbytes for a in jax.tree.leaves(pools))
+    shape = tuple(pools.k.shape)
+    copies = [w for w in written if w.shape == shape and w.opcode not in IN_PLACE]
+    assert copies == []
+
+
+def test_the_layer_copy_check_sees_a_layers_experts_sliced_before_their_conditionals() -> None:
+    """The check above fails where it should: each layer's experts sliced out of the stacks at the top of the
+    loop's body (before the conditionals that multiply them, instead of inside them) are written as int8 copies."""
+    engine = _engine(_grok_like(2), "scan", "cond", jnp.float32)
+    sliced_early = lambda stacked, layer: jax.tree.map(lambda a: a[layer], stacked)  # noqa: E731
+    with mock.patch.object(transformer_module, "InLayer", sliced_early):
+        written = materialised(step_program(engine, 16).as_text())
+    _, smallest = layer_weight_bytes(engine.params, LAYER_STACK)
+    assert [w for w in written if w.dtype == "s8" and w.bytes >= smallest]
+
+
+def test_a_scan_over_one_layer_compiles_to_the_unrolled_layers_program() -> None:
+    """XLA removes a loop that runs once: at one layer the scanned step holds no layer loop and needs the
+    unrolled step's temporaries (to a few scalars' bytes), so a difference between the two at one layer is not
+    the loop's (issue 61)."""
+    compiled = {layers: step_program(_engine(_grok_like(1), layers, "cond", jnp.float32), 16)
+                for layers in ("scan", "unroll")}
+    assert while_loops(compiled["scan"].as_text()) == while_loops(compiled["unroll"].as_text())
+    temp = {layers: c.memory_analysis().temp_size_in_bytes for layers, c in compiled.items()}
+    assert abs(temp["scan"] - temp["unroll"]) <= 1024
+    deeper = step_program(_engine(_grok_like(2), "scan", "cond", jnp.float32), 16)
+    assert while_loops(deeper.as_text()) == while_loops(compiled["scan"].as_text()) + 1
