@@ -108,12 +108,14 @@ def _dot_rows(x: Array, w: Array, transposed: bool = True) -> Array:
 
 def split_rows(x: Array) -> Array:
     """float32 x [M, K] -> [3, M, K] bfloat16 parts (hi, mid, lo) whose float32 sum is x to float32's precision:
-    each part carries the next 8 bits of the significand."""
-    hi = x.astype(jnp.bfloat16)
-    rest = x - hi.astype(jnp.float32)
-    mid = rest.astype(jnp.bfloat16)
-    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    return jnp.stack([hi, mid, lo])
+    each part carries the next 8 bits of the significand. Each part is rounded with reduce_precision, not by a
+    float32 -> bfloat16 -> float32 round trip: with excess precision allowed (XLA's default on TPU and GPU) the
+    compiler may drop such a round trip as a no-op (SimplifyFPConversions), leaving rest = 0 and the product one
+    bfloat16 pass (tests/model/test_exact_products.py)."""
+    hi = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)  # x rounded to bfloat16, as float32
+    rest = x - hi
+    mid = jax.lax.reduce_precision(rest, exponent_bits=8, mantissa_bits=7)
+    return jnp.stack([hi, mid, rest - mid]).astype(jnp.bfloat16)  # hi and mid exact; lo rounded once
 
 
 def _exact_rows(x: Array, w: Array, spec: str) -> Array:
