@@ -1,5 +1,5 @@
 """Request ids and sampling seeds come from a generator seeded once from the system's entropy, not a system call
-each: under a sandboxed kernel (gVisor, the TPU host's) one `os.urandom` costs ~0.2 ms, paid per request on the
+each: on the development VMs one `os.urandom` cost ~0.2 ms, paid per request on the
 event loop (the id) and on the decode thread (the seed)."""
 
 from __future__ import annotations
