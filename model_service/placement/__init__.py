@@ -30,8 +30,7 @@ from jax.sharding import PartitionSpec
 
 from model_service.config import ROW_BLOCKS, ConfigError, ModelConfig
 from model_service.model.params import EMBED, TensorSpec, tensor_specs
-from model_service.placement.temporaries import (CPU_STEP_TOKENS, GENERIC_STEP_TOKENS, ITEMSIZE, KEY_CHUNK,
-                                                 temporary_bytes, widened_experts)
+from model_service.placement.temporaries import GENERIC_STEP_TOKENS, ITEMSIZE, temporary_bytes, widened_experts
 from model_service.sampling_settings import MAX_ENDS, MAX_LOGIT_BIAS
 from model_service.sharding import DATA, EXPERT, MODEL, POOL_SPEC, fit_spec, spec_for_path
 
