@@ -125,10 +125,11 @@ def test_one_v5e_holds_two_layers_of_grok1_width() -> None:
 def test_constants_are_the_engines() -> None:
     assert (model.KEY_CHUNK, model.BLOCK_SIZE) == (128, 16)
     from model_service import placement
+    from model_service.placement import temporaries
 
-    assert (placement.GENERIC_STEP_TOKENS, placement.CPU_STEP_TOKENS) == (backend.GENERIC_STEP_TOKENS,
-                                                                         backend.CPU_STEP_TOKENS)
-    assert (placement.KEY_CHUNK, placement.BLOCK_SIZE) == (model.KEY_CHUNK, model.BLOCK_SIZE)
+    assert (temporaries.GENERIC_STEP_TOKENS, temporaries.CPU_STEP_TOKENS) == (backend.GENERIC_STEP_TOKENS,
+                                                                             backend.CPU_STEP_TOKENS)
+    assert (temporaries.KEY_CHUNK, placement.BLOCK_SIZE) == (model.KEY_CHUNK, model.BLOCK_SIZE)
     assert placement.MAX_ENDS == sampling_settings.MAX_ENDS
 
 
