@@ -30,7 +30,7 @@ from model_service.config import ModelConfig
 from model_service.file_arrays import FileArray
 from model_service.model.params import Params, TensorSpec, pack_for_native, random_experts, random_leaf, set_leaf, \
     tensor_specs, to_internal
-from model_service.model.stacking import put_layer
+from model_service.model.stacking import put_layer, put_layer_pieces
 from model_service.model.weights import ExpertStack, QuantizedWeight
 from model_service.shard_reads import aligned_empty, place_file_array
 from model_service.sharding import fit_spec, path_to_str, spec_for_path
@@ -225,6 +225,17 @@ def _keep(params: Params, spec: TensorSpec, placed: Any, cfg: ModelConfig, mesh:
         set_leaf(params, spec, placed)
 
 
+def _put(params: Params, spec: TensorSpec, internal: Any, cfg: ModelConfig, mesh: Mesh, pack: bool,
+         int8_table: bool, stack_layers: bool) -> None:
+    """One parameter's host form (to_internal's) onto the devices and into `params`. Unpacked into a layer stack it
+    goes a piece at a time straight into the stack (stacking.put_layer_pieces: no placed copy of the whole
+    tensor beside it); otherwise placed (packed first with `pack`), then kept."""
+    if stack_layers and not pack and put_layer_pieces(params, spec.module, spec.name, internal,
+                                                      cfg.model.num_layers, mesh):
+        return
+    _keep(params, spec, _placed(spec, internal, mesh, pack, int8_table), cfg, mesh, stack_layers)
+
+
 def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progress: Progress | None = None,
                 pack: bool = False, int8_table: bool = False, stacked: bool = False,
                 stack_layers: bool = False) -> Params:
@@ -240,8 +251,8 @@ def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progres
     for i, spec in enumerate(specs):
         leaf = read_tensor(ckpt / f"tensor{i:05d}_000", lazy=True, max_bytes=tensor_max_bytes(spec), root=ckpt)
         _check_leaf(spec, leaf, i)
-        internal = to_internal(spec, leaf, dtype, native=pack, stacked=stacked)
-        _keep(params, spec, _placed(spec, internal, mesh, pack, int8_table), cfg, mesh, stack_layers)
+        _put(params, spec, to_internal(spec, leaf, dtype, native=pack, stacked=stacked), cfg, mesh, pack, int8_table,
+             stack_layers)
         if progress:
             progress(i + 1, len(specs))
     return params
@@ -262,14 +273,24 @@ def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int, pack: boo
     params: Params = {}
     for spec in tensor_specs(cfg):
         if spec.quantized and len(spec.shape) == 3 and stacked:
-            internal = place_leaf(spec, to_internal(spec, random_leaf(spec, cfg, rng), dtype, stacked=True), mesh)
+            _put(params, spec, to_internal(spec, _random_stacked(spec, rng), dtype, stacked=True), cfg, mesh, pack,
+                 int8_table, stack_layers)
         elif spec.quantized and len(spec.shape) == 3:
-            internal = _random_experts(spec, rng, mesh, pack)
+            _keep(params, spec, _random_experts(spec, rng, mesh, pack), cfg, mesh, stack_layers)
         else:
-            internal = _placed(spec, to_internal(spec, random_leaf(spec, cfg, rng), dtype, native=pack), mesh, pack,
-                               int8_table)
-        _keep(params, spec, internal, cfg, mesh, stack_layers)
+            _put(params, spec, to_internal(spec, random_leaf(spec, cfg, rng), dtype, native=pack), cfg, mesh, pack,
+                 int8_table, stack_layers)
     return params
+
+
+def _random_stacked(spec: TensorSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """random_leaf's (weight [E, K, N], scales) for an MoE matrix, each expert drawn straight into its place (no
+    list of experts stacked into a second copy)."""
+    scales, weights = random_experts(spec, rng)
+    weight = aligned_empty(spec.shape, np.int8)
+    for e, drawn in enumerate(weights):
+        weight[e] = drawn
+    return weight, scales
 
 
 def _random_experts(spec: TensorSpec, rng: np.random.Generator, mesh: Mesh, pack: bool) -> ExpertStack:

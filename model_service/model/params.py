@@ -111,7 +111,7 @@ def to_internal(spec: TensorSpec, leaf: Any, dtype: Any, native: bool = False, s
         return QuantizedWeight(weight, scales.astype(np.float32))
     if spec.module == EMBED:
         keep = native and np.dtype(leaf.dtype) == np.dtype(ml_dtypes.bfloat16)
-        return leaf if keep else leaf.astype(jnp.dtype(dtype))
+        return leaf if keep else leaf.astype(jnp.dtype(dtype), copy=False)  # already in dtype: not copied
     return np.asarray(leaf, np.float32)
 
 
@@ -203,7 +203,10 @@ def random_leaf(spec: TensorSpec, cfg: ModelConfig, rng: np.random.Generator) ->
     emb_std = EMB_STD
     if spec.quantized and len(spec.shape) == 3:
         scales, weights = random_experts(spec, rng)
-        return np.stack(list(weights)), scales
+        stack = np.empty(spec.shape, np.int8)  # each expert drawn into its place: no list stacked into a copy
+        for e, weight in enumerate(weights):
+            stack[e] = weight
+        return stack, scales
     if spec.quantized:  # int8 drawn directly (fast even for large configs), scales give std gain/sqrt(K)
         weight = rng.integers(-127, 128, spec.shape, dtype=np.int8)
         return weight, _random_scales(spec, rng)
