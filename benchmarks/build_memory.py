@@ -90,9 +90,11 @@ def config_file(config: str, layers: int | None, where: pathlib.Path) -> str:
     return str(path)
 
 
-def run_case(args: argparse.Namespace, config: str, checkpoint: str | None, backend: str) -> dict[str, Any]:
+def run_case(config: str, checkpoint: str | None, backend: str, dtype: str = "float32", slots: int = 2,
+             kv_tokens: int = 256) -> dict[str, Any]:
+    """one_case in a fresh process (its report, or {"error": ...})."""
     cmd = [sys.executable, "-m", "benchmarks.build_memory", "--one", "--config", config, "--backends", backend,
-           "--dtype", args.dtype, "--slots", str(args.slots), "--kv-tokens", str(args.kv_tokens)]
+           "--dtype", dtype, "--slots", str(slots), "--kv-tokens", str(kv_tokens)]
     if checkpoint:
         cmd += ["--checkpoint", checkpoint]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
             checkpoint = str(where / "ckpt")
             write_random_checkpoint(config, pathlib.Path(checkpoint), seed=0)
-        reports = [run_case(args, config, checkpoint if source == "checkpoint" else None, backend)
+        reports = [run_case(config, checkpoint if source == "checkpoint" else None, backend, args.dtype, args.slots,
+                            args.kv_tokens)
                    for source in args.sources.split(",") for backend in args.backends.split(",")]
     print(json.dumps(reports, indent=1))
     return 0 if all("error" not in r for r in reports) else 1

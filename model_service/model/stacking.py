@@ -88,7 +88,7 @@ def write_pieces(dest: jax.Array, one: Any, at: tuple[int, ...], mesh: Mesh) -> 
     """`dest` with the host or file array `one` written at leading index `at`, in place (`dest` donated): an array
     of 3 or more axes (an MoE matrix's [E, K, N]) one index of its first axis at a time, each piece placed on the
     devices (on the sharding `dest`'s has for it) only while it is written; smaller arrays whole."""
-    pieces = [(at, one)] if np.ndim(one) < 3 else [((*at, e), one[e]) for e in range(one.shape[0])]
+    pieces = [(at, one)] if len(one.shape) < 3 else [((*at, e), one[e]) for e in range(one.shape[0])]
     for where, piece in pieces:  # a FileArray's piece is a view: read when placed
         entries = (*tuple(dest.sharding.spec), *(None,) * dest.ndim)[len(where):dest.ndim]
         sharding = NamedSharding(mesh, PartitionSpec(*entries))
