@@ -50,7 +50,8 @@ def device_peak() -> int | None:
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
-def one_case(config: str, checkpoint: str | None, backend: str, dtype: str, slots: int, kv_tokens: int) -> dict[str, Any]:
+def one_case(config: str, checkpoint: str | None, backend: str, dtype: str, slots: int,
+             kv_tokens: int | None) -> dict[str, Any]:
     """Build one engine in this process and measure (call it in a fresh process: the peak is the process's)."""
     import jax
     import jax.numpy as jnp
@@ -90,11 +91,11 @@ def config_file(config: str, layers: int | None, where: pathlib.Path) -> str:
     return str(path)
 
 
-def run_case(config: str, checkpoint: str | None, backend: str, dtype: str = "float32", slots: int = 2,
-             kv_tokens: int = 256) -> dict[str, Any]:
+def run_case(config: str, checkpoint: str | None, backend: str, dtype: str = "float32", slots: int = 1,
+             kv_tokens: int | None = None) -> dict[str, Any]:
     """one_case in a fresh process (its report, or {"error": ...})."""
     cmd = [sys.executable, "-m", "benchmarks.build_memory", "--one", "--config", config, "--backends", backend,
-           "--dtype", dtype, "--slots", str(slots), "--kv-tokens", str(kv_tokens)]
+           "--dtype", dtype, "--slots", str(slots)] + ([] if kv_tokens is None else ["--kv-tokens", str(kv_tokens)])
     if checkpoint:
         cmd += ["--checkpoint", checkpoint]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -112,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sources", default="random,checkpoint", help="comma-separated: random, checkpoint")
     p.add_argument("--checkpoint", default=None, help="an existing checkpoint directory (else one is written)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
-    p.add_argument("--slots", type=int, default=2)
-    p.add_argument("--kv-tokens", type=int, default=256)
+    p.add_argument("--slots", type=int, default=1)
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool tokens (default: every slot a full context)")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one case, in this process
     args = p.parse_args(argv)
     if args.one:

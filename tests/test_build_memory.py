@@ -48,3 +48,48 @@ def test_peak_over_held(wide: tuple[str, str], backend: str, source: str) -> Non
     assert "error" not in report, report.get("error")
     assert report["held"]["total"] > 250e6, report  # the experts are there (the bound means something)
     assert report["host_peak_over_held"] <= BOUND, report
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_experts_load_padded_for_the_kernel_and_the_engine_keeps_them(tmp_path: pathlib.Path, scan: bool) -> None:
+    """With the Pallas kernel's layout the experts load padded (grouped.kernel_layout's zeros, expert by expert
+    into the layer stacks) from a checkpoint and from random weights, the same bits as kernel_layout applied to the
+    unpadded load, and GrokModel.pack_params keeps every leaf as loaded (no second copy of the tree)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model_service.backend import choose_backend
+    from model_service.checkpoint import load_params, random_leaves, random_params, write_checkpoint
+    from model_service.config import MeshConfig
+    from model_service.model import GrokModel, Products
+    from model_service.model.grouped import kernel_layout
+    from model_service.model.stacking import stack_params
+    from model_service.model.weights import GroupedWeight
+    from model_service.sharding import make_mesh
+    from tests.model.test_grouped_model import TINY
+
+    mesh = make_mesh(MeshConfig())
+    write_checkpoint(tmp_path, TINY, random_leaves(TINY, 5))
+    kw = {"stacked": True, "stack_layers": scan}
+    padded = load_params(str(tmp_path), TINY, mesh, jnp.float32, moe="pallas_interpret", **kw)
+    drawn = random_params(TINY, mesh, jnp.float32, 5, moe="pallas_interpret", **kw)
+    plain = load_params(str(tmp_path), TINY, mesh, jnp.float32, stacked=True)
+    want = {m: {n: kernel_layout(jax.tree.map(np.asarray, leaf), "pallas_interpret")
+                if isinstance(leaf, GroupedWeight) else leaf for n, leaf in leaves.items()}
+            for m, leaves in plain.items()}
+    if scan:
+        want = stack_params(want, TINY.model.num_layers, mesh)
+    grouped = [leaf for leaves in padded.values() for leaf in leaves.values() if isinstance(leaf, GroupedWeight)]
+    assert grouped and all(g.rows or g.cols for g in grouped)  # TINY's widths do pad
+    assert jax.tree.structure(padded) == jax.tree.structure(want) == jax.tree.structure(drawn)
+    for a, b, c in zip(jax.tree.leaves(padded), jax.tree.leaves(want), jax.tree.leaves(drawn)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    backend = dataclasses.replace(choose_backend("generic", mesh, jnp.float32, layers="scan" if scan else "unroll"),
+                                  moe="pallas_interpret")
+    model = GrokModel(TINY, mesh, jnp.float32, Products.DOT, block_size=8, key_chunk=16, backend=backend)
+    kept = model.pack_params(padded)
+    assert all(a is b for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(padded)))
