@@ -28,10 +28,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from model_service.config import ModelConfig
 from model_service.file_arrays import FileArray
-from model_service.model.params import Params, TensorSpec, pack_for_native, random_experts, random_leaf, set_leaf, \
-    tensor_specs, to_internal
-from model_service.model.stacking import put_layer
-from model_service.model.weights import ExpertStack, QuantizedWeight
+from model_service.model.grouped import kernel_layout, pads
+from model_service.model.params import Params, TensorSpec, lazy_kernel_layout, pack_for_native, random_experts, \
+    random_leaf, set_leaf, tensor_specs, to_internal
+from model_service.model.stacking import put_layer, put_layer_pieces
+from model_service.model.weights import ExpertStack, GroupedWeight, QuantizedWeight
 from model_service.shard_reads import aligned_empty, place_file_array
 from model_service.sharding import fit_spec, path_to_str, spec_for_path
 from model_service.tensor_file import (  # noqa: F401 - CheckpointError and read_tensor are this module's API too
@@ -225,14 +226,28 @@ def _keep(params: Params, spec: TensorSpec, placed: Any, cfg: ModelConfig, mesh:
         set_leaf(params, spec, placed)
 
 
+def _put(params: Params, spec: TensorSpec, internal: Any, cfg: ModelConfig, mesh: Mesh, pack: bool,
+         int8_table: bool, stack_layers: bool, moe: str = "") -> None:
+    """One parameter's host form (to_internal's) onto the devices and into `params`. Unpacked into a layer stack it
+    goes a piece at a time straight into the stack (stacking.put_layer_pieces: no placed copy of the whole
+    tensor beside it); otherwise placed (packed first with `pack`), then kept. A stacked MoE matrix is laid out
+    for `moe` (grouped.kernel_layout's padding) as it loads, not copied into that layout once loaded."""
+    if stack_layers and not pack and put_layer_pieces(params, spec.module, spec.name, lazy_kernel_layout(internal, moe),
+                                                      cfg.model.num_layers, mesh):
+        return
+    if isinstance(internal, GroupedWeight) and pads(internal, moe):
+        internal = kernel_layout(GroupedWeight(np.asarray(internal.weight), np.asarray(internal.scales)), moe)
+    _keep(params, spec, _placed(spec, internal, mesh, pack, int8_table), cfg, mesh, stack_layers)
+
+
 def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progress: Progress | None = None,
                 pack: bool = False, int8_table: bool = False, stacked: bool = False,
-                stack_layers: bool = False) -> Params:
+                stack_layers: bool = False, moe: str = "") -> Params:
     """Read `<ckpt_dir>/ckpt-0` into sharded device arrays, one tensor at a time (`pack`: the matrices packed
     for native products, as GrokModel.pack_params would, and the table kept in the checkpoint's type, or with
     `int8_table` rounded to int8; `stacked`: each MoE matrix's experts in one buffer, Backend.stacked_experts;
     `stack_layers`: each layer's tensor written into its parameter's stack as it is placed,
-    Backend.scan_layers)."""
+    Backend.scan_layers; `moe`: stacked experts laid out as that MoE form reads them, Backend.moe)."""
     specs = tensor_specs(cfg)
     ckpt = pathlib.Path(ckpt_dir) / "ckpt-0"
     _check_layout(ckpt, specs)
@@ -240,8 +255,8 @@ def load_params(ckpt_dir: str, cfg: ModelConfig, mesh: Mesh, dtype: Any, progres
     for i, spec in enumerate(specs):
         leaf = read_tensor(ckpt / f"tensor{i:05d}_000", lazy=True, max_bytes=tensor_max_bytes(spec), root=ckpt)
         _check_leaf(spec, leaf, i)
-        internal = to_internal(spec, leaf, dtype, native=pack, stacked=stacked)
-        _keep(params, spec, _placed(spec, internal, mesh, pack, int8_table), cfg, mesh, stack_layers)
+        _put(params, spec, to_internal(spec, leaf, dtype, native=pack, stacked=stacked), cfg, mesh, pack, int8_table,
+             stack_layers, moe)
         if progress:
             progress(i + 1, len(specs))
     return params
@@ -254,22 +269,32 @@ def random_leaves(cfg: ModelConfig, seed: int) -> Any:
 
 
 def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int, pack: bool = False,
-                  int8_table: bool = False, stacked: bool = False, stack_layers: bool = False) -> Params:
+                  int8_table: bool = False, stacked: bool = False, stack_layers: bool = False, moe: str = "") -> Params:
     """Random int8-quantized weights, laid out and sharded exactly like a loaded checkpoint of
     `random_leaves(cfg, seed)`; an MoE matrix is drawn, converted and placed one expert at a time (`stacked`:
-    drawn whole and placed as one buffer, as load_params(stacked=True); `stack_layers` as load_params')."""
+    drawn whole and placed as one buffer, as load_params(stacked=True); `stack_layers` and `moe` as load_params')."""
     rng = np.random.default_rng(seed)
     params: Params = {}
     for spec in tensor_specs(cfg):
         if spec.quantized and len(spec.shape) == 3 and stacked:
-            internal = place_leaf(spec, to_internal(spec, random_leaf(spec, cfg, rng), dtype, stacked=True), mesh)
+            _put(params, spec, to_internal(spec, _random_stacked(spec, rng), dtype, stacked=True), cfg, mesh, pack,
+                 int8_table, stack_layers, moe)
         elif spec.quantized and len(spec.shape) == 3:
-            internal = _random_experts(spec, rng, mesh, pack)
+            _keep(params, spec, _random_experts(spec, rng, mesh, pack), cfg, mesh, stack_layers)
         else:
-            internal = _placed(spec, to_internal(spec, random_leaf(spec, cfg, rng), dtype, native=pack), mesh, pack,
-                               int8_table)
-        _keep(params, spec, internal, cfg, mesh, stack_layers)
+            _put(params, spec, to_internal(spec, random_leaf(spec, cfg, rng), dtype, native=pack), cfg, mesh, pack,
+                 int8_table, stack_layers)
     return params
+
+
+def _random_stacked(spec: TensorSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """random_leaf's (weight [E, K, N], scales) for an MoE matrix, each expert drawn straight into its place (no
+    list of experts stacked into a second copy)."""
+    scales, weights = random_experts(spec, rng)
+    weight = aligned_empty(spec.shape, np.int8)
+    for e, drawn in enumerate(weights):
+        weight[e] = drawn
+    return weight, scales
 
 
 def _random_experts(spec: TensorSpec, rng: np.random.Generator, mesh: Mesh, pack: bool) -> ExpertStack:

@@ -148,11 +148,12 @@ def load_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     if config.checkpoint:
         params = checkpoint.load_params(config.checkpoint, cfg, mesh, dtype, progress=_progress, pack=pack,
                                         int8_table=int8_table, stacked=backend.stacked_experts,
-                                        stack_layers=backend.scan_layers)
+                                        stack_layers=backend.scan_layers, moe=backend.moe)
     else:
         log.warning("serving RANDOM weights (--random-init): outputs are noise")
         params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed, pack=pack, int8_table=int8_table,
-                                          stacked=backend.stacked_experts, stack_layers=backend.scan_layers)
+                                          stacked=backend.stacked_experts, stack_layers=backend.scan_layers,
+                                          moe=backend.moe)
     log.info("weights ready", extra={"seconds": round(time.monotonic() - start, 2), "process_id": jax.process_index(),
                                      "bytes_read": _bytes_read() - read_before})
     blocks = kv_blocks(config, cfg, dtype.itemsize)

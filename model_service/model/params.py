@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from model_service.config import ModelConfig
-from model_service.model.grouped import kernel_layout, pads
+from model_service.model.grouped import ALIGN, kernel_layout, pads
 from model_service.model.layers import ExpertStack, QuantizedWeight
 from model_service.model.weights import GroupedWeight
 from model_service.model.packed import PackedWeight, pack_experts, pack_float, pack_quantized, pack_table
@@ -111,7 +111,7 @@ def to_internal(spec: TensorSpec, leaf: Any, dtype: Any, native: bool = False, s
         return QuantizedWeight(weight, scales.astype(np.float32))
     if spec.module == EMBED:
         keep = native and np.dtype(leaf.dtype) == np.dtype(ml_dtypes.bfloat16)
-        return leaf if keep else leaf.astype(jnp.dtype(dtype))
+        return leaf if keep else leaf.astype(jnp.dtype(dtype), copy=False)  # already in dtype: not copied
     return np.asarray(leaf, np.float32)
 
 
@@ -161,6 +161,38 @@ def experts_layout(leaf: Any, moe: str) -> Any:
     return kernel_layout(leaf, moe) if isinstance(leaf, GroupedWeight) else leaf
 
 
+class PaddedExperts:
+    """An MoE matrix's host or file array [E, K, N] with grouped.kernel_layout's zeros, each expert padded when it
+    is asked for (stacking.write_pieces reads one at a time): `per` > 0 pads each of `blocks` row blocks of K to
+    `per` rows, else `cols` pads N to `cols` columns. The whole padded matrix never exists on the host."""
+
+    def __init__(self, source: Any, blocks: int, per: int = 0, cols: int = 0) -> None:
+        e, k, n = source.shape
+        self.source, self.blocks, self.per, self.cols = source, blocks, per, cols
+        self.shape, self.dtype = (e, blocks * per if per else k, cols or n), np.dtype(source.dtype)
+
+    def __getitem__(self, e: int) -> np.ndarray:
+        one = np.asarray(self.source[e])
+        k, n = one.shape
+        if self.per:
+            return np.pad(one.reshape(self.blocks, k // self.blocks, n),
+                          ((0, 0), (0, self.per - k // self.blocks), (0, 0))).reshape(-1, n)
+        return np.pad(one, ((0, 0), (0, self.cols - n)))
+
+
+def lazy_kernel_layout(leaf: Any, moe: str) -> Any:
+    """grouped.kernel_layout(leaf, moe) for a host GroupedWeight whose arrays may be file_arrays.FileArrays,
+    padded expert by expert as they are read (PaddedExperts); other leaves unchanged."""
+    if not (isinstance(leaf, GroupedWeight) and pads(leaf, moe)):
+        return leaf
+    _, k, n = leaf.weight.shape
+    if leaf.blocks > 1:
+        per = k // leaf.blocks
+        return GroupedWeight(PaddedExperts(leaf.weight, leaf.blocks, per=per + -per % ALIGN), leaf.scales, rows=k)
+    cols = n + -n % ALIGN
+    return GroupedWeight(PaddedExperts(leaf.weight, 1, cols=cols), PaddedExperts(leaf.scales, 1, cols=cols), cols=n)
+
+
 def stack_experts(leaf: ExpertStack) -> GroupedWeight:
     """An MoE matrix's per-expert QuantizedWeights (host arrays) -> one GroupedWeight [E, K, N] in the
     checkpoint's layout (to_internal(stacked=True)'s form)."""
@@ -203,7 +235,10 @@ def random_leaf(spec: TensorSpec, cfg: ModelConfig, rng: np.random.Generator) ->
     emb_std = EMB_STD
     if spec.quantized and len(spec.shape) == 3:
         scales, weights = random_experts(spec, rng)
-        return np.stack(list(weights)), scales
+        stack = np.empty(spec.shape, np.int8)  # each expert drawn into its place: no list stacked into a copy
+        for e, weight in enumerate(weights):
+            stack[e] = weight
+        return stack, scales
     if spec.quantized:  # int8 drawn directly (fast even for large configs), scales give std gain/sqrt(K)
         weight = rng.integers(-127, 128, spec.shape, dtype=np.int8)
         return weight, _random_scales(spec, rng)

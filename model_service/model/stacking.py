@@ -3,8 +3,10 @@
 one module (sharding.LAYER_STACK), the tree transformer.scan_layers runs its loop over.
 
 The stacks are assembled on the devices: a stacked array is allocated on its devices when the first of its layers
-arrives and each layer is written into it in place (the stack donated), so a loader that places one tensor at a
-time holds the stacks and one layer's tensor, never a parameter twice (checkpoint.load_params(stack_layers=True)).
+arrives and each layer is written into it in place (the stack donated). A loader hands `put_layer_pieces` a layer's
+host (or file) arrays and each is placed and written a piece at a time (an MoE matrix one expert at a time), so
+beside the stacks the devices hold one expert's matrix, never a layer's tensor twice
+(checkpoint.load_params(stack_layers=True); Grok-1's widths: 192 MiB, not a 1.5 GiB matrix, on top of the weights).
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from model_service.file_arrays import FileArray
+from model_service.shard_reads import place_file_array
 from model_service.sharding import LAYER_STACK, fit_spec, path_to_str, spec_for_path
 
 Params = dict[str, dict[str, Any]]
@@ -52,6 +57,56 @@ def put_layer(params: Params, module: str, name: str, leaf: Any, num_layers: int
     else:
         params[stacked][name] = jax.tree_util.tree_map_with_path(put, leaf, held)
     return True
+
+
+def put_layer_pieces(params: Params, module: str, name: str, leaf: Any, num_layers: int, mesh: Mesh) -> bool:
+    """Like put_layer, but `leaf` is the parameter's host form (numpy arrays or file_arrays.FileArrays, in a
+    QuantizedWeight, GroupedWeight or alone): each array is placed and written into its stack a piece at a time
+    (write_pieces), so no layer's whole tensor is ever on the devices beside its stack."""
+    found = stacked_module(module)
+    if found is None:
+        return False
+    layer, stacked = found
+    base = f"{stacked}/{name}"
+    held = params.setdefault(stacked, {}).get(name)
+
+    def put(path: tuple[Any, ...], one: Any, stack: jax.Array | None) -> jax.Array:
+        shape = (num_layers, *one.shape)
+        if stack is None:
+            spec = fit_spec(spec_for_path(f"{base}/{path_to_str(path)}".rstrip("/")), shape, mesh)
+            stack = jnp.zeros(shape, one.dtype, device=NamedSharding(mesh, spec))
+        return write_pieces(stack, one, (layer,), mesh)
+
+    if held is None:
+        params[stacked][name] = jax.tree_util.tree_map_with_path(lambda p, a: put(p, a, None), leaf)
+    else:
+        params[stacked][name] = jax.tree_util.tree_map_with_path(put, leaf, held)
+    return True
+
+
+def write_pieces(dest: jax.Array, one: Any, at: tuple[int, ...], mesh: Mesh) -> jax.Array:
+    """`dest` with the host or file array `one` written at leading index `at`, in place (`dest` donated): an array
+    of 3 or more axes (an MoE matrix's [E, K, N]) one index of its first axis at a time, each piece placed on the
+    devices (on the sharding `dest`'s has for it) only while it is written; smaller arrays whole."""
+    pieces = [(at, one)] if len(one.shape) < 3 else [((*at, e), one[e]) for e in range(one.shape[0])]
+    for where, piece in pieces:  # a FileArray's piece is a view: read when placed
+        entries = (*tuple(dest.sharding.spec), *(None,) * dest.ndim)[len(where):dest.ndim]
+        sharding = NamedSharding(mesh, PartitionSpec(*entries))
+        placed = place_file_array(piece, sharding) if isinstance(piece, FileArray) else \
+            jax.device_put(np.asarray(piece), sharding)
+        dest = _writer(dest.sharding, len(where))(dest, placed, jnp.asarray(where, jnp.int32))
+        del placed
+    return dest
+
+
+@functools.lru_cache(maxsize=None)
+def _writer(sharding: NamedSharding, lead: int) -> Any:
+    """dest [..., *piece] <- piece at leading index `at` (`lead` entries), in place (dest donated)."""
+    def write(dest: jax.Array, piece: jax.Array, at: jax.Array) -> jax.Array:
+        start = (*(at[i] for i in range(lead)), *(jnp.int32(0),) * (dest.ndim - lead))
+        return jax.lax.dynamic_update_slice(dest, piece.astype(dest.dtype).reshape((1,) * lead + piece.shape), start)
+
+    return jax.jit(write, donate_argnums=(0,), out_shardings=sharding)
 
 
 @functools.lru_cache(maxsize=None)
