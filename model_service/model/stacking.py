@@ -35,15 +35,23 @@ def stacked_module(module: str) -> tuple[int, str] | None:
     return None if found is None else (int(found[1]), LAYER_STACK + found[2])
 
 
+def _layer_target(params: Params, module: str, name: str) -> tuple[int, str, str, Any] | None:
+    """For a per-layer `module`'s parameter `name`: (its layer, its stacked module, the stack's path, the stack
+    allocated so far or None); None for a module that is not a layer's."""
+    found = stacked_module(module)
+    if found is None:
+        return None
+    layer, stacked = found
+    return layer, stacked, f"{stacked}/{name}", params.setdefault(stacked, {}).get(name)
+
+
 def put_layer(params: Params, module: str, name: str, leaf: Any, num_layers: int, mesh: Mesh) -> bool:
     """Write `leaf` (a placed parameter of per-layer `module`) into its stack in `params` (allocated on the first
     layer that arrives). False, and nothing done, for a module that is not a layer's."""
-    found = stacked_module(module)
-    if found is None:
+    target = _layer_target(params, module, name)
+    if target is None:
         return False
-    layer, stacked = found
-    base = f"{stacked}/{name}"
-    held = params.setdefault(stacked, {}).get(name)
+    layer, stacked, base, held = target
 
     def put(path: tuple[Any, ...], one: jax.Array, stack: jax.Array | None) -> jax.Array:
         shape = (num_layers, *one.shape)
@@ -63,12 +71,10 @@ def put_layer_pieces(params: Params, module: str, name: str, leaf: Any, num_laye
     """Like put_layer, but `leaf` is the parameter's host form (numpy arrays or file_arrays.FileArrays, in a
     QuantizedWeight, GroupedWeight or alone): each array is placed and written into its stack a piece at a time
     (write_pieces), so no layer's whole tensor is ever on the devices beside its stack."""
-    found = stacked_module(module)
-    if found is None:
+    target = _layer_target(params, module, name)
+    if target is None:
         return False
-    layer, stacked = found
-    base = f"{stacked}/{name}"
-    held = params.setdefault(stacked, {}).get(name)
+    layer, stacked, base, held = target
 
     def put(path: tuple[Any, ...], one: Any, stack: jax.Array | None) -> jax.Array:
         shape = (num_layers, *one.shape)
