@@ -196,3 +196,17 @@ def test_stopping_the_service_stops_its_engine_process(tmp_path: pathlib.Path) -
         wait_until(lambda: not alive(child), 10)
     finally:
         service.kill()
+
+
+def test_a_checkpoint_the_engine_process_cannot_load_makes_the_service_exit_1_with_its_message(
+        tmp_path: pathlib.Path) -> None:
+    port = free_port()
+    missing = tmp_path / "no-checkpoint"
+    service = Service("model_service", ["--config", GOLDEN_CONFIG, "--checkpoint", str(missing), "--port", str(port),
+                                        "--engine-process"], port, log_dir=tmp_path)
+    try:
+        assert service.proc.wait(120) == 1
+        assert "the engine process failed to start" in service.logs()
+        assert str(missing) in service.logs()
+    finally:
+        service.kill()
