@@ -210,3 +210,14 @@ def test_a_checkpoint_the_engine_process_cannot_load_makes_the_service_exit_1_wi
         assert str(missing) in service.logs()
     finally:
         service.kill()
+
+
+def test_the_engine_process_dies_with_a_killed_service(tmp_path: pathlib.Path) -> None:
+    service = start_service(tmp_path)
+    try:
+        child = engine_pid(service)
+        service.proc.kill()
+        service.proc.wait(30)
+        wait_until(lambda: not alive(child), 10)
+    finally:
+        service.kill()
