@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from model_service.distributed import EXIT_GROUP_BROKEN
@@ -88,6 +89,18 @@ def test_the_engine_process_reports_its_devices_and_the_service_never_started_ja
     info = engine_stub.GetInfo(model_pb2.GetInfoRequest())
     assert (info.platform, info.device_count) == ("cpu", 1)
     assert engine_service.scheduler.process.pid != os.getpid()  # type: ignore[union-attr]
+
+
+def test_the_decode_loops_metrics_reach_the_services_metrics(
+        engine_service: ModelServer, engine_stub: model_pb2_grpc.ModelServiceStub) -> None:
+    registry = engine_service.metrics.registry
+    tokens = registry.get_sample_value("grok_model_generated_tokens_total") or 0.0
+    steps = registry.get_sample_value("grok_model_decode_step_seconds_count") or 0.0
+    list(engine_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=6, ignore_eos=True), timeout=60))
+    wait_until(lambda: registry.get_sample_value("grok_model_generated_tokens_total") == tokens + 6, 10)
+    assert registry.get_sample_value("grok_model_decode_step_seconds_count") >= steps + 6
+    assert registry.get_sample_value("grok_model_requests_finished_total", {"finish_reason": "length"}) >= 1
+    assert registry.get_sample_value("grok_model_kv_cache_usage_perc") is not None
 
 
 def test_a_cancelled_stream_frees_its_slot_within_a_step(
@@ -173,8 +186,10 @@ def test_killing_the_engine_process_ends_open_streams_unavailable_and_the_servic
             os.kill(child, signal.SIGKILL)
             with pytest.raises(grpc.RpcError) as caught:
                 list(call)
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "engine process exited (killed by signal 9" in caught.value.details()
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "engine process exited (killed by signal 9" in caught.value.details()
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert service.proc.wait(60) == EXIT_GROUP_BROKEN
     finally:
         service.kill()
