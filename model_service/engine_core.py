@@ -17,7 +17,9 @@ gauges only their last value). The decode thread only appends to the outbox; one
 least every HEARTBEAT_SECONDS (with the loop's heartbeat, for the parent's watchdog). A SchedulerError travels
 as (kind, message): its pickled form would lose the kind.
 
-The child ends when the parent says stop, when the pipe closes, or when the parent dies (PR_SET_PDEATHSIG).
+The child ends when the parent says stop, when the pipe closes, or when the parent dies (PR_SET_PDEATHSIG). It
+ignores SIGINT and SIGTERM: a signal sent to the whole process group (Ctrl-C, `kill -- -PGID`, systemd's stop)
+reaches the parent too, which drains its streams and then stops this one (or, exiting, kills it).
 """
 
 from __future__ import annotations
@@ -261,6 +263,7 @@ def _prepare(settings: Settings) -> None:
     if os.getppid() != settings.parent_pid:  # the parent died before the signal was armed
         sys.exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a signal to the whole group: the parent drains, then stops us
     logs.configure("model", settings.log_level, settings.log_format)
     from model_service.host_memory import accelerator_expected, keep_freed_memory
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import threading
 import time
@@ -43,6 +44,12 @@ def exit_description(code: int | None) -> str:
     if code is None:
         return "exit code unknown"
     return f"killed by signal {-code}, exit code {code}" if code < 0 else f"exit code {code}"
+
+
+def _kill(process: Any) -> None:
+    if process.is_alive():
+        process.kill()
+        process.join(5.0)
 
 
 class RemoteHandle:
@@ -126,6 +133,8 @@ class EngineProcess:
         self.process = self._context.Process(target=engine_core.run, name="model-engine", daemon=True,
                                              args=(theirs, self.config, self.factory, self._settings()))
         self.process.start()
+        # Before multiprocessing's exit handler SIGTERMs (ignored there) and joins it: a child not stopped is killed.
+        multiprocessing.util.Finalize(None, _kill, args=(self.process,), exitpriority=10)
         theirs.close()  # the child's end lives in the child only: its exit closes the pipe
         self._conn = ours
 
