@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from model_service.engine_api import EngineLike
 from model_service.loading import ServerConfig
-from model_service.loop_state import Heartbeat, SchedulerMetrics
+from model_service.loop_state import SchedulerMetrics
 from model_service.requests import Emission, ErrorKind, GenerationRequest, RequestHandle, SchedulerError
 from model_service.structured import GrammarCompiler, Vocabulary
 
@@ -191,7 +191,7 @@ class Core:
         except SchedulerError as e:
             emit(Emission((), 0, len(request.prompt), error=e))
             return
-        except Exception as e:
+        except Exception:
             log.exception("submit failed", extra={"request_id": request.request_id})
             emit(Emission((), 0, len(request.prompt), error=SchedulerError(
                 ErrorKind.INTERNAL, f"the request could not be queued (request {request.request_id})")))

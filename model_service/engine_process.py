@@ -46,12 +46,6 @@ def exit_description(code: int | None) -> str:
     return f"killed by signal {-code}, exit code {code}" if code < 0 else f"exit code {code}"
 
 
-def _kill(process: Any) -> None:
-    if process.is_alive():
-        process.kill()
-        process.join(5.0)
-
-
 class RemoteHandle:
     """A submitted request's handle: `cancel()` (any thread) asks the child to free its slot at the next step."""
 
@@ -134,9 +128,15 @@ class EngineProcess:
                                              args=(theirs, self.config, self.factory, self._settings()))
         self.process.start()
         # Before multiprocessing's exit handler SIGTERMs (ignored there) and joins it: a child not stopped is killed.
-        multiprocessing.util.Finalize(None, _kill, args=(self.process,), exitpriority=10)
+        multiprocessing.util.Finalize(None, self._kill_at_exit, exitpriority=10)
         theirs.close()  # the child's end lives in the child only: its exit closes the pipe
         self._conn = ours
+
+    def _kill_at_exit(self) -> None:
+        self._stopping = True  # not a failure to report
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5.0)
 
     @staticmethod
     def _settings() -> Settings:

@@ -7,6 +7,10 @@ NOT_SERVING, no new requests, in-flight streams get the grace period, then the d
 In a multi-process replica (`ServerConfig.distributed`) this is process 0: its engine is a LockstepEngine
 (model_service/distributed). When the group breaks, health turns NOT_SERVING, in-flight streams end with
 UNAVAILABLE and `serve` returns EXIT_GROUP_BROKEN, so that the orchestrator restarts the group.
+
+With `ServerConfig.engine_process` (--engine-process) the Engine, the Scheduler and its decode thread run in a child
+process (engine_process.py, engine_core.py) and this one serves gRPC without touching the devices; the child
+exiting unasked ends the service as a broken group does.
 """
 
 from __future__ import annotations
