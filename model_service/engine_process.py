@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import multiprocessing.util
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -126,7 +127,11 @@ class EngineProcess:
         ours, theirs = self._context.Pipe(duplex=True)
         self.process = self._context.Process(target=engine_core.run, name="model-engine", daemon=True,
                                              args=(theirs, self.config, self.factory, self._settings()))
-        self.process.start()
+        try:
+            self.process.start()
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise ValueError(f"the engine process cannot be given this engine factory ({e}): pass one importable "
+                             "by name (a module-level function), or none to build the engine the config names") from e
         # Before multiprocessing's exit handler SIGTERMs (ignored there) and joins it: a child not stopped is killed.
         multiprocessing.util.Finalize(None, self._kill_at_exit, exitpriority=10)
         theirs.close()  # the child's end lives in the child only: its exit closes the pipe

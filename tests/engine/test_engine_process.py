@@ -18,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grok.model.v1 import model_pb2, model_pb2_grpc
 from model_service.distributed import EXIT_GROUP_BROKEN
+from model_service.engine_process import EngineProcess
+from model_service.metrics import Metrics
 from model_service.server import ModelServer
 from model_service.structured import Vocabulary
 from tests.engine.conftest import (
@@ -236,3 +238,9 @@ def test_the_engine_process_dies_with_a_killed_service(tmp_path: pathlib.Path) -
         wait_until(lambda: not alive(child), 10)
     finally:
         service.kill()
+
+
+def test_an_engine_factory_spawn_cannot_send_is_refused_with_what_to_pass_instead() -> None:
+    core = EngineProcess(golden_server_config(engine_process=True), Metrics(), lambda: None)
+    with pytest.raises(ValueError, match="importable by name"):
+        core.start()
