@@ -244,3 +244,31 @@ def test_an_engine_factory_spawn_cannot_send_is_refused_with_what_to_pass_instea
     core = EngineProcess(golden_server_config(engine_process=True), Metrics(), lambda: None)
     with pytest.raises(ValueError, match="importable by name"):
         core.start()
+
+
+def test_a_stopped_engine_process_trips_the_watchdog_and_serving_resumes_when_it_continues(
+        loop_thread: LoopThread) -> None:
+    server = start_server(loop_thread, golden_server_config(engine_process=True, watchdog_seconds=1.0), None)
+    child = server.scheduler.process.pid  # type: ignore[union-attr]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = model_pb2_grpc.ModelServiceStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            call = stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=120, ignore_eos=True),
+                                 timeout=120)
+            next(call)
+            os.kill(child, signal.SIGSTOP)
+            try:
+                with pytest.raises(grpc.RpcError) as caught:
+                    list(call)
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "stopped making progress" in caught.value.details()
+                assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                    health_pb2.HealthCheckResponse.NOT_SERVING
+            finally:
+                os.kill(child, signal.SIGCONT)
+            wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=10).status ==
+                       health_pb2.HealthCheckResponse.SERVING, 20)
+            assert len(list(stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=3), timeout=60))) >= 1
+    finally:
+        loop_thread.run(server.stop(1.0))
