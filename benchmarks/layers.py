@@ -164,6 +164,19 @@ def cpu_seconds(pid: Watched) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def engine_process(pid: int) -> dict[str, Watched]:
+    """{"model_engine": pid} of the model service's engine process (--engine-process), whose CPU its own
+    /proc/PID/stat does not count; {} without one."""
+    try:
+        for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                if b"spawn_main" in pathlib.Path(f"/proc/{child}/cmdline").read_bytes():
+                    return {"model_engine": int(child)}
+    except OSError:  # a kernel without /proc/PID/task/TID/children, or a process that just ended
+        pass
+    return {}
+
+
 def cpu_snapshot(pids: dict[str, Watched]) -> dict[str, float]:
     return {name: cpu_seconds(pid) for name, pid in pids.items()}
 
@@ -367,7 +380,7 @@ def run(config: LayersConfig) -> dict[str, Any]:
         pids: dict[str, Watched] = {
             "benchmark": os.getpid(), "model_service": stack.model.proc.pid,
             "tokenizer_service": stack.tokenizer.proc.pid, "gateway": stack.gateway.proc.pid, **extras.pids,
-            "model_service_loop": loop_thread(stack.model.proc.pid)}
+            "model_service_loop": loop_thread(stack.model.proc.pid), **engine_process(stack.model.proc.pid)}
         if "model_service_baseline" in extras.pids:
             pids["model_service_baseline_loop"] = loop_thread(extras.pids["model_service_baseline"])
         scheduler = None

@@ -167,6 +167,10 @@ def parser() -> EnvArgumentParser:
     add_uds_flag(p, "--metrics-uds", "serve Prometheus /metrics on this unix socket file instead of --metrics-port "
                  "(the gateway scrapes it as --model-metrics unix:PATH); owner-only, removed at exit")
     p.add_env_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
+    p.add_env_argument("--engine-process", action="store_true", default=False,
+                       help="run the engine and its decode loop in a child process of their own, so that the gRPC "
+                            "event loop never takes the interpreter lock from the loop that feeds the device "
+                            "(docs/running.md, \"The engine in its own process\")")
     p.add_env_argument("--watchdog-seconds", type=float, default=60.0,
                        help="report NOT_SERVING and fail pending requests with UNAVAILABLE when no decode step "
                             "advances for this long while work is pending (0 disables)")
@@ -304,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.buckets is not None:
         logging.getLogger(__name__).warning("--buckets (GROK_MODEL_BUCKETS) is no longer used and is ignored: "
                                             "prompts up to the context are accepted")
-    if dist is not None:
+    # With --engine-process, process 0's child starts JAX (and jax.distributed) and checks the devices: not this one.
+    engine_child = args.engine_process and (dist is None or dist.is_leader)
+    if dist is not None and not engine_child:
         from model_service.distributed import initialize
 
         initialize(dist)  # before anything creates a JAX backend
@@ -324,11 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         metrics_host=args.host, grace_seconds=args.grace_seconds, random_seed=args.random_seed, tls=tls,
         max_connection_age_seconds=args.max_connection_age_seconds,
         max_connection_age_grace_seconds=args.max_connection_age_grace_seconds, distributed=dist,
-        watchdog_seconds=args.watchdog_seconds, tokenizer=args.tokenizer)
+        watchdog_seconds=args.watchdog_seconds, tokenizer=args.tokenizer, engine_process=engine_child)
     try:
         from model_service.placement import check_service
 
-        check_service(config)  # refuse a layout that does not fit, with the numbers, before loading anything
+        if not engine_child:
+            check_service(config)  # refuse a layout that does not fit, with the numbers, before loading anything
         if dist is not None and not dist.is_leader:
             from model_service.distributed.group import run_follower
 

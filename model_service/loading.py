@@ -63,6 +63,7 @@ class ServerConfig:
     tls: ServerTLS | None = None  # TLS, and mutual TLS when it names a client CA
     distributed: DistributedConfig | None = None  # set: this is process 0 (or a follower) of a multi-process replica
     tokenizer: str | None = None  # the model's SentencePiece file: enables structured output (constraints)
+    engine_process: bool = False  # the Engine and the decode loop in a child process (engine_core.py)
 
 
 def resolve(config: ServerConfig) -> ModelConfig:

@@ -7,6 +7,10 @@ NOT_SERVING, no new requests, in-flight streams get the grace period, then the d
 In a multi-process replica (`ServerConfig.distributed`) this is process 0: its engine is a LockstepEngine
 (model_service/distributed). When the group breaks, health turns NOT_SERVING, in-flight streams end with
 UNAVAILABLE and `serve` returns EXIT_GROUP_BROKEN, so that the orchestrator restarts the group.
+
+With `ServerConfig.engine_process` (--engine-process) the Engine, the Scheduler and its decode thread run in a child
+process (engine_process.py, engine_core.py) and this one serves gRPC without touching the devices; the child
+exiting unasked ends the service as a broken group does.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from model_service.distributed import EXIT_GROUP_BROKEN
 from model_service.distributed.group import leader_engine
 from model_service.distributed.lockstep import GroupBroken
 from model_service.engine_api import EngineLike
+from model_service.engine_core import grammar_compiler
+from model_service.engine_process import EngineProcess
 from model_service.loading import ServerConfig, build_engine, resolve
 from model_service.metrics import Metrics
 from model_service.scheduler import Scheduler
 from model_service.servicer import ModelServicer
-from model_service.structured import GrammarCompiler, Vocabulary
 from model_service.watchdog import Watchdog
 from serving_common.grpc_server import HealthReporter, connection_age_options
 from serving_common.lifecycle import assemble, drain, freeze_startup_heap, serve_until_signal
@@ -41,9 +46,13 @@ BROKEN_LINGER_SECONDS = 2.0  # NOT_SERVING and the failed streams' statuses go o
 BROKEN_STOP_SECONDS = 1.0  # then what is left of a broken group's calls gets this long
 
 
-def make_info(config: ServerConfig, cfg: ModelConfig) -> model_pb2.GetInfoResponse:
+def make_info(config: ServerConfig, cfg: ModelConfig, devices: tuple[str, int] | None = None
+              ) -> model_pb2.GetInfoResponse:
+    """GetInfo's answer; `devices` (platform, count) as an engine process reported them, else this process's."""
     t = cfg.model
-    devices = jax.devices()[:config.mesh.size]
+    if devices is None:
+        local = jax.devices()[:config.mesh.size]
+        devices = (local[0].platform if local else "", len(local))
     return model_pb2.GetInfoResponse(
         config=model_pb2.ModelConfig(
             vocab_size=cfg.vocab_size, pad_token=cfg.pad_token, eos_token=cfg.eos_token,
@@ -56,7 +65,7 @@ def make_info(config: ServerConfig, cfg: ModelConfig) -> model_pb2.GetInfoRespon
         mesh_data=config.mesh.data, mesh_model=config.mesh.model, slots=config.slots,
         dtype=config.dtype, max_queue=config.max_queue,
         checkpoint=config.checkpoint or "", random_weights=not config.checkpoint,
-        platform=devices[0].platform if devices else "", device_count=len(devices), generate_many=True)
+        platform=devices[0], device_count=devices[1], generate_many=True)
 
 
 class ModelServer:
@@ -66,7 +75,9 @@ class ModelServer:
         self.config = config
         self.model_cfg = resolve(config)
         self.metrics = Metrics()
-        self.servicer = ModelServicer(make_info(config, self.model_cfg), self.metrics)
+        # With an engine process this process never touches the devices: GetInfo's are filled in once it is ready.
+        self.servicer = ModelServicer(make_info(config, self.model_cfg, ("", 0) if config.engine_process else None),
+                                      self.metrics)
         built = assemble("model", SERVICE_NAME,
                          lambda server: model_pb2_grpc.add_ModelServiceServicer_to_server(self.servicer, server),
                          config.host, config.port, config.tls, options=connection_age_options(
@@ -75,10 +86,11 @@ class ModelServer:
         self.grpc = built.server
         self.health: HealthReporter = built.health
         self.port = built.port
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler | EngineProcess | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self.group_broken = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._given_factory = engine_factory  # an engine process calls it there (importable by name)
         self._engine_factory = engine_factory or self._default_engine
 
     def _default_engine(self) -> Any:
@@ -87,7 +99,7 @@ class ModelServer:
         return leader_engine(self.config, self.model_cfg, self.on_group_broken)
 
     def on_group_broken(self, reason: str) -> None:
-        """Called (from any thread) when a process of this replica's group is lost."""
+        """Called (from any thread) when a process of this replica's group is lost, or the engine process exited."""
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.group_broken.set)
 
@@ -114,13 +126,16 @@ class ModelServer:
         return {"uds": self.config.uds} if self.config.uds else {"port": self.port}
 
     async def load(self) -> None:
-        engine = await asyncio.to_thread(self._engine_factory)
-        grammars = await asyncio.to_thread(self._grammars, engine)
-        self.scheduler = Scheduler(engine, self.config.max_queue, self.metrics, self.config.prefill_tokens,
-                                   grammars, self.config.prefix_caching, self.config.speculative,
-                                   self.config.decode_slowdown)
-        await asyncio.to_thread(self.scheduler.start)  # its first engine call may be a collective
-        self.servicer.attach(self.scheduler)
+        if self.config.engine_process:
+            self.scheduler = await self._load_engine_process()
+        else:
+            engine = await asyncio.to_thread(self._engine_factory)
+            grammars = await asyncio.to_thread(grammar_compiler, self.config, engine.vocab_size)
+            self.scheduler = Scheduler(engine, self.config.max_queue, self.metrics, self.config.prefill_tokens,
+                                       grammars, self.config.prefix_caching, self.config.speculative,
+                                       self.config.decode_slowdown)
+            await asyncio.to_thread(self.scheduler.start)  # its first engine call may be a collective
+        self.servicer.attach(self.scheduler)  # type: ignore[arg-type]  # EngineProcess has Scheduler's surface
         if self.config.watchdog_seconds > 0:
             watchdog = Watchdog(self.scheduler, self.health, self.servicer.refuse, self.config.watchdog_seconds)
             self._watchdog = asyncio.create_task(watchdog.run())
@@ -128,14 +143,18 @@ class ModelServer:
         await self.health.set(True)
         log.info("serving", extra={**self.where(), "frozen_objects": frozen})
 
-    def _grammars(self, engine: EngineLike) -> GrammarCompiler | None:
-        """The structured-output compiler over --tokenizer's vocabulary (None without one: constrained requests
-        are then refused with INVALID_ARGUMENT)."""
-        if self.config.tokenizer is None:
-            return None
-        grammars = GrammarCompiler(Vocabulary(self.config.tokenizer), engine.vocab_size)
-        grammars.start()  # its worker processes load the vocabulary while the service starts serving
-        return grammars
+    async def _load_engine_process(self) -> EngineProcess:
+        """Spawn the engine process and wait until it serves; its exit makes this service exit as a broken group."""
+        core = EngineProcess(self.config, self.metrics, self._given_factory, on_exit=self.on_group_broken,
+                             on_broken=self.on_group_broken)
+        core.start()  # on the loop's thread, which lives as long as the service (the child dies with it)
+        try:
+            ready = await asyncio.to_thread(core.wait_ready)
+        except BaseException:
+            await asyncio.to_thread(core.stop, 5.0)
+            raise
+        self.servicer.info = make_info(self.config, self.model_cfg, (ready.platform, ready.device_count))
+        return core
 
     async def drain(self) -> None:
         self.servicer.drain()
