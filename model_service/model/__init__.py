@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from model_service import kv_memory
 from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Pools
+from model_service.model import transcendental
 from model_service.model.layers import Products, QuantizedWeight
 from model_service.model.segments import ATTENTION_MODES
 from model_service.model.params import Params, experts_layout, pack_for_native, packable, relayout
@@ -192,7 +193,12 @@ class GrokModel:
         at XLA's highest precision, as the reference's float32 does (a TPU's default would round its operands to
         bfloat16: the router then picks other experts); bfloat16 dots are one pass at any setting. The CPU's own
         forms keep XLA's default."""
-        if self.products in (Products.DOT, Products.EXACT):
+        if self.products is Products.EXACT:  # and the transcendentals' accurate forms (transcendental.py)
+            stack = contextlib.ExitStack()
+            stack.enter_context(jax.default_matmul_precision("highest"))
+            stack.enter_context(transcendental.accurate())
+            return stack
+        if self.products is Products.DOT:
             return jax.default_matmul_precision("highest")
         return contextlib.nullcontext()
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from model_service.kernels.tpu.grouped_matmul import Tiling, fit_tiling, grouped_matmul
 from model_service.model.weights import GroupedWeight, InLayer
+from model_service.model import transcendental
 
 Array = jax.Array
 
@@ -201,7 +202,7 @@ def experts_sorted(x: Array, experts: Array, gates: Array, w: GroupedExperts, ac
         sizes, tiling = aligned.group_sizes, tiling._replace(rows=aligned.tile)
     a = grouped_product(rows, w.linear, sizes, mode, tiling)
     b = grouped_product(rows, w.linear_v, sizes, mode, tiling)
-    y = grouped_product(jax.nn.gelu(a) * b, w.linear_1, sizes, mode, tiling)  # [P, D] (aligned: [rows, D])
+    y = grouped_product(transcendental.gelu(a) * b, w.linear_1, sizes, mode, tiling)  # [P, D] (aligned: [rows, D])
     if mode != "ragged":
         y = y.at[aligned.dest].get(mode="fill", fill_value=0)  # back to sorted order; rows in no group: 0
     y = y[pairs.inverse].reshape(m, k, -1)  # pair order: row-major, a row's experts in expert order

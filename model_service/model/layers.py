@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from model_service.kv_memory import block_size_of, read_blocks
+from model_service.model import transcendental
 from model_service.model.packed import PackedWeight, packed_product
 from model_service.model.weights import ExpertStack, QuantizedWeight  # noqa: F401 - also imported from here
 
@@ -238,8 +239,7 @@ def rotate_half(x: Array) -> Array:
 def apply_rope(x: Array, positions: Array) -> Array:
     """Rotary embedding with half rotation. x [B, T, H, D], positions [B, T] int."""
     dim = x.shape[-1]
-    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32)
-    inv_freq = 1.0 / (ROPE_BASE ** (exponents / dim))  # [D/2]
+    inv_freq = transcendental.inverse_frequencies(ROPE_BASE, dim)  # [D/2]
     phase = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     phase = jnp.concatenate([phase, phase], axis=-1)[:, :, None, :]  # [B, T, 1, D]
     out = x * jnp.cos(phase) + rotate_half(x) * jnp.sin(phase)
@@ -257,9 +257,9 @@ def attention(q: Array, k: Array, v: Array, mask: Array, multiplier: float) -> A
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     logits = jnp.einsum("bthgd,bhsd->bhgts", qg, k).astype(jnp.float32)
     logits = logits * multiplier
-    logits = ATTN_LOGIT_CAP * jnp.tanh(logits / ATTN_LOGIT_CAP)
+    logits = ATTN_LOGIT_CAP * transcendental.tanh(logits / ATTN_LOGIT_CAP)
     logits = jnp.where(mask[:, None, None, :, :], logits, MASK_VALUE)
-    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    weights = transcendental.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhgts,bhsd->bthgd", weights, v)
     return out.reshape(b, t, hq * d)
 
@@ -295,7 +295,7 @@ def paged_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, limit
     def scores(c: Array) -> Array:  # [B, Hkv, G*T, chunk] float32, capped, invisible keys at -1e30
         logits = jnp.einsum(f"bhqd,{kv}->bhqps", qg, read(pool_k, c)).reshape(b, hkv, g * t, chunk)
         logits = logits.astype(jnp.float32) * multiplier
-        logits = ATTN_LOGIT_CAP * jnp.tanh(logits / ATTN_LOGIT_CAP)
+        logits = ATTN_LOGIT_CAP * transcendental.tanh(logits / ATTN_LOGIT_CAP)
         seen = (c * chunk + jnp.arange(chunk, dtype=jnp.int32))[None, None, :] <= limit[:, :, None]  # [B, T, C]
         seen = jnp.broadcast_to(seen[:, None, None], (b, hkv, g, t, chunk)).reshape(b, hkv, g * t, chunk)
         return jnp.where(seen, logits, MASK_VALUE)
@@ -304,10 +304,11 @@ def paged_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, limit
         top, total = carry  # [B, Hkv, G*T]
         logits = scores(c)
         new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
-        return new_top, total * jnp.exp(top - new_top) + jnp.sum(jnp.exp(logits - new_top[..., None]), axis=-1)
+        return new_top, total * transcendental.exp(top - new_top) + jnp.sum(transcendental.exp(logits - new_top[..., None]),
+                                                                             axis=-1)
 
     def values(c: Array, acc: Array) -> Array:
-        weights = (jnp.exp(scores(c) - top[..., None]) / total[..., None]).astype(pool_v.dtype)
+        weights = (transcendental.exp(scores(c) - top[..., None]) / total[..., None]).astype(pool_v.dtype)
         return acc + jnp.einsum(f"bhqps,{kv}->bhqd", weights.reshape(b, hkv, g * t, per, bs), read(pool_v, c),
                                 preferred_element_type=jnp.float32)
 

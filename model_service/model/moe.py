@@ -30,6 +30,7 @@ from model_service.model.expert_parallel import MOE as EXPERT_MOE, experts_paral
 from model_service.model.grouped import GROUPED_MOE, GroupedExperts, experts_sorted
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product, row_sum
 from model_service.model.packed import PackedWeight
+from model_service.model import transcendental
 from model_service.model.weights import GroupedWeight, InLayer
 
 Array = jax.Array
@@ -46,10 +47,10 @@ def route(x: Array, router_w: "Array | PackedWeight", k: int, products: Products
     w = router_w if isinstance(router_w, PackedWeight) else router_w.astype(jnp.float32).T
     logits = product(x.astype(jnp.float32), w, products)  # [M, E]
     if row_sums:  # jax.nn.softmax's formula, its sum in a fixed order
-        e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        e = transcendental.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
         probabilities = e / row_sum(e)[:, None]
     else:
-        probabilities = jax.nn.softmax(logits, axis=-1)
+        probabilities = transcendental.softmax(logits, axis=-1)
     gates, experts = jax.lax.top_k(probabilities, k)
     return Routing(gates, experts.astype(jnp.int32))
 
@@ -90,7 +91,7 @@ def _expert_rows(x: Array, w: ExpertWeights, e: int, products: Products, used: A
         if isinstance(q, QuantizedWeight):
             return QuantizedWeight(q.weight[e], q.scales[e])
         return jnp.swapaxes(q[e], 0, 1)  # plain [E, K, N] (haiku shape checks) -> [N, K]
-    h = jax.nn.gelu(product(x, pick(w.linear), products, used)) * product(x, pick(w.linear_v), products, used)
+    h = transcendental.gelu(product(x, pick(w.linear), products, used)) * product(x, pick(w.linear_v), products, used)
     return product(h, pick(w.linear_1), products, used)
 
 
@@ -185,7 +186,7 @@ def experts_grouped(x: Array, routing: Routing, w: ExpertWeights, active: Array,
 
     both = call(jnp.concatenate([pairs, pairs]), jnp.concatenate([experts, experts + n]),
                 jnp.concatenate([used, used]), (w.linear, w.linear_v)).astype(x.dtype)
-    h = jax.nn.gelu(both[:m * k]) * both[m * k:]
+    h = transcendental.gelu(both[:m * k]) * both[m * k:]
     y = call(h.astype(jnp.float32), experts, used, (w.linear_1,)).astype(x.dtype).reshape(m, k, -1)
     # Each gated output rounded on its own before the adds: the barrier keeps XLA from contracting a multiply
     # and the add after it into one fused multiply-add, which it does or not by how it fuses the program.

@@ -34,6 +34,7 @@ from model_service.model.layers import (
 from model_service.model.moe import MoELayer, ParamHolder, route
 from model_service.model.packed import PackedWeight
 from model_service.model.segments import attend_rows
+from model_service.model import transcendental
 from model_service.model.weights import InLayer
 from model_service.sharding import DATA, LAYER_STACK, MODEL, constrain
 
@@ -280,6 +281,6 @@ def score(cfg: ModelConfig, h: Array, targets: Array, used: Array, products: Pro
     `row_sums` as in head (the logits then are the head's bits; the log-softmax over [C, V] is not: the engine
     scores in tiles of one size, and XLA:CPU's exp too takes another form from 4,096 elements)."""
     logits = unembed(cfg, language_model_params(cfg), h, products, used, row_sums=row_sums)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [C, V]
+    logprobs = transcendental.log_softmax(logits, axis=-1)  # [C, V]
     top, ids = jax.lax.top_k(logprobs, k)
     return jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0], top, ids.astype(jnp.int32)
