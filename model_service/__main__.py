@@ -229,6 +229,10 @@ def distributed_config(args: argparse.Namespace) -> DistributedConfig | None:
         return None
     if not args.coordinator:
         raise ConfigError("--num-processes > 1 needs --coordinator HOST:PORT (process 0's address)")
+    if getattr(args, "engine_process", False):
+        raise ConfigError("--engine-process runs one process's engine in a child process; a replica of "
+                          "--num-processes > 1 keeps its engine in process 0 (the two are not supported together): "
+                          "leave --engine-process off")
     config = DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
                                process_id=args.process_id, between_hosts=args.between_hosts,
                                step_timeout=args.step_timeout, startup_timeout=args.startup_timeout)
@@ -308,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.buckets is not None:
         logging.getLogger(__name__).warning("--buckets (GROK_MODEL_BUCKETS) is no longer used and is ignored: "
                                             "prompts up to the context are accepted")
-    # With --engine-process, process 0's child starts JAX (and jax.distributed) and checks the devices: not this one.
-    engine_child = args.engine_process and (dist is None or dist.is_leader)
-    if dist is not None and not engine_child:
+    # With --engine-process the child starts JAX and checks the devices: not this one (one process only).
+    engine_child = args.engine_process and dist is None
+    if dist is not None:
         from model_service.distributed import initialize
 
         initialize(dist)  # before anything creates a JAX backend

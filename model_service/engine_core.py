@@ -8,7 +8,7 @@ duplex pipe (multiprocessing.connection); the messages are plain tuples:
 
     parent -> child   ("submit", key, GenerationRequest)  ("cancel", key)  ("close",)  ("fail", kind, message)
                       ("stop",)
-    child -> parent   ("ready", Ready)  ("error", message, broken)  ("broken", reason)  ("stopped",)
+    child -> parent   ("ready", Ready)  ("error", message, broken)  ("stopped",)
                       ("batch", items, Heartbeat, stats)
 
 A batch carries everything the decode loop reported since the last one, in order: ("emit", key, Emission,
@@ -282,28 +282,13 @@ def _build(conn: Connection, config: ServerConfig, factory: Callable[[], EngineL
     from model_service.loading import build_engine, resolve
     from model_service.scheduler import Scheduler
 
-    if config.distributed is not None:
-        from model_service.distributed import initialize
-
-        initialize(config.distributed)  # before anything creates a JAX backend
+    if config.distributed is not None:  # __main__ refuses the two together (a group keeps its engine in process 0)
+        raise ValueError("--engine-process serves a single-process replica, not one of --num-processes > 1")
     from model_service.placement import check_service
 
     check_service(config)
-    model_cfg = resolve(config)
     send_lock = threading.Lock()
-
-    def broken(reason: str) -> None:
-        with send_lock:
-            conn.send(("broken", reason))
-
-    if factory is not None:
-        engine = factory()
-    elif config.distributed is None:
-        engine = build_engine(config, model_cfg)
-    else:
-        from model_service.distributed.group import leader_engine
-
-        engine = leader_engine(config, model_cfg, broken)
+    engine = factory() if factory is not None else build_engine(config, resolve(config))
     grammars = grammar_compiler(config, engine.vocab_size)
     outbox = Outbox()
     scheduler = Scheduler(engine, config.max_queue, outbox, config.prefill_tokens, grammars, config.prefix_caching,

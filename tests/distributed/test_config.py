@@ -41,6 +41,7 @@ def test_one_process_is_a_plain_replica() -> None:
     (["--num-processes", "2", "--coordinator", "h:1", "--process-id", "-1"], "0..1"),
     (["--coordinator", "h:1"], "need --num-processes >= 2"),
     (["--num-processes", "2", "--coordinator", "h:1", "--between-hosts", "2,2"], "4 blocks for 2 processes"),
+    (["--num-processes", "2", "--coordinator", "h:1", "--engine-process"], "not supported together"),
 ])
 def test_inconsistent_group_settings_are_refused_with_the_fix(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
