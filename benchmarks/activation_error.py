@@ -28,7 +28,8 @@ import numpy as np
 
 from model_service.checkpoint import load_params
 from model_service.config import MeshConfig, load_model_config
-from model_service.model import GrokModel, choose_products
+from model_service.backend import choose_products
+from model_service.model import GrokModel
 from model_service.sharding import make_mesh
 
 VARIANTS = {"float32": ("float32", "auto"), "bfloat16": ("bfloat16", "auto"), "native-int8": ("float32", "native-int8")}

@@ -33,7 +33,8 @@ from model_service.checkpoint import random_params
 from model_service.config import PRODUCT_CHOICES, MeshConfig, load_model_config, validate
 from model_service.engine import Engine
 from model_service.host_memory import huge_pages
-from model_service.model import GrokModel, Products, choose_products
+from model_service.backend import choose_products
+from model_service.model import GrokModel
 from model_service.sampling_settings import GREEDY, SamplingSettings
 from model_service.sharding import make_mesh
 from model_service.step_batch import SlotStart, StepBatch

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from model_service import kv_memory
 from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Pools
-from model_service.model import transcendental
+import model_service.model.transcendental as transcendental
 from model_service.model.layers import Products, QuantizedWeight
 from model_service.model.segments import ATTENTION_MODES
 from model_service.model.params import Params, experts_layout, pack_for_native, packable, relayout
@@ -31,7 +31,7 @@ from model_service.model.transformer import (HEAD_SCOPE, Step, embedded, forward
                                              stacked_layer)
 from model_service.sharding import DATA, EXPERT, MODEL, params_shardings
 
-__all__ = ["GrokModel", "KVMemory", "Params", "Pools", "Products", "QuantizedWeight", "TokenRows", "choose_products"]
+__all__ = ["GrokModel", "KVMemory", "Params", "Pools", "Products", "QuantizedWeight", "TokenRows"]
 
 Array = jax.Array
 BLOCK_SIZE = 16  # positions per KV block
@@ -49,17 +49,10 @@ class TokenRows(NamedTuple):
     tables: Array | None  # [S, table_len] int32 block tables
 
 
-def choose_products(choice: str, mesh: Mesh, dtype: Any) -> Products:
-    """backend.choose_products (kept here for the callers that build a model directly)."""
-    from model_service.backend import choose_products as choose
-
-    return choose(choice, mesh, dtype)
-
-
 class GrokModel:
     """The network bound to a config, a mesh and a compute dtype (float32 or bfloat16).
 
-    `products` picks how token rows meet weights (layers.Products; default: choose_products("auto")). With
+    `products` picks how token rows meet weights (layers.Products; default: backend.choose_products("auto")). With
     Products.NATIVE the expert matrices must be packed (pack_params, or checkpoint.load_params(products=...)).
     """
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from model_service.kernels.tpu.grouped_matmul import Tiling, fit_tiling, grouped_matmul
 from model_service.model.weights import GroupedWeight, InLayer
-from model_service.model import transcendental
+import model_service.model.transcendental as transcendental
 
 Array = jax.Array
 

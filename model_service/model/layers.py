@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from model_service.kv_memory import block_size_of, read_blocks
-from model_service.model import transcendental
+import model_service.model.transcendental as transcendental
 from model_service.model.packed import PackedWeight, packed_product
 from model_service.model.weights import ExpertStack, QuantizedWeight  # noqa: F401 - also imported from here
 

@@ -30,7 +30,7 @@ from model_service.model.expert_parallel import MOE as EXPERT_MOE, experts_paral
 from model_service.model.grouped import GROUPED_MOE, GroupedExperts, experts_sorted
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product, row_sum
 from model_service.model.packed import PackedWeight
-from model_service.model import transcendental
+import model_service.model.transcendental as transcendental
 from model_service.model.weights import GroupedWeight, InLayer
 
 Array = jax.Array

@@ -34,7 +34,7 @@ from model_service.model.layers import (
 from model_service.model.moe import MoELayer, ParamHolder, route
 from model_service.model.packed import PackedWeight
 from model_service.model.segments import attend_rows
-from model_service.model import transcendental
+import model_service.model.transcendental as transcendental
 from model_service.model.weights import InLayer
 from model_service.sharding import DATA, LAYER_STACK, MODEL, constrain
 

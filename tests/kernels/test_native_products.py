@@ -15,7 +15,8 @@ import pytest
 
 from model_service import kernels
 from model_service.config import MeshConfig
-from model_service.model import Products, choose_products
+from model_service.backend import choose_products
+from model_service.model import Products
 from model_service.model.layers import ExpertStack, QuantizedWeight, product
 from model_service.model.packed import COLUMNS, ROWS, pack_quantized
 from model_service.sharding import make_mesh, params_shardings
@@ -137,7 +138,8 @@ logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
 from model_service import kernels
 from model_service.config import MeshConfig, load_model_config
 from model_service.checkpoint import load_params
-from model_service.model import GrokModel, Products, choose_products
+from model_service.backend import choose_products
+from model_service.model import GrokModel, Products
 from model_service.sharding import make_mesh
 mesh = make_mesh(MeshConfig())
 assert not kernels.available()

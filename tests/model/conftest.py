@@ -18,7 +18,8 @@ import pytest
 
 from model_service.checkpoint import load_params, random_params
 from model_service.config import MeshConfig, ModelConfig, load_model_config
-from model_service.model import GrokModel, Products, TokenRows, choose_products
+from model_service.backend import choose_products
+from model_service.model import GrokModel, Products, TokenRows
 from model_service.sharding import make_mesh
 from tests.procs import GOLDEN
 
