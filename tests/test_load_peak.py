@@ -157,10 +157,10 @@ class Built:
     where: str  # where the peak was sampled
 
 
-def _build(ledger: AsyncDeviceLedger, checkpoint: str | None) -> Built:
+def _build(ledger: AsyncDeviceLedger, checkpoint: str | None, moe: str = "auto") -> Built:
     cfg = _config()
     server = ServerConfig(config="", checkpoint=checkpoint, random_init=checkpoint is None, dtype="bfloat16",
-                          mesh=MeshConfig(1, 1), slots=2, kv_tokens=1024, backend="generic")
+                          mesh=MeshConfig(1, 1), slots=2, kv_tokens=1024, backend="generic", moe=moe)
     gc.collect()  # an engine built before (another test's) gone, not freed midway through this one's
     before = sum(live_buffers().values())
     ledger.peak = before
@@ -179,10 +179,11 @@ def _build(ledger: AsyncDeviceLedger, checkpoint: str | None) -> Built:
     return Built(weights, loading_peak - before, held, ledger.peak - before, ledger.where)
 
 
+@pytest.mark.parametrize("moe", ["auto", "cond"])  # each MoE matrix stacked (a TPU's one device), or one per expert
 @pytest.mark.parametrize("source", ["random", "checkpoint"])
 def test_building_holds_at_most_one_piece_beyond_what_it_keeps(ledger: AsyncDeviceLedger, checkpoint: str,
-                                                               source: str) -> None:
-    built = _build(ledger, checkpoint if source == "checkpoint" else None)
+                                                               source: str, moe: str) -> None:
+    built = _build(ledger, checkpoint if source == "checkpoint" else None, moe)
     piece = _largest_piece(_config())
     table = _config().vocab_size * _config().model.emb_size * 2
     assert built.weights > 8 * 6 * piece, built  # six MoE matrices of 8 experts: the bound is small beside them
@@ -217,3 +218,23 @@ def test_the_config_keeps_grok_1s_proportions() -> None:
     cfg, grok = _config(), load_model_config("grok-1")
     assert cfg.vocab_size * cfg.model.emb_size * 2 == cfg.model.num_experts * cfg.model.emb_size * cfg.model.ffn_size
     assert grok.vocab_size * grok.model.emb_size * 2 == 8 * grok.model.emb_size * grok.model.ffn_size
+
+
+@pytest.mark.parametrize("moe", ["ragged", "cond"])
+def test_random_weights_written_into_layer_stacks_are_the_random_checkpoints_bits(checkpoint: str, moe: str) -> None:
+    """random_params into layer stacks (the experts an expert at a time) holds exactly what load_params reads from
+    a checkpoint of random_leaves with the same seed, on the same shardings."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model_service.checkpoint import load_params, random_params
+    from model_service.sharding import make_mesh
+
+    cfg, mesh = _config(), make_mesh(MeshConfig(1, 1))
+    layout = {"stacked": moe != "cond", "stack_layers": True, "moe": moe}
+    drawn = random_params(cfg, mesh, jnp.bfloat16, 0, **layout)
+    read = load_params(checkpoint, cfg, mesh, jnp.bfloat16, **layout)
+    assert jax.tree.structure(drawn) == jax.tree.structure(read)
+    for a, b in zip(jax.tree.leaves(drawn), jax.tree.leaves(read), strict=True):
+        assert a.sharding == b.sharding and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -65,6 +65,8 @@ def put_layer(params: Params, module: str, name: str, leaf: Any, num_layers: int
         params[stacked][name] = jax.tree_util.tree_map_with_path(lambda p, a: put(p, a, None), leaf)
     else:
         params[stacked][name] = jax.tree_util.tree_map_with_path(put, leaf, held)
+    # Written before the caller drops `leaf` and places the next one (write_pieces says why).
+    params[stacked][name] = jax.block_until_ready(params[stacked][name])
     return True
 
 
