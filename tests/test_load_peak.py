@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
+import pathlib
 import sys
 import weakref
 from collections.abc import Iterator
@@ -27,6 +29,8 @@ import pytest
 
 from model_service.config import MeshConfig, ModelConfig, load_model_config
 from model_service.loading import ServerConfig, load_engine
+from model_service.placement import GB, WEIGHT_PARTS, Devices, Layout, Workload, piece_bytes, place, with_layers
+from model_service.placement.__main__ import main as placement_main
 
 
 def _config() -> ModelConfig:
@@ -132,8 +136,11 @@ def ledger(monkeypatch: pytest.MonkeyPatch) -> Iterator[AsyncDeviceLedger]:
 
 
 def _largest_piece(cfg: ModelConfig) -> int:
-    """One expert's int8 matrix, the largest array loading writes into a stack at a time."""
-    return cfg.model.emb_size * cfg.model.ffn_size
+    """The placement tool's piece on one device (one expert's int8 matrix here, checked): the bound the loader is
+    held to is the one the tool counts."""
+    piece = piece_bytes(cfg, Layout(), "bfloat16")
+    assert piece == cfg.model.emb_size * cfg.model.ffn_size
+    return piece
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +245,31 @@ def test_random_weights_written_into_layer_stacks_are_the_random_checkpoints_bit
     for a, b in zip(jax.tree.leaves(drawn), jax.tree.leaves(read), strict=True):
         assert a.sharding == b.sharding and a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_placement_counts_one_expert_matrix_per_device_beside_the_weights_while_loading() -> None:
+    grok = load_model_config("grok-1")
+    one = place(with_layers(grok, 2), Devices("v5e", 1, 16 * GB), Layout(), Workload("bfloat16", 8, 8192))
+    assert one.piece == 6144 * 32768  # one expert's int8 matrix, 192 MiB
+    assert one.loading == sum(one.part(name) for name in WEIGHT_PARTS) + one.piece
+    assert piece_bytes(grok, Layout(1, 1, 8), "bfloat16") == one.piece // 8  # its hidden dim split over model
+
+
+def test_a_device_that_holds_the_serving_total_but_not_loadings_peak_does_not_fit(
+        tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With a tiny pool and step the piece loading holds is more than the pool and the step: the device must hold
+    the weights and the piece, and the tool says so."""
+    cfg, work = with_layers(load_model_config("grok-1"), 1), Workload("bfloat16", 1, 16, step_tokens=1)
+    roomy = place(cfg, Devices("v5e", 1, 16 * GB), Layout(), work)
+    assert roomy.loading > roomy.used and roomy.fits
+    memory = (roomy.used + roomy.loading) // 2
+    tight = place(cfg, Devices("v5e", 1, memory), Layout(), work)
+    assert tight.left >= 0 and not tight.fits
+    assert "loading holds 6.74 GB a device (the weights and a 0.20 GB piece)" in tight.reason()
+    config = tmp_path / "grok-1-one-layer.json"
+    config.write_text(json.dumps(dataclasses.asdict(cfg)))
+    code = placement_main(["--config", str(config), "--devices", "v5e-1", "--mesh", "1,1", "--memory", str(memory),
+                           "--slots", "1", "--kv-tokens", "16", "--step-tokens", "1"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "loading" in out and "does not fit: loading holds" in out
