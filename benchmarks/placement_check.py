@@ -95,7 +95,8 @@ def check(cfg: ModelConfig, mesh: MeshConfig, dtype: str, slots: int, kv_tokens:
     held = expected["weights"] + expected["kv pool"] + expected["slot state"]
     report: dict[str, Any] = {
         "platform": jax.devices()[0].platform, "layers": cfg.model.num_layers, "mesh": str(mesh),
-        "dtype": dtype, "slots": slots, "predicted": {**expected, "held": held, "used": predicted.used, "loading": predicted.loading,
+        "dtype": dtype, "slots": slots, "predicted": {**expected, "held": held, "used": predicted.used,
+                                                       "loading": predicted.loading,
                                                        "device_memory": predicted.devices.memory},
         "reported_shards": {"weights": weights, "kv pool": pool, "slot state": slot_state}}
     if before is not None and after is not None:

@@ -199,7 +199,8 @@ class Placement:
         return {"devices": self.devices.name, "device_memory": self.devices.memory, "mesh": str(self.layout),
                 "mesh_axes": ["data", "expert", "model"], "runs_today": self.runs_today,
                 "per_device": {p.name: p.bytes for p in self.parts}, "notes": {p.name: p.note for p in self.parts},
-                "used": self.used, "left": self.left, "loading": self.loading, "piece": self.piece, "fits": self.fits, "problems": list(self.problems),
+                "used": self.used, "left": self.left, "loading": self.loading, "piece": self.piece, "fits": self.fits,
+                "problems": list(self.problems),
                 "kv_per_token": self.kv_per_token, "max_sequences": self.max_sequences, "context": self.context}
 
 
