@@ -111,6 +111,7 @@ def check(cfg: ModelConfig, mesh: MeshConfig, dtype: str, slots: int, kv_tokens:
         report["temporaries"] = {"predicted": predicted.part("temporaries"), "compiled": compiled,
                                  "compiled_over_predicted": max(compiled.values()) / predicted.part("temporaries")}
     if compile_step:
+        del state  # engine.compile makes its own state, as the service holds one: not two pools at the step's peak
         report["after_step"] = step_peak(engine, predicted, after["peak_bytes_in_use"] if after else None)
     return report
 
