@@ -1,8 +1,8 @@
 """The placement tool's prediction against what JAX holds after loading: random int8 weights loaded as the model
 service loads them (`loading.load_engine`, the generic backend: the accelerators' layout), the engine's state
 made, and per device the bytes predicted (model_service.placement) beside the bytes reported: the arrays' own
-shards (`addressable_shards`, every platform) and, where the device reports it, `memory_stats()`'s bytes in use.
-Prints JSON.
+shards (`addressable_shards`, every platform) and, where the device reports it, `memory_stats()`'s bytes in use and
+loading's peak (before the pool is made) beside the predicted `loading` (the weights and one piece). Prints JSON.
 
     python -m benchmarks.placement_check --config grok-1 --layers auto --dtype bfloat16 --slots 8 [--compile]
 
@@ -26,11 +26,11 @@ import numpy as np
 
 from model_service.config import MeshConfig, ModelConfig, load_model_config
 from model_service.loading import ServerConfig, load_engine
-from model_service.placement import (GENERIC_STEP_TOKENS, Devices, Layout, Placement, Workload, host_memory,
-                                     max_layers, place)
+from model_service.placement import (GENERIC_STEP_TOKENS, WEIGHT_PARTS, Devices, Layout, Placement, Workload,
+                                     host_memory, max_layers, place)
 from model_service.step_batch import empty_batch
 
-WEIGHT_PARTS = ("experts", "attention", "scales", "router and norms", "table")
+__all__ = ["WEIGHT_PARTS", "check", "shard_bytes"]
 
 
 def shard_bytes(tree: Any) -> dict[int, int]:
@@ -86,6 +86,7 @@ def check(cfg: ModelConfig, mesh: MeshConfig, dtype: str, slots: int, kv_tokens:
     server = ServerConfig(config="", checkpoint=None, random_init=True, dtype=dtype, mesh=mesh, slots=slots,
                           kv_tokens=kv_tokens, backend="generic")
     engine = load_engine(server, cfg)
+    loaded = in_use()  # before the pool: loading's own peak (the weights and the piece being written)
     state = jax.block_until_ready(engine.init_state())
     after = in_use()
     weights, pool, slot_state = shard_bytes(engine.params), shard_bytes(state.pools), shard_bytes(state.slots)
@@ -95,16 +96,22 @@ def check(cfg: ModelConfig, mesh: MeshConfig, dtype: str, slots: int, kv_tokens:
     report: dict[str, Any] = {
         "platform": jax.devices()[0].platform, "layers": cfg.model.num_layers, "mesh": str(mesh),
         "dtype": dtype, "slots": slots, "predicted": {**expected, "held": held, "used": predicted.used,
+                                                       "loading": predicted.loading,
                                                        "device_memory": predicted.devices.memory},
         "reported_shards": {"weights": weights, "kv pool": pool, "slot state": slot_state}}
     if before is not None and after is not None:
         grown = after["bytes_in_use"] - before["bytes_in_use"]
         report["reported_memory_stats"] = {"bytes_in_use_grown": grown, **after, "held_over_predicted": grown / held}
+    if before is not None and loaded is not None:
+        peak = loaded["peak_bytes_in_use"] - before["bytes_in_use"]
+        report["loading"] = {"predicted": predicted.loading, "piece": predicted.piece, "peak_grown": peak,
+                             "peak_over_predicted": peak / predicted.loading}
     if temporaries:
         compiled = compiled_temporaries(engine, state)
         report["temporaries"] = {"predicted": predicted.part("temporaries"), "compiled": compiled,
                                  "compiled_over_predicted": max(compiled.values()) / predicted.part("temporaries")}
     if compile_step:
+        del state  # engine.compile makes its own state, as the service holds one: not two pools at the step's peak
         report["after_step"] = step_peak(engine, predicted, after["peak_bytes_in_use"] if after else None)
     return report
 

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import pathlib
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -279,6 +279,8 @@ def random_params(cfg: ModelConfig, mesh: Mesh, dtype: Any, seed: int, pack: boo
         if spec.quantized and len(spec.shape) == 3 and stacked:
             _put(params, spec, to_internal(spec, _random_stacked(spec, rng), dtype, stacked=True), cfg, mesh, pack,
                  int8_table, stack_layers, moe)
+        elif spec.quantized and len(spec.shape) == 3 and stack_layers and not pack:
+            _put(params, spec, _random_expert_stack(spec, rng), cfg, mesh, pack, int8_table, stack_layers)
         elif spec.quantized and len(spec.shape) == 3:
             _keep(params, spec, _random_experts(spec, rng, mesh, pack), cfg, mesh, stack_layers)
         else:
@@ -297,9 +299,20 @@ def _random_stacked(spec: TensorSpec, rng: np.random.Generator) -> tuple[np.ndar
     return weight, scales
 
 
-def _random_experts(spec: TensorSpec, rng: np.random.Generator, mesh: Mesh, pack: bool) -> ExpertStack:
-    """random_leaf's values for an MoE matrix (random_experts), each expert placed before the next is drawn."""
+def _host_experts(spec: TensorSpec, rng: np.random.Generator) -> Iterator[QuantizedWeight]:
+    """random_leaf's values for an MoE matrix (random_experts) in to_internal's per-expert form, each expert drawn
+    when it is asked for."""
     scales, weights = random_experts(spec, rng)
-    experts = (QuantizedWeight(weight.swapaxes(-1, -2) if spec.blocks == 1 else weight, scales[e].astype(np.float32))
-               for e, weight in enumerate(weights))
-    return _placed_experts(spec, experts, len(scales), mesh, pack)
+    return (QuantizedWeight(weight.swapaxes(-1, -2) if spec.blocks == 1 else weight, scales[e].astype(np.float32))
+            for e, weight in enumerate(weights))
+
+
+def _random_experts(spec: TensorSpec, rng: np.random.Generator, mesh: Mesh, pack: bool) -> ExpertStack:
+    """random_leaf's values for an MoE matrix, each expert placed before the next is drawn."""
+    return _placed_experts(spec, _host_experts(spec, rng), spec.shape[0], mesh, pack)
+
+
+def _random_expert_stack(spec: TensorSpec, rng: np.random.Generator) -> ExpertStack:
+    """random_leaf's values for an MoE matrix, one host QuantizedWeight per expert, for layer stacks: written into
+    them an expert at a time (stacking.put_layer_pieces), not placed whole and then copied in."""
+    return ExpertStack(tuple(_host_experts(spec, rng)))

@@ -6,7 +6,9 @@ in the compute dtype, float32 router and norms) split as `sharding.PARAM_RULES` 
 the loaded arrays' own bytes (tests/test_placement.py checks it against `addressable_shards` on CPU meshes and
 benchmarks/placement_check.py against the chip). The KV pool follows `sharding.POOL_SPEC`: KV heads split over
 `model`, replicated over `data` (and `expert`). Temporaries are an estimate of a step's largest live set
-(temporaries.py, checked against XLA's compiled temporaries).
+(temporaries.py, checked against XLA's compiled temporaries). Loading holds, beside the weights placed so far, one
+piece at a time (`piece_bytes`: an expert's matrix written into its layer stack), before the pool exists: the
+device must hold the weights and that piece too (`Placement.loading`; tests/test_load_peak.py measures it).
 
 The expert axis (--mesh DATA,EXPERT,MODEL): each expert's matrices on one expert group (num_experts / expert of
 them, stacked as sharding.EXPERT_SPECS splits them), split over `model` inside it; attention, table and KV over
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from jax.sharding import PartitionSpec
 
 from model_service.config import ROW_BLOCKS, ConfigError, ModelConfig
-from model_service.model.params import EMBED, TensorSpec, tensor_specs
+from model_service.model.params import EMBED, TensorSpec, layer_specs, tensor_specs
 from model_service.placement.temporaries import GENERIC_STEP_TOKENS, ITEMSIZE, temporary_bytes, widened_experts
 from model_service.sampling_settings import MAX_ENDS, MAX_LOGIT_BIAS
 from model_service.sharding import DATA, EXPERT, MODEL, POOL_SPEC, fit_spec, spec_for_path
@@ -42,6 +44,7 @@ GB = 10**9
 # a v5e reports 15.7 GiB = 16.9 GB to JAX).
 DEVICE_MEMORY = {"v5e": 16 * GB, "v6e": 32 * GB, "v5p": 95 * GB, "h100": 80 * GB}
 BLOCK_SIZE = 16  # model/__init__.py: positions per KV block
+WEIGHT_PARTS = ("experts", "attention", "scales", "router and norms", "table")
 
 
 @dataclass(frozen=True)
@@ -145,10 +148,16 @@ class Placement:
     context: int  # tokens a sequence may hold (the config's sequence_len)
     block_size: int  # tokens per KV block
     problems: tuple[str, ...] = ()  # why the layout cannot run at all (axes that do not divide)
+    piece: int = 0  # the most loading holds beside the weights (piece_bytes), before the pool and the step
 
     @property
     def used(self) -> int:
         return sum(p.bytes for p in self.parts)
+
+    @property
+    def loading(self) -> int:
+        """The most a device holds while loading: every weight and the piece being written."""
+        return sum(p.bytes for p in self.parts if p.name in WEIGHT_PARTS) + self.piece
 
     @property
     def left(self) -> int:
@@ -156,7 +165,7 @@ class Placement:
 
     @property
     def fits(self) -> bool:
-        return not self.problems and self.left >= 0
+        return not self.problems and self.left >= 0 and self.loading <= self.devices.memory
 
     @property
     def runs_today(self) -> bool:
@@ -177,8 +186,11 @@ class Placement:
         """Why it does not fit, in numbers ('' when it does)."""
         if self.problems:
             return "; ".join(self.problems)
-        if self.left >= 0:
+        if self.left >= 0 and self.loading <= self.devices.memory:
             return ""
+        if self.left >= 0:
+            return (f"loading holds {size_text(self.loading)} a device (the weights and a {size_text(self.piece)} "
+                    f"piece), over the {size_text(self.devices.memory)} of one {self.devices.kind} device")
         listed = ", ".join(f"{p.name} {size_text(p.bytes)}" for p in self.parts if p.bytes)
         return (f"{size_text(self.used)} a device ({listed}) exceeds the {size_text(self.devices.memory)} of one "
                 f"{self.devices.kind} device by {size_text(-self.left)} on mesh data,expert,model = {self.layout}")
@@ -187,7 +199,8 @@ class Placement:
         return {"devices": self.devices.name, "device_memory": self.devices.memory, "mesh": str(self.layout),
                 "mesh_axes": ["data", "expert", "model"], "runs_today": self.runs_today,
                 "per_device": {p.name: p.bytes for p in self.parts}, "notes": {p.name: p.note for p in self.parts},
-                "used": self.used, "left": self.left, "fits": self.fits, "problems": list(self.problems),
+                "used": self.used, "left": self.left, "loading": self.loading, "piece": self.piece, "fits": self.fits,
+                "problems": list(self.problems),
                 "kv_per_token": self.kv_per_token, "max_sequences": self.max_sequences, "context": self.context}
 
 
@@ -252,6 +265,15 @@ def weight_bytes(cfg: ModelConfig, layout: Layout, dtype: str, table_itemsize: f
     return totals
 
 
+def piece_bytes(cfg: ModelConfig, layout: Layout, dtype: str) -> int:
+    """Bytes per device of the largest array loading places at a time beside the weights: a layer's tensor, or one
+    expert's matrix of an MoE tensor, placed while it is written into its layer stack (stacking.write_pieces waits
+    for each write before placing the next). Counted on every layout (unstacked layers place no such piece: an
+    overestimate by at most this)."""
+    return max(int(_shard_elements(shape, spec_for_path(path), layout) * itemsize)
+               for spec in layer_specs(cfg, 0) for _, path, shape, itemsize, _ in _leaves(spec, dtype))
+
+
 def kv_per_token(cfg: ModelConfig, layout: Layout, dtype: str, block_size: int = BLOCK_SIZE) -> int:
     """KV bytes a token takes on each device: keys and values of every layer, KV heads split over `model` when
     it divides them (sharding.POOL_SPEC), replicated over data and expert."""
@@ -314,7 +336,8 @@ def place(cfg: ModelConfig, devices: Devices, layout: Layout, work: Workload) ->
              "estimate: a step's largest live set (one program off CPU: its largest phase; the "
                          "larger of two programs on it)"),
     )
-    return Placement(devices, layout, parts, per_token, cfg.sequence_len, work.block_size, tuple(problems))
+    return Placement(devices, layout, parts, per_token, cfg.sequence_len, work.block_size, tuple(problems),
+                     piece_bytes(cfg, layout, work.dtype))
 
 
 def candidate_layouts(cfg: ModelConfig, count: int) -> list[Layout]:

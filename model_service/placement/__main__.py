@@ -22,6 +22,8 @@ def render(name: str, p: Placement) -> str:
              f"{p.layout} ({today})", "per device:"]
     lines += [f"  {part.name:<17}{part.bytes / GB:>9.3f} GB  {part.note}" for part in p.parts]
     lines += [f"  {'used':<17}{p.used / GB:>9.3f} GB", f"  {'left':<17}{p.left / GB:>9.3f} GB",
+              f"  {'loading':<17}{p.loading / GB:>9.3f} GB  the weights and one {p.piece / GB:.3f} GB piece placed "
+              "while it is written into its layer stack, before the pool",
               f"KV per token: {p.kv_per_token / 1024:.1f} KiB a device; {p.max_sequences} full {p.context:,}-token "
               f"sequences fit beside the rest"]
     lines.append("fits" if p.fits else f"does not fit: {p.reason()}")
