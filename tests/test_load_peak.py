@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import numpy as np
 import pytest
 
 from model_service.config import MeshConfig, ModelConfig, load_model_config
@@ -45,9 +46,12 @@ def _config() -> ModelConfig:
 
 
 def _buffers(array: jax.Array) -> dict[int, int]:
-    """The device buffer of a one-device array: address -> bytes (the tests load onto one device; asking for the
-    shards instead would make an array of each, live beside the others)."""
-    return {array.unsafe_buffer_pointer(): array.nbytes}
+    """An array's device buffers: address -> bytes. The tests load onto one device, whose arrays are read directly
+    (asking for the shards would make an array of each, live beside the others); an array over several devices
+    (another test's, alive in the same process) by its shards, the same each time it is read."""
+    if len(array.sharding.device_set) == 1:
+        return {array.unsafe_buffer_pointer(): array.nbytes}
+    return {shard.data.unsafe_buffer_pointer(): shard.data.nbytes for shard in array.addressable_shards}
 
 
 def live_buffers() -> dict[int, int]:
@@ -187,6 +191,22 @@ def _build(ledger: AsyncDeviceLedger, checkpoint: str | None, moe: str = "auto")
     assert held == sum(a.nbytes for a in jax.tree.leaves((engine.params, state))), "something else is held"
     weights = sum(a.nbytes for a in jax.tree.leaves(engine.params))
     return Built(weights, loading_peak - before, held, ledger.peak - before, ledger.where)
+
+
+_OTHERS: list[jax.Array] = []  # kept alive for the tests after it, as another test's arrays are in a full run
+
+
+def test_arrays_over_several_devices_alive_in_the_process_are_read_by_their_shards() -> None:
+    """make test runs other tests' session fixtures (golden models on meshes of 8 CPU devices) in the same process:
+    the ledger read their arrays with a one-device call and failed (UnsafeBufferPointer on a sharded array)."""
+    devices = jax.devices()[:2]
+    if len(devices) < 2:
+        pytest.skip("one device: no array spans several")
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    _OTHERS.append(jax.device_put(np.zeros((2, 256), np.float32),
+                                  jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))))
+    held = live_buffers()
+    assert all(held.get(s.data.unsafe_buffer_pointer()) == 1024 for s in _OTHERS[0].addressable_shards)
 
 
 @pytest.mark.parametrize("moe", ["auto", "cond"])  # each MoE matrix stacked (a TPU's one device), or one per expert
