@@ -22,6 +22,7 @@ import dataclasses
 import gc
 import json
 import pathlib
+import subprocess
 import sys
 import weakref
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from model_service.config import MeshConfig, ModelConfig, load_model_config
 from model_service.loading import ServerConfig, load_engine
 from model_service.placement import GB, WEIGHT_PARTS, Devices, Layout, Workload, piece_bytes, place, with_layers
 from model_service.placement.__main__ import main as placement_main
+from tests.procs import ROOT
 
 
 def _config() -> ModelConfig:
@@ -125,6 +127,11 @@ class AsyncDeviceLedger:
 
 @pytest.fixture
 def ledger(monkeypatch: pytest.MonkeyPatch) -> Iterator[AsyncDeviceLedger]:
+    yield _install(monkeypatch)
+
+
+def _install(monkeypatch: pytest.MonkeyPatch) -> AsyncDeviceLedger:
+    """The ledger, with JAX's transfers and waits reporting to it."""
     book = AsyncDeviceLedger()
     put, from_callback, block = jax.device_put, jax.make_array_from_callback, jax.block_until_ready
     from_parts = jax.make_array_from_single_device_arrays
@@ -139,7 +146,7 @@ def ledger(monkeypatch: pytest.MonkeyPatch) -> Iterator[AsyncDeviceLedger]:
         return out
 
     monkeypatch.setattr(jax, "block_until_ready", wait)
-    yield book
+    return book
 
 
 def _largest_piece(cfg: ModelConfig) -> int:
@@ -209,11 +216,23 @@ def test_arrays_over_several_devices_alive_in_the_process_are_read_by_their_shar
     assert all(held.get(s.data.unsafe_buffer_pointer()) == 1024 for s in _OTHERS[0].addressable_shards)
 
 
+def probe(checkpoint: str, moe: str) -> dict[str, Any]:
+    """One build under the ledger, in a process of its own (`python -c`): the ledger reads every live array at each
+    call of the loader, which in a full test run's process (other tests' models alive) took minutes."""
+    with pytest.MonkeyPatch.context() as patch:
+        book = _install(patch)
+        return dataclasses.asdict(_build(book, checkpoint or None, moe))
+
+
 @pytest.mark.parametrize("moe", ["auto", "cond"])  # each MoE matrix stacked (a TPU's one device), or one per expert
 @pytest.mark.parametrize("source", ["random", "checkpoint"])
-def test_building_holds_at_most_one_piece_beyond_what_it_keeps(ledger: AsyncDeviceLedger, checkpoint: str,
-                                                               source: str, moe: str) -> None:
-    built = _build(ledger, checkpoint if source == "checkpoint" else None, moe)
+def test_building_holds_at_most_one_piece_beyond_what_it_keeps(checkpoint: str, source: str, moe: str) -> None:
+    code = ("import json, sys; from tests.test_load_peak import probe; "
+            "print(json.dumps(probe(sys.argv[1], sys.argv[2])))")
+    done = subprocess.run([sys.executable, "-c", code, checkpoint if source == "checkpoint" else "", moe],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = Built(**json.loads(done.stdout.strip().splitlines()[-1]))
     piece = _largest_piece(_config())
     table = _config().vocab_size * _config().model.emb_size * 2
     assert built.weights > 8 * 6 * piece, built  # six MoE matrices of 8 experts: the bound is small beside them
