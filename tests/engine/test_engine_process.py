@@ -100,6 +100,7 @@ def test_the_decode_loops_metrics_reach_the_services_metrics(
     steps = registry.get_sample_value("grok_model_decode_step_seconds_count") or 0.0
     list(engine_stub.Generate(model_pb2.GenerateRequest(token_ids=PROMPT, max_tokens=6, ignore_eos=True), timeout=60))
     wait_until(lambda: registry.get_sample_value("grok_model_generated_tokens_total") == tokens + 6, 10)
+    # A count of step observations replayed from the child (one per step, at least one per token), not a time.
     assert registry.get_sample_value("grok_model_decode_step_seconds_count") >= steps + 6
     assert registry.get_sample_value("grok_model_requests_finished_total", {"finish_reason": "length"}) >= 1
     assert registry.get_sample_value("grok_model_kv_cache_usage_perc") is not None
