@@ -96,6 +96,7 @@ class StackConfig:
     grace_seconds: float = 5.0
     watchdog_seconds: float = 30.0
     model_flags: tuple[str, ...] = ()  # more flags for every model replica (e.g. --speculative-config JSON)
+    gateway_flags: tuple[str, ...] = ()  # more flags for the gateway (e.g. --model-retry-seconds)
 
 
 class LocalStack:
@@ -121,7 +122,8 @@ class LocalStack:
         gateway_port = free_port()
         self.gateway = Proc("gateway", "gateway", [
             "--tokenizer", self.tokenizer.address, "--model", ",".join(m.address for m in self.models),
-            "--host", "127.0.0.1", "--port", str(gateway_port), "--http-port", "0", *grace], gateway_port, log_dir)
+            "--host", "127.0.0.1", "--port", str(gateway_port), "--http-port", "0", *grace, *config.gateway_flags],
+            gateway_port, log_dir)
 
     @property
     def services(self) -> list[Proc]:

@@ -1,7 +1,8 @@
 """Faults under load against a real stack (golden tiny model, two replicas of 2 slots + 4 queue):
 a cancel storm, a burst of twice the capacity, kill -9 of the tokenizer, of one replica and of every
 replica, SIGTERM of each service. The gateway is never restarted by a test that kills a backend; the
-seeded requests must keep returning the answer they gave on the calm stack whenever they succeed."""
+seeded requests must keep returning the answer they gave on the calm stack whenever they succeed. A test that
+fails with a service down leaves the stack whole again for the next one."""
 
 from __future__ import annotations
 
@@ -29,16 +30,36 @@ LONG = 100  # tokens: several hundred ms of decoding on the golden model
 CAPACITY = 2 * (2 + 4)  # replicas x (slots + queue)
 CANCEL_STORM_CALLS = 120  # each cancelled within 0.3 s of its start, most of them before their 100 tokens
 SETTLE_CALLS = 6  # OK completions to wait for: about two per "complete" worker, past the calls in flight at a kill
+# While no replica is up, the gateway keeps a request that none started for this long (default 30 s: a restart's
+# length), then answers UNAVAILABLE. A call in flight at a kill may not have had its first token yet (100 tokens
+# of the golden model take ~0.1 s, its prompt a good part of that); it is one of those.
+RETRY_SECONDS = 2.0
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, jax_cache: str) -> Iterator[LocalStack]:
     config = StackConfig(config=str(GOLDEN / "config.json"), checkpoint=str(GOLDEN / "checkpoint"),
                          tokenizer=str(GOLDEN / "tokenizer.model"), replicas=2, slots=2, max_queue=4,
-                         compile_cache=jax_cache, grace_seconds=5.0)
+                         compile_cache=jax_cache, grace_seconds=5.0,
+                         gateway_flags=("--model-retry-seconds", str(RETRY_SECONDS)))
     local = LocalStack(config, tmp_path_factory.mktemp("faults")).start()
     yield local
     local.stop()
+
+
+@pytest.fixture(autouse=True)
+def whole_stack_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every service running and serving after each test, whatever it killed and however it ended: a test that
+    failed before starting again what it killed used to fail every later one in the module."""
+    yield
+    if "stack" not in request.fixturenames:
+        return
+    local: LocalStack = request.getfixturevalue("stack")
+    for proc in local.services:
+        if not proc.alive():
+            proc.start()
+    for proc in local.services:
+        proc.wait_serving(600)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +174,15 @@ def test_every_replica_killed_is_unavailable_and_not_serving_then_recovers(stack
         for model in stack.models:
             model.kill()
         wait_until(lambda: not stack.gateway.serving(), 5, interval=0.05)
-        wait_until(lambda: traffic.outcomes.snapshot()[("complete", "UNAVAILABLE")] > 0, 10, interval=0.05)
+        # A call in flight past its first token ends at once; one not started yet after RETRY_SECONDS.
+        wait_until(lambda: traffic.outcomes.snapshot()[("complete", "UNAVAILABLE")] > 0, RETRY_SECONDS + 10,
+                   interval=0.05)
+        began = time.monotonic()
+        with grpc.insecure_channel(stack.gateway.address) as channel, pytest.raises(grpc.RpcError) as refused:
+            gateway_pb2_grpc.GatewayServiceStub(channel).Complete(seeded[0].request(), timeout=60)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+        assert "model service is unavailable" in refused.value.details(), refused.value.details()
+        assert RETRY_SECONDS - 0.5 < time.monotonic() - began < RETRY_SECONDS + 10  # kept, then refused
         for model in stack.models:
             model.start()
         for model in stack.models:
