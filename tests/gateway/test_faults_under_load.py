@@ -19,7 +19,7 @@ from benchmarks.chaos_faults import good_answer, scrape, sigterm_tokenizer_with_
 from benchmarks.chaos_load import EXPECTED, Seeded, Traffic, baseline, burst
 from benchmarks.chaos_stack import LocalStack, StackConfig
 from gateway.client import generate_request
-from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from grok.gateway.v1 import gateway_pb2_grpc
 from serving_common.errors import details_of
 from tests.procs import GOLDEN
 from tests.waiting import wait_until
