@@ -120,6 +120,20 @@ def model_request(request: TextRequest, planned: Plan, request_id: str) -> model
     return out
 
 
+def join_responses(first: gateway_pb2.GenerateResponse, then: gateway_pb2.GenerateResponse) -> bool:
+    """Append `then` to `first` in place when both are the same completion's and `first` is not its last (True):
+    the texts and tokens joined, `then`'s usage, finish and timings kept, as if the pipeline had held the first
+    one's tokens until the next (what --stream-interval does). Used for messages that queued up while the one
+    before them was being written (stream_buffer.bounded): a client stream that fell behind catches up in fewer
+    messages instead of one gRPC write per token."""
+    if then.index != first.index or first.finish_reason or then.prompt_logprobs:
+        return False
+    text = first.text + then.text
+    first.MergeFrom(then)  # tokens appended; then's usage, timings, finish reason and stop over first's
+    first.text = text
+    return True
+
+
 def without_stop_token(reply: model_pb2.GenerateResponse) -> model_pb2.GenerateResponse:
     """A reply that ended on one of the request's stop_token_ids, less that token: its text is not returned (as
     vLLM does); usage still counts it."""

@@ -18,7 +18,7 @@ from gateway.chat_template import ChatTemplate
 from gateway.clients import remaining
 from gateway.config import GatewayConfig, prompt_byte_limit
 from gateway.errors import GatewayError
-from gateway.pipeline import Pipeline
+from gateway.pipeline import Pipeline, join_responses
 from gateway.stream_buffer import bounded
 from gateway.validation import TextRequest
 from grok.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -151,7 +151,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             # aclosing: a handler closed early cancels its model call now, not at garbage collection.
             # bounded: a client that stops reading ends the request instead of the gateway holding its responses.
             async with contextlib.aclosing(bounded(self.pipeline.stream(
-                    request, deadline_of(context), request_id, method, chat, turn_starts=turn_starts))) as messages:
+                    request, deadline_of(context), request_id, method, chat, turn_starts=turn_starts),
+                    join=join_responses)) as messages:
                 async for message in messages:
                     if message.finish_reason:
                         finish = gateway_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_")

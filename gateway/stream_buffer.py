@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Generic, Protocol, TypeVar
 
 import grpc
@@ -69,9 +69,13 @@ async def _read_ahead(messages: AsyncIterator[M], buffer: _Buffer[M], limit: int
             await close()
 
 
-async def bounded(messages: AsyncIterator[M], limit: int = MAX_UNREAD_BYTES) -> AsyncIterator[M]:
+async def bounded(messages: AsyncIterator[M], limit: int = MAX_UNREAD_BYTES,
+                  join: Callable[[M, M], bool] | None = None) -> AsyncIterator[M]:
     """`messages` in order, read ahead at most `limit` bytes; then the error they ended with, or RESOURCE_EXHAUSTED
-    when the reader fell behind by more than `limit`. Closing this generator closes `messages`."""
+    when the reader fell behind by more than `limit`. Closing this generator closes `messages`. `join(a, b)`
+    (optional) appends message `b` to `a` in place when it can (True): messages that queued up while the previous
+    one was being written go out as one, so a writer that falls behind sends fewer, longer messages instead of
+    falling further behind."""
     buffer: _Buffer[M] = _Buffer()
     reader = asyncio.create_task(_read_ahead(messages, buffer, limit))
     loop = asyncio.get_running_loop()
@@ -80,6 +84,8 @@ async def bounded(messages: AsyncIterator[M], limit: int = MAX_UNREAD_BYTES) -> 
             if buffer.items:
                 message, size = buffer.items.popleft()
                 buffer.bytes -= size
+                while join is not None and buffer.items and join(message, buffer.items[0][0]):
+                    buffer.bytes -= buffer.items.popleft()[1]
                 yield message
             elif buffer.full:
                 raise too_slow(limit)
