@@ -29,6 +29,9 @@ against it in one invocation:
 
 On an accelerator one process at a time holds the device: `--in-process-apart` measures the in-process
 engine after the stack stopped (its runs then not interleaved with the others').
+`--client-processes N` sends the gRPC arms' requests from N worker processes (benchmarks.client_pool) instead
+of this one's event loop, so that the client is not what limits them at device speed; their CPU is reported as
+`cpu_ms_per_token_clients` (and counted in the total).
 
 Targets (issue 9): the gateway's output throughput at concurrency 8 >= 0.97x in-process and its TTFT p50
 <= in-process + 2 ms. `stack_targets` (issue 63): the gateway >= 0.9x in-process at concurrency 8 and 64,
@@ -50,6 +53,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks import metrics, results
+from benchmarks.client_pool import ClientPool, SenderSpec
 from benchmarks.loadgen import GatewaySender, LoadPoint, ModelSender, Sender, run_point, warm_up
 from benchmarks.metrics import RequestResult
 from benchmarks.stack import (
@@ -90,6 +94,7 @@ class LayersConfig:
     uds: bool = False  # every service on unix socket files instead of TCP ports
     per_call_gateway: bool = False  # also measure a gateway on the earlier protocol (a call per request)
     in_process_apart: bool = False  # the in-process arm after the stack stopped (an accelerator has one owner)
+    client_processes: int = 1  # worker processes sending the gRPC arms' requests (1: this process)
 
     def __post_init__(self) -> None:
         if self.baseline_gateway and self.baseline_stack:
@@ -196,20 +201,34 @@ def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int
 
 
 async def measure_arms(config: LayersConfig, senders: dict[str, Sender], requests: list[BenchRequest],
-                       warm: list[BenchRequest],
-                       pids: dict[str, Watched]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+                       warm: list[BenchRequest], pids: dict[str, Watched], pool: ClientPool | None = None,
+                       specs: dict[str, SenderSpec] | None = None) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every arm at every point, interleaved within each run; an arm in `specs` is sent from `pool`'s processes."""
+    specs = specs if pool is not None and specs else {}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {arm: {} for arm in senders}
     for arm, send in senders.items():
-        failed = [r.error for r in await warm_up(send, warm, max(config.concurrency)) if not r.success]
+        if arm in specs:
+            warmed, _, _ = await pool.run_point(specs[arm], warm, LoadPoint(max(config.concurrency)))  # type: ignore[union-attr]
+        else:
+            warmed = await warm_up(send, warm, max(config.concurrency))
+        failed = [r.error for r in warmed if not r.success]
         if failed:
             raise RuntimeError(f"{arm} warm-up failed: {failed[0]}")
     for index in range(config.runs):
         for c in config.concurrency:
             for arm, send in senders.items():
                 before = cpu_snapshot(pids)
-                served, duration = await run_point(send, requests, LoadPoint(c), config.seed)
+                clients = None
+                if arm in specs:
+                    served, duration, clients = await pool.run_point(specs[arm], requests, LoadPoint(c),  # type: ignore[union-attr]
+                                                                     config.seed)
+                else:
+                    served, duration = await run_point(send, requests, LoadPoint(c), config.seed)
                 m = metrics.compute(served, duration)
                 m.update(cpu_per_token(before, cpu_snapshot(pids), m["total_output_tokens"]))
+                if clients is not None:
+                    m["cpu_ms_per_token_clients"] = clients * 1e3 / max(m["total_output_tokens"], 1)
+                    m["cpu_ms_per_token_total"] += m["cpu_ms_per_token_clients"]
                 runs[arm].setdefault(f"c{c}", []).append({k: v for k, v in m.items() if not isinstance(v, list)})
                 print(f"layers run {index} c{c} {arm}: {m['output_throughput']:.1f} tok/s, TTFT p50 "
                       f"{m['median_ttft_ms']:.2f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, CPU "
@@ -296,9 +315,15 @@ async def _run(config: LayersConfig, spec: StackSpec, address: str | None, model
         senders["gateway_baseline"] = GatewaySender(baselines["gateway"], config.temperature)
     if "gateway_per_call" in baselines:
         senders["gateway_per_call"] = GatewaySender(baselines["gateway_per_call"], config.temperature)
+    pool = ClientPool(config.client_processes) if config.client_processes > 1 else None
+    specs = {arm: SenderSpec("model" if isinstance(send, ModelSender) else "gateway", send.address,
+                             config.temperature)
+             for arm, send in senders.items() if isinstance(send, (ModelSender, GatewaySender))}
     try:
-        return await measure_arms(config, senders, requests, warm, pids)
+        return await measure_arms(config, senders, requests, warm, pids, pool, specs)
     finally:
+        if pool is not None:
+            pool.close()
         for send in senders.values():
             await send.close()
 
@@ -432,6 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_env_argument("--in-process-apart", action="store_true",
                        help="measure the in-process engine after the stack stopped instead of interleaved with it: "
                             "on an accelerator (a TPU chip) one process at a time can hold the device")
+    p.add_env_argument("--client-processes", type=positive_int, default=1,
+                       help="worker processes sending the gRPC arms' requests, the concurrency split among them "
+                            "(1: this process's event loop)")
     p.add_env_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     use_model_xla_flags()
@@ -440,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           runs=args.runs, warmup=args.warmup, seed=args.seed, temperature=args.temperature,
                           slots=args.slots, compile_cache=args.compile_cache, baseline_gateway=args.baseline_gateway,
                           baseline_stack=args.baseline_stack, local_gateway=args.local_gateway, uds=args.uds,
-                          per_call_gateway=args.per_call_gateway, in_process_apart=args.in_process_apart)
+                          per_call_gateway=args.per_call_gateway, in_process_apart=args.in_process_apart,
+                          client_processes=args.client_processes)
     report = run(config)
     if args.out:
         results.write_json(pathlib.Path(args.out), report)

@@ -92,6 +92,7 @@ class GatewaySender:
     """Generate through the public gateway: text in, streamed text and tokens out."""
 
     def __init__(self, address: str, temperature: float = 0.0, timeout: float = 3600.0, top_p: float = 1.0) -> None:
+        self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
         self.temperature = temperature
@@ -127,6 +128,7 @@ class ModelSender:
     """Generate on the model service directly: token ids in, token ids out (no tokenizer, no gateway)."""
 
     def __init__(self, address: str, temperature: float = 0.0, timeout: float = 3600.0, top_p: float = 1.0) -> None:
+        self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = model_pb2_grpc.ModelServiceStub(self.channel)
         self.temperature = temperature
