@@ -39,6 +39,8 @@ from gateway.http.mapping import (completion_prompts, generate_request, ignored_
 from gateway.http.responses import Json, Shaper
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.http.structured import name_constraint_param
+from gateway.pipeline import join_responses
+from gateway.stream_buffer import bounded
 from grok.gateway.v1 import gateway_pb2
 from serving_common.logs import new_request_id, request_id_too_long, request_id_var
 
@@ -234,7 +236,9 @@ class Routes:
                            chat=endpoint == "chat" and not continues, access=access, running_usage=continuous,
                            turn_starts=self.ctx.template.turn_starts if endpoint == "chat" else ())
                    for i, grpc_request in enumerate(grpc_requests)]
-        source = guarded(request, merged(streams, n))
+        # bounded: read ahead (at most its bytes) and join what queued up while an event was being written, so
+        # that a stream that fell behind catches up in fewer, longer events, as the gRPC API's do.
+        source = guarded(request, bounded(merged(streams, n), join=join_responses))
         shaper = Shaper(endpoint, request_id, self.ctx.model_name, top_logprobs(body), echo=sampling.echo,
                         prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=continuous, n=n,
                         token_ids=body.return_tokens_as_token_ids)
