@@ -9,7 +9,6 @@ Backend.scan_layers, as one loop over stacked parameters and pools (transformer.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -206,7 +205,7 @@ class GrokModel:
         n = tokens.shape[1]
         positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], tokens.shape)
         mask = jnp.tril(jnp.ones((n, n), bool))[None] & (tokens != self.cfg.pad_token)[:, None, :]
-        step = Step(positions, mask, ops=dataclasses.replace(self.ops, row_sums=False))  # a dense pass: XLA's sums
+        step = Step(positions, mask, ops=self.ops.dense())
         with self.precision():
             if not self.scan_layers:
                 return self._forward.apply(params, tokens, step)

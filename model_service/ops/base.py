@@ -20,6 +20,7 @@ Every choice is made while a program is traced (plain Python attributes of froze
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -149,3 +150,8 @@ class Ops:
 
     def lay_out(self, params: Params, mesh: Any) -> Params:
         return self.layout.lay_out(params, mesh)
+
+    def dense(self) -> "Ops":
+        """The operations of a dense pass over whole sequences (GrokModel.forward, the parity checks): XLA's own
+        sums (row sums serve the paged step's row programs)."""
+        return dataclasses.replace(self, row_sums=False)
