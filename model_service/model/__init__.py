@@ -85,7 +85,7 @@ class GrokModel:
         self.scan_layers = self.backend.scan_layers
         self._forward = hk.without_apply_rng(hk.transform(functools.partial(forward, cfg, mesh, self.dtype)))
         self._hidden = hk.without_apply_rng(hk.transform(functools.partial(hidden, cfg, mesh, self.dtype)))
-        self._embed = hk.without_apply_rng(hk.transform(functools.partial(embedded, cfg, mesh, self.dtype)))
+        self._embed = hk.without_apply_rng(hk.transform(functools.partial(embedded, cfg, mesh, self.dtype, self.ops)))
         self._layer = hk.without_apply_rng(hk.transform(functools.partial(stacked_layer, cfg, mesh)))
         self._head = hk.without_apply_rng(hk.transform(
             lambda h, used: head(cfg, h, self.ops, used)))

@@ -201,10 +201,10 @@ def language_model_params(cfg: ModelConfig) -> LanguageModelParams:
     return LanguageModelParams(table, scale)
 
 
-def embed(cfg: ModelConfig, lm: LanguageModelParams, tokens: Array, dtype: jnp.dtype) -> Array:
-    """tokens [B, T] -> [B, T, D] in `dtype`, times embedding_multiplier_scale."""
-    table = lm.embeddings
-    x = (table.rows_of(tokens) if isinstance(table, PackedWeight) else jnp.take(table, tokens, axis=0)).astype(dtype)
+def embed(cfg: ModelConfig, lm: LanguageModelParams, tokens: Array, dtype: jnp.dtype, ops: "Ops") -> Array:
+    """tokens [B, T] -> [B, T, D] in `dtype` (the table's rows as the backend laid it out: Ops.embed), times
+    embedding_multiplier_scale."""
+    x = ops.embed(lm.embeddings, tokens).astype(dtype)
     return x * jnp.asarray(cfg.embedding_multiplier_scale, dtype)
 
 
@@ -218,15 +218,15 @@ def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array, ops: "Ops",
     return ops.unembed(h, lm.embeddings, cfg.output_multiplier_scale, used, fill_unused)
 
 
-def embedded(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array) -> Array:
+def embedded(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, ops: "Ops", tokens: Array) -> Array:
     """Haiku-transformed: tokens [B, T] -> the first layer's input [B, T, D]."""
-    return constrain(embed(cfg, language_model_params(cfg), tokens, dtype), mesh, P(DATA, None, MODEL))
+    return constrain(embed(cfg, language_model_params(cfg), tokens, dtype, ops), mesh, P(DATA, None, MODEL))
 
 
 def forward(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: Step) -> Array:
     """Haiku-transformed dense pass (parity checks): tokens [B, T] -> float32 logits [B, T, V]."""
     lm = language_model_params(cfg)
-    x = constrain(embed(cfg, lm, tokens, dtype), mesh, P(DATA, None, MODEL))
+    x = constrain(embed(cfg, lm, tokens, dtype, step.ops), mesh, P(DATA, None, MODEL))
     h, _ = Transformer(cfg, mesh)(x, step)
     with jax.named_scope("unembed"):
         return unembed(cfg, lm, h, step.ops)
@@ -236,7 +236,7 @@ def hidden(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: 
     """Haiku-transformed paged pass over token rows: tokens [R, 1] -> the last layer's output [R, 1, D] (before
     the final norm) and the pools with the rows' keys and values written."""
     lm = language_model_params(cfg)
-    x = constrain(embed(cfg, lm, tokens, dtype), mesh, P(DATA, None, MODEL))
+    x = constrain(embed(cfg, lm, tokens, dtype, step.ops), mesh, P(DATA, None, MODEL))
     return Transformer(cfg, mesh)(x, step)
 
 

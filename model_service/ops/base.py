@@ -2,12 +2,12 @@
 backend.py chooses, this carries out).
 
 An `Ops` value is five parts, each chosen once (ops.for_backend) from the chosen Backend and never asked what it is:
-  forms      how token rows meet a weight (`product`), the head's unembedding product (`unembed`) and the matmul
-             precision programs are traced under (`precision`): ops/xla.py (XLA's fused-reduce forms on CPU, its dots on
-             a matrix unit), ops/native.py (the CPU's native kernels);
+  forms      how token rows meet a weight (`product`), the table's rows (`embed`) and the head's unembedding
+             product (`unembed`), and the matmul precision programs are traced under (`precision`): ops/xla.py
+             (XLA's fused-reduce forms on CPU, its dots on a matrix unit), ops/native.py (the native kernels);
   attention  each token row's attention over its sequence's keys in the paged pools (`attend`), and the pools' layout
              that form reads: ops/native.py (the native kernel), ops/xla.py (one row at a time, or batched);
-  experts    the mixture of experts over a step's rows (`experts`): ops/xla.py (a conditional per expert),
+  experts    the mixture of experts over a step's rows (`moe`): ops/xla.py (a conditional per expert),
              ops/native.py (the native grouped kernel), ops/grouped.py (the stacked experts' grouped products: Pallas,
              ragged_dot, expert parallel);
   layout     the parameters laid out for those forms (`lay_out`): ops/native.py (packed for the kernels),
@@ -44,6 +44,9 @@ class Forms(Protocol):
 
     def unembed(self, h: Array, table: Any, multiplier: float, used: Array | None, fill_unused: bool) -> Array:
         """Normed rows h [..., D] times the tied table [V, D] -> float32 logits [..., V], times `multiplier`."""
+
+    def embed(self, table: Any, tokens: Array) -> Array:
+        """The table's rows of `tokens` [...] -> [..., D] (in the table's type, float32 from a packed table)."""
 
     def precision(self) -> contextlib.AbstractContextManager[None]:
         """The matmul precision this backend's programs are traced under."""
@@ -140,6 +143,9 @@ class Ops:
 
     def precision(self) -> contextlib.AbstractContextManager[None]:
         return self.forms.precision()
+
+    def embed(self, table: Any, tokens: Array) -> Array:
+        return self.forms.embed(table, tokens)
 
     def attend(self, q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: Array, positions: Array,
                active: Array, multiplier: float, chunk: int) -> Array:

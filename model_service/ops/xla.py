@@ -56,6 +56,9 @@ class CpuForms:
     def unembed(self, h: Array, table: Any, multiplier: float, used: Array | None, fill_unused: bool) -> Array:
         return rows_unembed(self, h, table, multiplier, used, fill_unused)
 
+    def embed(self, table: Any, tokens: Array) -> Array:
+        return jnp.take(table, tokens, axis=0)
+
     def precision(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
