@@ -8,7 +8,7 @@ parallel).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jax.sharding import Mesh
 
@@ -19,6 +19,9 @@ from model_service.ops.base import Attention, Experts, Forms, Layout, Ops, Store
 from model_service.ops.grouped import ParallelExperts, SortedExperts, Stacked
 from model_service.ops.native import KernelNucleus, NativeAttention, NativeExperts, NativeForms, Packed
 from model_service.ops.xla import BatchedAttention, CondExperts, CpuForms, MatrixForms, RowAttention, SearchNucleus
+
+if TYPE_CHECKING:
+    from model_service.backend import Backend
 
 __all__ = ["Ops", "for_backend", "for_shapes"]
 
@@ -53,10 +56,10 @@ def _layout(products: Products, moe: str) -> Layout:
     return Stacked(moe) if moe != "cond" else Stored()
 
 
-def for_backend(backend: Any, mesh: Mesh) -> Ops:
-    """The operations of `backend` (backend.Backend) on `mesh`. A row's bits are its own
-    (row_sums) where the products and attention compute each row alone: the native products with per-row
-    attention, on one device (under a mesh the features are sharded). The head's final norm takes that order on
+def for_backend(backend: "Backend", mesh: Mesh) -> Ops:
+    """The operations of `backend` on `mesh`. A row's bits are its own (row_sums) where the products and attention
+    compute each row alone: the native products with per-row attention, on one device (under a mesh the features
+    are sharded). The head's final norm takes that order on
     one device whatever the products: the draws program runs the head over [P, D], P a draw per slot (times
     1 + the drafts with speculative decoding), and XLA:CPU sums 4,096 elements or more in another order
     (YNNPACK's): at 512 features P = 4 and P = 20 parted."""

@@ -141,3 +141,14 @@ def test_the_moe_layer_never_asks_which_backend_runs() -> None:
     tree = ast.parse((ROOT / "model_service/model/moe.py").read_text())
     [layer] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MoELayer"]
     assert backend_questions(layer) == []
+
+
+def test_the_program_fingerprints_compare_every_field_and_configuration() -> None:
+    """benchmarks/programs.py (the seam's refactoring guard: the same programs before and after) reports a changed
+    fingerprint and a configuration one run lacks."""
+    from benchmarks.programs import compare
+
+    before = {"cpu_f32": {"rows": "a", "head": "b"}, "gen_f32": {"rows": "c"}}
+    assert compare(before, before) == []
+    assert compare(before, {"cpu_f32": {"rows": "a", "head": "x"}}) == ["cpu_f32.head: b -> x",
+                                                                        "gen_f32.rows: c -> None"]
