@@ -152,3 +152,19 @@ def test_the_program_fingerprints_compare_every_field_and_configuration() -> Non
     assert compare(before, before) == []
     assert compare(before, {"cpu_f32": {"rows": "a", "head": "x"}}) == ["cpu_f32.head: b -> x",
                                                                         "gen_f32.rows: c -> None"]
+
+
+def test_the_operations_are_derived_from_the_backend_in_one_place() -> None:
+    """Ops values are built by ops.for_backend (and for_shapes, for haiku's shape tracing) alone, and only GrokModel
+    calls it: every other module reaches the operations through the model."""
+    built, derived = [], []
+    for path in sorted((ROOT / "model_service").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                where = str(path.relative_to(ROOT))
+                if node.func.id == "Ops":
+                    built.append(where)
+                elif node.func.id == "for_backend":
+                    derived.append(where)
+    assert sorted(set(built)) == ["model_service/ops/__init__.py"]
+    assert derived == ["model_service/model/__init__.py"]
