@@ -75,13 +75,13 @@ def fingerprint(data: str | bytes) -> str:
     return hashlib.sha256(data if isinstance(data, bytes) else data.encode()).hexdigest()[:16]
 
 
-def model_for(name: str) -> GrokModel:
+def model_for(name: str, config: str) -> GrokModel:
     case = CASES[name]
     mesh, choices = make_mesh(MeshConfig.parse(case.mesh)), dict(case.choices)
     backend = choose_backend(choices.pop("choice"), mesh, jnp.dtype(case.dtype), **choices)
     if case.moe is not None:
         backend = dataclasses.replace(backend, moe=case.moe)
-    cfg = load_model_config(str(GOLDEN / "config.json"))
+    cfg = load_model_config(config)
     return GrokModel(cfg, mesh, jnp.dtype(case.dtype), case.products, attention=case.attention, backend=backend)
 
 
@@ -91,9 +91,9 @@ def sampler_options(model: GrokModel) -> dict[str, Any]:
     return {"native": model.backend.native_sampling}  # before the ops seam
 
 
-def programs(name: str) -> dict[str, Any]:
-    """Fingerprints of one configuration's programs (and outputs, for RUN)."""
-    model = model_for(name)
+def programs(name: str, config: str = str(GOLDEN / "config.json")) -> dict[str, Any]:
+    """Fingerprints of one configuration's programs (and outputs, for RUN) for the model `config`."""
+    model = model_for(name, config)
     cfg, dtype, tile, slots = model.cfg, model.dtype, 8, 4
     params = model.pack_params(random_params(cfg, model.mesh, dtype, 3, pack=model.products.native,
                                              int8_table=model.products.int8, stacked=model.backend.stacked_experts,
@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the fingerprints here (JSON)")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated configurations")
+    parser.add_argument("--config", default=str(GOLDEN / "config.json"),
+                        help="the model config (default: golden's; its parameters are random)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two runs' files")
     args = parser.parse_args(argv)
     if args.compare:
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     found: dict[str, Any] = {"_platform": {"jax": jax.__version__, "platform": jax.devices()[0].platform}}
     for name in args.cases.split(","):
         try:
-            found[name] = programs(name)
+            found[name] = programs(name, args.config)
         except Exception as error:  # a configuration this platform cannot build is recorded, not fatal
             found[name] = {"error": repr(error)}
         print(name, json.dumps(found[name]), flush=True)
