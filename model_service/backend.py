@@ -33,11 +33,14 @@ accelerator is how that program computes, and it is all here:
 kernels built, per-row attention, tiles of CPU_TILE rows); "generic" is what an accelerator runs (XLA's
 dot_general products, batched attention, the whole step one tile). "auto" takes "cpu" on a CPU platform and
 "generic" elsewhere. CI runs the golden parity tests on both, the generic one on CPU with XLA's own products.
-No other module asks what the platform is.
+No other module asks what the platform is, and the model never asks which backend it runs on: ops.for_backend
+derives from this value the operations the model calls (model_service/ops/: ops/native.py the CPU's native
+kernels, ops/xla.py XLA's forms, ops/grouped.py the stacked experts' grouped forms), in one place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +69,7 @@ GENERIC_ROW_BUCKETS = (16, 64, 128, 256, 512)
 class Backend:
     name: str  # "cpu" or "generic"
     products: Products
-    attention: str  # "rows" or "batched" (segments.attend_rows)
+    attention: str  # "native", "rows" or "batched" (ops.for_backend)
     tile_rows: int
     step_tokens: int
     native_sampling: bool
@@ -165,7 +168,7 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
     if tile < 1:
         raise ValueError(f"a tile holds at least one row, got {tile}")
     rows = -(-rows // tile) * tile
-    native = chosen.native and mesh.size == 1
+    native = native_sampling(chosen, mesh)
     if name == "cpu":
         return Backend(name, chosen, attention, tile, rows, native, moe=choose_moe(name, mesh, moe))
     # A bucket runs in tiles of min(tile, bucket) rows: one at least a tile long is rounded up to whole tiles.
@@ -175,6 +178,21 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
     return Backend(name, chosen, attention, tile, rows, native, vectorised_sampling=True, row_buckets=fitted,
                    one_program=True, exact_f32=chosen is Products.EXACT, moe=moe_choice,
                    scan_layers=scan_layers(layers, mesh, moe_choice))
+
+
+def native_sampling(products: Products, mesh: Mesh) -> bool:
+    """Backend.native_sampling: the native kernels find the nucleus where products are native on one device (under
+    a mesh the logits are sharded, and XLA's search runs)."""
+    return products.native and mesh.size == 1
+
+
+def with_choices(backend: Backend, mesh: Mesh, products: Products | None = None,
+                 attention: str | None = None) -> Backend:
+    """`backend` with explicit products / attention (tests, tools) in place of its own, and what follows from the
+    products derived again."""
+    chosen = products or backend.products
+    return dataclasses.replace(backend, products=chosen, attention=attention or backend.attention,
+                               native_sampling=native_sampling(chosen, mesh))
 
 
 def scan_layers(layers: str, mesh: Mesh, moe: str) -> bool:

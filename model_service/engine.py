@@ -99,7 +99,7 @@ class Engine:
                  kv_blocks: int | None = None, step_tokens: int | None = None, tile: int | None = None,
                  draft_tokens: int = 0) -> None:
         self.model = model
-        self.params = model.pack_params(params)  # native products: matrices packed (no-op if loaded so)
+        self.params = model.pack_params(params)  # laid out for the backend's operations (no-op if loaded so)
         self.mesh = mesh
         self.slots = slots
         # The step's shape is the backend's (backend.py), unless given: at least a row per slot, whole tiles.
@@ -120,7 +120,7 @@ class Engine:
         if self.num_blocks < model.blocks_per_sequence:
             raise ValueError(f"the KV pool ({self.num_blocks} blocks of {self.block_size}) must hold at least one "
                              f"full context ({cfg.sequence_len} tokens = {model.blocks_per_sequence} blocks)")
-        self.native_sampling = bool(getattr(model, "native_sampling", False))
+        self.nucleus = model.ops.sampling  # the backend's nucleus threshold and draw (Ops.sampling)
         replicated = NamedSharding(mesh, PartitionSpec())
         slot_shardings = SlotState(replicated, replicated, SamplingParams(*([replicated] * len(SamplingParams._fields))),
                                    Controls(*([replicated] * len(Controls._fields))), History(replicated, replicated))
@@ -233,7 +233,7 @@ class Engine:
         # A slot's j-th draw this step uses the j-th key of its schedule: the one a step at a time would use.
         start = jax.vmap(lambda k, j: jax.lax.fori_loop(0, j, lambda _, kk: split_key(kk)[0], k))(s.keys[slot], chain)
         rest, draw = split_keys(start)
-        result = sample_tokens(draw, logits, s.sampling, s.controls, s.history, self.native_sampling, slot, used,
+        result = sample_tokens(draw, logits, s.sampling, s.controls, s.history, self.nucleus, slot, used,
                                self.model.backend.vectorised_sampling, pending if self.draft_tokens else None, chain)
         accepted, final = accepted_draws(result.token, used, chain, nxt)
         counted = accepted & penalized(s.controls)[slot]

@@ -139,22 +139,17 @@ def load_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     backend = choose_backend(config.backend, mesh, dtype, config.products, config.slots, config.step_tokens,
                              config.tile_rows, moe=config.moe, layers=config.layers)
     model = GrokModel(cfg, mesh, dtype, block_size=config.block_size, backend=backend)
-    pack = model.products.native  # matrices packed for the kernel as they load
-    int8_table = model.products.int8  # and the table rounded to int8 with int8 activations
+    laid_out = model.load_options()  # laid out for the backend's operations as they load (GrokModel.pack_params')
     log.info("backend", extra={"backend": backend.name, "products": backend.products.value,
                                "attention": backend.attention, "tile_rows": backend.tile_rows,
                                "step_tokens": backend.step_tokens, "moe": backend.moe,
                                "scan_layers": backend.scan_layers})
     start = time.monotonic()
     if config.checkpoint:
-        params = checkpoint.load_params(config.checkpoint, cfg, mesh, dtype, progress=_progress, pack=pack,
-                                        int8_table=int8_table, stacked=backend.stacked_experts,
-                                        stack_layers=backend.scan_layers, moe=backend.moe)
+        params = checkpoint.load_params(config.checkpoint, cfg, mesh, dtype, progress=_progress, **laid_out)
     else:
         log.warning("serving RANDOM weights (--random-init): outputs are noise")
-        params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed, pack=pack, int8_table=int8_table,
-                                          stacked=backend.stacked_experts, stack_layers=backend.scan_layers,
-                                          moe=backend.moe)
+        params = checkpoint.random_params(cfg, mesh, dtype, config.random_seed, **laid_out)
     log.info("weights ready", extra={"seconds": round(time.monotonic() - start, 2), "process_id": jax.process_index(),
                                      "bytes_read": _bytes_read() - read_before})
     blocks = kv_blocks(config, cfg, dtype.itemsize)

@@ -27,7 +27,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from model_service import kernels
 from model_service.logits_processing import (
     Controls,
     History,
@@ -63,19 +62,23 @@ from model_service.sampling_ops import (  # noqa: F401 - the building blocks, im
 )
 from model_service.sampling_settings import build_mask  # noqa: F401 - the engine builds masks
 from model_service.sampling_vectorised import sample_batched
+from model_service.ops.base import Nucleus
+from model_service.ops.xla import SearchNucleus
+
+SEARCH = SearchNucleus()  # XLA's forms: the default
 
 
 def _sample_active(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array, mask: jax.Array,
-                   num_top: jax.Array, extra: SlotControls | None = None, native: bool = False) -> SampleResult:
+                   num_top: jax.Array, extra: SlotControls | None = None, nucleus: Nucleus = SEARCH) -> SampleResult:
     """A slot that uses no control runs the reference's steps alone (one condition for all of them: the off path
     carries no per-control branches or buffers); otherwise each control is applied under its own condition."""
     if extra is None:
-        return _sample_filtered(key, logits, temperature, top_p, mask, num_top, native=native)
+        return _sample_filtered(key, logits, temperature, top_p, mask, num_top, nucleus=nucleus)
     c, v = extra.controls, logits.shape[-1]
     used = (jnp.any(c.bias_ids < v) | penalized(c)
             | ((c.top_k > 0) & (c.top_k < v)) | (c.min_p > 0) | extra.barred)
-    return jax.lax.cond(used, lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, extra, native),
-                        lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, native=native))
+    return jax.lax.cond(used, lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, extra, nucleus),
+                        lambda: _sample_filtered(key, logits, temperature, top_p, mask, num_top, nucleus=nucleus))
 
 
 def _sample_filtered(
@@ -86,7 +89,7 @@ def _sample_filtered(
     mask: jax.Array,  # [V] bool
     num_top: jax.Array,  # [] int32
     extra: SlotControls | None = None,
-    native: bool = False,  # large vocabularies: the nucleus threshold from the native kernel, not XLA's search
+    nucleus: Nucleus = SEARCH,  # a large vocabulary's nucleus threshold and the draw (the backend's: Ops.sampling)
 ) -> SampleResult:
     raw = logits
     if extra is not None:  # bias and penalties act on the raw logits (sampling_settings.py: order of operations)
@@ -108,29 +111,26 @@ def _sample_filtered(
             row, exps = jax.lax.cond((k > 0) & (k < row.shape[-1]),
                                      lambda o: top_k_filter(o[0], o[1], k, MASKED_LOGIT), lambda o: o, (row, exps))
 
-    def nucleus(operands: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def filtered(operands: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         r, e = operands
         p = top_p.astype(r.dtype)
         if r.shape[-1] <= SORT_MAX_VOCAB:
             threshold = _sort_threshold(r[None], p.reshape(1, 1))[0, 0]
-        elif native:  # the same threshold (see kernels.nucleus_threshold) from one call instead of 32 masked sums
-            threshold = kernels.nucleus_threshold(r, e / jnp.sum(e), p)
         else:
-            threshold = _search_threshold_probs(r, e / jnp.sum(e), p)
+            threshold = nucleus.threshold(r, e / jnp.sum(e), p)
         kept = r >= threshold
         return jnp.where(kept, r, MASKED_LOGIT), jnp.where(kept, e, 0.0)
 
     # Both shortcuts are exact: top_p = 1 keeps every logit, and a greedy slot takes the argmax.
     with jax.named_scope("nucleus"):
-        row, exps = jax.lax.cond(top_p < 1, nucleus, lambda operands: operands, (row, exps))
+        row, exps = jax.lax.cond(top_p < 1, filtered, lambda operands: operands, (row, exps))
     if extra is not None:
         min_p = extra.controls.min_p
         with jax.named_scope("min_p"):
             row, exps = jax.lax.cond(min_p > 0, lambda o: min_p_filter(o[0], o[1], min_p, MASKED_LOGIT),
                                      lambda o: o, (row, exps))
     with jax.named_scope("draw"):
-        sample = (lambda r: categorical_kept(key, r)) if native else (lambda r: categorical(key, r[None]))
-        drawn = jax.lax.cond(greedy, lambda r: first_argmax(r), sample, row)
+        drawn = jax.lax.cond(greedy, lambda r: first_argmax(r), lambda r: nucleus.draw(key, r), row)
     with jax.named_scope("probabilities"):
         total = jnp.sum(exps)  # the softmax of the filtered row is exps / total, divided where it is read
         k = min(TOP_K, row.shape[-1])
@@ -176,7 +176,7 @@ def _idle_result(v: int) -> SampleResult:
 
 
 def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, controls: Controls | None = None,
-                  history: History | None = None, native: bool = False, index: jax.Array | None = None,
+                  history: History | None = None, nucleus: Nucleus = SEARCH, index: jax.Array | None = None,
                   used: jax.Array | None = None, vectorised: bool = False,
                   pending: jax.Array | None = None, chain: jax.Array | None = None) -> SampleResult:
     """Draw one token per entry. keys [B, 2] (draw keys), logits [B, V] float32.
@@ -185,12 +185,11 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, co
     unused entry computes nothing (not even the copy of its row), a greedy one skips the nucleus filter
     and the random draw (top_p = 1 skips the filter too; both shortcuts are exact), and an entry's result
     is computed exactly as if it were alone. `controls` and `history` (both or neither) add the controls of
-    sampling_settings.py; without them the reference's sampler alone is compiled. `native` (a static choice,
-    for one device with the native kernels built) finds large vocabularies' nucleus thresholds with
-    `kernels.nucleus_threshold` instead of XLA's search: the same threshold except where a float32 sum lands
-    within rounding of 1 - top_p. `index` [B] int32 (default: entry i) names the row of `params`, `controls`
-    and `history` that entry i draws with (the engine's per-slot settings); `used` [B] bool (default:
-    params.active at that row) says which entries draw at all. `vectorised` (accelerators, `native` unused) computes
+    sampling_settings.py; without them the reference's sampler alone is compiled. `nucleus` (the backend's,
+    Ops.sampling: XLA's search by default, ops.native.KernelNucleus with the native kernels on one device) finds
+    large vocabularies' nucleus thresholds and draws from the filtered row. `index` [B] int32 (default: entry i)
+    names the row of `params`, `controls` and `history` that entry i draws with (the engine's per-slot settings);
+    `used` [B] bool (default: params.active at that row) says which entries draw at all. `vectorised` (accelerators, `nucleus` unused) computes
     every entry at once instead, one stage at a time, each stage only when some entry uses it (a greedy step
     is one masked argmax per entry; sampling_vectorised.py): each entry's token is the same function of its row.
     `pending` [B, K] int32 (V: none) are tokens entry i's penalties count beyond its row of `history` (drafts
@@ -213,7 +212,7 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, co
         else:
             extra = None
         return _sample_active(keys[i], logits[i], params.temperature[j], params.top_p[j], params.mask[j],
-                              params.num_top[j], extra, native)
+                              params.num_top[j], extra, nucleus)
 
     def body(i: jax.Array, out: SampleResult) -> SampleResult:
         res = jax.lax.cond(draws[i], one, lambda _: _idle_result(v), i)

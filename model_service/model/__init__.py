@@ -9,7 +9,6 @@ Backend.scan_layers, as one loop over stacked parameters and pools (transformer.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -22,10 +21,8 @@ from jax.sharding import Mesh
 from model_service import kv_memory
 from model_service.config import MeshConfig, ModelConfig, validate
 from model_service.kv_memory import KVMemory, Pools
-import model_service.model.transcendental as transcendental
 from model_service.model.layers import Products, QuantizedWeight
-from model_service.model.segments import ATTENTION_MODES
-from model_service.model.params import Params, experts_layout, pack_for_native, packable, relayout
+from model_service.model.params import Params
 from model_service.model.stacking import stack_params
 from model_service.model.transformer import (HEAD_SCOPE, Step, embedded, forward, head, hidden, scan_layers, score,
                                              stacked_layer)
@@ -52,8 +49,9 @@ class TokenRows(NamedTuple):
 class GrokModel:
     """The network bound to a config, a mesh and a compute dtype (float32 or bfloat16).
 
-    `products` picks how token rows meet weights (layers.Products; default: backend.choose_products("auto")). With
-    Products.NATIVE the expert matrices must be packed (pack_params, or checkpoint.load_params(products=...)).
+    `backend` (default: backend.choose_backend("auto")) says how it computes; `products` / `attention` override its
+    choices (tests, tools). The operations that differ per backend run through `self.ops` (model_service/ops/), so
+    no code here asks which ran. Parameters are laid out for it by pack_params (or checkpoint.load_params).
     """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, products: Products | None = None,
@@ -67,71 +65,45 @@ class GrokModel:
         self.cfg = cfg
         self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
-        from model_service.backend import choose_backend
+        from model_service.backend import choose_backend, with_choices
+        from model_service.ops import for_backend
 
-        backend = backend or choose_backend("auto", mesh, self.dtype)
         # Explicit products / attention (tests, tools) override the backend's; the engine reads the rest of it.
-        products = products or backend.products
-        backend = dataclasses.replace(backend, products=products, attention=attention or backend.attention,
-                                      native_sampling=products.native and mesh.size == 1)
-        self.backend = backend
-        self.products = backend.products
-        # The sampler's nucleus threshold comes from the native kernel too where products are native on one
-        # device (sampling.sample_tokens(native=True)); under a mesh the logits are sharded, XLA's search runs.
-        self.native_sampling = backend.native_sampling
+        self.backend = with_choices(backend or choose_backend("auto", mesh, self.dtype), mesh, products, attention)
+        # Every operation whose form differs per backend, derived from it once (model_service/ops/).
+        self.ops = for_backend(self.backend, mesh)
+        self.products = self.backend.products
         self.block_size = block_size
         # Keys are read in chunks of key_chunk positions, only as many as the longest sequence in a step holds.
         self.key_chunk = min(key_chunk, -(-cfg.sequence_len // block_size) * block_size)
         self.table_len = -(-cfg.sequence_len // self.key_chunk) * self.key_chunk // block_size  # entries per slot
-        self.attention = backend.attention
-        self.moe = backend.moe
-        if self.attention not in ATTENTION_MODES:
-            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
-        # A row's bits independent of how many rows a serving program holds: the native products and per-row
-        # attention compute each row alone, and the sums over a row's features (norms, the router's softmax) take
-        # layers.row_sum's fixed order. One device only (under a mesh the features are sharded).
-        self.row_sums = self.products.native and mesh.size == 1 and self.attention != "batched"
-        # The head's final norm (the scores' too) takes that order on one device whatever the products: the draws
-        # program runs the head over [P, D], P a draw per slot (times 1 + the drafts with speculative decoding), and
-        # XLA:CPU sums 4,096 elements or more in another order (YNNPACK's): at 512 features P = 4 and P = 20 parted.
-        self.head_row_sums = mesh.size == 1
+        self.attention = self.backend.attention
+        self.moe = self.backend.moe
+        # A row's bits independent of how many rows a serving program holds (Ops.row_sums, Ops.head_row_sums).
+        self.row_sums = self.ops.row_sums
         # Scanned layers (the generic backend's default): the embedding, one layer run as a loop, the head apart.
-        self.scan_layers = backend.scan_layers
+        self.scan_layers = self.backend.scan_layers
         self._forward = hk.without_apply_rng(hk.transform(functools.partial(forward, cfg, mesh, self.dtype)))
         self._hidden = hk.without_apply_rng(hk.transform(functools.partial(hidden, cfg, mesh, self.dtype)))
-        self._embed = hk.without_apply_rng(hk.transform(functools.partial(embedded, cfg, mesh, self.dtype)))
+        self._embed = hk.without_apply_rng(hk.transform(functools.partial(embedded, cfg, mesh, self.dtype, self.ops)))
         self._layer = hk.without_apply_rng(hk.transform(functools.partial(stacked_layer, cfg, mesh)))
         self._head = hk.without_apply_rng(hk.transform(
-            lambda h, used: head(cfg, h, self.products, used, self.head_row_sums)))
+            lambda h, used: head(cfg, h, self.ops, used)))
         self._score = hk.without_apply_rng(hk.transform(
-            lambda h, targets, used, k: score(cfg, h, targets, used, self.products, k, self.head_row_sums)))
+            lambda h, targets, used, k: score(cfg, h, targets, used, self.ops, k)))
 
     def pack_params(self, params: Params) -> Params:
-        """`params` laid out for this model's backend, each changed leaf a copy placed like a loaded one: with
-        native products the packable leaves (params.packable) packed for the kernel; with stacked experts
-        (Backend.stacked_experts) each MoE matrix's experts in one buffer, as the grouped form reads it
-        (params.experts_layout); with scanned layers every layer's leaves stacked (stacking.stack_params). Trees
-        already laid out come back as they are."""
-        out = self._leaves_laid_out(params)
+        """`params` laid out for this model's backend (Ops.lay_out: packed for the native kernels, experts stacked
+        for the grouped forms, or as loaded), each changed leaf a copy placed like a loaded one; with scanned layers
+        every layer's leaves stacked (stacking.stack_params). Trees already laid out come back as they are."""
+        out = self.ops.lay_out(params, self.mesh)
         return stack_params(out, self.cfg.model.num_layers, self.mesh) if self.scan_layers else out
 
-    def _leaves_laid_out(self, params: Params) -> Params:
-        if self.products.native:
-            change, convert = packable, lambda module, leaf: pack_for_native(module, leaf, self.mesh,
-                                                                             self.products.int8)
-        elif self.backend.stacked_experts:
-            change, convert = (lambda module, leaf: relayout(leaf, self.moe),
-                               lambda module, leaf: experts_layout(leaf, self.moe))
-        else:
-            return params
-        out: Params = {}
-        for module, leaves in params.items():
-            out[module] = dict(leaves)
-            for name, leaf in leaves.items():
-                if change(module, leaf):
-                    host = {module: {name: convert(module, jax.tree.map(np.asarray, leaf))}}
-                    out[module][name] = jax.device_put(host, params_shardings(host, self.mesh))[module][name]
-        return out
+    def load_options(self) -> dict[str, Any]:
+        """checkpoint.load_params' (and random_params') options that lay the parameters out as they load, as
+        pack_params would after: the backend's layout (Ops.layout: `pack`, `int8_table`, `stacked` experts for the
+        MoE form `moe`), the layers stacked where they are scanned."""
+        return {**self.ops.layout.load_options(), "stack_layers": self.scan_layers, "moe": self.moe}
 
     def init_pools(self, num_blocks: int) -> Pools:
         """Empty paged KV memory: every layer's pool of `num_blocks` blocks (+ the scratch block)."""
@@ -146,9 +118,10 @@ class GrokModel:
 
     @property
     def kv_layout(self) -> str:
-        """The pools' layout (kv_memory.LAYOUTS): "tokens" for batched attention (accelerators: a token's keys one
-        row, lane-dense whatever the key size), "heads" for the CPU's per-row forms (its native kernel's)."""
-        return "tokens" if self.attention == "batched" else "heads"
+        """The pools' layout (kv_memory.LAYOUTS) the backend's attention reads (Ops.kv_layout): "tokens" for batched
+        attention (accelerators: a token's keys one row, lane-dense whatever the key size), "heads" for the CPU's
+        per-row forms."""
+        return self.ops.kv_layout
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -181,19 +154,9 @@ class GrokModel:
             return self._rows(params, pools, rows, tile, tiles)
 
     def precision(self) -> contextlib.AbstractContextManager[None]:
-        """The matmul precision the network's programs are traced under: with XLA's dots (Products.DOT, EXACT) a
-        float32 dot not carried exactly by layers.product (attention in float32, the router in either dtype) runs
-        at XLA's highest precision, as the reference's float32 does (a TPU's default would round its operands to
-        bfloat16: the router then picks other experts); bfloat16 dots are one pass at any setting. The CPU's own
-        forms keep XLA's default."""
-        if self.products is Products.EXACT:  # and the transcendentals' accurate forms (transcendental.py)
-            stack = contextlib.ExitStack()
-            stack.enter_context(jax.default_matmul_precision("highest"))
-            stack.enter_context(transcendental.accurate())
-            return stack
-        if self.products is Products.DOT:
-            return jax.default_matmul_precision("highest")
-        return contextlib.nullcontext()
+        """The matmul precision the network's programs are traced under (Ops.precision: XLA's highest for its dots,
+        with the accurate transcendentals in the faithful mode; the CPU's own forms keep XLA's default)."""
+        return self.ops.precision()
 
     def _rows(self, params: Params, pools: Pools, rows: TokenRows, tile: int,
               tiles: Array | None) -> tuple[Array, Pools]:
@@ -205,8 +168,8 @@ class GrokModel:
         def one(i: Array, carry: tuple[Array, Pools]) -> tuple[Array, Pools]:
             out, pools = carry
             part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * tile, tile), rows._replace(tables=None))
-            step = Step(part.positions[:, None], None, pools, part.valid, part.seq, rows.tables, self.products,
-                        self.key_chunk, self.attention, self.row_sums, self.moe)
+            step = Step(part.positions[:, None], None, pools, part.valid, part.seq, rows.tables, self.ops,
+                        self.key_chunk)
             h, pools = self._layers(params, part.tokens[:, None], step)
             return jax.lax.dynamic_update_slice_in_dim(out, h[:, 0].astype(out.dtype), i * tile, axis=0), pools
 
@@ -227,7 +190,7 @@ class GrokModel:
         return {module: leaves for module, leaves in params.items() if module.startswith(f"{HEAD_SCOPE}/")}
 
     def head(self, params: Params, h: Array, used: Array | None = None) -> Array:
-        """Rows h [P, D] (from `rows`) -> float32 logits [P, V]; rows not `used` get none (zeros, natively)."""
+        """Rows h [P, D] (from `rows`) -> float32 logits [P, V]; rows not `used` get none (transformer.head)."""
         with self.precision():
             return self._head.apply(params, h, used)
 
@@ -242,7 +205,7 @@ class GrokModel:
         n = tokens.shape[1]
         positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], tokens.shape)
         mask = jnp.tril(jnp.ones((n, n), bool))[None] & (tokens != self.cfg.pad_token)[:, None, :]
-        step = Step(positions, mask, products=self.products, moe=self.moe)
+        step = Step(positions, mask, ops=self.ops.dense())
         with self.precision():
             if not self.scan_layers:
                 return self._forward.apply(params, tokens, step)
@@ -253,6 +216,8 @@ class GrokModel:
 
     def init_param_shapes(self) -> Any:
         """Shapes of haiku's own parameter tree for this network (reference layout), for layout checks."""
+        from model_service.ops import for_shapes
+
         n = 8
-        step = Step(jnp.zeros((1, n), jnp.int32), jnp.ones((1, n, n), bool))
+        step = Step(jnp.zeros((1, n), jnp.int32), jnp.ones((1, n, n), bool), ops=for_shapes())
         return jax.eval_shape(lambda: self._forward.init(jax.random.PRNGKey(0), jnp.zeros((1, n), jnp.int32), step))

@@ -10,14 +10,15 @@ Tokens are grouped by expert, and experts nobody selected cost nothing:
 A row adds its experts' outputs in expert order.
 Those are the CPU backend's forms (backend.Backend.moe "cond"); the generic backend's (stacked experts, one grouped
 product per matrix, for a step's rows and prefill alike) are in grouped.py; on a mesh with an expert axis ("expert")
-each expert group runs these conditionals over its own experts (expert_parallel.py). Under scanned layers
+each expert group runs these conditionals over its own experts (expert_parallel.py). MoELayer calls the backend's
+choice among them through ops.Ops.moe (model_service/ops/). Under scanned layers
 (transformer.scan_layers) the matrices come as a layer of the stacked ones (weights.InLayer): a conditional takes
 its expert's slice inside its branch.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import haiku as hk
 import jax
@@ -26,12 +27,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from model_service import kernels
-from model_service.model.expert_parallel import MOE as EXPERT_MOE, experts_parallel
-from model_service.model.grouped import GROUPED_MOE, GroupedExperts, experts_sorted
 from model_service.model.layers import ExpertStack, Products, QuantizedWeight, product, row_sum
 from model_service.model.packed import PackedWeight
 import model_service.model.transcendental as transcendental
-from model_service.model.weights import GroupedWeight, InLayer
+from model_service.model.weights import InLayer
+
+if TYPE_CHECKING:
+    from model_service.ops.base import Ops
 
 Array = jax.Array
 
@@ -41,12 +43,12 @@ class Routing(NamedTuple):
     experts: Array  # [M, k] int32
 
 
-def route(x: Array, router_w: "Array | PackedWeight", k: int, products: Products, row_sums: bool = False) -> Routing:
+def route(x: Array, router_w: "Array | PackedWeight", k: int, ops: "Ops") -> Routing:
     """Softmax over experts in float32, then the top-k probabilities and their experts. x [M, D], router_w [D, E].
-    `row_sums`: the softmax's sum by layers.row_sum (see rms_norm)."""
+    Ops.row_sums: the softmax's sum by layers.row_sum (see rms_norm)."""
     w = router_w if isinstance(router_w, PackedWeight) else router_w.astype(jnp.float32).T
-    logits = product(x.astype(jnp.float32), w, products)  # [M, E]
-    if row_sums:  # jax.nn.softmax's formula, its sum in a fixed order
+    logits = ops.product(x.astype(jnp.float32), w)  # [M, E]
+    if ops.row_sums:  # jax.nn.softmax's formula, its sum in a fixed order
         e = transcendental.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
         probabilities = e / row_sum(e)[:, None]
     else:
@@ -215,11 +217,9 @@ class MoELayer(hk.Module):
         self.ffn_size = ffn_size
         self.mesh = mesh
 
-    def __call__(self, x: Array, routing: Routing, active: Array | None, products: Products,
-                 moe: str = "cond") -> Array:
-        """x [B, T, D] -> [B, T, D]. `active` [B] bool (decode only: T == 1, active given) masks free slots' rows.
-        `moe`: the backend's form (backend.Backend.moe): "cond" the CPU's, one of grouped.GROUPED_MOE the
-        generic backend's over stacked experts, "expert" the expert-parallel form (needs the mesh)."""
+    def __call__(self, x: Array, routing: Routing, active: Array | None, ops: "Ops") -> Array:
+        """x [B, T, D] -> [B, T, D]. `active` [B] bool (a paged step: T == 1) masks free slots' rows. The experts
+        run as the backend's form (Ops.moe: ops/xla.py, ops/native.py, ops/grouped.py)."""
         b, t, d = x.shape
         e, f = self.num_experts, self.ffn_size
         w = ExpertWeights(
@@ -227,31 +227,8 @@ class MoELayer(hk.Module):
             ParamHolder("linear_v").get("w", (e, d, f)),
             ParamHolder("linear_1").get("w", (e, f, d)),
         )
-        flat = x.reshape(b * t, d)
-        if moe in GROUPED_MOE or moe == EXPERT_MOE:
-            if not all(isinstance(q.stacked if isinstance(q, InLayer) else q, GroupedWeight) for q in w):
-                raise ValueError(f"moe {moe!r} multiplies stacked experts (weights.GroupedWeight): load them with "
-                                 "checkpoint.load_params(..., stacked=True) or lay them out with "
-                                 "GrokModel.pack_params")
-            rows_active = None if active is None else active.reshape(b * t)
-            if moe == EXPERT_MOE:
-                if self.mesh is None:
-                    raise ValueError("moe 'expert' splits the experts over a mesh: pass MoELayer its mesh")
-                def local(rows: Array, experts: Array, gates: Array, used: Array | None, stacks: Any) -> Array:
-                    return experts_by_cond(rows, Routing(gates, experts), ExpertWeights(*stacks), used, products)
-                sliced = tuple(q.at_layer() if isinstance(q, InLayer) else q for q in w)
-                return experts_parallel(self.mesh, flat, routing.experts, routing.gates, rows_active, sliced,
-                                        local).reshape(b, t, d)
-            out = experts_sorted(flat, routing.experts, routing.gates, GroupedExperts(*w), rows_active, moe)
-            return out.reshape(b, t, d)
-        if moe != "cond":
-            raise ValueError(f"moe must be 'cond', {EXPERT_MOE!r} or one of {GROUPED_MOE}, got {moe!r}")
-        if active is not None:  # decode
-            if grouped_native(w):
-                return experts_grouped(flat, routing, w, active.reshape(b * t), products).reshape(b, t, d)
-            return experts_by_cond(flat, routing, w, active, products).reshape(b, t, d)
-        tile = pick_tile(b * t, routing.experts.shape[-1], e)
-        return grouped_experts(flat, routing, w, tile, products).reshape(b, t, d)
+        rows_active = None if active is None else active.reshape(b * t)
+        return ops.moe(x.reshape(b * t, d), routing, w, rows_active, self.mesh).reshape(b, t, d)
 
 
 class ParamHolder(hk.Module):

@@ -1,5 +1,5 @@
-"""Each token row's attention over its own sequence's keys in the paged pools (attend_rows, in the backend's
-mode), and the accelerators' mode: a step's rows read a sequence's keys once per block of rows where rows share one.
+"""The accelerators' attention over the paged pools (ops.xla.BatchedAttention): a step's rows read a sequence's keys
+once per block of rows where rows share one.
 
 A step's rows are runs of consecutive positions of one sequence each (model_service/plan.py: a decode row, a
 decode and its drafts, a prompt chunk; one run per slot), padding last. Attending row by row
@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from model_service.model.layers import paged_attention, paged_attention_rows
+from model_service.model.layers import paged_attention
 
 Array = jax.Array
 
@@ -82,31 +82,3 @@ def attend_segments(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: 
     out = out.at[jnp.where(taken, pick, r)].set(lone)
     out = out.at[jnp.where(held, at, r).reshape(-1)].set(shared.reshape(-1, hq * d))
     return out[:r]
-
-
-ATTENTION_MODES = ("native", "rows", "batched")
-
-
-def attend_rows(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: Array, positions: Array, active: Array,
-                multiplier: float, chunk: int, mode: str) -> Array:
-    """Each token row's attention over its own sequence's keys: q [R, Hq, D], row r of sequence seq[r] at
-    positions[r] sees that sequence's key positions 0..positions[r] through tables [S, table_len] -> [R, Hq*D].
-
-    "native" (CPU, one device): the native kernel (kernels.attention), each row alone by construction while the
-    rows of one sequence share their key loads. "rows" (CPU, XLA): every row runs the same one-row program
-    (paged_attention_rows), so its bits depend only on its own query and keys, and rows not `active` cost
-    nothing. "batched" (accelerators): all rows at once, a run of rows of one sequence reading its keys once per
-    block of rows (segments.attend_segments); cheaper where wide products are, without the promise."""
-    if mode == "native":
-        from model_service.kernels import attention as native
-
-        out = native.paged_attention(q.astype(jnp.float32), pool_k, pool_v, tables, seq, positions, active,
-                                     multiplier)
-        return out.astype(q.dtype)
-    own = tables[seq]  # [R, table_len]
-    limit = positions[:, None]
-    if mode == "rows":
-        return paged_attention_rows(q[:, None], pool_k, pool_v, own, limit, multiplier, chunk, active)[:, 0]
-    if mode != "batched":
-        raise ValueError(f"attention mode must be one of {ATTENTION_MODES}, got {mode!r}")
-    return attend_segments(q, pool_k, pool_v, tables, seq, positions, active, multiplier, chunk)

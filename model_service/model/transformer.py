@@ -14,7 +14,7 @@ and the pools stacked the same way, so the program, and its compile time, do not
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import haiku as hk
 import jax
@@ -23,20 +23,15 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from model_service.config import ModelConfig
 from model_service.kv_memory import KVMemory, LayerPool, Pools, block_size_of, write_tokens
-from model_service.model.layers import (
-    Products,
-    QuantizedWeight,
-    apply_rope,
-    attention,
-    product,
-    rms_norm,
-)
+from model_service.model.layers import QuantizedWeight, apply_rope, attention, rms_norm
 from model_service.model.moe import MoELayer, ParamHolder, route
 from model_service.model.packed import PackedWeight
-from model_service.model.segments import attend_rows
 import model_service.model.transcendental as transcendental
 from model_service.model.weights import InLayer
 from model_service.sharding import DATA, LAYER_STACK, MODEL, constrain
+
+if TYPE_CHECKING:
+    from model_service.ops.base import Ops
 
 Array = jax.Array
 
@@ -48,8 +43,8 @@ class Step(NamedTuple):
     keys are the call's own tokens. Paged (the serving step): every row is one token (T == 1) of sequence
     `seq[b]` at `positions[b, 0]`; its key and value go into the pool block its sequence's table lists for
     that position, then it attends to its sequence's keys at positions 0..positions[b, 0] read through the
-    table (segments.attend_rows). Rows not `active` (padding) write into the scratch block, attend to nothing
-    and never make an expert run."""
+    table (Ops.attend). Rows not `active` (padding) write into the scratch block, attend to nothing and never
+    make an expert run. `ops` is how every backend-dependent operation runs (ops.Ops)."""
 
     positions: Array  # [B, T] int32 rotary positions
     mask: Array | None = None  # dense: [B, T, S] bool
@@ -57,22 +52,19 @@ class Step(NamedTuple):
     active: Array | None = None  # paged: [B] bool, the rows that hold a token
     seq: Array | None = None  # paged: [B] int32, each row's sequence (a row of `tables`)
     tables: Array | None = None  # paged: [S, table_len] int32, each sequence's blocks in position order
-    products: Products = Products.DOT  # static: how token rows meet weights (layers.Products)
+    ops: "Ops | None" = None  # static: the backend's operations (products, attention, experts, row sums)
     key_chunk: int = 0  # static, paged: keys are attended in chunks of this many positions
-    attention: str = "rows"  # static, paged: "rows" (one row at a time) or "batched" (segments.attend_rows)
-    row_sums: bool = False  # static, paged: sums over a row's features in a fixed order (layers.row_sum)
-    moe: str = "cond"  # static: how the experts run (backend.Backend.moe)
 
 
 def _norm(name: str, x: Array, step: Step) -> Array:
-    return rms_norm(x, ParamHolder(name).get("scale", (x.shape[-1],)), step.row_sums)
+    return rms_norm(x, ParamHolder(name).get("scale", (x.shape[-1],)), step.ops.row_sums)
 
 
 def _linear(name: str, x: Array, out: int, step: Step) -> Array:
-    """x [B, T, K] -> [B, T, out]; in decode the rows of free slots are not computed (native products)."""
+    """x [B, T, K] -> [B, T, out]; the rows of free slots need not be computed (Ops.product's `used`)."""
     w = ParamHolder(name).get("w", (x.shape[-1], out))
     used = None if step.active is None else jnp.broadcast_to(step.active[:, None], x.shape[:2])
-    return product(x, w if isinstance(w, (QuantizedWeight, PackedWeight)) else w.T, step.products, used)  # plain: init
+    return step.ops.product(x, w if isinstance(w, (QuantizedWeight, PackedWeight)) else w.T, used)  # plain: init
 
 
 def _write(pool: Array | LayerPool, new: Array, step: Step) -> Array | LayerPool:
@@ -104,8 +96,8 @@ class MultiHeadAttention(hk.Module):
             with jax.named_scope("kv_write"):
                 full = KVMemory(*(_write(pool, new, step) for pool, new in ((cache.k, k), (cache.v, v))))
             with jax.named_scope("scores_softmax_values"):
-                out = attend_rows(q[:, 0], full.k, full.v, step.tables, step.seq, step.positions[:, 0], step.active,
-                                  t.attn_output_multiplier, step.key_chunk, step.attention)[:, None]
+                out = step.ops.attend(q[:, 0], full.k, full.v, step.tables, step.seq, step.positions[:, 0],
+                                      step.active, t.attn_output_multiplier, step.key_chunk)[:, None]
         else:
             k, v = (constrain(a, self.mesh, P(DATA, MODEL, None, None)) for a in (k, v))
             full = KVMemory(k, v)
@@ -129,8 +121,8 @@ class DecoderLayer(hk.Module):
         b, n, d = moe_in.shape
         router_w = ParamHolder("router").get("w", (d, t.num_experts))
         with jax.named_scope("router"):
-            routing = route(moe_in.reshape(b * n, d), router_w, t.num_selected_experts, step.products, step.row_sums)
-        moe_out = MoELayer(t.num_experts, t.ffn_size, self.mesh)(moe_in, routing, step.active, step.products, step.moe)
+            routing = route(moe_in.reshape(b * n, d), router_w, t.num_selected_experts, step.ops)
+        moe_out = MoELayer(t.num_experts, t.ffn_size, self.mesh)(moe_in, routing, step.active, step.ops)
         return self._constrain(h + _norm("rms_norm_3", moe_out, step)), kv
 
     def _constrain(self, h: Array) -> Array:
@@ -195,7 +187,7 @@ def scan_layers(layer: LayerFn, params: Any, h: Array, step: Step) -> tuple[Arra
 class LanguageModelParams(NamedTuple):
     """The `language_model` scope: tied embedding table and final norm scale."""
 
-    embeddings: Array | PackedWeight  # [V, D] (packed for native products in float32)
+    embeddings: Array | PackedWeight  # [V, D] (packed for the native kernels: ops.native.Packed)
     norm_scale: Array  # [D]
 
 
@@ -209,78 +201,65 @@ def language_model_params(cfg: ModelConfig) -> LanguageModelParams:
     return LanguageModelParams(table, scale)
 
 
-def embed(cfg: ModelConfig, lm: LanguageModelParams, tokens: Array, dtype: jnp.dtype) -> Array:
-    """tokens [B, T] -> [B, T, D] in `dtype`, times embedding_multiplier_scale."""
-    table = lm.embeddings
-    x = (table.rows_of(tokens) if isinstance(table, PackedWeight) else jnp.take(table, tokens, axis=0)).astype(dtype)
+def embed(cfg: ModelConfig, lm: LanguageModelParams, tokens: Array, dtype: jnp.dtype, ops: "Ops") -> Array:
+    """tokens [B, T] -> [B, T, D] in `dtype` (the table's rows as the backend laid it out: Ops.embed), times
+    embedding_multiplier_scale."""
+    x = ops.embed(lm.embeddings, tokens).astype(dtype)
     return x * jnp.asarray(cfg.embedding_multiplier_scale, dtype)
 
 
-def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array, products: Products,
+def unembed(cfg: ModelConfig, lm: LanguageModelParams, h: Array, ops: "Ops",
             used: Array | None = None, fill_unused: bool = True, row_sums: bool = False) -> Array:
-    """Final norm, then the tied unembedding: h [..., D] -> float32 logits [..., V]. Rows not `used` (bool over
-    h's leading dims: a decode step's free slots) need no logits; native products skip them (zeros, or with
-    `fill_unused` False not even written: undefined, for a caller that never reads them). `row_sums`: the
+    """Final norm, then the tied unembedding (Ops.unembed): h [..., D] -> float32 logits [..., V]. Rows not `used`
+    (bool over h's leading dims: a decode step's free slots) need no logits; forms that skip them give zeros (or
+    with `fill_unused` False not even written: undefined, for a caller that never reads them). `row_sums`: the
     norm's mean square in layers.row_sum's fixed order (see head)."""
     h = rms_norm(h, lm.norm_scale, row_sums)
-    stored = lm.embeddings
-    if products in (Products.DOT, Products.EXACT) and not isinstance(stored, PackedWeight):
-        # A matrix unit: the table as stored meets the rows with float32 accumulation (a float32 copy of a bfloat16
-        # table would be written and read again every step); EXACT splits float32 rows (layers.product).
-        if h.dtype == jnp.float32:
-            return product(h, stored, products, multiplier=cfg.output_multiplier_scale)
-        out = jnp.einsum("...k,nk->...n", h, stored.astype(h.dtype), preferred_element_type=jnp.float32)
-        return (out.astype(h.dtype) * jnp.asarray(cfg.output_multiplier_scale, h.dtype)).astype(jnp.float32)
-    table = stored if isinstance(stored, PackedWeight) else stored.astype(jnp.float32)
-    if h.dtype != jnp.float32:  # the reference's product and multiplier round to the compute dtype
-        out = product(h.astype(jnp.float32), table, products, used, fill_unused)
-        return (out.astype(h.dtype) * jnp.asarray(cfg.output_multiplier_scale, h.dtype)).astype(jnp.float32)
-    # In the product: natively the kernel multiplies only the computed rows (free slots cost no pass over [V]).
-    return product(h, table, products, used, fill_unused, multiplier=cfg.output_multiplier_scale)
+    return ops.unembed(h, lm.embeddings, cfg.output_multiplier_scale, used, fill_unused)
 
 
-def embedded(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array) -> Array:
+def embedded(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, ops: "Ops", tokens: Array) -> Array:
     """Haiku-transformed: tokens [B, T] -> the first layer's input [B, T, D]."""
-    return constrain(embed(cfg, language_model_params(cfg), tokens, dtype), mesh, P(DATA, None, MODEL))
+    return constrain(embed(cfg, language_model_params(cfg), tokens, dtype, ops), mesh, P(DATA, None, MODEL))
 
 
 def forward(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: Step) -> Array:
     """Haiku-transformed dense pass (parity checks): tokens [B, T] -> float32 logits [B, T, V]."""
     lm = language_model_params(cfg)
-    x = constrain(embed(cfg, lm, tokens, dtype), mesh, P(DATA, None, MODEL))
+    x = constrain(embed(cfg, lm, tokens, dtype, step.ops), mesh, P(DATA, None, MODEL))
     h, _ = Transformer(cfg, mesh)(x, step)
     with jax.named_scope("unembed"):
-        return unembed(cfg, lm, h, step.products)
+        return unembed(cfg, lm, h, step.ops)
 
 
 def hidden(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, tokens: Array, step: Step) -> tuple[Array, Pools]:
     """Haiku-transformed paged pass over token rows: tokens [R, 1] -> the last layer's output [R, 1, D] (before
     the final norm) and the pools with the rows' keys and values written."""
     lm = language_model_params(cfg)
-    x = constrain(embed(cfg, lm, tokens, dtype), mesh, P(DATA, None, MODEL))
+    x = constrain(embed(cfg, lm, tokens, dtype, step.ops), mesh, P(DATA, None, MODEL))
     return Transformer(cfg, mesh)(x, step)
 
 
-def head(cfg: ModelConfig, h: Array, products: Products, used: Array | None, row_sums: bool = False) -> Array:
+def head(cfg: ModelConfig, h: Array, ops: "Ops", used: Array | None) -> Array:
     """Haiku-transformed (the same parameters): rows h [P, D] -> float32 logits [P, V]; rows not `used` [P] get
-    none (with native products their values are undefined: the sampler reads a row only for a draw it makes,
-    and writing [V] zeros for each free slot cost ~2 ms a step at 16 slots). `row_sums`: the final norm's sum in
-    a fixed order (layers.row_sum), so a row's logits do not depend on P: XLA:CPU hands a reduction of 4,096
+    none (where the forms skip them their values are undefined: the sampler reads a row only for a draw it makes,
+    and writing [V] zeros for each free slot cost ~2 ms a step at 16 slots). Ops.head_row_sums: the final norm's
+    sum in a fixed order (layers.row_sum), so a row's logits do not depend on P: XLA:CPU hands a reduction of 4,096
     elements or more to YNNPACK, which sums in another order than its own loop, so its mean over [4, 512] and
     over [20, 512] (a plain engine's draws and a speculative one's) gave a row other bits (issue 64)."""
     with jax.named_scope("unembed"):
-        return unembed(cfg, language_model_params(cfg), h, products, used, fill_unused=False, row_sums=row_sums)
+        return unembed(cfg, language_model_params(cfg), h, ops, used, fill_unused=False, row_sums=ops.head_row_sums)
 
 
-def score(cfg: ModelConfig, h: Array, targets: Array, used: Array, products: Products,
-          k: int, row_sums: bool = False) -> tuple[Array, Array, Array]:
+def score(cfg: ModelConfig, h: Array, targets: Array, used: Array, ops: "Ops",
+          k: int) -> tuple[Array, Array, Array]:
     """Haiku-transformed: how likely the network finds each row's next token (vLLM's prompt_logprobs).
 
     h [C, D] rows, targets [C] int32 (the token that follows each row), used [C] bool -> (log-probability of the
     target [C], the k largest log-probabilities [C, k], their ids [C, k]) under the raw logits' log-softmax;
-    `row_sums` as in head (the logits then are the head's bits; the log-softmax over [C, V] is not: the engine
+    Ops.head_row_sums as in head (the logits then are the head's bits; the log-softmax over [C, V] is not: the engine
     scores in tiles of one size, and XLA:CPU's exp too takes another form from 4,096 elements)."""
-    logits = unembed(cfg, language_model_params(cfg), h, products, used, row_sums=row_sums)
+    logits = unembed(cfg, language_model_params(cfg), h, ops, used, row_sums=ops.head_row_sums)
     logprobs = transcendental.log_softmax(logits, axis=-1)  # [C, V]
     top, ids = jax.lax.top_k(logprobs, k)
     return jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0], top, ids.astype(jnp.int32)

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from model_service import kernels
+from model_service.ops.native import KernelNucleus
+from model_service.ops.xla import SearchNucleus
 from model_service.sampling import (
     KEPT_FLOOR,
     MASKED_LOGIT,
@@ -122,11 +124,11 @@ def test_noise_for_some_counters_is_the_whole_rows_noise_at_them() -> None:
 
 def test_a_sampled_slot_gives_the_same_token_and_probability_with_and_without_the_native_sampler() -> None:
     rng = np.random.default_rng(3)
-    one = jax.jit(lambda key, logits, native: _sample_filtered(
-        key, logits, jnp.float32(0.7), jnp.float32(0.9), jnp.ones(VOCAB, bool), jnp.int32(0), native=native),
+    one = jax.jit(lambda key, logits, nucleus: _sample_filtered(
+        key, logits, jnp.float32(0.7), jnp.float32(0.9), jnp.ones(VOCAB, bool), jnp.int32(0), nucleus=nucleus),
         static_argnums=2)
     for seed in range(10):
         logits, key = jnp.asarray(rng.normal(0, 3, VOCAB).astype(np.float32)), jax.random.PRNGKey(seed)
-        native, xla = one(key, logits, True), one(key, logits, False)
+        native, xla = one(key, logits, KernelNucleus()), one(key, logits, SearchNucleus())
         assert int(native.token) == int(xla.token)
         assert np.float32(native.prob).tobytes() == np.float32(xla.prob).tobytes()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from model_service import kernels
+from model_service.ops.native import KernelNucleus
 from model_service.sampling import (
     SamplingParams,
     _search_threshold_probs,
@@ -157,7 +158,7 @@ def test_sampler_draws_the_same_tokens_with_the_kernel() -> None:
     params = SamplingParams(temperature, top_p, jnp.ones((b, VOCAB), bool), jnp.ones((b,), bool),
                             jnp.full((b,), 8, jnp.int32))
     xla = jax.jit(sample_tokens)
-    native = jax.jit(functools.partial(sample_tokens, native=True))
+    native = jax.jit(functools.partial(sample_tokens, nucleus=KernelNucleus()))
     for seed in (1, 2, 3):
         keys = jnp.stack([split_key(seed_key(jnp.uint32(seed * 100 + s)))[1] for s in range(b)])
         want, got = xla(keys, logits, params), native(keys, logits, params)
