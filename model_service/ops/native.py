@@ -23,7 +23,6 @@ from model_service import kernels
 from model_service.kernels import attention as kernel_attention
 from model_service.model.layers import Products
 from model_service.model.moe import ExpertWeights, Routing, experts_grouped, grouped_native
-from model_service.model.packed import PackedWeight
 from model_service.model.params import pack_for_native, packable
 from model_service.ops.base import Forms, Params, relaid
 from model_service.ops.xla import CondExperts, CpuForms
@@ -38,9 +37,6 @@ class NativeForms(CpuForms):
     rows to int8 where they meet an int8 weight."""
 
     products: Products = Products.NATIVE
-
-    def embed(self, table: Any, tokens: Array) -> Array:
-        return table.rows_of(tokens) if isinstance(table, PackedWeight) else super().embed(table, tokens)
 
 
 @dataclass(frozen=True)

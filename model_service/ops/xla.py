@@ -57,7 +57,9 @@ class CpuForms:
         return rows_unembed(self, h, table, multiplier, used, fill_unused)
 
     def embed(self, table: Any, tokens: Array) -> Array:
-        return jnp.take(table, tokens, axis=0)
+        # A table packed for the native kernel (params laid out for native products, met by these forms: the parity
+        # checks run XLA's forms over the service's loaded parameters) is read from its packing, exactly.
+        return table.rows_of(tokens) if isinstance(table, PackedWeight) else jnp.take(table, tokens, axis=0)
 
     def precision(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
