@@ -12,7 +12,6 @@ accurate forms the faithful mode (Products.EXACT) came within 1.3e-5 (benchmarks
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -116,11 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown configuration {unknown[0]!r}: one of {', '.join(CONFIGS)}")
     report = run(names)
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    results.emit(report, args.out)
     return 0
 
 

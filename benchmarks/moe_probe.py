@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.results import emit
 from model_service.config import load_model_config
 from model_service.kernels.tpu.grouped_matmul import Tiling
 from model_service.model.grouped import GroupedExperts, experts_sorted
@@ -166,11 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                          "pallas" if on_tpu else "pallas_interpret")
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "python": platform.python_version(),
               "pallas_interpret": not on_tpu, "results": results}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+    emit(report, args.out)
     return 0
 
 

@@ -71,6 +71,14 @@ def write_json(path: pathlib.Path, data: Mapping[str, Any]) -> pathlib.Path:
     return path
 
 
+def emit(report: Mapping[str, Any], out: str | None) -> None:
+    """A tool's JSON report on stdout, and also into `out` when given."""
+    text = json.dumps(report, indent=1)
+    print(text)
+    if out:
+        pathlib.Path(out).write_text(text + "\n")
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
