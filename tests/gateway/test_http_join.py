@@ -79,7 +79,7 @@ class Watched(ReplayPool):
     """A replay replica that records how many replies its request took, and when its model stream was closed."""
 
     taken = 0
-    closed = False
+    closed: asyncio.Event
 
     async def generate(self, request, deadline, metadata=()):  # type: ignore[no-untyped-def]
         stream = await super().generate(request, deadline, metadata)
@@ -91,7 +91,7 @@ class Watched(ReplayPool):
                 yield reply
 
         def close() -> None:
-            pool.closed = True
+            pool.closed.set()
 
         stream.responses, stream.close = counted, close  # type: ignore[method-assign]
         return stream
@@ -125,13 +125,14 @@ def test_a_client_that_stops_reading_ends_its_model_request_past_the_read_ahead_
                 stalled.set()
                 await asyncio.Event().wait()
 
+        pool.closed = asyncio.Event()
         app = asyncio.create_task(create_app(context)(scope(body), receive, send))
         await asyncio.wait_for(stalled.wait(), 10)
-        for _ in range(500):
-            if pool.closed:
-                break
-            await asyncio.sleep(0.01)
-        ended_while_stalled = pool.closed
+        try:
+            await asyncio.wait_for(pool.closed.wait(), 5)  # the model stream is closed while the client reads nothing
+        except asyncio.TimeoutError:
+            pass
+        ended_while_stalled = pool.closed.is_set()
         app.cancel()
         await asyncio.gather(app, return_exceptions=True)
         return ended_while_stalled

@@ -46,15 +46,18 @@ def test_messages_of_other_completions_and_after_a_last_one_are_not_joined() -> 
 
 
 def test_what_queued_while_the_reader_was_away_comes_as_one_message() -> None:
-    async def produced(count: int) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        for i in range(count):
-            yield token_message(i, last=i == count - 1)
-
     async def read(join: bool) -> list[gateway_pb2.GenerateResponse]:
+        everything = asyncio.Event()
+
+        async def produced(count: int) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+            for i in range(count):
+                yield token_message(i, last=i == count - 1)
+            everything.set()  # the read-ahead took the last one
+
         out = []
         async for message in bounded(produced(6), join=join_responses if join else None):
             out.append(message)
-            await asyncio.sleep(0.05)  # a slow writer: the rest queue up meanwhile
+            await everything.wait()  # a writer busy until the rest have queued up behind its message
         return out
 
     joined, alone = asyncio.run(read(True)), asyncio.run(read(False))
