@@ -124,7 +124,8 @@ def plan(args: argparse.Namespace, tmp: pathlib.Path) -> tuple[list[Program], li
                     "--prompt-rows", args.prompt_rows, "--long-prompt", str(args.long_prompt),
                     "--decode-prompt", str(args.decode_prompt), "--runs", str(args.runs),
                     "--prompt-runs", str(args.prompt_runs), "--long-runs", str(args.long_runs),
-                    "--backend", args.backend, "--moe", args.moe, "--layers", args.layers),
+                    "--backend", args.backend, "--moe", args.moe, "--layers", args.layers,
+                    *(("--attention", args.attention) if args.attention != "auto" else ())),
                     meta=(("config", point), ("dtype", dtype))))
     return programs, notes, configs
 
@@ -188,7 +189,7 @@ def assemble(args: argparse.Namespace, arms: dict[str, pathlib.Path], runs: list
         "arms": {a: {"dir": str(d), "git": results.git_info(d)} for a, d in arms.items()},
         "settings": {"points": args.points, "dtypes": args.dtype, "streams": args.streams,
                      "prompt_rows": args.prompt_rows, "long_prompt": args.long_prompt, "runs": args.runs,
-                     "backend": args.backend, "moe": args.moe, "layers": args.layers,
+                     "backend": args.backend, "moe": args.moe, "layers": args.layers, "attention": args.attention,
                      "bandwidth_bytes_per_s": args.bandwidth, "peak_flops": args.peak_flops,
                      "peak_note": device_bounds.PEAK_NOTE, "f32_atol": args.f32_atol,
                      "jax_platforms": os.environ.get("JAX_PLATFORMS", ""),
@@ -239,6 +240,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-runs", type=int, default=5)
     p.add_argument("--long-runs", type=int, default=3)
     p.add_argument("--moe", default="auto", help="the points' experts, as the model service's --moe")
+    p.add_argument("--attention", default="auto", help="the points' attention, as the model service's --attention "
+                   "(pallas: decode rows through the Pallas kernel, one TPU device)")
     p.add_argument("--layers", default="auto", help="the points' and parity's layers, as the model service's "
                    "--layers (scan or unroll)")
     p.add_argument("--backend", default="auto", help="the points' engine backend, as the model service's "

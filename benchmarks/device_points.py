@@ -30,11 +30,12 @@ import numpy as np
 
 
 def build(config: str, dtype: str, slots: int, seed: int, backend: str = "auto",
-          moe: str = "auto", layers: str = "auto") -> tuple[Any, float]:
+          moe: str = "auto", layers: str = "auto", attention: str = "auto") -> tuple[Any, float]:
     """The model service's engine for `config` with random weights, and the seconds its weights took."""
     from model_service.loading import ServerConfig, load_engine, resolve
 
-    chosen = {"layers": layers} if layers != "auto" else {}  # a checkout from before --layers takes none
+    # A checkout from before --layers / --attention takes neither: passed only when asked for.
+    chosen = {k: v for k, v in (("layers", layers), ("attention", attention)) if v != "auto"}
     server = ServerConfig(config=config, checkpoint=None, random_init=True, dtype=dtype, slots=slots,
                           random_seed=seed, backend=backend, moe=moe, **chosen)
     start = time.perf_counter()
@@ -160,7 +161,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     streams = [int(s) for s in args.streams.split(",") if s]
     count, length = (int(x) for x in args.prompt_rows.split("x")) if args.prompt_rows else (0, 0)
     slots = max(streams + [count, 1])
-    engine, init_s = build(args.config, args.dtype, slots, args.seed, args.backend, args.moe, args.layers)
+    engine, init_s = build(args.config, args.dtype, slots, args.seed, args.backend, args.moe, args.layers,
+                           args.attention)
     import os
 
     progress(f"built in {init_s:.1f} s; compiling (NPROC={os.environ.get('NPROC')!r}, "
@@ -216,6 +218,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--moe", default="auto", help="as the model service's --moe (auto: the backend's choice)")
     p.add_argument("--layers", default="auto", help="as the model service's --layers (auto: scan on the generic "
                    "backend)")
+    p.add_argument("--attention", default="auto", help="as the model service's --attention (auto: batched)")
     return p
 
 

@@ -12,7 +12,8 @@ import logging
 import os
 import sys
 
-from model_service.config import BACKENDS, LAYERS_CHOICES, MOE_CHOICES, PRODUCT_CHOICES, ConfigError, MeshConfig
+from model_service.config import (ATTENTION_CHOICES, BACKENDS, LAYERS_CHOICES, MOE_CHOICES, PRODUCT_CHOICES, ConfigError,
+                                  MeshConfig)
 from model_service.distributed import DistributedConfig
 from model_service.pacing import DEFAULT_SLOWDOWN
 from serving_common import logs, tracing
@@ -143,6 +144,11 @@ def parser() -> EnvArgumentParser:
                             "conditional per expert) or auto (pallas on one TPU in bfloat16, cond there in float32, "
                             "the faithful mode, whose golden parity the kernel failed on the chip; ragged on other "
                             "single devices, cond on meshes and on the cpu backend)")
+    p.add_env_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
+                       help="how the generic backend attends: batched (XLA: a step's decode rows read keys up to the "
+                            "step's longest sequence), pallas (one TPU device: decode rows read their own KV blocks "
+                            "only, through a Pallas kernel; prompt chunks as batched; an opt-in, not yet measured on "
+                            "the chip) or auto (batched)")
     p.add_env_argument("--layers", choices=LAYERS_CHOICES, default="auto",
                        help="how the generic backend runs the decoder layers: scan (one loop over parameters and KV "
                             "pools stacked along a layer axis: each step program is the same size at any depth, so "
@@ -349,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(
         config=args.config, checkpoint=args.checkpoint, random_init=args.random_init, host=args.host,
         port=args.port, uds=args.uds, dtype=args.dtype, mesh=args.mesh, slots=args.slots, backend=args.backend,
-        moe=args.moe, layers=args.layers, products=args.products, kv_tokens=args.kv_tokens, kv_memory=args.kv_memory,
+        moe=args.moe, layers=args.layers, attention=args.attention, products=args.products, kv_tokens=args.kv_tokens,
+        kv_memory=args.kv_memory,
         block_size=args.block_size,
         prefix_caching=args.prefix_caching == "on", huge_pages=args.huge_pages == "on",
         step_tokens=args.max_num_batched_tokens, prefill_tokens=args.prefill_tokens,

@@ -7,7 +7,8 @@ accelerator is how that program computes, and it is all here:
               elsewhere);
   attention   per-row attention ("native": the native kernel, on one device; "rows": XLA, each row its own
               program over its own keys: either way a row's bits never depend on the others, and idle rows
-              cost nothing) or one batched computation ("batched");
+              cost nothing) or one batched computation ("batched"; "pallas": batched, its decode rows through
+              the Pallas kernel, which reads each row's own blocks only: one TPU device, an opt-in);
   tile_rows   rows per pass over the weights (a tile streams each weight once for its rows);
   step_tokens token rows per step (prompt and decode rows together);
   native_sampling  the sampler's nucleus threshold and its list of kept entries (the draw's noise for those only)
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from model_service import kernels
-from model_service.config import BACKENDS, LAYERS_CHOICES, MOE_CHOICES, PRODUCT_CHOICES
+from model_service.config import ATTENTION_CHOICES, BACKENDS, LAYERS_CHOICES, MOE_CHOICES, PRODUCT_CHOICES
 from model_service.model.layers import Products
 from model_service.model.packed import native_ok
 
@@ -134,11 +135,13 @@ def row_buckets(step_rows: int, buckets: tuple[int, ...] | None = None) -> tuple
 
 def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", slots: int = 1,
                    step_tokens: int | None = None, tile_rows: int | None = None,
-                   buckets: tuple[int, ...] | None = None, moe: str = "auto", layers: str = "auto") -> Backend:
+                   buckets: tuple[int, ...] | None = None, moe: str = "auto", layers: str = "auto",
+                   attention: str = "auto") -> Backend:
     """The backend for `mesh` (see the module docstring); `step_tokens` / `tile_rows` override its shape (a step
     holds at least one row per slot and whole tiles), `buckets` the accelerator's row buckets, `moe` how the
     generic backend runs the experts (choose_moe), `layers` (--layers) whether it scans its layers ("scan") or
-    unrolls them ("unroll"; the cpu backend always does). "auto" scans the generic backend's layers (on a TPU v5e
+    unrolls them ("unroll"; the cpu backend always does), `attention` (--attention) the generic backend's attention
+    (choose_attention). "auto" scans the generic backend's layers (on a TPU v5e
     medium's scanned program compiled in 59 s against 82 s unrolled and stepped as fast or faster:
     benchmarks/measured/device-tpu-v5e.json), except on an accelerator mesh with an expert axis, whose per-layer
     experts a scanned step would slice out (a copy) every step."""
@@ -147,6 +150,11 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
     if layers not in LAYERS_CHOICES:
         raise ValueError(f"--layers must be one of {', '.join(LAYERS_CHOICES)}, got {layers!r}")
     name = choice if choice != "auto" else ("cpu" if platform(mesh) == "cpu" else "generic")
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}")
+    if name == "cpu" and attention != "auto":
+        raise ValueError(f"--attention {attention} is the generic backend's choice (the cpu backend attends row by "
+                         "row): use --backend generic, or --attention auto")
     if name == "cpu" and layers == "scan":
         raise ValueError("--layers scan runs on the generic backend (the cpu backend's kernels take each layer's own "
                          "buffers): use --backend generic, or --layers auto")
@@ -164,7 +172,7 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
         chosen = accelerator_products(mesh, jnp.dtype(dtype))
         rows = max(step_tokens or GENERIC_STEP_TOKENS, slots)
         tile = min(tile_rows or rows, rows)
-        attention = "batched"
+        attention = choose_attention(attention, mesh)
     if tile < 1:
         raise ValueError(f"a tile holds at least one row, got {tile}")
     rows = -(-rows // tile) * tile
@@ -178,6 +186,20 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
     return Backend(name, chosen, attention, tile, rows, native, vectorised_sampling=True, row_buckets=fitted,
                    one_program=True, exact_f32=chosen is Products.EXACT, moe=moe_choice,
                    scan_layers=scan_layers(layers, mesh, moe_choice))
+
+
+def choose_attention(choice: str, mesh: Mesh) -> str:
+    """Backend.attention on the generic backend for --attention `choice`: "batched" (XLA: auto, for now: the
+    Pallas kernel is measured on the chip before it is anyone's default) or "pallas" (one TPU device: decode rows
+    read their own blocks through the kernel; prompt chunks attend as batched)."""
+    if choice != "pallas":
+        return "batched"
+    if platform(mesh) != "tpu":
+        raise ValueError("--attention pallas runs on a TPU (its kernel compiles for one): use --attention batched")
+    if mesh.size > 1:
+        raise ValueError(f"--attention pallas runs on one device; a mesh of {mesh.size} devices takes --attention "
+                         "batched")
+    return "pallas"
 
 
 def native_sampling(products: Products, mesh: Mesh) -> bool:

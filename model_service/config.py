@@ -15,6 +15,7 @@ from typing import Any
 BACKENDS = ("auto", "cpu", "generic")
 PRODUCT_CHOICES = ("auto", "native", "native-int8", "xla")
 MOE_CHOICES = ("auto", "pallas", "ragged", "cond")  # how the generic backend runs the experts (backend.choose_moe)
+ATTENTION_CHOICES = ("auto", "batched", "pallas")  # the generic backend's attention (backend.choose_attention)
 LAYERS_CHOICES = ("auto", "scan", "unroll")  # whether the generic backend scans its layers (Backend.scan_layers)
 
 

@@ -44,6 +44,7 @@ class ServerConfig:
     backend: str = "auto"  # auto | cpu | generic: the hardware choices (backend.py)
     moe: str = "auto"  # auto | pallas | ragged | cond: how the generic backend runs the experts (backend.choose_moe)
     layers: str = "auto"  # auto | scan | unroll: whether the generic backend scans its layers (Backend.scan_layers)
+    attention: str = "auto"  # auto | batched | pallas: the generic backend's attention (backend.choose_attention)
     products: str = "auto"  # auto | native | xla: how token rows meet the weights on the cpu backend
     step_tokens: int | None = None  # token rows per step (None: engine.choose_shape's default for the platform)
     prefill_tokens: int | None = None  # prompt rows per step while others decode (None: paced, pacing.py)
@@ -103,7 +104,7 @@ def use_huge_pages(config: ServerConfig, engine: Any) -> None:
 # The settings a process's programs depend on (beside the model config and JAX's own flags): two processes
 # that agree on these compile the same programs.
 PROGRAM_SETTINGS = ("dtype", "mesh", "slots", "kv_tokens", "kv_memory", "block_size", "prefix_caching", "backend", "moe",
-                    "layers", "products", "step_tokens", "tile_rows", "speculative")
+                    "layers", "attention", "products", "step_tokens", "tile_rows", "speculative")
 
 
 def programs_key(config: ServerConfig, cfg: ModelConfig) -> str:
@@ -137,7 +138,7 @@ def load_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     read_before = _bytes_read()
     dtype = jnp.dtype(config.dtype)
     backend = choose_backend(config.backend, mesh, dtype, config.products, config.slots, config.step_tokens,
-                             config.tile_rows, moe=config.moe, layers=config.layers)
+                             config.tile_rows, moe=config.moe, layers=config.layers, attention=config.attention)
     model = GrokModel(cfg, mesh, dtype, block_size=config.block_size, backend=backend)
     laid_out = model.load_options()  # laid out for the backend's operations as they load (GrokModel.pack_params')
     log.info("backend", extra={"backend": backend.name, "products": backend.products.value,

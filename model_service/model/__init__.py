@@ -78,6 +78,11 @@ class GrokModel:
         self.key_chunk = min(key_chunk, -(-cfg.sequence_len // block_size) * block_size)
         self.table_len = -(-cfg.sequence_len // self.key_chunk) * self.key_chunk // block_size  # entries per slot
         self.attention = self.backend.attention
+        least = self.ops.min_block_size(self.dtype)
+        if block_size % least:
+            raise ValueError(f"--attention {self.attention} reads KV blocks of {least} positions or more in "
+                             f"{self.dtype.name} (a block fills whole tiles), got --block-size {block_size}: use "
+                             f"--block-size {least} or more")
         self.moe = self.backend.moe
         # A row's bits independent of how many rows a serving program holds (Ops.row_sums, Ops.head_row_sums).
         self.row_sums = self.ops.row_sums

@@ -16,6 +16,8 @@ rows or more). Neither bound holds if a slot has two runs in one step, which the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -44,25 +46,36 @@ def runs(seq: Array, positions: Array, active: Array) -> tuple[Array, Array, Arr
     return run, jnp.arange(r) - first[run], length[run]
 
 
+Single = Callable[[Array, Array, Array, Array], Array]  # (q [L, Hq, D], tables [L, n], positions [L], taken [L])
+
+
 def attend_segments(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: Array, positions: Array,
-                    active: Array, multiplier: float, chunk: int, block_rows: int = BLOCK_ROWS) -> Array:
+                    active: Array, multiplier: float, chunk: int, block_rows: int = BLOCK_ROWS,
+                    single: Single | None = None) -> Array:
     """q [R, Hq, D]; row r of sequence seq[r] at positions[r] sees that sequence's key positions
-    0..positions[r] through tables [S, table_len]; rows not `active` get zeros. -> [R, Hq * D]."""
+    0..positions[r] through tables [S, table_len]; rows not `active` get zeros. -> [R, Hq * D]. `single(q, tables,
+    positions, taken)` attends the single rows gathered into lanes (each lane's query, its sequence's table, its
+    position; lanes not `taken` hold no row and their output is dropped) -> [L, Hq * D]: by default
+    layers.paged_attention, one query a row."""
     r, hq, d = q.shape
     lanes, blocks = capacities(r, tables.shape[0], block_rows)
     run, offset, length = runs(seq, positions, active)
-    single = active & (length == 1)
+    lone_rows = active & (length == 1)
     grouped = active & (length > 1)
 
     # Single rows, gathered into `lanes` (the rest of the lanes see position 0 of slot 0 and are dropped).
-    pick = jnp.nonzero(single, size=lanes, fill_value=r)[0]
+    pick = jnp.nonzero(lone_rows, size=lanes, fill_value=r)[0]
     taken = pick < r
     pick_ = jnp.where(taken, pick, 0)
+
+    def alone() -> Array:
+        if single is not None:
+            return single(q[pick_], tables[seq[pick_]], positions[pick_], taken)
+        return paged_attention(q[pick_][:, None], pool_k, pool_v, tables[seq[pick_]],
+                               jnp.where(taken, positions[pick_], 0)[:, None], multiplier, chunk)[:, 0]
+
     lone = jax.lax.cond(  # a step of prompt chunks alone skips it, as a step of decodes skips the blocks below
-        jnp.any(single), lambda: paged_attention(q[pick_][:, None], pool_k, pool_v, tables[seq[pick_]],
-                                                 jnp.where(taken, positions[pick_], 0)[:, None], multiplier,
-                                                 chunk)[:, 0],
-        lambda: jnp.zeros((lanes, hq * d), q.dtype))
+        jnp.any(lone_rows), alone, lambda: jnp.zeros((lanes, hq * d), q.dtype))
 
     # Runs of two rows or more, cut into blocks: a run's blocks follow the blocks of the runs before it.
     per_run = jax.ops.segment_max(jnp.where(grouped, -(-length // block_rows), 0), run, num_segments=r)

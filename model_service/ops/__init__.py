@@ -3,7 +3,7 @@ nowhere else: model/ (the network), the engine and the sampler call `ops.product
 `ops.unembed`, `ops.lay_out`, `ops.sampling`, ... and never ask which backend they run on. Implementations:
 ops/native.py (the CPU's native kernels), ops/xla.py (XLA's forms: CPU fused reductions, matrix-unit dots, per-row
 and batched attention, per-expert conditionals), ops/grouped.py (stacked experts: Pallas, ragged_dot, expert
-parallel).
+parallel), ops/pallas.py (decode attention through the Pallas kernel).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from model_service.model.layers import Products
 from model_service.ops.base import Attention, Experts, Forms, Layout, Ops, Stored
 from model_service.ops.grouped import ParallelExperts, SortedExperts, Stacked
 from model_service.ops.native import KernelNucleus, NativeAttention, NativeExperts, NativeForms, Packed
+from model_service.ops.pallas import PallasAttention
 from model_service.ops.xla import BatchedAttention, CondExperts, CpuForms, MatrixForms, RowAttention, SearchNucleus
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Ops", "for_backend", "for_shapes"]
 
-ATTENTION_MODES = ("native", "rows", "batched")  # backend.Backend.attention
+ATTENTION_MODES = ("native", "rows", "batched", "pallas", "pallas_interpret")  # backend.Backend.attention
 
 
 def _forms(products: Products) -> Forms:
@@ -37,6 +38,8 @@ def _forms(products: Products) -> Forms:
 def _attention(mode: str) -> Attention:
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {mode!r}")
+    if mode.startswith("pallas"):
+        return PallasAttention(interpret=mode == "pallas_interpret")
     return {"native": NativeAttention, "rows": RowAttention, "batched": BatchedAttention}[mode]()
 
 

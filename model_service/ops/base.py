@@ -6,7 +6,8 @@ An `Ops` value is five parts, each chosen once (ops.for_backend) from the chosen
              product (`unembed`), and the matmul precision programs are traced under (`precision`): ops/xla.py
              (XLA's fused-reduce forms on CPU, its dots on a matrix unit), ops/native.py (the native kernels);
   attention  each token row's attention over its sequence's keys in the paged pools (`attend`), and the pools' layout
-             that form reads: ops/native.py (the native kernel), ops/xla.py (one row at a time, or batched);
+             that form reads: ops/native.py (the native kernel), ops/xla.py (one row at a time, or batched),
+             ops/pallas.py (batched, its decodes through the Pallas kernel);
   experts    the mixture of experts over a step's rows (`moe`): ops/xla.py (a conditional per expert),
              ops/native.py (the native grouped kernel), ops/grouped.py (the stacked experts' grouped products: Pallas,
              ragged_dot, expert parallel);
@@ -59,6 +60,9 @@ class Attention(Protocol):
                active: Array, multiplier: float, chunk: int) -> Array:
         """q [R, Hq, D]; row r of sequence seq[r] at positions[r] sees that sequence's key positions 0..positions[r]
         through tables [S, table_len]; rows not `active` [R] get zeros -> [R, Hq * D]."""
+
+    def min_block_size(self, dtype: Any) -> int:
+        """The least KV block size (positions) this form reads in pools of `dtype`."""
 
 
 class Experts(Protocol):
@@ -150,6 +154,9 @@ class Ops:
     def attend(self, q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: Array, positions: Array,
                active: Array, multiplier: float, chunk: int) -> Array:
         return self.attention.attend(q, pool_k, pool_v, tables, seq, positions, active, multiplier, chunk)
+
+    def min_block_size(self, dtype: Any) -> int:
+        return self.attention.min_block_size(dtype)
 
     def moe(self, x: Array, routing: Any, w: Any, active: Array | None, mesh: Any) -> Array:
         return self.experts(x, routing, w, active, self.forms, mesh)

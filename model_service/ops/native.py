@@ -52,6 +52,9 @@ class NativeAttention:
                                                multiplier)
         return out.astype(q.dtype)
 
+    def min_block_size(self, dtype: Any) -> int:
+        return 1
+
 
 @dataclass(frozen=True)
 class NativeExperts(CondExperts):

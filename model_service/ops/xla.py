@@ -106,6 +106,9 @@ class RowAttention:
         own, limit = tables[seq], positions[:, None]  # [R, table_len], [R, 1]
         return paged_attention_rows(q[:, None], pool_k, pool_v, own, limit, multiplier, chunk, active)[:, 0]
 
+    def min_block_size(self, dtype: Any) -> int:
+        return 1
+
 
 @dataclass(frozen=True)
 class BatchedAttention:
@@ -117,6 +120,9 @@ class BatchedAttention:
     def attend(self, q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: Array, positions: Array,
                active: Array, multiplier: float, chunk: int) -> Array:
         return attend_segments(q, pool_k, pool_v, tables, seq, positions, active, multiplier, chunk)
+
+    def min_block_size(self, dtype: Any) -> int:
+        return 1
 
 
 @dataclass(frozen=True)

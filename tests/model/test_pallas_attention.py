@@ -1,0 +1,122 @@
+"""The Pallas decode-attention kernel (kernels/tpu/paged_attention.py, in interpret mode on CPU: the kernel's own
+arithmetic and block copies) against XLA's paged attention (layers.paged_attention), and the choices around it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model_service.backend import choose_attention, choose_backend
+from model_service.config import MeshConfig
+from model_service.kernels.tpu.paged_attention import decode_attention, min_block_size
+from model_service.kv_memory import LayerPool
+from model_service.model import GrokModel
+from model_service.model.layers import paged_attention
+from model_service.model.segments import attend_segments
+from model_service.ops.pallas import PallasAttention
+from model_service.sharding import make_mesh
+from tests.model.test_grouped_model import TINY
+from tests.model.test_segments import STEPS, rows_of
+
+MULTIPLIER, CAP = 0.125, 30.0
+
+
+def pools(rng: np.random.Generator, blocks: int, bs: int, width: int, dtype) -> tuple[jax.Array, jax.Array]:
+    return tuple(jnp.asarray(rng.standard_normal((blocks + 1, bs, width)) * 3, dtype) for _ in range(2))
+
+
+def xla(q, pool_k, pool_v, tables, lengths, chunk):
+    """Each row over its own keys 0..length-1 (layers.paged_attention); rows of length 0 zeros."""
+    out = paged_attention(q[:, None], pool_k, pool_v, tables, jnp.maximum(lengths - 1, 0)[:, None], MULTIPLIER,
+                          chunk)[:, 0]
+    return jnp.where((lengths > 0)[:, None], out, 0).reshape(q.shape)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("heads", [(2, 6, 32), (1, 4, 8), (4, 4, 16)], ids=["gqa", "one-kv-head", "mha"])
+def test_each_row_attends_its_own_blocks_up_to_its_length(dtype, heads) -> None:
+    hkv, hq, d = heads
+    bs, chunk, n = 16, 32, 6
+    rows = 7
+    rng = np.random.default_rng(hq * d)
+    pool_k, pool_v = pools(rng, rows * n, bs, hkv * d, dtype)
+    tables = jnp.asarray(rng.permutation(rows * n).reshape(rows, n), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((rows, hq, d)), dtype)
+    # One key; a block's end; a chunk's end and one past it; a full table; none (an idle lane); a middle.
+    lengths = jnp.asarray([1, bs, chunk, chunk + 1, n * bs, 0, 45], jnp.int32)
+    got = decode_attention(q, pool_k, pool_v, tables, lengths, MULTIPLIER, CAP, chunk, interpret=True)
+    want = xla(q, pool_k, pool_v, tables, lengths, chunk)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    tol = 2e-6 if dtype == jnp.float32 else 2e-2  # bfloat16: XLA's form rounds its weights to bf16 first
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    assert not np.asarray(got)[5].any()
+
+
+def test_a_stacked_pool_is_read_at_its_layer_and_blocks_past_the_length_do_not_count() -> None:
+    rng = np.random.default_rng(3)
+    bs, chunk, n, rows = 8, 32, 8, 3
+    pool_k, pool_v = pools(rng, rows * n, bs, 64, jnp.float32)
+    tables = jnp.asarray(rng.permutation(rows * n).reshape(rows, n), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((rows, 8, 16)), jnp.float32)
+    lengths = jnp.asarray([5, 20, 40], jnp.int32)
+    one = decode_attention(q, pool_k, pool_v, tables, lengths, MULTIPLIER, CAP, chunk, interpret=True)
+    stacked_k, stacked_v = jnp.stack([pool_k * 0 + 7, pool_k, -pool_k]), jnp.stack([pool_v * 0, pool_v, pool_v])
+    layer = decode_attention(q, stacked_k, stacked_v, tables, lengths, MULTIPLIER, CAP, chunk, layer=jnp.int32(1),
+                             interpret=True)
+    np.testing.assert_array_equal(np.asarray(layer), np.asarray(one))
+    # Positions past a row's length hold anything (here NaN-free garbage): the result is the same.
+    noisy_k = pool_k.at[tables[0, 1:]].set(1e4)
+    again = decode_attention(q, noisy_k, pool_v, tables, lengths, MULTIPLIER, CAP, chunk, interpret=True)
+    np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(one[0]))
+
+
+def test_the_kernel_refuses_blocks_it_cannot_tile_and_chunks_off_the_table() -> None:
+    q = jnp.zeros((2, 4, 8), jnp.bfloat16)
+    pool = jnp.zeros((9, 8, 16), jnp.bfloat16)
+    tables, lengths = jnp.zeros((2, 4), jnp.int32), jnp.ones((2,), jnp.int32)
+    assert (min_block_size(jnp.bfloat16), min_block_size(jnp.float32)) == (16, 8)
+    with pytest.raises(ValueError, match="multiples of 16 for bfloat16"):
+        decode_attention(q, pool, pool, tables, lengths, MULTIPLIER, CAP, 16, interpret=True)
+    with pytest.raises(ValueError, match="chunk 24"):
+        decode_attention(q.astype(jnp.float32), pool.astype(jnp.float32), pool.astype(jnp.float32), tables, lengths,
+                         MULTIPLIER, CAP, 24, interpret=True)
+
+
+@pytest.mark.parametrize("chunks", STEPS, ids=["decodes", "prompt", "mixed", "unordered"])
+def test_a_step_with_its_decodes_through_the_kernel_gives_each_row_its_own_attention(chunks) -> None:
+    rng = np.random.default_rng(len(chunks))
+    slots, table_len, total, bs, chunk = 4, 32, 96, 8, 16
+    pool_k, pool_v = pools(rng, slots * table_len, bs, 2 * 8, jnp.float32)
+    tables = jnp.asarray(rng.permutation(slots * table_len).reshape(slots, table_len), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((total, 4, 8)), jnp.float32)
+    seq, pos, active = (jnp.asarray(a) for a in rows_of(chunks, total))
+    form = PallasAttention(interpret=True)
+    got = jax.jit(lambda *a: form.attend(*a, MULTIPLIER, chunk))(q, pool_k, pool_v, tables, seq, pos, active)
+    want = jax.jit(lambda *a: attend_segments(*a, MULTIPLIER, chunk))(q, pool_k, pool_v, tables, seq, pos, active)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+    assert not np.asarray(got)[~np.asarray(active)].any()
+    # And a scanned layer's pools (LayerPool) read in place.
+    stacked = [LayerPool(jnp.stack([p * 2, p]), jnp.int32(1)) for p in (pool_k, pool_v)]
+    layered = jax.jit(lambda *a: form.attend(a[0], *stacked, *a[1:], MULTIPLIER, chunk))(q, tables, seq, pos, active)
+    np.testing.assert_allclose(np.asarray(layered), np.asarray(want), rtol=2e-6, atol=2e-6)
+
+
+def test_pallas_attention_is_chosen_only_where_its_kernel_compiles() -> None:
+    mesh = make_mesh(MeshConfig())
+    assert choose_attention("auto", mesh) == choose_attention("batched", mesh) == "batched"
+    with pytest.raises(ValueError, match="runs on a TPU"):
+        choose_attention("pallas", mesh)
+    with pytest.raises(ValueError, match="the generic backend's choice"):
+        choose_backend("cpu", mesh, jnp.float32, attention="pallas")
+    with pytest.raises(ValueError, match="--attention must be one of"):
+        choose_backend("generic", mesh, jnp.float32, attention="flash")
+    generic = choose_backend("generic", mesh, jnp.bfloat16)
+    assert generic.attention == "batched"
+    kernel = dataclasses.replace(generic, attention="pallas_interpret")
+    with pytest.raises(ValueError, match="--block-size 16 or more"):
+        GrokModel(TINY, mesh, jnp.bfloat16, block_size=8, key_chunk=16, backend=kernel)
+    assert GrokModel(TINY, mesh, jnp.float32, block_size=8, key_chunk=16, backend=kernel).kv_layout == "tokens"
