@@ -4,6 +4,7 @@ checkpoint), alone, with its prompt split over steps, and served together (promp
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from model_service import backend
@@ -17,7 +18,9 @@ from tests.engine.test_engine_golden import golden_request, run_alone
 
 @pytest.fixture(scope="module")
 def kernel_engine() -> Engine:
-    config = golden_server_config(backend="generic", slots=4, step_tokens=16)
+    config = golden_server_config(backend="generic", slots=4, step_tokens=16, attention="pallas")
+    if jax.default_backend() == "tpu":  # the compiled kernel
+        return build_engine(config, resolve(config))
     with pytest.MonkeyPatch.context() as patch:  # the choice --attention pallas makes on a TPU, on CPU's interpreter
         patch.setattr(backend, "choose_attention", lambda choice, mesh: "pallas_interpret")
         return build_engine(config, resolve(config))

@@ -120,3 +120,24 @@ def test_pallas_attention_is_chosen_only_where_its_kernel_compiles() -> None:
     with pytest.raises(ValueError, match="--block-size 16 or more"):
         GrokModel(TINY, mesh, jnp.bfloat16, block_size=8, key_chunk=16, backend=kernel)
     assert GrokModel(TINY, mesh, jnp.float32, block_size=8, key_chunk=16, backend=kernel).kv_layout == "tokens"
+
+
+@pytest.mark.skipif(jax.default_backend() != "tpu", reason="the compiled kernel needs a TPU (CPU runs it interpreted)")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("heads", [(8, 48, 128), (8, 16, 32)], ids=["grok-1", "medium"])
+def test_the_compiled_kernel_on_tpu_matches_xla(dtype, heads) -> None:
+    hkv, hq, d = heads
+    bs, chunk, n, rows = 16, 128, 32, 9
+    rng = np.random.default_rng(d)
+    pool_k, pool_v = pools(rng, rows * n, bs, hkv * d, dtype)
+    tables = jnp.asarray(rng.permutation(rows * n).reshape(rows, n), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((rows, hq, d)), dtype)
+    lengths = jnp.asarray([1, 16, 127, 128, 129, 300, n * bs, 0, 77], jnp.int32)
+    got = decode_attention(q, pool_k, pool_v, tables, lengths, MULTIPLIER, CAP, chunk)
+    with jax.default_matmul_precision("highest"):
+        want = xla(q, pool_k, pool_v, tables, lengths, chunk)
+    tol = 1e-4 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    stacked = [jnp.stack([p, p * 0]) for p in (pool_k, pool_v)]
+    layered = decode_attention(q, *stacked, tables, lengths, MULTIPLIER, CAP, chunk, layer=jnp.int32(0))
+    np.testing.assert_array_equal(np.asarray(layered), np.asarray(got))
