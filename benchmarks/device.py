@@ -125,7 +125,8 @@ def plan(args: argparse.Namespace, tmp: pathlib.Path) -> tuple[list[Program], li
                     "--decode-prompt", str(args.decode_prompt), "--runs", str(args.runs),
                     "--prompt-runs", str(args.prompt_runs), "--long-runs", str(args.long_runs),
                     "--backend", args.backend, "--moe", args.moe, "--layers", args.layers,
-                    *(("--attention", args.attention) if args.attention != "auto" else ())),
+                    *(("--attention", args.attention) if args.attention != "auto" else ()),
+                    *(("--products", args.products) if args.products != "auto" else ())),
                     meta=(("config", point), ("dtype", dtype))))
     return programs, notes, configs
 
@@ -190,6 +191,7 @@ def assemble(args: argparse.Namespace, arms: dict[str, pathlib.Path], runs: list
         "settings": {"points": args.points, "dtypes": args.dtype, "streams": args.streams,
                      "prompt_rows": args.prompt_rows, "long_prompt": args.long_prompt, "runs": args.runs,
                      "backend": args.backend, "moe": args.moe, "layers": args.layers, "attention": args.attention,
+                     "products": args.products,
                      "bandwidth_bytes_per_s": args.bandwidth, "peak_flops": args.peak_flops,
                      "peak_note": device_bounds.PEAK_NOTE, "f32_atol": args.f32_atol,
                      "jax_platforms": os.environ.get("JAX_PLATFORMS", ""),
@@ -242,6 +244,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--moe", default="auto", help="the points' experts, as the model service's --moe")
     p.add_argument("--attention", default="auto", help="the points' attention, as the model service's --attention "
                    "(pallas: decode rows through the Pallas kernel, one TPU device)")
+    p.add_argument("--products", default="auto", help="the points' products, as the model service's --products "
+                   "(int8: rows rounded to int8 on the matrix unit; changes results)")
     p.add_argument("--layers", default="auto", help="the points' and parity's layers, as the model service's "
                    "--layers (scan or unroll)")
     p.add_argument("--backend", default="auto", help="the points' engine backend, as the model service's "

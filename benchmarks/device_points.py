@@ -30,12 +30,13 @@ import numpy as np
 
 
 def build(config: str, dtype: str, slots: int, seed: int, backend: str = "auto",
-          moe: str = "auto", layers: str = "auto", attention: str = "auto") -> tuple[Any, float]:
+          moe: str = "auto", layers: str = "auto", attention: str = "auto",
+          products: str = "auto") -> tuple[Any, float]:
     """The model service's engine for `config` with random weights, and the seconds its weights took."""
     from model_service.loading import ServerConfig, load_engine, resolve
 
     # A checkout from before --layers / --attention takes neither: passed only when asked for.
-    chosen = {k: v for k, v in (("layers", layers), ("attention", attention)) if v != "auto"}
+    chosen = {k: v for k, v in (("layers", layers), ("attention", attention), ("products", products)) if v != "auto"}
     server = ServerConfig(config=config, checkpoint=None, random_init=True, dtype=dtype, slots=slots,
                           random_seed=seed, backend=backend, moe=moe, **chosen)
     start = time.perf_counter()
@@ -162,7 +163,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     count, length = (int(x) for x in args.prompt_rows.split("x")) if args.prompt_rows else (0, 0)
     slots = max(streams + [count, 1])
     engine, init_s = build(args.config, args.dtype, slots, args.seed, args.backend, args.moe, args.layers,
-                           args.attention)
+                           args.attention, args.products)
     import os
 
     progress(f"built in {init_s:.1f} s; compiling (NPROC={os.environ.get('NPROC')!r}, "
@@ -219,6 +220,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", default="auto", help="as the model service's --layers (auto: scan on the generic "
                    "backend)")
     p.add_argument("--attention", default="auto", help="as the model service's --attention (auto: batched)")
+    p.add_argument("--products", default="auto", help="as the model service's --products (int8: int8 rows on the "
+                   "matrix unit, the generic backend's opt-in)")
     return p
 
 

@@ -12,8 +12,8 @@ import logging
 import os
 import sys
 
-from model_service.config import (ATTENTION_CHOICES, BACKENDS, LAYERS_CHOICES, MOE_CHOICES, PRODUCT_CHOICES, ConfigError,
-                                  MeshConfig)
+from model_service.config import (ATTENTION_CHOICES, BACKENDS, LAYERS_CHOICES, MOE_CHOICES, PRODUCT_CHOICES,
+                                  ConfigError, MeshConfig)
 from model_service.distributed import DistributedConfig
 from model_service.pacing import DEFAULT_SLOWDOWN
 from serving_common import logs, tracing
@@ -160,8 +160,10 @@ def parser() -> EnvArgumentParser:
                             "float32 on CPU only), native-int8 (native with each row rounded to int8 per 32 values "
                             "before it meets an int8 weight, as llama.cpp's Q8_0 does: on CPUs with AVX-512 VNNI 2-3x "
                             "faster prompts and batches, elsewhere slower than native; results change slightly; "
-                            "opt-in), xla (XLA's own products) or auto (native where it can run, else xla; "
-                            "GPUs/TPUs always use XLA's)")
+                            "opt-in), xla (XLA's own products), int8 (the generic backend: each row rounded to int8 "
+                            "per row block before it meets an int8 weight, int8 x int8 on the matrix unit, twice a "
+                            "TPU v5e's bfloat16 rate; changes results; opt-in) or auto (native where it can run, "
+                            "else xla; GPUs/TPUs use XLA's)")
     p.add_env_argument("--buckets", type=bucket_list, default=None,
                        help="no longer used (prompts up to the context are accepted with any settings); accepted "
                             "so that existing deployments start, with a warning")

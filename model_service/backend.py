@@ -92,7 +92,9 @@ def platform(mesh: Mesh) -> str:
 
 
 def choose_products(choice: str, mesh: Mesh, dtype: Any) -> Products:
-    """--products on the CPU backend: "xla" (XLA's fused multiply-reduce forms), "native" (the native CPU kernel;
+    """--products on the CPU backend (the generic backend takes "int8": rows rounded to int8 meet the int8 weights
+    on the matrix unit, Products.DOT_INT8, an opt-in that changes results; else its own): "xla" (XLA's fused
+    multiply-reduce forms), "native" (the native CPU kernel;
     an error where it cannot run), "native-int8" (native with the rows rounded to int8 before they meet an int8
     weight: faster prompts and batches on CPUs with AVX-512 VNNI, slower elsewhere, where it logs a warning;
     changes results; an opt-in, an error where native cannot run) or "auto" (native in float32 where the kernel
@@ -101,6 +103,9 @@ def choose_products(choice: str, mesh: Mesh, dtype: Any) -> Products:
 
     if choice not in PRODUCT_CHOICES:
         raise ValueError(f"products must be one of {', '.join(PRODUCT_CHOICES)}, got {choice!r}")
+    if choice == "int8":
+        raise ValueError("--products int8 (int8 rows on a matrix unit) runs on the generic backend (--backend "
+                         "generic); the cpu backend's int8 rows are --products native-int8")
     cpu = platform(mesh) == "cpu"
     if choice == "xla":
         return Products.FUSED_REDUCE if cpu else accelerator_products(mesh, dtype)
@@ -169,7 +174,9 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
     else:
         if products.startswith("native"):
             raise ValueError(f"--products {products} runs on the cpu backend only (--backend cpu)")
-        chosen = accelerator_products(mesh, jnp.dtype(dtype))
+        if products not in PRODUCT_CHOICES:
+            raise ValueError(f"products must be one of {', '.join(PRODUCT_CHOICES)}, got {products!r}")
+        chosen = Products.DOT_INT8 if products == "int8" else accelerator_products(mesh, jnp.dtype(dtype))
         rows = max(step_tokens or GENERIC_STEP_TOKENS, slots)
         tile = min(tile_rows or rows, rows)
         attention = choose_attention(attention, mesh)

@@ -13,7 +13,7 @@ from typing import Any
 
 # The model service's hardware choices (backend.py makes them; --backend / --products name them).
 BACKENDS = ("auto", "cpu", "generic")
-PRODUCT_CHOICES = ("auto", "native", "native-int8", "xla")
+PRODUCT_CHOICES = ("auto", "native", "native-int8", "xla", "int8")
 MOE_CHOICES = ("auto", "pallas", "ragged", "cond")  # how the generic backend runs the experts (backend.choose_moe)
 ATTENTION_CHOICES = ("auto", "batched", "pallas")  # the generic backend's attention (backend.choose_attention)
 LAYERS_CHOICES = ("auto", "scan", "unroll")  # whether the generic backend scans its layers (Backend.scan_layers)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model_service.kernels.tpu.grouped_matmul import Tiling, fit_tiling, grouped_matmul
+from model_service.model.layers import quantize_rows
 from model_service.model.weights import GroupedWeight, InLayer
 import model_service.model.transcendental as transcendental
 
@@ -133,16 +134,39 @@ def _pad_rows_like(x: Array, q: GroupedWeight) -> Array:
     return jnp.pad(x.reshape(x.shape[0], q.blocks, per), ((0, 0), (0, 0), (0, padded - per))).reshape(x.shape[0], -1)
 
 
+def _ragged_int8(rows: Array, q: GroupedWeight, group_sizes: Array) -> Array:
+    """Products.DOT_INT8 through XLA's ragged_dot: the rows rounded to int8 per row block (layers.quantize_rows),
+    int8 times int8 with int32 sums one row block at a time, each block's sums times its rows' scales and their
+    group's column scales, added in block order -> float32 [P, N]."""
+    e, k, n = q.weight.shape
+    blocks = q.blocks
+    per = k // blocks
+    xq, xs = quantize_rows(rows, blocks)
+    group = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]), side="right"), e - 1)
+    out = None
+    for b in range(blocks):
+        sums = jax.lax.ragged_dot(xq[:, b * per:(b + 1) * per], q.weight[:, b * per:(b + 1) * per], group_sizes,
+                                  preferred_element_type=jnp.int32, precision=jax.lax.Precision.DEFAULT)
+        part = sums.astype(jnp.float32) * xs[:, b:b + 1] * q.scales[group, b].astype(jnp.float32)
+        out = part if out is None else out + part
+    assert out is not None
+    return out
+
+
 def grouped_product(rows: Array, q: GroupedWeight | InLayer, group_sizes: Array, mode: str,
-                    tiling: Tiling = TILING) -> Array:
+                    tiling: Tiling = TILING, int8_rows: bool = False) -> Array:
     """Sorted rows [P, K] times their groups' matrices -> [P, N] in rows' dtype (rows past the groups: undefined
     with the kernel, zero with ragged_dot). A layer of stacked experts (InLayer) is read in place by the kernel
-    (its experts from the stack's layer * E on), sliced out for ragged_dot (which widens every expert anyway)."""
+    (its experts from the stack's layer * E on), sliced out for ragged_dot (which widens every expert anyway).
+    `int8_rows` (Products.DOT_INT8): the rows rounded to int8 meet the int8 matrices as they are (int32 sums)."""
     if isinstance(q, InLayer) and mode == "ragged":
         q = q.at_layer()
     whole = q.stacked if isinstance(q, InLayer) else q
     rows = _pad_rows_like(rows, whole)
     cols = whole.cols
+    if mode == "ragged" and int8_rows:
+        out = _ragged_int8(rows, q, group_sizes).astype(rows.dtype)
+        return out[:, :cols] if cols else out
     if mode == "ragged":
         # float32: not one bfloat16 pass on a TPU; bfloat16: one pass, said explicitly, since the model traces under
         # "highest" and the TPU's ragged dot (a Mosaic kernel) refuses that for bfloat16 operands
@@ -157,10 +181,20 @@ def grouped_product(rows: Array, q: GroupedWeight | InLayer, group_sizes: Array,
         q = GroupedWeight(q.weight.reshape(-1, *q.weight.shape[-2:]), q.scales.reshape(-1, *q.scales.shape[-2:]),
                           q.rows, q.cols)
     p, k = rows.shape
-    fitted = fit_tiling(p, k, q.weight.shape[-1], q.blocks, tiling)
-    out = grouped_matmul(rows, q.weight, q.scales, group_sizes, fitted, interpret=mode == "pallas_interpret",
-                         first_group=first)
+    fitted = fit_tiling(p, k, q.weight.shape[-1], q.blocks, tiling, granule=granule(int8_rows))
+    if int8_rows:
+        xq, xs = quantize_rows(rows, q.blocks)
+        out = grouped_matmul(xq, q.weight, q.scales, group_sizes, fitted, interpret=mode == "pallas_interpret",
+                             first_group=first, row_scales=xs, out_dtype=rows.dtype)
+    else:
+        out = grouped_matmul(rows, q.weight, q.scales, group_sizes, fitted, interpret=mode == "pallas_interpret",
+                             first_group=first)
     return out[:, :cols] if cols else out
+
+
+def granule(int8_rows: bool) -> int:
+    """The kernel's row tiles are multiples of this: 16 rows, 32 of int8 rows (a TPU packs 32 int8 rows a tile)."""
+    return 32 if int8_rows else 16
 
 
 class Aligned(NamedTuple):
@@ -172,10 +206,10 @@ class Aligned(NamedTuple):
     tile: int
 
 
-def aligned_rows(group_sizes: Array, pairs: int, tiling: Tiling) -> Aligned:
+def aligned_rows(group_sizes: Array, pairs: int, tiling: Tiling, granule: int = 16) -> Aligned:
     """Where each of `pairs` sorted rows (groups of `group_sizes`, then rows in none) goes when every group starts a
     row tile of its own; the tile is the kernel's (fit_tiling's rows for `pairs` rows)."""
-    tile = min(tiling.rows, -(-pairs // 16) * 16)
+    tile = min(tiling.rows, -(-pairs // granule) * granule)
     e = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     padded = -(-sizes // tile) * tile
@@ -189,20 +223,21 @@ def aligned_rows(group_sizes: Array, pairs: int, tiling: Tiling) -> Aligned:
 
 
 def experts_sorted(x: Array, experts: Array, gates: Array, w: GroupedExperts, active: Array | None,
-                   mode: str, tiling: Tiling = TILING) -> Array:
+                   mode: str, tiling: Tiling = TILING, int8_rows: bool = False) -> Array:
     """sum_k gate_k * expert_k(x) for every row of x [M, D] (experts, gates [M, k]); rows not `active` [M]
-    (None: all active) compute nothing and come out zero. `tiling`: the kernel's tiles (fitted to each matrix)."""
+    (None: all active) compute nothing and come out zero. `tiling`: the kernel's tiles (fitted to each matrix);
+    `int8_rows`: the rows meet the int8 matrices rounded to int8 (Products.DOT_INT8)."""
     m, k = experts.shape
     pairs = sort_pairs(experts, gates, active, w.linear.count)
     rows = x[pairs.order // k]  # [P, D] sorted by expert
     sizes = pairs.group_sizes
     if mode != "ragged":  # the kernel: each group from a tile of its own
-        aligned = aligned_rows(sizes, m * k, tiling)
+        aligned = aligned_rows(sizes, m * k, tiling, granule(int8_rows))
         rows = jnp.zeros((aligned.rows, rows.shape[1]), rows.dtype).at[aligned.dest].set(rows, mode="drop")
         sizes, tiling = aligned.group_sizes, tiling._replace(rows=aligned.tile)
-    a = grouped_product(rows, w.linear, sizes, mode, tiling)
-    b = grouped_product(rows, w.linear_v, sizes, mode, tiling)
-    y = grouped_product(transcendental.gelu(a) * b, w.linear_1, sizes, mode, tiling)  # [P, D] (aligned: [rows, D])
+    a = grouped_product(rows, w.linear, sizes, mode, tiling, int8_rows)
+    b = grouped_product(rows, w.linear_v, sizes, mode, tiling, int8_rows)
+    y = grouped_product(transcendental.gelu(a) * b, w.linear_1, sizes, mode, tiling, int8_rows)  # [P, D]
     if mode != "ragged":
         y = y.at[aligned.dest].get(mode="fill", fill_value=0)  # back to sorted order; rows in no group: 0
     y = y[pairs.inverse].reshape(m, k, -1)  # pair order: row-major, a row's experts in expert order

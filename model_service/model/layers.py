@@ -48,6 +48,12 @@ class Products(enum.Enum):
       the scales after; every other product in the program runs at XLA's highest precision
       (GrokModel.precision). The faithful mode, at ~1x the reads of bfloat16 where a step is bound by them.
 
+    DOT_INT8 (accelerators, an opt-in: `--products int8`): the rows rounded to int8 before they meet an int8
+      weight (one scale per row and per row block of the weight: the row's largest magnitude over 127), int8 times
+      int8 with int32 accumulation (a TPU's matrix unit runs int8 at twice its bfloat16 rate), then the rows' and
+      the weight's scales in float32. Changes results (the rounding of the rows); weights that are not int8 (the
+      table, the router) meet the rows as in DOT.
+
     NATIVE (CPU, float32): the expert matrices are packed at load (packed.PackedWeight) and multiplied by the
       native kernel (model_service.kernels), whose rows are independent of each other by construction; every
       other product is taken as in FUSED_REDUCE.
@@ -66,6 +72,7 @@ class Products(enum.Enum):
     EXACT = "exact"
     NATIVE = "native"
     NATIVE_INT8 = "native_int8"
+    DOT_INT8 = "dot_int8"
 
     @property
     def native(self) -> bool:
@@ -148,6 +155,36 @@ def _exact_product(x: Array, w: "QuantizedWeight | Array") -> Array:
     return out
 
 
+def quantize_rows(x: Array, blocks: int = 1) -> tuple[Array, Array]:
+    """Rows x [M, K] rounded to int8, each of their `blocks` consecutive blocks of K / blocks values on its own
+    scale (its largest magnitude over 127; 1 for a block of zeros) -> (int8 [M, K], float32 scales [M, blocks])."""
+    m, k = x.shape
+    parts = x.astype(jnp.float32).reshape(m, blocks, k // blocks)
+    top = jnp.max(jnp.abs(parts), axis=-1)
+    scale = jnp.where(top > 0, top / 127.0, 1.0)
+    q = jnp.clip(jnp.round(parts / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q.reshape(m, k), scale
+
+
+def _int_dot(spec: str, a: Array, b: Array) -> Array:
+    # int8 operands, int32 accumulation; precision said explicitly, as the model traces under "highest"
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.int32, precision=jax.lax.Precision.DEFAULT)
+
+
+def int8_product(x: Array, q: QuantizedWeight) -> Array:
+    """Products.DOT_INT8: rows x [M, K] rounded to int8 (quantize_rows, one scale per row block of a row-parallel
+    weight, one per row otherwise) times the int8 weight with int32 sums, then both scales -> float32 [M, N]."""
+    if q.transposed:
+        xq, xs = quantize_rows(x)
+        return _int_dot("mk,nk->mn", xq, q.weight).astype(jnp.float32) * xs * q.scales[0].astype(jnp.float32)
+    k, n = q.weight.shape
+    blocks = q.blocks
+    xq, xs = quantize_rows(x, blocks)
+    partial = _int_dot("mbk,bkn->bmn", xq.reshape(-1, blocks, k // blocks), q.weight.reshape(blocks, k // blocks, n))
+    scaled = partial.astype(jnp.float32) * xs.T[:, :, None] * q.scales[:, None, :].astype(jnp.float32)
+    return jnp.sum(scaled, axis=0)
+
+
 def _blocked_dot_rows(x: Array, q: QuantizedWeight) -> Array:
     """Several rows times a row-parallel int8 [K, N]: one dot per scale block with the converted block, then
     the block scales and a sum over blocks."""
@@ -187,6 +224,8 @@ def product(x: Array, w: "QuantizedWeight | PackedWeight | Array", products: Pro
         products = Products.FUSED_REDUCE
     if products is Products.EXACT and x.dtype == jnp.float32:
         return _times(_exact_product(flat, w), multiplier).reshape(*lead, -1)
+    if products is Products.DOT_INT8 and isinstance(w, QuantizedWeight):
+        return _times(int8_product(flat, w).astype(x.dtype), multiplier).reshape(*lead, -1)
     fused = products is Products.FUSED_REDUCE and x.dtype == jnp.float32 and m <= FUSED_MAX_ROWS
     if not fused:
         if isinstance(w, QuantizedWeight):

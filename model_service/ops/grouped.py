@@ -13,6 +13,7 @@ import jax
 
 from model_service.model.expert_parallel import experts_parallel
 from model_service.model.grouped import GroupedExperts, experts_sorted
+from model_service.model.layers import Products
 from model_service.model.moe import ExpertWeights, Routing, experts_by_cond
 from model_service.model.params import experts_layout, relayout
 from model_service.model.weights import GroupedWeight, InLayer
@@ -37,7 +38,8 @@ class SortedExperts:
     def __call__(self, x: Array, routing: Routing, w: ExpertWeights, active: Array | None, forms: Forms,
                  mesh: Any) -> Array:
         _require_stacked(w, self.mode)
-        return experts_sorted(x, routing.experts, routing.gates, GroupedExperts(*w), active, self.mode)
+        return experts_sorted(x, routing.experts, routing.gates, GroupedExperts(*w), active, self.mode,
+                              int8_rows=forms.products is Products.DOT_INT8)
 
 
 @dataclass(frozen=True)
