@@ -20,16 +20,21 @@ from tests.engine.test_engine_golden import golden_request, run_alone
 def kernel_engine() -> Engine:
     config = golden_server_config(backend="generic", slots=4, step_tokens=16, attention="pallas")
     if jax.default_backend() == "tpu":  # the compiled kernel
-        return build_engine(config, resolve(config))
-    with pytest.MonkeyPatch.context() as patch:  # the choice --attention pallas makes on a TPU, on CPU's interpreter
-        patch.setattr(backend, "choose_attention", lambda choice, mesh: "pallas_interpret")
-        return build_engine(config, resolve(config))
+        engine = build_engine(config, resolve(config))
+    else:
+        with pytest.MonkeyPatch.context() as patch:  # what --attention pallas takes on a TPU, on CPU's interpreter
+            patch.setattr(backend, "choose_attention", lambda choice, mesh: "pallas_interpret")
+            engine = build_engine(config, resolve(config))
+    engine.compile()
+    return engine
 
 
-def test_decodes_through_the_pallas_kernel_reproduce_reference_ids(kernel_engine: Engine, running: Runner) -> None:
+def test_decodes_through_the_pallas_kernel_reproduce_reference_ids(kernel_engine: Engine, running: Runner,
+                                                                   compilations: list[str]) -> None:
     assert isinstance(kernel_engine.model.ops.attention, PallasAttention) and kernel_engine.model.scan_layers
     cases = golden_requests()
-    for i, case in enumerate(cases):
-        assert run_alone(kernel_engine, case, slot=i % kernel_engine.slots, chunk=5) == case["output_ids"]
     results = serve_all(running(kernel_engine), [golden_request(c, i) for i, c in enumerate(cases)])
     assert results == [c["output_ids"] for c in cases]
+    assert compilations == [], f"{len(compilations)} programs compiled while serving"
+    for i, case in enumerate(cases):
+        assert run_alone(kernel_engine, case, slot=i % kernel_engine.slots, chunk=5) == case["output_ids"]
