@@ -175,7 +175,8 @@ def _numpy_dequantised(weight: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return weight.astype(np.float64) * scales.astype(np.float64)[block_of_row, :]
 
 
-@pytest.mark.parametrize("products", list(Products))
+# Every form that multiplies the rows as given (DOT_INT8 rounds them first: tests/model/test_int8_rows.py).
+@pytest.mark.parametrize("products", [p for p in Products if p is not Products.DOT_INT8])
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
 @pytest.mark.parametrize("blocks", [1, 8])
 def test_int8_products_match_an_independent_numpy_product(rows: int, blocks: int, products: Products) -> None:

@@ -36,8 +36,9 @@ def xla(q, pool_k, pool_v, tables, lengths, chunk):
     return jnp.where((lengths > 0)[:, None], out, 0).reshape(q.shape)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("heads", [(2, 6, 32), (1, 4, 8), (4, 4, 16)], ids=["gqa", "one-kv-head", "mha"])
+@pytest.mark.parametrize("dtype,heads", [(jnp.float32, (2, 6, 32)), (jnp.bfloat16, (2, 6, 32)),
+                                         (jnp.float32, (1, 4, 8)), (jnp.bfloat16, (4, 4, 16))],
+                         ids=["gqa-float32", "gqa-bfloat16", "one-kv-head-float32", "mha-bfloat16"])
 def test_each_row_attends_its_own_blocks_up_to_its_length(dtype, heads) -> None:
     hkv, hq, d = heads
     bs, chunk, n = 16, 32, 6
@@ -86,7 +87,7 @@ def test_the_kernel_refuses_blocks_it_cannot_tile_and_chunks_off_the_table() -> 
                          MULTIPLIER, CAP, 24, interpret=True)
 
 
-@pytest.mark.parametrize("chunks", STEPS, ids=["decodes", "prompt", "mixed", "unordered"])
+@pytest.mark.parametrize("chunks", [STEPS[0], STEPS[2]], ids=["decodes", "mixed"])
 def test_a_step_with_its_decodes_through_the_kernel_gives_each_row_its_own_attention(chunks) -> None:
     rng = np.random.default_rng(len(chunks))
     slots, table_len, total, bs, chunk = 4, 32, 96, 8, 16
