@@ -75,8 +75,8 @@ def config_spec(spec: str, shared: pathlib.Path) -> tuple[pathlib.Path, dict[str
 
 def derived_config(source: pathlib.Path, overrides: dict[str, int], long_prompt: int,
                    tmp: pathlib.Path, name: str) -> pathlib.Path:
-    """The config as the points run it: `overrides` in its model section, and a context that holds the long
-    prompt and its draw (rounded up to CONTEXT_ROUND)."""
+    """The config as the points run it: `overrides` in its model section, and a context that holds `long_prompt`
+    tokens and a draw (rounded up to CONTEXT_ROUND) where the config's holds fewer."""
     data = json.loads(source.read_text())
     data["model"].update(overrides)
     if long_prompt:
@@ -114,7 +114,11 @@ def plan(args: argparse.Namespace, tmp: pathlib.Path) -> tuple[list[Program], li
                                     ("--sets", sets, "--shared", str(args.shared))))
         else:
             source, overrides = config_spec(specs[point], args.shared)
-            path = derived_config(source, overrides, args.long_prompt, tmp, point)
+            # the context holds the long prompt, and each decoding slot's prompt with its decode steps after it
+            # (each point's timed and overlapped runs and their first step)
+            decoded = args.decode_prompt + len(args.streams) * (2 * args.runs + 2)
+            context = max(args.long_prompt, decoded)
+            path = derived_config(source, overrides, context, tmp, point)
             configs[point] = {"source": str(source), "overrides": overrides, "ran_from": str(path),
                               "sequence_len": json.loads(path.read_text())["sequence_len"],
                               "config": json.loads(path.read_text())}
