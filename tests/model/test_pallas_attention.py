@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from model_service.backend import choose_attention, choose_backend
 from model_service.config import MeshConfig
@@ -73,6 +74,25 @@ def test_a_stacked_pool_is_read_at_its_layer_and_blocks_past_the_length_do_not_c
     noisy_k = pool_k.at[tables[0, 1:]].set(1e4)
     again = decode_attention(q, noisy_k, pool_v, tables, lengths, MULTIPLIER, CAP, chunk, interpret=True)
     np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(one[0]))
+
+
+def test_the_block_copies_never_race_the_reads_across_chunks_and_rows() -> None:
+    """Pallas' TPU interpreter, which runs the DMAs and semaphores as the chip would and detects races: a row's
+    next chunk, and the next row's first, are copied into the slot no read is using (idle rows in any place)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+
+    rng = np.random.default_rng(9)
+    bs, chunk, n, rows = 8, 16, 4, 6
+    pool_k, pool_v = pools(rng, rows * n, bs, 32, jnp.float32)
+    tables = jnp.asarray(rng.permutation(rows * n).reshape(rows, n), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((rows, 4, 16)), jnp.float32)
+    simulated = pltpu.InterpretParams(detect_races=True)
+    for lengths in ([0, 0, 5, 32, 0, 17], [3, 16, 17, 32, 0, 0]):
+        lengths = jnp.asarray(lengths, jnp.int32)
+        got = decode_attention(q, pool_k, pool_v, tables, lengths, MULTIPLIER, CAP, chunk, interpret=simulated)
+        assert tpu_interpreter.races is not None and not tpu_interpreter.races.races_found
+        np.testing.assert_allclose(np.asarray(got), np.asarray(xla(q, pool_k, pool_v, tables, lengths, chunk)),
+                                   rtol=2e-6, atol=2e-6)
 
 
 def test_the_kernel_refuses_blocks_it_cannot_tile_and_chunks_off_the_table() -> None:

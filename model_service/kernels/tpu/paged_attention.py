@@ -6,8 +6,9 @@ a token's keys one lane-dense row), the reference's way: scores times the attent
 cap * tanh(x / cap), softmax, values -> [R, Hq, D]. A row of length 0 computes nothing and gets zeros.
 
 The pools stay in HBM. Each row walks its blocks `chunk` positions at a time: the chunk's blocks are copied
-into VMEM (one DMA a block, the next chunk's copies started before this chunk's scores, so the reads overlap the
-work) and folded into a running maximum, sum and weighted values (online softmax, float32). So a row reads its
+into VMEM (one DMA a block, the next chunk's copies started before this chunk's scores, and a row's last chunk
+starts the next row's first, so the reads overlap the work) and folded into a running maximum, sum and weighted
+values (online softmax, float32). So a row reads its
 own keys and values once each, up to its length rounded up to a chunk, where XLA's form
 (layers.paged_attention over gathered blocks) reads every row up to the step's longest.
 
@@ -46,10 +47,12 @@ def min_block_size(dtype: jnp.dtype) -> int:
 
 @functools.partial(jax.jit, static_argnames=("multiplier", "cap", "chunk", "interpret"))
 def decode_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, lengths: Array, multiplier: float,
-                     cap: float, chunk: int, layer: Array | None = None, interpret: bool = False) -> Array:
+                     cap: float, chunk: int, layer: Array | None = None,
+                     interpret: bool | pltpu.InterpretParams = False) -> Array:
     """q [R, Hq, D]; pools [blocks, bs, Hkv * D] (or [layers, blocks, bs, Hkv * D] with `layer`); tables [R, n]
     int32 block ids in position order; lengths [R] int32 (0: the row computes nothing) -> [R, Hq, D] in q's
-    dtype. `chunk` positions (a multiple of the block size, n * bs a multiple of it) are read at a time."""
+    dtype. `chunk` positions (a multiple of the block size, n * bs a multiple of it) are read at a time.
+    `interpret`: Pallas' interpreter (True), or its TPU simulation (InterpretParams: DMAs, semaphores, races)."""
     if pool_k.ndim == 3:
         pool_k, pool_v = pool_k[None], pool_v[None]
     layer = jnp.zeros((), jnp.int32) if layer is None else layer
@@ -65,7 +68,8 @@ def decode_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, leng
         raise ValueError(f"blocks of {bs} positions: the kernel takes multiples of {min_block_size(pool_k.dtype)} "
                          f"for {jnp.dtype(pool_k.dtype).name} pools")
     pages = chunk // bs
-    kernel = functools.partial(_kernel, pages=pages, n=n, group=hq // hkv, d=d, multiplier=multiplier, cap=cap)
+    kernel = functools.partial(_kernel, pages=pages, n=n, rows=r, group=hq // hkv, d=d, multiplier=multiplier,
+                               cap=cap)
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(r,),
@@ -74,7 +78,7 @@ def decode_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, leng
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((None, hq, d), lambda i, *_: (i, 0, 0)),
         scratch_shapes=[pltpu.VMEM((2, pages, bs, w), pool_k.dtype), pltpu.VMEM((2, pages, bs, w), pool_v.dtype),
-                        pltpu.SemaphoreType.DMA((2, 2))],
+                        pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32)],
     )
     cost = pl.CostEstimate(flops=4 * r * hq * w * n * bs, transcendentals=2 * r * hq * n * bs,
                            bytes_accessed=2 * r * n * bs * w * pool_k.dtype.itemsize + 2 * q.size * q.dtype.itemsize)
@@ -90,30 +94,53 @@ def decode_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, leng
                 lengths.astype(jnp.int32), q, pool_k, pool_v)
 
 
-def _kernel(layer_ref, tables_ref, lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, *, pages: int,
-            n: int, group: int, d: int, multiplier: float, cap: float) -> None:
+def _kernel(layer_ref, tables_ref, lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, first_slot, *,
+            pages: int, n: int, rows: int, group: int, d: int, multiplier: float, cap: float) -> None:
     row = pl.program_id(0)
-    length = lengths_ref[row]
     layer = layer_ref[0]
     _, _, bs, w = k_buf.shape
     tokens = pages * bs
     hq = q_ref.shape[0]
-    chunks = (length + tokens - 1) // tokens
     f32 = jnp.float32
     precision = jax.lax.Precision.HIGHEST if k_buf.dtype == f32 else None
 
-    def copies(c: Array, slot: Array) -> list:
+    def chunks_of(r: Array) -> Array:
+        return (lengths_ref[r] + tokens - 1) // tokens
+
+    length, chunks = lengths_ref[row], chunks_of(row)
+
+    def copies(r: Array, c: Array, slot: Array) -> list:
         out = []
         for i in range(pages):
-            block = tables_ref[row * n + jnp.minimum(c * pages + i, n - 1)]
+            block = tables_ref[r * n + jnp.minimum(c * pages + i, n - 1)]
             out.append(pltpu.make_async_copy(k_hbm.at[layer, block], k_buf.at[slot, i], sems.at[0, slot]))
             out.append(pltpu.make_async_copy(v_hbm.at[layer, block], v_buf.at[slot, i], sems.at[1, slot]))
         return out
 
-    @pl.when(chunks > 0)
+    def start_next_row(slot: Array) -> None:
+        """The next row's first chunk into `slot` (the rows run in order: its copies overlap this row's work)."""
+        @pl.when((row + 1 < rows) & (chunks_of(jnp.minimum(row + 1, rows - 1)) > 0))
+        def _() -> None:
+            for copy in copies(row + 1, jnp.int32(0), slot):
+                copy.start()
+        first_slot[0] = slot
+
+    # The first row starts its own first chunk; every later row's was started by the row before it, into the slot
+    # `first_slot` names.
+    @pl.when(row == 0)
     def _() -> None:
-        for copy in copies(jnp.int32(0), jnp.int32(0)):
-            copy.start()
+        first_slot[0] = 0
+
+        @pl.when(chunks > 0)
+        def _() -> None:
+            for copy in copies(row, jnp.int32(0), jnp.int32(0)):
+                copy.start()
+
+    base = first_slot[0]
+
+    @pl.when(chunks == 0)  # nothing in flight for this row: the next row's first chunk may take its slot now
+    def _() -> None:
+        start_next_row(base)
 
     # spread [D, W]: feature j of a head goes to every KV head's feature j; own [Hq, W]: query head h's own KV head.
     spread = (jax.lax.broadcasted_iota(jnp.int32, (d, w), 1) % d
@@ -125,14 +152,18 @@ def _kernel(layer_ref, tables_ref, lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_bu
 
     def fold(c: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         top, total, acc = carry
-        slot = c % 2
+        slot = (base + c) % 2
 
         @pl.when(c + 1 < chunks)
         def _() -> None:
-            for copy in copies(c + 1, 1 - slot):
+            for copy in copies(row, c + 1, 1 - slot):
                 copy.start()
 
-        for copy in copies(c, slot):
+        @pl.when(c + 1 == chunks)
+        def _() -> None:
+            start_next_row(1 - slot)
+
+        for copy in copies(row, c, slot):
             copy.wait()
         keys = k_buf[slot].reshape(tokens, w)
         values = v_buf[slot].reshape(tokens, w)
