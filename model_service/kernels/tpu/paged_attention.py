@@ -68,12 +68,18 @@ def decode_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, leng
         raise ValueError(f"blocks of {bs} positions: the kernel takes multiples of {min_block_size(pool_k.dtype)} "
                          f"for {jnp.dtype(pool_k.dtype).name} pools")
     pages = chunk // bs
-    kernel = functools.partial(_kernel, pages=pages, n=n, rows=r, group=hq // hkv, d=d, multiplier=multiplier,
-                               cap=cap)
+    # The constant masks, built here (no vector division or remainder in the kernel): spread [D, W] sends feature j
+    # of a head to every KV head's feature j; own [Hq, W] marks query head h's own KV head's columns.
+    spread = (jnp.arange(w)[None, :] % d == jnp.arange(d)[:, None]).astype(jnp.float32)
+    own = (jnp.arange(hq)[:, None] // (hq // hkv) == jnp.arange(w)[None, :] // d).astype(jnp.float32)
+    chunks = (lengths.astype(jnp.int32) + chunk - 1) // chunk  # [R]: the chunks each row reads
+    kernel = functools.partial(_kernel, pages=pages, n=n, rows=r, multiplier=multiplier, cap=cap)
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=4,
         grid=(r,),
         in_specs=[pl.BlockSpec((None, hq, d), lambda i, *_: (i, 0, 0)),
+                  pl.BlockSpec((d, w), lambda i, *_: (0, 0)),
+                  pl.BlockSpec((hq, w), lambda i, *_: (0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((None, hq, d), lambda i, *_: (i, 0, 0)),
@@ -91,11 +97,11 @@ def decode_attention(q: Array, pool_k: Array, pool_v: Array, tables: Array, leng
         cost_estimate=cost,
     )
     return call(jnp.reshape(layer.astype(jnp.int32), (1,)), tables.astype(jnp.int32).reshape(-1),
-                lengths.astype(jnp.int32), q, pool_k, pool_v)
+                lengths.astype(jnp.int32), chunks, q, spread, own, pool_k, pool_v)
 
 
-def _kernel(layer_ref, tables_ref, lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, first_slot, *,
-            pages: int, n: int, rows: int, group: int, d: int, multiplier: float, cap: float) -> None:
+def _kernel(layer_ref, tables_ref, lengths_ref, chunks_ref, q_ref, spread_ref, own_ref, k_hbm, v_hbm, o_ref, k_buf,
+            v_buf, sems, first_slot, *, pages: int, n: int, rows: int, multiplier: float, cap: float) -> None:
     row = pl.program_id(0)
     layer = layer_ref[0]
     _, _, bs, w = k_buf.shape
@@ -105,7 +111,7 @@ def _kernel(layer_ref, tables_ref, lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_bu
     precision = jax.lax.Precision.HIGHEST if k_buf.dtype == f32 else None
 
     def chunks_of(r: Array) -> Array:
-        return (lengths_ref[r] + tokens - 1) // tokens
+        return chunks_ref[r]
 
     length, chunks = lengths_ref[row], chunks_of(row)
 
@@ -142,17 +148,13 @@ def _kernel(layer_ref, tables_ref, lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_bu
     def _() -> None:
         start_next_row(base)
 
-    # spread [D, W]: feature j of a head goes to every KV head's feature j; own [Hq, W]: query head h's own KV head.
-    spread = (jax.lax.broadcasted_iota(jnp.int32, (d, w), 1) % d
-              == jax.lax.broadcasted_iota(jnp.int32, (d, w), 0)).astype(f32)
-    own = (jax.lax.broadcasted_iota(jnp.int32, (hq, w), 0) // group
-           == jax.lax.broadcasted_iota(jnp.int32, (hq, w), 1) // d)
+    spread, own = spread_ref[...], own_ref[...] > 0
     q = jnp.dot(q_ref[...].astype(f32), spread, precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
     q = jnp.where(own, q, 0.0).astype(k_buf.dtype)  # [Hq, W]: exact (each entry one feature times 1)
 
     def fold(c: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         top, total, acc = carry
-        slot = (base + c) % 2
+        slot = jnp.bitwise_and(base + c, 1)
 
         @pl.when(c + 1 < chunks)
         def _() -> None:
@@ -183,7 +185,5 @@ def _kernel(layer_ref, tables_ref, lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_bu
     init = (jnp.full((hq, 1), MASK_VALUE, f32), jnp.zeros((hq, 1), f32), jnp.zeros((hq, w), f32))
     _, total, acc = jax.lax.fori_loop(0, chunks, fold, init)
     out = jnp.where(own, acc / jnp.where(total > 0, total, 1.0), 0.0)  # [Hq, W]: each head's own D columns
-    gather = (jax.lax.broadcasted_iota(jnp.int32, (w, d), 0) % d
-              == jax.lax.broadcasted_iota(jnp.int32, (w, d), 1)).astype(f32)
-    o_ref[...] = jnp.dot(out, gather, precision=jax.lax.Precision.HIGHEST,
-                         preferred_element_type=f32).astype(o_ref.dtype)
+    o_ref[...] = jax.lax.dot_general(out, spread, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                                     preferred_element_type=f32).astype(o_ref.dtype)  # [Hq, D]
