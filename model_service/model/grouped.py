@@ -182,13 +182,12 @@ def grouped_product(rows: Array, q: GroupedWeight | InLayer, group_sizes: Array,
                           q.rows, q.cols)
     p, k = rows.shape
     fitted = fit_tiling(p, k, q.weight.shape[-1], q.blocks, tiling, granule=granule(int8_rows))
-    if int8_rows:
-        xq, xs = quantize_rows(rows, q.blocks)
-        out = grouped_matmul(xq, q.weight, q.scales, group_sizes, fitted, interpret=mode == "pallas_interpret",
-                             first_group=first, row_scales=xs, out_dtype=rows.dtype)
-    else:
-        out = grouped_matmul(rows, q.weight, q.scales, group_sizes, fitted, interpret=mode == "pallas_interpret",
-                             first_group=first)
+    lhs, int8 = rows, {}
+    if int8_rows:  # the kernel takes the rounded rows and their scales, and gives rows' dtype
+        lhs, row_scales = quantize_rows(rows, q.blocks)
+        int8 = {"row_scales": row_scales, "out_dtype": rows.dtype}
+    out = grouped_matmul(lhs, q.weight, q.scales, group_sizes, fitted, interpret=mode == "pallas_interpret",
+                         first_group=first, **int8)
     return out[:, :cols] if cols else out
 
 

@@ -28,12 +28,11 @@ class PallasAttention:
 
     def attend(self, q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: Array, positions: Array,
                active: Array, multiplier: float, chunk: int) -> Array:
+        layer = pool_k.layer if isinstance(pool_k, LayerPool) else None
+
         def single(rows: Array, own: Array, at: Array, taken: Array) -> Array:
-            keys, values, layer = _layer_of(pool_k), _layer_of(pool_v), None
-            if isinstance(pool_k, LayerPool):
-                layer = pool_k.layer
-            out = decode_attention(rows, keys, values, own, jnp.where(taken, at + 1, 0), multiplier,
-                                   ATTN_LOGIT_CAP, chunk, layer=layer, interpret=self.interpret)
+            out = decode_attention(rows, _layer_of(pool_k), _layer_of(pool_v), own, jnp.where(taken, at + 1, 0),
+                                   multiplier, ATTN_LOGIT_CAP, chunk, layer=layer, interpret=self.interpret)
             return out.reshape(out.shape[0], -1)
 
         return attend_segments(q, pool_k, pool_v, tables, seq, positions, active, multiplier, chunk, single=single)

@@ -117,10 +117,8 @@ def _kernel(offsets: pl.Ref, group: pl.Ref, tile: pl.Ref, matrix: pl.Ref, x_ref:
     scales = s_ref[...].astype(jnp.bfloat16).astype(jnp.float32)  # [B, tn]: the reference's bf16(scale)
     if blocks == 1:
         scale = scales
-    else:  # the tile lies in one row block (tk divides K / B): block b holds K tiles b * per .. (b + 1) * per - 1
-        per = block_rows // tk
-        b = jax.lax.broadcasted_iota(jnp.int32, scales.shape, 0)
-        pick = (b * per <= kk) & (kk < (b + 1) * per)  # no scalar division on the chip's scalar unit
+    else:  # the tile lies in one row block
+        pick = _block_pick(kk, block_rows, tk, scales.shape, 0)
         scale = jnp.sum(jnp.where(pick, scales, 0.0), axis=0, keepdims=True)
     bf16 = x_ref.dtype == jnp.bfloat16
 
@@ -145,8 +143,8 @@ def _kernel(offsets: pl.Ref, group: pl.Ref, tile: pl.Ref, matrix: pl.Ref, x_ref:
         out_ref[...] = jnp.where(mine, acc.astype(out_ref.dtype).astype(jnp.float32), kept).astype(out_ref.dtype)
 
 
-def _block_pick(kk: Array, blocks: int, block_rows: int, tk: int, shape: tuple[int, int], axis: int) -> Array:
-    """Which of `blocks` row blocks K tile kk lies in, as a mask over `axis` of `shape` (tk divides K / B: block b
+def _block_pick(kk: Array, block_rows: int, tk: int, shape: tuple[int, int], axis: int) -> Array:
+    """Which row block K tile kk lies in, as a mask over `axis` (the blocks) of `shape` (tk divides K / B: block b
     holds K tiles b * per .. (b + 1) * per - 1; no scalar division on the chip's scalar unit)."""
     per = block_rows // tk
     b = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
@@ -165,9 +163,9 @@ def _int8_kernel(offsets: pl.Ref, group: pl.Ref, tile: pl.Ref, matrix: pl.Ref, x
     if blocks == 1:
         scale, row_scale = scales, row_scales
     else:
-        scale = jnp.sum(jnp.where(_block_pick(kk, blocks, block_rows, tk, scales.shape, 0), scales, 0.0), axis=0,
+        scale = jnp.sum(jnp.where(_block_pick(kk, block_rows, tk, scales.shape, 0), scales, 0.0), axis=0,
                         keepdims=True)
-        row_scale = jnp.sum(jnp.where(_block_pick(kk, blocks, block_rows, tk, row_scales.shape, 1), row_scales, 0.0),
+        row_scale = jnp.sum(jnp.where(_block_pick(kk, block_rows, tk, row_scales.shape, 1), row_scales, 0.0),
                             axis=1, keepdims=True)
 
     @pl.when(kk == 0)

@@ -110,10 +110,7 @@ def _kernel(layer_ref, tables_ref, lengths_ref, chunks_ref, q_ref, spread_ref, o
     f32 = jnp.float32
     precision = jax.lax.Precision.HIGHEST if k_buf.dtype == f32 else None
 
-    def chunks_of(r: Array) -> Array:
-        return chunks_ref[r]
-
-    length, chunks = lengths_ref[row], chunks_of(row)
+    length, chunks = lengths_ref[row], chunks_ref[row]
 
     def copies(r: Array, c: Array, slot: Array) -> list:
         out = []
@@ -125,7 +122,7 @@ def _kernel(layer_ref, tables_ref, lengths_ref, chunks_ref, q_ref, spread_ref, o
 
     def start_next_row(slot: Array) -> None:
         """The next row's first chunk into `slot` (the rows run in order: its copies overlap this row's work)."""
-        @pl.when((row + 1 < rows) & (chunks_of(jnp.minimum(row + 1, rows - 1)) > 0))
+        @pl.when((row + 1 < rows) & (chunks_ref[jnp.minimum(row + 1, rows - 1)] > 0))
         def _() -> None:
             for copy in copies(row + 1, jnp.int32(0), slot):
                 copy.start()
