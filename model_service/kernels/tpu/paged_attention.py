@@ -108,7 +108,9 @@ def _kernel(layer_ref, tables_ref, lengths_ref, chunks_ref, q_ref, spread_ref, o
     tokens = pages * bs
     hq = q_ref.shape[0]
     f32 = jnp.float32
-    precision = jax.lax.Precision.HIGHEST if k_buf.dtype == f32 else None
+    # Named either way: under the forms' default of "highest" (ops/xla.py) a bfloat16 dot left at None would ask
+    # Mosaic for a float32 contraction of bfloat16 operands, which it refuses to compile.
+    precision = jax.lax.Precision.HIGHEST if k_buf.dtype == f32 else jax.lax.Precision.DEFAULT
 
     length, chunks = lengths_ref[row], chunks_ref[row]
 
@@ -168,6 +170,8 @@ def _kernel(layer_ref, tables_ref, lengths_ref, chunks_ref, q_ref, spread_ref, o
         values = v_buf[slot].reshape(tokens, w)
         scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=precision,
                                      preferred_element_type=f32)  # [Hq, tokens]
+        # Rounded to the keys' dtype as the reference's einsum returns them (bfloat16 scores, then float32).
+        scores = scores.astype(k_buf.dtype).astype(f32)
         scores = cap * jnp.tanh(scores * multiplier / cap)
         seen = c * tokens + jax.lax.broadcasted_iota(jnp.int32, (hq, tokens), 1) < length
         scores = jnp.where(seen, scores, MASK_VALUE)
