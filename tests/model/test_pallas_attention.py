@@ -177,14 +177,16 @@ def test_a_step_with_its_decodes_through_the_kernel_gives_each_row_its_own_atten
     q = jnp.asarray(rng.standard_normal((total, 4, 8)), jnp.float32)
     seq, pos, active = (jnp.asarray(a) for a in rows_of(chunks, total))
     form = PallasAttention(interpret=True)
-    got = jax.jit(lambda *a: form.attend(*a, MULTIPLIER, chunk))(q, pool_k, pool_v, tables, seq, pos, active)
-    with on_tpu_highest():
+    with on_tpu_highest():  # both: a mixed step's prompt rows go through XLA's form inside PallasAttention too
+        got = jax.jit(lambda *a: form.attend(*a, MULTIPLIER, chunk))(q, pool_k, pool_v, tables, seq, pos, active)
         want = jax.jit(lambda *a: attend_segments(*a, MULTIPLIER, chunk))(q, pool_k, pool_v, tables, seq, pos, active)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
     assert not np.asarray(got)[~np.asarray(active)].any()
     # And a scanned layer's pools (LayerPool) read in place.
     stacked = [LayerPool(jnp.stack([p * 2, p]), jnp.int32(1)) for p in (pool_k, pool_v)]
-    layered = jax.jit(lambda *a: form.attend(a[0], *stacked, *a[1:], MULTIPLIER, chunk))(q, tables, seq, pos, active)
+    with on_tpu_highest():
+        layered = jax.jit(lambda *a: form.attend(a[0], *stacked, *a[1:], MULTIPLIER, chunk))(q, tables, seq, pos,
+                                                                                            active)
     np.testing.assert_allclose(np.asarray(layered), np.asarray(want), rtol=2e-6, atol=2e-6)
 
 
