@@ -23,7 +23,7 @@ def kernel_engine() -> Engine:
         engine = build_engine(config, resolve(config))
     else:
         with pytest.MonkeyPatch.context() as patch:  # what --attention pallas takes on a TPU, on CPU's interpreter
-            patch.setattr(backend, "choose_attention", lambda choice, mesh: "pallas_interpret")
+            patch.setattr(backend, "choose_attention", lambda choice, mesh, *_: "pallas_interpret")
             engine = build_engine(config, resolve(config))
     engine.compile()
     return engine
