@@ -137,7 +137,13 @@ def sigterm_tokenizer_with_streams_in_flight(stack: LocalStack, seeded: Sequence
     running = _Streams(stack.gateway.address, streams, tokens)
     decoding = min(streams, stack.config.replicas * stack.config.slots)
     wait_until(lambda: running.started >= decoding, timeout=120, step=0.05)
-    time.sleep(0.3)  # the waiting streams are encoded and queued in a model by now (ms after they were sent)
+
+    def queued() -> float:
+        return sum(scrape(stack.metrics_port(m)).get("grok_model_queue_depth", 0.0) for m in stack.models)
+
+    # The rest are encoded and waiting in a model's queue (a fixed pause let the first ones finish on a quick box,
+    # leaving none waiting at the signal).
+    wait_until(lambda: queued() >= streams - decoding, timeout=30, step=0.01)
     running_at_signal = streams - len(running.outcomes)
     began = time.monotonic()
     code = stack.tokenizer.terminate(timeout=stack.config.grace_seconds + 20)
