@@ -10,7 +10,9 @@ router float32.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import concurrent.futures
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,7 +204,44 @@ def stack_experts(leaf: ExpertStack) -> GroupedWeight:
 
 
 EMB_STD = 0.002
-_TABLE_ROWS = 4096  # rows of the random table drawn at a time (a float32 slab, not the whole table)
+_DRAW_ROWS = 256  # leading rows of a random array drawn by one generator, one thread at a time
+_THREADED_BYTES = 32 << 20  # arrays from this size are drawn on a pool of threads (smaller: the threads' arenas
+# kept more host memory than they saved time: tests/test_build_memory.py)
+
+
+def _threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def draw_rows(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any,
+              draw: Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]) -> np.ndarray:
+    """An array of `shape` whose leading rows are drawn _DRAW_ROWS at a time, each block by its own child of `rng`
+    (Generator.spawn, in block order), on a pool of threads for large arrays: numpy's generators fill without the
+    GIL, so a host's cores share the work (Grok-1 width's random table and experts took ~50 s on one core). The
+    values depend only on `rng` and `shape`, not on the number of threads."""
+    out = np.empty(shape, dtype)
+    starts = range(0, shape[0], _DRAW_ROWS)
+    children = rng.spawn(len(starts))
+
+    def fill(block: int) -> None:
+        start = starts[block]
+        stop = min(start + _DRAW_ROWS, shape[0])
+        out[start:stop] = draw(children[block], (stop - start, *shape[1:]))
+
+    if len(starts) == 1 or out.nbytes < _THREADED_BYTES:
+        for block in range(len(starts)):
+            fill(block)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(min(_threads(), len(starts))) as pool:
+            list(pool.map(fill, range(len(starts))))
+    return out
+
+
+def _int8(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return rng.integers(-127, 128, shape, dtype=np.int8)
 
 
 def _random_scales(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
@@ -216,16 +255,14 @@ def random_experts(spec: TensorSpec, rng: np.random.Generator) -> tuple[np.ndarr
     """An MoE matrix's random scales [E, blocks, N] and, drawn lazily one expert after the other, its int8
     weights [K, N]: a loader can pack and free each before the next is drawn."""
     scales = _random_scales(spec, rng)
-    return scales, (rng.integers(-127, 128, spec.shape[1:], dtype=np.int8) for _ in range(spec.shape[0]))
+    return scales, (draw_rows(rng, spec.shape[1:], np.int8, _int8) for _ in range(spec.shape[0]))
 
 
 def _random_table(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """N(0, EMB_STD) in bfloat16, the type the released checkpoint stores its embedding table in."""
-    table = np.empty(shape, ml_dtypes.bfloat16)
-    for r in range(0, shape[0], _TABLE_ROWS):
-        rows = min(_TABLE_ROWS, shape[0] - r)
-        table[r:r + rows] = rng.standard_normal((rows, shape[1]), dtype=np.float32) * EMB_STD
-    return table
+    """N(0, EMB_STD) in bfloat16, the type the released checkpoint stores its embedding table in (drawn in float32
+    a block of rows at a time, not as one float32 table)."""
+    return draw_rows(rng, shape, ml_dtypes.bfloat16, lambda g, rows: (g.standard_normal(rows, dtype=np.float32)
+                                                                       * EMB_STD).astype(ml_dtypes.bfloat16))
 
 
 def random_leaf(spec: TensorSpec, cfg: ModelConfig, rng: np.random.Generator) -> Any:
@@ -240,7 +277,7 @@ def random_leaf(spec: TensorSpec, cfg: ModelConfig, rng: np.random.Generator) ->
             stack[e] = weight
         return stack, scales
     if spec.quantized:  # int8 drawn directly (fast even for large configs), scales give std gain/sqrt(K)
-        weight = rng.integers(-127, 128, spec.shape, dtype=np.int8)
+        weight = draw_rows(rng, spec.shape, np.int8, _int8)
         return weight, _random_scales(spec, rng)
     if spec.module == EMBED:
         return _random_table(spec.shape, rng)
