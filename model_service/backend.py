@@ -8,7 +8,8 @@ accelerator is how that program computes, and it is all here:
   attention   per-row attention ("native": the native kernel, on one device; "rows": XLA, each row its own
               program over its own keys: either way a row's bits never depend on the others, and idle rows
               cost nothing) or one batched computation ("batched"; "pallas": batched, its decode rows through
-              the Pallas kernel, which reads each row's own blocks only: one TPU device, an opt-in);
+              the Pallas kernel, which reads each row's own blocks only: auto's choice on one TPU device in
+              bfloat16, choose_attention);
   tile_rows   rows per pass over the weights (a tile streams each weight once for its rows);
   step_tokens token rows per step (prompt and decode rows together);
   native_sampling  the sampler's nucleus threshold and its list of kept entries (the draw's noise for those only)
