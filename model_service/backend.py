@@ -142,12 +142,12 @@ def row_buckets(step_rows: int, buckets: tuple[int, ...] | None = None) -> tuple
 def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", slots: int = 1,
                    step_tokens: int | None = None, tile_rows: int | None = None,
                    buckets: tuple[int, ...] | None = None, moe: str = "auto", layers: str = "auto",
-                   attention: str = "auto", block_size: int | None = None) -> Backend:
+                   attention: str = "auto", block_size: int | None = None, kv_width: int | None = None) -> Backend:
     """The backend for `mesh` (see the module docstring); `step_tokens` / `tile_rows` override its shape (a step
     holds at least one row per slot and whole tiles), `buckets` the accelerator's row buckets, `moe` how the
     generic backend runs the experts (choose_moe), `layers` (--layers) whether it scans its layers ("scan") or
     unrolls them ("unroll"; the cpu backend always does), `attention` (--attention) the generic backend's attention
-    (choose_attention, which reads the KV `block_size`). "auto" scans the generic backend's layers (on a TPU v5e
+    (choose_attention, which reads the KV `block_size` and `kv_width`). "auto" scans the generic backend's layers (on a TPU v5e
     medium's scanned program compiled in 59 s against 82 s unrolled and stepped as fast or faster:
     benchmarks/measured/device-tpu-v5e.json), except on an accelerator mesh with an expert axis, whose per-layer
     experts a scanned step would slice out (a copy) every step."""
@@ -180,7 +180,7 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
         chosen = Products.DOT_INT8 if products == "int8" else accelerator_products(mesh, jnp.dtype(dtype))
         rows = max(step_tokens or GENERIC_STEP_TOKENS, slots)
         tile = min(tile_rows or rows, rows)
-        attention = choose_attention(attention, mesh, dtype, block_size)
+        attention = choose_attention(attention, mesh, dtype, block_size, kv_width)
     if tile < 1:
         raise ValueError(f"a tile holds at least one row, got {tile}")
     rows = -(-rows // tile) * tile
@@ -196,15 +196,23 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
                    scan_layers=scan_layers(layers, mesh, moe_choice))
 
 
-def choose_attention(choice: str, mesh: Mesh, dtype: Any = jnp.float32, block_size: int | None = None) -> str:
+LANES = 128  # a TPU vector register's lanes: the kernel's KV rows (KV heads x head size) fill whole ones under auto
+
+
+def choose_attention(choice: str, mesh: Mesh, dtype: Any = jnp.float32, block_size: int | None = None,
+                     kv_width: int | None = None) -> str:
     """Backend.attention on the generic backend for --attention `choice`: "batched" (XLA) or "pallas" (one TPU
     device: decode rows read their own blocks through the kernel; prompt chunks attend as batched). "auto" is
     pallas on one TPU device in bfloat16 where the KV blocks fill the kernel's tiles (`block_size` a multiple of
-    its least: medium's decode at a 2,048-token context took 0.43-0.56x of batched's step on a v5e,
+    its least) and a position's keys fill whole lanes (`kv_width`, KV heads x head size, a multiple of 128, as the
+    shapes compiled on the chip: Grok-1's 1,024, medium's 256; the golden test models' 64 keep batched): medium's
+    decode at a 2,048-token context took 0.43-0.56x of batched's step on a v5e,
     benchmarks/measured/device-tpu-v5e-attention-kernel.json), batched elsewhere: float32, the faithful mode, keeps
     XLA's accurate transcendentals (the kernel's tanh and exp are the chip's own)."""
     if choice == "auto":
         if platform(mesh) != "tpu" or mesh.size > 1 or jnp.dtype(dtype) != jnp.bfloat16:
+            return "batched"
+        if kv_width is not None and kv_width % LANES:
             return "batched"
         from model_service.kernels.tpu.paged_attention import min_block_size  # Pallas' TPU module: on a TPU only
 

@@ -69,8 +69,9 @@ class GrokModel:
         from model_service.ops import for_backend
 
         # Explicit products / attention (tests, tools) override the backend's; the engine reads the rest of it.
-        self.backend = with_choices(backend or choose_backend("auto", mesh, self.dtype, block_size=block_size), mesh, products,
-                                   attention)
+        self.backend = with_choices(backend or choose_backend(
+            "auto", mesh, self.dtype, block_size=block_size, kv_width=cfg.model.num_kv_heads * cfg.model.key_size),
+            mesh, products, attention)
         # Every operation whose form differs per backend, derived from it once (model_service/ops/).
         self.ops = for_backend(self.backend, mesh)
         self.products = self.backend.products

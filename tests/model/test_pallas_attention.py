@@ -214,8 +214,8 @@ def test_pallas_attention_is_chosen_only_where_its_kernel_compiles() -> None:
 
 def test_auto_takes_the_kernel_on_one_tpu_device_in_bfloat16_where_its_blocks_tile(monkeypatch) -> None:
     """Measured on a v5e (medium, 2,048-token context: 0.43-0.56x of batched's step), the kernel is auto's choice
-    there; float32 (the faithful mode: XLA's accurate tanh and exp), a block size the kernel cannot tile, a mesh
-    and other platforms keep batched."""
+    there; float32 (the faithful mode: XLA's accurate tanh and exp), a block size the kernel cannot tile, keys
+    narrower than a lane row, a mesh and other platforms keep batched."""
     from model_service import backend
 
     one, many = make_mesh(MeshConfig()), make_mesh(MeshConfig(1, 2))
@@ -225,6 +225,10 @@ def test_auto_takes_the_kernel_on_one_tpu_device_in_bfloat16_where_its_blocks_ti
     assert choose_attention("auto", one, jnp.bfloat16, 8) == "batched"
     assert choose_attention("auto", one, jnp.float32, 16) == "batched"
     assert choose_attention("auto", many, jnp.bfloat16, 16) == "batched"
+    # Keys that fill whole lanes (Grok-1's 8 x 128, medium's, the demo's 2 x 64), not the golden models' 8 x 8.
+    assert [choose_attention("auto", one, jnp.bfloat16, 16, w) for w in (1024, 256, 128, 64)] == \
+        ["pallas"] * 3 + ["batched"]
+    assert choose_backend("auto", one, jnp.bfloat16, block_size=16, kv_width=64).attention == "batched"
     assert choose_backend("auto", one, jnp.bfloat16, block_size=16).attention == "pallas"
     assert choose_backend("auto", one, jnp.bfloat16, block_size=8).attention == "batched"
     assert choose_backend("auto", one, jnp.bfloat16, attention="batched", block_size=16).attention == "batched"
