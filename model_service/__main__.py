@@ -148,8 +148,8 @@ def parser() -> EnvArgumentParser:
                        help="how the generic backend attends: batched (XLA: a step's decode rows read keys up to the "
                             "step's longest sequence), pallas (one TPU device: decode rows read their own KV blocks "
                             "only, through a Pallas kernel; prompt chunks as batched) or auto (pallas on one TPU "
-                            "device in bfloat16 with a --block-size the kernel tiles, 16 or a multiple, and KV heads "
-                            "x head size a multiple of 128; batched elsewhere, float32 included)")
+                            "device in bfloat16 with a --block-size the kernel tiles, 16 or a multiple, query heads a "
+                            "multiple of 16 and KV heads x head size of 128; batched elsewhere, float32 included)")
     p.add_env_argument("--layers", choices=LAYERS_CHOICES, default="auto",
                        help="how the generic backend runs the decoder layers: scan (one loop over parameters and KV "
                             "pools stacked along a layer axis: each step program is the same size at any depth, so "

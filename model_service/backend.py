@@ -51,7 +51,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from model_service import kernels
-from model_service.config import ATTENTION_CHOICES, BACKENDS, LAYERS_CHOICES, MOE_CHOICES, PRODUCT_CHOICES
+from model_service.config import ATTENTION_CHOICES, BACKENDS, LAYERS_CHOICES, MOE_CHOICES, PRODUCT_CHOICES, \
+    ModelConfig
 from model_service.model.layers import Products
 from model_service.model.packed import native_ok
 
@@ -142,14 +143,15 @@ def row_buckets(step_rows: int, buckets: tuple[int, ...] | None = None) -> tuple
 def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", slots: int = 1,
                    step_tokens: int | None = None, tile_rows: int | None = None,
                    buckets: tuple[int, ...] | None = None, moe: str = "auto", layers: str = "auto",
-                   attention: str = "auto", block_size: int | None = None, kv_width: int | None = None) -> Backend:
+                   attention: str = "auto", block_size: int | None = None,
+                   heads: tuple[int, int] | None = None) -> Backend:
     """The backend for `mesh` (see the module docstring); `step_tokens` / `tile_rows` override its shape (a step
     holds at least one row per slot and whole tiles), `buckets` the accelerator's row buckets, `moe` how the
     generic backend runs the experts (choose_moe), `layers` (--layers) whether it scans its layers ("scan") or
     unrolls them ("unroll"; the cpu backend always does), `attention` (--attention) the generic backend's attention
-    (choose_attention, which reads the KV `block_size` and `kv_width`). "auto" scans the generic backend's layers (on a TPU v5e
-    medium's scanned program compiled in 59 s against 82 s unrolled and stepped as fast or faster:
-    benchmarks/measured/device-tpu-v5e.json), except on an accelerator mesh with an expert axis, whose per-layer
+    (choose_attention, which reads the KV `block_size` and the attention's `heads`). "auto" scans the generic
+    backend's layers (on a TPU v5e medium's scanned program compiled in 59 s against 82 s unrolled and stepped as
+    fast or faster: benchmarks/measured/device-tpu-v5e.json), except on an accelerator mesh with an expert axis, whose per-layer
     experts a scanned step would slice out (a copy) every step."""
     if choice not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
@@ -180,7 +182,7 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
         chosen = Products.DOT_INT8 if products == "int8" else accelerator_products(mesh, jnp.dtype(dtype))
         rows = max(step_tokens or GENERIC_STEP_TOKENS, slots)
         tile = min(tile_rows or rows, rows)
-        attention = choose_attention(attention, mesh, dtype, block_size, kv_width)
+        attention = choose_attention(attention, mesh, dtype, block_size, heads)
     if tile < 1:
         raise ValueError(f"a tile holds at least one row, got {tile}")
     rows = -(-rows // tile) * tile
@@ -197,22 +199,24 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
 
 
 LANES = 128  # a TPU vector register's lanes: the kernel's KV rows (KV heads x head size) fill whole ones under auto
+BF16_ROWS = 16  # a bfloat16 register's rows: the query heads fill whole ones under auto
 
 
 def choose_attention(choice: str, mesh: Mesh, dtype: Any = jnp.float32, block_size: int | None = None,
-                     kv_width: int | None = None) -> str:
+                     heads: tuple[int, int] | None = None) -> str:
     """Backend.attention on the generic backend for --attention `choice`: "batched" (XLA) or "pallas" (one TPU
     device: decode rows read their own blocks through the kernel; prompt chunks attend as batched). "auto" is
     pallas on one TPU device in bfloat16 where the KV blocks fill the kernel's tiles (`block_size` a multiple of
-    its least) and a position's keys fill whole lanes (`kv_width`, KV heads x head size, a multiple of 128, as the
-    shapes compiled on the chip: Grok-1's 1,024, medium's 256; the golden test models' 64 keep batched): medium's
+    its least) and the heads are shaped as those compiled on the chip in bfloat16 (`heads`: query heads a multiple
+    of 16, a position's keys, KV heads x head size, a multiple of 128 lanes: Grok-1's (48, 1,024) and medium's
+    (16, 256); the demo's 8 query heads and the golden test models' 64-wide keys keep batched): medium's
     decode at a 2,048-token context took 0.43-0.56x of batched's step on a v5e,
     benchmarks/measured/device-tpu-v5e-attention-kernel.json), batched elsewhere: float32, the faithful mode, keeps
     XLA's accurate transcendentals (the kernel's tanh and exp are the chip's own)."""
     if choice == "auto":
         if platform(mesh) != "tpu" or mesh.size > 1 or jnp.dtype(dtype) != jnp.bfloat16:
             return "batched"
-        if kv_width is not None and kv_width % LANES:
+        if heads is not None and (heads[0] % BF16_ROWS or heads[1] % LANES):
             return "batched"
         from model_service.kernels.tpu.paged_attention import min_block_size  # Pallas' TPU module: on a TPU only
 
@@ -225,6 +229,11 @@ def choose_attention(choice: str, mesh: Mesh, dtype: Any = jnp.float32, block_si
         raise ValueError(f"--attention pallas runs on one device; a mesh of {mesh.size} devices takes --attention "
                          "batched")
     return "pallas"
+
+
+def attention_heads(cfg: ModelConfig) -> tuple[int, int]:
+    """(query heads, a position's key width: KV heads x head size) of `cfg`, as choose_attention reads them."""
+    return cfg.model.num_q_heads, cfg.model.num_kv_heads * cfg.model.key_size
 
 
 def native_sampling(products: Products, mesh: Mesh) -> bool:

@@ -126,7 +126,7 @@ def load_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     import jax.numpy as jnp
 
     from model_service import checkpoint
-    from model_service.backend import choose_backend
+    from model_service.backend import attention_heads, choose_backend
     from model_service.engine import Engine
     from model_service.model import GrokModel
     from model_service.sharding import default_between_hosts, make_mesh
@@ -139,7 +139,7 @@ def load_engine(config: ServerConfig, cfg: ModelConfig) -> Any:
     dtype = jnp.dtype(config.dtype)
     backend = choose_backend(config.backend, mesh, dtype, config.products, config.slots, config.step_tokens,
                              config.tile_rows, moe=config.moe, layers=config.layers, attention=config.attention,
-                             block_size=config.block_size, kv_width=cfg.model.num_kv_heads * cfg.model.key_size)
+                             block_size=config.block_size, heads=attention_heads(cfg))
     model = GrokModel(cfg, mesh, dtype, block_size=config.block_size, backend=backend)
     laid_out = model.load_options()  # laid out for the backend's operations as they load (GrokModel.pack_params')
     log.info("backend", extra={"backend": backend.name, "products": backend.products.value,

@@ -65,13 +65,12 @@ class GrokModel:
         self.cfg = cfg
         self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
-        from model_service.backend import choose_backend, with_choices
+        from model_service.backend import attention_heads, choose_backend, with_choices
         from model_service.ops import for_backend
 
         # Explicit products / attention (tests, tools) override the backend's; the engine reads the rest of it.
         self.backend = with_choices(backend or choose_backend(
-            "auto", mesh, self.dtype, block_size=block_size, kv_width=cfg.model.num_kv_heads * cfg.model.key_size),
-            mesh, products, attention)
+            "auto", mesh, self.dtype, block_size=block_size, heads=attention_heads(cfg)), mesh, products, attention)
         # Every operation whose form differs per backend, derived from it once (model_service/ops/).
         self.ops = for_backend(self.backend, mesh)
         self.products = self.backend.products

@@ -225,10 +225,11 @@ def test_auto_takes_the_kernel_on_one_tpu_device_in_bfloat16_where_its_blocks_ti
     assert choose_attention("auto", one, jnp.bfloat16, 8) == "batched"
     assert choose_attention("auto", one, jnp.float32, 16) == "batched"
     assert choose_attention("auto", many, jnp.bfloat16, 16) == "batched"
-    # Keys that fill whole lanes (Grok-1's 8 x 128, medium's, the demo's 2 x 64), not the golden models' 8 x 8.
-    assert [choose_attention("auto", one, jnp.bfloat16, 16, w) for w in (1024, 256, 128, 64)] == \
-        ["pallas"] * 3 + ["batched"]
-    assert choose_backend("auto", one, jnp.bfloat16, block_size=16, kv_width=64).attention == "batched"
+    # The heads compiled on the chip in bfloat16: Grok-1's (48 query heads, keys 8 x 128 wide) and medium's
+    # (16, 8 x 32); not the demo's 8 query heads, nor the golden models' keys 8 x 8 wide.
+    shapes = [(48, 1024), (16, 256), (32, 128), (8, 128), (16, 64)]
+    assert [choose_attention("auto", one, jnp.bfloat16, 16, h) for h in shapes] == ["pallas"] * 3 + ["batched"] * 2
+    assert choose_backend("auto", one, jnp.bfloat16, block_size=16, heads=(16, 64)).attention == "batched"
     assert choose_backend("auto", one, jnp.bfloat16, block_size=16).attention == "pallas"
     assert choose_backend("auto", one, jnp.bfloat16, block_size=8).attention == "batched"
     assert choose_backend("auto", one, jnp.bfloat16, attention="batched", block_size=16).attention == "batched"
