@@ -198,29 +198,24 @@ def choose_backend(choice: str, mesh: Mesh, dtype: Any, products: str = "auto", 
                    scan_layers=scan_layers(layers, mesh, moe_choice))
 
 
-LANES = 128  # a TPU vector register's lanes: the kernel's KV rows (KV heads x head size) fill whole ones under auto
-BF16_ROWS = 16  # a bfloat16 register's rows: the query heads fill whole ones under auto
-
-
 def choose_attention(choice: str, mesh: Mesh, dtype: Any = jnp.float32, block_size: int | None = None,
                      heads: tuple[int, int] | None = None) -> str:
     """Backend.attention on the generic backend for --attention `choice`: "batched" (XLA) or "pallas" (one TPU
     device: decode rows read their own blocks through the kernel; prompt chunks attend as batched). "auto" is
     pallas on one TPU device in bfloat16 where the KV blocks fill the kernel's tiles (`block_size` a multiple of
-    its least) and the heads are shaped as those compiled on the chip in bfloat16 (`heads`: query heads a multiple
-    of 16, a position's keys, KV heads x head size, a multiple of 128 lanes: Grok-1's (48, 1,024) and medium's
-    (16, 256); the demo's 8 query heads and the golden test models' 64-wide keys keep batched): medium's
+    its least) and the heads fill its tiles as those compiled on the chip do (`heads`, (query heads, KV heads x
+    head size): paged_attention.fills_tiles; the demo's 8 query heads and the golden test models' 64-wide keys keep
+    batched): medium's
     decode at a 2,048-token context took 0.43-0.56x of batched's step on a v5e,
     benchmarks/measured/device-tpu-v5e-attention-kernel.json), batched elsewhere: float32, the faithful mode, keeps
     XLA's accurate transcendentals (the kernel's tanh and exp are the chip's own)."""
     if choice == "auto":
         if platform(mesh) != "tpu" or mesh.size > 1 or jnp.dtype(dtype) != jnp.bfloat16:
             return "batched"
-        if heads is not None and (heads[0] % BF16_ROWS or heads[1] % LANES):
-            return "batched"
-        from model_service.kernels.tpu.paged_attention import min_block_size  # Pallas' TPU module: on a TPU only
+        from model_service.kernels.tpu.paged_attention import fills_tiles, min_block_size  # Pallas' TPU module
 
-        return "pallas" if block_size is None or block_size % min_block_size(dtype) == 0 else "batched"
+        blocks_fit = block_size is None or block_size % min_block_size(dtype) == 0
+        return "pallas" if blocks_fit and (heads is None or fills_tiles(*heads, dtype)) else "batched"
     if choice != "pallas":
         return "batched"
     if platform(mesh) != "tpu":

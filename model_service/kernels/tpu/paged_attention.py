@@ -39,10 +39,20 @@ MASK_VALUE = -1e30  # layers.MASK_VALUE: a score no key reaches (finite, so a ma
 VMEM_LIMIT = 32 * 1024 * 1024
 
 
+LANES = 128  # a vector register's lanes
+
+
 def min_block_size(dtype: jnp.dtype) -> int:
     """The least block size the kernel takes for pools of `dtype`: a block fills whole (8 x 128) tiles of VMEM
     rows, 16 rows of a 16-bit type."""
     return 32 // jnp.dtype(dtype).itemsize
+
+
+def fills_tiles(q_heads: int, kv_width: int, dtype: jnp.dtype) -> bool:
+    """Whether the query heads fill whole tile rows of `dtype` (as a block's positions must) and a position's keys
+    (KV heads x head size) whole lanes: the shapes compiled on the chip (Grok-1's 48 heads over 1,024, medium's 16
+    over 256), which backend.choose_attention's auto keeps to."""
+    return q_heads % min_block_size(dtype) == 0 and kv_width % LANES == 0
 
 
 @functools.partial(jax.jit, static_argnames=("multiplier", "cap", "chunk", "interpret"))
