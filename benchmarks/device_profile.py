@@ -8,7 +8,8 @@ One process, one engine as the model service builds it (random weights; benchmar
 compiled, every slot given a prompt, then per point (decode-N: N streams; prompts-PxL) a few untraced steps, the
 median of `--runs` timed steps, the same dispatched back to back (decode: `pipelined_ms`, what a step costs the
 serving loop, which plans the next step while the device computes one), and `--steps` steps under
-`jax.profiler`. Each point reports the step's wall time,
+`jax.profiler`. Each point reports the step's wall time, that wall time cut into the host's phases
+(`host_phases_ms`: building the batch, dispatching it, the device finishing, the draws reaching the host),
 the device's busy time a step (the ops' durations summed), the ops that took most of it (HLO name, ms a step,
 count, the source line in the metadata of the compiled programs) and the same time by source file and by line.
 On a TPU the ops are the device plane's "XLA Ops"; on a CPU (for testing) the host's XLA threads' events.
@@ -123,6 +124,31 @@ def summarise(events: list[tuple[str, int]], steps: int, sources: dict[str, str]
             "by_line": {k: ms(v) for k, v in by_line.most_common(top)}}
 
 
+def host_phases(d: Any, make: Any, runs: int) -> dict[str, float]:
+    """Where a step the host waits for goes, medians in ms: building its batch (`batch`), `Engine.step` until it
+    returns (`dispatch`: arguments to the device, the program enqueued), the device finishing the new state
+    (`device`), then the draws reaching the host (`fetch`)."""
+    import jax
+
+    took: dict[str, list[float]] = {"batch": [], "dispatch": [], "device": [], "fetch": []}
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        batches = make()
+        t1 = time.perf_counter()
+        pending = None
+        for b in batches:
+            d.state, pending = d.engine.step(d.state, b)
+        t2 = time.perf_counter()
+        jax.block_until_ready(d.state)
+        t3 = time.perf_counter()
+        if pending is not None:
+            pending.get()
+        t4 = time.perf_counter()
+        for key, a, b in (("batch", t0, t1), ("dispatch", t1, t2), ("device", t2, t3), ("fetch", t3, t4)):
+            took[key].append((b - a) * 1e3)
+    return {k: round(statistics.median(v), 4) for k, v in took.items()}
+
+
 def profile_point(d: Any, name: str, make: Any, runs: int, steps: int, sources: dict[str, str],
                   top: int, pipelined: bool = False) -> dict[str, Any]:
     import jax
@@ -133,6 +159,7 @@ def profile_point(d: Any, name: str, make: Any, runs: int, steps: int, sources: 
     # Back to back, the host waiting once at the end: what the serving loop, which plans the next step while
     # the device computes this one, sees a step cost.
     back_to_back = d.run([b for _ in range(runs) for b in make()]) / runs * 1e3 if pipelined else None
+    phases = host_phases(d, make, runs)
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp)
         for _ in range(steps):
@@ -141,7 +168,7 @@ def profile_point(d: Any, name: str, make: Any, runs: int, steps: int, sources: 
         files = sorted(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True))
         where, events = device_ops(files[-1]) if files else ("none", [])
     return {"name": name, "step_ms": statistics.median(times), "step_ms_min": min(times),
-            "pipelined_ms": back_to_back, "traced_steps": steps,
+            "pipelined_ms": back_to_back, "host_phases_ms": phases, "traced_steps": steps,
             "where": where, **summarise(events, steps, sources, top)}
 
 

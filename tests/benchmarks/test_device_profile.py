@@ -36,4 +36,6 @@ def test_a_decode_point_is_timed_and_its_ops_are_attributed(tmp_path):
     point, = json.loads(out.read_text())["points"]
     assert point["name"] == "decode-2" and recorded(point["step_ms"], point["pipelined_ms"], point["busy_ms"])
     assert point["ops_per_step"] > 0 and len(point["top_ops"]) == 5
+    assert set(point["host_phases_ms"]) == {"batch", "dispatch", "device", "fetch"}
+    assert recorded(*point["host_phases_ms"].values())
     assert any(name.endswith(".py") for name in point["by_file"])  # ops traced back to the model's source files

@@ -3,7 +3,10 @@ row bucket; a step runs the least bucket holding its rows, and serving compiles 
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,8 @@ import pytest
 from model_service.backend import row_buckets
 from model_service.engine import Engine, accepted_draws, compile_threads
 from model_service.loading import build_engine, resolve
+from model_service.requests import GenerationRequest
+from model_service.step_batch import empty_batch
 from tests.engine.conftest import Runner, golden_requests, golden_server_config
 from tests.engine.drive import serve_all
 from tests.engine.test_engine_golden import golden_request
@@ -90,3 +95,57 @@ def test_accepted_draws_follow_each_chain_to_its_first_miss() -> None:
         np.testing.assert_array_equal(accepted, want)
         following = np.concatenate([want[1:] & (chain[1:] > 0), [False]])
         np.testing.assert_array_equal(final, want & ~following)
+
+
+@pytest.fixture(scope="module")
+def many_slots() -> Engine:
+    """More slots than the least bucket has rows: 24 possible draws, buckets of 16 and 64 rows."""
+    config = golden_server_config(backend="generic", slots=24, step_tokens=64)
+    engine = build_engine(config, resolve(config))
+    engine.compile()
+    return engine
+
+
+def served(scheduler: Any, requests: list[GenerationRequest]) -> list[list[tuple[int, float, tuple]]]:
+    """Every request's sample-0 tokens as (id, probability, alternatives), through a running scheduler."""
+    results: list[list[tuple[int, float, tuple]]] = [[] for _ in requests]
+    done = [threading.Event() for _ in requests]
+
+    def collector(i: int) -> Any:
+        def emit(emission: Any) -> None:
+            if emission.index == 0:
+                results[i].extend((t.id, t.prob, t.top) for t in emission.tokens)
+            assert emission.error is None
+            if emission.finish_reason is not None and emission.index == 0:
+                done[i].set()
+        return emit
+
+    for i, request in enumerate(requests):
+        scheduler.submit(request, collector(i))
+    assert all(event.wait(120) for event in done), "requests did not finish"
+    return results
+
+
+def test_a_step_of_few_rows_draws_only_as_many_entries_as_its_bucket_has_rows(many_slots: Engine,
+                                                                              running: Runner) -> None:
+    """The accelerator's program for a bucket of R rows samples at most R entries (each draws from a row of its
+    own), not one per possible draw: a request decoding alone (the 16-row program: 16 entries of 24) or beside
+    20 others (the 64-row program) gets the reference's ids and its own probabilities. (Equal to float32's
+    rounding, not bit for bit: on this backend XLA's reductions follow the program's row count, so a row's
+    bits may differ between buckets, as they did before the draws were cut; the CPU backend's are invariant.)"""
+    e = many_slots
+    assert e.max_samples == 24 and e.buckets == (16, 64)
+    tables = np.full((e.slots, e.table_len), e.num_blocks, np.int32)
+    for rows, want in ((1, 16), (16, 16), (17, 24), (64, 24)):
+        (packed, _), (draws, pending, _) = e.run_args(dataclasses.replace(empty_batch(e.max_rows, e.max_samples,
+                                                                                      tables), rows=rows))
+        assert packed.shape[1] == e.rows_for(rows) and draws.shape == (4, want) and pending.shape == (want, 0)
+    cases = golden_requests()
+    alone = [served(running(e), [golden_request(c, i)])[0] for i, c in enumerate(cases)]
+    assert [[t[0] for t in out] for out in alone] == [c["output_ids"] for c in cases]
+    crowd = [golden_request(cases[i % len(cases)], 100 + i) for i in range(20)]
+    together = served(running(e), [golden_request(c, i) for i, c in enumerate(cases)] + crowd)
+    for got, want in zip(together[:len(cases)] + together[len(cases):], alone + [alone[i % len(cases)]
+                                                                                 for i in range(20)]):
+        assert [t[0] for t in got] == [t[0] for t in want]
+        np.testing.assert_allclose([t[1] for t in got], [t[1] for t in want], rtol=1e-5)
