@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model_service.config import ModelConfig
-from model_service.engine_state import EngineState, PendingStep, Scores, SlotState
+from model_service.engine_state import EngineState, PendingStep, Scores, SlotState, pack_draws
 from model_service.logits_processing import Controls, History, controls_row, idle_controls, penalized
 from model_service.model import TokenRows
 from model_service.sampling import TOP_K, SamplingParams, build_mask, sample_tokens, seed_key, split_key, split_keys
@@ -244,7 +244,7 @@ class Engine:
         at = jnp.where(final, sample_slots, n_slots)  # a slot's last accepted draw sets its key and last token
         slots = SlotState(s.keys.at[at].set(rest, mode="drop"), s.last.at[at].set(result.token, mode="drop"),
                           s.sampling, s.controls._replace(min_left=min_left), s.history._replace(counts=counts))
-        return slots, (result, accepted), self._scores(params, h, targets, score)
+        return slots, pack_draws(result, accepted), self._scores(params, h, targets, score)
 
     def _scores(self, params: Any, h: jax.Array, targets: jax.Array, score: jax.Array) -> Scores:
         """Prompt logprobs of the `score` rows, a tile of rows at a time (only tiles holding one)."""
@@ -275,11 +275,11 @@ class Engine:
         rows, draws = self.run_args(batch)
         if self.one_program:
             program = self._compiled.get(rows[0].shape[1], self._program)
-            state, (result, accepted), scores = program(self.params, state, *rows, *draws)
-            return state, PendingStep(result, scores if batch.score is not None else None, accepted)
+            state, drawn, scores = program(self.params, state, *rows, *draws)
+            return state, PendingStep(drawn, scores if batch.score is not None else None)
         h, pools = self._rows(self.params, state.pools, state.slots.last, *rows)
-        slots, (result, accepted), scores = self._draws(self.head_params, state.slots, h, *draws)
-        return EngineState(pools, slots), PendingStep(result, scores if batch.score is not None else None, accepted)
+        slots, drawn, scores = self._draws(self.head_params, state.slots, h, *draws)
+        return EngineState(pools, slots), PendingStep(drawn, scores if batch.score is not None else None)
 
     def run_args(self, batch: StepBatch) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """The two step programs' arguments for `batch`, after (params, pools, last) and (params, slots, h): the

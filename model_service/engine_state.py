@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from model_service.logits_processing import Controls, History
@@ -53,21 +54,48 @@ class StepOutput:
     accepted: np.ndarray | None = None  # [P] bool: the draw counts (a speculative draw after a wrong draft does not)
 
 
-class PendingStep:
-    """A dispatched step's results on their way to the host; `get()` waits for them (once)."""
+DRAW_FIELDS = 4  # a packed draw's columns before its alternatives: token, probability's bits, bad, accepted
 
-    def __init__(self, result: SampleResult, scores: Scores | None, accepted: jax.Array | None = None) -> None:
-        for leaf in jax.tree.leaves((result, scores, accepted)):
+
+def pack_draws(result: SampleResult, accepted: jax.Array) -> jax.Array:
+    """A step's draws as one int32 array [P, 4 + 2K] (token, the probability's float32 bits, bad, accepted, the K
+    alternatives' ids, their probabilities' bits): one copy to the host instead of six. On a v5e's host the six
+    took 0.67 ms after the device finished (98622eb, benchmarks.device_profile's host phases; one copy there is not
+    measured yet); on CPU that phase is 0.35 ms either way. Bitcasts: every probability arrives bit for bit."""
+    def bits(x: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+    column = (result.token.astype(jnp.int32), bits(result.prob), result.bad.astype(jnp.int32),
+              accepted.astype(jnp.int32))
+    return jnp.concatenate([jnp.stack(column, axis=1), result.top_ids.astype(jnp.int32), bits(result.top_probs)],
+                           axis=1)
+
+
+def unpack_draws(packed: np.ndarray) -> tuple[np.ndarray, ...]:
+    """pack_draws' array on the host -> token, prob, top_ids, top_probs, bad, accepted."""
+    k = (packed.shape[1] - DRAW_FIELDS) // 2
+    f32 = packed.view(np.float32)
+    return (packed[:, 0].copy(), f32[:, 1].copy(), packed[:, DRAW_FIELDS:DRAW_FIELDS + k].copy(),
+            f32[:, DRAW_FIELDS + k:].copy(), packed[:, 2] != 0, packed[:, 3] != 0)
+
+
+class PendingStep:
+    """A dispatched step's results on their way to the host (its draws packed: pack_draws); `get()` waits for
+    them (once)."""
+
+    def __init__(self, draws: jax.Array, scores: Scores | None) -> None:
+        for leaf in jax.tree.leaves((draws, scores)):
             leaf.copy_to_host_async()
-        self._device: tuple[SampleResult, Scores | None, jax.Array | None] | None = (result, scores, accepted)
+        self._device: tuple[jax.Array, Scores | None] | None = (draws, scores)
         self._output: StepOutput | None = None
 
     def get(self) -> StepOutput:
         if self._output is None:
             assert self._device is not None
-            result, scores, accepted = jax.device_get(self._device)
+            draws, scores = jax.device_get(self._device)
             self._device = None
-            self._output = StepOutput(result.token, result.prob, result.top_ids, result.top_probs, result.bad,
+            token, prob, top_ids, top_probs, bad, accepted = unpack_draws(np.asarray(draws))
+            self._output = StepOutput(token, prob, top_ids, top_probs, bad,
                                       *((scores.logprob, scores.top_ids, scores.top_logprobs) if scores is not None
                                         else (None, None, None)), accepted)
         return self._output
