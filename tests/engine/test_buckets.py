@@ -22,12 +22,18 @@ from tests.engine.conftest import Runner, golden_requests, golden_server_config
 from tests.engine.drive import serve_all
 from tests.engine.test_engine_golden import golden_request
 
-@pytest.fixture(scope="module")
-def compiled() -> Engine:
-    config = golden_server_config(backend="generic", slots=4, step_tokens=64)
+
+def compiled_engine(slots: int) -> Engine:
+    """The golden model on the generic backend, steps of 64 rows (buckets of 16 and 64), every program compiled."""
+    config = golden_server_config(backend="generic", slots=slots, step_tokens=64)
     engine = build_engine(config, resolve(config))
     engine.compile()
     return engine
+
+
+@pytest.fixture(scope="module")
+def compiled() -> Engine:
+    return compiled_engine(4)
 
 
 def test_row_buckets_are_the_ones_below_the_step_then_the_step() -> None:
@@ -100,10 +106,7 @@ def test_accepted_draws_follow_each_chain_to_its_first_miss() -> None:
 @pytest.fixture(scope="module")
 def many_slots() -> Engine:
     """More slots than the least bucket has rows: 24 possible draws, buckets of 16 and 64 rows."""
-    config = golden_server_config(backend="generic", slots=24, step_tokens=64)
-    engine = build_engine(config, resolve(config))
-    engine.compile()
-    return engine
+    return compiled_engine(24)
 
 
 def served(scheduler: Any, requests: list[GenerationRequest]) -> list[list[tuple[int, float, tuple]]]:
