@@ -23,17 +23,14 @@ from tests.engine.drive import serve_all
 from tests.engine.test_engine_golden import golden_request
 
 
-def compiled_engine(slots: int) -> Engine:
-    """The golden model on the generic backend, steps of 64 rows (buckets of 16 and 64), every program compiled."""
-    config = golden_server_config(backend="generic", slots=slots, step_tokens=64)
+@pytest.fixture(scope="module")
+def compiled() -> Engine:
+    """The golden model on the generic backend, steps of 64 rows (buckets of 16 and 64), every program compiled;
+    24 slots: more possible draws than the least bucket has rows."""
+    config = golden_server_config(backend="generic", slots=24, step_tokens=64)
     engine = build_engine(config, resolve(config))
     engine.compile()
     return engine
-
-
-@pytest.fixture(scope="module")
-def compiled() -> Engine:
-    return compiled_engine(4)
 
 
 def test_row_buckets_are_the_ones_below_the_step_then_the_step() -> None:
@@ -103,12 +100,6 @@ def test_accepted_draws_follow_each_chain_to_its_first_miss() -> None:
         np.testing.assert_array_equal(final, want & ~following)
 
 
-@pytest.fixture(scope="module")
-def many_slots() -> Engine:
-    """More slots than the least bucket has rows: 24 possible draws, buckets of 16 and 64 rows."""
-    return compiled_engine(24)
-
-
 def served(scheduler: Any, requests: list[GenerationRequest]) -> list[list[tuple[int, float, tuple]]]:
     """Every request's sample-0 tokens as (id, probability, alternatives), through a running scheduler."""
     results: list[list[tuple[int, float, tuple]]] = [[] for _ in requests]
@@ -129,14 +120,14 @@ def served(scheduler: Any, requests: list[GenerationRequest]) -> list[list[tuple
     return results
 
 
-def test_a_step_of_few_rows_draws_only_as_many_entries_as_its_bucket_has_rows(many_slots: Engine,
+def test_a_step_of_few_rows_draws_only_as_many_entries_as_its_bucket_has_rows(compiled: Engine,
                                                                               running: Runner) -> None:
     """The accelerator's program for a bucket of R rows samples at most R entries (each draws from a row of its
     own), not one per possible draw: a request decoding alone (the 16-row program: 16 entries of 24) or beside
     20 others (the 64-row program) gets the reference's ids and its own probabilities. (Equal to float32's
     rounding, not bit for bit: on this backend XLA's reductions follow the program's row count, so a row's
     bits may differ between buckets, as they did before the draws were cut; the CPU backend's are invariant.)"""
-    e = many_slots
+    e = compiled
     assert e.max_samples == 24 and e.buckets == (16, 64)
     tables = np.full((e.slots, e.table_len), e.num_blocks, np.int32)
     for rows, want in ((1, 16), (16, 16), (17, 24), (64, 24)):
