@@ -56,8 +56,11 @@ def merge(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Several runs' reports (one point each, say, to stay within a call's time on the chip) as one: the first's
     date, versions and device, every run's settings, programs, parity, points and failures."""
     first = reports[0]
-    out: dict[str, Any] = {**first, "settings": [r["settings"] for r in reports],
-                           "merged_from": [{"date": r["date"], "git": r["git"]} for r in reports]}
+    # a report merged before brings its runs' settings and provenance, not itself as one run
+    out: dict[str, Any] = {**first, "settings": [s for r in reports for s in (
+                               r["settings"] if "merged_from" in r else [r["settings"]])],
+                           "merged_from": [m for r in reports for m in r.get(
+                               "merged_from", [{"date": r["date"], "git": r["git"]}])]}
     for key in ("notes", "parity", "groups", "points", "activation_error", "programs", "failures"):
         out[key] = [item for r in reports for item in r.get(key, [])]
     out["configs"] = {k: v for r in reports for k, v in r.get("configs", {}).items()}

@@ -105,7 +105,7 @@ def _inputs(rng: np.random.Generator, m: int, d: int, e: int, top: int, dtype: A
 
 
 def probe(name: str, d: int, f: int, e: int, top: int, rows: list[int], dtype: Any, tilings: list[Tiling],
-          iters: int, pallas: str) -> list[dict[str, Any]]:
+          iters: int, pallas: str, others: bool = True) -> list[dict[str, Any]]:
     key = jax.random.PRNGKey(0)
     inputs = {m: _inputs(np.random.default_rng(m), m, d, e, top, dtype) for m in rows}
     results: list[dict[str, Any]] = []
@@ -129,8 +129,16 @@ def probe(name: str, d: int, f: int, e: int, top: int, rows: list[int], dtype: A
         for t in tilings:
             fn = jax.jit(lambda x, ex, g, w, t=t: experts_sorted(x, ex, g, w, None, pallas, t))
             record(m, f"pallas {tuple(t)}", fn, (*inputs[m], w))
-        record(m, "ragged", jax.jit(lambda x, ex, g, w: experts_sorted(x, ex, g, w, None, "ragged")), (*inputs[m], w))
+        if others:
+            record(m, "ragged", jax.jit(lambda x, ex, g, w: experts_sorted(x, ex, g, w, None, "ragged")),
+                   (*inputs[m], w))
     del w
+    if not others:  # the tilings checked against the first one instead of cond
+        for r in results:
+            ref, out = outputs.get((r["rows"], f"pallas {tuple(tilings[0])}")), outputs.get((r["rows"], r["form"]))
+            if ref is not None and out is not None:
+                r["max_diff_vs_first_tiling"] = float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+        return results
     w_cond = per_expert(key, d, f, e)
     for m in rows:
         fn = jax.jit(lambda x, ex, g, w: experts_by_cond(x, Routing(g, ex), w, None, Products.DOT))
@@ -148,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", default="grok1,medium", help="comma list of grok1, medium, small")
     parser.add_argument("--rows", default=None, help="comma list of row counts (default 1,8,64,256)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--tilings", default=None, help="kernel tilings tm:tk:tn,... (default: a few)")
+    parser.add_argument("--tilings", default=None, help="kernel tilings tm:tk:tn[:widen],... (default: a few)")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--pallas-only", action="store_true", help="time the kernel's tilings only (no ragged, cond)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     on_tpu = jax.devices()[0].platform == "tpu"
@@ -164,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             t = load_model_config(str(MEDIUM)).model
             shape = (t.emb_size, t.ffn_size, t.num_experts, t.num_selected_experts)
         results += probe(name, *shape, rows, jnp.dtype(args.dtype), tilings, args.iters,
-                         "pallas" if on_tpu else "pallas_interpret")
+                         "pallas" if on_tpu else "pallas_interpret", not args.pallas_only)
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "python": platform.python_version(),
               "pallas_interpret": not on_tpu, "results": results}
     emit(report, args.out)

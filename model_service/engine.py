@@ -215,17 +215,30 @@ class Engine:
                       draws: jax.Array, pending: jax.Array, scoring: jax.Array) -> tuple[EngineState, Any, Scores]:
         # One program a step (accelerators): the rows of one bucket [R], then the draws and the scores of those rows
         # (scoring [2, R]); the hidden states never leave the device and are never padded.
+        # A step that draws nothing (a prompt's chunks before its last) skips the unembedding and the sampler
+        # (Grok-1 width: the 1.6 GB table read, ~2 ms on a v5e); its draws come back zero, read by no one.
         h, pools = self._hidden(params, state.pools, state.slots.last, packed, tables)
-        slots, drawn, scores = self._draws_impl(self.model.head_params(params), state.slots, h, draws, pending,
-                                                scoring)
-        return EngineState(pools, slots), drawn, scores
+        head = self.model.head_params(params)
+
+        def sample(s: SlotState) -> tuple[SlotState, jax.Array]:
+            return self._sample(head, s, h, draws, pending)
+
+        drawn_shape = jax.eval_shape(sample, state.slots)[1]
+        slots, drawn = jax.lax.cond(jnp.any(draws[1] < self.slots), sample,
+                                    lambda s: (s, jnp.zeros(drawn_shape.shape, drawn_shape.dtype)), state.slots)
+        return EngineState(pools, slots), drawn, self._scores(head, h, scoring[1], scoring[0] != 0)
 
     def _draws_impl(self, params: Any, s: SlotState, h: jax.Array, draws: jax.Array, pending: jax.Array,
                     scoring: jax.Array) -> tuple[SlotState, Any, Scores]:
         # h [max_rows, D]; draws [4, P] int32: sample_rows, sample_slots, chain, nxt, with pending [P, K] the
         # speculative drafts (step_batch.py); scoring [2, max_rows] int32: score (0/1), targets
+        slots, drawn = self._sample(params, s, h, draws, pending)
+        return slots, drawn, self._scores(params, h, scoring[1], scoring[0] != 0)
+
+    def _sample(self, params: Any, s: SlotState, h: jax.Array, draws: jax.Array,
+                pending: jax.Array) -> tuple[SlotState, jax.Array]:
+        """The step's draws from the hidden states h: the slots after them and pack_draws' array."""
         sample_rows, sample_slots, chain, nxt = draws[0], draws[1], draws[2], draws[3]
-        score, targets = scoring[0] != 0, scoring[1]
         n_slots = self.slots
         used = sample_slots < n_slots
         slot = jnp.minimum(sample_slots, n_slots - 1)
@@ -244,7 +257,7 @@ class Engine:
         at = jnp.where(final, sample_slots, n_slots)  # a slot's last accepted draw sets its key and last token
         slots = SlotState(s.keys.at[at].set(rest, mode="drop"), s.last.at[at].set(result.token, mode="drop"),
                           s.sampling, s.controls._replace(min_left=min_left), s.history._replace(counts=counts))
-        return slots, pack_draws(result, accepted), self._scores(params, h, targets, score)
+        return slots, pack_draws(result, accepted)
 
     def _scores(self, params: Any, h: jax.Array, targets: jax.Array, score: jax.Array) -> Scores:
         """Prompt logprobs of the `score` rows, a tile of rows at a time (only tiles holding one)."""

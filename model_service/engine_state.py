@@ -60,8 +60,9 @@ DRAW_FIELDS = 4  # a packed draw's columns before its alternatives: token, proba
 def pack_draws(result: SampleResult, accepted: jax.Array) -> jax.Array:
     """A step's draws as one int32 array [P, 4 + 2K] (token, the probability's float32 bits, bad, accepted, the K
     alternatives' ids, their probabilities' bits): one copy to the host instead of six. On a v5e's host the six
-    took 0.67 ms after the device finished (98622eb, benchmarks.device_profile's host phases; one copy there is not
-    measured yet); on CPU that phase is 0.35 ms either way. Bitcasts: every probability arrives bit for bit."""
+    took 0.67 ms after the device finished, the one 0.47 ms (medium, one stream; benchmarks.device_profile's host
+    phases at 98622eb and eaff5f2); on CPU that phase is 0.35 ms either way. Bitcasts: every probability arrives bit
+    for bit."""
     def bits(x: jax.Array) -> jax.Array:
         return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
 

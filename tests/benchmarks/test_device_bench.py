@@ -103,6 +103,12 @@ def test_the_table_keys_each_point_and_merging_runs_keeps_every_one(passing: tup
     assert len(merged["points"]) == 2 * len(report["points"]) and len(merged["parity"]) == 2
     assert merged["table"]["wide_float32_decode_1"] == row and merged["failures"] == other["failures"]
     assert merged["settings"] == [report["settings"]] * 2
+    # merged again with a third call's run: every run's settings and provenance are kept, none nested
+    (tmp_path / "c.json").write_text(json.dumps(report | {"date": "third", "failures": []}))
+    device.main(["--merge", str(tmp_path / "m.json"), str(tmp_path / "c.json"), "--out", str(tmp_path / "m2.json")])
+    again = json.loads((tmp_path / "m2.json").read_text())
+    assert again["settings"] == [report["settings"]] * 3
+    assert [m["date"] for m in again["merged_from"]] == [report["date"]] * 2 + ["third"]
 
 
 def test_a_parity_failure_fails_the_run_and_is_reported(tmp_path: pathlib.Path) -> None:
