@@ -26,6 +26,7 @@ from model_service.model.layers import paged_attention
 Array = jax.Array
 
 BLOCK_ROWS = 32  # rows of one run that share their keys' reads
+PART_BLOCKS = 8  # blocks attended together: each part's key loop stops at its own furthest key
 
 
 def capacities(rows: int, slots: int, block_rows: int = BLOCK_ROWS) -> tuple[int, int]:
@@ -86,10 +87,33 @@ def attend_segments(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: 
     at = jnp.full((blocks + 1, block_rows), r, jnp.int32).at[block, lane].set(jnp.arange(r), mode="drop")[:blocks]
     held = at < r
     at_ = jnp.where(held, at, 0)
-    shared = jax.lax.cond(
-        jnp.any(grouped), lambda: paged_attention(q[at_], pool_k, pool_v, tables[block_seq],
-                                                  jnp.where(held, positions[at_], 0), multiplier, chunk),
-        lambda: jnp.zeros((blocks, block_rows, hq * d), q.dtype))  # [blocks, block_rows, Hq * D]
+    limit = jnp.where(held, positions[at_], 0)
+
+    def part(first: int, count: int) -> Array:  # blocks first..first+count-1; a part holding no row skips
+        ids = slice(first, first + count)
+        return jax.lax.cond(
+            jnp.any(held[ids]), lambda: paged_attention(q[at_[ids]], pool_k, pool_v, tables[block_seq[ids]],
+                                                        limit[ids], multiplier, chunk),
+            lambda: jnp.zeros((count, block_rows, hq * d), q.dtype))
+
+    # In parts of PART_BLOCKS blocks, each part's key loop as long as its own furthest row needs: a prompt chunk's
+    # first blocks stop early (one loop to the step's furthest key made every block pay for it). Each row still gets
+    # its own attention (a chunk past its keys adds nothing); XLA may round a part's smaller batch differently in
+    # the last place, as it does between row buckets.
+    # Only a run longer than a part (a long prompt chunk) takes the parts; shorter runs (a decode and its drafts,
+    # short chunks) keep one loop over all blocks, as before.
+    step = min(PART_BLOCKS, blocks)
+
+    def in_parts() -> Array:
+        return jnp.concatenate([part(b, min(step, blocks - b)) for b in range(0, blocks, step)])
+
+    def at_once() -> Array:
+        return paged_attention(q[at_], pool_k, pool_v, tables[block_seq], limit, multiplier, chunk)
+
+    longest = jnp.max(jnp.where(grouped, length, 0))
+    shared = jax.lax.cond(  # [blocks, block_rows, Hq * D]
+        jnp.any(grouped), lambda: jax.lax.cond(longest > step * block_rows, in_parts, at_once) if blocks > step
+        else at_once(), lambda: jnp.zeros((blocks, block_rows, hq * d), q.dtype))
 
     out = jnp.zeros((r + 1, hq * d), q.dtype)
     out = out.at[jnp.where(taken, pick, r)].set(lone)

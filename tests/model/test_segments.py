@@ -38,9 +38,14 @@ STEPS = [
 ]
 
 
+@pytest.mark.parametrize("part_blocks", [1, 3, None], ids=["parts-of-1", "parts-of-3", "default-parts"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("chunks", STEPS, ids=["decodes", "prompt", "mixed", "unordered"])
-def test_each_row_gets_its_own_attention(chunks, dtype):
+def test_each_row_gets_its_own_attention(chunks, dtype, part_blocks, monkeypatch):
+    """Whatever shares its step, and however the blocks are cut into parts (segments.PART_BLOCKS: each part's key
+    loop stops at its own furthest row's keys), each row gets its own attention."""
+    if part_blocks is not None:
+        monkeypatch.setattr("model_service.model.segments.PART_BLOCKS", part_blocks)
     rng = np.random.default_rng(len(chunks))
     slots, table_len, total = 4, 32, 96
     blocks = slots * table_len
@@ -74,3 +79,4 @@ def test_the_blocks_hold_any_step_the_planner_builds():
             lengths = rng.multinomial(r - rng.integers(0, r // 4), np.ones(s) / s)
             assert sum(1 for n in lengths if n == 1) <= lanes
             assert sum(-(-n // 16) for n in lengths if n > 1) <= blocks
+
