@@ -120,7 +120,7 @@ class Engine:
         if self.num_blocks < model.blocks_per_sequence:
             raise ValueError(f"the KV pool ({self.num_blocks} blocks of {self.block_size}) must hold at least one "
                              f"full context ({cfg.sequence_len} tokens = {model.blocks_per_sequence} blocks)")
-        self.nucleus = model.ops.sampling  # the backend's nucleus threshold and draw (Ops.sampling)
+        self.nucleus = model.ops.sampling  # the backend's sampler: its draws one by one, or all at once (Ops.sampling)
         replicated = NamedSharding(mesh, PartitionSpec())
         slot_shardings = SlotState(replicated, replicated, SamplingParams(*([replicated] * len(SamplingParams._fields))),
                                    Controls(*([replicated] * len(Controls._fields))), History(replicated, replicated))
@@ -247,7 +247,7 @@ class Engine:
         start = jax.vmap(lambda k, j: jax.lax.fori_loop(0, j, lambda _, kk: split_key(kk)[0], k))(s.keys[slot], chain)
         rest, draw = split_keys(start)
         result = sample_tokens(draw, logits, s.sampling, s.controls, s.history, self.nucleus, slot, used,
-                               self.model.backend.vectorised_sampling, pending if self.draft_tokens else None, chain)
+                               pending=pending if self.draft_tokens else None, chain=chain)
         accepted, final = accepted_draws(result.token, used, chain, nxt)
         counted = accepted & penalized(s.controls)[slot]
         counts = jax.lax.cond(jnp.any(counted), lambda c: c.at[sample_slots, result.token].add(

@@ -187,7 +187,8 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, co
     is computed exactly as if it were alone. `controls` and `history` (both or neither) add the controls of
     sampling_settings.py; without them the reference's sampler alone is compiled. `nucleus` (the backend's,
     Ops.sampling: XLA's search by default, ops.native.KernelNucleus with the native kernels on one device) finds
-    large vocabularies' nucleus thresholds and draws from the filtered row. `index` [B] int32 (default: entry i)
+    large vocabularies' nucleus thresholds and draws from the filtered row; one whose `vectorised` is set
+    (ops.xla.BatchedDraws, the accelerators') asks for the form below. `index` [B] int32 (default: entry i)
     names the row of `params`, `controls` and `history` that entry i draws with (the engine's per-slot settings);
     `used` [B] bool (default: params.active at that row) says which entries draw at all. `vectorised` (accelerators, `nucleus` unused) computes
     every entry at once instead, one stage at a time, each stage only when some entry uses it (a greedy step
@@ -218,7 +219,8 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, params: SamplingParams, co
         res = jax.lax.cond(draws[i], one, lambda _: _idle_result(v), i)
         return jax.tree.map(lambda all_, r: all_.at[i].set(r), out, res)
 
-    if vectorised:  # one batched computation per stage, each only when a draw uses it (sampling_vectorised.py)
+    # one batched computation per stage, each only when a draw uses it (sampling_vectorised.py)
+    if vectorised or getattr(nucleus, "vectorised", False):
         return sample_batched(keys, logits, params, controls, history, rows, draws, pending, chain)
     zeros = jax.tree.map(lambda r: jnp.zeros((b,) + r.shape, r.dtype), _idle_result(v))
     # Entries after the last used one are idle: the loop stops there (a step of one draw on a many-slot engine

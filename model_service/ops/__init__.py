@@ -15,11 +15,12 @@ from jax.sharding import Mesh
 from model_service.model.expert_parallel import MOE as EXPERT_MOE
 from model_service.model.grouped import GROUPED_MOE
 from model_service.model.layers import Products
-from model_service.ops.base import Attention, Experts, Forms, Layout, Ops, Stored
+from model_service.ops.base import Attention, Experts, Forms, Layout, Nucleus, Ops, Stored
 from model_service.ops.grouped import ParallelExperts, SortedExperts, Stacked
 from model_service.ops.native import KernelNucleus, NativeAttention, NativeExperts, NativeForms, Packed
 from model_service.ops.pallas import PallasAttention
-from model_service.ops.xla import BatchedAttention, CondExperts, CpuForms, MatrixForms, RowAttention, SearchNucleus
+from model_service.ops.xla import (BatchedAttention, BatchedDraws, CondExperts, CpuForms, MatrixForms, RowAttention,
+                                  SearchNucleus)
 
 if TYPE_CHECKING:
     from model_service.backend import Backend
@@ -59,6 +60,12 @@ def _layout(products: Products, moe: str) -> Layout:
     return Stacked(moe) if moe != "cond" else Stored()
 
 
+def _sampling(backend: "Backend") -> Nucleus:
+    if backend.native_sampling:
+        return KernelNucleus()
+    return BatchedDraws() if backend.vectorised_sampling else SearchNucleus()
+
+
 def for_backend(backend: "Backend", mesh: Mesh) -> Ops:
     """The operations of `backend` on `mesh`. A row's bits are its own (row_sums) where the products and attention
     compute each row alone: the native products with per-row attention, on one device (under a mesh the features
@@ -68,7 +75,7 @@ def for_backend(backend: "Backend", mesh: Mesh) -> Ops:
     (YNNPACK's): at 512 features P = 4 and P = 20 parted."""
     products, one = backend.products, mesh.size == 1
     return Ops(_forms(products), _attention(backend.attention), _experts(backend.moe, products),
-               _layout(products, backend.moe), KernelNucleus() if backend.native_sampling else SearchNucleus(),
+               _layout(products, backend.moe), _sampling(backend),
                row_sums=products.native and one and backend.attention != "batched", head_row_sums=one)
 
 

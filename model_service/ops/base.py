@@ -13,8 +13,9 @@ An `Ops` value is five parts, each chosen once (ops.for_backend) from the chosen
              ragged_dot, expert parallel);
   layout     the parameters laid out for those forms (`lay_out`): ops/native.py (packed for the kernels),
              ops/grouped.py (experts stacked), or as loaded;
-  sampling   the one-draw-at-a-time sampler's nucleus threshold and kept-entry draw (sampling.sample_tokens):
-             ops/xla.py (XLA's search, the whole row's noise), ops/native.py (the native kernels).
+  sampling   how a step's draws are sampled (sampling.sample_tokens): one at a time with a nucleus threshold and
+             kept-entry draw of ops/xla.py (XLA's search, the whole row's noise) or ops/native.py (the native
+             kernels); or all at once, stage by stage (ops/xla.py BatchedDraws: the accelerators').
 Every choice is made while a program is traced (plain Python attributes of frozen values): a step pays nothing for it.
 """
 
@@ -72,6 +73,8 @@ class Experts(Protocol):
 
 
 class Nucleus(Protocol):
+    vectorised: bool  # the step's draws sampled all at once, stage by stage (sampling_vectorised.py), not one by one
+
     def threshold(self, row: Array, probs: Array, top_p: Array) -> Array:
         """A large vocabulary's nucleus threshold: row [V] float32, its softmax probs [V], top_p [] -> [] (the
         reference's rule: sampling_ops._sort_threshold's value)."""

@@ -86,6 +86,8 @@ class Packed:
 class KernelNucleus:
     """The nucleus threshold and the kept entries' list from the native kernels (one device, float32 logits)."""
 
+    vectorised = False
+
     def threshold(self, row: Array, probs: Array, top_p: Array) -> Array:
         return kernels.nucleus_threshold(row, probs, top_p)
 

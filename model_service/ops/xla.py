@@ -143,8 +143,18 @@ class SearchNucleus:
     """A large vocabulary's nucleus threshold by a search (sampling_ops._search_threshold_probs: 32 masked sums),
     the draw's noise for every entry of the row."""
 
+    vectorised = False
+
     def threshold(self, row: Array, probs: Array, top_p: Array) -> Array:
         return _search_threshold_probs(row, probs, top_p)
 
     def draw(self, key: Array, row: Array) -> Array:
         return categorical(key, row[None])
+
+
+@dataclass(frozen=True)
+class BatchedDraws(SearchNucleus):
+    """The accelerators' sampler: a step's draws all at once, one stage at a time, each stage only where a draw uses
+    it (sampling_vectorised.py); a caller sampling one draw at a time gets the search's threshold and draw."""
+
+    vectorised = True

@@ -18,7 +18,7 @@ from model_service.config import MeshConfig, load_model_config
 from model_service.model import GrokModel, Products
 from model_service.ops.grouped import ParallelExperts, SortedExperts, Stacked
 from model_service.ops.native import KernelNucleus, NativeAttention, NativeExperts, NativeForms, Packed
-from model_service.ops.xla import (BatchedAttention, CondExperts, CpuForms, MatrixForms, RowAttention,
+from model_service.ops.xla import (BatchedAttention, BatchedDraws, CondExperts, CpuForms, MatrixForms, RowAttention,
                                    SearchNucleus)
 from model_service.ops.base import Stored
 from model_service.sharding import make_mesh
@@ -70,13 +70,14 @@ def test_a_mesh_of_several_devices_keeps_xla_sums_and_sampling() -> None:
 
 def test_the_generic_backend_takes_matrix_unit_dots_batched_attention_and_stacked_experts() -> None:
     model = model_on("1,1", backend="generic")
-    assert parts(model) == (MatrixForms, BatchedAttention, SortedExperts, Stacked, SearchNucleus)
+    assert parts(model) == (MatrixForms, BatchedAttention, SortedExperts, Stacked, BatchedDraws)
+    assert model.ops.sampling.vectorised and not SearchNucleus.vectorised and not KernelNucleus.vectorised
     assert model.ops.experts == SortedExperts("ragged") and model.kv_layout == "tokens"
     assert model.load_options() == {"pack": False, "int8_table": False, "stacked": True,
                                     "stack_layers": model.scan_layers, "moe": "ragged"}
     assert model.load_options()["stacked"] == model.backend.stacked_experts
     cond = model_on("1,1", "bfloat16", backend="generic", moe="cond")
-    assert parts(cond) == (MatrixForms, BatchedAttention, CondExperts, Stored, SearchNucleus)
+    assert parts(cond) == (MatrixForms, BatchedAttention, CondExperts, Stored, BatchedDraws)
     expert = model_on("1,4,2", backend="generic")
     assert type(expert.ops.experts) is ParallelExperts
 
@@ -105,7 +106,7 @@ def test_an_unknown_attention_mode_is_refused_with_the_modes() -> None:
 CALLERS = ("model_service/model/__init__.py", "model_service/model/transformer.py", "model_service/model/segments.py",
            "model_service/sampling.py", "model_service/engine.py")
 ASKING = {"native", "int8", "NATIVE", "NATIVE_INT8", "FUSED_REDUCE", "DOT", "EXACT", "native_sampling",
-          "grouped_native", "stacked_experts", "kernels"}
+          "grouped_native", "stacked_experts", "kernels", "vectorised_sampling"}
 
 
 def backend_questions(tree: ast.AST) -> list[str]:
