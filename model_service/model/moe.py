@@ -46,8 +46,7 @@ class Routing(NamedTuple):
 def route(x: Array, router_w: "Array | PackedWeight", k: int, ops: "Ops") -> Routing:
     """Softmax over experts in float32, then the top-k probabilities and their experts. x [M, D], router_w [D, E].
     Ops.row_sums: the softmax's sum by layers.row_sum (see rms_norm)."""
-    w = router_w if isinstance(router_w, PackedWeight) else router_w.astype(jnp.float32).T
-    logits = ops.product(x.astype(jnp.float32), w)  # [M, E]
+    logits = ops.router_logits(x, router_w)  # [M, E] float32
     if ops.row_sums:  # jax.nn.softmax's formula, its sum in a fixed order
         e = transcendental.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
         probabilities = e / row_sum(e)[:, None]

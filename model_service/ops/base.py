@@ -47,6 +47,9 @@ class Forms(Protocol):
     def unembed(self, h: Array, table: Any, multiplier: float, used: Array | None, fill_unused: bool) -> Array:
         """Normed rows h [..., D] times the tied table [V, D] -> float32 logits [..., V], times `multiplier`."""
 
+    def router_logits(self, x: Array, router_w: Any) -> Array:
+        """Rows x [M, D] times the router's weight [D, E] (as loaded, or packed) in float32 -> logits [M, E]."""
+
     def embed(self, table: Any, tokens: Array) -> Array:
         """The table's rows of `tokens` [...] -> [..., D] (in the table's type, float32 from a packed table)."""
 
@@ -147,6 +150,9 @@ class Ops:
     def unembed(self, h: Array, table: Any, multiplier: float, used: Array | None = None,
                 fill_unused: bool = True) -> Array:
         return self.forms.unembed(h, table, multiplier, used, fill_unused)
+
+    def router_logits(self, x: Array, router_w: Any) -> Array:
+        return self.forms.router_logits(x, router_w)
 
     def precision(self) -> contextlib.AbstractContextManager[None]:
         return self.forms.precision()

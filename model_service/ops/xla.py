@@ -56,6 +56,12 @@ class CpuForms:
     def unembed(self, h: Array, table: Any, multiplier: float, used: Array | None, fill_unused: bool) -> Array:
         return rows_unembed(self, h, table, multiplier, used, fill_unused)
 
+    def router_logits(self, x: Array, router_w: Any) -> Array:
+        # A router packed for the native kernel (NativeForms, or these forms over the service's packed parameters in
+        # the parity checks) is stored as the kernel reads it; a loaded one [D, E] is transposed to the [N, K] form.
+        w = router_w if isinstance(router_w, PackedWeight) else router_w.astype(jnp.float32).T
+        return self.product(x.astype(jnp.float32), w)
+
     def embed(self, table: Any, tokens: Array) -> Array:
         # A table packed for the native kernel (params laid out for native products, met by these forms: the parity
         # checks run XLA's forms over the service's loaded parameters) is read from its packing, exactly.

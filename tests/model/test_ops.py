@@ -138,10 +138,14 @@ def test_the_model_code_never_asks_which_backend_runs(path: str) -> None:
 
 
 def test_the_moe_layer_never_asks_which_backend_runs() -> None:
-    """moe.py also holds the per-expert forms the ops call; its layer calls them through Ops.moe alone."""
+    """moe.py also holds the per-expert forms the ops call; its layer calls them through Ops.moe alone, and its
+    router through Ops.router_logits (a packed router is the forms' business, not the routing's)."""
     tree = ast.parse((ROOT / "model_service/model/moe.py").read_text())
     [layer] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MoELayer"]
     assert backend_questions(layer) == []
+    [route] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "route"]
+    body = ast.Module(route.body, [])  # the signature may name the weights' types; the body may not ask them
+    assert backend_questions(route) == [] and "PackedWeight" not in ast.unparse(body)
 
 
 def test_the_program_fingerprints_compare_every_field_and_configuration() -> None:
