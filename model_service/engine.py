@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model_service.config import ModelConfig
-from model_service.engine_state import EngineState, PendingStep, Scores, SlotState, pack_draws
+from model_service.engine_state import EngineState, PendingStep, Scores, SlotState, idle_draws, pack_draws
 from model_service.logits_processing import Controls, History, controls_row, idle_controls, penalized
 from model_service.model import TokenRows
 from model_service.sampling import TOP_K, SamplingParams, build_mask, sample_tokens, seed_key, split_key, split_keys
@@ -220,12 +220,9 @@ class Engine:
         h, pools = self._hidden(params, state.pools, state.slots.last, packed, tables)
         head = self.model.head_params(params)
 
-        def sample(s: SlotState) -> tuple[SlotState, jax.Array]:
-            return self._sample(head, s, h, draws, pending)
-
-        drawn_shape = jax.eval_shape(sample, state.slots)[1]
-        slots, drawn = jax.lax.cond(jnp.any(draws[1] < self.slots), sample,
-                                    lambda s: (s, jnp.zeros(drawn_shape.shape, drawn_shape.dtype)), state.slots)
+        slots, drawn = jax.lax.cond(jnp.any(draws[1] < self.slots),
+                                    lambda s: self._sample(head, s, h, draws, pending),
+                                    lambda s: (s, idle_draws(draws.shape[1], self.vocab_size)), state.slots)
         return EngineState(pools, slots), drawn, self._scores(head, h, scoring[1], scoring[0] != 0)
 
     def _draws_impl(self, params: Any, s: SlotState, h: jax.Array, draws: jax.Array, pending: jax.Array,

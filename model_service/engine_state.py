@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model_service.logits_processing import Controls, History
-from model_service.sampling import SampleResult, SamplingParams
+from model_service.sampling import TOP_K, SampleResult, SamplingParams
 
 
 class SlotState(NamedTuple):
@@ -70,6 +70,11 @@ def pack_draws(result: SampleResult, accepted: jax.Array) -> jax.Array:
               accepted.astype(jnp.int32))
     return jnp.concatenate([jnp.stack(column, axis=1), result.top_ids.astype(jnp.int32), bits(result.top_probs)],
                            axis=1)
+
+
+def idle_draws(entries: int, vocab_size: int) -> jax.Array:
+    """pack_draws' array for a step that draws nothing: [entries, 4 + 2K] zeros (K alternatives: min(TOP_K, V))."""
+    return jnp.zeros((entries, DRAW_FIELDS + 2 * min(TOP_K, vocab_size)), jnp.int32)
 
 
 def unpack_draws(packed: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -96,24 +96,19 @@ def attend_segments(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: 
                                                         limit[ids], multiplier, chunk),
             lambda: jnp.zeros((count, block_rows, hq * d), q.dtype))
 
-    # In parts of PART_BLOCKS blocks, each part's key loop as long as its own furthest row needs: a prompt chunk's
-    # first blocks stop early (one loop to the step's furthest key made every block pay for it). Each row still gets
-    # its own attention (a chunk past its keys adds nothing); XLA may round a part's smaller batch differently in
-    # the last place, as it does between row buckets.
-    # Only a run longer than a part (a long prompt chunk) takes the parts; shorter runs (a decode and its drafts,
-    # short chunks) keep one loop over all blocks, as before.
+    # A step with a run longer than a part (a long prompt chunk) attends its blocks in parts of PART_BLOCKS, each
+    # part's key loop as long as its own furthest row needs (one loop to the step's furthest key made a chunk's
+    # first blocks pay for its last); shorter runs (a decode and its drafts, short chunks) keep one loop, a step
+    # without runs neither. Each row still gets its own attention (a chunk past its keys adds nothing); XLA may
+    # round a part's smaller batch differently in the last place, as it does between row buckets.
     step = min(PART_BLOCKS, blocks)
-
-    def in_parts() -> Array:
-        return jnp.concatenate([part(b, min(step, blocks - b)) for b in range(0, blocks, step)])
-
-    def at_once() -> Array:
-        return paged_attention(q[at_], pool_k, pool_v, tables[block_seq], limit, multiplier, chunk)
-
-    longest = jnp.max(jnp.where(grouped, length, 0))
-    shared = jax.lax.cond(  # [blocks, block_rows, Hq * D]
-        jnp.any(grouped), lambda: jax.lax.cond(longest > step * block_rows, in_parts, at_once) if blocks > step
-        else at_once(), lambda: jnp.zeros((blocks, block_rows, hq * d), q.dtype))
+    branches = [lambda: jnp.zeros((blocks, block_rows, hq * d), q.dtype),
+                lambda: paged_attention(q[at_], pool_k, pool_v, tables[block_seq], limit, multiplier, chunk)]
+    if blocks > step:
+        branches.append(lambda: jnp.concatenate([part(b, min(step, blocks - b)) for b in range(0, blocks, step)]))
+    longest = jnp.max(jnp.where(grouped, length, 0))  # 0: no run of two rows or more
+    which = (longest > 0).astype(jnp.int32) + (longest > step * block_rows).astype(jnp.int32)
+    shared = jax.lax.switch(jnp.minimum(which, len(branches) - 1), branches)  # [blocks, block_rows, Hq * D]
 
     out = jnp.zeros((r + 1, hq * d), q.dtype)
     out = out.at[jnp.where(taken, pick, r)].set(lone)
