@@ -261,8 +261,9 @@ class EngineProcess:
                 message = self._conn.recv()
                 kind = message[0]
                 if kind == "batch":
-                    self._take_batch(message[1])
+                    # the child's counts first: a client that hears of a token may ask for them at once
                     self._beat, self._stats = message[2], message[3]
+                    self._take_batch(message[1])
                 elif kind == "broken":
                     self.on_broken(message[1])
                 elif kind == "stopped":
