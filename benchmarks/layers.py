@@ -9,7 +9,10 @@ model service's own Scheduler + Engine built in this process, timestamped in the
 callback: the floor the other two are compared with. Besides latencies and throughputs (wall clock,
 which a busy machine disturbs), every run records the CPU milliseconds each process spent per output
 token (from /proc; the benchmark process holds the client and, for the in-process arm, the engine),
-which a busy machine does not change much. `startup` records the seconds from launching the stack to
+which a busy machine does not change much, and how the model's decode loop stepped (the steps by kind, decode
+only / mixed with prompt rows / prompt only, the loop's milliseconds per step of each kind and the output tokens
+per step: from the in-process Scheduler's metrics, and from the model service's /metrics for the gRPC arms).
+`startup` records the seconds from launching the stack to
 SERVING (the model service compiling into an empty compilation cache) and to build the same engine
 in-process afterwards (loading those programs from the cache). Arms are interleaved within each run.
 `--baseline-gateway DIR` adds a fourth arm, a gateway run from another checkout's source (e.g. the main
@@ -50,7 +53,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 from benchmarks import metrics, results
 from benchmarks.client_pool import ClientPool, SenderSpec
@@ -154,9 +157,51 @@ def in_process_scheduler(spec: StackSpec) -> Any:
     config = ServerConfig(config=spec.config, checkpoint=spec.checkpoint, random_init=spec.checkpoint is None,
                           dtype=spec.dtype, mesh=MeshConfig(1, 1), slots=spec.slots,
                           max_queue=spec.max_queue)
-    scheduler = Scheduler(build_engine(config, resolve(config)), spec.max_queue)
+    from model_service.metrics import Metrics
+
+    scheduler = Scheduler(build_engine(config, resolve(config)), spec.max_queue, Metrics())  # as the service counts
     scheduler.start()
     return scheduler
+
+
+STEP_KINDS = ("decode", "mixed", "prompt")  # model_service.metrics' grok_model_steps
+StepCounts = dict[str, tuple[float, float]]  # kind: (steps, the decode loop's seconds for them)
+
+
+def _step_counts(value: Callable[[str, str], float | None]) -> StepCounts:
+    return {kind: (value("grok_model_steps_total", kind) or 0.0,
+                   value("grok_model_step_period_seconds_total", kind) or 0.0) for kind in STEP_KINDS}
+
+
+def registry_steps(registry: Any) -> Callable[[], StepCounts]:
+    """The step counts of an in-process Scheduler's metrics.Metrics."""
+    return lambda: _step_counts(lambda name, kind: registry.get_sample_value(name, {"kind": kind}))
+
+
+def scraped_steps(url: str) -> Callable[[], StepCounts]:
+    """The step counts a model service's /metrics (`unix:PATH` or http://) reports."""
+    from gateway.replica_metrics import scrape
+
+    def read() -> StepCounts:
+        values = {(s.name, s.labels.get("kind", "")): s.value for family in scrape(url) for s in family.samples}
+        return _step_counts(lambda name, kind: values.get((name, kind)))
+    return read
+
+
+def step_shape(before: StepCounts, after: StepCounts, tokens: int) -> dict[str, float]:
+    """How the model's decode loop ran during a run: its steps by kind (decode only, mixed with prompt rows,
+    prompt only), the loop's mean milliseconds per step of each kind (a decoding stream's gap between tokens in
+    such steps) and the output tokens per step. Why a layer's time per token differs from the in-process engine's:
+    more steps (fewer tokens each), or slower ones."""
+    out: dict[str, float] = {}
+    total = 0.0
+    for kind in STEP_KINDS:
+        n = after[kind][0] - before[kind][0]
+        total += n
+        out[f"steps_{kind}"] = n
+        out[f"step_ms_{kind}"] = (after[kind][1] - before[kind][1]) * 1e3 / n if n else 0.0
+    out["tokens_per_step"] = tokens / total if total else 0.0
+    return out
 
 
 Watched = int | tuple[int, int]  # a process id, or (process id, thread id): one thread of it
@@ -202,9 +247,13 @@ def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int
 
 async def measure_arms(config: LayersConfig, senders: dict[str, Sender], requests: list[BenchRequest],
                        warm: list[BenchRequest], pids: dict[str, Watched], pool: ClientPool | None = None,
-                       specs: dict[str, SenderSpec] | None = None) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Every arm at every point, interleaved within each run; an arm in `specs` is sent from `pool`'s processes."""
+                       specs: dict[str, SenderSpec] | None = None,
+                       steps: dict[str, Callable[[], StepCounts]] | None = None,
+                       ) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every arm at every point, interleaved within each run; an arm in `specs` is sent from `pool`'s processes;
+    an arm in `steps` also reports how its model's loop stepped (step_shape)."""
     specs = specs if pool is not None and specs else {}
+    steps = steps or {}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {arm: {} for arm in senders}
     for arm, send in senders.items():
         if arm in specs:
@@ -218,6 +267,7 @@ async def measure_arms(config: LayersConfig, senders: dict[str, Sender], request
         for c in config.concurrency:
             for arm, send in senders.items():
                 before = cpu_snapshot(pids)
+                stepped = steps[arm]() if arm in steps else None
                 clients = None
                 if arm in specs:
                     served, duration, clients = await pool.run_point(specs[arm], requests, LoadPoint(c),  # type: ignore[union-attr]
@@ -226,13 +276,18 @@ async def measure_arms(config: LayersConfig, senders: dict[str, Sender], request
                     served, duration = await run_point(send, requests, LoadPoint(c), config.seed)
                 m = metrics.compute(served, duration)
                 m.update(cpu_per_token(before, cpu_snapshot(pids), m["total_output_tokens"]))
+                if stepped is not None:
+                    m.update(step_shape(stepped, steps[arm](), m["total_output_tokens"]))
                 if clients is not None:
                     m["cpu_ms_per_token_clients"] = clients * 1e3 / max(m["total_output_tokens"], 1)
                     m["cpu_ms_per_token_total"] += m["cpu_ms_per_token_clients"]
                 runs[arm].setdefault(f"c{c}", []).append({k: v for k, v in m.items() if not isinstance(v, list)})
                 print(f"layers run {index} c{c} {arm}: {m['output_throughput']:.1f} tok/s, TTFT p50 "
                       f"{m['median_ttft_ms']:.2f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, CPU "
-                      f"{m['cpu_ms_per_token_total']:.2f} ms/token, failed {m['failed']}",
+                      f"{m['cpu_ms_per_token_total']:.2f} ms/token, failed {m['failed']}"
+                      + (f", steps decode/mixed/prompt {m['steps_decode']:.0f}/{m['steps_mixed']:.0f}/"
+                         f"{m['steps_prompt']:.0f} at {m['step_ms_decode']:.2f}/{m['step_ms_mixed']:.2f}/"
+                         f"{m['step_ms_prompt']:.2f} ms" if stepped is not None else ""),
                       file=sys.stderr, flush=True)
     return runs
 
@@ -294,8 +349,10 @@ def targets(ratio_table: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 
 async def _run(config: LayersConfig, spec: StackSpec, address: str | None, model_address: str | None,
-               scheduler: Any, baselines: dict[str, str], pids: dict[str, Watched]) -> dict[str, Any]:
-    """The runs of every arm given: the in-process engine (`scheduler`), the stack (`address`), the baselines."""
+               scheduler: Any, baselines: dict[str, str], pids: dict[str, Watched],
+               model_metrics: str | None = None) -> dict[str, Any]:
+    """The runs of every arm given: the in-process engine (`scheduler`), the stack (`address`, its model service's
+    /metrics at `model_metrics`), the baselines."""
     cutter = PromptCutter(spec.tokenizer)
     requests = build(WorkloadSpec("fixed", config.input_len, config.output_len, config.num_prompts,
                                   seed=config.seed), cutter)
@@ -319,8 +376,13 @@ async def _run(config: LayersConfig, spec: StackSpec, address: str | None, model
     specs = {arm: SenderSpec("model" if isinstance(send, ModelSender) else "gateway", send.address,
                              config.temperature)
              for arm, send in senders.items() if isinstance(send, (ModelSender, GatewaySender))}
+    steps: dict[str, Callable[[], StepCounts]] = {}
+    if scheduler is not None and hasattr(scheduler.metrics, "registry"):
+        steps["in_process"] = registry_steps(scheduler.metrics.registry)
+    if model_metrics is not None:
+        steps["model_service"] = steps["gateway"] = scraped_steps(model_metrics)
     try:
-        return await measure_arms(config, senders, requests, warm, pids, pool, specs)
+        return await measure_arms(config, senders, requests, warm, pids, pool, specs, steps)
     finally:
         if pool is not None:
             pool.close()
@@ -414,7 +476,7 @@ def run(config: LayersConfig) -> dict[str, Any]:
             scheduler = in_process_scheduler(spec)
             startup["in_process_engine_warm_cache_s"] = time.monotonic() - begin  # same programs, now cached
         runs = asyncio.run(_run(config, spec, stack.address, stack.model.address, scheduler, extras.addresses,
-                                pids))
+                                pids, stack.model_metrics))
     finally:
         if extras is not None:
             extras.stop()

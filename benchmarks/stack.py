@@ -95,6 +95,7 @@ class RunningStack:
     gateway: Process
     http_port: int = 0  # the gateway's OpenAI-compatible API (0: off, or on `http_uds`)
     http_uds: str | None = None  # the gateway's HTTP API socket file (a stack on unix sockets)
+    model_metrics: str | None = None  # the model service's /metrics (unix:PATH or an http:// URL)
 
     @property
     def address(self) -> str:
@@ -146,15 +147,21 @@ def start_stack(spec: StackSpec, log_dir: pathlib.Path, timeout: float = 1800.0,
     cwd = source or ROOT
     tokenizer = Process("tokenizer_service", ["--model", spec.tokenizer], log_dir, env=env or None, cwd=cwd,
                         endpoint=endpoint(uds_dir, "tokenizer"))
-    model = Process("model_service", spec.model_args(), log_dir, env={**model_env(), **env}, cwd=cwd,
-                    endpoint=endpoint(uds_dir, "model"))
+    if uds_dir is None:
+        metrics_port = free_port()
+        model_metrics, metrics_args = f"http://127.0.0.1:{metrics_port}/metrics", ["--metrics-port", str(metrics_port)]
+    else:
+        metrics_path = str(uds_dir / "model-metrics.sock")
+        model_metrics, metrics_args = f"unix:{metrics_path}", ["--metrics-uds", metrics_path]
+    model = Process("model_service", [*spec.model_args(), *metrics_args], log_dir, env={**model_env(), **env},
+                    cwd=cwd, endpoint=endpoint(uds_dir, "model"))
     http_port = free_port() if http and uds_dir is None else 0
     http_uds = str(uds_dir / "http.sock") if http and uds_dir is not None else None
     http_args = ["--http-port", str(http_port)] if http_port else ["--http-uds", http_uds] if http_uds else []
     gateway = Process("gateway", ["--tokenizer", tokenizer.address, "--model", model.address, *http_args,
                                   *gateway_args], log_dir,
                       env={**env, **({} if http else GATEWAY_ENV)}, cwd=cwd, endpoint=endpoint(uds_dir, "gateway"))
-    stack = RunningStack(spec, tokenizer, model, gateway, http_port, http_uds)
+    stack = RunningStack(spec, tokenizer, model, gateway, http_port, http_uds, model_metrics)
     try:
         for proc in (tokenizer, model, gateway):
             proc.wait_serving(timeout)

@@ -119,7 +119,8 @@ class Outbox(SchedulerMetrics):
     def set_active(self, n: int) -> None: self._call("set_active", n)
     def set_queued(self, n: int) -> None: self._call("set_queued", n)
     def observe_prefill(self, seconds: float) -> None: self._call("observe_prefill", seconds)
-    def observe_step(self, seconds: float) -> None: self._call("observe_step", seconds)
+    def observe_step(self, seconds: float, kind: str = "decode", period: float | None = None) -> None:
+        self._call("observe_step", seconds, kind, period)
     def add_tokens(self, n: int) -> None: self._call("add_tokens", n)
     def finished(self, reason: Any) -> None: self._call("finished", reason)
     def observe_kv(self, usage: Any) -> None: self._call("observe_kv", usage)

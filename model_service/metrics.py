@@ -28,6 +28,12 @@ class Metrics(SchedulerMetrics):
                                          buckets=_STEP_BUCKETS, registry=r)
         self.decode_step_seconds = Histogram("grok_model_decode_step_seconds", "Duration of one decode step "
                                              "(all slots)", buckets=_STEP_BUCKETS, registry=r)
+        self.steps = Counter("grok_model_steps", "Steps run, by kind: decode (only decode rows), mixed (decode "
+                             "and prompt rows), prompt (only prompt rows)", ["kind"], registry=r)
+        self.step_period_seconds = Counter("grok_model_step_period_seconds", "The decode loop's seconds per step, "
+                                           "by kind: from the previous step's delivery (or this step's dispatch, "
+                                           "if later) to this step's; over grok_model_steps, a decoding stream's "
+                                           "gap between tokens in such steps", ["kind"], registry=r)
         self.generated_tokens = Counter("grok_model_generated_tokens", "Tokens generated", registry=r)
         self.finish_reasons = Counter("grok_model_requests_finished", "Requests that completed, by finish reason",
                                       ["finish_reason"], registry=r)
@@ -64,8 +70,10 @@ class Metrics(SchedulerMetrics):
     def observe_prefill(self, seconds: float) -> None:
         self.prefill_seconds.observe(seconds)
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, seconds: float, kind: str = "decode", period: float | None = None) -> None:
         self.decode_step_seconds.observe(seconds)
+        self.steps.labels(kind).inc()
+        self.step_period_seconds.labels(kind).inc(seconds if period is None else period)
 
     def add_tokens(self, n: int) -> None:
         self.generated_tokens.inc(n)

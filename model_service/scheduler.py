@@ -353,13 +353,14 @@ class Scheduler:
             return
         now = time.monotonic()
         seconds = now - step.dispatched_at
-        self.pacing.observe(now - max(step.dispatched_at, self._delivered_at), step.decoding, step.prompt_cost,
-                            step.prompt_keys)
+        period = now - max(step.dispatched_at, self._delivered_at)
+        self.pacing.observe(period, step.decoding, step.prompt_cost, step.prompt_keys)
         self._delivered_at = now
         with self._cond:
             self._steps += 1
             self._beat = time.monotonic()
-        self.metrics.observe_step(seconds)
+        kind = ("mixed" if step.prompt_cost else "decode") if step.decoding else "prompt"
+        self.metrics.observe_step(seconds, kind, period)
         for run, row, position, rows in step.scored:
             if self._live(run):
                 run.scored.extend(scored_tokens(run.handle.request, out, row, position, rows))

@@ -3,7 +3,8 @@
 Put this directory first on PYTHONPATH and set GROK_THREAD_SAMPLES=DIR: every service started from that
 environment (`python -m model_service`, `gateway`, `tokenizer_service`; GROK_THREAD_SAMPLES_MODULES narrows the
 list) samples every thread's Python stack each GROK_THREAD_SAMPLES_INTERVAL seconds (default 0.002) and writes
-DIR/<module>-<pid>.json at exit and every 10 s: per thread, its CPU seconds, its samples, the stacks seen most
+DIR/<module>-<pid>.json at exit and every 10 s (a multiprocessing child, such as the model service's engine
+process, as spawn-<pid>.json): per thread, its CPU seconds, its samples, the stacks seen most
 often and the innermost lines seen most often. A thread blocked in C (a device wait, the GIL, epoll) shows the
 Python line that called it. Used on hosts without a profiler (the TPU host: `benchmarks.layers` passes its
 environment to the services it starts); costs one GIL hand-over per interval.
@@ -84,10 +85,12 @@ def _start(out_dir: str, module: str) -> None:
 
 def _module() -> str | None:
     argv = list(getattr(sys, "orig_argv", []))
-    wanted = os.environ.get("GROK_THREAD_SAMPLES_MODULES", "model_service,gateway,tokenizer_service").split(",")
+    wanted = os.environ.get("GROK_THREAD_SAMPLES_MODULES", "model_service,gateway,tokenizer_service,spawn").split(",")
     for i, arg in enumerate(argv[:-1]):
         if arg == "-m" and argv[i + 1] in wanted:
             return argv[i + 1]
+        if arg == "-c" and "spawn_main" in argv[i + 1] and "spawn" in wanted:
+            return "spawn"  # a multiprocessing child: the model service's engine process (--engine-process)
     return None
 
 

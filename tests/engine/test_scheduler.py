@@ -526,3 +526,38 @@ def test_a_request_arriving_after_an_idle_spell_is_not_counted_as_stalled_before
     s.submit(req((20,), max_tokens=2), Collector())
     beat = s.heartbeat()
     assert beat.pending == 1 and beat.at >= arrived
+
+
+def test_steps_are_counted_by_kind_with_the_loops_time_for_each(engine: FakeEngine, running: Runner) -> None:
+    from model_service.metrics import Metrics
+
+    metrics = Metrics()
+    engine.step_delay = 0.01  # the second request arrives while the first decodes
+    s = running(engine, metrics=metrics)
+    first = Collector()
+    s.submit(req((5, 40, 41, 42), max_tokens=20, ignore_eos=True), first)
+    assert first.first_token.wait(10.0)
+    second = Collector()
+    s.submit(req((7, 50, 51), max_tokens=3, ignore_eos=True), second)  # its prompt joins steps that decode
+    first.wait()
+    second.wait()
+
+    def kinds() -> dict[str, int]:
+        out = {"decode": 0, "mixed": 0, "prompt": 0}
+        for b in engine.steps:
+            decode = any(bool(x) for x in b.from_last[:b.rows])
+            prompt = not all(bool(x) for x in b.from_last[:b.rows])
+            out["mixed" if decode and prompt else "decode" if decode else "prompt"] += 1
+        return out
+
+    def counted(kind: str) -> float:
+        return metrics.registry.get_sample_value("grok_model_steps_total", {"kind": kind}) or 0.0
+
+    wait_until(lambda: sum(counted(k) for k in ("decode", "mixed", "prompt")) == len(engine.steps))
+    want = kinds()
+    assert want["prompt"] >= 1 and want["mixed"] >= 1 and want["decode"] >= 1
+    assert {k: counted(k) for k in want} == want
+    assert metrics.registry.get_sample_value("grok_model_decode_step_seconds_count") == len(engine.steps)
+    for kind, n in want.items():
+        seconds = metrics.registry.get_sample_value("grok_model_step_period_seconds_total", {"kind": kind})
+        assert seconds is not None and 0.0 < seconds < 10.0 * n
