@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -26,6 +27,9 @@ from tests.procs import GOLDEN
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 native_kernels = pytest.mark.skipif(not kernels.available(), reason="the native kernels are not built")
+# choose_backend's automatic choices read the devices: on a TPU "auto" is the generic backend with the Pallas kernels
+# (tests/model/test_pallas_attention.py checks those); these expect the CPU platform's.
+cpu_platform = pytest.mark.skipif(jax.default_backend() != "cpu", reason="expects the CPU platform's automatic choices")
 
 
 def model_on(mesh: str, dtype: str = "float32", explicit: Products | None = None, **choices: str) -> GrokModel:
@@ -52,6 +56,7 @@ def test_the_cpu_backend_on_one_device_runs_the_native_kernels_each_row_alone() 
     assert int8.ops.layout == Packed(int8_table=True) and int8.load_options()["int8_table"]
 
 
+@cpu_platform
 def test_the_cpu_backend_with_xla_products_and_in_bfloat16_takes_xla_forms() -> None:
     xla = model_on("1,1", products="xla")
     attention = NativeAttention if kernels.available() else RowAttention  # the kernel reads float32 rows alike
@@ -68,6 +73,7 @@ def test_a_mesh_of_several_devices_keeps_xla_sums_and_sampling() -> None:
     assert not model.ops.row_sums and not model.ops.head_row_sums
 
 
+@cpu_platform
 def test_the_generic_backend_takes_matrix_unit_dots_batched_attention_and_stacked_experts() -> None:
     model = model_on("1,1", backend="generic")
     assert parts(model) == (MatrixForms, BatchedAttention, SortedExperts, Stacked, BatchedDraws)
