@@ -25,6 +25,10 @@ times, so running streams keep their pace while a long prompt enters; rows of `f
 whatever the keys cost); otherwise (nothing decodes, or only samples whose first token came after that prompt
 arrived, as in a burst of prompts arriving together) prompts get every row of the step: a prompt is not held back
 for streams that came after it.
+On an accelerator a step runs the program of the least row bucket holding its rows (`buckets`), its rows padded to
+it: after the paced prompt rows, prompts take the rows up to that bucket too (at their row-equivalents: a row far
+into a long prompt still costs its attention), continuing where the paced pass left them and admitting further from
+the queue's head, so a mixed step computes the prompts waiting beside the streams instead of padding.
 Requests that were cancelled or passed their deadline end first, and their slots and blocks serve this very
 step's admissions.
 """
@@ -92,6 +96,7 @@ class Policy:
     slots: int = 0  # the engine's slots: a request of more samples is admitted as far as slots free (0: never)
     keys_per_row: float = float("inf")  # a prompt chunk's keys read at one row-equivalent (pacing.keys_per_row)
     floor: float = 0.0  # paced prompts' rows of at least this cost a step, whatever their keys' read costs
+    buckets: tuple[int, ...] = ()  # the row counts the engine's step programs run (an accelerator's; () on CPU)
 
 
 @dataclass(frozen=True)
@@ -154,27 +159,22 @@ def schedule(view: View, policy: Policy) -> StepPlan:
     decodes = [Chunk(s.key, s.length - 1, 1, True) for s in decoding]
     budget = _Budget(policy.max_rows - len(decodes), policy.prefill_budget if paced else float("inf"),
                      policy.key_scale, policy.keys_per_row, policy.floor if paced else 0.0)
-    prompts = _prompt_chunks(prefilling, computed, budget)
-    admit: list[Admit] = []
-    blocks = view.free_blocks
-    for w in view.waiting:
-        if w.ended:
-            continue
-        k = _admissible(w, len(free), blocks, policy.slots)
-        if budget.rows <= 0 or budget.spent or k == 0:
-            break  # the head waits (for rows, slots or blocks); the queue stays in order
-        if blocks is not None:
-            blocks -= sum(w.each[:k]) if k < len(w.samples) else w.blocks
-        slots = tuple(sorted(free)[:k])
-        free.difference_update(slots)
-        admit.append(Admit(w.ref, slots, tuple(s.key[1] for s in w.samples[:k]), k < len(w.samples)))
-        new = [dataclasses.replace(s, slot=slot) for s, slot in zip(w.samples, slots)]
-        computed.update((s.key, s.computed) for s in new)
-        prompts += _prompt_chunks(new, computed, budget)
+    prompts = _Prompts(computed, free, view.free_blocks, policy.slots)
+    prompts.fill(prefilling, view.waiting, budget)
     # Rows the prompts left (the head waits for a slot or blocks) go back to the decodes deferred for them.
     decodes += [Chunk(s.key, s.length - 1, 1, True) for s in deferred[:max(0, budget.rows)]]
     budget.rows -= min(len(deferred), max(0, budget.rows))
-    chunks = decodes + prompts
+    spare = _bucket_spare(len(decodes) + prompts.rows, policy.buckets) if paced and prompts.rows else 0
+    if spare and budget.rows > 0:
+        # The step runs the least program holding its rows, padded: rows up to that program's cost nothing more
+        # to compute, so paced prompts take them (at their row-equivalents: a row far into a long prompt costs
+        # its attention too, padding does not), and a mixed step takes more of the prompts waiting beside the
+        # streams instead of paying for rows it leaves empty.
+        filled = _Budget(min(spare, budget.rows), float(spare), policy.key_scale, policy.keys_per_row, 0.0)
+        prompts.fill(prefilling, view.waiting, filled, strict=True)
+        budget.rows -= min(spare, budget.rows) - filled.rows
+    admit = prompts.admit
+    chunks = decodes + prompts.chunks
     drafts = {s.key: s.drafts for s in live if s.drafts}
     for i, c in enumerate(chunks[:len(decodes)]):  # drafts take only the rows nothing else needs
         k = min(drafts.get(c.key, 0), budget.rows)
@@ -182,6 +182,69 @@ def schedule(view: View, policy: Policy) -> StepPlan:
             chunks[i] = Chunk(c.key, c.start, 1 + k, True, k)
             budget.rows -= k
     return StepPlan(tuple(s.key for s in ended), end_waiting, tuple(admit), tuple(chunks))
+
+
+def _fits(s: Sample, budget: _Budget) -> bool:
+    """Whether the first prompt row of `s` (its sequence's keys read included) is within the budget's cost."""
+    return rows_cost(s.computed, 1, budget.scale) + s.computed / budget.keys_per_row <= budget.cost
+
+
+def _bucket_spare(rows: int, buckets: tuple[int, ...]) -> int:
+    """Rows between `rows` and the least bucket holding them (0 without buckets, or past the largest)."""
+    return next((b - rows for b in buckets if b >= rows), 0)
+
+
+class _Prompts:
+    """A step's prompt chunks and admissions, filled in passes (the paced budget, then a program's padding): each
+    pass continues the samples' prompts where the last left them and admits from the queue's head on."""
+
+    def __init__(self, computed: dict[Key, int], free: set[int], blocks: int | None, slots: int) -> None:
+        self.computed = computed
+        self.free = free
+        self.blocks = blocks
+        self.slots = slots
+        self.admit: list[Admit] = []
+        self.admitted: list[Sample] = []  # with their slots
+        self._chunks: dict[Key, Chunk] = {}  # in order
+        self._next = 0  # the queue's first request not admitted yet
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return list(self._chunks.values())
+
+    @property
+    def rows(self) -> int:
+        return sum(c.rows for c in self._chunks.values())
+
+    def fill(self, prefilling: list[Sample], waiting: tuple[Waiting, ...], budget: _Budget,
+             strict: bool = False) -> None:
+        self._add(prefilling + self.admitted, budget, strict)
+        while self._next < len(waiting):
+            w = waiting[self._next]
+            if w.ended:
+                self._next += 1
+                continue
+            k = _admissible(w, len(self.free), self.blocks, self.slots)
+            if budget.rows <= 0 or budget.spent or k == 0 or (strict and not _fits(w.samples[0], budget)):
+                break  # the head waits (for rows, slots or blocks); the queue stays in order
+            if self.blocks is not None:
+                self.blocks -= sum(w.each[:k]) if k < len(w.samples) else w.blocks
+            slots = tuple(sorted(self.free)[:k])
+            self.free.difference_update(slots)
+            self.admit.append(Admit(w.ref, slots, tuple(s.key[1] for s in w.samples[:k]), k < len(w.samples)))
+            new = [dataclasses.replace(s, slot=slot) for s, slot in zip(w.samples, slots)]
+            self.computed.update((s.key, s.computed) for s in new)
+            self.admitted += new
+            self._add(new, budget, strict)
+            self._next += 1
+
+    def _add(self, samples: list[Sample], budget: _Budget, strict: bool) -> None:
+        """More rows of `samples`' prompts, from where this step's chunks left them."""
+        now = [dataclasses.replace(s, computed=self.computed[s.key]) if s.key in self.computed else s
+               for s in samples]
+        for c in _prompt_chunks(now, self.computed, budget, strict):
+            before = self._chunks.get(c.key)
+            self._chunks[c.key] = c if before is None else Chunk(c.key, before.start, before.rows + c.rows, c.draw)
 
 
 def _admissible(w: Waiting, free: int, blocks: int | None, slots: int) -> int:
@@ -228,8 +291,10 @@ class _Budget:
         return self.cost <= 0 and self.floor <= 0
 
 
-def _prompt_chunks(samples: list[Sample], computed: dict[Key, int], budget: _Budget) -> list[Chunk]:
-    """Prompt rows of `samples` in order within `budget` (spent); `computed` is updated with what they compute."""
+def _prompt_chunks(samples: list[Sample], computed: dict[Key, int], budget: _Budget,
+                   strict: bool = False) -> list[Chunk]:
+    """Prompt rows of `samples` in order within `budget` (spent); `computed` is updated with what they compute.
+    `strict`: no row beyond the budget's cost (else a sample's first row goes in whatever it costs)."""
     out = []
     for s in samples:
         if s.done or s.computed >= s.length or budget.rows <= 0 or budget.spent:
@@ -238,6 +303,11 @@ def _prompt_chunks(samples: list[Sample], computed: dict[Key, int], budget: _Bud
             continue  # its first sample has not computed the shared prompt blocks yet
         rows = min(budget.rows, chunk_rows(s.computed, s.length, budget.cost, budget.scale, budget.keys_per_row,
                                            budget.floor))
+        while strict and rows and rows_cost(s.computed, rows, budget.scale) + s.computed / budget.keys_per_row > (
+                budget.cost):
+            rows -= 1
+        if not rows:
+            continue  # (strict) not even its next row fits: a cheaper prompt after it may use the rows
         out.append(Chunk(s.key, s.computed, rows, s.computed + rows == s.length))
         computed[s.key] = s.computed + rows
         own = rows_cost(s.computed, rows, budget.scale)

@@ -223,7 +223,7 @@ class Scheduler:
         if self.fixed_prefill:
             return Policy(e.max_rows, float(self.fixed_prefill), self.key_scale, e.slots)
         return Policy(e.max_rows, self.pacing.budget(), self.key_scale, e.slots, self.pacing.keys_per_row(),
-                      self.pacing.min_rows)
+                      self.pacing.min_rows, getattr(e, "buckets", ()))
 
     def _holders(self) -> dict[int, list[Running]]:
         """The running samples of each request (samples of it may wait while others hold slots)."""

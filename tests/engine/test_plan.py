@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 
 import numpy as np
@@ -241,3 +243,67 @@ def test_a_request_of_more_samples_than_slots_is_admitted_as_far_as_slots_and_bl
     # No more samples than slots: it waits for all of them (they share one prefill).
     few = Waiting(1, waiting(1, length=10, n=3, shared=8).samples, 5, each=(3, 1, 1))
     assert schedule(view((few,), free=(0, 2)), policy).admit == ()
+
+
+def streams_and_prompts(streams: int, prompts: int, length: int = 8) -> View:
+    """`streams` decoding since t=1, `prompts` waiting that arrived at t=2 (paced: the streams came first)."""
+    running = tuple(decoding(100 + i, i, arrived=0.0, decoding_since=1.0) for i in range(streams))
+    queue = tuple(Waiting(i, waiting(i, length=length).samples, 1, arrived=2.0) for i in range(prompts))
+    return view(queue, running, free=tuple(range(streams, 64)))
+
+
+def test_paced_prompts_take_the_rows_up_to_the_bucket_the_step_runs_anyway() -> None:
+    """A mixed step on an accelerator runs the least compiled row bucket holding its rows, padded: 8 decodes and 4
+    paced prompt rows run the 16-row program, so the prompt takes the 4 padding rows too; without buckets (CPU)
+    the step keeps to the paced budget."""
+    plain = schedule(streams_and_prompts(8, 4), Policy(max_rows=64, prefill_budget=4))
+    assert plain.rows == 12 and plain.chunks[8:] == (Chunk((0, 0), 0, 4, False),)
+    filled = schedule(streams_and_prompts(8, 4), Policy(max_rows=64, prefill_budget=4, buckets=(16, 32, 64)))
+    assert filled.rows == 16 and filled.chunks[:8] == plain.chunks[:8]
+    assert filled.chunks[8:] == (Chunk((0, 0), 0, 8, True),) and [a.ref for a in filled.admit] == [0]
+
+
+def test_the_bucket_fill_continues_the_paced_prompts_and_admits_from_the_queue_in_order() -> None:
+    # 8 decodes + 10 paced rows (prompt 0 whole, 2 rows of prompt 1) = 18 rows: the 32-row program; its 14 more
+    # rows finish prompt 1 (one chunk of 8) and take prompt 2 whole; prompt 3 waits for the next step.
+    plan = schedule(streams_and_prompts(8, 4), Policy(max_rows=64, prefill_budget=10, buckets=(16, 32, 64)))
+    assert plan.rows == 32
+    assert plan.chunks[8:] == (Chunk((0, 0), 0, 8, True), Chunk((1, 0), 0, 8, True), Chunk((2, 0), 0, 8, True))
+    assert [a.ref for a in plan.admit] == [0, 1, 2] and [a.slots for a in plan.admit] == [(8,), (9,), (10,)]
+
+
+def test_the_bucket_fill_gives_a_long_prompts_dear_rows_nothing_beyond_their_cost() -> None:
+    # Rows at position 1,000 cost 11 row-equivalents each (key_scale 100): the padding's 3 rows hold none of them.
+    running = (tuple(decoding(100 + i, i, arrived=0.0, decoding_since=1.0) for i in range(12))
+               + (prefilling(9, 12, 1000, 2000, arrived=2.0),))
+    policy = Policy(max_rows=64, prefill_budget=4, key_scale=100, buckets=(16, 32, 64))
+    plan = schedule(view(running=running, free=(20,)), policy)
+    assert plan.chunks[12:] == (Chunk((9, 0), 1000, 1, False),) and plan.rows == 13
+    short = (prefilling(8, 13, 0, 40, arrived=2.0),)  # a short prompt after it still takes the cheap rows
+    plan = schedule(view(running=running + short, free=(20,)), policy)
+    # its rows at 0, 1, 2 cost 1, 1.01, 1.02: two fit the 3 padding rows' row-equivalents
+    assert plan.chunks[12:] == (Chunk((9, 0), 1000, 1, False), Chunk((8, 0), 0, 2, False)) and plan.rows == 15
+
+
+def test_random_snapshots_with_buckets_extend_the_plan_without_buckets_up_to_its_bucket() -> None:
+    rng = random.Random(5)
+    for _ in range(500):
+        streams = rng.randint(0, 12)
+        running = [decoding(100 + i, i, arrived=0.0, decoding_since=1.0) for i in range(streams)]
+        running += [prefilling(200 + i, 20 + i, rng.randint(0, 30), rng.randint(31, 60), arrived=2.0)
+                    for i in range(rng.randint(0, 2))]
+        queue = tuple(Waiting(i, waiting(i, length=rng.randint(1, 40), n=rng.randint(1, 2)).samples[:1],
+                              rng.randint(0, 3), arrived=2.0) for i in range(rng.randint(0, 5)))
+        v = View(queue, tuple(running), frozenset(range(40, 48)), rng.choice((None, 2, 20)))
+        base = Policy(rng.choice((32, 64)), rng.choice((1, 4, 16)), key_scale=rng.choice((math.inf, 50.0)))
+        buckets = (8, 16, 32, base.max_rows)
+        plain, filled = schedule(v, base), schedule(v, dataclasses.replace(base, buckets=buckets))
+        assert plain.rows <= filled.rows <= max(plain.rows, next(b for b in buckets if b >= plain.rows))
+        assert filled.admit[:len(plain.admit)] == plain.admit
+        extended = {c.key: c for c in filled.chunks}
+        for c in plain.chunks:  # every chunk of the plain plan, from the same start, at least as long
+            assert extended[c.key].start == c.start and extended[c.key].rows >= c.rows
+        taken = [slot for a in filled.admit for slot in a.slots]
+        assert len(taken) == len(set(taken)) and set(taken) <= set(range(40, 48))
+        if v.free_blocks is not None:
+            assert sum(w.blocks for w in queue if w.ref in filled.admitted) <= v.free_blocks
