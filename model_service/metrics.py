@@ -60,6 +60,7 @@ class Metrics(SchedulerMetrics):
         self.prefix_hits = Counter("grok_model_prefix_cache_hits", "Prompt tokens served from the prefix cache",
                                    registry=r)
         self._prefix_seen = (0, 0)
+        self._by_kind: dict[str, tuple[Counter, Counter]] = {}  # the step counters' children by kind, looked up once
 
     def set_active(self, n: int) -> None:
         self.active_slots.set(n)
@@ -72,8 +73,10 @@ class Metrics(SchedulerMetrics):
 
     def observe_step(self, seconds: float, kind: str = "decode", period: float | None = None) -> None:
         self.decode_step_seconds.observe(seconds)
-        self.steps.labels(kind).inc()
-        self.step_period_seconds.labels(kind).inc(seconds if period is None else period)
+        steps, period_seconds = self._by_kind.get(kind) or self._by_kind.setdefault(
+            kind, (self.steps.labels(kind), self.step_period_seconds.labels(kind)))
+        steps.inc()
+        period_seconds.inc(seconds if period is None else period)
 
     def add_tokens(self, n: int) -> None:
         self.generated_tokens.inc(n)
