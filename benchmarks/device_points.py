@@ -82,6 +82,21 @@ class Driver:
             self.position[s] += 1
         return self.batch(self.engine, rows, [(i, s) for i, s in enumerate(slots)])
 
+    def mixed_batch(self, slots: list[int], prompts: dict[int, list[int]]) -> Any:
+        """One step: a decode row for each of `slots`, then every row of `prompts` (slot -> tokens, started again
+        in this step and drawing at their last rows): a step that decodes streams while prompts enter."""
+        from model_service.step_batch import SlotStart
+
+        rows = [(s, self.position[s], None) for s in slots] + [
+            (s, p, tok) for s, toks in prompts.items() for p, tok in enumerate(toks)]
+        draws = [(i, s) for i, (s, p, tok) in enumerate(rows) if tok is None or p == len(prompts[s]) - 1]
+        for s in slots:
+            self.position[s] += 1
+        for s, toks in prompts.items():
+            self.position[s] = len(toks)
+        starts = tuple(SlotStart(s, s, self.greedy, tuple(toks)) for s, toks in prompts.items())
+        return self.batch(self.engine, rows, draws, starts)
+
     def run(self, batches: list[Any]) -> float:
         """Dispatch the steps back to back; seconds until the last one's draws are on the host."""
         start = time.perf_counter()

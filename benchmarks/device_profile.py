@@ -2,10 +2,11 @@
 grouped by the source file and line that emitted them; prints JSON.
 
     python -m benchmarks.device_profile --config ../shared/bench/medium.json --dtype bfloat16 --streams 1,8,64
-        [--prompt-rows 8x32] [--moe auto] [--backend auto] [--steps 5] [--top 25] [--out PATH]
+        [--prompt-rows 8x32] [--mixed 64+2x32] [--moe auto] [--backend auto] [--steps 5] [--top 25] [--out PATH]
 
 One process, one engine as the model service builds it (random weights; benchmarks/device_points.py's `build`):
-compiled, every slot given a prompt, then per point (decode-N: N streams; prompts-PxL) a few untraced steps, the
+compiled, every slot given a prompt, then per point (decode-N: N streams; prompts-PxL; mixed-N+PxL: N streams
+decoding while P prompts of L tokens enter, in one step) a few untraced steps, the
 median of `--runs` timed steps, the same dispatched back to back (decode: `pipelined_ms`, what a step costs the
 serving loop, which plans the next step while the device computes one), and `--steps` steps under
 `jax.profiler`. Each point reports the step's wall time, that wall time cut into the host's phases
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", default="1,8,64")
     p.add_argument("--prompt-rows", default="", help="a prompts point, PROMPTSxTOKENS")
     p.add_argument("--decode-prompt", type=int, default=32)
+    p.add_argument("--mixed", default="", help="a mixed point, STREAMS+PROMPTSxTOKENS (e.g. 64+2x32): STREAMS decode "
+                                               "rows and the prompts' rows in one step")
     p.add_argument("--moe", default="auto")
     p.add_argument("--layers", default="auto")
     p.add_argument("--backend", default="auto")
@@ -192,8 +195,13 @@ def main(argv: list[str] | None = None) -> int:
 
     streams = [int(s) for s in args.streams.split(",") if s]
     count, length = (int(x) for x in args.prompt_rows.split("x")) if args.prompt_rows else (0, 0)
+    mixed_streams, mixed_prompts, mixed_length = (0, 0, 0)
+    if args.mixed:
+        head, tail = args.mixed.split("+")
+        mixed_streams, (mixed_prompts, mixed_length) = int(head), (int(x) for x in tail.split("x"))
     begin = time.perf_counter()
-    engine, _ = build(args.config, args.dtype, max(streams + [count, 1]), 0, args.backend, args.moe, args.layers)
+    engine, _ = build(args.config, args.dtype, max(streams + [count, mixed_streams + mixed_prompts, 1]), 0,
+                      args.backend, args.moe, args.layers)
     built = time.perf_counter() - begin
     compiled = engine.compile()
     texts = [c.as_text() for c in getattr(engine, "_compiled", {}).values()]
@@ -209,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     fill_slots(d, args.decode_prompt)
     for n in streams:
         out["points"].append(profile_point(d, f"decode-{n}", lambda n=n: [d.decode_batch(list(range(n)))],
+                                           args.runs, args.steps, sources, args.top, pipelined=True))
+        print(json.dumps({k: out["points"][-1][k] for k in ("name", "step_ms", "pipelined_ms", "busy_ms")}),
+              file=sys.stderr, flush=True)
+    if args.mixed:
+        decoding = list(range(mixed_streams))
+        entering = {mixed_streams + i: d.tokens(mixed_length) for i in range(mixed_prompts)}
+        out["points"].append(profile_point(d, f"mixed-{args.mixed}", lambda: [d.mixed_batch(decoding, entering)],
                                            args.runs, args.steps, sources, args.top, pipelined=True))
         print(json.dumps({k: out["points"][-1][k] for k in ("name", "step_ms", "pipelined_ms", "busy_ms")}),
               file=sys.stderr, flush=True)

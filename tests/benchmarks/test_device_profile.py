@@ -26,14 +26,15 @@ def test_op_names_and_sources_come_from_the_hlo_text():
     assert op_sources([text]) == {"dot.3": "layers.py:289 paged_attention", "add.1": "outer/add"}
 
 
-def test_a_decode_point_is_timed_and_its_ops_are_attributed(tmp_path):
+def test_a_decode_and_a_mixed_point_are_timed_and_their_ops_attributed(tmp_path):
     out = tmp_path / "p.json"
     run = subprocess.run([sys.executable, "-m", "benchmarks.device_profile", "--config", str(GOLDEN / "config.json"),
-                          "--dtype", "float32", "--streams", "2", "--backend", "generic", "--moe", "cond",
-                          "--runs", "2", "--steps", "1", "--top", "5", "--out", str(out)],
+                          "--dtype", "float32", "--streams", "2", "--mixed", "2+1x4", "--backend", "generic",
+                          "--moe", "cond", "--runs", "2", "--steps", "1", "--top", "5", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    point, = json.loads(out.read_text())["points"]
+    point, mixed = json.loads(out.read_text())["points"]
+    assert mixed["name"] == "mixed-2+1x4" and recorded(mixed["step_ms"], mixed["pipelined_ms"], mixed["busy_ms"])
     assert point["name"] == "decode-2" and recorded(point["step_ms"], point["pipelined_ms"], point["busy_ms"])
     assert point["ops_per_step"] > 0 and len(point["top_ops"]) == 5
     assert set(point["host_phases_ms"]) == {"batch", "dispatch", "device", "fetch"}
