@@ -178,12 +178,14 @@ def registry_steps(registry: Any) -> Callable[[], StepCounts]:
     return lambda: _step_counts(lambda name, kind: registry.get_sample_value(name, {"kind": kind}))
 
 
-def scraped_steps(url: str) -> Callable[[], StepCounts]:
+def scraped_steps(url: str) -> Callable[[], StepCounts | None]:
     """The step counts a model service's /metrics (`unix:PATH` or http://) reports."""
     from gateway.replica_metrics import scrape
 
-    def read() -> StepCounts:
+    def read() -> StepCounts | None:
         values = {(s.name, s.labels.get("kind", "")): s.value for family in scrape(url) for s in family.samples}
+        if not any(name == "grok_model_steps_total" for name, _ in values):
+            return None  # a model service from before the step counters (a baseline tree)
         return _step_counts(lambda name, kind: values.get((name, kind)))
     return read
 
@@ -248,7 +250,7 @@ def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int
 async def measure_arms(config: LayersConfig, senders: dict[str, Sender], requests: list[BenchRequest],
                        warm: list[BenchRequest], pids: dict[str, Watched], pool: ClientPool | None = None,
                        specs: dict[str, SenderSpec] | None = None,
-                       steps: dict[str, Callable[[], StepCounts]] | None = None,
+                       steps: dict[str, Callable[[], StepCounts | None]] | None = None,
                        ) -> dict[str, dict[str, list[dict[str, Any]]]]:
     """Every arm at every point, interleaved within each run; an arm in `specs` is sent from `pool`'s processes;
     an arm in `steps` also reports how its model's loop stepped (step_shape)."""
@@ -276,8 +278,9 @@ async def measure_arms(config: LayersConfig, senders: dict[str, Sender], request
                     served, duration = await run_point(send, requests, LoadPoint(c), config.seed)
                 m = metrics.compute(served, duration)
                 m.update(cpu_per_token(before, cpu_snapshot(pids), m["total_output_tokens"]))
-                if stepped is not None:
-                    m.update(step_shape(stepped, steps[arm](), m["total_output_tokens"]))
+                after = steps[arm]() if stepped is not None else None
+                if stepped is not None and after is not None:
+                    m.update(step_shape(stepped, after, m["total_output_tokens"]))
                 if clients is not None:
                     m["cpu_ms_per_token_clients"] = clients * 1e3 / max(m["total_output_tokens"], 1)
                     m["cpu_ms_per_token_total"] += m["cpu_ms_per_token_clients"]
@@ -287,7 +290,7 @@ async def measure_arms(config: LayersConfig, senders: dict[str, Sender], request
                       f"{m['cpu_ms_per_token_total']:.2f} ms/token, failed {m['failed']}"
                       + (f", steps decode/mixed/prompt {m['steps_decode']:.0f}/{m['steps_mixed']:.0f}/"
                          f"{m['steps_prompt']:.0f} at {m['step_ms_decode']:.2f}/{m['step_ms_mixed']:.2f}/"
-                         f"{m['step_ms_prompt']:.2f} ms" if stepped is not None else ""),
+                         f"{m['step_ms_prompt']:.2f} ms" if "steps_decode" in m else ""),
                       file=sys.stderr, flush=True)
     return runs
 
@@ -376,11 +379,14 @@ async def _run(config: LayersConfig, spec: StackSpec, address: str | None, model
     specs = {arm: SenderSpec("model" if isinstance(send, ModelSender) else "gateway", send.address,
                              config.temperature)
              for arm, send in senders.items() if isinstance(send, (ModelSender, GatewaySender))}
-    steps: dict[str, Callable[[], StepCounts]] = {}
+    steps: dict[str, Callable[[], StepCounts | None]] = {}
     if scheduler is not None and hasattr(scheduler.metrics, "registry"):
         steps["in_process"] = registry_steps(scheduler.metrics.registry)
-    if model_metrics is not None:
-        steps["model_service"] = steps["gateway"] = scraped_steps(model_metrics)
+    base_metrics = baselines.get("model_metrics")  # a baseline stack's own model service
+    for arm in senders:
+        own = base_metrics if arm in ("model_service_baseline", "gateway_baseline") and base_metrics else model_metrics
+        if arm != "in_process" and own is not None:
+            steps[arm] = scraped_steps(own)  # the model service behind the arm
     try:
         return await measure_arms(config, senders, requests, warm, pids, pool, specs, steps)
     finally:
@@ -445,6 +451,8 @@ def start_extras(config: LayersConfig, spec: StackSpec, stack: RunningStack, log
                                uds_dir=base_sockets)  # its own log folder: the same file names
             extras.stacks.append(base)
             extras.addresses.update(gateway=base.address, model_service=base.model.address)
+            if base.model_metrics is not None:
+                extras.addresses["model_metrics"] = base.model_metrics
             extras.pids.update(gateway_baseline=base.gateway.proc.pid, model_service_baseline=base.model.proc.pid,
                                tokenizer_service_baseline=base.tokenizer.proc.pid)
     except BaseException:
