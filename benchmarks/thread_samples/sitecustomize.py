@@ -3,8 +3,8 @@
 Put this directory first on PYTHONPATH and set GROK_THREAD_SAMPLES=DIR: every service started from that
 environment (`python -m model_service`, `gateway`, `tokenizer_service`; GROK_THREAD_SAMPLES_MODULES narrows the
 list) samples every thread's Python stack each GROK_THREAD_SAMPLES_INTERVAL seconds (default 0.002) and writes
-DIR/<module>-<pid>.json at exit and every 10 s (a multiprocessing child, such as the model service's engine
-process, as spawn-<pid>.json): per thread, its CPU seconds, its samples, the stacks seen most
+DIR/<module>-<pid>.json at exit and every 10 s (the model service's multiprocessing children, its engine process,
+as spawn-<pid>.json; other processes' children, such as a benchmark's client workers, are not sampled): per thread, its CPU seconds, its samples, the stacks seen most
 often and the innermost lines seen most often. A thread blocked in C (a device wait, the GIL, epoll) shows the
 Python line that called it. Used on hosts without a profiler (the TPU host: `benchmarks.layers` passes its
 environment to the services it starts); costs one GIL hand-over per interval.
@@ -89,13 +89,16 @@ def _module() -> str | None:
     for i, arg in enumerate(argv[:-1]):
         if arg == "-m" and argv[i + 1] in wanted:
             return argv[i + 1]
-        if arg == "-c" and "spawn_main" in argv[i + 1] and "spawn" in wanted:
-            return "spawn"  # a multiprocessing child: the model service's engine process (--engine-process)
+        if arg == "-c" and "spawn_main" in argv[i + 1] and "spawn" in wanted and (
+                os.environ.get("GROK_THREAD_SAMPLES_PARENT") == "model_service"):
+            return "spawn"  # the model service's multiprocessing child: its engine process (--engine-process)
     return None
 
 
 if os.environ.get("GROK_THREAD_SAMPLES"):
     _name = _module()
     if _name is not None:
+        if _name == "model_service":
+            os.environ["GROK_THREAD_SAMPLES_PARENT"] = _name  # its spawned children (the engine process) sample too
         os.makedirs(os.environ["GROK_THREAD_SAMPLES"], exist_ok=True)
         _start(os.environ["GROK_THREAD_SAMPLES"], _name)
