@@ -558,6 +558,7 @@ def test_steps_are_counted_by_kind_with_the_loops_time_for_each(engine: FakeEngi
     assert want["prompt"] >= 1 and want["mixed"] >= 1 and want["decode"] >= 1
     assert {k: counted(k) for k in want} == want
     assert metrics.registry.get_sample_value("grok_model_decode_step_seconds_count") == len(engine.steps)
-    for kind, n in want.items():
-        seconds = metrics.registry.get_sample_value("grok_model_step_period_seconds_total", {"kind": kind})
-        assert seconds is not None and 0.0 < seconds < 10.0 * n
+    # A step's period (from the previous delivery, or its dispatch if later) is within its dispatch-to-delivery time.
+    periods = [metrics.registry.get_sample_value("grok_model_step_period_seconds_total", {"kind": k}) for k in want]
+    assert all(p is not None and p > 0.0 for p in periods)
+    assert sum(periods) <= metrics.registry.get_sample_value("grok_model_decode_step_seconds_sum")
