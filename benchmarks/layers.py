@@ -70,6 +70,7 @@ from benchmarks.stack import (
     use_model_xla_flags,
 )
 from benchmarks.workload import BenchRequest, PromptCutter, WorkloadSpec, build
+from model_service.loop_state import STEP_KINDS
 from serving_common.flags import EnvArgumentParser, positive_int
 from serving_common.processes import unix_endpoint
 
@@ -164,7 +165,6 @@ def in_process_scheduler(spec: StackSpec) -> Any:
     return scheduler
 
 
-STEP_KINDS = ("decode", "mixed", "prompt")  # model_service.metrics' grok_model_steps
 StepCounts = dict[str, tuple[float, float]]  # kind: (steps, the decode loop's seconds for them)
 
 

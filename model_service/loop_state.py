@@ -18,6 +18,9 @@ from model_service.requests import FinishReason, RequestHandle, Timings
 from model_service.speculative import DraftPacer
 
 
+STEP_KINDS = ("decode", "mixed", "prompt")  # a step's rows: only decode rows, decode and prompt rows, only prompt rows
+
+
 class SchedulerMetrics:
     """Observer hooks; the default ignores everything (metrics.Metrics implements them)."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from model_service.kv_blocks import KVUsage
-from model_service.loop_state import SchedulerMetrics
+from model_service.loop_state import STEP_KINDS, SchedulerMetrics
 from model_service.requests import FinishReason
 from serving_common.metrics_server import new_registry, serve_metrics, serve_metrics_unix
 
@@ -60,7 +60,7 @@ class Metrics(SchedulerMetrics):
         self.prefix_hits = Counter("grok_model_prefix_cache_hits", "Prompt tokens served from the prefix cache",
                                    registry=r)
         self._prefix_seen = (0, 0)
-        self._by_kind: dict[str, tuple[Counter, Counter]] = {}  # the step counters' children by kind, looked up once
+        self._by_kind = {kind: (self.steps.labels(kind), self.step_period_seconds.labels(kind)) for kind in STEP_KINDS}
 
     def set_active(self, n: int) -> None:
         self.active_slots.set(n)
@@ -73,8 +73,7 @@ class Metrics(SchedulerMetrics):
 
     def observe_step(self, seconds: float, kind: str = "decode", period: float | None = None) -> None:
         self.decode_step_seconds.observe(seconds)
-        steps, period_seconds = self._by_kind.get(kind) or self._by_kind.setdefault(
-            kind, (self.steps.labels(kind), self.step_period_seconds.labels(kind)))
+        steps, period_seconds = self._by_kind[kind]
         steps.inc()
         period_seconds.inc(seconds if period is None else period)
 

@@ -294,20 +294,18 @@ class _Budget:
 def _prompt_chunks(samples: list[Sample], computed: dict[Key, int], budget: _Budget,
                    strict: bool = False) -> list[Chunk]:
     """Prompt rows of `samples` in order within `budget` (spent); `computed` is updated with what they compute.
-    `strict`: no row beyond the budget's cost (else a sample's first row goes in whatever it costs)."""
+    `strict`: no row beyond the budget's cost (chunk_rows gives a sample's first row whatever it costs, and later
+    rows only within the budget)."""
     out = []
     for s in samples:
         if s.done or s.computed >= s.length or budget.rows <= 0 or budget.spent:
             continue
         if s.after is not None and computed.get(s.after, s.shared) < s.shared:
             continue  # its first sample has not computed the shared prompt blocks yet
+        if strict and not _fits(s, budget):
+            continue  # not even its next row fits: a cheaper prompt after it may use the rows
         rows = min(budget.rows, chunk_rows(s.computed, s.length, budget.cost, budget.scale, budget.keys_per_row,
                                            budget.floor))
-        while strict and rows and rows_cost(s.computed, rows, budget.scale) + s.computed / budget.keys_per_row > (
-                budget.cost):
-            rows -= 1
-        if not rows:
-            continue  # (strict) not even its next row fits: a cheaper prompt after it may use the rows
         out.append(Chunk(s.key, s.computed, rows, s.computed + rows == s.length))
         computed[s.key] = s.computed + rows
         own = rows_cost(s.computed, rows, budget.scale)

@@ -359,7 +359,7 @@ class Scheduler:
         with self._cond:
             self._steps += 1
             self._beat = time.monotonic()
-        kind = ("mixed" if step.prompt_cost else "decode") if step.decoding else "prompt"
+        kind = ("mixed" if step.prompt_cost else "decode") if step.decoding else "prompt"  # loop_state.STEP_KINDS
         self.metrics.observe_step(seconds, kind, period)
         for run, row, position, rows in step.scored:
             if self._live(run):
