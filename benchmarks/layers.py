@@ -286,7 +286,11 @@ async def measure_arms(config: LayersConfig, senders: dict[str, Sender], request
                     m["cpu_ms_per_token_total"] += m["cpu_ms_per_token_clients"]
                 runs[arm].setdefault(f"c{c}", []).append({k: v for k, v in m.items() if not isinstance(v, list)})
                 print(f"layers run {index} c{c} {arm}: {m['output_throughput']:.1f} tok/s, TTFT p50 "
-                      f"{m['median_ttft_ms']:.2f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, CPU "
+                      f"{m['median_ttft_ms']:.2f} ms"
+                      + (f" (in the engine {m['median_ttft_engine_ms']:.2f}, queued {m['median_ttft_queue_ms']:.2f}; "
+                         f"outside {m['median_ttft_outside_ms']:.2f})"
+                         if "median_ttft_engine_ms" in m else "")
+                      + f", TPOT p50 {m['median_tpot_ms']:.2f} ms, CPU "
                       f"{m['cpu_ms_per_token_total']:.2f} ms/token, failed {m['failed']}"
                       + (f", steps decode/mixed/prompt {m['steps_decode']:.0f}/{m['steps_mixed']:.0f}/"
                          f"{m['steps_prompt']:.0f} at {m['step_ms_decode']:.2f}/{m['step_ms_mixed']:.2f}/"

@@ -114,6 +114,9 @@ class GatewaySender:
                 texts.append(reply.text)
                 if reply.HasField("usage"):
                     result.server_prompt_tokens = reply.usage.prompt_tokens
+                if reply.HasField("timings"):
+                    result.server_queue = reply.timings.queue_seconds
+                    result.server_prefill = reply.timings.prefill_seconds
         except grpc.aio.AioRpcError as error:
             result.error = _error(error)
         result.end = time.perf_counter()
@@ -145,6 +148,9 @@ class ModelSender:
                     result.chunk_times.append(time.perf_counter())
                     result.chunk_tokens.append(len(reply.token_ids))
                 result.server_prompt_tokens = reply.prompt_tokens
+                if reply.HasField("timings"):
+                    result.server_queue = reply.timings.queue_seconds
+                    result.server_prefill = reply.timings.prefill_seconds
         except grpc.aio.AioRpcError as error:
             result.error = _error(error)
         result.end = time.perf_counter()

@@ -28,6 +28,8 @@ import numpy as np
 
 # Metrics reported with mean / median / std / percentiles, in milliseconds (vLLM's key names).
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+# A TTFT taken apart by the server's Timings: in the model's scheduler (of it, queued for a slot), and the rest
+TTFT_PARTS = ("ttft_engine", "ttft_queue", "ttft_outside")
 # Scalars that summaries carry from run to run (medians and spreads are taken over these).
 SCALAR_KEYS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
                "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
@@ -47,6 +49,8 @@ class RequestResult:
     text: str = ""
     server_prompt_tokens: int = -1  # what the server counted (usage), -1 if it did not say
     first_text: float = 0.0  # arrival of the first chunk with non-empty text (0: none, or not recorded)
+    server_queue: float = -1.0  # the server's Timings: seconds waiting for a slot (-1: it did not say)
+    server_prefill: float = -1.0  # and from admission to its first token drawn
 
     @property
     def success(self) -> bool:
@@ -63,6 +67,12 @@ class RequestResult:
     @property
     def latency(self) -> float:
         return self.end - self.start
+
+    @property
+    def engine_ttft(self) -> float | None:
+        """Of the TTFT, the part the model's scheduler reports (queued, then admitted until its first token was
+        drawn); None where the server did not say."""
+        return self.server_queue + self.server_prefill if self.server_queue >= 0 and self.server_prefill >= 0 else None
 
     @property
     def itl(self) -> list[float]:
@@ -175,6 +185,14 @@ def compute(results: Sequence[RequestResult], duration: float, percentiles: Sequ
     for name in LATENCY_METRICS:
         for stat, value in distribution(series[name], percentiles).items():
             out[f"{stat}_{name}_ms"] = value
+    engine = [(r.ttft, t, r.server_queue) for r in done if (t := r.engine_ttft) is not None]
+    if engine and len(engine) == len(done):
+        # Where a TTFT goes: in the model's scheduler (its queue, then the steps to the first draw), and outside it
+        # (the request's way in through the services, the first token's way out to the client).
+        for name, values in zip(TTFT_PARTS, ([t for _, t, _ in engine], [q for _, _, q in engine],
+                                             [a - t for a, t, _ in engine])):
+            for stat, value in distribution(values, percentiles).items():
+                out[f"{stat}_{name}_ms"] = value
     out.update({
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_tokens if r.success else 0 for r in results],
@@ -201,7 +219,7 @@ def scalar_metrics(run: Mapping[str, Any]) -> dict[str, float]:
     """The numbers of one run that a summary aggregates (throughputs, counts, latency stats, and the
     cpu_* costs that benchmarks.layers adds)."""
     keys = [k for k in run if k in SCALAR_KEYS or k.startswith("cpu_")
-            or any(k.endswith(f"_{m}_ms") for m in LATENCY_METRICS)]
+            or any(k.endswith(f"_{m}_ms") for m in LATENCY_METRICS + TTFT_PARTS)]
     return {k: float(run[k]) for k in keys if run[k] is not None}
 
 

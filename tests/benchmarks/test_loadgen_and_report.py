@@ -137,3 +137,17 @@ def test_cpu_seconds_of_this_process_grow_when_it_computes() -> None:
     while time.process_time() < deadline:
         pass
     assert layers.cpu_seconds(os.getpid()) > before
+
+
+def test_the_ttft_is_taken_apart_by_the_servers_timings_only_when_every_request_has_them() -> None:
+    from benchmarks import metrics
+
+    # TTFTs of 30 and 50 ms; the server queued them 5 / 10 ms and drew their first tokens 15 / 20 ms after that
+    timed = [RequestResult(3, 1.0, [1.030, 1.040], [1, 1], 1.040, server_queue=0.005, server_prefill=0.015),
+             RequestResult(3, 1.0, [1.050, 1.060], [1, 1], 1.060, server_queue=0.010, server_prefill=0.020)]
+    out = metrics.compute(timed, 1.0)
+    assert out["mean_ttft_engine_ms"] == pytest.approx(25.0)
+    assert out["mean_ttft_outside_ms"] == pytest.approx(15.0)  # (30 - 20 + 50 - 30) / 2
+    assert out["mean_ttft_queue_ms"] == pytest.approx(7.5)
+    untimed = timed[:1] + [RequestResult(3, 1.0, [1.050, 1.060], [1, 1], 1.060)]
+    assert "mean_ttft_engine_ms" not in metrics.compute(untimed, 1.0)

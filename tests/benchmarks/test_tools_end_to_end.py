@@ -129,6 +129,11 @@ def test_layers_measures_the_same_workload_in_process_on_the_model_service_and_t
     costs = report["arms"]["gateway"]["c1"]["median"]  # CPU ms per token by process (a 10 ms clock tick: may be 0)
     assert {f"cpu_ms_per_token_{p}" for p in ("benchmark", "model_service", "tokenizer_service", "gateway",
                                               "total")} <= set(costs)
+    for arm in ("model_service", "gateway"):  # the TTFT taken apart by the model's own timings
+        median = report["arms"][arm]["c1"]["median"]
+        assert 0 < median["median_ttft_engine_ms"] <= median["p99_ttft_ms"]
+        assert median["mean_ttft_outside_ms"] >= 0  # a client sees its first token only after the engine drew it
+    assert "median_ttft_engine_ms" not in report["arms"]["in_process"]["c1"]["median"]
 
 
 def test_layers_on_unix_sockets_with_the_per_call_gateway_and_the_engine_apart(
