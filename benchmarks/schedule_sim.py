@@ -21,7 +21,7 @@ import argparse
 import json
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from model_service.pacing import DEFAULT_SLOWDOWN, Pacing, rows_cost
@@ -58,7 +58,7 @@ class Step:
     cost: float
     keys: float
     rows: int
-    kind: str = field(default="decode")
+    kind: str = "decode"
 
 
 def bucket(rows: int, buckets: tuple[int, ...]) -> int:
