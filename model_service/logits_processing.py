@@ -69,34 +69,9 @@ def idle_controls(slots: int, vocab_size: int) -> Controls:
                     jnp.full((slots, MAX_ENDS), vocab_size, jnp.int32))
 
 
-def empty_history(slots: int, vocab_size: int) -> History:
-    return History(jnp.zeros((slots, vocab_size), bool), jnp.zeros((slots, vocab_size), jnp.int32))
-
-
-def prompt_mask(tokens: list[int] | np.ndarray, vocab_size: int) -> np.ndarray:
-    """[1, V] bool: which ids the prompt holds (built on the host; one prefill argument)."""
-    mask = np.zeros((1, vocab_size), bool)
-    mask[0, np.asarray(tokens, np.int64)] = True
-    return mask
-
-
-def record_tokens(history: History, tokens: jax.Array, active: jax.Array) -> History:
-    """Count each active slot's new token: tokens [B] int32, active [B] bool."""
-    rows = jnp.arange(tokens.shape[0])
-    return history._replace(counts=history.counts.at[rows, tokens].add(active.astype(jnp.int32)))
-
-
 def penalized(controls: Controls) -> jax.Array:
     """[B] bool: the slots whose penalties read their token counts (the only readers of History.counts)."""
     return (controls.repetition != 1) | (controls.presence != 0) | (controls.frequency != 0)
-
-
-def record_penalized_tokens(history: History, tokens: jax.Array, active: jax.Array, controls: Controls) -> History:
-    """`record_tokens` for the active slots that use a penalty, and no scatter at all when none does: counts no
-    penalty reads are never read (a slot's controls are set when its request is inserted, with its counts
-    zeroed)."""
-    counted = active & penalized(controls)
-    return jax.lax.cond(jnp.any(counted), lambda h: record_tokens(h, tokens, counted), lambda h: h, history)
 
 
 def hold_ends(mask: jax.Array, ends: jax.Array) -> jax.Array:

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_service.logits_processing import Controls, History, controls_row, empty_history, idle_controls, \
-    kth_largest, prompt_mask, record_tokens
+from model_service.logits_processing import Controls, History, controls_row, idle_controls, kth_largest
 from model_service.sampling import TOP_K, SamplingParams, seed_key, split_key
 from model_service.sampling import sample_tokens as _sample_tokens
 from model_service.sampling_settings import GREEDY, MAX_LOGIT_BIAS, SamplingSettings
@@ -17,6 +16,10 @@ from model_service.validation import controls_problem
 
 sample_tokens = jax.jit(_sample_tokens)
 MASKED = -1e10
+
+
+def empty_history(slots: int, vocab_size: int) -> History:
+    return History(jnp.zeros((slots, vocab_size), bool), jnp.zeros((slots, vocab_size), jnp.int32))
 
 
 # ---- NumPy references ---------------------------------------------------------------------------------
@@ -216,14 +219,6 @@ def test_min_tokens_bars_the_ending_ids_from_the_draws_before_it_and_no_later_on
     assert tokens[4] == int(np.argmax(np.where(np.arange(v) % 6 == 0, -np.inf, logits[4])))
 
 
-def test_history_counts_each_active_slots_token_and_the_prompt_mask_marks_prompt_ids() -> None:
-    h = empty_history(3, 10)
-    h = record_tokens(h, jnp.asarray([4, 4, 9], jnp.int32), jnp.asarray([True, False, True]))
-    h = record_tokens(h, jnp.asarray([4, 1, 9], jnp.int32), jnp.asarray([True, True, True]))
-    counts = np.asarray(h.counts)
-    assert counts[0, 4] == 2 and counts[1, 1] == 1 and counts[1, 4] == 0 and counts[2, 9] == 2
-    assert counts.sum() == 5
-    assert np.flatnonzero(prompt_mask([3, 3, 7], 10)[0]).tolist() == [3, 7]
 
 
 @pytest.mark.parametrize("c,field", [
