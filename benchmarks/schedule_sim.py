@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from model_service.loop_state import STEP_KINDS, step_kind
 from model_service.pacing import DEFAULT_SLOWDOWN, Pacing, rows_cost
 from model_service.plan import Policy, Sample, View, Waiting, schedule
 
@@ -58,7 +59,7 @@ class Step:
     cost: float
     keys: float
     rows: int
-    kind: str = "decode"
+    kind: str
 
 
 def bucket(rows: int, buckets: tuple[int, ...]) -> int:
@@ -88,7 +89,7 @@ def simulate(args: argparse.Namespace, slowdown: float, fill: bool) -> dict[str,
     for c in range(args.concurrency):
         send(c, 0.0 if args.burst else rng.uniform(0, args.client_ms) / 1e3)
     in_flight: list[Step] = []
-    kinds = {"decode": [0, 0.0], "mixed": [0, 0.0], "prompt": [0, 0.0]}
+    kinds = {kind: [0, 0.0] for kind in STEP_KINDS}
     last_end = 0.0
     while len(ended) < args.requests:
         # arrivals up to now join the queue
@@ -135,8 +136,8 @@ def simulate(args: argparse.Namespace, slowdown: float, fill: bool) -> dict[str,
         else:
             ms = args.fixed_ms + args.row_ms * bucket(rows, buckets)
             start = max(clock, in_flight[-1].end if in_flight else clock)
-            kind = ("mixed" if cost else "decode") if decoding else "prompt"
-            in_flight.append(Step(start, start + ms / 1e3, draws, decoding, cost, keys, rows, kind))
+            in_flight.append(Step(start, start + ms / 1e3, draws, decoding, cost, keys, rows,
+                                  step_kind(decoding, cost)))
             if len(in_flight) < 2:
                 continue  # the loop plans the next step before waiting for this one
         step = in_flight.pop(0)
@@ -165,7 +166,8 @@ def simulate(args: argparse.Namespace, slowdown: float, fill: bool) -> dict[str,
     ttft = sorted((r.first_at - r.arrived) * 1e3 for r in ended)
     tokens = sum(r.output for r in ended)
     steps = sum(k[0] for k in kinds.values())
-    return {"decode_slowdown": slowdown, "bucket_fill": fill, "tokens_per_s": tokens / duration,
+    return {"decode_slowdown": slowdown, "bucket_fill": fill, "requests": len(ended), "tokens": tokens,
+            "tokens_per_s": tokens / duration,
             "ttft_p50_ms": ttft[len(ttft) // 2], "ttft_p90_ms": ttft[int(len(ttft) * 0.9)],
             "tokens_per_step": tokens / steps,
             "steps": {k: v[0] for k, v in kinds.items()},

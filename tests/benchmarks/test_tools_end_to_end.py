@@ -131,8 +131,8 @@ def test_layers_measures_the_same_workload_in_process_on_the_model_service_and_t
                                               "total")} <= set(costs)
     for arm in ("model_service", "gateway"):  # the TTFT taken apart by the model's own timings
         median = report["arms"][arm]["c1"]["median"]
-        assert 0 < median["median_ttft_engine_ms"] <= median["p99_ttft_ms"]
-        assert median["mean_ttft_outside_ms"] >= 0  # a client sees its first token only after the engine drew it
+        # each request's TTFT is its part in the engine plus the rest, so their means add up
+        assert median["mean_ttft_engine_ms"] + median["mean_ttft_outside_ms"] == pytest.approx(median["mean_ttft_ms"])
     assert "median_ttft_engine_ms" not in report["arms"]["in_process"]["c1"]["median"]
 
 
