@@ -45,6 +45,7 @@ class EngineLike(Protocol):
     block_size: int  # positions per KV block
     table_len: int  # entries per block table row
     num_blocks: int  # KV pool blocks (the scratch block, index num_blocks, not counted)
+    buckets: tuple[int, ...]  # the row counts its step programs run, a step padded to the least holding it (() on CPU)
 
     def init_state(self) -> Any: ...
     def step(self, state: Any, batch: StepBatch) -> tuple[Any, PendingStepLike]: ...

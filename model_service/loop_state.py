@@ -21,6 +21,11 @@ from model_service.speculative import DraftPacer
 STEP_KINDS = ("decode", "mixed", "prompt")  # a step's rows: only decode rows, decode and prompt rows, only prompt rows
 
 
+def step_kind(decoding: bool, prompt_cost: float) -> str:
+    """The STEP_KINDS entry of a step that held decode rows (or not) and prompt rows of this cost."""
+    return ("mixed" if prompt_cost else "decode") if decoding else "prompt"
+
+
 class SchedulerMetrics:
     """Observer hooks; the default ignores everything (metrics.Metrics implements them)."""
 

@@ -240,8 +240,8 @@ class _Prompts:
 
     def _add(self, samples: list[Sample], budget: _Budget, strict: bool) -> None:
         """More rows of `samples`' prompts, from where this step's chunks left them."""
-        now = [dataclasses.replace(s, computed=self.computed[s.key]) if s.key in self.computed else s
-               for s in samples]
+        now = [dataclasses.replace(s, computed=self.computed[s.key])
+               if self.computed.get(s.key, s.computed) != s.computed else s for s in samples]
         for c in _prompt_chunks(now, self.computed, budget, strict):
             before = self._chunks.get(c.key)
             self._chunks[c.key] = c if before is None else Chunk(c.key, before.start, before.rows + c.rows, c.draw)

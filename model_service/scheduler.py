@@ -27,7 +27,7 @@ from model_service.delivery import Delivery
 from model_service.engine_api import EngineLike
 from model_service.guided import Guidance
 from model_service.kv_blocks import KVBlocks
-from model_service.loop_state import Heartbeat, InFlight, Running, SchedulerMetrics
+from model_service.loop_state import Heartbeat, InFlight, Running, SchedulerMetrics, step_kind
 from model_service.pacing import DEFAULT_SLOWDOWN, Pacing, key_scale, rows_cost
 from model_service.plan import Chunk, Key, Policy, StepPlan, View, schedule, scored_tokens
 from model_service.speculative import SpeculativeConfig
@@ -223,7 +223,7 @@ class Scheduler:
         if self.fixed_prefill:
             return Policy(e.max_rows, float(self.fixed_prefill), self.key_scale, e.slots)
         return Policy(e.max_rows, self.pacing.budget(), self.key_scale, e.slots, self.pacing.keys_per_row(),
-                      self.pacing.min_rows, getattr(e, "buckets", ()))
+                      self.pacing.min_rows, e.buckets)
 
     def _holders(self) -> dict[int, list[Running]]:
         """The running samples of each request (samples of it may wait while others hold slots)."""
@@ -359,8 +359,7 @@ class Scheduler:
         with self._cond:
             self._steps += 1
             self._beat = time.monotonic()
-        kind = ("mixed" if step.prompt_cost else "decode") if step.decoding else "prompt"  # loop_state.STEP_KINDS
-        self.metrics.observe_step(seconds, kind, period)
+        self.metrics.observe_step(seconds, step_kind(step.decoding, step.prompt_cost), period)
         for run, row, position, rows in step.scored:
             if self._live(run):
                 run.scored.extend(scored_tokens(run.handle.request, out, row, position, rows))

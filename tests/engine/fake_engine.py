@@ -69,6 +69,7 @@ class FakeEngine:
     max_rows: int = 16
     block_size: int = 4
     num_blocks: int = 64  # enough for every slot's whole context unless a test says otherwise
+    buckets: tuple[int, ...] = ()  # no row buckets, as on CPU
     step_delay: float = 0.0
     fail_on: int = -1  # a step whose rows hold this token raises
     kept: int = K  # alternatives with a probability above 0 (as if a nucleus had kept only these)
