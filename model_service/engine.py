@@ -178,14 +178,21 @@ class Engine:
         at = jnp.arange(tokens.shape[1])[None, :]
         n = tokens.shape[0]
         rows = jnp.broadcast_to(jnp.arange(n)[:, None], tokens.shape)
-        prompt = jnp.zeros((n, self.vocab_size), bool).at[rows, tokens].max(at < prompt_len[:, None], mode="drop")
-        counts = jnp.zeros((n, self.vocab_size), jnp.int32).at[rows, tokens].add(
-            ((at >= prompt_len[:, None]) & (at < length[:, None])).astype(jnp.int32), mode="drop")
         s = state.slots
         put = lambda all_, new: all_.at[slot].set(new, mode="drop")  # noqa: E731
+
+        def history(h: History) -> History:  # the prompt's ids and the drawn tokens' counts, as the penalties read
+            prompt = jnp.zeros((n, self.vocab_size), bool).at[rows, tokens].max(at < prompt_len[:, None], mode="drop")
+            counts = jnp.zeros((n, self.vocab_size), jnp.int32).at[rows, tokens].add(
+                ((at >= prompt_len[:, None]) & (at < length[:, None])).astype(jnp.int32), mode="drop")
+            return History(put(h.prompt, prompt), put(h.counts, counts))
+
+        # Only the penalties read a slot's history (and count its draws), so a start without them leaves its rows
+        # as they were: a TPU scatters the prompt's ids one at a time (~3 ms a step that starts slots, medium).
+        penalties = jnp.any(penalized(controls) & (slot < self.slots))
         return state._replace(slots=SlotState(
             put(s.keys, keys), put(s.last, jnp.full((n,), self.pad_id, jnp.int32)), jax.tree.map(put, s.sampling, sampling),
-            jax.tree.map(put, s.controls, controls), History(put(s.history.prompt, prompt), put(s.history.counts, counts))))
+            jax.tree.map(put, s.controls, controls), jax.lax.cond(penalties, history, lambda h: h, s.history)))
 
     def _mask_impl(self, state: EngineState, slot: jax.Array, masks: jax.Array) -> EngineState:
         # slot [N] (S: unused), masks [N, V] bool: each constrained slot's allowed tokens for this step's draw

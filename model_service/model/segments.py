@@ -37,6 +37,12 @@ def capacities(rows: int, slots: int, block_rows: int = BLOCK_ROWS) -> tuple[int
 def runs(seq: Array, positions: Array, active: Array) -> tuple[Array, Array, Array]:
     """Per row: its run's index (runs numbered in row order), its offset in the run, and its run's length.
     A run starts where the sequence changes or its position does not follow the previous row's."""
+    run, first, length = _runs(seq, positions, active)
+    return run, jnp.arange(seq.shape[0]) - first[run], length[run]
+
+
+def _runs(seq: Array, positions: Array, active: Array) -> tuple[Array, Array, Array]:
+    """Per row its run's index; per run index its first row and its length (rows; 0 past the last run)."""
     r = seq.shape[0]
     follows = jnp.concatenate([jnp.zeros((1,), bool), (seq[1:] == seq[:-1]) & (positions[1:] == positions[:-1] + 1)])
     starts = active & ~follows
@@ -44,7 +50,7 @@ def runs(seq: Array, positions: Array, active: Array) -> tuple[Array, Array, Arr
     run = jnp.where(active, run, r - 1)  # padding: a run index no active row can reach (there are fewer runs)
     first = jax.ops.segment_min(jnp.where(active, jnp.arange(r), r), run, num_segments=r)
     length = jax.ops.segment_sum(active.astype(jnp.int32), run, num_segments=r)
-    return run, jnp.arange(r) - first[run], length[run]
+    return run, first, length
 
 
 Single = Callable[[Array, Array, Array, Array], Array]  # (q [L, Hq, D], tables [L, n], positions [L], taken [L])
@@ -60,7 +66,8 @@ def attend_segments(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: 
     layers.paged_attention, one query a row."""
     r, hq, d = q.shape
     lanes, blocks = capacities(r, tables.shape[0], block_rows)
-    run, offset, length = runs(seq, positions, active)
+    run, first, run_length = _runs(seq, positions, active)
+    offset, length = jnp.arange(r) - first[run], run_length[run]
     lone_rows = active & (length == 1)
     grouped = active & (length > 1)
 
@@ -78,15 +85,19 @@ def attend_segments(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: 
     lone = jax.lax.cond(  # a step of prompt chunks alone skips it, as a step of decodes skips the blocks below
         jnp.any(lone_rows), alone, lambda: jnp.zeros((lanes, hq * d), q.dtype))
 
-    # Runs of two rows or more, cut into blocks: a run's blocks follow the blocks of the runs before it.
-    per_run = jax.ops.segment_max(jnp.where(grouped, -(-length // block_rows), 0), run, num_segments=r)
-    before = jnp.cumsum(per_run) - per_run  # blocks of the runs before each run
-    block = jnp.where(grouped, before[run] + offset // block_rows, blocks)  # `blocks`: dropped
-    lane = offset % block_rows
-    block_seq = jnp.zeros((blocks + 1,), jnp.int32).at[block].set(seq, mode="drop")[:blocks]
-    at = jnp.full((blocks + 1, block_rows), r, jnp.int32).at[block, lane].set(jnp.arange(r), mode="drop")[:blocks]
-    held = at < r
-    at_ = jnp.where(held, at, 0)
+    # Runs of two rows or more, cut into blocks: a run's blocks follow the blocks of the runs before it. Every
+    # index below is gathered, none scattered: a TPU scatters one update at a time, and a step's padding rows all
+    # point at one place.
+    per_run = jnp.where(run_length > 1, -(-run_length // block_rows), 0)  # blocks of each run (by run index)
+    ends = jnp.cumsum(per_run)  # blocks of the runs up to each one
+    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks), side="right"), r - 1)  # each block's run
+    within = jnp.arange(blocks) - (ends[owner] - per_run[owner])  # its place among its run's blocks
+    start = first[owner] + within * block_rows  # its first row
+    lane_ids = jnp.arange(block_rows)[None, :]
+    held = (jnp.arange(blocks) < ends[-1])[:, None] & (
+        within[:, None] * block_rows + lane_ids < run_length[owner][:, None])
+    at_ = jnp.where(held, jnp.minimum(start[:, None] + lane_ids, r - 1), 0)  # [blocks, block_rows] rows
+    block_seq = seq[jnp.minimum(start, r - 1)]
     limit = jnp.where(held, positions[at_], 0)
 
     def part(first: int, count: int) -> Array:  # blocks first..first+count-1; a part holding no row skips
@@ -110,7 +121,8 @@ def attend_segments(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: 
     which = (longest > 0).astype(jnp.int32) + (longest > step * block_rows).astype(jnp.int32)
     shared = jax.lax.switch(jnp.minimum(which, len(branches) - 1), branches)  # [blocks, block_rows, Hq * D]
 
-    out = jnp.zeros((r + 1, hq * d), q.dtype)
-    out = out.at[jnp.where(taken, pick, r)].set(lone)
-    out = out.at[jnp.where(held, at, r).reshape(-1)].set(shared.reshape(-1, hq * d))
-    return out[:r]
+    # Each row reads its result from its lane or its block (rows in neither, padding, get zeros).
+    lane_of = jnp.clip(jnp.cumsum(lone_rows) - 1, 0, lanes - 1)  # the lanes hold the single rows in row order
+    in_blocks = jnp.clip((ends - per_run)[run] * block_rows + offset, 0, blocks * block_rows - 1)
+    from_blocks = jnp.where(grouped[:, None], shared.reshape(-1, hq * d)[in_blocks], jnp.zeros((), q.dtype))
+    return jnp.where(lone_rows[:, None], lone[lane_of], from_blocks)

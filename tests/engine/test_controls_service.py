@@ -48,7 +48,11 @@ def test_first_token_distribution_is_numpy_applied_to_the_models_logits(golden_e
     assert want[drawn.tokens[0]] > 0
 
 
-def test_history_counts_every_drawn_token_and_a_new_start_clears_it(golden_engine: Engine) -> None:
+def test_history_counts_every_drawn_token_and_a_penalised_start_clears_it(golden_engine: Engine) -> None:
+    """A slot's history (its prompt's ids, its draws' counts) is what its request's penalties read: kept while the
+    request has penalties, replaced when the next request with penalties starts there. A start without penalties
+    leaves the rows as they were (nothing reads them; writing them scattered every prompt id, one at a time on a
+    TPU) and draws exactly what it draws in a fresh engine."""
     d = Driver(golden_engine)
     generated = generate(golden_engine, PROMPT, SamplingSettings(temperature=1.0, frequency_penalty=0.5), 1, 6,
                          slot=2, driver=d).tokens
@@ -58,11 +62,19 @@ def test_history_counts_every_drawn_token_and_a_new_start_clears_it(golden_engin
     assert np.array_equal(counts[2], want) and counts[[0, 1, 3]].sum() == 0
     assert np.flatnonzero(np.asarray(slots.history.prompt)[2]).tolist() == sorted(set(PROMPT))
     assert float(slots.controls.frequency[2]) == 0.5
-    generate(golden_engine, [9, 10], SamplingSettings(), 0, 1, slot=2, driver=d)  # the slot's next request
+    plain = SamplingSettings(temperature=1.0, top_logprobs=4)
+    after = generate(golden_engine, [9, 10], plain, 5, 4, slot=2, driver=d)  # the slot's next request
+    fresh = generate(golden_engine, [9, 10], plain, 5, 4, slot=2)
+    assert after.tokens == fresh.tokens and after.probs == fresh.probs
+    assert all(np.array_equal(a, b) for a, b in zip(after.tops, fresh.tops))
     slots = d.state.slots
-    assert not np.asarray(slots.history.counts).any()
-    assert np.flatnonzero(np.asarray(slots.history.prompt)[2]).tolist() == [9, 10]
+    assert np.array_equal(np.asarray(slots.history.counts)[2], want)  # not written: not read
     assert float(slots.controls.frequency[2]) == 0.0
+    again = generate(golden_engine, [9, 10], SamplingSettings(temperature=1.0, presence_penalty=0.1), 2, 3, slot=2,
+                     driver=d).tokens
+    slots = d.state.slots
+    assert np.array_equal(np.asarray(slots.history.counts)[2], np.bincount(again, minlength=golden_engine.vocab_size))
+    assert np.flatnonzero(np.asarray(slots.history.prompt)[2]).tolist() == [9, 10]
 
 
 def test_a_repeated_token_is_penalised_by_the_counts_of_earlier_steps(golden_engine: Engine) -> None:
