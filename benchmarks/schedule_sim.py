@@ -2,7 +2,9 @@
 
 `model_service/plan.py` decides each step's rows and `model_service/pacing.py` sizes the prompt budget from measured
 step times; both are pure, so this drives them with a clock of its own instead of a chip. A step of R rows costs
-`--fixed-ms + --row-ms * bucket(R)` (the least row bucket holding it, as the accelerator's programs run them), the
+`--fixed-ms + --row-ms * bucket(R)` (the least row bucket holding it, as the accelerator's programs run them),
+plus `--prompt-ms` if it computes prompt rows and `--start-ms` if it starts slots (both 0 by default; the chip's
+step probe, `benchmarks.closed_loop --step-probe`, measured ~3.8 and ~1.8 ms on medium in float32), the
 loop is pipelined as the model service's is (a step is planned when the one before the previous was delivered, so
 an arrival waits for the step after the next), and `--concurrency` clients each send a request of `--input-len`
 prompt tokens for `--output-len` tokens as soon as their last one ended, `--client-ms` after it (the gateway, the
@@ -134,7 +136,8 @@ def simulate(args: argparse.Namespace, slowdown: float, fill: bool) -> dict[str,
                 clock = max(clock, min(a for a, _ in arrivals))
                 continue
         else:
-            ms = args.fixed_ms + args.row_ms * bucket(rows, buckets)
+            ms = args.fixed_ms + args.row_ms * bucket(rows, buckets) + (args.prompt_ms if cost else 0.0) + (
+                args.start_ms if plan.admit else 0.0)
             start = max(clock, in_flight[-1].end if in_flight else clock)
             in_flight.append(Step(start, start + ms / 1e3, draws, decoding, cost, keys, rows,
                                   step_kind(decoding, cost)))
@@ -187,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rows", type=int, default=1024)
     p.add_argument("--fixed-ms", type=float, default=FIXED_MS)
     p.add_argument("--row-ms", type=float, default=ROW_MS)
+    p.add_argument("--prompt-ms", type=float, default=0.0,
+                   help="what a step with prompt rows costs beyond its bucket (the chip: ~3.8, closed_loop's probe)")
+    p.add_argument("--start-ms", type=float, default=0.0,
+                   help="what a step that starts slots costs beyond that (the chip: ~1.8)")
     p.add_argument("--key-scale", type=float, default=float("inf"))
     p.add_argument("--initial-rows", type=int, default=64)
     p.add_argument("--decode-slowdown", default=str(DEFAULT_SLOWDOWN), help="comma-separated factors to compare")

@@ -22,7 +22,17 @@ at position 0 would overrun the allowance far into a prompt. A long prompt's ste
 rows at a slowly growing position), so they cannot be told apart by a joint fit over recent steps: `per_row` is
 measured on steps whose chunks held few keys (a prompt's first chunk), and `per_key` on the others as what
 they took beyond their rows. The plan (plan.py) charges a chunk's keys at `keys_per_row()` keys to a
-row-equivalent. No JAX, no clock: the scheduler feeds it measurements.
+row-equivalent.
+
+And a step with any prompt rows may cost a part that does not grow with them (`fixed`): on a TPU v5e, medium in
+float32, a decode step of 56 streams took 7.9 ms, the same step with one 32-token prompt entering 17.7 ms and with
+eight 24.3 ms (`benchmarks.closed_loop --step-probe`): starting the slots and the prompt rows' own attention cost
+most of it whatever the rows. Priced by rows alone, that part made a row look dear and the budget one prompt a step,
+so every step paid it and prompts queued (docs/benchmarks.md). Where the rows-alone steps' costs spread enough, a
+line through them (least squares, older steps forgotten) tells the two apart; a mixed step then takes the rows the
+allowance pays for beyond the fixed part, and where the fixed part alone takes the allowance, the rows that cost as
+much as it: each mixed step carries enough prompt to be worth what it costs the streams. No JAX, no clock: the
+scheduler feeds it measurements.
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ DEFAULT_SLOWDOWN = 1.8  # a mixed step takes at most this many times a decode-on
 MIN_ROWS = 4.0  # prompts progress at least this many row-equivalents of rows per step (their keys' read aside)
 SMOOTHING = 0.25  # weight of the newest measurement in the decode step's running estimate
 FEW_KEYS = 1.0  # a step whose prompt chunks held at most this many keys a row-equivalent measures rows alone
-FORGET = 0.8  # each older step weighs this much less in the fit of per_key
+FORGET = 0.8  # each older step weighs this much less in the fits of per_key and of fixed / per_row
+SPREAD = 0.05  # the rows-alone steps' costs must vary this much (variance over squared mean) to fit a fixed part
 
 
 def key_scale(cfg: ModelConfig) -> float:
@@ -78,8 +89,10 @@ class Pacing:
     per_key: float = 0.0  # seconds a prompt chunk's key adds to a step (its sequence's keys are read once a step)
     min_rows: float = MIN_ROWS  # prompts progress at least this many row-equivalents of rows a step
     rows_alone: bool = False  # per_row was measured on steps whose keys were few (else it holds their cost too)
+    fixed: float = 0.0  # seconds a step with prompt rows adds whatever its rows (0 until the costs tell it apart)
     _keys_sq: float = 0.0  # the fit of per_key: sums of keys * keys and keys * added, older steps forgotten
     _keys_by_added: float = 0.0
+    _rows_fit: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, x, x^2, y, x*y
 
     def observe(self, seconds: float, decoding: bool, prompt_cost: float, prompt_keys: float = 0.0) -> None:
         """A step of `seconds` that decoded (or not) and computed `prompt_cost` row-equivalents of prompt rows in
@@ -95,23 +108,48 @@ class Pacing:
         if prompt_keys <= FEW_KEYS * prompt_cost or not self.rows_alone:
             # Rows alone (a prompt's first chunk), or nothing better yet: what the rows cost beside the keys.
             alone = prompt_keys <= FEW_KEYS * prompt_cost
-            self.per_row = _smooth(self.per_row if alone == self.rows_alone else None,
-                                   max(0.0, added - self.per_key * prompt_keys) / prompt_cost)
+            rows_added = max(0.0, added - self.per_key * prompt_keys)
+            if alone and self._fit_rows(prompt_cost, rows_added):
+                self.rows_alone = True
+                return
+            self.fixed = 0.0
+            self.per_row = _smooth(self.per_row if alone == self.rows_alone else None, rows_added / prompt_cost)
             self.rows_alone = self.rows_alone or alone
         else:
             # The keys' read is what the step took beyond its rows at the rows' own measured cost, fitted by least
             # squares over recent steps: a step's noise over a few keys (a prompt's second chunk) weighs little.
             assert self.per_row is not None
             self._keys_sq = FORGET * self._keys_sq + prompt_keys * prompt_keys
-            self._keys_by_added = FORGET * self._keys_by_added + prompt_keys * (added - self.per_row * prompt_cost)
+            self._keys_by_added = FORGET * self._keys_by_added + prompt_keys * (
+                added - self.fixed - self.per_row * prompt_cost)
             self.per_key = max(0.0, self._keys_by_added / self._keys_sq)
+
+    def _fit_rows(self, cost: float, added: float) -> bool:
+        """Add a rows-alone step to the line added = fixed + per_row * cost; True where it sets both (the steps'
+        costs spread enough, and the line rises from a fixed part of at least 0)."""
+        w, x, xx, y, xy = (FORGET * v for v in self._rows_fit)
+        w, x, xx, y, xy = w + 1.0, x + cost, xx + cost * cost, y + added, xy + cost * added
+        self._rows_fit = (w, x, xx, y, xy)
+        spread = w * xx - x * x  # w^2 times the costs' variance
+        if spread <= SPREAD * x * x:
+            return False
+        slope = (w * xy - x * y) / spread
+        intercept = (y - slope * x) / w
+        if slope <= 0 or intercept < 0:
+            return False
+        self.per_row, self.fixed = slope, intercept
+        return True
 
     def budget(self) -> float:
         """Prompt row-equivalents the next step may take while something decodes (its chunks' keys included, at
-        keys_per_row() keys to one)."""
+        keys_per_row() keys to one): what the allowance pays for beyond the fixed part, at least the rows that
+        cost as much as the fixed part, at least min_rows."""
         if self.decode is None or not self.per_row:
             return min(self.initial, self.ceiling)
-        return min(self.ceiling, max(self.min_rows, (self.slowdown - 1) * self.decode / self.per_row))
+        rows = ((self.slowdown - 1) * self.decode - self.fixed) / self.per_row
+        if self.fixed > 0:  # a mixed step carries at least the rows that cost as much as its fixed part
+            rows = max(rows, self.fixed / self.per_row)
+        return min(self.ceiling, max(self.min_rows, rows))
 
     def keys_per_row(self) -> float:
         """Keys of a prompt chunk's sequence whose read costs one row-equivalent (inf: none measured)."""

@@ -42,3 +42,11 @@ def test_a_tighter_pacing_budget_spreads_the_prompts_over_more_steps(capsys: pyt
     tight, loose = run(capsys, "--decode-slowdown", "1.05,4", "--client-spread-ms", "20", "--requests", "256")
     assert tight["steps"]["mixed"] > loose["steps"]["mixed"]
     assert tight["tokens_per_step"] < loose["tokens_per_step"]
+
+
+def test_what_prompt_rows_and_slot_starts_add_to_a_step_is_modelled(capsys: pytest.CaptureFixture[str]) -> None:
+    # rounds: each round's first step only computes prompts and starts every slot; its decode steps neither
+    (plain,) = run(capsys, "--burst", "--concurrency", "64", "--requests", "128")
+    (dear,) = run(capsys, "--burst", "--concurrency", "64", "--requests", "128", "--prompt-ms", "3", "--start-ms", "2")
+    assert dear["step_ms"]["decode"] == pytest.approx(plain["step_ms"]["decode"])
+    assert dear["step_ms"]["prompt"] == pytest.approx(plain["step_ms"]["prompt"] + 5.0)

@@ -30,6 +30,44 @@ def test_prompts_still_progress_when_a_row_costs_more_than_the_allowance() -> No
     assert pacing.budget() == MIN_ROWS
 
 
+def test_a_steps_fixed_part_is_told_apart_from_its_rows() -> None:
+    """A step with prompt rows that costs a part of its own whatever its rows (a TPU: starting slots, the prompt
+    rows' attention; ~5 ms of a 6 ms decode step): priced by rows alone, one 32-row prompt made a row look worth
+    ~0.2 ms and the budget one prompt a step, each step paying the fixed part again. Told apart, a mixed step
+    carries the rows that cost as much as its fixed part, since the fixed part alone takes the allowance."""
+    decode, fixed, row = 0.006, 0.005, 0.00005
+    pacing = Pacing(initial=16, ceiling=1024)
+    for _ in range(5):
+        pacing.observe(decode, decoding=True, prompt_cost=0)
+    for cost in (32, 64, 32, 96, 64, 32, 128):
+        pacing.observe(decode + fixed + row * cost, decoding=True, prompt_cost=cost)
+    assert pacing.fixed == pytest.approx(fixed) and pacing.per_row == pytest.approx(row)
+    assert (DEFAULT_SLOWDOWN - 1) * decode < fixed
+    assert pacing.budget() == pytest.approx(fixed / row)  # 100 rows: three 32-token prompts a step, not one
+    ratio_only = Pacing(initial=16, ceiling=1024, decode=decode)
+    ratio_only.observe(decode + fixed + row * 32, decoding=True, prompt_cost=32)
+    assert ratio_only.budget() < 32  # one step: no line yet, the ratio (the model before the fixed part)
+
+
+def test_a_fixed_part_within_the_allowance_leaves_the_rest_to_rows() -> None:
+    decode, fixed, row = 0.030, 0.004, 0.0005
+    pacing = Pacing(initial=16, ceiling=512)
+    pacing.observe(decode, decoding=True, prompt_cost=0)
+    for cost in (8, 40, 16, 24, 40):
+        pacing.observe(decode + fixed + row * cost, decoding=True, prompt_cost=cost)
+    rows = pacing.budget()
+    assert rows == pytest.approx(((DEFAULT_SLOWDOWN - 1) * decode - fixed) / row)  # 40 rows
+    assert decode + fixed + row * rows == pytest.approx(DEFAULT_SLOWDOWN * decode)  # still the step aimed at
+
+
+def test_rows_that_all_cost_alike_tell_no_fixed_part() -> None:
+    pacing = Pacing(initial=16, ceiling=512)
+    pacing.observe(0.030, decoding=True, prompt_cost=0)
+    for _ in range(6):
+        pacing.observe(0.030 + 0.004 + 40 * 0.0005, decoding=True, prompt_cost=40)
+    assert pacing.fixed == 0 and pacing.per_row == pytest.approx((0.004 + 40 * 0.0005) / 40)
+
+
 def test_steps_without_decoding_rows_teach_nothing() -> None:
     pacing = Pacing(initial=16, ceiling=8)
     pacing.observe(5.0, decoding=False, prompt_cost=100)
