@@ -12,8 +12,8 @@ import logging
 import os
 import sys
 
-from model_service.config import (ATTENTION_CHOICES, BACKENDS, LAYERS_CHOICES, MOE_CHOICES, PRODUCT_CHOICES,
-                                  ConfigError, MeshConfig)
+from model_service.config import (ATTENTION_CHOICES, BACKENDS, CPU_STEP_TOKENS, GENERIC_STEP_TOKENS, LAYERS_CHOICES,
+                                  MOE_CHOICES, PRODUCT_CHOICES, ConfigError, MeshConfig)
 from model_service.distributed import DistributedConfig
 from model_service.pacing import DEFAULT_SLOWDOWN
 from serving_common import logs, tracing
@@ -115,9 +115,9 @@ def parser() -> EnvArgumentParser:
                             "process may keep busy, i.e. its CPU affinity capped by a cgroup CPU limit such as "
                             "docker --cpus or a Kubernetes limits.cpu)")
     p.add_env_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                       help="token rows per step, prompt and decode rows together (default: 64 on CPU, 256 "
-                            "elsewhere; at least --slots). Prompts of any length up to the context are computed "
-                            "over as many steps as they need")
+                       help=f"token rows per step, prompt and decode rows together (default: {CPU_STEP_TOKENS} on "
+                            f"CPU, {GENERIC_STEP_TOKENS} elsewhere; at least --slots). Prompts of any length up to "
+                            "the context are computed over as many steps as they need")
     p.add_env_argument("--prefill-tokens", type=positive_int, default=None,
                        help="fixes the prompt tokens a step takes while other requests decode (default: sized "
                             "from measured step times, see --decode-slowdown); with nothing decoding a step is all "

@@ -51,16 +51,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from model_service import kernels
-from model_service.config import ATTENTION_CHOICES, BACKENDS, LAYERS_CHOICES, MOE_CHOICES, PRODUCT_CHOICES, \
-    ModelConfig
+from model_service.config import (ATTENTION_CHOICES, BACKENDS, CPU_STEP_TOKENS, GENERIC_STEP_TOKENS, LAYERS_CHOICES,
+                                  MOE_CHOICES, PRODUCT_CHOICES, ModelConfig)
 from model_service.model.layers import Products
 from model_service.model.packed import native_ok
 
 log = logging.getLogger(__name__)
 
 CPU_TILE = 64  # rows per tile on CPU: fewer would stream the weights more often; idle rows cost next to nothing
-CPU_STEP_TOKENS = 64  # token rows per step on CPU (vLLM's max_num_batched_tokens): one tile
-GENERIC_STEP_TOKENS = 1024
 # Row counts the accelerator's step is compiled for (below the step's rows, which is always one): decode of up to
 # 16 / 64 streams, a few short prompts, and 256 / 512 for batches of prompts (on a v5e, 8 x 32 prompt rows at
 # Grok-1 width ran their experts over all 1,024 rows' padding without them). Each is a program compiled before

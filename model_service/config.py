@@ -17,6 +17,8 @@ PRODUCT_CHOICES = ("auto", "native", "native-int8", "xla", "int8")
 MOE_CHOICES = ("auto", "pallas", "ragged", "cond")  # how the generic backend runs the experts (backend.choose_moe)
 ATTENTION_CHOICES = ("auto", "batched", "pallas")  # the generic backend's attention (backend.choose_attention)
 LAYERS_CHOICES = ("auto", "scan", "unroll")  # whether the generic backend scans its layers (Backend.scan_layers)
+CPU_STEP_TOKENS = 64  # token rows per step on CPU (vLLM's max_num_batched_tokens): one tile
+GENERIC_STEP_TOKENS = 1024  # token rows per step elsewhere (the generic backend's; --max-num-batched-tokens)
 
 
 class ConfigError(ValueError):

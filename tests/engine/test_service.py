@@ -93,6 +93,10 @@ def test_help_documents_every_flag_and_its_environment_variable() -> None:
                  "--compile-cache", "--metrics-port"):
         assert flag in done.stdout
         assert "GROK_MODEL_" + flag[2:].replace("-", "_").upper() in done.stdout
+    from model_service.config import CPU_STEP_TOKENS, GENERIC_STEP_TOKENS
+
+    # the step's rows by default, as the backends take them (the help said 256 elsewhere after they became 1,024)
+    assert f"(default: {CPU_STEP_TOKENS} on CPU, {GENERIC_STEP_TOKENS} elsewhere;" in " ".join(done.stdout.split())
 
 
 def test_grpcurl_generate_with_a_golden_seeded_request_returns_reference_ids(
