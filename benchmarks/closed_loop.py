@@ -8,12 +8,13 @@ the last one ended: with requests of one length they stay in lockstep, every rou
 and the rest of the round only decodes. Through the services each client's next request arrives some
 milliseconds later (`ttft_outside` in layers' runs), each at its own time, and the rounds dissolve: every step
 then carries a few prompts beside the decoding streams. Here the same Scheduler and Engine as the model service's
-(built as layers builds them, once) serve `--concurrency` closed-loop clients that wait `--dead-ms` after each
-request ends before sending the next one (drawn from [0, 2 * dead] each time), for each scheduling policy given: `--slowdown` (the pacing factor
-`--decode-slowdown`: prompts get rows so that a mixed step takes about that many decode steps; a large value
-leaves only the step's rows and the row buckets to bound them) and `--prefill-rows` (a fixed prompt budget per
-step, `--prefill-tokens`). Each point reports output tokens/s, TTFT with its queued part, TPOT and how the loop
-stepped (steps by kind, their loop milliseconds, tokens a step), and its ratio to the first policy at dead time 0.
+(built as layers builds them, once) serve `--concurrency` closed-loop clients that wait after each request ends
+before sending the next one (drawn from [0, 2 * `--dead-ms`] each time), for each scheduling policy given:
+`--slowdown` (the pacing factor `--decode-slowdown`: prompts get rows so that a mixed step takes about that many
+decode steps; a large value leaves only the step's rows and the row buckets to bound them) and `--prefill-rows` (a
+fixed prompt budget per step, `--prefill-tokens`). Each point reports output tokens/s, TTFT with its queued part,
+TPOT, how the loop stepped (steps by kind, their loop milliseconds, tokens a step) and the pacing's prompt budget,
+and its ratio to the first policy at the smallest dead time.
 
 `--step-probe` first times single steps on the same engine, the host waiting for each (median ms): decoding
 streams alone, and beside prompts that enter (their slots started in the step) or continue (no start), and the
@@ -174,7 +175,8 @@ async def policy_points(engine: Any, args: argparse.Namespace, requests: list[An
                               f"{m['median_tpot_ms']:.2f} ms, steps decode/mixed/prompt {m['steps_decode']:.0f}/"
                               f"{m['steps_mixed']:.0f}/{m['steps_prompt']:.0f} at {m['step_ms_decode']:.2f}/"
                               f"{m['step_ms_mixed']:.2f}/{m['step_ms_prompt']:.2f} ms, "
-                              f"{m['tokens_per_step']:.1f} tokens a step, prompt budget p50 {m['prompt_budget_rows_p50']:.0f} rows, "
+                              f"{m['tokens_per_step']:.1f} tokens a step, prompt budget p50 "
+                              f"{m['prompt_budget_rows_p50']:.0f} rows, "
                               f"failed {m['failed']}",
                               file=sys.stderr, flush=True)
             finally:
@@ -243,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     cutter = PromptCutter(spec.tokenizer)
     requests = build(WorkloadSpec("fixed", args.input_len, args.output_len, args.num_prompts, seed=args.seed), cutter)
     warm = build(WorkloadSpec("fixed", args.input_len, args.output_len, 8, seed=args.seed + 1), cutter)
-    out["points"] = asyncio.run(policy_points(engine, args, requests, warm)) if args.slowdown or args.prefill_rows else []
+    policies = args.slowdown or args.prefill_rows
+    out["points"] = asyncio.run(policy_points(engine, args, requests, warm)) if policies else []
     out["summary"] = summarise(out["points"])
     text = json.dumps(out, indent=1, default=str)
     if args.out:

@@ -191,8 +191,9 @@ class Engine:
         # as they were: a TPU scatters the prompt's ids one at a time (~3 ms a step that starts slots, medium).
         penalties = jnp.any(penalized(controls) & (slot < self.slots))
         return state._replace(slots=SlotState(
-            put(s.keys, keys), put(s.last, jnp.full((n,), self.pad_id, jnp.int32)), jax.tree.map(put, s.sampling, sampling),
-            jax.tree.map(put, s.controls, controls), jax.lax.cond(penalties, history, lambda h: h, s.history)))
+            put(s.keys, keys), put(s.last, jnp.full((n,), self.pad_id, jnp.int32)),
+            jax.tree.map(put, s.sampling, sampling), jax.tree.map(put, s.controls, controls),
+            jax.lax.cond(penalties, history, lambda h: h, s.history)))
 
     def _mask_impl(self, state: EngineState, slot: jax.Array, masks: jax.Array) -> EngineState:
         # slot [N] (S: unused), masks [N, V] bool: each constrained slot's allowed tokens for this step's draw

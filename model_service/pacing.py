@@ -28,11 +28,12 @@ And a step with any prompt rows may cost a part that does not grow with them (`f
 float32, a decode step of 56 streams took 7.9 ms, the same step with one 32-token prompt entering 17.7 ms and with
 eight 24.3 ms (`benchmarks.closed_loop --step-probe`): starting the slots and the prompt rows' own attention cost
 most of it whatever the rows. Priced by rows alone, that part made a row look dear and the budget one prompt a step,
-so every step paid it and prompts queued (docs/benchmarks.md). Where the rows-alone steps' costs spread enough, a
-line through them (least squares, older steps forgotten) tells the two apart; a mixed step then takes the rows the
-allowance pays for beyond the fixed part, and where the fixed part alone takes the allowance, the rows that cost as
-much as it: each mixed step carries enough prompt to be worth what it costs the streams. No JAX, no clock: the
-scheduler feeds it measurements.
+so every step paid it and prompts queued (docs/benchmarks.md). Where several recent rows-alone steps' costs spread
+enough and a line through them (least squares, older steps forgotten) explains their times, it tells the two
+apart (a long prompt alone has two such steps, its first chunks, which any line fits: it keeps the ratio); a mixed
+step then takes the rows the allowance pays for beyond the fixed part, and where the fixed part alone takes the
+allowance, the rows that cost as much as it: each mixed step carries enough prompt to be worth what it costs the
+streams. No JAX, no clock: the scheduler feeds it measurements.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ SMOOTHING = 0.25  # weight of the newest measurement in the decode step's runnin
 FEW_KEYS = 1.0  # a step whose prompt chunks held at most this many keys a row-equivalent measures rows alone
 FORGET = 0.8  # each older step weighs this much less in the fits of per_key and of fixed / per_row
 SPREAD = 0.05  # the rows-alone steps' costs must vary this much (variance over squared mean) to fit a fixed part
+FIT_WEIGHT = 2.0  # ... over at least this weight of steps (3 recent ones: two noisy points fit any line)
+FIT_R2 = 0.5  # ... and the line must explain half their times' variance (a row bucket makes it a staircase)
 
 
 def key_scale(cfg: ModelConfig) -> float:
@@ -92,7 +95,7 @@ class Pacing:
     fixed: float = 0.0  # seconds a step with prompt rows adds whatever its rows (0 until the costs tell it apart)
     _keys_sq: float = 0.0  # the fit of per_key: sums of keys * keys and keys * added, older steps forgotten
     _keys_by_added: float = 0.0
-    _rows_fit: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, x, x^2, y, x*y
+    _rows_fit: tuple[float, ...] = (0.0,) * 6  # the rows-alone steps' sums: weight, x, x^2, y, x*y, y^2
 
     def observe(self, seconds: float, decoding: bool, prompt_cost: float, prompt_keys: float = 0.0) -> None:
         """A step of `seconds` that decoded (or not) and computed `prompt_cost` row-equivalents of prompt rows in
@@ -125,17 +128,19 @@ class Pacing:
             self.per_key = max(0.0, self._keys_by_added / self._keys_sq)
 
     def _fit_rows(self, cost: float, added: float) -> bool:
-        """Add a rows-alone step to the line added = fixed + per_row * cost; True where it sets both (the steps'
-        costs spread enough, and the line rises from a fixed part of at least 0)."""
-        w, x, xx, y, xy = (FORGET * v for v in self._rows_fit)
-        w, x, xx, y, xy = w + 1.0, x + cost, xx + cost * cost, y + added, xy + cost * added
-        self._rows_fit = (w, x, xx, y, xy)
+        """Add a rows-alone step to the line added = fixed + per_row * cost; True where it sets both (enough steps
+        whose costs spread enough, a line that explains their times and rises from a fixed part of at least 0)."""
+        w, x, xx, y, xy, yy = (FORGET * v for v in self._rows_fit)
+        w, x, xx, y, xy, yy = w + 1.0, x + cost, xx + cost * cost, y + added, xy + cost * added, yy + added * added
+        self._rows_fit = (w, x, xx, y, xy, yy)
         spread = w * xx - x * x  # w^2 times the costs' variance
-        if spread <= SPREAD * x * x:
+        if w < FIT_WEIGHT or spread <= SPREAD * x * x:
             return False
-        slope = (w * xy - x * y) / spread
+        together = w * xy - x * y  # w^2 times their covariance with the times
+        slope = together / spread
         intercept = (y - slope * x) / w
-        if slope <= 0 or intercept < 0:
+        times = w * yy - y * y  # w^2 times the times' variance
+        if slope <= 0 or intercept < 0 or together * together < FIT_R2 * spread * times:
             return False
         self.per_row, self.fixed = slope, intercept
         return True

@@ -68,6 +68,21 @@ def test_rows_that_all_cost_alike_tell_no_fixed_part() -> None:
     assert pacing.fixed == 0 and pacing.per_row == pytest.approx((0.004 + 40 * 0.0005) / 40)
 
 
+def test_a_few_steps_or_noisy_ones_tell_no_fixed_part() -> None:
+    """A long prompt's first two chunks are its only rows-alone steps (a 2-core CPU, its jitter on each): any two
+    points fit a line, which priced its later chunks' keys too cheaply and let its steps run past the allowance.
+    A fixed part is told only from several steps that a line explains; otherwise the rows' ratio prices them."""
+    decode = 0.023
+    pacing = Pacing(initial=16, ceiling=64, decode=decode)
+    pacing.observe(decode + 16 * 0.0015 + 0.004, decoding=True, prompt_cost=16)  # jitter on the first
+    pacing.observe(decode + 9 * 0.0015, decoding=True, prompt_cost=9)
+    assert pacing.fixed == 0
+    noisy = Pacing(initial=16, ceiling=64, decode=decode)
+    for cost, jitter in ((8, 0.006), (16, -0.004), (12, 0.005), (24, -0.006), (8, -0.003), (20, 0.006)):
+        noisy.observe(decode + 0.002 + cost * 0.0005 + jitter, decoding=True, prompt_cost=cost)
+    assert noisy.fixed == 0
+
+
 def test_steps_without_decoding_rows_teach_nothing() -> None:
     pacing = Pacing(initial=16, ceiling=8)
     pacing.observe(5.0, decoding=False, prompt_cost=100)
