@@ -49,8 +49,10 @@ LIMITS: dict[str, Any] = dict(initial_lexer_fuel=500_000, max_grammar_size=200_0
                               verbose_errors=False)
 PROBE_STEPS = 4  # steps `checked_grammar` takes along the first allowed tokens, so a grammar the library gives
 #                  up on at once (per-step limits, e.g. `start: "a" start`) is refused before a slot is taken
-# Compact JSON unless the schema's own "x-guidance" says otherwise: a model is not free to pad with whitespace.
-JSON_OPTIONS = {"whitespace_flexible": False}
+# JSON as Python's json.dumps writes it, ", " and ": " and no other whitespace, unless the schema's own "x-guidance"
+# says otherwise: what models have read most (compact separators made the demo model answer {"answer":": "} where
+# it writes {"answer": "Yes."}), and no freedom to pad with whitespace.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # A serialized NormalizerSpec {add_dummy_prefix: false} as ModelProto field 3: protobuf merges a repeated
 # message field into the earlier one, so appending it switches the dummy "▁" prefix off.
 _NO_DUMMY_PREFIX = b"\x1a\x02\x18\x00"

@@ -175,3 +175,22 @@ def test_vllm_structured_outputs_streamed_and_not(stack: Launched) -> None:
 def test_bad_constraint_over_http_is_400_naming_the_field(stack: Launched, body: dict, param: str) -> None:
     status, reply = post(f"{stack.http_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **body})
     assert status == 400 and reply["error"]["param"] == param, reply
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+@pytest.mark.parametrize("question", ["What is the tokenizer service? Answer as a JSON object.",
+                                      "How does cancellation work? Give the answer as JSON with the key answer.",
+                                      "What is a Debian conffile? Answer as a JSON object."])
+def test_the_demo_model_answers_a_schema_in_words_within_64_tokens(stack: Launched, question: str) -> None:
+    """Issue 65.1: a schema request gets an answer, not only valid JSON. The demo model learned its JSON answers
+    as json.dumps writes them; under compact separators it wrote {"answer":": "} (greedy) to every question."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
+    chat = sdk(stack.http_url).chat.completions.create(
+        model="grok-1", messages=[{"role": "user", "content": question}], max_tokens=64, temperature=0,
+        response_format=fmt)
+    assert chat.choices[0].finish_reason == "stop"
+    answer = json.loads(chat.choices[0].message.content)["answer"]
+    assert len(re.findall(r"[A-Za-z]{2,}", answer)) >= 3, answer

@@ -74,6 +74,11 @@ LANGUAGES = [
     (Constraint(ConstraintKind.REGEX, "(ab|cd)[0-9]"),
      {(a + d).encode() for a, d in itertools.product(("ab", "cd"), "0123456789")}),
     (Constraint(ConstraintKind.JSON_SCHEMA, json.dumps({"enum": ["a", "bc", 7]})), {b'"a"', b'"bc"', b"7"}),
+    # an object as Python's json.dumps writes it (", " and ": ", no other whitespace): what models read most; compact
+    # separators made the demo model answer {"answer":": "} where it wrote {"answer": "Yes."} with them
+    (Constraint(ConstraintKind.JSON_SCHEMA, json.dumps({
+        "type": "object", "properties": {"a": {"enum": [1]}, "b": {"enum": ["x"]}}, "required": ["a", "b"],
+        "additionalProperties": False})), {b'{"a": 1, "b": "x"}'}),
     (Constraint(ConstraintKind.GRAMMAR, 'start: "x" ("y" | "zz")'), {b"xy", b"xzz"}),
 ]
 
