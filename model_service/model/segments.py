@@ -90,7 +90,8 @@ def attend_segments(q: Array, pool_k: Array, pool_v: Array, tables: Array, seq: 
     # point at one place.
     per_run = jnp.where(run_length > 1, -(-run_length // block_rows), 0)  # blocks of each run (by run index)
     ends = jnp.cumsum(per_run)  # blocks of the runs up to each one
-    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks), side="right"), r - 1)  # each block's run
+    # each block's run: blocks x rows comparisons (at most ~100 x 1,024), no loop in the step program
+    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks), side="right", method="compare_all"), r - 1)
     within = jnp.arange(blocks) - (ends[owner] - per_run[owner])  # its place among its run's blocks
     start = first[owner] + within * block_rows  # its first row
     lane_ids = jnp.arange(block_rows)[None, :]
