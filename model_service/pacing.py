@@ -26,9 +26,10 @@ row-equivalent.
 
 And a step with any prompt rows may cost a part that does not grow with them (`fixed`): on a TPU v5e, medium in
 float32, a decode step of 56 streams took 7.9 ms, the same step with one 32-token prompt entering 17.7 ms and with
-eight 24.3 ms (`benchmarks.closed_loop --step-probe`): starting the slots and the prompt rows' own attention cost
-most of it whatever the rows. Priced by rows alone, that part made a row look dear and the budget one prompt a step,
-so every step paid it and prompts queued (docs/benchmarks.md). Where several recent rows-alone steps' costs spread
+eight 24.3 ms (`benchmarks.closed_loop --step-probe`): starting the slots (its program alone 2.8 ms) and what a
+step with prompt rows runs beyond a decode step's (3.8 ms at the same row bucket) cost most of it whatever the
+rows. Priced by rows alone, that part made a row look dear and the budget one prompt a step, so every step paid it
+and prompts queued (docs/benchmarks.md). Where several recent rows-alone steps' costs spread
 enough and a line through them (least squares, older steps forgotten) explains their times, it tells the two
 apart (a long prompt alone has two such steps, its first chunks, which any line fits: it keeps the ratio); a mixed
 step then takes the rows the allowance pays for beyond the fixed part, and where the fixed part alone takes the
