@@ -225,6 +225,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slots", type=int, default=None, help="model slots (default: the largest concurrency)")
     p.add_argument("--compile-cache", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's compute dtype")
     p.add_argument("--step-probe", action="store_true", help="first time single decode, mixed and start steps")
     p.add_argument("--probe-prompts", type=_ints, default=(1, 2, 8), help="prompts entering a probed mixed step")
     p.add_argument("--out", default=None)
@@ -233,7 +234,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    spec = preset(args.stack, args.slots or max(args.concurrency), args.compile_cache)
+    spec = dataclasses.replace(preset(args.stack, args.slots or max(args.concurrency), args.compile_cache),
+                               dtype=args.dtype)
     begin = time.monotonic()
     engine = build_engine(spec)
     built = time.monotonic() - begin

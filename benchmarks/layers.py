@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 from benchmarks import metrics, results
@@ -98,6 +98,7 @@ class LayersConfig:
     uds: bool = False  # every service on unix socket files instead of TCP ports
     per_call_gateway: bool = False  # also measure a gateway on the earlier protocol (a call per request)
     in_process_apart: bool = False  # the in-process arm after the stack stopped (an accelerator has one owner)
+    dtype: str = "float32"  # the model service's --dtype (and the in-process engine's)
     client_processes: int = 1  # worker processes sending the gRPC arms' requests (1: this process)
 
     def __post_init__(self) -> None:
@@ -467,7 +468,7 @@ def start_extras(config: LayersConfig, spec: StackSpec, stack: RunningStack, log
 
 def run(config: LayersConfig) -> dict[str, Any]:
     cache = config.compile_cache or tempfile.mkdtemp(prefix="bench-jax-cache-")
-    spec = preset(config.stack, config.slots or max(config.concurrency), cache)
+    spec = replace(preset(config.stack, config.slots or max(config.concurrency), cache), dtype=config.dtype)
     logs = pathlib.Path(tempfile.mkdtemp(prefix="bench-logs-"))
     sockets = pathlib.Path(tempfile.mkdtemp(prefix="grok-", dir="/tmp")) if config.uds else None  # paths <= 107 B
     begin = time.monotonic()
@@ -515,6 +516,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_env_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_env_argument("--slots", type=positive_int, default=None, help="model slots (default: largest concurrency)")
     p.add_env_argument("--compile-cache", default=None, help="JAX compilation cache shared by both engines")
+    p.add_env_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="the model's compute dtype, in the model service and in process")
     p.add_env_argument("--baseline-gateway", default=None,
                        help="source tree (e.g. /path/to/main checkout) of a second gateway measured as an extra arm")
     p.add_env_argument("--baseline-stack", default=None,
@@ -543,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           slots=args.slots, compile_cache=args.compile_cache, baseline_gateway=args.baseline_gateway,
                           baseline_stack=args.baseline_stack, local_gateway=args.local_gateway, uds=args.uds,
                           per_call_gateway=args.per_call_gateway, in_process_apart=args.in_process_apart,
-                          client_processes=args.client_processes)
+                          client_processes=args.client_processes, dtype=args.dtype)
     report = run(config)
     if args.out:
         results.write_json(pathlib.Path(args.out), report)

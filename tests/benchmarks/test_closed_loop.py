@@ -43,6 +43,7 @@ def test_policies_and_the_step_probe_on_the_golden_engine(tmp_path, capsys) -> N
                              "--probe-prompts", "1", "--input-len", "16", "--output-len", "4",
                              "--out", str(out)]) == 0
     saved = json.loads(out.read_text())
+    assert saved["stack"]["dtype"] == "float32"  # --dtype's default, as the model service's
     names = [p["name"] for p in saved["step_probe"]]
     assert names[0] == "decode-3" and "mixed-3+1x16-start" in names and "mixed-3+1x16-no-start" in names
     assert "start-1" in names and all(p["ms"] > 0 for p in saved["step_probe"])

@@ -151,3 +151,16 @@ def test_the_ttft_is_taken_apart_by_the_servers_timings_only_when_every_request_
     assert out["mean_ttft_queue_ms"] == pytest.approx(7.5)
     untimed = timed[:1] + [RequestResult(3, 1.0, [1.050, 1.060], [1, 1], 1.060)]
     assert "mean_ttft_engine_ms" not in metrics.compute(untimed, 1.0)
+
+
+def test_layers_runs_the_stack_and_the_engine_in_the_dtype_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    started = []
+
+    def start_stack(spec, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        started.append(spec)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(layers, "start_stack", start_stack)
+    with pytest.raises(RuntimeError, match="stop here"):
+        layers.run(layers.LayersConfig(stack="golden", concurrency=(2,), dtype="bfloat16", compile_cache="/tmp/x"))
+    assert started[0].dtype == "bfloat16" and "bfloat16" in started[0].model_args()

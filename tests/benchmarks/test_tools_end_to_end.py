@@ -126,6 +126,7 @@ def test_layers_measures_the_same_workload_in_process_on_the_model_service_and_t
         / report["arms"]["in_process"]["c1"]["median"]["output_throughput"])
     assert "note" in report["targets"]  # concurrency 8 was not measured
     assert set(report["startup"]) == {"stack_to_serving_s", "in_process_engine_warm_cache_s"}
+    assert report["stack"]["dtype"] == report["config"]["dtype"] == "float32"  # --dtype's default, as the service's
     costs = report["arms"]["gateway"]["c1"]["median"]  # CPU ms per token by process (a 10 ms clock tick: may be 0)
     assert {f"cpu_ms_per_token_{p}" for p in ("benchmark", "model_service", "tokenizer_service", "gateway",
                                               "total")} <= set(costs)
