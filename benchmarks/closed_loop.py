@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from benchmarks import metrics, results
-from benchmarks.layers import InProcessSender, registry_steps, step_shape
+from benchmarks.layers import InProcessSender, in_process_engine, registry_steps, step_shape
 from benchmarks.loadgen import LoadPoint, run_point, warm_up
 from benchmarks.stack import preset
 from benchmarks.workload import PromptCutter, WorkloadSpec, build
@@ -68,18 +68,6 @@ async def sample_budget(scheduler: Any, into: list[float], every: float = 0.005)
     while True:
         into.append(scheduler.pacing.budget())
         await asyncio.sleep(every)
-
-
-def build_engine(spec: Any) -> Any:
-    """The model service's Engine for `spec`, compiled, as layers' in-process arm builds it."""
-    from model_service.__main__ import configure_jax
-    from model_service.config import MeshConfig
-    from model_service.server import ServerConfig, build_engine as build, resolve
-
-    configure_jax(spec.compile_cache)
-    config = ServerConfig(config=spec.config, checkpoint=spec.checkpoint, random_init=spec.checkpoint is None,
-                          dtype=spec.dtype, mesh=MeshConfig(1, 1), slots=spec.slots, max_queue=spec.max_queue)
-    return build(config, resolve(config))
 
 
 def step_probe(engine: Any, streams: int, prompts: tuple[int, ...], length: int, runs: int) -> list[dict[str, Any]]:
@@ -237,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = dataclasses.replace(preset(args.stack, args.slots or max(args.concurrency), args.compile_cache),
                                dtype=args.dtype)
     begin = time.monotonic()
-    engine = build_engine(spec)
+    engine = in_process_engine(spec)
     built = time.monotonic() - begin
     out: dict[str, Any] = {"benchmark": "closed_loop", "config": {k: v for k, v in vars(args).items()},
                            "stack": dataclasses.asdict(spec), **results.provenance(), "engine_build_s": built}

@@ -148,20 +148,25 @@ class InProcessSender:
         await asyncio.to_thread(self.scheduler.stop)
 
 
-def in_process_scheduler(spec: StackSpec) -> Any:
-    """The model service's Engine (compiled) and Scheduler, exactly as the service builds them."""
+def in_process_engine(spec: StackSpec) -> Any:
+    """The model service's Engine for `spec`, compiled, exactly as the service builds it."""
     from model_service.__main__ import configure_jax
     from model_service.config import MeshConfig
-    from model_service.scheduler import Scheduler
     from model_service.server import ServerConfig, build_engine, resolve
 
     configure_jax(spec.compile_cache)
     config = ServerConfig(config=spec.config, checkpoint=spec.checkpoint, random_init=spec.checkpoint is None,
                           dtype=spec.dtype, mesh=MeshConfig(1, 1), slots=spec.slots,
                           max_queue=spec.max_queue)
-    from model_service.metrics import Metrics
+    return build_engine(config, resolve(config))
 
-    scheduler = Scheduler(build_engine(config, resolve(config)), spec.max_queue, Metrics())  # as the service counts
+
+def in_process_scheduler(spec: StackSpec) -> Any:
+    """The model service's Engine (compiled) and Scheduler, exactly as the service builds them."""
+    from model_service.metrics import Metrics
+    from model_service.scheduler import Scheduler
+
+    scheduler = Scheduler(in_process_engine(spec), spec.max_queue, Metrics())  # as the service counts
     scheduler.start()
     return scheduler
 
